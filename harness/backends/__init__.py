@@ -1,0 +1,59 @@
+"""Inference backends: one sampling-parameter type and one completion type shared by all.
+
+A backend generates completions for token-id prompts and scores given sequences (per-token
+log-probs, optionally entropy, top-k and full distributions). Concrete backends register in
+``harness.registry.BACKENDS``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+SCORE_FIELDS = ("logprobs", "entropy", "topk", "full")
+
+
+class SamplingParams(BaseModel):
+    """Sampling settings, normalised once for every backend."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: int = Field(64, ge=1)
+    n: int = Field(1, ge=1, description="samples per prompt")
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class Completion:
+    """One sampled continuation; ``token_ids`` include the EOS token when generation stopped on it."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # log π(token) under the model's untempered distribution
+    text: str
+    finish_reason: str  # "stop" or "length"
+    prompt_index: int
+    sample_index: int
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What rollout and training need from an inference engine."""
+
+    tokenizer: object
+    version: int
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """``params.n`` completions per prompt, ordered prompt-major."""
+
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, want: tuple[str, ...] = ("logprobs",), top_k: int = 0) -> dict[str, torch.Tensor]:
+        """Per-position tensors aligned with ``input_ids`` (position t scores token t given its prefix)."""

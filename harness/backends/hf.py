@@ -1,0 +1,153 @@
+"""Hugging Face transformers backend: batched sampling with per-token log-probs, and scoring."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from harness.backends import SCORE_FIELDS, Completion, SamplingParams
+from harness.registry import BACKENDS
+
+
+@BACKENDS.register("hf")
+class HFBackend:
+    """Wraps an in-memory causal LM; training code may update the model in place between calls."""
+
+    name = "hf"
+
+    def __init__(self, model, tokenizer, *, batch_size: int = 64, device: str = "cpu", show_progress: bool = False) -> None:
+        self.model = model.to(device)
+        self.tokenizer = tokenizer
+        self.tokenizer.padding_side = "left"
+        self.batch_size = batch_size
+        self.device = device
+        self.version = 0
+        self.show_progress = show_progress
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.eos_id = tokenizer.eos_token_id
+
+    @classmethod
+    def load(cls, model: str, **options) -> "HFBackend":
+        """Load a local directory or hub id (the hub is not reachable on offline machines)."""
+        from harness.models.tiny import load_model_and_tokenizer
+
+        lm, tok = load_model_and_tokenizer(model)
+        return cls(lm, tok, **options)
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Replace the weights (async rollout workers) and record the policy version."""
+        self.model.load_state_dict(state_dict)
+        self.version = version
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """``params.n`` samples per prompt; log-probs are of the untempered model distribution."""
+        jobs = [(p, s) for p in range(len(prompts)) for s in range(params.n)]
+        out: list[Completion] = []
+        was_training = self.model.training
+        self.model.eval()
+        chunks = range(0, len(jobs), self.batch_size)
+        with torch.random.fork_rng(devices=[]):
+            if params.seed is not None:
+                torch.manual_seed(params.seed)
+            for start in tqdm(chunks, desc="generate", leave=False, disable=not self.show_progress):
+                chunk = jobs[start : start + self.batch_size]
+                out.extend(self._generate_chunk(prompts, chunk, params))
+        self.model.train(was_training)
+        return out
+
+    def _generate_chunk(self, prompts: list[list[int]], chunk: list[tuple[int, int]], params: SamplingParams) -> list[Completion]:
+        started = time.perf_counter()
+        ids, attn = left_pad([prompts[p] for p, _ in chunk], self.pad_id)
+        kwargs = dict(
+            max_new_tokens=params.max_new_tokens,
+            do_sample=not params.greedy,
+            pad_token_id=self.pad_id,
+            eos_token_id=self.eos_id,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+        if not params.greedy:
+            kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
+        if params.stop:
+            kwargs.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
+        result = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
+        new_tokens = result.sequences[:, ids.shape[1] :].cpu()
+        logits = torch.stack(result.logits, dim=1).float().cpu()  # (b, new, V) raw logits
+        logprobs = F.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        elapsed = time.perf_counter() - started
+        completions = []
+        for row, (p, s) in enumerate(chunk):
+            tokens, finish = self._truncate(new_tokens[row].tolist(), params.stop)
+            completions.append(
+                Completion(
+                    token_ids=tokens,
+                    logprobs=logprobs[row, : len(tokens)].tolist(),
+                    text=self._decode(tokens),
+                    finish_reason=finish,
+                    prompt_index=p,
+                    sample_index=s,
+                    timings={"generate_s": elapsed / len(chunk)},
+                )
+            )
+        return completions
+
+    def _truncate(self, tokens: list[int], stop: tuple[str, ...]) -> tuple[list[int], str]:
+        """Cut at the first EOS (kept, so the loss covers it) or at the end of the first stop string."""
+        if self.eos_id in tokens:
+            return tokens[: tokens.index(self.eos_id) + 1], "stop"
+        for cut in range(1, len(tokens) + 1) if stop else ():
+            text = self.tokenizer.decode(tokens[:cut])
+            if any(text.endswith(s) for s in stop):
+                return tokens[:cut], "stop"
+        return tokens, "length"
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def score(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, want: tuple[str, ...] = ("logprobs",), top_k: int = 0, grad: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Per-position scores for right-padded sequences (position 0 has no prefix and scores 0).
+
+        ``want`` ⊆ {"logprobs", "entropy", "topk", "full"}: log-prob of each given token, entropy of
+        the predictive distribution, top-k (values, indices) and the full log-distribution.
+        """
+        unknown = set(want) - set(SCORE_FIELDS)
+        if unknown:
+            raise ValueError(f"unknown score fields {sorted(unknown)}; allowed: {SCORE_FIELDS}")
+        with torch.set_grad_enabled(grad):
+            logits = self.model(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)).logits
+            return scores_from_logits(logits.float(), input_ids.to(self.device), want, top_k)
+
+
+def scores_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, want: tuple[str, ...], top_k: int = 0) -> dict[str, torch.Tensor]:
+    """Shift next-token logits onto the positions they predict and compute the requested fields."""
+    logp = F.log_softmax(logits[:, :-1], dim=-1)  # predicts tokens 1..T-1
+    pad = lambda x: F.pad(x, (0, 0) * (x.dim() - 2) + (1, 0))  # noqa: E731  prepend position 0
+    out: dict[str, torch.Tensor] = {}
+    if "logprobs" in want:
+        out["logprobs"] = pad(logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1))
+    if "entropy" in want:
+        out["entropy"] = pad(-(logp.exp() * logp).sum(-1))
+    if "topk" in want:
+        values, indices = logp.topk(top_k, dim=-1)
+        out["topk_logprobs"], out["topk_ids"] = pad(values), pad(indices)
+    if "full" in want:
+        out["full"] = pad(logp)
+    return out
+
+
+def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists for batched generation (decoder-only models continue on the right)."""
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, width - len(s) :] = torch.tensor(s, dtype=torch.long)
+            attn[i, width - len(s) :] = 1
+    return ids, attn

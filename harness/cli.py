@@ -1,0 +1,223 @@
+"""The ``harness`` command line: run, eval, tasks, methods, leaderboard."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from harness.config import ConfigError, build_config
+from harness.registry import METHODS, TASKS, RegistryError
+
+app = typer.Typer(help="Benchmark harness for on-policy distillation of language models.", no_args_is_help=True, add_completion=False)
+console = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, width=160)
+stdout = Console() if sys.stdout.isatty() else Console(width=160)  # pipes get full-width tables
+
+
+def _quiet_libraries() -> None:
+    """Silence transformers/hub progress bars and warnings; the harness draws its own."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    return typer.Exit(code)
+
+
+def new_run_id(method: str, task: str) -> str:
+    return f"{method}-{task}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+@app.command()
+def run(
+    method: Annotated[str | None, typer.Option(help="training method (see `harness methods`)")] = None,
+    task: Annotated[str | None, typer.Option(help="training task (see `harness tasks`)")] = None,
+    mode: Annotated[str | None, typer.Option(help="pipeline: sync")] = None,
+    preset: Annotated[str | None, typer.Option(help="built-in preset: smoke, cpu-demo")] = None,
+    config: Annotated[Path | None, typer.Option("--config", help="YAML config file")] = None,
+    set_: Annotated[list[str] | None, typer.Option("--set", help="dotted override KEY=VALUE, repeatable (e.g. trainer.lr=1e-5)")] = None,
+    out: Annotated[Path, typer.Option(help="results root")] = Path("results"),
+    resume: Annotated[str | None, typer.Option(help="resume RUN_ID from its last checkpoint")] = None,
+) -> None:
+    """Train a student with METHOD on TASK, evaluating every checkpoint (Avg@k) into the store."""
+    from harness.plan import plan_run
+    from harness.store import Store
+
+    _quiet_libraries()
+    store = Store(out)
+    try:
+        if resume:
+            if any(v is not None for v in (method, task, mode, preset, config)) or set_:
+                raise ConfigError("--resume continues a run with its stored config; drop the other options")
+            stored = store.get_run(resume)
+            if stored is None or stored["kind"] != "train":
+                raise ConfigError(f"--resume: no training run {resume!r} in {store.path}")
+            from harness.config import RunConfig
+
+            cfg = RunConfig.model_validate(stored["config"])
+            run_id = resume
+        else:
+            cfg = build_config(preset=preset, config_file=config, overrides=set_ or [], cli={"method": method, "task": task, "trainer": {"mode": mode} if mode else None})
+            run_id = ""
+        plan = plan_run(cfg)
+    except (ConfigError, RegistryError) as exc:
+        raise _fail(str(exc)) from None
+    for warning in plan.warnings:
+        console.print(f"[yellow]warning:[/] {warning}")
+    if not resume:
+        run_id = new_run_id(cfg.method, cfg.task)
+        store.create_run(run_id, kind="train", config=cfg.model_dump(), method=cfg.method, task=cfg.task)
+        (store.run_dir(run_id) / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
+    else:
+        store.set_status(run_id, "running")
+    console.print(f"run [bold]{run_id}[/] → {store.path}")
+    started = time.perf_counter()
+    try:
+        plan.pipeline.run(plan, store, run_id, resume=bool(resume), console=console)
+    except KeyboardInterrupt:
+        store.set_status(run_id, "interrupted")
+        raise _fail(f"interrupted; continue with: harness run --resume {run_id} --out {out}", 130) from None
+    except Exception:
+        store.set_status(run_id, "failed")
+        raise
+    _print_run_summary(store, run_id, plan, time.perf_counter() - started)
+
+
+def _print_run_summary(store, run_id: str, plan, seconds: float) -> None:
+    from harness.leaderboard import leaderboard_rows, paired_comparison, render_table
+
+    stdout.print(render_table(leaderboard_rows(store, [run_id])))
+    estimator = getattr(plan.hparams, "estimator", None)
+    if estimator:
+        stdout.print(f"method {plan.method.name}, estimator: {estimator}")
+    checkpoints = store.checkpoints(run_id)
+    if checkpoints:
+        last = checkpoints[-1]
+        stdout.print(f"throughput: {last['samples_per_hour']:.0f} training samples/hour ({last['samples_seen']} samples in {last['train_seconds']:.1f}s of training)")
+    for ev in plan.eval_tasks:
+        evals = {e["step"]: e for e in store.evals(run_id) if e["task"] == ev.name}
+        if 0 in evals and len(evals) > 1:
+            final = max(evals)
+            result = paired_comparison(store, ev.name, evals[final]["k"], (run_id, 0), (run_id, final))
+            verdict = "improved" if result.ci_low > 0 else "worse" if result.ci_high < 0 else "no significant change"
+            stdout.print(
+                f"{ev.name}: step 0 → {final}: Avg@{evals[final]['k']} {result.mean_a:.3f} → {result.mean_b:.3f}, "
+                f"Δ = {result.delta:+.3f} [{result.ci_low:+.3f}, {result.ci_high:+.3f}], p = {result.p_value:.4f} "
+                f"(paired bootstrap, {result.n} problems): {verdict}"
+            )
+    stdout.print(f"wall time: {seconds:.0f}s")
+
+
+@app.command("eval")
+def eval_(
+    model: Annotated[str, typer.Option(help="local model directory (or hub id) to evaluate")],
+    task: Annotated[str, typer.Option(help="task name(s), comma separated")],
+    backend: Annotated[str, typer.Option(help="inference backend")] = "hf",
+    k: Annotated[int | None, typer.Option(help="samples per problem (default: the task's k)")] = None,
+    limit: Annotated[int | None, typer.Option(help="first N problems only")] = None,
+    temperature: Annotated[float, typer.Option(help="sampling temperature (0 = greedy)")] = 1.0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    seed: Annotated[int, typer.Option()] = 0,
+    data_dir: Annotated[Path | None, typer.Option(help="local data root laid out as DIR/<task>/...")] = None,
+    out: Annotated[Path, typer.Option(help="results root")] = Path("results"),
+    json_: Annotated[bool, typer.Option("--json", help="print a JSON summary instead of a table")] = False,
+) -> None:
+    """Evaluate one model or checkpoint on one or more tasks; rows go to the store."""
+    from harness.backends import SamplingParams
+    from harness.evaluation import evaluate_task, store_eval
+    from harness.leaderboard import leaderboard_rows, render_table
+    from harness.plan import make_task
+    from harness.registry import BACKENDS
+    from harness.store import Store
+
+    _quiet_libraries()
+    names = [t.strip() for t in task.split(",") if t.strip()]
+    try:
+        backend_cls = BACKENDS.get(backend)
+        tasks = [make_task(name, {}) for name in names]
+    except (ConfigError, RegistryError) as exc:
+        raise _fail(str(exc)) from None
+    if data_dir is not None:
+        os.environ["HARNESS_DATA_DIR"] = str(data_dir)
+    engine = backend_cls.load(model)
+    store = Store(out)
+    run_id = new_run_id("eval", "+".join(names))
+    config = {"model": model, "backend": backend, "tasks": names, "k": k, "limit": limit, "temperature": temperature, "top_p": top_p, "seed": seed}
+    store.create_run(run_id, kind="eval", config=config, task=",".join(names), model=model)
+    summaries = {}
+    for t in tasks:
+        problems = t.load("test", data_dir)
+        problems = problems[:limit] if limit else problems
+        kk = k or t.options.k
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=t.options.max_new_tokens, seed=seed)
+        result = evaluate_task(engine, t, problems, k=kk, sampling=sampling)
+        store_eval(store, run_id, 0, result)
+        summaries[t.name] = {**result.summary, "grader": "/".join(result.grader)}
+    store.set_status(run_id, "done")
+    if json_:
+        print(json.dumps({"run_id": run_id, "model": model, "tasks": summaries}, indent=2))
+    else:
+        stdout.print(render_table(leaderboard_rows(store, [run_id])))
+
+
+@app.command()
+def tasks(json_: Annotated[bool, typer.Option("--json", help="machine-readable list")] = False) -> None:
+    """List registered tasks."""
+    described = [cls.describe() for _, cls in TASKS.items()]
+    if json_:
+        print(json.dumps(described, indent=2))
+        return
+    for d in described:
+        stdout.print(f"[bold]{d['name']}[/]  {d['description']}  (sandbox: {'yes' if d['needs_sandbox'] else 'no'})")
+
+
+@app.command()
+def methods(json_: Annotated[bool, typer.Option("--json", help="machine-readable list")] = False) -> None:
+    """List registered training methods with their hyper-parameters and declared inputs."""
+    described = [spec.describe() for _, spec in METHODS.items()]
+    if json_:
+        print(json.dumps(described, indent=2))
+        return
+    for d in described:
+        stdout.print(f"[bold]{d['name']}[/]  {d['description']}\n    needs: {', '.join(d['inputs'])}; defaults: {d['defaults']}")
+
+
+@app.command()
+def leaderboard(
+    directory: Annotated[Path, typer.Argument(help="results root holding results.sqlite")] = Path("results"),
+    format_: Annotated[str, typer.Option("--format", help="table, md, csv or json")] = "table",
+    run: Annotated[list[str] | None, typer.Option(help="only these run ids (repeatable)")] = None,
+) -> None:
+    """Runs × checkpoints × tasks with Avg@k ± 95% CI and throughput."""
+    from harness.leaderboard import leaderboard_rows, render_csv, render_json, render_markdown, render_table
+    from harness.store import Store
+
+    renderers = {"md": render_markdown, "csv": render_csv, "json": render_json}
+    if format_ not in {"table", *renderers}:
+        raise _fail(f"--format {format_!r}: choose one of table, md, csv, json")
+    if not (directory / "results.sqlite").exists():
+        raise _fail(f"no results store at {directory / 'results.sqlite'}")
+    rows = leaderboard_rows(Store(directory), run)
+    if format_ == "table":
+        stdout.print(render_table(rows))
+    else:
+        sys.stdout.write(renderers[format_](rows))
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Leaderboard: runs × checkpoints × tasks with Avg@k ± CI and throughput, from the results store."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import numpy as np
+from rich.table import Table
+
+from harness.metrics import PairedResult, paired_bootstrap
+from harness.store import Store
+
+COLUMNS = ("run_id", "kind", "method", "step", "task", "k", "avg_at_k", "ci_low", "ci_high", "n_problems", "n_errors", "samples_per_hour", "grader")
+
+
+def leaderboard_rows(store: Store, run_ids: list[str] | None = None) -> list[dict]:
+    """One row per (run, checkpoint step, task) evaluation, with the checkpoint's throughput."""
+    runs = {r["run_id"]: r for r in store.runs()}
+    throughput = {(c["run_id"], c["step"]): c["samples_per_hour"] for rid in runs for c in store.checkpoints(rid)}
+    rows = []
+    for e in store.evals():
+        if run_ids and e["run_id"] not in run_ids and e["run_id"].split(".")[0] not in run_ids:
+            continue
+        run = runs.get(e["run_id"], {})
+        rows.append(
+            {
+                "run_id": e["run_id"],
+                "kind": run.get("kind"),
+                "method": run.get("method") or "-",
+                "step": e["step"],
+                "task": e["task"],
+                "k": e["k"],
+                "avg_at_k": e["avg_at_k"],
+                "ci_low": e["ci_low"],
+                "ci_high": e["ci_high"],
+                "n_problems": e["n_problems"],
+                "n_errors": e["n_errors"],
+                "samples_per_hour": throughput.get((e["run_id"], e["step"])),
+                "grader": f"{e['grader']} {e['grader_version']}",
+                "created_at": run.get("created_at", 0.0),
+            }
+        )
+    rows.sort(key=lambda r: (r["created_at"], r["run_id"], r["task"], r["step"]))
+    for r in rows:
+        r.pop("created_at")
+    return rows
+
+
+def _fmt(value, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and np.isnan(value)):
+        return "-"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def _display(row: dict) -> list[str]:
+    return [
+        row["run_id"],
+        row["method"],
+        str(row["step"]),
+        row["task"],
+        f"{_fmt(row['avg_at_k'])} [{_fmt(row['ci_low'])}, {_fmt(row['ci_high'])}]",
+        str(row["k"]),
+        str(row["n_problems"]),
+        _fmt(row["samples_per_hour"], 0),
+    ]
+
+
+HEADERS = ("run", "method", "step", "task", "Avg@k [95% CI]", "k", "problems", "samples/h")
+
+
+def render_table(rows: list[dict]) -> Table:
+    table = Table(title="opd-harness leaderboard")
+    for h in HEADERS:
+        table.add_column(h, justify="right" if h in ("step", "k", "problems", "samples/h") else "left")
+    for row in rows:
+        table.add_row(*_display(row))
+    return table
+
+
+def render_markdown(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    lines += ["| " + " | ".join(_display(r)) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def render_csv(rows: list[dict]) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=COLUMNS)
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def render_json(rows: list[dict]) -> str:
+    return json.dumps(rows, indent=2)
+
+
+def per_problem_values(store: Store, run_id: str, step: int, task: str, k: int) -> dict[str, float]:
+    """Mean score of each problem's first k non-error samples, from the samples table."""
+    values: dict[str, list[float]] = {}
+    for s in store.samples(run_id, step, task):
+        if s["status"] != "error":
+            values.setdefault(s["problem_id"], []).append(s["score"])
+    return {pid: float(np.mean(v[:k])) for pid, v in values.items() if v}
+
+
+def paired_comparison(store: Store, task: str, k: int, baseline: tuple[str, int], candidate: tuple[str, int], seed: int = 0) -> PairedResult:
+    """Paired bootstrap (10,000 resamples) of candidate − baseline Avg@k over shared problems."""
+    a = per_problem_values(store, *baseline, task, k)
+    b = per_problem_values(store, *candidate, task, k)
+    shared = sorted(set(a) & set(b))
+    if not shared:
+        raise ValueError(f"no problems of {task!r} were graded in both {baseline} and {candidate}")
+    return paired_bootstrap([a[p] for p in shared], [b[p] for p in shared], seed=seed)

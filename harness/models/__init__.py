@@ -1,0 +1,1 @@
+"""Model builders for CPU-scale runs."""

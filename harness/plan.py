@@ -1,0 +1,64 @@
+"""Resolve a validated config into plugins, and refuse bad combinations before anything runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pydantic import ValidationError
+
+from harness.config import ConfigError, RunConfig, format_validation_error
+from harness.registry import METHODS, PIPELINES, TASKS, RegistryError
+
+
+@dataclass
+class Plan:
+    """Everything a pipeline needs, looked up and validated."""
+
+    config: RunConfig
+    method: object  # trainers.objectives.MethodSpec
+    hparams: object
+    task: object  # tasks.base.Task
+    eval_tasks: list = field(default_factory=list)
+    pipeline: object = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def make_task(name: str, task_args: dict[str, dict]) -> object:
+    """Instantiate a registered task with its options from ``task_args[name]``."""
+    try:
+        cls = TASKS.get(name)
+    except RegistryError as exc:
+        raise ConfigError(str(exc)) from None
+    try:
+        options = cls.Options.model_validate(task_args.get(name, {}))
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, cls.Options, prefix=f"task_args.{name}.")) from None
+    return cls(options)
+
+
+def plan_run(cfg: RunConfig) -> Plan:
+    """Look up method, tasks and pipeline; check the method's declared inputs are provided."""
+    unknown_task_args = set(cfg.task_args) - {cfg.task, *cfg.eval.tasks}
+    if unknown_task_args:
+        raise ConfigError(f"task_args has options for {sorted(unknown_task_args)}, which this run does not use (tasks: {cfg.task}, eval: {', '.join(cfg.eval.tasks)})")
+    try:
+        method = METHODS.get(cfg.method)
+        pipeline = PIPELINES.get(cfg.trainer.mode)
+    except RegistryError as exc:
+        raise ConfigError(str(exc)) from None
+    try:
+        hparams = method.hparams.model_validate(cfg.method_args)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, method.hparams, prefix="method_args.")) from None
+    task = make_task(cfg.task, cfg.task_args)
+    eval_tasks = [make_task(name, cfg.task_args) for name in cfg.eval.tasks]
+    if cfg.trainer.mode not in method.modes:
+        raise ConfigError(f"method {method.name!r} supports modes {list(method.modes)}, not trainer.mode={cfg.trainer.mode!r}")
+    provided = pipeline.provides(task)
+    missing = method.needs(hparams) - provided
+    if missing:
+        raise ConfigError(
+            f"method {method.name!r} needs {sorted(missing)}, which the {cfg.trainer.mode} pipeline cannot provide for task "
+            f"{task.name!r} (it provides {sorted(provided)})"
+        )
+    return Plan(cfg, method, hparams, task, eval_tasks, pipeline, warnings=list(pipeline.warnings(method, hparams, task)))

@@ -1,0 +1,99 @@
+"""One registry mechanism for tasks, methods, backends, sandboxes and pipelines.
+
+Plugins register under a string name with a decorator; third-party packages add entries through
+the entry-point group ``opd_harness.<kind>``. Built-in modules are imported lazily on first lookup,
+so importing ``harness`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from collections.abc import Callable, Iterator
+from importlib.metadata import entry_points
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class RegistryError(KeyError):
+    """An unknown or duplicate registry name; the message lists what is valid."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; show it plainly
+        return str(self.args[0]) if self.args else ""
+
+
+class Registry(Generic[T]):
+    """Name → plugin map with lazy built-ins, entry points and helpful errors."""
+
+    def __init__(self, kind: str, builtin_modules: tuple[str, ...] = ()) -> None:
+        self.kind = kind
+        self.entry_point_group = f"opd_harness.{kind}"
+        self._builtin_modules = builtin_modules
+        self._items: dict[str, T] = {}
+        self._loaded = False
+
+    def register(self, name: str) -> Callable[[T], T]:
+        """Decorator: register the decorated object under ``name``; a second registration is refused."""
+
+        def decorate(obj: T) -> T:
+            self.add(name, obj)
+            return obj
+
+        return decorate
+
+    def add(self, name: str, obj: T) -> None:
+        """Register ``obj`` under ``name``; re-registering the very same object is a no-op."""
+        existing = self._items.get(name)
+        if existing is not None and existing is not obj:
+            raise RegistryError(f"duplicate {self.kind} name {name!r}: already registered by {_describe(existing)}")
+        self._items[name] = obj
+
+    def _load(self) -> None:
+        if self._loaded:
+            return
+        self._loaded = True
+        for module in self._builtin_modules:
+            importlib.import_module(module)
+        for ep in entry_points(group=self.entry_point_group):
+            if ep.name in self._items:
+                continue
+            loaded = ep.load()
+            if ep.name not in self._items:  # the module may have registered itself on import
+                self.add(ep.name, loaded)
+
+    def get(self, name: str) -> T:
+        """The plugin called ``name``; an unknown name lists the valid ones and the closest match."""
+        self._load()
+        if name in self._items:
+            return self._items[name]
+        valid = sorted(self._items)
+        close = difflib.get_close_matches(name, valid, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise RegistryError(f"unknown {self.kind} {name!r}.{hint} Valid {self.kind}: {', '.join(valid) or '(none)'}")
+
+    def names(self) -> list[str]:
+        """Sorted registered names."""
+        self._load()
+        return sorted(self._items)
+
+    def items(self) -> Iterator[tuple[str, T]]:
+        """(name, plugin) pairs, sorted by name."""
+        for name in self.names():
+            yield name, self._items[name]
+
+    def __contains__(self, name: object) -> bool:
+        self._load()
+        return name in self._items
+
+
+def _describe(obj: object) -> str:
+    module = getattr(obj, "__module__", None) or type(obj).__module__
+    return f"{module}.{getattr(obj, '__qualname__', getattr(obj, 'name', type(obj).__name__))}"
+
+
+TASKS: Registry = Registry("tasks", ("tasks.synthetic.arith",))
+METHODS: Registry = Registry("methods", ("trainers.objectives.opd", "trainers.objectives.sft"))
+BACKENDS: Registry = Registry("backends", ("harness.backends.hf",))
+SANDBOXES: Registry = Registry("sandboxes")
+PIPELINES: Registry = Registry("pipelines", ("trainers.sync",))

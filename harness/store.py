@@ -1,0 +1,188 @@
+"""Results store: one SQLite file (WAL mode) per results root plus an artifact folder per run.
+
+Every write is an idempotent upsert keyed by its natural key, inside a transaction, so a run
+killed at any point and resumed from its last checkpoint neither loses nor duplicates rows.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY, kind TEXT NOT NULL, method TEXT, task TEXT, model TEXT,
+    status TEXT NOT NULL, config_json TEXT NOT NULL, created_at REAL NOT NULL, updated_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    run_id TEXT NOT NULL, step INTEGER NOT NULL, path TEXT, created_at REAL NOT NULL,
+    samples_seen INTEGER, train_seconds REAL, samples_per_hour REAL, metrics_json TEXT,
+    PRIMARY KEY (run_id, step)
+);
+CREATE TABLE IF NOT EXISTS step_metrics (
+    run_id TEXT NOT NULL, step INTEGER NOT NULL, name TEXT NOT NULL, value REAL,
+    PRIMARY KEY (run_id, step, name)
+);
+CREATE TABLE IF NOT EXISTS evals (
+    run_id TEXT NOT NULL, step INTEGER NOT NULL, task TEXT NOT NULL, k INTEGER NOT NULL,
+    n INTEGER NOT NULL, n_problems INTEGER NOT NULL, avg_at_k REAL, ci_low REAL, ci_high REAL,
+    pass_at_k REAL, n_errors INTEGER NOT NULL, grader TEXT NOT NULL, grader_version TEXT NOT NULL,
+    created_at REAL NOT NULL, PRIMARY KEY (run_id, step, task)
+);
+CREATE TABLE IF NOT EXISTS samples (
+    run_id TEXT NOT NULL, step INTEGER NOT NULL, task TEXT NOT NULL, problem_id TEXT NOT NULL,
+    sample_index INTEGER NOT NULL, completion TEXT, extracted TEXT, score REAL,
+    status TEXT NOT NULL CHECK (status IN ('pass', 'fail', 'error')), latency_s REAL, details TEXT,
+    PRIMARY KEY (run_id, step, task, problem_id, sample_index)
+);
+"""
+
+
+@dataclass(frozen=True)
+class SampleRow:
+    """One graded sample of an evaluation."""
+
+    problem_id: str
+    sample_index: int
+    completion: str
+    extracted: str | None
+    score: float
+    status: str
+    latency_s: float
+    details: str = ""
+
+
+class Store:
+    """Typed access to ``<root>/results.sqlite`` and the run artifact folders under ``<root>/runs``."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.path = self.root / "results.sqlite"
+        self._conn = sqlite3.connect(self.path, timeout=30.0, isolation_level=None)
+        self._conn.row_factory = sqlite3.Row
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=NORMAL")
+        self._conn.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @contextmanager
+    def _tx(self):
+        self._conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._conn
+        except BaseException:
+            self._conn.execute("ROLLBACK")
+            raise
+        self._conn.execute("COMMIT")
+
+    def run_dir(self, run_id: str) -> Path:
+        """Artifact folder of a run (checkpoints, per-sample JSONL, plots)."""
+        path = self.root / "runs" / run_id
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    # runs ---------------------------------------------------------------------------------
+    def create_run(self, run_id: str, *, kind: str, config: dict, method: str | None = None, task: str | None = None, model: str | None = None) -> None:
+        now = time.time()
+        with self._tx() as c:
+            c.execute(
+                "INSERT INTO runs VALUES (?,?,?,?,?,?,?,?,?)",
+                (run_id, kind, method, task, model, "running", json.dumps(config, sort_keys=True), now, now),
+            )
+
+    def set_status(self, run_id: str, status: str) -> None:
+        with self._tx() as c:
+            c.execute("UPDATE runs SET status=?, updated_at=? WHERE run_id=?", (status, time.time(), run_id))
+
+    def get_run(self, run_id: str) -> dict | None:
+        row = self._conn.execute("SELECT * FROM runs WHERE run_id=?", (run_id,)).fetchone()
+        if row is None:
+            return None
+        out = dict(row)
+        out["config"] = json.loads(out.pop("config_json"))
+        return out
+
+    def runs(self) -> list[dict]:
+        return [dict(r) for r in self._conn.execute("SELECT run_id, kind, method, task, model, status, created_at FROM runs ORDER BY created_at")]
+
+    # step metrics -------------------------------------------------------------------------
+    def log_step(self, run_id: str, step: int, metrics: dict[str, float]) -> None:
+        with self._tx() as c:
+            c.executemany(
+                "INSERT OR REPLACE INTO step_metrics VALUES (?,?,?,?)",
+                [(run_id, step, name, float(value)) for name, value in metrics.items()],
+            )
+
+    def delete_steps_after(self, run_id: str, step: int) -> None:
+        """Drop step rows past a resume point; they are recomputed identically from the checkpoint."""
+        with self._tx() as c:
+            c.execute("DELETE FROM step_metrics WHERE run_id=? AND step>?", (run_id, step))
+
+    def step_metrics(self, run_id: str) -> dict[int, dict[str, float]]:
+        out: dict[int, dict[str, float]] = {}
+        for row in self._conn.execute("SELECT step, name, value FROM step_metrics WHERE run_id=? ORDER BY step", (run_id,)):
+            out.setdefault(row["step"], {})[row["name"]] = row["value"]
+        return out
+
+    # checkpoints --------------------------------------------------------------------------
+    def add_checkpoint(self, run_id: str, step: int, *, path: str | None, samples_seen: int, train_seconds: float, metrics: dict | None = None) -> None:
+        per_hour = samples_seen / train_seconds * 3600.0 if train_seconds > 0 else None
+        with self._tx() as c:
+            c.execute(
+                "INSERT OR REPLACE INTO checkpoints VALUES (?,?,?,?,?,?,?,?)",
+                (run_id, step, path, time.time(), samples_seen, train_seconds, per_hour, json.dumps(metrics or {})),
+            )
+
+    def checkpoints(self, run_id: str) -> list[dict]:
+        rows = self._conn.execute("SELECT * FROM checkpoints WHERE run_id=? ORDER BY step", (run_id,))
+        return [{**dict(r), "metrics": json.loads(r["metrics_json"] or "{}")} for r in rows]
+
+    # evaluations --------------------------------------------------------------------------
+    def add_eval(self, run_id: str, step: int, task: str, summary: dict, samples: Iterable[SampleRow], *, grader: str, grader_version: str) -> None:
+        """Write an evaluation summary and its samples in one transaction (all or nothing)."""
+        with self._tx() as c:
+            c.execute("DELETE FROM samples WHERE run_id=? AND step=? AND task=?", (run_id, step, task))
+            c.executemany(
+                "INSERT INTO samples VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                [(run_id, step, task, s.problem_id, s.sample_index, s.completion, s.extracted, s.score, s.status, s.latency_s, s.details) for s in samples],
+            )
+            c.execute(
+                "INSERT OR REPLACE INTO evals VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    run_id, step, task, summary["k"], summary["n_samples"], summary["n_problems"], summary["avg_at_k"],
+                    summary["ci_low"], summary["ci_high"], summary.get("pass_at_k"), summary.get("n_errors", 0),
+                    grader, grader_version, time.time(),
+                ),
+            )  # fmt: skip
+
+    def evals(self, run_id: str | None = None) -> list[dict]:
+        query = "SELECT * FROM evals" + (" WHERE run_id=?" if run_id else "") + " ORDER BY run_id, step, task"
+        return [dict(r) for r in self._conn.execute(query, (run_id,) if run_id else ())]
+
+    def has_eval(self, run_id: str, step: int, task: str) -> bool:
+        return self._conn.execute("SELECT 1 FROM evals WHERE run_id=? AND step=? AND task=?", (run_id, step, task)).fetchone() is not None
+
+    def samples(self, run_id: str, step: int, task: str) -> list[dict]:
+        rows = self._conn.execute(
+            "SELECT * FROM samples WHERE run_id=? AND step=? AND task=? ORDER BY problem_id, sample_index", (run_id, step, task)
+        )
+        return [dict(r) for r in rows]
+
+    def count(self, table: str, run_id: str) -> int:
+        if table not in {"checkpoints", "step_metrics", "evals", "samples"}:
+            raise ValueError(f"unknown table {table!r}")
+        return self._conn.execute(f"SELECT COUNT(*) FROM {table} WHERE run_id=?", (run_id,)).fetchone()[0]

@@ -1,0 +1,1 @@
+"""Running untrusted code (Docker and local providers). Imports nothing else of this project."""

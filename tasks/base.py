@@ -1,0 +1,132 @@
+"""Base classes every task shares: problems, scores, single-turn environments and the Task contract."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+Status = Literal["pass", "fail", "error"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One validated benchmark item with a stable id."""
+
+    id: str
+    question: str
+    answer: str  # gold answer as a string
+    solution: str | None = None  # reference solution (used for supervised warm-up)
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Score:
+    """Tri-state grade: ``error`` means the grader failed, never a pass or a fail."""
+
+    status: Status
+    extracted: str | None = None
+    details: str = ""
+
+    @property
+    def value(self) -> float:
+        return 1.0 if self.status == "pass" else 0.0
+
+
+class Env(ABC):
+    """An episode: ``reset`` gives the first observation, ``step`` consumes one model turn."""
+
+    @abstractmethod
+    def reset(self) -> str:
+        """The initial text shown to the model (the formatted prompt)."""
+
+    @abstractmethod
+    def step(self, model_text: str) -> tuple[str | None, bool]:
+        """Consume a model turn; return (observation text to append or None, done)."""
+
+
+class SingleTurnEnv(Env):
+    """One model turn and done: the environment of every single-turn benchmark."""
+
+    def __init__(self, prompt: str) -> None:
+        self.prompt = prompt
+
+    def reset(self) -> str:
+        return self.prompt
+
+    def step(self, model_text: str) -> tuple[str | None, bool]:
+        return None, True
+
+
+class TaskOptions(BaseModel):
+    """Options shared by every task; tasks subclass it to add their own."""
+
+    model_config = ConfigDict(extra="forbid")
+    k: int = 4  # samples per problem for Avg@k
+    limit: int | None = None  # evaluate only the first N problems
+    max_new_tokens: int = 512
+    use_chat_template: bool = True
+    data_dir: str | None = None
+
+
+class Task(ABC):
+    """A benchmark: loads validated problems, builds environments, grades trajectories."""
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    Options: ClassVar[type[TaskOptions]] = TaskOptions
+    needs_sandbox: ClassVar[bool] = False
+    multi_turn: ClassVar[bool] = False
+    provides_reward: ClassVar[bool] = True  # graded outcome usable as an RL reward
+    splits: ClassVar[tuple[str, ...]] = ("test",)
+
+    def __init__(self, options: TaskOptions | None = None) -> None:
+        self.options = options if options is not None else self.Options()
+
+    @abstractmethod
+    def load(self, split: str = "test", data_dir: Path | None = None) -> list[Problem]:
+        """Validated problems of ``split`` (a bad row names its file, line and field)."""
+
+    def format_prompt(self, problem: Problem, tokenizer) -> str:
+        """The model's chat template with the question when it has one, else the plain question."""
+        template = getattr(tokenizer, "chat_template", None)
+        if self.options.use_chat_template and template:
+            messages = [{"role": "user", "content": problem.question}]
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return problem.question
+
+    def env(self, problem: Problem, tokenizer) -> Env:
+        """A fresh environment for one episode on ``problem``."""
+        return SingleTurnEnv(self.format_prompt(problem, tokenizer))
+
+    @abstractmethod
+    def grade_many(self, problems: list[Problem], completions: list[str]) -> list[Score]:
+        """Grade completions (one per problem entry, aligned); never raises for a bad completion."""
+
+    @property
+    @abstractmethod
+    def grader(self) -> tuple[str, str]:
+        """(grader name, grader version), stored with every score."""
+
+    @classmethod
+    def describe(cls) -> dict:
+        """Name, description, defaults and needs, for ``harness tasks --json``."""
+        return {
+            "name": cls.name,
+            "description": cls.description,
+            "defaults": cls.Options().model_dump(),
+            "needs_sandbox": cls.needs_sandbox,
+            "multi_turn": cls.multi_turn,
+            "provides_reward": cls.provides_reward,
+            "splits": list(cls.splits),
+        }
+
+
+class DataError(ValueError):
+    """A bad data row; the message names file, line and field."""
+
+    def __init__(self, path: Path | str, line: int, field_name: str, problem: str) -> None:
+        super().__init__(f"{path}:{line}: field {field_name!r}: {problem}")

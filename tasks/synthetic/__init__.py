@@ -1,0 +1,1 @@
+"""Synthetic tasks generated from a seed: CPU stand-ins for real benchmarks."""

@@ -1,0 +1,103 @@
+"""``arith``: multi-step integer arithmetic with a step-by-step solution and a boxed answer.
+
+Problems such as ``Compute 37+4*12.`` are generated from a seed; the reference solution performs
+one operation per line (multiplication first, then left to right) and ends with ``\\boxed{N}``.
+Train and test splits are disjoint. Ids are ``<split>-<index>``. Graded with math-verify in a
+process pool, like the real math benchmarks. It is the CPU stand-in for math reasoning.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from pydantic import Field
+
+from harness.registry import TASKS
+from tasks.base import Problem, Score, Task, TaskOptions
+from tasks.math_grading import GRADER_NAME, default_grader, grader_version
+
+
+class ArithOptions(TaskOptions):
+    k: int = 4
+    max_new_tokens: int = 48
+    num_ops: int = Field(2, ge=1, le=6, description="operators per expression")
+    operators: str = Field("+*", pattern=r"^[+\-*]+$", description="operators to draw from")
+    max_operand: int = Field(99, ge=1, description="operands are drawn from 0..max_operand")
+    max_mul_operand: int = Field(12, ge=1, description="operands of a multiplication are at most this")
+    seed: int = 1234
+    n_train: int = Field(20000, ge=1)
+    n_test: int = Field(200, ge=1)
+
+
+def solve_steps(operands: list[int], operators: list[str]) -> tuple[list[str], int]:
+    """Evaluate with precedence, one operation per line; returns (lines, value)."""
+    values, ops, lines = list(operands), list(operators), []
+    for group in ("*", "+-"):
+        i = 0
+        while i < len(ops):
+            if ops[i] in group:
+                a, b, op = values[i], values[i + 1], ops[i]
+                result = a * b if op == "*" else a + b if op == "+" else a - b
+                lines.append(f"{a}{op}{b}={result}")
+                values[i : i + 2] = [result]
+                del ops[i]
+            else:
+                i += 1
+    return lines, values[0]
+
+
+def make_problem(rng: random.Random, opts: ArithOptions) -> tuple[str, list[str], int]:
+    """Draw one expression; operands next to a ``*`` are capped by ``max_mul_operand``."""
+    operators = [rng.choice(opts.operators) for _ in range(opts.num_ops)]
+    operands = []
+    for i in range(opts.num_ops + 1):
+        near_mul = (i > 0 and operators[i - 1] == "*") or (i < opts.num_ops and operators[i] == "*")
+        operands.append(rng.randint(0, opts.max_mul_operand if near_mul else opts.max_operand))
+    expression = "".join(f"{a}{op}" for a, op in zip(operands, operators)) + str(operands[-1])
+    lines, value = solve_steps(operands, operators)
+    return expression, lines, value
+
+
+@TASKS.register("arith")
+class ArithTask(Task):
+    name = "arith"
+    description = "Synthetic multi-step arithmetic (e.g. 37+4*12) with step-by-step solutions and a boxed answer"
+    Options = ArithOptions
+    splits = ("train", "test")
+
+    def load(self, split: str = "test", data_dir: Path | None = None) -> list[Problem]:
+        """Generate ``split`` deterministically from the seed; test expressions never appear in train."""
+        if split not in self.splits:
+            raise ValueError(f"arith has splits {self.splits}, not {split!r}")
+        opts: ArithOptions = self.options  # type: ignore[assignment]
+        rng = random.Random(opts.seed)
+        wanted = {"test": opts.n_test, "train": opts.n_train}
+        seen: set[str] = set()
+        out: dict[str, list[Problem]] = {"test": [], "train": []}
+        for name in ("test", "train"):  # test first, so the train split excludes its expressions
+            attempts = 0
+            while len(out[name]) < wanted[name]:
+                attempts += 1
+                if attempts > 20 * wanted[name] + 1000:
+                    raise ValueError(f"arith: cannot draw {wanted[name]} distinct {name} problems; widen the operand ranges")
+                expression, lines, value = make_problem(rng, opts)
+                if expression in seen:
+                    continue
+                seen.add(expression)
+                solution = "\n".join(lines + [f"\\boxed{{{value}}}"])
+                out[name].append(
+                    Problem(id=f"{name}-{len(out[name])}", question=f"Compute {expression}.\n", answer=str(value), solution=solution)
+                )
+            if name == split:
+                break
+        problems = out[split]
+        return problems[: opts.limit] if opts.limit else problems
+
+    def grade_many(self, problems: list[Problem], completions: list[str]) -> list[Score]:
+        grades = default_grader().grade_many([(c, p.answer) for p, c in zip(problems, completions, strict=True)])
+        return [Score(g.status, g.extracted, g.detail) for g in grades]
+
+    @property
+    def grader(self) -> tuple[str, str]:
+        return GRADER_NAME, grader_version()

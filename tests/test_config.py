@@ -1,0 +1,87 @@
+import pytest
+from typer.testing import CliRunner
+
+from harness.cli import app
+from harness.config import ConfigError, build_config, parse_override
+from harness.plan import plan_run
+from harness.registry import METHODS, TASKS
+from tasks.base import Score, Task
+from trainers.objectives import HParams, MethodSpec
+
+runner = CliRunner()
+
+
+def test_override_parsing():
+    assert parse_override("trainer.lr=1e-5") == {"trainer": {"lr": 1e-5}}
+    assert parse_override("eval.tasks=[arith]") == {"eval": {"tasks": ["arith"]}}
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_override("trainer.lr")
+
+
+def test_layers_merge_in_order(tmp_path):
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text("trainer: {lr: 0.5, steps: 7}\n")
+    cfg = build_config(preset="smoke", config_file=cfg_file, overrides=["trainer.lr=0.25"])
+    assert (cfg.trainer.lr, cfg.trainer.steps, cfg.trainer.checkpoint_every) == (0.25, 7, 2)
+
+
+def test_unknown_key_names_key_and_allowed():
+    with pytest.raises(ConfigError) as info:
+        build_config(overrides=["trainer.lrr=1"])
+    assert "trainer.lrr" in str(info.value) and "lr" in str(info.value) and "checkpoint_every" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--set", "trainer.lrr=1"], "unknown key 'trainer.lrr'"),
+        (["--set", "trainer.lr=-1"], "trainer.lr"),
+        (["--set", "trainer.steps=many"], "trainer.steps"),
+        (["--preset", "nope"], "available presets: smoke, cpu-demo"),
+        (["--method", "opdd"], "Did you mean 'opd'"),
+        (["--task", "arithh"], "Did you mean 'arith'"),
+        (["--set", "method_args.estimator=exact"], "method_args.estimator"),
+        (["--set", "method_args.bogus=1"], "unknown key 'method_args.bogus'; allowed here: aggregation, estimator, kl_coef"),
+        (["--set", "task_args.arith.num_ops=0"], "task_args.arith.num_ops"),
+        (["--set", "task_args.math500.k=1"], "task_args has options for ['math500']"),
+        (["--set", "student.path=x", "--set", "student.arch.hidden=64"], "exactly one of 'path'"),
+        (["--mode", "async"], "trainer.mode"),
+        (["--config", "/nonexistent.yaml"], "no such file"),
+    ],
+)
+def test_cli_config_errors_exit_2_with_a_clear_message(tmp_path, args, expected):
+    result = runner.invoke(app, ["run", "--out", str(tmp_path), *args])
+    assert result.exit_code == 2, result.output
+    assert expected in " ".join(result.output.split())
+
+
+def test_bad_method_task_combination_fails_at_validation():
+    @TASKS.register("_no_reward_task")
+    class NoReward(Task):
+        name = "_no_reward_task"
+        description = "test task without a reward"
+        provides_reward = False
+
+        def load(self, split="test", data_dir=None):
+            raise AssertionError("must not be loaded during validation")
+
+        def grade_many(self, problems, completions):
+            return [Score("fail") for _ in completions]
+
+        @property
+        def grader(self):
+            return ("none", "0")
+
+    METHODS.add(
+        "_needs_reward",
+        MethodSpec("_needs_reward", "test", objective=lambda *a: None, hparams=HParams, needs=lambda hp: frozenset({"rewards"})),
+    )
+    cfg = build_config(cli={"method": "_needs_reward", "task": "_no_reward_task"}, overrides=["eval.tasks=[arith]"])
+    with pytest.raises(ConfigError, match=r"needs \['rewards'\].*_no_reward_task"):
+        plan_run(cfg)
+
+
+def test_valid_plan():
+    plan = plan_run(build_config(preset="smoke"))
+    assert plan.method.name == "opd" and plan.hparams.estimator == "full"
+    assert plan.task.options.n_test == 16 and [t.name for t in plan.eval_tasks] == ["arith"]

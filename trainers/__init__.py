@@ -1,0 +1,1 @@
+"""Training: OPD objectives as pure tensor functions, pipelines (sync now, async later), checkpoints."""

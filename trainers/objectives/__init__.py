@@ -1,0 +1,80 @@
+"""OPD objectives: pure functions of a :class:`~harness.trajectory.TensorBatch` and the current
+student's log-probs, returning ``(loss, diagnostics)``. Each method registers a :class:`MethodSpec`
+in ``harness.registry.METHODS`` that declares the inputs it needs, so a run that cannot provide
+them fails at config validation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from harness.trajectory import TensorBatch
+
+# Inputs a method may declare; the pipeline provides each or refuses the run up front.
+INPUTS = {
+    "behaviour_logprobs": "student log-probs of sampled tokens at generation time",
+    "teacher_logprobs": "teacher log-probs of the sampled tokens",
+    "teacher_full": "full teacher distribution over the vocabulary at every position",
+    "student_full": "full current-student distribution (with gradient)",
+    "rewards": "a scalar outcome reward per trajectory (the task's grade)",
+    "step_boundaries": "step index per token (multi-step trajectories)",
+    "reference_responses": "dataset/teacher responses instead of student samples",
+    "policy_lag": "learner version minus behaviour version per sample (async mode)",
+}
+
+
+class HParams(BaseModel):
+    """Base of every method's hyper-parameters; unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+@dataclass
+class StudentOutputs:
+    """Current-student quantities computed by the learner with gradient enabled."""
+
+    logprobs: torch.Tensor  # (B, T) log π_θ(token t | prefix)
+    full: torch.Tensor | None = None  # (B, T, V) log π_θ(· | prefix), when the method needs it
+
+
+Objective = Callable[[TensorBatch, StudentOutputs, HParams, object], tuple[torch.Tensor, dict[str, float]]]
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A registered training method: its objective, hyper-parameters and declared inputs."""
+
+    name: str
+    description: str
+    objective: Objective
+    hparams: type[HParams]
+    needs: Callable[[HParams], frozenset[str]]
+    on_policy: bool = True  # False: trains on reference responses, no student sampling
+    modes: tuple[str, ...] = ("sync",)
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def describe(self) -> dict:
+        """Name, description, defaults and declared inputs, for ``harness methods --json``."""
+        defaults = self.hparams()
+        return {
+            "name": self.name,
+            "description": self.description,
+            "defaults": defaults.model_dump(),
+            "inputs": sorted(self.needs(defaults)),
+            "on_policy": self.on_policy,
+            "modes": list(self.modes),
+        }
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``values`` over ``mask``; 0 (not NaN) for an empty mask."""
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum of ``values`` over ``mask`` (zeros elsewhere, so masked NaN-free values never leak)."""
+    return torch.where(mask > 0, values, torch.zeros_like(values)).sum()

@@ -1,0 +1,30 @@
+"""Supervised fine-tuning on reference (dataset or teacher-generated) responses: −mean log π_θ(y_t)."""
+
+from __future__ import annotations
+
+import torch
+
+from harness.registry import METHODS
+from harness.trajectory import TensorBatch
+from trainers.objectives import HParams, MethodSpec, StudentOutputs, masked_mean
+
+
+class SFTParams(HParams):
+    pass
+
+
+def sft_objective(batch: TensorBatch, student: StudentOutputs, hp: SFTParams, state: object = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token-mean negative log-likelihood of the reference response tokens."""
+    nll = masked_mean(-student.logprobs, batch.loss_mask)
+    return nll, {"nll": float(nll.detach()), "tokens": float(batch.loss_mask.sum())}
+
+
+SFT_SPEC = MethodSpec(
+    name="sft",
+    description="Supervised fine-tuning on the task's reference responses (token-mean NLL)",
+    objective=sft_objective,  # type: ignore[arg-type]
+    hparams=SFTParams,
+    needs=lambda hp: frozenset({"reference_responses"}),
+    on_policy=False,
+)
+METHODS.add("sft", SFT_SPEC)

@@ -1,0 +1,77 @@
+"""Model preparation: load a pretrained model, or build a tiny one and warm it up with SFT.
+
+Built models are cached under ``<results root>/cache/models/<role>-<hash>`` keyed by everything
+that determines their weights, so repeated runs (and the CPU demo) reuse them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from harness.config import ModelSpec
+from harness.models.tiny import build_char_tokenizer, build_tiny_model, load_model_and_tokenizer, save_model_and_tokenizer
+from harness.rollout import reference_trajectories
+from harness.trajectory import to_tensor_batch
+from trainers.learner import train_step
+from trainers.objectives.sft import SFT_SPEC
+
+CACHE_FORMAT = 1  # bump when the way tiny models are built or warmed up changes
+READY_MARKER = "READY"
+
+
+def cache_key(spec: ModelSpec, task) -> str:
+    """Hash of the spec, the warm-up task and its options: equal keys mean identical weights."""
+    payload = {"spec": spec.model_dump(), "task": task.name, "options": task.options.model_dump(), "format": CACHE_FORMAT}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def prepare_model(spec: ModelSpec, role: str, task, cache_root: Path, *, show_progress: bool = True):
+    """(model, tokenizer, path): loaded from ``spec.path``, from the cache, or built and warmed up now."""
+    if spec.path is not None:
+        model, tokenizer = load_model_and_tokenizer(spec.path)
+        if spec.sft_steps:
+            raise ValueError(f"{role}.sft_steps is only supported for tiny models built from 'arch'")
+        return model, tokenizer, spec.path
+    target = Path(cache_root) / "cache" / "models" / f"{role}-{cache_key(spec, task)}"
+    if (target / READY_MARKER).exists():
+        model, tokenizer = load_model_and_tokenizer(target)
+        return model, tokenizer, str(target)
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(spec.arch, len(tokenizer), pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, seed=spec.seed)
+    if spec.sft_steps:
+        supervised_warmup(model, tokenizer, task, spec, desc=f"SFT {role}", show_progress=show_progress)
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_model_and_tokenizer(model, tokenizer, tmp)
+    (tmp / READY_MARKER).write_text(json.dumps(spec.model_dump(), sort_keys=True))
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return model, tokenizer, str(target)
+
+
+def supervised_warmup(model, tokenizer, task, spec: ModelSpec, *, desc: str, show_progress: bool = True) -> dict[str, float]:
+    """SFT on the task's reference solutions with a one-cycle learning rate; deterministic under the seed."""
+    problems = task.load("train" if "train" in task.splits else "test")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=spec.sft_lr, total_steps=spec.sft_steps, pct_start=0.05)
+    rng = random.Random(spec.seed)
+    hparams = SFT_SPEC.hparams()
+    metrics: dict[str, float] = {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        bar = tqdm(range(spec.sft_steps), desc=desc, disable=not show_progress, dynamic_ncols=True)
+        for _ in bar:
+            chosen = rng.sample(problems, min(spec.sft_batch_size, len(problems)))
+            batch = to_tensor_batch(reference_trajectories(task, chosen, tokenizer), tokenizer.pad_token_id)
+            metrics = train_step(model, optimizer, batch, SFT_SPEC, hparams)
+            schedule.step()
+            bar.set_postfix(nll=f"{metrics['nll']:.3f}")
+    model.eval()
+    return metrics
