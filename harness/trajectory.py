@@ -101,6 +101,9 @@ class TensorBatch:
     policy_version: torch.Tensor  # (B,) long, -1 where unknown
     group_ids: torch.Tensor  # (B,) long: trajectories of the same problem share an id
     teacher_full: torch.Tensor | None = None  # (B, T, V) teacher log-distribution, when a method needs it
+    old_logprobs: torch.Tensor | None = None  # (B, T) trainer-recomputed π_old; None ⇒ the current student, detached
+    teacher_fresh_logprobs: torch.Tensor | None = None  # (B, T) teacher re-scored at learner time (async)
+    policy_lag: torch.Tensor | None = None  # (B,) learner version − behaviour version; None ⇒ 0 (sync)
 
     @property
     def shape(self) -> tuple[int, int]:

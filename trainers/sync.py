@@ -72,9 +72,12 @@ def run_sync(plan, store: Store, run_id: str, *, resume: bool, console: Console)
         raise ValueError("student and teacher tokenizers differ; per-token distillation needs a shared vocabulary")
     optimizer_factory, scheduler_factory = _optimizer_factory(cfg), _scheduler_factory(cfg)
     state = TrainState()
+    method_state = plan.method.make_state(plan.hparams) if plan.method.make_state else None
     last = _last_checkpoint(store, run_id) if resume else None
     if last is not None:
-        student_model, student_tok, optimizer, scheduler, state, _ = load_checkpoint(Path(last["path"]), optimizer_factory, scheduler_factory)
+        student_model, student_tok, optimizer, scheduler, state, extra = load_checkpoint(Path(last["path"]), optimizer_factory, scheduler_factory)
+        if method_state is not None:
+            method_state.load_state_dict(extra["method_state"])
         console.print(f"[bold]resuming[/] {run_id} from step {state.step} ({last['path']})")
     else:
         optimizer, scheduler = optimizer_factory(student_model), None
@@ -97,7 +100,7 @@ def run_sync(plan, store: Store, run_id: str, *, resume: bool, console: Console)
     train_problems = plan.task.load("train" if "train" in plan.task.splits else "test")
     bar = tqdm(range(state.step + 1, cfg.trainer.steps + 1), desc=f"train {plan.method.name}", initial=state.step, total=cfg.trainer.steps, dynamic_ncols=True)
     for step in bar:
-        metrics = training_step(plan, student, teacher, optimizer, train_problems, step)
+        metrics = training_step(plan, student, teacher, optimizer, train_problems, step, method_state)
         scheduler.step()
         student.version = step
         state.step = step
@@ -108,7 +111,8 @@ def run_sync(plan, store: Store, run_id: str, *, resume: bool, console: Console)
         store.log_step(run_id, step, metrics)
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", kl=f"{metrics['teacher_kl']:.3f}" if "teacher_kl" in metrics else "-")
         if step % cfg.trainer.checkpoint_every == 0 or step == cfg.trainer.steps:
-            path = save_checkpoint(run_dir, state, student_model, student_tok, optimizer, scheduler)
+            extra = {"method_state": method_state.state_dict()} if method_state is not None else {}
+            path = save_checkpoint(run_dir, state, student_model, student_tok, optimizer, scheduler, extra)
             store.add_checkpoint(run_id, step, path=str(path), samples_seen=state.samples_seen, train_seconds=state.train_seconds,
                                  metrics={"tokens_seen": state.tokens_seen})  # fmt: skip
             _evaluate(plan, store, run_id, step, student, console, label="student")
@@ -116,7 +120,7 @@ def run_sync(plan, store: Store, run_id: str, *, resume: bool, console: Console)
     store.set_status(run_id, "done")
 
 
-def training_step(plan, student: HFBackend, teacher: HFBackend, optimizer, train_problems: list, step: int) -> dict[str, float]:
+def training_step(plan, student: HFBackend, teacher: HFBackend, optimizer, train_problems: list, step: int, method_state=None) -> dict[str, float]:
     """One step: sample prompts, roll out (or take references), score with the teacher, update."""
     cfg, task, method, hparams = plan.config, plan.task, plan.method, plan.hparams
     needs = method.needs(hparams)
@@ -144,11 +148,13 @@ def training_step(plan, student: HFBackend, teacher: HFBackend, optimizer, train
                 traj.reward = score.value
             metrics["reward_mean"] = sum(s.value for s in scores) / len(scores)
     batch = to_tensor_batch(trajectories, student.pad_id)
+    known = batch.policy_version >= 0  # reference responses have no behaviour version
+    batch.policy_lag = torch.where(known, student.version - batch.policy_version, 0).clamp(min=0)  # 0 in sync mode
     if needs & {"teacher_logprobs", "teacher_full"}:
         with timed("teacher", metrics):
             score_teacher(teacher, batch, full="teacher_full" in needs)
     with timed("train", metrics):
-        metrics.update(train_step(student.model, optimizer, batch, method, hparams, None, grad_clip=cfg.trainer.grad_clip))
+        metrics.update(train_step(student.model, optimizer, batch, method, hparams, method_state, grad_clip=cfg.trainer.grad_clip))
     metrics["time_step_s"] = time.perf_counter() - started
     lengths = batch.loss_mask.sum(-1)
     metrics.update(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict
@@ -41,6 +42,14 @@ class StudentOutputs:
     full: torch.Tensor | None = None  # (B, T, V) log π_θ(· | prefix), when the method needs it
 
 
+class MethodState(Protocol):
+    """Mutable per-run state of a method with a schedule; saved in every checkpoint."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+
 Objective = Callable[[TensorBatch, StudentOutputs, HParams, object], tuple[torch.Tensor, dict[str, float]]]
 
 
@@ -55,6 +64,7 @@ class MethodSpec:
     needs: Callable[[HParams], frozenset[str]]
     on_policy: bool = True  # False: trains on reference responses, no student sampling
     modes: tuple[str, ...] = ("sync",)
+    make_state: Callable[[HParams], "MethodState"] | None = None  # schedules (SAF warm-up/anneal, f-OPD refresh)
     notes: dict[str, str] = field(default_factory=dict)
 
     def describe(self) -> dict:
@@ -67,6 +77,8 @@ class MethodSpec:
             "inputs": sorted(self.needs(defaults)),
             "on_policy": self.on_policy,
             "modes": list(self.modes),
+            "stateful": self.make_state is not None,
+            "notes": dict(self.notes),
         }
 
 

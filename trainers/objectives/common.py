@@ -1,0 +1,65 @@
+"""Building blocks shared by the objectives (methods.md §0): OPD and GRPO advantages, the clipped
+surrogate, the k3 KL estimator and masked reductions. Pure tensor functions, no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from harness.trajectory import TensorBatch
+from trainers.objectives import StudentOutputs, masked_mean, masked_sum
+
+Aggregation = Literal["token-mean", "sum"]
+
+
+def old_logprobs(batch: TensorBatch, student: StudentOutputs) -> torch.Tensor:
+    """o_t: trainer-recomputed log-probs before the update; equals s_t (detached) in a one-update sync step."""
+    return batch.old_logprobs if batch.old_logprobs is not None else student.logprobs.detach()
+
+
+def opd_advantage(old_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A^opd_t = (T_t − o_t)·m_t: teacher minus student log-prob of the sampled token (detached)."""
+    return ((teacher_logp - old_logp) * mask).detach()
+
+
+def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """(R_b − mean_g R) / (std_g R + eps) with the unbiased std; a group of size 1 gets mean 0, std 1."""
+    if torch.isnan(rewards).any():
+        raise ValueError("GRPO advantages need a reward for every trajectory (found NaN)")
+    out = torch.zeros_like(rewards, dtype=torch.float32)
+    for g in group_ids.unique():
+        idx = group_ids == g
+        r = rewards[idx].float()
+        if r.numel() == 1:
+            out[idx] = r  # mean 0, std 1 (verl convention)
+        else:
+            out[idx] = (r - r.mean()) / (r.std(unbiased=True) + eps)
+    return out
+
+
+def clipped_surrogate(
+    student_logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    aggregation: Aggregation = "token-mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO-clip loss ℓ_t = −min(ρA, clip(ρ, 1−ε_lo, 1+ε_hi)A), ρ = exp(s − o); token-mean by default."""
+    ratio = torch.exp(student_logp - old_logp.detach())
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
+    per_token = -torch.minimum(unclipped, clipped)
+    loss = masked_sum(per_token, mask) if aggregation == "sum" else masked_mean(per_token, mask)
+    clip_frac = masked_mean((unclipped != clipped).float(), mask)
+    return loss, {"clip_fraction": float(clip_frac)}
+
+
+def k3(log_p_model: torch.Tensor, log_p_ref: torch.Tensor) -> torch.Tensor:
+    """verl ``low_var_kl``: Δ = clamp(ref − model, ±20), clamp(e^Δ − Δ − 1, ±10); estimates KL(model‖ref)."""
+    delta = torch.clamp(log_p_ref - log_p_model, -20.0, 20.0)
+    return torch.clamp(torch.exp(delta) - delta - 1.0, -10.0, 10.0)
