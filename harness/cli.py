@@ -151,7 +151,10 @@ def eval_(
         raise _fail(str(exc)) from None
     if data_dir is not None:
         os.environ["HARNESS_DATA_DIR"] = str(data_dir)
-    engine = backend_cls.load(model)
+    try:
+        engine = backend_cls.load(model)
+    except (OSError, ValueError) as exc:
+        raise _fail(str(exc)) from None
     store = Store(out)
     run_id = new_run_id("eval", "+".join(names))
     config = {"model": model, "backend": backend, "tasks": names, "k": k, "limit": limit, "temperature": temperature, "top_p": top_p, "seed": seed}
@@ -162,7 +165,11 @@ def eval_(
         problems = problems[:limit] if limit else problems
         kk = k or t.options.k
         sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=t.options.max_new_tokens, seed=seed)
-        result = evaluate_task(engine, t, problems, k=kk, sampling=sampling)
+        try:
+            result = evaluate_task(engine, t, problems, k=kk, sampling=sampling)
+        except ValueError as exc:  # e.g. a replay file without enough samples
+            store.set_status(run_id, "failed")
+            raise _fail(str(exc)) from None
         store_eval(store, run_id, 0, result)
         summaries[t.name] = {**result.summary, "grader": "/".join(result.grader)}
     store.set_status(run_id, "done")

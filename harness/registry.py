@@ -94,6 +94,6 @@ def _describe(obj: object) -> str:
 
 TASKS: Registry = Registry("tasks", ("tasks.synthetic.arith",))
 METHODS: Registry = Registry("methods", ("trainers.objectives.opd", "trainers.objectives.sft"))
-BACKENDS: Registry = Registry("backends", ("harness.backends.hf",))
+BACKENDS: Registry = Registry("backends", ("harness.backends.hf", "harness.backends.replay"))
 SANDBOXES: Registry = Registry("sandboxes")
 PIPELINES: Registry = Registry("pipelines", ("trainers.sync",))

@@ -35,7 +35,12 @@ def rollout(backend: Backend, task, problems: list, params: SamplingParams, *, m
         contexts = [episodes[i][1].prompt_ids + episodes[i][1].response_ids for i in live]
         seed = None if params.seed is None else params.seed + turn
         started = time.perf_counter()
-        completions = backend.generate(contexts, one_sample.model_copy(update={"seed": seed}))
+        params_turn = one_sample.model_copy(update={"seed": seed})
+        if getattr(backend, "needs_episode_keys", False):  # e.g. replay: serves stored completions by episode key
+            keys = [(episodes[i][1].task, episodes[i][1].problem_id, episodes[i][1].sample_index) for i in live]
+            completions = backend.generate(contexts, params_turn, keys=keys)
+        else:
+            completions = backend.generate(contexts, params_turn)
         per_episode = (time.perf_counter() - started) / max(len(live), 1)
         still_live = []
         for i, completion in zip(live, completions, strict=True):

@@ -1,0 +1,34 @@
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from harness.backends.replay import read_replay_file
+from harness.cli import app
+from tasks.synthetic.arith import ArithOptions, ArithTask
+
+runner = CliRunner()
+
+
+def test_replay_regrades_stored_completions(tmp_path):
+    problems = ArithTask(ArithOptions()).load("test")[:5]
+    path = tmp_path / "outputs.jsonl"
+    with open(path, "w") as f:
+        for p in problems:
+            f.write(json.dumps({"task": "arith", "id": p.id, "completion": f"\\boxed{{{p.answer}}}"}) + "\n")
+            f.write(json.dumps({"task": "arith", "id": p.id, "completion": f"\\boxed{{{int(p.answer) + 1}}}"}) + "\n")
+    result = runner.invoke(app, ["eval", "--backend", "replay", "--model", str(path), "--task", "arith", "--k", "2", "--limit", "5", "--out", str(tmp_path), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)["tasks"]["arith"]
+    assert (summary["avg_at_k"], summary["n_problems"], summary["n_samples"], summary["pass_at_k"]) == (0.5, 5, 10, 1.0)
+
+
+def test_missing_samples_and_bad_rows_are_named(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"task": "arith", "id": "test-0", "completion": "x"}\n{"task": "arith", "completion": "y"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: field 'id': missing"):
+        read_replay_file(path)
+    path.write_text('{"task": "arith", "id": "test-0", "completion": "x"}\n')
+    result = runner.invoke(app, ["eval", "--backend", "replay", "--model", str(path), "--task", "arith", "--k", "2", "--limit", "1", "--out", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "has 1 completion(s), sample 1 was asked for" in " ".join(result.output.split())
