@@ -133,6 +133,7 @@ def eval_(
     data_dir: Annotated[Path | None, typer.Option(help="local data root laid out as DIR/<task>/...")] = None,
     out: Annotated[Path, typer.Option(help="results root")] = Path("results"),
     json_: Annotated[bool, typer.Option("--json", help="print a JSON summary instead of a table")] = False,
+    max_error_rate: Annotated[float, typer.Option(help="exit 1 if a task's fraction of grading errors exceeds this")] = 0.02,
 ) -> None:
     """Evaluate one model or checkpoint on one or more tasks; rows go to the store."""
     from harness.backends import SamplingParams
@@ -177,6 +178,10 @@ def eval_(
         print(json.dumps({"run_id": run_id, "model": model, "tasks": summaries}, indent=2))
     else:
         stdout.print(render_table(leaderboard_rows(store, [run_id])))
+    too_many = {name: s["n_errors"] / max(s["n_samples"], 1) for name, s in summaries.items() if s["n_errors"] / max(s["n_samples"], 1) > max_error_rate}
+    if too_many:
+        rates = ", ".join(f"{name} {rate:.1%}" for name, rate in too_many.items())
+        raise _fail(f"grading error rate above --max-error-rate {max_error_rate:.1%}: {rates} (see the samples table for details)", 1)
 
 
 @app.command()

@@ -44,6 +44,8 @@ def summarize_samples(samples: list[SampleRow], k: int, *, n_resamples: int = 10
         "n_problems": len(valid),
         "n_samples": len(samples),
         "n_errors": n_errors,
+        "n_pass": sum(s.status == "pass" for s in samples),
+        "n_fail": sum(s.status == "fail" for s in samples),
         "n_error_problems": len(per_problem) - len(valid),
         "avg_at_k": float(means.mean()) if valid else float("nan"),
         "ci_low": float("nan"),

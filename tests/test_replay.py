@@ -32,3 +32,18 @@ def test_missing_samples_and_bad_rows_are_named(tmp_path):
     result = runner.invoke(app, ["eval", "--backend", "replay", "--model", str(path), "--task", "arith", "--k", "2", "--limit", "1", "--out", str(tmp_path)])
     assert result.exit_code == 2
     assert "has 1 completion(s), sample 1 was asked for" in " ".join(result.output.split())
+
+
+def test_grading_errors_are_counted_and_gate_the_exit_code(tmp_path):
+    problems = ArithTask(ArithOptions()).load("test")[:3]
+    path = tmp_path / "outputs.jsonl"
+    completions = [f"\\boxed{{{problems[0].answer}}}", "\\boxed{9^{9^{9}}}", "no answer"]  # pass, grader blow-up, fail
+    path.write_text("".join(json.dumps({"task": "arith", "id": p.id, "completion": c}) + "\n" for p, c in zip(problems, completions)))
+    args = ["eval", "--backend", "replay", "--model", str(path), "--task", "arith", "--k", "1", "--limit", "3", "--out", str(tmp_path), "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 1, result.output
+    assert "grading error rate above" in " ".join(result.output.split())
+    summary = json.loads(result.stdout[: result.stdout.rindex("}") + 1])["tasks"]["arith"]
+    assert (summary["n_pass"], summary["n_fail"], summary["n_errors"]) == (1, 1, 1)
+    assert summary["avg_at_k"] == 0.5  # the errored sample is excluded, not scored as a fail
+    assert runner.invoke(app, [*args, "--max-error-rate", "0.5"]).exit_code == 0
