@@ -76,7 +76,7 @@ def run(
     for warning in plan.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
     if not resume:
-        cfg.method_args = plan.hparams.model_dump()  # record every hyper-parameter, defaults included
+        cfg.method_args[cfg.method] = plan.hparams.model_dump()  # record every hyper-parameter, defaults included
         run_id = new_run_id(cfg.method, cfg.task)
         store.create_run(run_id, kind="train", config=cfg.model_dump(), method=cfg.method, task=cfg.task)
         (store.run_dir(run_id) / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))

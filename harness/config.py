@@ -76,7 +76,7 @@ class RunConfig(Strict):
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: all cores)")
     student: ModelSpec = Field(default_factory=lambda: ModelSpec(arch=TinyArch(hidden=128, layers=2), sft_steps=300, seed=1))
     teacher: ModelSpec = Field(default_factory=lambda: ModelSpec(arch=TinyArch(hidden=192, layers=3, ffn=384), sft_steps=800))
-    method_args: dict[str, Any] = Field(default_factory=dict, description="the method's hyper-parameters")
+    method_args: dict[str, dict[str, Any]] = Field(default_factory=dict, description="hyper-parameters by method name")
     task_args: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per-task options, by task name")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)

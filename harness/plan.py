@@ -46,10 +46,19 @@ def plan_run(cfg: RunConfig) -> Plan:
         pipeline = PIPELINES.get(cfg.trainer.mode)
     except RegistryError as exc:
         raise ConfigError(str(exc)) from None
-    try:
-        hparams = method.hparams.model_validate(cfg.method_args)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, method.hparams, prefix="method_args.")) from None
+    hparams = None
+    for name, args in cfg.method_args.items():  # validate every method's args, so typos never wait
+        try:
+            spec = METHODS.get(name)
+        except RegistryError as exc:
+            raise ConfigError(f"method_args.{name}: {exc}") from None
+        try:
+            validated = spec.hparams.model_validate(args)
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, spec.hparams, prefix=f"method_args.{name}.")) from None
+        if name == method.name:
+            hparams = validated
+    hparams = hparams if hparams is not None else method.hparams()
     task = make_task(cfg.task, cfg.task_args)
     eval_tasks = [make_task(name, cfg.task_args) for name in cfg.eval.tasks]
     if cfg.trainer.mode not in method.modes:

@@ -93,7 +93,13 @@ def _describe(obj: object) -> str:
 
 
 TASKS: Registry = Registry("tasks", ("tasks.synthetic.arith",))
-METHODS: Registry = Registry("methods", ("trainers.objectives.opd", "trainers.objectives.sft"))
+METHODS: Registry = Registry(
+    "methods",
+    tuple(
+        f"trainers.objectives.{m}"
+        for m in ("opd", "sft", "grpo", "sod", "saf", "ap_opd", "iw_opd", "eopd", "gkd", "f_opd")
+    ),
+)
 BACKENDS: Registry = Registry("backends", ("harness.backends.hf", "harness.backends.replay"))
 SANDBOXES: Registry = Registry("sandboxes")
 PIPELINES: Registry = Registry("pipelines", ("trainers.sync",))

@@ -25,6 +25,7 @@ INPUTS = {
     "step_boundaries": "step index per token (multi-step trajectories)",
     "reference_responses": "dataset/teacher responses instead of student samples",
     "policy_lag": "learner version minus behaviour version per sample (async mode)",
+    "teacher_fresh_logprobs": "teacher log-probs re-scored at learner time (supervision drift; optional)",
 }
 
 
@@ -84,7 +85,7 @@ class MethodSpec:
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of ``values`` over ``mask``; 0 (not NaN) for an empty mask."""
-    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+    return masked_sum(values, mask) / mask.sum().clamp(min=1.0)
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

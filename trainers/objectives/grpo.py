@@ -1,0 +1,76 @@
+"""GRPO (methods.md §0): group-normalised outcome rewards broadcast to every model token, then the
+verl PPO-clip surrogate with asymmetric clip (DAPO "clip-higher": ε_lo = 0.2, ε_hi = 0.28), token-mean.
+
+SOD and SAF-OPD fuse their OPD advantage with this GRPO advantage, so the token broadcast and the
+clip hyper-parameters live here and are imported by them.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from harness.registry import METHODS
+from harness.trajectory import TensorBatch
+from trainers.objectives import HParams, MethodSpec, StudentOutputs, masked_mean
+from trainers.objectives.common import clipped_surrogate, grpo_advantages, old_logprobs
+
+
+class ClipParams(HParams):
+    """PPO-clip ratios shared by GRPO, SOD and SAF-OPD (verl's asymmetric clip)."""
+
+    clip_low: float = Field(0.2, ge=0, lt=1, description="ε_lo: ratio clipped below at 1 − ε_lo")
+    clip_high: float = Field(0.28, ge=0, description="ε_hi: ratio clipped above at 1 + ε_hi")
+
+
+class GRPOParams(ClipParams):
+    pass
+
+
+def grpo_sequence_advantages(batch: TensorBatch, coef: float = 1.0) -> torch.Tensor:
+    """g·A^grpo_b, shape (B,). With g = 0 (pure OPD) rewards are not read and may be absent (NaN)."""
+    if coef == 0.0:
+        return torch.zeros(batch.loss_mask.shape[0], dtype=batch.loss_mask.dtype)
+    return coef * grpo_advantages(batch.rewards, batch.group_ids).to(batch.loss_mask.dtype)  # (R − mean_g R)/(std_g R + 1e-6)
+
+
+def grpo_token_advantages(batch: TensorBatch, coef: float = 1.0) -> torch.Tensor:
+    """g·A^grpo_b·m_t, shape (B, T): the sequence advantage broadcast to the model tokens."""
+    return grpo_sequence_advantages(batch, coef)[:, None] * batch.loss_mask  # A^grpo_{b,t} = A^grpo_b · m_{b,t}
+
+
+def grpo_objective(batch: TensorBatch, student: StudentOutputs, hp: GRPOParams, state: object = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped surrogate on the broadcast GRPO advantage; ρ_t = exp(s_t − o_t), token-mean."""
+    mask = batch.loss_mask
+    old = old_logprobs(batch, student)
+    per_sequence = grpo_sequence_advantages(batch)
+    advantages = grpo_token_advantages(batch).to(old.dtype)
+    loss, diagnostics = clipped_surrogate(student.logprobs, old, advantages, mask, clip_low=hp.clip_low, clip_high=hp.clip_high)
+    diagnostics.update(
+        reward_mean=float(batch.rewards.float().mean()),
+        advantage_mean=float(per_sequence.mean()),  # per sequence, before broadcasting
+        advantage_std=float(per_sequence.std(unbiased=False)),  # population std: defined for B = 1
+        token_advantage_mean=float(masked_mean(advantages, mask)),
+        tokens=float(mask.sum()),
+    )
+    return loss, diagnostics
+
+
+def grpo_needs(hp: GRPOParams) -> frozenset[str]:
+    return frozenset({"rewards", "behaviour_logprobs"})
+
+
+METHODS.add(
+    "grpo",
+    MethodSpec(
+        name="grpo",
+        description="GRPO: group-normalised outcome rewards with the asymmetric PPO-clip surrogate (token-mean)",
+        objective=grpo_objective,  # type: ignore[arg-type]
+        hparams=GRPOParams,
+        needs=grpo_needs,  # type: ignore[arg-type]
+        notes={
+            "ratio": "ρ = exp(s − o) against trainer-recomputed o (the current student, detached, in a one-update sync step); behaviour_logprobs are declared but not used by the loss",
+            "dual_clip": "verl's vanilla loss also dual-clips negative advantages at ρ = 3.0; not applied here (ρ ≡ 1 in value with one update per step)",
+        },
+    ),
+)
