@@ -80,6 +80,8 @@ def run(
         run_id = new_run_id(cfg.method, cfg.task)
         store.create_run(run_id, kind="train", config=cfg.model_dump(), method=cfg.method, task=cfg.task)
         (store.run_dir(run_id) / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
+        method_record = {**plan.method.describe(), "hparams": plan.hparams.model_dump(), "warnings": plan.warnings}
+        (store.run_dir(run_id) / "method.json").write_text(json.dumps(method_record, indent=2))  # reconstructed choices
     else:
         store.set_status(run_id, "running")
     console.print(f"run [bold]{run_id}[/] → {store.path}")

@@ -86,3 +86,9 @@ def test_valid_plan():
     plan = plan_run(build_config(preset="smoke"))
     assert plan.method.name == "opd" and plan.hparams.estimator == "full"
     assert plan.task.options.n_test == 16 and [t.name for t in plan.eval_tasks] == ["arith"]
+
+
+def test_f_opd_in_sync_mode_is_allowed_with_a_warning():
+    plan = plan_run(build_config(preset="smoke", cli={"method": "f_opd"}))
+    assert any("always 0 in sync mode" in w for w in plan.warnings)
+    assert plan_run(build_config(preset="smoke")).warnings == []

@@ -53,6 +53,8 @@ def test_smoke_run_leaves_checkpoints_evals_and_a_leaderboard(tmp_path):
             "time_generate_s", "time_teacher_s", "time_train_s"} <= names  # fmt: skip
     assert query(db, "SELECT COUNT(*) FROM evals WHERE run_id=?", run_id + ".teacher")[0][0] == 1
     assert "estimator: full" in result.stdout
+    method_record = json.loads((out / "runs" / run_id / "method.json").read_text())
+    assert method_record["name"] == "opd" and method_record["hparams"]["estimator"] == "full"
     # leaderboard in every format
     rows = json.loads(harness("leaderboard", str(out), "--format", "json").stdout)
     assert {(r["run_id"], r["step"]) for r in rows} >= {(run_id, 0), (run_id, 2), (run_id, 4), (run_id + ".teacher", 0)}
