@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+import yaml
 from rich.console import Console
 
 from harness.config import ConfigError, build_config
@@ -136,6 +137,10 @@ def eval_(
     out: Annotated[Path, typer.Option(help="results root")] = Path("results"),
     json_: Annotated[bool, typer.Option("--json", help="print a JSON summary instead of a table")] = False,
     max_error_rate: Annotated[float, typer.Option(help="exit 1 if a task's fraction of grading errors exceeds this")] = 0.02,
+    backend_option: Annotated[
+        list[str] | None,
+        typer.Option("--backend-option", help="backend option KEY=VALUE, repeatable (openai: base_url=http://HOST:PORT/v1, mode=chat, concurrency=16, tokenizer=PATH)"),
+    ] = None,
 ) -> None:
     """Evaluate one model or checkpoint on one or more tasks; rows go to the store."""
     from harness.backends import SamplingParams
@@ -154,13 +159,19 @@ def eval_(
         raise _fail(str(exc)) from None
     if data_dir is not None:
         os.environ["HARNESS_DATA_DIR"] = str(data_dir)
+    options = {}
+    for item in backend_option or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise _fail(f"--backend-option {item!r}: expected KEY=VALUE")
+        options[key.strip()] = yaml.safe_load(value) if value else value  # "8" -> 8, URLs stay strings
     try:
-        engine = backend_cls.load(model)
-    except (OSError, ValueError) as exc:
+        engine = backend_cls.load(model, **options)
+    except (OSError, ValueError, TypeError) as exc:  # TypeError: an option this backend does not take
         raise _fail(str(exc)) from None
     store = Store(out)
     run_id = new_run_id("eval", "+".join(names))
-    config = {"model": model, "backend": backend, "tasks": names, "k": k, "limit": limit, "temperature": temperature, "top_p": top_p, "seed": seed}
+    config = {"backend_options": {k: v for k, v in options.items() if k != "api_key"}, "model": model, "backend": backend, "tasks": names, "k": k, "limit": limit, "temperature": temperature, "top_p": top_p, "seed": seed}
     store.create_run(run_id, kind="eval", config=config, task=",".join(names), model=model)
     summaries = {}
     for t in tasks:
@@ -168,9 +179,14 @@ def eval_(
         problems = problems[:limit] if limit else problems
         kk = k or t.options.k
         sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=t.options.max_new_tokens, seed=seed)
+        errors: tuple[type[BaseException], ...] = (ValueError,)
+        if backend == "openai":
+            import openai
+
+            errors += (openai.OpenAIError,)
         try:
             result = evaluate_task(engine, t, problems, k=kk, sampling=sampling)
-        except ValueError as exc:  # e.g. a replay file without enough samples
+        except errors as exc:  # e.g. a replay file without enough samples, an unreachable server
             store.set_status(run_id, "failed")
             raise _fail(str(exc)) from None
         store_eval(store, run_id, 0, result)
@@ -184,6 +200,26 @@ def eval_(
     if too_many:
         rates = ", ".join(f"{name} {rate:.1%}" for name, rate in too_many.items())
         raise _fail(f"grading error rate above --max-error-rate {max_error_rate:.1%}: {rates} (see the samples table for details)", 1)
+
+
+@app.command("serve")
+def serve_(
+    model: Annotated[str, typer.Option(help="local model directory (or hub id) to serve")],
+    host: Annotated[str, typer.Option(help="interface to bind")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+    batch_size: Annotated[int, typer.Option(help="sequences per generate batch")] = 64,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available)")] = None,
+    served_model_name: Annotated[str | None, typer.Option(help="model name clients ask for (default: --model as given)")] = None,
+    api_key: Annotated[str | None, typer.Option(envvar="HARNESS_SERVE_API_KEY", help="require Authorization: Bearer KEY")] = None,
+) -> None:
+    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models)."""
+    from harness.serve import serve as run_server
+
+    _quiet_libraries()
+    try:
+        run_server(model, host=host, port=port, batch_size=batch_size, device=device, model_name=served_model_name, api_key=api_key)
+    except (OSError, ValueError) as exc:
+        raise _fail(str(exc)) from None
 
 
 @app.command()

@@ -1,0 +1,216 @@
+"""What every pipeline shares: the run session (models, optimizer, resume, checkpoints, evaluation)
+and the three phases of a training step — make a batch (generate, reward, teacher), learn, account.
+Sync and async pipelines differ only in who runs which phase when.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from harness.backends import SamplingParams
+from harness.backends.hf import HFBackend
+from harness.evaluation import evaluate_task, store_eval
+from harness.rollout import reference_trajectories, rollout
+from harness.store import Store
+from harness.timing import timed
+from harness.trajectory import TensorBatch, Trajectory, to_tensor_batch
+from trainers.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from trainers.learner import train_step
+from trainers.warmup import prepare_model
+
+TEACHER_SUFFIX = ".teacher"
+
+
+def step_seed(seed: int, step: int) -> int:
+    """Prompts and sampling of step ``step`` depend only on (seed, step): exact resume, sync ≡ async lag 0."""
+    return seed * 1_000_003 + step
+
+
+def sample_problems(cfg, train_problems: list, step: int) -> list:
+    rng = random.Random(step_seed(cfg.seed, step))
+    return rng.sample(train_problems, min(cfg.trainer.prompts_per_step, len(train_problems)))
+
+
+def make_batch(plan, student: HFBackend, teacher: HFBackend, problems: list, step: int, metrics: dict) -> tuple[TensorBatch, list[Trajectory]]:
+    """Roll out (or take references), grade when the method needs rewards, and score with the teacher."""
+    cfg, task, method, hparams = plan.config, plan.task, plan.method, plan.hparams
+    needs = method.needs(hparams)
+    with timed("generate", metrics):
+        if method.on_policy:
+            params = SamplingParams(
+                temperature=cfg.trainer.temperature,
+                top_p=cfg.trainer.top_p,
+                max_new_tokens=cfg.trainer.max_new_tokens or task.options.max_new_tokens,
+                n=cfg.trainer.samples_per_prompt,
+                seed=step_seed(cfg.seed, step),
+            )
+            trajectories = rollout(student, task, problems, params)
+        else:
+            trajectories = reference_trajectories(task, problems, student.tokenizer)
+    if "rewards" in needs:
+        with timed("reward", metrics):
+            by_id = {p.id: p for p in problems}
+            scores = task.grade_many([by_id[t.problem_id] for t in trajectories], [t.completion_text for t in trajectories])
+            for traj, score in zip(trajectories, scores, strict=True):
+                traj.reward = score.value
+            metrics["reward_mean"] = sum(s.value for s in scores) / len(scores)
+    batch = to_tensor_batch(trajectories, student.pad_id)
+    if needs & {"teacher_logprobs", "teacher_full"}:
+        with timed("teacher", metrics):
+            score_teacher(teacher, batch, full="teacher_full" in needs)
+    return batch, trajectories
+
+
+@torch.no_grad()
+def score_teacher(teacher: HFBackend, batch: TensorBatch, *, full: bool) -> None:
+    """Fill the teacher's log-probs (and full distribution when asked) into ``batch``."""
+    scores = teacher.score(batch.input_ids, batch.attention_mask, want=("logprobs", "full") if full else ("logprobs",))
+    batch.teacher_logprobs = scores["logprobs"] * batch.loss_mask
+    batch.teacher_full = scores.get("full")
+
+
+def learn(plan, model, optimizer, batch: TensorBatch, method_state, learner_version: int, metrics: dict) -> None:
+    """One optimizer step; policy lag = learner version − behaviour version, per sample."""
+    known = batch.policy_version >= 0  # reference responses have no behaviour version
+    batch.policy_lag = torch.where(known, learner_version - batch.policy_version, 0).clamp(min=0)
+    metrics["lag_mean"] = float(batch.policy_lag.float().mean())
+    metrics["lag_max"] = float(batch.policy_lag.max())
+    with timed("train", metrics):
+        metrics.update(train_step(model, optimizer, batch, plan.method, plan.hparams, method_state, grad_clip=plan.config.trainer.grad_clip))
+
+
+def add_rates(metrics: dict, batch: TensorBatch, seconds: float) -> None:
+    """Samples, tokens and their rates over ``seconds`` of step time."""
+    lengths = batch.loss_mask.sum(-1)
+    metrics.update(
+        time_step_s=seconds,
+        samples=float(lengths.numel()),
+        model_tokens=float(lengths.sum()),
+        response_length=float(lengths.mean()),
+        samples_per_s=lengths.numel() / seconds if seconds > 0 else 0.0,
+        tokens_per_s=float(lengths.sum()) / seconds if seconds > 0 else 0.0,
+    )
+
+
+def _optimizer_factory(cfg):
+    return lambda model: torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
+
+
+def _scheduler_factory(cfg):
+    warmup = cfg.trainer.warmup_steps
+    return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
+
+
+@dataclass
+class Session:
+    """A training run in progress: models, optimizer, counters, and the store it reports to."""
+
+    plan: object
+    store: Store
+    run_id: str
+    console: Console
+    student: HFBackend
+    teacher: HFBackend
+    teacher_path: str
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    state: TrainState
+    method_state: object | None
+    train_problems: list = field(default_factory=list)
+
+    @classmethod
+    def open(cls, plan, store: Store, run_id: str, *, resume: bool, console: Console, threads: int | None = None) -> "Session":
+        """Build or load the models (resuming from the last checkpoint when asked)."""
+        cfg = plan.config
+        torch.set_num_threads(threads or cfg.threads or os.cpu_count() or 1)
+        teacher_model, tokenizer, teacher_path = prepare_model(cfg.teacher, "teacher", plan.task, store.root)
+        student_model, student_tok, _ = prepare_model(cfg.student, "student", plan.task, store.root)
+        if student_tok.get_vocab() != tokenizer.get_vocab():
+            raise ValueError("student and teacher tokenizers differ; per-token distillation needs a shared vocabulary")
+        optimizer_factory, scheduler_factory = _optimizer_factory(cfg), _scheduler_factory(cfg)
+        state = TrainState()
+        method_state = plan.method.make_state(plan.hparams) if plan.method.make_state else None
+        last = _last_checkpoint(store, run_id) if resume else None
+        if last is not None:
+            student_model, student_tok, optimizer, scheduler, state, extra = load_checkpoint(Path(last["path"]), optimizer_factory, scheduler_factory)
+            if method_state is not None:
+                method_state.load_state_dict(extra["method_state"])
+            console.print(f"[bold]resuming[/] {run_id} from step {state.step} ({last['path']})")
+        else:
+            optimizer = optimizer_factory(student_model)
+            scheduler = scheduler_factory(optimizer)
+        store.delete_steps_after(run_id, state.step)
+        student = HFBackend(student_model, student_tok, batch_size=cfg.trainer.generate_batch_size)
+        student.version = state.step
+        teacher = HFBackend(teacher_model, tokenizer, batch_size=cfg.trainer.generate_batch_size)
+        teacher_model.requires_grad_(False)
+        train_problems = plan.task.load("train" if "train" in plan.task.splits else "test")
+        return cls(plan, store, run_id, console, student, teacher, teacher_path, optimizer, scheduler, state, method_state, train_problems)
+
+    def evaluate_start(self) -> None:
+        """Teacher reference row, the student before training, or a checkpoint whose eval was interrupted."""
+        cfg = self.plan.config
+        if cfg.eval.teacher:
+            self.evaluate(self.run_id + TEACHER_SUFFIX, 0, self.teacher, label="teacher", model=self.teacher_path)
+        if self.state.step > 0 or cfg.eval.before_training:
+            self.evaluate(self.run_id, self.state.step, self.student, label="student")
+        estimator = getattr(self.plan.hparams, "estimator", None)
+        mode = cfg.trainer.mode
+        self.console.print(f"training: method={self.plan.method.name}" + (f" estimator={estimator}" if estimator else "") + f", mode={mode}, {cfg.trainer.steps} steps")
+
+    def record_step(self, step: int, metrics: dict, train_seconds: float, checkpoint_metrics: dict | None = None) -> bool:
+        """Count the step, log it, and checkpoint + evaluate when due; returns True if it checkpointed."""
+        cfg = self.plan.config
+        self.scheduler.step()
+        self.student.version = step
+        self.state.step = step
+        self.state.samples_seen += int(metrics["samples"])
+        self.state.tokens_seen += int(metrics["model_tokens"])
+        self.state.train_seconds += train_seconds
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        self.store.log_step(self.run_id, step, metrics)
+        if step % cfg.trainer.checkpoint_every and step != cfg.trainer.steps:
+            return False
+        extra = {"method_state": self.method_state.state_dict()} if self.method_state is not None else {}
+        path = save_checkpoint(self.store.run_dir(self.run_id), self.state, self.student.model, self.student.tokenizer, self.optimizer, self.scheduler, extra)
+        self.store.add_checkpoint(
+            self.run_id, step, path=str(path), samples_seen=self.state.samples_seen, train_seconds=self.state.train_seconds,
+            metrics={"tokens_seen": self.state.tokens_seen, **(checkpoint_metrics or {})},
+        )  # fmt: skip
+        self.evaluate(self.run_id, step, self.student, label="student")
+        return True
+
+    def evaluate(self, run_id: str, step: int, backend: HFBackend, *, label: str, model: str | None = None) -> None:
+        """Evaluate on every configured eval task that has no stored result yet for (run, step)."""
+        cfg, store = self.plan.config, self.store
+        if model is not None and store.get_run(run_id) is None:
+            store.create_run(run_id, kind="eval", config={"eval": cfg.eval.model_dump(), "model": model}, task=",".join(cfg.eval.tasks), model=model)
+        for task in self.plan.eval_tasks:
+            if store.has_eval(run_id, step, task.name):
+                continue
+            k = cfg.eval.k or task.options.k
+            problems = task.load("test")[: cfg.eval.limit] if cfg.eval.limit else task.load("test")
+            sampling = SamplingParams(temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, max_new_tokens=task.options.max_new_tokens, seed=cfg.eval.seed)
+            result = evaluate_task(backend, task, problems, k=k, sampling=sampling, n_resamples=cfg.eval.n_resamples)
+            store_eval(store, run_id, step, result)
+            s = result.summary
+            self.console.print(
+                f"  eval {label:<7} step {step:>5} {task.name}: Avg@{k} = {s['avg_at_k']:.3f} "
+                f"[{s['ci_low']:.3f}, {s['ci_high']:.3f}] over {s['n_problems']} problems, {s['n_errors']} errors ({s['seconds']:.1f}s)"
+            )
+        if model is not None:
+            store.set_status(run_id, "done")
+
+
+def _last_checkpoint(store: Store, run_id: str) -> dict | None:
+    """The newest checkpoint recorded in the store whose folder is complete on disk."""
+    for ckpt in reversed(store.checkpoints(run_id)):
+        if ckpt["path"] and Path(ckpt["path"]).exists():
+            return ckpt
+    return None
