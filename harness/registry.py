@@ -102,4 +102,4 @@ METHODS: Registry = Registry(
 )
 BACKENDS: Registry = Registry("backends", ("harness.backends.hf", "harness.backends.replay", "harness.backends.openai_backend"))
 SANDBOXES: Registry = Registry("sandboxes")
-PIPELINES: Registry = Registry("pipelines", ("trainers.sync",))
+PIPELINES: Registry = Registry("pipelines", ("trainers.sync", "trainers.async_pipeline"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -10,6 +11,11 @@ from tqdm import tqdm
 
 from harness.backends import SCORE_FIELDS, Completion, SamplingParams
 from harness.registry import BACKENDS
+
+
+# transformers samples from torch's global RNG; seeded generations from several threads (an async
+# rollout worker and an evaluation) must not interleave, or their samples depend on timing.
+_GLOBAL_RNG_LOCK = threading.Lock()
 
 
 @BACKENDS.register("hf")
@@ -50,7 +56,7 @@ class HFBackend:
         was_training = self.model.training
         self.model.eval()
         chunks = range(0, len(jobs), self.batch_size)
-        with torch.random.fork_rng(devices=[]):
+        with _GLOBAL_RNG_LOCK, torch.random.fork_rng(devices=[]):
             if params.seed is not None:
                 torch.manual_seed(params.seed)
             for start in tqdm(chunks, desc="generate", leave=False, disable=not self.show_progress):

@@ -64,7 +64,7 @@ class MethodSpec:
     hparams: type[HParams]
     needs: Callable[[HParams], frozenset[str]]
     on_policy: bool = True  # False: trains on reference responses, no student sampling
-    modes: tuple[str, ...] = ("sync",)
+    modes: tuple[str, ...] = ("sync", "async")
     make_state: Callable[[HParams], "MethodState"] | None = None  # schedules (SAF warm-up/anneal, f-OPD refresh)
     notes: dict[str, str] = field(default_factory=dict)
 

@@ -1,0 +1,123 @@
+"""Async pipeline: lag accounting, the max_lag bound, lag 0 ≡ sync, refresh semantics."""
+
+import random
+import sqlite3
+import time
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import trainers.async_pipeline as ap
+from harness.cli import app
+from trainers.async_pipeline import BufferEntry, ReplayBuffer, fixed_version, required_version
+
+runner = CliRunner()
+BASE = ["run", "--task", "arith", "--preset", "smoke", "--set", "threads=1", "--set", "eval.teacher=false", "--set", "eval.before_training=false"]
+
+
+def run(out, *extra):
+    result = runner.invoke(app, [*BASE, "--out", str(out), *extra])
+    assert result.exit_code == 0, result.output
+    with sqlite3.connect(out / "results.sqlite") as conn:
+        (run_id,) = conn.execute("SELECT run_id FROM runs WHERE kind='train' ORDER BY created_at DESC").fetchone()
+        rows = conn.execute("SELECT step, name, value FROM step_metrics WHERE run_id=?", (run_id,)).fetchall()
+        ckpt = conn.execute("SELECT metrics_json FROM checkpoints WHERE run_id=? ORDER BY step DESC", (run_id,)).fetchone()
+    metrics: dict[int, dict[str, float]] = {}
+    for step, name, value in rows:
+        metrics.setdefault(step, {})[name] = value
+    return metrics, ckpt[0]
+
+
+def test_version_rules():
+    assert [required_version(b, 0) for b in (1, 2, 5)] == [0, 1, 4]
+    assert [required_version(b, 2) for b in (1, 2, 3, 4, 7)] == [0, 0, 0, 1, 4]
+    assert [fixed_version(b, 2) for b in (1, 2, 3, 4, 7)] == [0, 0, 0, 1, 4]
+
+
+def entry(index, version, epoch=0):
+    return BufferEntry(index, version, epoch, batch=None)
+
+
+def test_refresh_drops_exactly_the_stale_batches():
+    buffer = ReplayBuffer()
+    for index, version in [(6, 5), (7, 5), (8, 6)]:  # learner at version 5: batch 6 is fresh, 7 and 8 stale
+        assert buffer.put(entry(index, version))
+    assert buffer.drop_stale() == [7, 8]
+    assert buffer.consume_restart() == (7, True)
+    assert buffer.consume_restart() == (None, False)
+    assert buffer.take(6).version == 5
+    assert not buffer.put(entry(7, 5, epoch=0))  # generated before the refresh: refused
+    assert buffer.put(entry(7, 6, epoch=1))
+
+
+@pytest.mark.slow
+def test_async_with_lag_zero_reproduces_sync(tmp_path):
+    steps = ["--set", "trainer.steps=6", "--set", "trainer.checkpoint_every=3"]
+    sync, _ = run(tmp_path / "sync", "--method", "opd", *steps)
+    lag0, _ = run(tmp_path / "async", "--method", "opd", "--mode", "async", "--set", "trainer.max_lag=0", *steps)
+    assert sorted(sync) == sorted(lag0) == list(range(1, 7))
+    assert [lag0[s]["loss"] for s in range(1, 7)] == pytest.approx([sync[s]["loss"] for s in range(1, 7)], abs=1e-6)
+    assert all(lag0[s]["lag_max"] == 0 for s in lag0)
+
+
+@pytest.mark.slow
+def test_fixed_lag_accounting_is_exact(tmp_path):
+    metrics, ckpt = run(tmp_path, "--method", "opd", "--mode", "async", "--set", "trainer.fixed_lag=2", "--set", "trainer.steps=6")
+    for step in range(1, 7):
+        assert metrics[step]["lag_mean"] == metrics[step]["lag_max"] == min(step - 1, 2)
+        assert metrics[step]["behaviour_version"] == max(step - 3, 0)
+    assert '"staleness_hist": {"0": 8, "1": 8, "2": 32}' in ckpt
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_lag, sync_every", [(1, 1), (2, 3)])
+def test_max_lag_is_never_exceeded_under_random_timing(tmp_path, monkeypatch, max_lag, sync_every):
+    rng = random.Random(max_lag)
+    original = ap.learn
+
+    def slow_learn(*args, **kwargs):  # a learner slower than the worker: the buffer fills, lag grows
+        time.sleep(rng.uniform(0.0, 0.08))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(ap, "learn", slow_learn)
+    metrics, _ = run(tmp_path, "--method", "opd", "--mode", "async", "--set", f"trainer.max_lag={max_lag}",
+                     "--set", f"trainer.sync_every={sync_every}", "--set", "trainer.steps=12", "--set", "trainer.checkpoint_every=6")  # fmt: skip
+    lags = [metrics[s]["lag_max"] for s in range(1, 13)]
+    assert max(lags) <= max_lag
+    assert max(lags) == max_lag  # the worker really ran ahead (otherwise the bound was never tested)
+
+
+@pytest.mark.slow
+def test_hard_refresh_regenerates_stale_batches(tmp_path, monkeypatch):
+    original = ap.learn
+    monkeypatch.setattr(ap, "learn", lambda *a, **k: (time.sleep(0.3), original(*a, **k))[1])  # the worker runs ahead
+    metrics, ckpt = run(tmp_path, "--method", "opd_hard_refresh", "--mode", "async", "--set", "method_args.opd_hard_refresh.refresh_every=3",
+                        "--set", "trainer.max_lag=3", "--set", "trainer.steps=12", "--set", "trainer.checkpoint_every=6")  # fmt: skip
+    refresh_steps = [s for s in range(1, 13) if metrics[s]["refresh_signal"] > 0]
+    assert refresh_steps == [3, 6, 9, 12]
+    for s in refresh_steps[:-1]:
+        assert metrics[s + 1]["lag_max"] == 0  # everything after a refresh comes from the newest weights
+    assert metrics[12]["refreshes"] == 4 and metrics[12]["dropped_batches"] > 0
+    assert '"refreshes": 4' in ckpt
+
+
+def test_weight_board_keeps_recent_versions():
+    board = ap.WeightBoard(keep=2)
+    model = torch.nn.Linear(2, 2)
+    for v in range(4):
+        board.publish(v, model)
+    assert board.latest == 3 and board.wait_for(2) == 3
+    board.get(3), board.get(2)
+    with pytest.raises(KeyError):
+        board.get(1)
+
+
+@pytest.mark.slow
+def test_f_opd_async_smoke_records_lag_freshness_and_throughput(tmp_path):
+    metrics, ckpt = run(tmp_path, "--method", "f_opd", "--mode", "async")
+    assert set(metrics) == {1, 2, 3, 4}
+    for step in metrics.values():
+        assert {"lag_mean", "lag_max", "freshness_mean", "weight_mean", "samples_per_s", "idle_ratio_rollout", "idle_ratio_learner"} <= set(step)
+        assert 0 < step["freshness_mean"] <= 1 and step["lag_max"] <= 1
+    assert '"staleness_hist"' in ckpt and '"idle_ratio_learner"' in ckpt
