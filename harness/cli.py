@@ -1,4 +1,4 @@
-"""The ``harness`` command line: run, eval, tasks, methods, leaderboard."""
+"""The ``harness`` command line: run, eval, serve, tasks, methods, leaderboard, sandbox."""
 
 from __future__ import annotations
 
@@ -264,6 +264,44 @@ def leaderboard(
         stdout.print(render_table(rows))
     else:
         sys.stdout.write(renderers[format_](rows))
+
+
+sandbox_app = typer.Typer(help="The code sandbox: build its Docker image, remove leftover containers.", no_args_is_help=True)
+app.add_typer(sandbox_app, name="sandbox")
+
+
+@sandbox_app.command("build")
+def sandbox_build(
+    tag: Annotated[str, typer.Option(help="image tag")] = "opd-sandbox:bookworm",
+    force: Annotated[bool, typer.Option("--force", help="rebuild the rootfs tarball and re-import even if the image exists")] = False,
+    cache_dir: Annotated[Path, typer.Option(help="where the rootfs tarball is cached (git-ignored)")] = Path(".cache/sandbox"),
+) -> None:
+    """Build the sandbox's Docker image from Debian packages (mmdebstrap + docker import; never docker pull)."""
+    from sandbox.build import BuildError, build_base_image
+
+    try:
+        info = build_base_image(tag=tag, cache_dir=cache_dir, force=force)
+    except BuildError as exc:
+        raise _fail(str(exc), 1) from None
+    if info["built"]:
+        s = info["seconds"]
+        stdout.print(f"built {tag} ({info['image_id'][:19]}): rootfs {s['rootfs']:.1f}s, import {s['import']:.1f}s")
+    else:
+        stdout.print(f"{tag} exists ({info['image_id'][:19]}); --force rebuilds it")
+
+
+@sandbox_app.command("cleanup")
+def sandbox_cleanup(
+    all_: Annotated[bool, typer.Option("--all", help="also containers of harness processes still running")] = False,
+) -> None:
+    """Remove sandbox containers left behind by crashed runs."""
+    from sandbox.docker import reap_leftovers
+
+    try:
+        n = reap_leftovers(everything=all_)
+    except Exception as exc:  # noqa: BLE001 - daemon down, SDK missing
+        raise _fail(f"could not reach Docker: {exc}", 1) from None
+    stdout.print(f"removed {n} sandbox container(s)")
 
 
 def main() -> None:

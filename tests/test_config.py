@@ -46,7 +46,7 @@ def test_unknown_key_names_key_and_allowed():
         (["--set", "task_args.arith.num_ops=0"], "task_args.arith.num_ops"),
         (["--set", "task_args.math500.k=1"], "task_args has options for ['math500']"),
         (["--set", "student.path=x", "--set", "student.arch.hidden=64"], "exactly one of 'path'"),
-        (["--mode", "async"], "trainer.mode"),
+        (["--mode", "turbo"], "trainer.mode"),
         (["--config", "/nonexistent.yaml"], "no such file"),
     ],
 )

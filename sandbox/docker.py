@@ -1,0 +1,714 @@
+"""Docker provider: every program runs in a locked-down container from a locally built image.
+
+Each container (``DockerSandbox`` options in brackets):
+  - image ``opd-sandbox:bookworm`` [``image``], built by ``python -m sandbox.build`` (never pulled);
+  - no network (``network_mode=none``; only ``lo`` exists) unless a request sets ``network=True``;
+  - read-only root file system; a writable anonymous volume at ``/box`` (the work root, removed
+    with the container) and a tmpfs at ``/tmp`` [``tmpfs_mb``, default 64]. ``/box`` lives on the
+    daemon's disk with no total quota; each file written is capped at ``max_file_mb`` [64]
+    (RLIMIT_FSIZE: the write fails with EFBIG, or SIGXFSZ kills the program: status ``killed``);
+  - user 65534:65534, all capabilities dropped, ``no-new-privileges``;
+  - cgroup limits from the request: memory (swap off), CPU quota, pids (every process and thread
+    in the container, including the sandbox's own 3: init, wrapper, `timeout`);
+  - labels ``opd-harness.sandbox=1`` and ``opd-harness.sandbox.owner=<host>:<pid>:<start time>``:
+    containers whose owner process is gone (a crashed run) are removed when the next process first
+    connects, and every container of this process is removed at exit (``atexit``) or ``close()``.
+
+Runs:
+  - The timeout is enforced inside the container (``timeout -s KILL``, which kills the program's
+    process group) and by an outer wall-clock guard at ``timeout_s + grace_s`` [``grace_s``, 2] that
+    kills the whole container.
+  - ``oom`` is read from the container's cgroup OOM-kill counter when the host exposes it,
+    otherwise from exit status 137 before the timeout.
+  - One run is one ``docker exec`` (inputs under 768 KiB travel in its argv; larger ones by
+    ``put_archive``), because each Docker API round trip costs ~50 ms.
+  - A warm pool holds at most ``pool_size`` [4] containers and runs at most ``pool_size`` programs
+    at once (``run`` blocks for a free slot; safe from many threads). After each run every process
+    of the sandbox user is killed and ``/box``, ``/tmp``, ``/dev/shm`` and ``/dev/mqueue`` are
+    emptied; a container that cannot be cleaned, hit the outer guard, or failed is thrown away.
+    A program that kills the wrapper (``kill -1``) gets status ``killed`` and its container is
+    thrown away. ``prewarm`` [0] containers are started when the sandbox opens.
+  - Infrastructure failures (daemon unreachable, create/exec errors) are retried ``retries`` [2]
+    times with a growing delay [``retry_delay_s``, 0.5], then returned as status ``error``.
+  - Sessions get their own container (not counted in the pool), removed by ``Session.close``.
+Not covered: SysV IPC objects left by a program in a pooled container are not removed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import io
+import os
+import socket
+import tarfile
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import docker
+import docker.errors
+from docker.types import Mount, Ulimit
+
+from sandbox import (
+    MAX_READ_FILE_BYTES,
+    ExecRequest,
+    ExecResult,
+    OutputBuffer,
+    Sandbox,
+    SandboxUnavailable,
+    Session,
+    register_provider,
+    resolve_path,
+    signal_status,
+)
+
+DEFAULT_IMAGE = "opd-sandbox:bookworm"
+LABEL = "opd-harness.sandbox"
+OWNER_LABEL = "opd-harness.sandbox.owner"
+WORKDIR = "/box"
+UID = GID = 65534
+_ENV = {"HOME": "/tmp", "LANG": "C.UTF-8", "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+
+# PID 1 of every container: idles and reaps orphans (the image's `sleep` would leave zombies that
+# eat the pids limit, and tini would exit when its child is killed by the cleanup's `kill -1`).
+_INIT = (
+    "import os, signal\n"
+    "def reap(*_):\n"
+    "    try:\n"
+    "        while os.waitpid(-1, os.WNOHANG)[0] > 0: pass\n"
+    "    except ChildProcessError: pass\n"
+    "signal.signal(signal.SIGCHLD, reap)\n"
+    "signal.signal(signal.SIGTERM, lambda *_: os._exit(0))\n"
+    "while True: signal.pause()\n"
+)
+# Runs one program in a single `docker exec` (each exec costs ~50 ms here, put_archive as much):
+#   args: MARK WORKDIR STDIN TIMEOUT CLEAN NCHUNKS CHUNK... ARGV...
+#   1. small inputs arrive as base64 tar chunks in argv and are unpacked into /box (large ones were
+#      put_archive'd before); 2. stdin is opened from its staged file, which is unlinked before the
+#      program starts; 3. the program runs under `timeout -s KILL` (its own process group);
+#   4. with CLEAN=1 (pooled runs) every process of the sandbox user is killed (`kill -1` spares PID 1
+#      and the caller) and /box, /tmp, /dev/shm, /dev/mqueue are emptied;
+#   5. a trailer line "\nMARK <exit code> <nanoseconds> <clean status>" ends stdout (or "MARK setup").
+# Tools are called by absolute path and IFS is reset, so request.env (PATH, IFS) cannot break it.
+_WRAP = r"""
+unset IFS; exec 4>&2 2>/dev/null  # fd 4: the program's stderr; the wrapper's own messages ("Killed") are dropped
+m=$1 d=$2 in=$3 t=$4 c=$5 n=$6; shift 6
+if [ "$n" -gt 0 ]; then
+  { while [ "$n" -gt 0 ]; do printf %s "$1"; shift; n=$((n-1)); done; } > /tmp/.opd-stage
+  /usr/bin/base64 -d /tmp/.opd-stage | /usr/bin/tar -x -f - -C /box 2>&4 || { printf '\n%s setup\n' "$m"; exit 0; }
+  /usr/bin/rm -f /tmp/.opd-stage
+fi
+cd -- "$d" && exec 3<"$in" || { echo "sandbox: cannot enter $d or open stdin" >&4; printf '\n%s setup\n' "$m"; exit 0; }
+[ "$in" = /dev/null ] || /usr/bin/rm -f -- "$in"
+s0=$(/usr/bin/date +%s%N)
+/bin/sh -c 'exec 2>&4 4>&- 3<&-; exec /usr/bin/timeout -s KILL "$0" "$@"' "$t" "$@" <&3  # (a `2>&4` here would make sh print "Killed" into it)
+rc=$?
+s1=$(/usr/bin/date +%s%N)
+exec 3<&-
+clean() {
+  w="/box /tmp /dev/shm /dev/mqueue"; i=0
+  while :; do
+    kill -9 -1 2>/dev/null; k=0
+    for p in /proc/[0-9]*; do
+      case ${p#/proc/} in 1|$$) continue;; esac
+      s=; read -r s < "$p/stat" 2>/dev/null || continue
+      case "$s" in *") Z "*) ;; *) k=$((k+1));; esac
+    done
+    [ $k -eq 0 ] && break
+    i=$((i+1)); [ $i -ge 50 ] && return 1
+  done
+  cd /
+  /usr/bin/chmod -R u+rwx $w 2>/dev/null
+  for x in $w; do [ -d "$x" ] && /usr/bin/rm -rf "$x"/* "$x"/.[!.]* "$x"/..?* 2>/dev/null; done
+  for x in $w; do
+    [ -d "$x" ] || continue
+    for f in "$x"/* "$x"/.[!.]* "$x"/..?*; do { [ -e "$f" ] || [ -L "$f" ]; } && return 2; done
+  done
+  return 0
+}
+r=0; [ "$c" = 1 ] && { clean; r=$?; }
+printf '\n%s %s %s %s\n' "$m" "$rc" "$((s1-s0))" "$r"
+"""
+_KILL_ALL = "kill -9 -1 2>/dev/null; kill -9 -1 2>/dev/null; exit 0"
+_CHUNK = 120_000  # base64 characters per argv string (Linux caps one at 128 KiB)
+_ARGV_PAYLOAD_MAX = 768 << 10  # larger inputs go through put_archive
+
+
+@dataclass(frozen=True)
+class _Limits:
+    memory_mb: int
+    cpus: float
+    pids: int
+    network: bool
+
+    @classmethod
+    def of(cls, r: ExecRequest) -> _Limits:
+        return cls(r.memory_mb, r.cpus, r.pids, r.network)
+
+
+class _Infra(Exception):
+    """An infrastructure failure worth a retry."""
+
+
+class _NoRetry(Exception):
+    """An infrastructure failure a retry cannot fix (e.g. the image is missing)."""
+
+
+# ---------------------------------------------------------------- ownership, reaping
+
+
+def _proc_start_time(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22 (starttime); fields after "comm" start at 3
+
+
+_HOST = socket.gethostname()
+_OWNER = f"{_HOST}:{os.getpid()}:{_proc_start_time(os.getpid()) or 0}"
+
+
+def _owner_alive(owner: str) -> bool:
+    """Whether the process named by an owner label is still running (unknown hosts count as alive)."""
+    try:
+        host, pid, start = owner.rsplit(":", 2)
+        pid_i = int(pid)
+    except ValueError:
+        return False
+    if host != _HOST:
+        return True  # another machine's run sharing this daemon: not ours to judge
+    return _proc_start_time(pid_i) == start
+
+
+def reap_leftovers(client=None, base_url: str | None = None, everything: bool = False) -> int:
+    """Remove sandbox containers whose owner process is gone (or all of them with ``everything``).
+
+    Returns:
+        How many containers were removed.
+    """
+    client = client or _make_client(base_url, 4)
+    removed = 0
+    for c in client.api.containers(all=True, filters={"label": f"{LABEL}=1"}):  # plain dicts: no per-container inspect race
+        owner = (c.get("Labels") or {}).get(OWNER_LABEL, "")
+        if everything or (owner != _OWNER and not _owner_alive(owner)):
+            try:
+                client.api.remove_container(c["Id"], force=True, v=True)
+                removed += 1
+            except docker.errors.NotFound:
+                pass  # another process reaped it first
+            except docker.errors.APIError as exc:
+                if exc.status_code != 409:  # 409: removal already in progress
+                    raise
+    return removed
+
+
+_reaped: set[str] = set()
+_reaped_lock = threading.Lock()
+_live: weakref.WeakSet[DockerSandbox] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for sb in list(_live):
+        try:
+            sb.close()
+        except Exception:  # noqa: BLE001 - best effort at interpreter exit
+            pass
+
+
+def _make_client(base_url: str | None, pool: int, timeout_s: float = 600):
+    if base_url:
+        return docker.DockerClient(base_url=base_url, max_pool_size=pool, timeout=timeout_s)
+    return docker.from_env(max_pool_size=pool, timeout=timeout_s)
+
+
+def _tar(files: Mapping[str, bytes]) -> bytes:
+    """A tar of ``{relative path: bytes}`` (and parent directories) owned by the sandbox user."""
+    buf = io.BytesIO()
+    now = time.time()
+    dirs: set[str] = set()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for rel, data in files.items():
+            parts = rel.split("/")[:-1]
+            for i in range(1, len(parts) + 1):
+                d = "/".join(parts[:i])
+                if d not in dirs:
+                    dirs.add(d)
+                    ti = tarfile.TarInfo(d)
+                    ti.type, ti.mode, ti.uid, ti.gid, ti.mtime = tarfile.DIRTYPE, 0o755, UID, GID, now
+                    tf.addfile(ti)
+            ti = tarfile.TarInfo(rel)
+            ti.size, ti.uid, ti.gid, ti.mtime = len(data), UID, GID, now
+            ti.mode = 0o755 if data[:2] == b"#!" else 0o644
+            tf.addfile(ti, io.BytesIO(bytes(data)))
+    return buf.getvalue()
+
+
+def _oom_counter_path(container_id: str) -> Path | None:
+    for p in (
+        f"/sys/fs/cgroup/memory/docker/{container_id}/memory.oom_control",  # v1, cgroupfs driver
+        f"/sys/fs/cgroup/memory/system.slice/docker-{container_id}.scope/memory.oom_control",  # v1, systemd
+        f"/sys/fs/cgroup/docker/{container_id}/memory.events",  # v2, cgroupfs
+        f"/sys/fs/cgroup/system.slice/docker-{container_id}.scope/memory.events",  # v2, systemd
+    ):
+        if os.path.exists(p):
+            return Path(p)
+    return None
+
+
+def _read_oom_kills(path: Path | None) -> int | None:
+    if path is None:
+        return None
+    try:
+        for line in path.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill":
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+class _Box:
+    """One container and what the provider knows about it."""
+
+    def __init__(self, container, limits: _Limits) -> None:
+        self.container = container
+        self.limits = limits
+        self.oom_path = _oom_counter_path(container.id)
+
+
+@register_provider("docker")
+class DockerSandbox(Sandbox):
+    """Docker provider (see the module docstring for the isolation and the limits).
+
+    Args:
+        image: image tag to run (built by ``python -m sandbox.build``).
+        pool_size: most containers kept and most programs running at once.
+        prewarm: containers (with default request limits) started when the sandbox opens.
+        base_url: Docker daemon URL (default: ``DOCKER_HOST`` or the local socket).
+        retries: extra attempts after an infrastructure failure.
+        retry_delay_s: delay before the first retry (grows linearly).
+        grace_s: the outer guard fires at ``timeout_s + grace_s``.
+        tmpfs_mb: size of ``/tmp``.
+        max_file_mb: largest file a program may write (RLIMIT_FSIZE; past it the program gets SIGXFSZ).
+        http_timeout_s: read timeout of Docker API calls; ``timeout_s + grace_s`` must stay below it.
+        reap: remove leftovers of dead owners when first connecting.
+    """
+
+    python = "python3"
+
+    def __init__(
+        self,
+        image: str = DEFAULT_IMAGE,
+        pool_size: int = 4,
+        prewarm: int = 0,
+        base_url: str | None = None,
+        retries: int = 2,
+        retry_delay_s: float = 0.5,
+        grace_s: float = 2.0,
+        tmpfs_mb: int = 64,
+        max_file_mb: int = 64,
+        reap: bool = True,
+        http_timeout_s: float = 600.0,
+    ) -> None:
+        if pool_size < 1:
+            raise ValueError("pool_size must be >= 1")
+        self.image, self.pool_size, self.base_url = image, pool_size, base_url
+        self.retries, self.retry_delay_s, self.grace_s = retries, retry_delay_s, grace_s
+        self.tmpfs_mb, self.max_file_mb, self.reap, self.http_timeout_s = tmpfs_mb, max_file_mb, reap, http_timeout_s
+        self._client_obj = None
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(pool_size)
+        self._idle: dict[_Limits, list[_Box]] = {}
+        self._count = 0  # containers in the pool, idle + busy
+        self._sessions: weakref.WeakSet[DockerSession] = weakref.WeakSet()
+        self._closed = False
+        self._stats_lock = threading.Lock()
+        self.stats = {"created": 0, "reused": 0, "discarded": 0, "retries": 0}
+        _live.add(self)
+        if prewarm:
+            self.prewarm(prewarm)
+
+    # ------------------------------------------------------------ infrastructure
+
+    def _client(self):
+        if self._client_obj is None:
+            with self._lock:
+                if self._client_obj is None:
+                    try:
+                        client = _make_client(self.base_url, 2 * self.pool_size + 8, self.http_timeout_s)
+                    except docker.errors.DockerException as exc:
+                        raise _Infra(f"Docker daemon unreachable: {exc}") from exc
+                    key = self.base_url or os.environ.get("DOCKER_HOST", "default")
+                    with _reaped_lock:
+                        if self.reap and key not in _reaped:
+                            _reaped.add(key)
+                            try:
+                                reap_leftovers(client)
+                            except Exception:  # noqa: BLE001 - reaping is best effort
+                                pass
+                    self._client_obj = client
+        return self._client_obj
+
+    def _create(self, limits: _Limits) -> _Box:
+        client = self._client()
+        kwargs = dict(
+            command=["python3", "-I", "-S", "-c", _INIT],
+            labels={LABEL: "1", OWNER_LABEL: _OWNER},
+            user=f"{UID}:{GID}",
+            working_dir=WORKDIR,
+            environment=_ENV,
+            read_only=True,
+            mounts=[Mount(target=WORKDIR, source=None, type="volume")],
+            tmpfs={"/tmp": f"rw,exec,nosuid,nodev,size={self.tmpfs_mb}m,mode=1777"},
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges"],
+            mem_limit=f"{limits.memory_mb}m",
+            memswap_limit=f"{limits.memory_mb}m",
+            nano_cpus=int(limits.cpus * 1e9),
+            pids_limit=limits.pids,
+            hostname="sandbox",
+            ulimits=[Ulimit(name="fsize", soft=self.max_file_mb << 20, hard=self.max_file_mb << 20), Ulimit(name="core", soft=0, hard=0)],
+        )
+        if not limits.network:
+            kwargs.update(network_disabled=True, network_mode="none")
+        container = None
+        try:  # create + start, never `containers.run`: that would try to pull a missing image
+            container = client.containers.create(self.image, **kwargs)
+            container.start()
+        except docker.errors.ImageNotFound as exc:
+            raise _NoRetry(f"image {self.image!r} not found; build it with `python -m sandbox.build` ({exc})") from exc
+        except (docker.errors.DockerException, OSError) as exc:
+            if container is not None:
+                self._remove(_Box(container, limits))
+            raise _Infra(f"container creation failed: {exc}") from exc
+        self._bump("created")
+        return _Box(container, limits)
+
+    def _remove(self, box: _Box) -> None:
+        try:
+            box.container.remove(force=True, v=True)
+        except Exception:  # noqa: BLE001 - already gone, or the daemon is down: reaped later
+            pass
+
+    def _exec_plain(self, box: _Box, argv: list[str]) -> int | None:
+        """Run a short command in the container; its exit code (None when it could not be run)."""
+        try:
+            api = self._client().api
+            exec_id = api.exec_create(box.container.id, argv, user=f"{UID}:{GID}")["Id"]
+            api.exec_start(exec_id)
+            return api.exec_inspect(exec_id)["ExitCode"]
+        except Exception:  # noqa: BLE001
+            return None
+
+    # ------------------------------------------------------------ pool
+
+    def prewarm(self, n: int | None = None, request: ExecRequest | None = None) -> int:
+        """Start up to ``n`` (default ``pool_size``) idle containers for ``request``'s limits; returns how many."""
+        limits = _Limits.of(request or ExecRequest(argv=["true"]))
+        with self._lock:
+            n = min(n if n is not None else self.pool_size, self.pool_size - self._count)
+            self._count += max(n, 0)
+        if n <= 0:
+            return 0
+        with ThreadPoolExecutor(n) as ex:
+            futures = [ex.submit(self._create, limits) for _ in range(n)]
+        made = 0
+        for f in futures:
+            with self._lock:
+                if f.exception() is None:
+                    self._idle.setdefault(limits, []).append(f.result())
+                    made += 1
+                else:
+                    self._count -= 1
+        return made
+
+    def _checkout(self, limits: _Limits) -> _Box:
+        victim = None
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("sandbox is closed")
+            boxes = self._idle.get(limits)
+            if boxes:
+                self._bump("reused")
+                return boxes.pop()
+            if self._count >= self.pool_size:  # full: evict an idle container with other limits
+                for other in self._idle.values():
+                    if other:
+                        victim = other.pop()
+                        break
+                self._count -= 1
+            self._count += 1
+        if victim is not None:
+            self._remove(victim)
+        try:
+            return self._create(limits)
+        except BaseException:
+            with self._lock:
+                self._count -= 1
+            raise
+
+    def _checkin(self, box: _Box, reusable: bool) -> None:
+        if reusable and not self._closed:  # the run's wrapper already cleaned the container
+            with self._lock:
+                if not self._closed:
+                    self._idle.setdefault(box.limits, []).append(box)
+                    return
+        with self._lock:
+            self._count -= 1
+        self._bump("discarded")
+        self._remove(box)
+
+    def _bump(self, key: str) -> None:
+        with self._stats_lock:
+            self.stats[key] += 1
+
+    # ------------------------------------------------------------ running
+
+    def run(self, request: ExecRequest) -> ExecResult:
+        """Run ``request`` in a pooled container; blocks while ``pool_size`` runs are in flight."""
+        self._check_timeout(request)
+        limits = _Limits.of(request)
+        with self._slots:
+            return self._with_retries(lambda: self._run_once(request, limits))
+
+    def _check_timeout(self, request: ExecRequest) -> None:
+        if request.timeout_s + self.grace_s >= self.http_timeout_s:
+            raise ValueError(f"timeout_s {request.timeout_s} too long for http_timeout_s {self.http_timeout_s}")
+
+    def _with_retries(self, attempt) -> ExecResult:
+        errors = []
+        for i in range(self.retries + 1):
+            if i:
+                self._bump("retries")
+                time.sleep(self.retry_delay_s * i)
+            try:
+                result = attempt()
+                result.attempts = i + 1
+                return result
+            except _NoRetry as exc:
+                return ExecResult.failed(str(exc), attempts=i + 1)
+            except _Infra as exc:
+                errors.append(str(exc))
+        return ExecResult.failed(f"sandbox failed after {self.retries + 1} attempts: {errors[-1]}", attempts=self.retries + 1)
+
+    def _run_once(self, request: ExecRequest, limits: _Limits) -> ExecResult:
+        box = self._checkout(limits)
+        reusable = False
+        try:
+            result, reusable = _execute(self, box, request, WORKDIR, pooled=True)
+            return result
+        finally:
+            self._checkin(box, reusable)
+
+    def session(self, memory_mb: int = 512, cpus: float = 1.0, pids: int = 64, network: bool = False) -> DockerSession:
+        """A dedicated container for several commands (not part of the pool).
+
+        Raises:
+            SandboxUnavailable: the container could not be created after the retries.
+        """
+        limits = _Limits(memory_mb, cpus, pids, network)
+        errors = []
+        for i in range(self.retries + 1):
+            if i:
+                time.sleep(self.retry_delay_s * i)
+            try:
+                box = self._create(limits)
+                break
+            except _NoRetry as exc:
+                raise SandboxUnavailable(str(exc)) from exc
+            except _Infra as exc:
+                errors.append(str(exc))
+        else:
+            raise SandboxUnavailable(f"could not create a session container: {errors[-1]}")
+        s = DockerSession(self, box)
+        self._sessions.add(s)
+        return s
+
+    def close(self) -> None:
+        """Remove every idle container and open session. Runs in flight discard their container when done."""
+        with self._lock:
+            self._closed = True
+            boxes = [b for lst in self._idle.values() for b in lst]
+            self._idle.clear()
+            self._count -= len(boxes)
+        jobs = [lambda b=b: self._remove(b) for b in boxes] + [s.close for s in list(self._sessions)]
+        try:
+            with ThreadPoolExecutor(min(8, len(jobs) or 1)) as ex:
+                list(ex.map(lambda job: job(), jobs))
+        except RuntimeError:  # at interpreter exit new threads are refused: remove one by one
+            for job in jobs:
+                job()
+        _live.discard(self)
+
+
+def _execute(sb: DockerSandbox, box: _Box, request: ExecRequest, cwd: str, pooled: bool) -> tuple[ExecResult, bool]:
+    """Stage inputs, run the program (and, if ``pooled``, clean up) in one exec; classify.
+
+    Returns:
+        (result, whether the container may be used again).
+    Raises:
+        _Infra: a Docker call or the in-container setup failed.
+    """
+    api = sb._client().api
+    workdir = resolve_path(WORKDIR, cwd, request.cwd) if request.cwd else cwd
+    staged = {posixpath_rel(resolve_path(WORKDIR, workdir, p)): d for p, d in request.files.items()}
+    stdin_path = "/dev/null"
+    if request.stdin:
+        name = f".opd-stdin-{uuid.uuid4().hex}"
+        staged[name] = bytes(request.stdin)
+        stdin_path = f"{WORKDIR}/{name}"
+    payload = base64.b64encode(_tar(staged)).decode() if staged else ""
+    chunks = [payload[i : i + _CHUNK] for i in range(0, len(payload), _CHUNK)]
+    mark = f"OPD-SANDBOX-{uuid.uuid4().hex}"
+    guard_fired = threading.Event()
+    t0 = time.perf_counter()
+
+    def guard() -> None:
+        guard_fired.set()
+        try:
+            if pooled:
+                box.container.kill()
+            else:
+                sb._exec_plain(box, ["sh", "-c", _KILL_ALL])
+        except Exception:  # noqa: BLE001
+            pass
+
+    cap = request.max_output_bytes
+    out, err, tail = OutputBuffer(cap), OutputBuffer(cap), bytearray()
+    try:
+        if len(payload) > _ARGV_PAYLOAD_MAX:
+            if not box.container.put_archive(WORKDIR, _tar(staged)):
+                raise _Infra("put_archive returned False")
+            chunks = []
+        oom_before = _read_oom_kills(box.oom_path)
+        argv = ["/bin/sh", "-c", _WRAP, "sh", mark, workdir, stdin_path, f"{request.timeout_s:.3f}", "1" if pooled else "0", str(len(chunks))]
+        exec_id = api.exec_create(box.container.id, [*argv, *chunks, *request.argv], user=f"{UID}:{GID}", environment=request.env or None)["Id"]
+        timer = threading.Timer(request.timeout_s + sb.grace_s, guard)
+        timer.daemon = True
+        t0 = time.perf_counter()
+        timer.start()
+        try:
+            for o, e in api.exec_start(exec_id, stream=True, demux=True):
+                if o:
+                    out.add(o)
+                    tail += o
+                    del tail[:-512]
+                if e:
+                    err.add(e)
+        finally:
+            timer.cancel()
+        wall = time.perf_counter() - t0
+        oom_after = _read_oom_kills(box.oom_path)
+    except (docker.errors.DockerException, OSError) as exc:
+        if guard_fired.is_set():  # the guard's kill broke the stream: a timeout, not a failure
+            return ExecResult(status="timeout", duration_s=time.perf_counter() - t0, error="killed by the outer guard"), not pooled
+        raise _Infra(f"{type(exc).__name__}: {exc}") from exc
+
+    key = b"\n" + mark.encode() + b" "
+    at = tail.rfind(key)
+    fields = tail[at + len(key) : -1].decode().split() if at >= 0 and tail.endswith(b"\n") else []
+    if fields[:1] == ["setup"]:
+        raise _Infra(f"staging inputs failed in the container: {err.text()[-500:]}")
+    program_len = out.kept + out.dropped - (len(tail) - at if fields else 0)
+    result = ExecResult(
+        status="ok",
+        stdout=b"".join(out.chunks)[: min(cap, program_len)].decode("utf-8", errors="replace"),
+        stderr=err.text(),
+        stdout_truncated=program_len > cap,
+        stderr_truncated=err.truncated,
+        duration_s=wall,
+    )
+    if guard_fired.is_set():
+        result.status, result.error = "timeout", f"killed by the outer guard at {request.timeout_s + sb.grace_s:.1f}s"
+        return result, not pooled
+    if len(fields) != 3:  # the wrapper itself was killed (the program signalled every process it could)
+        result.status, result.error = "killed", "the sandbox wrapper was killed by the program"
+        return result, False
+    exit_code, nanos, clean = int(fields[0]), int(fields[1]), int(fields[2])
+    result.exit_code, result.duration_s = exit_code, nanos / 1e9
+    oom_known = oom_before is not None and oom_after is not None
+    if exit_code == 137 and result.duration_s >= request.timeout_s:
+        result.status = "timeout"
+    elif oom_known and oom_after > oom_before:
+        result.status, result.error = "oom", f"memory limit {request.memory_mb} MB exceeded (cgroup OOM kill)"
+    elif exit_code == 137 and not oom_known:
+        result.status, result.error = "oom", "SIGKILL before the timeout: read as the OOM killer (no cgroup counter on this host)"
+    else:
+        result.status = signal_status(exit_code)
+    return result, clean == 0
+
+
+def posixpath_rel(abs_path: str) -> str:
+    """``/box/a/b`` → ``a/b`` (tar member names are relative to the work root)."""
+    return abs_path[len(WORKDIR) + 1 :]
+
+
+class DockerSession(Session):
+    """A dedicated container; see ``Session``. Commands run one at a time (a lock serialises them)."""
+
+    def __init__(self, sb: DockerSandbox, box: _Box) -> None:
+        super().__init__(WORKDIR)
+        self._sb, self._box = sb, box
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def container_id(self) -> str:
+        return self._box.container.id
+
+    def _is_dir(self, path: str) -> bool:
+        return self._sb._exec_plain(self._box, ["test", "-d", path]) == 0
+
+    def run(self, request: ExecRequest) -> ExecResult:
+        self._sb._check_timeout(request)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("session is closed")
+            try:
+                result, _ = _execute(self._sb, self._box, request, self._cwd, pooled=False)
+                return result
+            except _Infra as exc:
+                return ExecResult.failed(str(exc))
+
+    def write_files(self, files: Mapping[str, bytes]) -> None:
+        staged = {posixpath_rel(resolve_path(WORKDIR, self._cwd, p)): d for p, d in files.items()}
+        if not staged:
+            return
+        try:
+            ok = self._box.container.put_archive(WORKDIR, _tar(staged))
+        except docker.errors.DockerException as exc:
+            raise SandboxUnavailable(f"write_files failed: {exc}") from exc
+        if not ok:
+            raise SandboxUnavailable("write_files failed: put_archive returned False")
+
+    def read_file(self, path: str, max_bytes: int = MAX_READ_FILE_BYTES) -> bytes:
+        full = resolve_path(WORKDIR, self._cwd, path)
+        try:
+            stream, stat = self._box.container.get_archive(full)
+        except docker.errors.NotFound as exc:
+            raise FileNotFoundError(full) from exc
+        except docker.errors.DockerException as exc:
+            raise SandboxUnavailable(f"read_file failed: {exc}") from exc
+        if stat.get("size", 0) > max_bytes:
+            raise ValueError(f"{full} is {stat['size']} bytes, over the {max_bytes}-byte limit")
+        if stat.get("mode", 0) & (1 << 31):  # Go's os.ModeDir
+            raise IsADirectoryError(full)
+        with tarfile.open(fileobj=io.BytesIO(b"".join(stream)), mode="r") as tf:
+            member = tf.next()
+            if member is None or not member.isfile():
+                raise FileNotFoundError(f"{full} is not a regular file")
+            return tf.extractfile(member).read()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._sb._remove(self._box)

@@ -1,0 +1,371 @@
+"""Sandbox providers (docker and local): streams, limits, statuses, sessions, the warm pool, reaping.
+
+Docker tests are marked ``docker``. Without a daemon (or without the image) they skip with the
+reason, unless ``HARNESS_REQUIRE_DOCKER=1`` (set by CI), where they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import sandbox
+from sandbox import ExecRequest, ExecResult
+
+REQUIRE_DOCKER = os.environ.get("HARNESS_REQUIRE_DOCKER") == "1"
+IMAGE = os.environ.get("HARNESS_SANDBOX_IMAGE", "opd-sandbox:bookworm")
+
+
+def _unavailable(reason: str):
+    if REQUIRE_DOCKER:
+        pytest.fail(f"HARNESS_REQUIRE_DOCKER=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def docker_client():
+    try:
+        import docker
+    except ImportError:
+        _unavailable("the docker SDK is not installed (pip install docker==7.2.0)")
+    try:
+        client = docker.from_env()
+        client.ping()
+    except Exception as exc:  # noqa: BLE001
+        _unavailable(f"no Docker daemon ({type(exc).__name__}: {exc}); start it with `dockerd &`")
+    try:
+        client.images.get(IMAGE)
+    except docker.errors.ImageNotFound:
+        _unavailable(f"image {IMAGE} missing; build it with `python -m sandbox.build`")
+    return client
+
+
+@pytest.fixture(scope="module")
+def docker_sb(docker_client):
+    with sandbox.open_sandbox("docker", image=IMAGE, pool_size=2) as sb:
+        yield sb
+
+
+@pytest.fixture(scope="module")
+def local_sb():
+    with sandbox.open_sandbox("local", network_isolation="auto") as sb:
+        yield sb
+
+
+@pytest.fixture(params=["local", pytest.param("docker", marks=pytest.mark.docker)])
+def sb(request):
+    return request.getfixturevalue(f"{request.param}_sb")
+
+
+def py(sb, code: str, **kw) -> ExecRequest:
+    return ExecRequest(argv=[sb.python, "-c", code], **kw)
+
+
+# ---------------------------------------------------------------- API and registry (no Docker)
+
+
+def test_registry_and_validation():
+    assert {"docker", "local"} <= set(sandbox.provider_names())
+    with pytest.raises(KeyError, match="valid: docker, local"):
+        sandbox.open_sandbox("dockr")
+    with pytest.raises(KeyError, match="duplicate"):
+        sandbox.register_provider("local")(type("Other", (sandbox.Sandbox,), {}))
+    with pytest.raises(ValueError):
+        ExecRequest(argv="python3 -c 1")
+    with pytest.raises(ValueError):
+        ExecRequest(argv=["true"], timeout_s=0)
+    with pytest.raises(ValueError, match="leaves"):
+        sandbox.resolve_path("/box", "/box", "../etc/passwd")
+    assert sandbox.resolve_path("/box", "/box/a", "b/../c.txt") == "/box/a/c.txt"
+    assert ExecResult.failed("x").status == "error" and not ExecResult.failed("x").success
+
+
+def test_sandbox_imports_nothing_else_of_the_project():
+    code = "import sys, sandbox, sandbox.local, sandbox.docker, sandbox.build; print(sorted({m.split('.')[0] for m in sys.modules} & {'harness', 'tasks', 'trainers'}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_docker_daemon_unavailable_is_error_after_bounded_retries():
+    try:
+        import docker  # noqa: F401 - only the SDK is needed, not a daemon
+    except ImportError:
+        _unavailable("the docker SDK is not installed (pip install docker==7.2.0)")
+    with sandbox.open_sandbox("docker", base_url="unix:///nonexistent/docker.sock", retries=2, retry_delay_s=0.01, reap=False) as sb:
+        r = sb.run(ExecRequest(argv=["true"]))
+        assert r.status == "error" and r.attempts == 3 and not r.success
+        assert "unreachable" in r.error or "failed" in r.error
+        with pytest.raises(sandbox.SandboxUnavailable):
+            sb.session()
+
+
+# ---------------------------------------------------------------- both providers
+
+
+def test_streams_exit_code_and_env(sb, monkeypatch):
+    monkeypatch.setenv("OPD_HOST_SECRET", "hunter2")  # must not leak into the sandbox
+    code = "import os, sys; print('out'); print('err', file=sys.stderr); print(os.environ.get('OPD_HOST_SECRET'), os.environ['MINE']); sys.exit(3)"
+    r = sb.run(py(sb, code, env={"MINE": "yes", "IFS": "x"}))
+    assert (r.status, r.exit_code, r.stdout, r.stderr) == ("ok", 3, "out\nNone yes\n", "err\n")
+    assert not r.stdout_truncated and not r.stderr_truncated and r.duration_s > 0
+
+
+def test_files_in_stdin_and_cwd(sb):
+    files = {"main.py": b"import sys\nprint(open('data/in.txt').read().strip(), sys.stdin.read().upper())", "data/in.txt": b"hello"}
+    r = sb.run(ExecRequest(argv=[sb.python, "main.py"], files=files, stdin=b"world"))
+    assert (r.status, r.exit_code, r.stdout) == ("ok", 0, "hello WORLD\n"), r
+    r = sb.run(ExecRequest(argv=["sh", "-c", "pwd; ls -A"], files={"x": b"1"}, cwd="sub"))
+    assert r.stdout.splitlines()[0].endswith("/box/sub") and r.stdout.splitlines()[1:] == ["x"], r  # the stdin file is gone
+
+
+def test_large_inputs(sb):
+    blob = os.urandom(1_500_000)  # over the docker provider's argv budget: sent by put_archive
+    code = "import hashlib, sys; print(hashlib.sha256(open('blob', 'rb').read()).hexdigest(), len(sys.stdin.buffer.read()))"
+    r = sb.run(py(sb, code, files={"blob": blob}, stdin=b"s" * 3_000_000))
+    import hashlib
+
+    assert (r.status, r.stdout) == ("ok", f"{hashlib.sha256(blob).hexdigest()} 3000000\n"), r
+
+
+def test_program_signalling_everything_is_contained(sb):
+    r = sb.run(py(sb, "import os, signal; print('bye', flush=True); os.kill(-1, signal.SIGKILL)"))
+    assert r.status in ("killed", "ok") and r.stdout.startswith("bye"), r  # the harness (this process) is alive
+    assert sb.run(ExecRequest(argv=["echo", "next"])).stdout == "next\n"
+
+
+def test_output_caps(sb):
+    r = sb.run(py(sb, "import sys; sys.stdout.write('x' * 3_000_000); sys.stderr.write('e' * 10)", max_output_bytes=1000))
+    assert r.status == "ok" and r.stdout == "x" * 1000 and r.stdout_truncated
+    assert r.stderr == "e" * 10 and not r.stderr_truncated
+
+
+def test_file_size_cap(sb):
+    r = sb.run(py(sb, "open('big', 'wb').write(b'x' * (65 << 20))"))  # default cap 64 MiB; Python ignores SIGXFSZ
+    assert r.exit_code != 0 and "File too large" in r.stderr, r
+
+
+def test_infinite_loop_times_out(sb):
+    t0 = time.perf_counter()
+    r = sb.run(py(sb, "while True: pass", timeout_s=1.0))
+    assert r.status == "timeout" and time.perf_counter() - t0 < 1.0 + 2.0, r
+    r = sb.run(py(sb, "import time; print('start', flush=True); time.sleep(30)", timeout_s=0.5))
+    assert r.status == "timeout" and r.stdout == "start\n", r
+
+
+def test_memory_hog_is_oom(sb):
+    r = sb.run(py(sb, "x = []\nwhile True: x.append(bytearray(16 << 20))", memory_mb=128, timeout_s=10))
+    assert r.status == "oom", r
+
+
+def test_signal_is_killed(sb):
+    r = sb.run(py(sb, "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"))
+    assert (r.status, r.exit_code) == ("killed", 128 + 11), r
+
+
+def test_process_limit_and_fork_bomb(sb):
+    count = "import os, time\nn = 0\ntry:\n    while n < 500:\n        if os.fork() == 0:\n            time.sleep(30)\n            os._exit(0)\n        n += 1\nexcept OSError:\n    pass\nprint(n)"
+    r = sb.run(py(sb, count, pids=16, timeout_s=5))
+    assert r.status == "ok" and 0 < int(r.stdout) < 16, r
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    t0 = time.perf_counter()
+    r = sb.run(py(sb, bomb, pids=32, timeout_s=1.5))
+    assert r.status == "timeout" and time.perf_counter() - t0 < 1.5 + 3.0, r
+    assert sb.run(ExecRequest(argv=["echo", "fine"])).stdout == "fine\n"  # the sandbox recovered
+
+
+def test_network_unreachable(sb):
+    if getattr(sb, "network_isolated", True) is False:
+        pytest.skip("this machine gives the local provider no network namespace")
+    code = "import socket\ntry:\n    socket.create_connection(('192.0.2.1', 80), timeout=3)\n    print('connected')\nexcept OSError as e:\n    print(e.errno)"
+    r = sb.run(py(sb, code))
+    assert r.status == "ok" and r.stdout.strip() == "101", r  # ENETUNREACH: no interface but lo
+    r = sb.run(py(sb, "import socket; print(socket.if_nameindex())"))
+    assert "'lo'" in r.stdout and "eth" not in r.stdout
+
+
+def test_session_persists_files_and_cwd(sb):
+    with sb.session() as s:
+        s.write_files({"proj/a.txt": b"A"})
+        s.chdir("proj")
+        r1 = s.run(ExecRequest(argv=["sh", "-c", "pwd; cat a.txt; echo B > b.txt"]))
+        r2 = s.run(ExecRequest(argv=["sh", "-c", "pwd; ls"]))
+        assert s.cwd == "/box/proj"
+        assert r1.stdout.splitlines()[0] == r2.stdout.splitlines()[0] and r1.stdout.splitlines()[0].endswith("/box/proj")
+        assert r1.stdout.splitlines()[1] == "A" and r2.stdout.splitlines()[1:] == ["a.txt", "b.txt"]
+        assert s.read_file("b.txt") == b"B\n" and s.read_file("/box/proj/a.txt") == b"A"
+        with pytest.raises(FileNotFoundError):
+            s.read_file("missing.txt")
+        with pytest.raises(ValueError):
+            s.read_file("../../etc/passwd")
+        with pytest.raises(FileNotFoundError):
+            s.chdir("nowhere")
+        assert s.run(ExecRequest(argv=["sleep", "30"], timeout_s=0.5)).status == "timeout"
+        assert s.run(ExecRequest(argv=["cat", "a.txt"])).stdout == "A"  # still usable after a timeout
+
+
+# ---------------------------------------------------------------- docker only
+
+
+@pytest.mark.docker
+def test_docker_locked_down(docker_sb):
+    code = (
+        "import os\n"
+        "for p in ('/etc/x', '/usr/x'):\n"
+        "    try:\n        open(p, 'w')\n    except OSError as e:\n        print(e.strerror)\n"
+        "open('/box/ok', 'w').write('1'); open('/tmp/ok', 'w').write('1')\n"
+        "print(os.getuid(), os.getgid())\n"
+        "print([l for l in open('/proc/self/status') if l.startswith('CapEff')][0].split()[1])\n"
+    )
+    r = docker_sb.run(py(docker_sb, code))
+    assert r.stdout.splitlines() == ["Read-only file system", "Read-only file system", "65534 65534", "0000000000000000"], r
+
+
+@pytest.mark.docker
+def test_docker_pool_reuses_and_cleans(docker_client):
+    with sandbox.open_sandbox("docker", image=IMAGE, pool_size=1) as sb:
+        dirty = "mkdir -p /box/d && touch /box/d/f /box/.hidden /tmp/t /dev/shm/s && chmod 000 /box/d && (setsid sleep 300 > /dev/null 2>&1 &) && echo done"
+        assert sb.run(ExecRequest(argv=["sh", "-c", dirty])).stdout == "done\n"
+        code = (
+            "import os\n"
+            "print(os.listdir('/box'), os.listdir('/tmp'), os.listdir('/dev/shm'))\n"
+            "print(sorted(open(f'/proc/{p}/comm').read().strip() for p in os.listdir('/proc') if p.isdigit()))"
+        )
+        r = sb.run(py(sb, code))
+        assert r.stdout.splitlines() == ["[] [] []", "['python3', 'python3', 'sh', 'timeout']"], r  # init, program, wrapper, timeout: no sleep
+        assert sb.stats["created"] == 1 and sb.stats["reused"] == 1 and sb.stats["discarded"] == 0
+
+
+@pytest.mark.docker
+def test_docker_parallel_runs_bounded_by_pool(docker_client):
+    code = "import time; t = time.time(); time.sleep(0.6); print(t, time.time())"
+    with sandbox.open_sandbox("docker", image=IMAGE, pool_size=2) as sb:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(6) as ex:
+            results = list(ex.map(sb.run, [py(sb, code)] * 6))
+        wall = time.perf_counter() - t0
+        assert all(r.status == "ok" for r in results), results
+        spans = [tuple(map(float, r.stdout.split())) for r in results]
+        peak = max(sum(1 for a, b in spans if a <= t < b) for t, _ in spans)
+        assert peak <= 2 and wall >= 3 * 0.6 and sb.stats["created"] == 2 and sb.stats["reused"] == 4, (peak, wall, sb.stats)
+
+
+@pytest.mark.docker
+def test_docker_reaps_leftovers_of_dead_owners(docker_client):
+    from sandbox.docker import _OWNER, LABEL, OWNER_LABEL, reap_leftovers
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    labels_dead = {LABEL: "1", OWNER_LABEL: f"{socket.gethostname()}:{dead.pid}:0"}
+    labels_live = {LABEL: "1", OWNER_LABEL: _OWNER}
+    c_dead = docker_client.containers.create(IMAGE, ["true"], labels=labels_dead, network_disabled=True)
+    c_live = docker_client.containers.create(IMAGE, ["true"], labels=labels_live, network_disabled=True)
+    try:
+        reap_leftovers(docker_client)
+        ids = {c["Id"] for c in docker_client.api.containers(all=True, filters={"label": f"{LABEL}=1"})}
+        assert c_dead.id not in ids and c_live.id in ids
+    finally:
+        for c in (c_dead, c_live):
+            try:
+                c.remove(force=True)
+            except Exception:  # noqa: BLE001
+                pass
+
+
+@pytest.mark.docker
+def test_docker_crashed_run_is_reaped_by_the_next_process(docker_client):
+    from sandbox.docker import LABEL, OWNER_LABEL
+
+    crash = f"import os, sandbox; sb = sandbox.open_sandbox('docker', image={IMAGE!r}, prewarm=1); print(os.getpid(), sb.stats['created'], flush=True); os.kill(os.getpid(), 9)"
+    proc = subprocess.run([sys.executable, "-c", crash], capture_output=True, text=True)
+    pid, created = proc.stdout.split()
+    assert proc.returncode == -9 and created == "1", proc.stderr
+
+    def owned_by(pid: str) -> list:
+        found = docker_client.api.containers(all=True, filters={"label": f"{LABEL}=1"})
+        return [c for c in found if c["Labels"][OWNER_LABEL].split(":")[1] == pid]
+
+    assert len(owned_by(pid)) <= 1  # (another process starting now may have reaped it already)
+    # The next process reaps it when it first connects, and removes its own containers at exit
+    # (it never calls close()).
+    nxt = f"import os, sandbox; sb = sandbox.open_sandbox('docker', image={IMAGE!r}); s = sb.session(); print(os.getpid(), sb.run(sandbox.ExecRequest(argv=['true'])).status)"
+    nxt_pid, status = subprocess.run([sys.executable, "-c", nxt], capture_output=True, text=True).stdout.split()
+    assert status == "ok"
+    assert owned_by(pid) == [] and owned_by(nxt_pid) == []
+
+
+@pytest.mark.docker
+def test_docker_close_removes_containers_and_missing_image_is_error(docker_client):
+    from sandbox.docker import OWNER_LABEL, _OWNER
+
+    def ours() -> set[str]:
+        return {c.id for c in docker_client.containers.list(all=True, filters={"label": f"{OWNER_LABEL}={_OWNER}"})}
+
+    before = ours()
+    sb = sandbox.open_sandbox("docker", image=IMAGE, pool_size=2, prewarm=2)
+    s = sb.session()
+    mine = ours() - before
+    assert len(mine) == 3 and s.container_id in mine
+    sb.close()
+    assert not ours() & mine
+    with sandbox.open_sandbox("docker", image="opd-sandbox:does-not-exist", retries=3) as bad:
+        r = bad.run(ExecRequest(argv=["true"]))
+        assert r.status == "error" and r.attempts == 1 and "sandbox.build" in r.error
+
+
+@pytest.mark.docker
+def test_docker_outer_guard_kills_container(docker_client, monkeypatch):
+    import sandbox.docker as sd
+
+    # Simulate a broken in-container timeout: only the outer guard (timeout_s + grace_s) is left.
+    monkeypatch.setattr(sd, "_WRAP", sd._WRAP.replace('/usr/bin/timeout -s KILL "$0" ', ""))
+    with sandbox.open_sandbox("docker", image=IMAGE, pool_size=1, grace_s=0.5) as sb:
+        t0 = time.perf_counter()
+        r = sb.run(ExecRequest(argv=["sleep", "30"], timeout_s=1.0))
+        assert r.status == "timeout" and time.perf_counter() - t0 < 1.0 + 0.5 + 2.0, r
+        assert sb.stats["discarded"] == 1
+        assert sb.run(ExecRequest(argv=["echo", "ok"])).stdout == "ok\n"
+
+
+# ---------------------------------------------------------------- local only
+
+
+def test_local_reports_network_isolation_and_runs_unprivileged(local_sb):
+    assert isinstance(local_sb.network_isolated, bool)
+    r = local_sb.run(py(local_sb, "import os; print(os.getuid() != 0); open('/root/x', 'w')"))
+    if os.geteuid() == 0:
+        assert r.stdout == "True\n" and "Permission denied" in r.stderr, r
+    token = f"opd-escape-{os.getpid()}-{time.time_ns()}"
+    escaped = f"import os, time\nif os.fork() == 0:\n    os.setsid(); time.sleep(60)  # {token}\nprint('parent done')"
+    r = local_sb.run(py(local_sb, escaped))
+    assert r.status == "ok" and r.stdout == "parent done\n", r
+    # Killed after the run even though it left the process group (PID namespace / per-run uid).
+    if local_sb.pid_isolated or local_sb.root_mode:
+        assert _live_with(token) == []
+
+
+def _live_with(token: str) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if token.encode() in cmd and state not in ("Z", "X"):
+            found.append(int(pid))
+    return found
+
+
+def test_local_parallel_threads(local_sb):
+    with ThreadPoolExecutor(4) as ex:
+        results = list(ex.map(local_sb.run, [ExecRequest(argv=["echo", str(i)]) for i in range(8)]))
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(8)]
+
