@@ -376,3 +376,17 @@ def _measure_startup(method: str, n: int = 3) -> float:
     with MathGrader(workers=1, start_method=method) as g:
         g.grade_many([("\\boxed{2}", "2")] * n)
     return time.perf_counter() - t0
+
+
+class MathVerifyGraded:
+    """Task mixin: completions are graded against ``Problem.answer`` by the shared math-verify pool."""
+
+    def grade_many(self, problems, completions):
+        from tasks.base import Score
+
+        grades = default_grader().grade_many([(c, p.answer) for p, c in zip(problems, completions, strict=True)])
+        return [Score(g.status, g.extracted, g.detail) for g in grades]
+
+    @property
+    def grader(self) -> tuple[str, str]:
+        return GRADER_NAME, grader_version()

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness.registry import METHODS
-from harness.trajectory import TensorBatch
+from batches import make_batch
 from trainers.objectives import StudentOutputs
 from trainers.objectives.ap_opd import (
     APOPDParams,
@@ -32,24 +32,6 @@ from trainers.objectives.iw_opd import IWOPDParams, iw_opd_objective, iw_weights
 from trainers.objectives.opd import full_reverse_kl
 
 TOL = 1e-6
-
-
-def make_batch(mask, behaviour, teacher, teacher_full=None, old=None, dtype=torch.float32) -> TensorBatch:
-    mask = torch.as_tensor(mask, dtype=dtype)
-    b, t = mask.shape
-    return TensorBatch(
-        input_ids=torch.zeros((b, t), dtype=torch.long),
-        attention_mask=torch.ones((b, t), dtype=torch.long),
-        loss_mask=mask,
-        step_index=torch.zeros((b, t), dtype=torch.long),
-        behaviour_logprobs=torch.as_tensor(behaviour, dtype=dtype),
-        teacher_logprobs=torch.as_tensor(teacher, dtype=dtype),
-        rewards=torch.full((b,), float("nan")),
-        policy_version=torch.zeros(b, dtype=torch.long),
-        group_ids=torch.arange(b),
-        teacher_full=teacher_full,
-        old_logprobs=None if old is None else torch.as_tensor(old, dtype=dtype),
-    )
 
 
 def close(actual, expected, tol=TOL) -> bool:

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness.registry import METHODS
+from batches import make_batch
 from harness.trajectory import TensorBatch
 from trainers.objectives import StudentOutputs
 from trainers.objectives.f_opd import (
@@ -46,25 +47,6 @@ OBJECTIVES = {
     "opd_lag_only": (opd_lag_only_objective, LagOnlyParams()),
     "opd_hard_refresh": (opd_hard_refresh_objective, HardRefreshParams()),
 }
-
-
-def make_batch(mask, behaviour, teacher, teacher_full=None, *, fresh=None, lag=None, dtype=torch.float32) -> TensorBatch:
-    mask = torch.tensor(mask, dtype=dtype)
-    b, t = mask.shape
-    return TensorBatch(
-        input_ids=torch.zeros((b, t), dtype=torch.long),
-        attention_mask=torch.ones((b, t), dtype=torch.long),
-        loss_mask=mask,
-        step_index=torch.zeros((b, t), dtype=torch.long),
-        behaviour_logprobs=torch.tensor(behaviour, dtype=dtype),
-        teacher_logprobs=torch.tensor(teacher, dtype=dtype),
-        rewards=torch.full((b,), float("nan")),
-        policy_version=torch.zeros(b, dtype=torch.long),
-        group_ids=torch.arange(b),
-        teacher_full=teacher_full,
-        teacher_fresh_logprobs=None if fresh is None else torch.tensor(fresh, dtype=dtype),
-        policy_lag=None if lag is None else torch.tensor(lag, dtype=torch.long),
-    )
 
 
 def sigmoid(x: float) -> float:

@@ -6,26 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness.trajectory import TensorBatch
+from batches import make_batch
 from trainers.objectives import StudentOutputs
 from trainers.objectives.opd import OPDParams, opd_needs, opd_objective
-
-
-def make_batch(mask, behaviour, teacher, teacher_full=None) -> TensorBatch:
-    mask = torch.tensor(mask, dtype=torch.float32)
-    b, t = mask.shape
-    return TensorBatch(
-        input_ids=torch.zeros((b, t), dtype=torch.long),
-        attention_mask=torch.ones((b, t), dtype=torch.long),
-        loss_mask=mask,
-        step_index=torch.zeros((b, t), dtype=torch.long),
-        behaviour_logprobs=torch.tensor(behaviour),
-        teacher_logprobs=torch.tensor(teacher),
-        rewards=torch.full((b,), float("nan")),
-        policy_version=torch.zeros(b, dtype=torch.long),
-        group_ids=torch.arange(b),
-        teacher_full=teacher_full,
-    )
 
 
 def test_sampled_estimator_matches_hand_computation():

@@ -68,8 +68,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field as OptionField
 
 from harness.registry import TASKS
-from tasks.base import DataError, Problem, Score, Task, TaskOptions
-from tasks.math_grading import GRADER_NAME, default_grader, extract_boxed, grader_version
+from tasks.base import DataError, Problem, Task, TaskOptions
+from tasks.math_grading import MathVerifyGraded, extract_boxed
 
 log = logging.getLogger(__name__)
 
@@ -355,7 +355,7 @@ def build_question(problem_text: str, instruction: str, shots: Iterable[tuple[st
     return f"{head}{worked}Problem:\n{problem_text}\n\nSolution:"
 
 
-class MathTask(Task):
+class MathTask(MathVerifyGraded, Task):
     """A math benchmark declared by its files, hub sources and row layout; graded with math-verify."""
 
     Options = MathOptions
@@ -451,16 +451,6 @@ class MathTask(Task):
             solution=_get(row, layout.solution, where, line) if layout.solution else None,
             meta=meta,
         )
-
-    # ---- grading
-
-    def grade_many(self, problems: list[Problem], completions: list[str]) -> list[Score]:
-        grades = default_grader().grade_many([(c, p.answer) for p, c in zip(problems, completions, strict=True)])
-        return [Score(g.status, g.extracted, g.detail) for g in grades]
-
-    @property
-    def grader(self) -> tuple[str, str]:
-        return GRADER_NAME, grader_version()
 
 
 def _get(row: Mapping[str, Any], spec: Field, where: str, line: int) -> Any:

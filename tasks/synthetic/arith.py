@@ -14,8 +14,8 @@ from pathlib import Path
 from pydantic import Field
 
 from harness.registry import TASKS
-from tasks.base import Problem, Score, Task, TaskOptions
-from tasks.math_grading import GRADER_NAME, default_grader, grader_version
+from tasks.base import Problem, Task, TaskOptions
+from tasks.math_grading import MathVerifyGraded
 
 
 class ArithOptions(TaskOptions):
@@ -60,7 +60,7 @@ def make_problem(rng: random.Random, opts: ArithOptions) -> tuple[str, list[str]
 
 
 @TASKS.register("arith")
-class ArithTask(Task):
+class ArithTask(MathVerifyGraded, Task):
     name = "arith"
     description = "Synthetic multi-step arithmetic (e.g. 37+4*12) with step-by-step solutions and a boxed answer"
     Options = ArithOptions
@@ -94,10 +94,3 @@ class ArithTask(Task):
         problems = out[split]
         return problems[: opts.limit] if opts.limit else problems
 
-    def grade_many(self, problems: list[Problem], completions: list[str]) -> list[Score]:
-        grades = default_grader().grade_many([(c, p.answer) for p, c in zip(problems, completions, strict=True)])
-        return [Score(g.status, g.extracted, g.detail) for g in grades]
-
-    @property
-    def grader(self) -> tuple[str, str]:
-        return GRADER_NAME, grader_version()
