@@ -28,3 +28,25 @@ def test_method_runs_end_to_end_on_smoke(method, out_dir):
         evals = [s for (s,) in conn.execute("SELECT step FROM evals WHERE run_id=? ORDER BY step", (run_id,))]
     assert len(losses) == 4 and all(v == v for v in losses)  # four finite (non-NaN) losses
     assert evals == [0, 2, 4]
+
+
+@pytest.mark.slow
+def test_schedule_state_is_saved_in_checkpoints_and_restored(out_dir):
+    """SAF's warm-up/anneal state machine travels with the checkpoint, so a resume does not restart it."""
+    import torch
+
+    from trainers.objectives.saf import SAFParams, Schedule
+
+    result = runner.invoke(app, ["run", "--method", "saf_opd", "--task", "arith", "--preset", "smoke", "--set", "eval.teacher=false",
+                                 "--set", "method_args.saf_opd.warmup_steps=10", "--set", "method_args.saf_opd.kl_drop_delta=0", "--out", str(out_dir)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    with sqlite3.connect(out_dir / "results.sqlite") as conn:
+        (run_id,) = conn.execute("SELECT run_id FROM runs WHERE method='saf_opd' ORDER BY created_at DESC").fetchone()
+        (path,) = conn.execute("SELECT path FROM checkpoints WHERE run_id=? AND step=4", (run_id,)).fetchone()
+        (scale,) = conn.execute("SELECT value FROM step_metrics WHERE run_id=? AND step=4 AND name='warmup_scale'", (run_id,)).fetchone()
+    saved = torch.load(f"{path}/trainer_state.pt", weights_only=False)["extra"]["method_state"]
+    restored = Schedule.from_params(SAFParams(warmup_steps=10, kl_drop_delta=0))
+    restored.load_state_dict(saved)
+    assert restored.state_dict() == saved
+    assert scale == pytest.approx(0.4)  # step 4 of a 10-step warm-up: the schedule really advanced
+    assert restored.advance()[0] == pytest.approx(0.5)  # and continues from step 5, not from 1
