@@ -167,7 +167,7 @@ def eval_(
         options[key.strip()] = yaml.safe_load(value) if value else value  # "8" -> 8, URLs stay strings
     try:
         engine = backend_cls.load(model, **options)
-    except (OSError, ValueError, TypeError) as exc:  # TypeError: an option this backend does not take
+    except (OSError, ValueError, TypeError, RuntimeError) as exc:  # TypeError: an unknown option; RuntimeError: vllm missing
         raise _fail(str(exc)) from None
     store = Store(out)
     run_id = new_run_id("eval", "+".join(names))

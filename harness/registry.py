@@ -100,6 +100,6 @@ METHODS: Registry = Registry(
         for m in ("opd", "sft", "grpo", "sod", "saf", "ap_opd", "iw_opd", "eopd", "gkd", "f_opd")
     ),
 )
-BACKENDS: Registry = Registry("backends", ("harness.backends.hf", "harness.backends.replay", "harness.backends.openai_backend"))
+BACKENDS: Registry = Registry("backends", ("harness.backends.hf", "harness.backends.replay", "harness.backends.openai_backend", "harness.backends.vllm_backend"))
 SANDBOXES: Registry = Registry("sandboxes")
 PIPELINES: Registry = Registry("pipelines", ("trainers.sync", "trainers.async_pipeline"))

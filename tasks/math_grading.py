@@ -256,6 +256,11 @@ def _mp_context(method: str) -> multiprocessing.context.BaseContext:
     return ctx
 
 
+def grade_chunk(fn: GradeFn, items: Sequence[tuple[str, str]], fallbacks: tuple[str, ...]) -> list[MathGrade]:
+    """Grade several items inside one worker call (runs in the pool)."""
+    return [fn(c, g, fallbacks=fallbacks) for c, g in items]
+
+
 class MathGrader:
     """Grades batches of (completion, gold) in a pebble process pool with wall timeouts."""
 
@@ -285,6 +290,7 @@ class MathGrader:
         timeout_s: float = 10.0,
         *,
         fallbacks: Sequence[str] = ("boxed",),
+        chunk_size: int | None = None,
         _fn: GradeFn | None = None,
     ) -> list[MathGrade]:
         """Grade (completion, gold) pairs in order; timeouts and crashes become "error".
@@ -296,11 +302,27 @@ class MathGrader:
         fn = _fn or grade_answer
         pool = self._get_pool()
         fb = tuple(fallbacks)
-        futures = [
-            pool.schedule(fn, args=(c, g), kwargs={"fallbacks": fb}, timeout=timeout_s)
-            for c, g in items
+        # Items go to workers in chunks (one IPC round trip per chunk, not per item); a chunk that
+        # times out or crashes is re-graded item by item, so each hang still costs only its own item.
+        size = chunk_size or max(1, min(32, math.ceil(len(items) / (self.workers * 4))))
+        chunks = [list(items[i : i + size]) for i in range(0, len(items), size)]
+        chunk_futures = [
+            pool.schedule(grade_chunk, args=(fn, chunk, fb), timeout=2 * timeout_s + 0.25 * len(chunk)) for chunk in chunks
         ]
-        # Backstop in case the pool itself stalls; pebble resolves every future normally.
+        backstop = (2 * timeout_s + 0.25 * size) * (math.ceil(len(chunks) / self.workers) + 1) + 60.0
+        cf.wait(chunk_futures, timeout=backstop)
+        out: list[MathGrade] = []
+        for future, chunk in zip(chunk_futures, chunks):
+            if future.done() and future.exception() is None:
+                out.extend(future.result())
+            else:
+                future.cancel()
+                out.extend(self._grade_each(pool, fn, chunk, fb, timeout_s))
+        return out
+
+    def _grade_each(self, pool, fn: GradeFn, items: Sequence[tuple[str, str]], fb: tuple[str, ...], timeout_s: float) -> list[MathGrade]:
+        """One task per item with its own wall timeout (the fallback for a chunk that failed)."""
+        futures = [pool.schedule(fn, args=(c, g), kwargs={"fallbacks": fb}, timeout=timeout_s) for c, g in items]
         backstop = timeout_s * (math.ceil(len(items) / self.workers) + 1) + 60.0
         cf.wait(futures, timeout=backstop)
         return [self._collect(f, c, fb, timeout_s) for f, (c, _) in zip(futures, items)]

@@ -1,0 +1,438 @@
+"""vLLM offline-engine backend (``--backend vllm``): fast sampling and teacher scoring on a CUDA GPU.
+
+vLLM is **not** a dependency of the CPU environment: ``vllm==0.33.0`` is a CUDA-only wheel that pins
+``torch==2.14.0`` and ``transformers<5.21`` (see DEVELOPERS.md, "GPU environment"). This module
+therefore imports ``vllm`` only inside :meth:`VLLMBackend.load` (and the methods that need its
+classes); importing it, or the backend registry, never imports vllm or initialises CUDA. Without
+vllm, ``load()`` raises a ``RuntimeError`` that says how to install it.
+
+``VLLMBackend.load(model, ...)`` options (strings are accepted, as a command line passes them):
+
+* ``tensor_parallel_size`` (1), ``gpu_memory_utilization`` (0.5: leaves room for a trainer on the
+  same GPU), ``dtype`` ("auto"; vLLM's "auto" runs float32 checkpoints in half precision, so pass
+  ``float32`` when log-probs must match the HF backend closely), ``max_model_len`` (None: from
+  the model config), ``seed`` (0: the engine seed; per-request seeds come from ``SamplingParams``),
+  ``enforce_eager`` (False: CUDA graphs on), ``max_logprobs`` (20: the engine's cap on
+  ``logprobs``/``prompt_logprobs``; raise it to score with ``top_k`` > 20),
+  ``enable_prefix_caching`` (None: vLLM's default), ``show_progress`` (False);
+  anything else is passed to ``vllm.LLM`` unchanged (``load_format``, ``quantization``, ...).
+
+How our contract maps onto vLLM (evidence in the docstrings below and in the closing report):
+
+* **Prompts** are token ids: one ``TokensPrompt(prompt_token_ids=...)`` per prompt, all sent in a
+  single ``LLM.generate(prompts, [SamplingParams per prompt], use_tqdm=...)`` call; outputs come
+  back in input order and carry ``n`` ``CompletionOutput``s each (``.index``, ``.token_ids``,
+  ``.text``, ``.logprobs``, ``.finish_reason``), so the result is prompt-major.
+* **Seeds**: with ``params.seed`` every prompt gets its own request seed,
+  ``derive_seed(seed, prompt_index)`` (the openai backend's function, so both backends seed
+  alike); vLLM gives the ``n`` children of a seeded request the seeds ``seed + i``
+  (``vllm/v1/engine/parallel_sampling.py``), so the samples of one prompt differ, two prompts with
+  the same text differ, and a run repeats exactly. Without ``params.seed`` sampling is unseeded.
+* **Greedy**: ``temperature == 0`` is sent as ``temperature=0.0`` (vLLM's greedy).
+* **Log-probs of sampled tokens**: ``SamplingParams(logprobs=0)`` returns, per generated token, a
+  dict ``{token_id: Logprob}`` holding just the sampled token (vLLM always includes it). Which
+  distribution those numbers come from is an *engine* setting in vLLM >= 0.10,
+  ``LLM(logprobs_mode=...)`` (``ModelConfig.logprobs_mode``; it is not a per-request
+  ``SamplingParams`` field): ``raw_logprobs`` (the default) is the log-softmax of the model's logits
+  *before* temperature, top-p/top-k, penalties and any logits processor; ``processed_logprobs``
+  would be after them. Our contract is log π under the untempered model distribution, so this
+  backend always starts the engine with ``logprobs_mode="raw_logprobs"`` and refuses any other
+  mode. (Older vLLM V0 returned processed log-probs; 0.33 is V1-only.)
+* **EOS and stops**: vLLM stops on the tokenizer's/generation config's EOS and keeps the EOS id as
+  the last of ``token_ids`` (its text is dropped by ``skip_special_tokens``), as the HF backend
+  does. Stop strings are sent with ``include_stop_str_in_output=True`` so the text keeps the stop
+  string, again like the HF backend. ``finish_reason`` "length" stays "length"; "stop" (EOS,
+  stop string or stop token) is "stop"; anything else (an aborted request) is an error.
+* **Scoring** (``score``): each unpadded sequence is sent as a prompt with
+  ``SamplingParams(max_tokens=1, prompt_logprobs=k)``; ``RequestOutput.prompt_logprobs`` is a list
+  aligned with the prompt whose first entry is ``None`` (no prefix) and whose entry ``t`` is a dict
+  ``{token_id: Logprob}`` holding the actual token ``t`` plus the ``k`` most likely tokens at that
+  position (``Logprob.logprob``, ``Logprob.rank``). Prompt log-probs follow ``logprobs_mode`` too,
+  so they are raw (untempered). Fields: ``logprobs`` and ``topk`` (``topk_logprobs``,
+  ``topk_ids``); ``entropy`` and ``full`` raise ``NotImplementedError`` because vLLM returns
+  only top-k log-probs, never whole distributions.
+* **Weight updates** (``load_weights``): the engine is started with
+  ``worker_extension_cls="harness.backends.vllm_backend.WeightUpdateExtension"``; ``load_weights``
+  calls ``LLM.collective_rpc("harness_load_weights", args=(named_tensors,))``, and each worker runs
+  ``self.model_runner.model.load_weights(weights=...)`` (vLLM's model classes accept HF checkpoint
+  names and shard for tensor parallelism themselves), then the prefix cache is reset so no KV
+  computed with the old weights is reused. Tensors travel to the workers through vLLM's RPC
+  serialisation, fine for small models and not a high-bandwidth path (vLLM's RLHF examples use
+  NCCL/IPC for that). **This path has not been run here** (no GPU, no vllm on this machine).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from harness.backends import SCORE_FIELDS, Completion, SamplingParams
+from harness.backends.openai_backend import derive_seed
+from harness.registry import BACKENDS
+
+VLLM_MISSING = (
+    "the vllm backend needs the `vllm` package, which is not installed in this environment. vLLM is CUDA-only and pins "
+    "torch==2.14.0 and transformers<5.21, so it cannot share the CPU environment: install the gpu extra in a separate "
+    "environment on a GPU machine (`pip install -e '.[gpu]'`, vllm==0.33.0); see DEVELOPERS.md, 'GPU environment'"
+)
+RAW_LOGPROBS = "raw_logprobs"
+WORKER_EXTENSION = "harness.backends.vllm_backend.WeightUpdateExtension"
+UNSUPPORTED_SCORE_FIELDS = ("entropy", "full")
+
+
+def import_vllm():
+    """The ``vllm`` module, or a ``RuntimeError`` saying how to get it."""
+    try:
+        import vllm
+    except ImportError as exc:
+        raise RuntimeError(VLLM_MISSING) from exc
+    return vllm
+
+
+def _as_bool(value) -> bool:
+    if isinstance(value, str):
+        lowered = value.strip().lower()
+        if lowered in {"1", "true", "yes", "on"}:
+            return True
+        if lowered in {"0", "false", "no", "off"}:
+            return False
+        raise ValueError(f"expected a boolean, got {value!r}")
+    return bool(value)
+
+
+# ---------------------------------------------------------------------------- pure helpers (no vllm)
+
+
+def sampling_kwargs(params: SamplingParams, prompt_index: int) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.SamplingParams`` for prompt ``prompt_index``.
+
+    ``logprobs=0`` asks for the sampled token's log-prob only; a seeded run gives every prompt its
+    own seed (vLLM then seeds the ``n`` samples ``seed + i``).
+    """
+    kwargs: dict[str, Any] = {
+        "n": params.n,
+        "max_tokens": params.max_new_tokens,
+        "logprobs": 0,
+        "include_stop_str_in_output": True,
+        "skip_special_tokens": True,
+    }
+    if params.greedy:
+        kwargs.update(temperature=0.0, top_p=1.0)
+    else:
+        kwargs.update(temperature=params.temperature, top_p=params.top_p)
+    if params.seed is not None:
+        kwargs["seed"] = derive_seed(params.seed, prompt_index)
+    if params.stop:
+        kwargs["stop"] = list(params.stop)
+    return kwargs
+
+
+def score_sampling_kwargs(want: tuple[str, ...], top_k: int) -> dict[str, Any]:
+    """``vllm.SamplingParams`` keyword arguments for scoring: one throw-away token, prompt log-probs."""
+    return {
+        "n": 1,
+        "max_tokens": 1,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "seed": 0,
+        "prompt_logprobs": top_k if "topk" in want else 0,
+        "detokenize": False,
+    }
+
+
+def check_score_request(want: tuple[str, ...], top_k: int, max_logprobs: int | None = None) -> None:
+    """Refuse what this backend cannot score, with the reason."""
+    unknown = set(want) - set(SCORE_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown score fields {sorted(unknown)}; allowed: {SCORE_FIELDS}")
+    unsupported = [f for f in UNSUPPORTED_SCORE_FIELDS if f in want]
+    if unsupported:
+        raise NotImplementedError(
+            f"the vllm backend cannot score {unsupported}: vLLM returns only the top-k log-probs per position "
+            "(prompt_logprobs), never the full distribution needed for entropy or full; use the hf backend for them"
+        )
+    if "topk" in want:
+        if top_k < 1:
+            raise ValueError(f"score(want=('topk', ...)) needs top_k >= 1, got {top_k}")
+        if max_logprobs is not None and max_logprobs >= 0 and top_k > max_logprobs:
+            raise ValueError(f"top_k={top_k} exceeds the engine's max_logprobs={max_logprobs}; load the vllm backend with max_logprobs={top_k} or more")
+
+
+def _logprob_value(entry) -> float:
+    """A vLLM ``Logprob`` (``.logprob``) or a bare float."""
+    return float(getattr(entry, "logprob", entry))
+
+
+def _rank(entry) -> float:
+    rank = getattr(entry, "rank", None)
+    return float(rank) if rank is not None else math.inf
+
+
+def sampled_logprobs(token_ids: list[int], logprobs) -> list[float]:
+    """The log-prob of each sampled token from vLLM's per-token ``{token_id: Logprob}`` dicts."""
+    if logprobs is None:
+        return []
+    if len(logprobs) < len(token_ids):
+        raise ValueError(f"vLLM returned {len(logprobs)} log-prob entries for {len(token_ids)} tokens")
+    out = []
+    for position, (token, entry) in enumerate(zip(token_ids, logprobs)):
+        if entry is None or token not in entry:
+            raise ValueError(f"vLLM's log-probs at output position {position} lack the sampled token {token}")
+        out.append(_logprob_value(entry[token]))
+    return out
+
+
+def finish_reason(reason: str | None) -> str:
+    """vLLM's finish reason in our vocabulary: "length" or "stop"."""
+    if reason == "length":
+        return "length"
+    if reason == "stop":
+        return "stop"
+    raise RuntimeError(f"vllm backend: a request finished with reason {reason!r} (aborted or unfinished)")
+
+
+def to_completion(output, prompt_index: int, sample_index: int, eos_id: int | None, timings: dict[str, float] | None = None) -> Completion:
+    """One vLLM ``CompletionOutput`` (duck-typed: ``token_ids``, ``logprobs``, ``text``, ``finish_reason``) as a Completion.
+
+    The EOS id stays in ``token_ids`` (vLLM keeps it; the loss covers it). Should anything follow a
+    first EOS (it cannot with vLLM's stopping rules), it is cut off there and the reason is "stop".
+    """
+    token_ids = [int(t) for t in output.token_ids]
+    logprobs = sampled_logprobs(token_ids, getattr(output, "logprobs", None))
+    reason = finish_reason(getattr(output, "finish_reason", None))
+    if eos_id is not None and eos_id in token_ids[:-1]:
+        cut = token_ids.index(eos_id) + 1
+        token_ids, logprobs, reason = token_ids[:cut], logprobs[:cut], "stop"
+    return Completion(
+        token_ids=token_ids,
+        logprobs=logprobs,
+        text=output.text or "",
+        finish_reason=reason,
+        prompt_index=prompt_index,
+        sample_index=sample_index,
+        timings=dict(timings or {}),
+    )
+
+
+def request_to_completions(request_output, prompt_index: int, n: int, eos_id: int | None, timings: dict[str, float] | None = None) -> list[Completion]:
+    """The ``n`` samples of one ``RequestOutput``, ordered by their ``index``."""
+    outputs = sorted(request_output.outputs, key=lambda o: getattr(o, "index", 0))
+    if len(outputs) != n:
+        raise RuntimeError(f"vllm backend: asked for {n} samples of prompt {prompt_index}, got {len(outputs)}")
+    return [to_completion(o, prompt_index, s, eos_id, timings) for s, o in enumerate(outputs)]
+
+
+def unpadded_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[tuple[list[int], list[int]]]:
+    """Per row: (the positions where the mask is 1, the tokens there), works for right or left padding."""
+    rows = []
+    for ids, mask in zip(input_ids.tolist(), attention_mask.tolist()):
+        positions = [t for t, m in enumerate(mask) if m]
+        rows.append((positions, [ids[t] for t in positions]))
+    return rows
+
+
+def topk_from_entry(entry: dict, k: int) -> tuple[list[float], list[int]]:
+    """The ``k`` most likely (log-prob, token id) pairs of one prompt position.
+
+    vLLM's dict holds the top ``k`` plus the actual token when that is not among them; sorting by
+    log-prob (rank breaks ties) and keeping ``k`` recovers the top ``k``.
+    """
+    items = sorted(entry.items(), key=lambda kv: (-_logprob_value(kv[1]), _rank(kv[1]), kv[0]))
+    if len(items) < k:
+        raise ValueError(f"vLLM returned {len(items)} prompt log-probs at a position, fewer than top_k={k}")
+    items = items[:k]
+    return [_logprob_value(v) for _, v in items], [int(t) for t, _ in items]
+
+
+def prompt_logprobs_to_tensor(
+    prompt_logprobs: list[list[dict | None] | None],
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    want: tuple[str, ...] = ("logprobs",),
+    top_k: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Per-position tensors aligned with ``input_ids`` from one ``prompt_logprobs`` list per row.
+
+    Row ``b``'s list covers that row's unpadded tokens (``attention_mask == 1``) in order, its first
+    entry ``None``; position 0 of each sequence and padding positions score 0, as in the HF backend
+    (``logprobs`` (B, T); ``topk_logprobs``/``topk_ids`` (B, T, k)). A row with no tokens has ``None``.
+    """
+    batch, width = input_ids.shape
+    out: dict[str, torch.Tensor] = {}
+    logprobs = torch.zeros((batch, width), dtype=torch.float32)
+    topk_values = torch.zeros((batch, width, top_k), dtype=torch.float32) if "topk" in want else None
+    topk_ids = torch.zeros((batch, width, top_k), dtype=torch.long) if "topk" in want else None
+    for row, ((positions, tokens), entries) in enumerate(zip(unpadded_sequences(input_ids, attention_mask), prompt_logprobs, strict=True)):
+        if not positions:
+            continue
+        if entries is None or len(entries) != len(tokens):
+            got = "none" if entries is None else len(entries)
+            raise ValueError(f"row {row}: {len(tokens)} tokens but {got} prompt log-prob entries")
+        for i in range(1, len(tokens)):
+            entry, position, token = entries[i], positions[i], tokens[i]
+            if entry is None or token not in entry:
+                raise ValueError(f"row {row}, position {position}: vLLM's prompt log-probs lack the actual token {token}")
+            logprobs[row, position] = _logprob_value(entry[token])
+            if topk_values is not None:
+                values, ids = topk_from_entry(entry, top_k)
+                topk_values[row, position] = torch.tensor(values, dtype=torch.float32)
+                topk_ids[row, position] = torch.tensor(ids, dtype=torch.long)
+    if "logprobs" in want:
+        out["logprobs"] = logprobs
+    if topk_values is not None:
+        out["topk_logprobs"], out["topk_ids"] = topk_values, topk_ids
+    return out
+
+
+def named_tensors(state_dict: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """``(name, CPU tensor)`` pairs for vLLM's ``model.load_weights`` (HF checkpoint names)."""
+    return [(name, tensor.detach().to("cpu").contiguous()) for name, tensor in state_dict.items()]
+
+
+class WeightUpdateExtension:
+    """Mixed into each vLLM worker (``LLM(worker_extension_cls=...)``); ``self`` is the worker there.
+
+    Kept free of vllm imports so that importing this module stays cheap. Untested here (no GPU).
+    """
+
+    def harness_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        device = next(self.model_runner.model.parameters()).device
+        loaded = self.model_runner.model.load_weights(weights=[(name, t.to(device)) for name, t in weights])
+        return len(loaded) if loaded is not None else len(weights)
+
+
+# ---------------------------------------------------------------------------- the backend
+
+
+@BACKENDS.register("vllm")
+class VLLMBackend:
+    """Generates and scores with a ``vllm.LLM`` offline engine; see the module docstring."""
+
+    name = "vllm"
+
+    def __init__(self, llm, tokenizer=None, *, max_logprobs: int | None = 20, show_progress: bool = False) -> None:
+        self.llm = llm
+        self.tokenizer = tokenizer if tokenizer is not None else llm.get_tokenizer()
+        try:
+            self.tokenizer.padding_side = "left"
+        except (AttributeError, ValueError):  # a tokenizer wrapper that does not take it
+            pass
+        self.eos_id = getattr(self.tokenizer, "eos_token_id", None)
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        self.pad_id = pad if pad is not None else self.eos_id
+        self.max_logprobs = max_logprobs
+        self.show_progress = show_progress
+        self.version = 0
+
+    @classmethod
+    def load(
+        cls,
+        model: str,
+        tensor_parallel_size: int | str = 1,
+        gpu_memory_utilization: float | str = 0.5,
+        dtype: str = "auto",
+        max_model_len: int | str | None = None,
+        seed: int | str = 0,
+        enforce_eager: bool | str = False,
+        max_logprobs: int | str = 20,
+        enable_prefix_caching: bool | str | None = None,
+        show_progress: bool | str = False,
+        **engine_kwargs,
+    ) -> "VLLMBackend":
+        """Start a ``vllm.LLM`` on ``model`` (a local directory or hub id) with raw log-probs."""
+        mode = engine_kwargs.pop("logprobs_mode", RAW_LOGPROBS)
+        if mode != RAW_LOGPROBS:
+            raise ValueError(f"vllm backend: logprobs_mode must be {RAW_LOGPROBS!r} (log-probs of the untempered model distribution), got {mode!r}")
+        if "worker_extension_cls" in engine_kwargs:
+            raise ValueError("vllm backend: worker_extension_cls is set by the backend (weight updates)")
+        vllm = import_vllm()
+        kwargs: dict[str, Any] = dict(
+            model=str(model),
+            tensor_parallel_size=int(tensor_parallel_size),
+            gpu_memory_utilization=float(gpu_memory_utilization),
+            dtype=str(dtype),
+            seed=int(seed),
+            enforce_eager=_as_bool(enforce_eager),
+            max_logprobs=int(max_logprobs),
+            logprobs_mode=RAW_LOGPROBS,
+            worker_extension_cls=WORKER_EXTENSION,
+            **engine_kwargs,
+        )
+        if max_model_len is not None:
+            kwargs["max_model_len"] = int(max_model_len)
+        if enable_prefix_caching is not None:
+            kwargs["enable_prefix_caching"] = _as_bool(enable_prefix_caching)
+        llm = vllm.LLM(**kwargs)
+        return cls(llm, max_logprobs=int(max_logprobs), show_progress=_as_bool(show_progress))
+
+    # ------------------------------------------------------------------ vLLM objects
+
+    @staticmethod
+    def _tokens_prompt(token_ids: list[int]):
+        try:
+            from vllm.inputs import TokensPrompt
+        except ImportError:  # a TypedDict: a plain dict is the same at run time
+            return {"prompt_token_ids": list(token_ids)}
+        return TokensPrompt(prompt_token_ids=list(token_ids))
+
+    @staticmethod
+    def _sampling_params(**kwargs):
+        return import_vllm().SamplingParams(**kwargs)
+
+    # ------------------------------------------------------------------ Backend protocol
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """``params.n`` samples per prompt, prompt-major, from one ``LLM.generate`` call."""
+        if not prompts:
+            return []
+        started = time.perf_counter()
+        requests = [self._tokens_prompt(p) for p in prompts]
+        sampling = [self._sampling_params(**sampling_kwargs(params, i)) for i in range(len(prompts))]
+        outputs = self.llm.generate(requests, sampling, use_tqdm=self.show_progress)
+        if len(outputs) != len(prompts):
+            raise RuntimeError(f"vllm backend: sent {len(prompts)} prompts, got {len(outputs)} outputs")
+        timings = {"generate_s": (time.perf_counter() - started) / (len(prompts) * params.n)}
+        completions: list[Completion] = []
+        for prompt_index, request_output in enumerate(outputs):
+            completions.extend(request_to_completions(request_output, prompt_index, params.n, self.eos_id, timings))
+        return completions
+
+    def score(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, want: tuple[str, ...] = ("logprobs",), top_k: int = 0, grad: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Per-position ``logprobs`` (and ``topk_logprobs``/``topk_ids``) aligned with ``input_ids``.
+
+        Position 0 of each sequence and padding positions are 0. ``entropy``/``full`` raise
+        ``NotImplementedError``; ``grad=True`` is refused (an inference engine has no autograd).
+        """
+        if grad:
+            raise NotImplementedError("the vllm backend cannot score with gradients; use the hf backend for a trained model")
+        check_score_request(want, top_k, self.max_logprobs)
+        rows = unpadded_sequences(input_ids, attention_mask)
+        live = [b for b, (_, tokens) in enumerate(rows) if tokens]
+        per_row: list = [None] * len(rows)
+        if live:
+            sampling = self._sampling_params(**score_sampling_kwargs(want, top_k))
+            outputs = self.llm.generate([self._tokens_prompt(rows[b][1]) for b in live], sampling, use_tqdm=self.show_progress)
+            for b, request_output in zip(live, outputs, strict=True):
+                per_row[b] = request_output.prompt_logprobs
+        scores = prompt_logprobs_to_tensor(per_row, input_ids.cpu(), attention_mask.cpu(), want, top_k)
+        return {k: v.to(input_ids.device) for k, v in scores.items()}
+
+    def close(self) -> None:
+        """Best effort: stop the engine's background process now instead of at garbage collection."""
+        engine_core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        shutdown = getattr(engine_core, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Push new weights (HF names) into every worker and record the policy version. Untested here."""
+        self.llm.collective_rpc("harness_load_weights", args=(named_tensors(state_dict),))
+        reset = getattr(self.llm, "reset_prefix_cache", None)
+        if reset is not None:
+            reset()  # cached KV blocks were computed with the old weights
+        self.version = version
