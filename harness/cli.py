@@ -1,10 +1,9 @@
-"""The ``harness`` command line: run, eval, serve, tasks, methods, leaderboard, sandbox."""
+"""The ``harness`` command line: run, eval, serve, tasks, methods, leaderboard, sweep, report, sandbox."""
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
 import sys
 import time
 from pathlib import Path
@@ -36,10 +35,6 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
-def new_run_id(method: str, task: str) -> str:
-    return f"{method}-{task}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-
-
 @app.command()
 def run(
     method: Annotated[str | None, typer.Option(help="training method (see `harness methods`)")] = None,
@@ -54,6 +49,7 @@ def run(
     """Train a student with METHOD on TASK, evaluating every checkpoint (Avg@k) into the store."""
     from harness.plan import plan_run
     from harness.store import Store
+    from harness.sweep import create_train_run, execute_run, plan_resume
 
     _quiet_libraries()
     store = Store(out)
@@ -61,40 +57,22 @@ def run(
         if resume:
             if any(v is not None for v in (method, task, mode, preset, config)) or set_:
                 raise ConfigError("--resume continues a run with its stored config; drop the other options")
-            stored = store.get_run(resume)
-            if stored is None or stored["kind"] != "train":
-                raise ConfigError(f"--resume: no training run {resume!r} in {store.path}")
-            from harness.config import RunConfig
-
-            cfg = RunConfig.model_validate(stored["config"])
-            run_id = resume
+            plan, run_id = plan_resume(store, resume), resume
         else:
-            cfg = build_config(preset=preset, config_file=config, overrides=set_ or [], cli={"method": method, "task": task, "trainer": {"mode": mode} if mode else None})
-            run_id = ""
-        plan = plan_run(cfg)
+            cli = {"method": method, "task": task, "trainer": {"mode": mode} if mode else None}
+            plan = plan_run(build_config(preset=preset, config_file=config, overrides=set_ or [], cli=cli))
     except (ConfigError, RegistryError) as exc:
         raise _fail(str(exc)) from None
     for warning in plan.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
     if not resume:
-        cfg.method_args[cfg.method] = plan.hparams.model_dump()  # record every hyper-parameter, defaults included
-        run_id = new_run_id(cfg.method, cfg.task)
-        store.create_run(run_id, kind="train", config=cfg.model_dump(), method=cfg.method, task=cfg.task)
-        (store.run_dir(run_id) / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
-        method_record = {**plan.method.describe(), "hparams": plan.hparams.model_dump(), "warnings": plan.warnings}
-        (store.run_dir(run_id) / "method.json").write_text(json.dumps(method_record, indent=2))  # reconstructed choices
-    else:
-        store.set_status(run_id, "running")
+        run_id = create_train_run(store, plan.config, plan)
     console.print(f"run [bold]{run_id}[/] → {store.path}")
     started = time.perf_counter()
     try:
-        plan.pipeline.run(plan, store, run_id, resume=bool(resume), console=console)
+        execute_run(plan, store, run_id, resume=bool(resume), console=console)
     except KeyboardInterrupt:
-        store.set_status(run_id, "interrupted")
         raise _fail(f"interrupted; continue with: harness run --resume {run_id} --out {out}", 130) from None
-    except Exception:
-        store.set_status(run_id, "failed")
-        raise
     _print_run_summary(store, run_id, plan, time.perf_counter() - started)
 
 
@@ -149,6 +127,7 @@ def eval_(
     from harness.plan import make_task
     from harness.registry import BACKENDS
     from harness.store import Store
+    from harness.sweep import new_run_id
 
     _quiet_libraries()
     names = [t.strip() for t in task.split(",") if t.strip()]
@@ -264,6 +243,55 @@ def leaderboard(
         stdout.print(render_table(rows))
     else:
         sys.stdout.write(renderers[format_](rows))
+
+
+@app.command()
+def sweep(
+    file: Annotated[Path, typer.Argument(help="sweep YAML: base (preset/config/set) and grid (dotted key -> list of values)")],
+    out: Annotated[Path, typer.Option(help="results root")] = Path("results"),
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="validate every grid point and list what would run or be skipped")] = False,
+) -> None:
+    """Run a grid of training runs (methods x modes x seeds x lags ...) sequentially; re-running continues it."""
+    from harness.report import render_markdown, write_report
+    from harness.sweep import run_sweep
+
+    _quiet_libraries()
+    try:
+        result = run_sweep(file, out, dry_run=dry_run, console=console)
+    except ConfigError as exc:  # SweepError included: bad file or grid point, nothing was run
+        raise _fail(str(exc)) from None
+    except KeyboardInterrupt:
+        raise _fail(f"interrupted; continue with: harness sweep {file} --out {out}", 130) from None
+    if dry_run:
+        return
+    console.print(f"sweep {result.sweep_id}: {len(result.ran)} run, {len(result.skipped)} already done, {len(result.failed)} failed → {result.record_path}")
+    sys.stdout.write(render_markdown(write_report(out, result.sweep_id)))
+    if result.failed:
+        raise _fail(f"{len(result.failed)} run(s) failed: {', '.join(result.failed)}; re-run the sweep to resume them", 1)
+
+
+@app.command()
+def report(
+    sweep_id: Annotated[str, typer.Argument(help="sweep id (the sweep file's `id`, default its stem)")],
+    out: Annotated[Path, typer.Option(help="results root")] = Path("results"),
+    format_: Annotated[str, typer.Option("--format", help="md or json")] = "md",
+    task: Annotated[str | None, typer.Option(help="evaluation task (default: the training task)")] = None,
+    collapse_threshold: Annotated[float, typer.Option(help="a run collapsed when final Avg@k < this x its peak Avg@k")] = 0.5,
+    baseline_method: Annotated[str, typer.Option(help="sync method for relative throughput when a row has no sync run of its own")] = "opd",
+) -> None:
+    """Paper-style tables of a sweep (final/peak Avg@k, peak-final drop, collapse ratio, relative throughput, lag) and the lag curve PNG."""
+    from harness.report import render_json, render_markdown, write_report
+    from harness.sweep import SweepError
+
+    if format_ not in ("md", "json"):
+        raise _fail(f"--format {format_!r}: choose md or json")
+    if not 0 < collapse_threshold <= 1:
+        raise _fail(f"--collapse-threshold {collapse_threshold}: must be in (0, 1]")
+    try:
+        result = write_report(out, sweep_id, task=task, collapse_threshold=collapse_threshold, baseline_method=baseline_method)
+    except SweepError as exc:
+        raise _fail(str(exc)) from None
+    sys.stdout.write(render_markdown(result) if format_ == "md" else render_json(result) + "\n")
 
 
 sandbox_app = typer.Typer(help="The code sandbox: build its Docker image, remove leftover containers.", no_args_is_help=True)

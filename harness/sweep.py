@@ -1,0 +1,371 @@
+"""Config-driven sweeps: a YAML grid of runs (methods × modes × seeds × lags × any dotted key), run
+sequentially in-process exactly as ``harness run`` runs them, resumable, recorded under
+``<out>/sweeps/<sweep_id>.json``.
+
+Sweep file format::
+
+    id: lag-study                  # optional; default: the file's stem ([A-Za-z0-9._-]+)
+    base:                          # the layers every run shares (same precedence as `harness run`)
+      preset: smoke                # optional built-in preset
+      config: base.yaml            # optional config file, relative to the sweep file
+      set:                         # optional dotted overrides (a mapping, or a list of KEY=VALUE)
+        eval.teacher: false
+    grid:                          # a mapping of dotted key -> list of values (cartesian product),
+      method: [opd, f_opd]         # or a list of such mappings (the union of their products)
+      trainer.mode: [sync, async]
+      seed: [0, 1, 2, 3, 4]
+
+Each grid point becomes ``--set key=value`` overrides applied after ``base.set``. Every point is
+validated (config and plan) before any run starts; an error names the grid point. Points whose
+resolved configs are identical are run once. Re-running a sweep skips points whose run is
+``done``, resumes runs left ``running`` / ``interrupted`` / ``failed`` from their last checkpoint,
+and starts the rest. Do not run the same sweep twice at the same time (a lock file refuses it).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import itertools
+import json
+import os
+import re
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from rich.console import Console
+
+from harness.config import ConfigError, RunConfig, build_config, format_validation_error
+from harness.registry import RegistryError
+from harness.store import Store
+
+_ID = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+class SweepError(ConfigError):
+    """A bad sweep file or grid point; the CLI prints it and exits with code 2."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SweepBase(_Strict):
+    preset: str | None = None
+    config: str | None = Field(None, description="YAML config file, relative to the sweep file")
+    set: dict[str, Any] | list[str] = Field(default_factory=dict, description="dotted overrides")
+
+
+class SweepSpec(_Strict):
+    id: str | None = None
+    base: SweepBase = Field(default_factory=SweepBase)
+    grid: dict[str, list[Any]] | list[dict[str, list[Any]]]
+    source: str | None = Field(None, exclude=True)  # the sweep file, when loaded from one
+
+    def sub_grids(self) -> list[dict[str, list[Any]]]:
+        return [self.grid] if isinstance(self.grid, dict) else list(self.grid)
+
+    def grid_keys(self) -> list[str]:
+        """Every dotted key any sub-grid varies, in order of first appearance."""
+        keys: list[str] = []
+        for grid in self.sub_grids():
+            keys += [k for k in grid if k not in keys]
+        return keys
+
+    def base_overrides(self) -> list[str]:
+        if isinstance(self.base.set, list):
+            return list(self.base.set)
+        return [to_override(k, v) for k, v in self.base.set.items()]
+
+    def config_path(self) -> Path | None:
+        if not self.base.config:
+            return None
+        path = Path(self.base.config)
+        if not path.is_absolute() and self.source:
+            path = Path(self.source).parent / path
+        return path
+
+
+@dataclass
+class SweepPoint:
+    """One unique run of the sweep."""
+
+    index: int
+    coords: dict[str, Any]
+    overrides: list[str]
+    config_hash: str
+    run_id: str | None = None
+    status: str = "pending"  # pending / running / done / failed / interrupted
+    config: RunConfig | None = field(default=None, repr=False)
+    plan: Any = field(default=None, repr=False)
+
+    def label(self) -> str:
+        return _label(self.coords)
+
+    def record(self) -> dict:
+        return {"index": self.index, "coords": self.coords, "overrides": self.overrides, "config_hash": self.config_hash, "run_id": self.run_id, "status": self.status}
+
+
+@dataclass
+class SweepResult:
+    sweep_id: str
+    record_path: Path
+    points: list[SweepPoint]
+    ran: list[str] = field(default_factory=list)  # run ids started or resumed by this call
+    skipped: list[str] = field(default_factory=list)  # run ids already done
+    failed: list[str] = field(default_factory=list)
+
+
+def _label(coords: dict) -> str:
+    return ", ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in coords.items())
+
+
+def to_override(key: str, value: Any) -> str:
+    """A ``--set`` string for ``key``/``value`` (JSON is YAML, so ``parse_override`` reads it back exactly)."""
+    return f"{key}={json.dumps(value)}"
+
+
+def load_sweep(path: str | Path) -> SweepSpec:
+    """Read and validate a sweep YAML file."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise SweepError(f"sweep file {path}: no such file") from None
+    except yaml.YAMLError as exc:
+        raise SweepError(f"sweep file {path}: invalid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise SweepError(f"sweep file {path}: the top level must be a mapping with 'base' and 'grid'")
+    data.setdefault("id", path.stem)
+    return parse_sweep(data, source=str(path))
+
+
+def parse_sweep(data: dict, source: str | None = None) -> SweepSpec:
+    where = f"sweep file {source}" if source else "sweep"
+    try:
+        spec = SweepSpec.model_validate({**data, "source": source})
+    except ValidationError as exc:
+        raise SweepError(f"{where}: " + format_validation_error(exc, SweepSpec).replace("\n", f"\n{where}: ")) from None
+    if not spec.id or not _ID.match(spec.id):
+        raise SweepError(f"{where}: id {spec.id!r} must be non-empty and use only letters, digits, '.', '_' and '-'")
+    grids = spec.sub_grids()
+    if not grids:
+        raise SweepError(f"{where}: 'grid' is empty")
+    for i, grid in enumerate(grids):
+        name = "grid" if isinstance(spec.grid, dict) else f"grid[{i}]"
+        if not grid:
+            raise SweepError(f"{where}: {name} has no keys")
+        for key, values in grid.items():
+            if not key or any(not part for part in key.split(".")):
+                raise SweepError(f"{where}: {name}: bad key {key!r}; use a dotted config key such as trainer.mode")
+            if not values:
+                raise SweepError(f"{where}: {name}.{key} is an empty list")
+    return spec
+
+
+def config_hash(cfg: RunConfig) -> str:
+    return hashlib.sha256(json.dumps(cfg.model_dump(), sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def expand(spec: SweepSpec) -> list[SweepPoint]:
+    """Every grid point, validated (config + plan) before anything runs; duplicates merged.
+
+    Raises :class:`SweepError` listing every bad point (its index and coordinates) and the error.
+    """
+    from harness.plan import plan_run
+
+    base = spec.base_overrides()
+    config_file = spec.config_path()
+    points: list[SweepPoint] = []
+    seen: set[str] = set()
+    errors: list[str] = []
+    n = 0
+    for grid in spec.sub_grids():
+        keys = list(grid)
+        for values in itertools.product(*(grid[k] for k in keys)):
+            coords = dict(zip(keys, values))
+            overrides = base + [to_override(k, v) for k, v in coords.items()]
+            label = _label(coords)
+            try:
+                cfg = build_config(preset=spec.base.preset, config_file=config_file, overrides=overrides)
+                plan = plan_run(cfg)
+            except (ConfigError, RegistryError) as exc:
+                errors.append(f"grid point {n} ({label}): " + str(exc).replace("\n", "\n    "))
+                n += 1
+                continue
+            n += 1
+            digest = config_hash(cfg)
+            if digest in seen:
+                continue
+            seen.add(digest)
+            points.append(SweepPoint(len(points), coords, overrides, digest, config=cfg, plan=plan))
+    if errors:
+        raise SweepError(f"sweep {spec.id!r}: {len(errors)} of {n} grid points are invalid; nothing was run\n" + "\n".join(errors))
+    return points
+
+
+# ---- the run helpers `harness run` shares -------------------------------------------------------
+
+
+def new_run_id(method: str, task: str) -> str:
+    return f"{method}-{task}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+def create_train_run(store: Store, cfg: RunConfig, plan) -> str:
+    """Record a new training run exactly as ``harness run`` does: every hyper-parameter (defaults
+    included) in the config, the ``runs`` row, ``config.json`` and ``method.json``. Returns the run id."""
+    cfg.method_args[cfg.method] = plan.hparams.model_dump()
+    run_id = new_run_id(cfg.method, cfg.task)
+    store.create_run(run_id, kind="train", config=cfg.model_dump(), method=cfg.method, task=cfg.task)
+    (store.run_dir(run_id) / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
+    method_record = {**plan.method.describe(), "hparams": plan.hparams.model_dump(), "warnings": plan.warnings}
+    (store.run_dir(run_id) / "method.json").write_text(json.dumps(method_record, indent=2))
+    return run_id
+
+
+def plan_resume(store: Store, run_id: str):
+    """The plan of a stored training run, for ``--resume``; raises ConfigError if there is none."""
+    from harness.plan import plan_run
+
+    stored = store.get_run(run_id)
+    if stored is None or stored["kind"] != "train":
+        raise ConfigError(f"--resume: no training run {run_id!r} in {store.path}")
+    return plan_run(RunConfig.model_validate(stored["config"]))
+
+
+def execute_run(plan, store: Store, run_id: str, *, resume: bool, console: Console) -> None:
+    """Run a planned training run; the store's status ends done, interrupted (Ctrl-C) or failed."""
+    if resume:
+        store.set_status(run_id, "running")
+    try:
+        plan.pipeline.run(plan, store, run_id, resume=resume, console=console)
+    except KeyboardInterrupt:
+        store.set_status(run_id, "interrupted")
+        raise
+    except Exception:
+        store.set_status(run_id, "failed")
+        raise
+
+
+# ---- sweeps ------------------------------------------------------------------------------------
+
+
+def sweep_record_path(out: str | Path, sweep_id: str) -> Path:
+    return Path(out) / "sweeps" / f"{sweep_id}.json"
+
+
+def load_sweep_record(out: str | Path, sweep_id: str) -> dict:
+    path = sweep_record_path(out, sweep_id)
+    if not path.exists():
+        raise SweepError(f"no sweep {sweep_id!r}: {path} does not exist (run `harness sweep FILE --out {out}` first)")
+    return json.loads(path.read_text())
+
+
+def _write_atomic(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".json.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def run_sweep(spec: SweepSpec | str | Path, out: str | Path, dry_run: bool = False, *, console: Console | None = None, keep_going: bool = True) -> SweepResult:
+    """Validate every grid point, then run the sweep's runs one after another into ``out``.
+
+    ``dry_run`` validates and reports what would run or be skipped, writing nothing. With
+    ``keep_going`` a failed run is recorded and the sweep continues (``result.failed``); Ctrl-C marks
+    the current run interrupted, saves the sweep record and re-raises.
+    """
+    if not isinstance(spec, SweepSpec):
+        spec = load_sweep(spec)
+    console = console or Console(stderr=True)
+    out = Path(out)
+    points = expand(spec)  # raises before anything is created
+    record_path = sweep_record_path(out, spec.id)
+    previous = json.loads(record_path.read_text()) if record_path.exists() else {}
+    by_hash = {p["config_hash"]: p for p in previous.get("points", []) if p.get("run_id")}
+    result = SweepResult(spec.id, record_path, points)
+
+    if dry_run:
+        store = Store(out) if (out / "results.sqlite").exists() else None
+        for p in points:
+            old = by_hash.get(p.config_hash)
+            stored = store.get_run(old["run_id"]) if (store and old) else None
+            p.run_id = stored["run_id"] if stored else None
+            p.status = stored["status"] if stored else "pending"
+            action = "skip (done)" if p.status == "done" else "resume" if stored else "run"
+            console.print(f"  [{p.index}] {p.label()}: {action}" + (f" {p.run_id}" if p.run_id else ""), highlight=False)
+        return result
+
+    record = {
+        "sweep_id": spec.id,
+        "source": spec.source,
+        "spec": spec.model_dump(mode="json"),
+        "grid_keys": spec.grid_keys(),
+        "created_at": previous.get("created_at", time.time()),
+        "updated_at": time.time(),
+        "points": [],
+    }
+
+    def save() -> None:
+        record["updated_at"] = time.time()
+        record["points"] = [p.record() for p in points]
+        _write_atomic(record_path, record)
+
+    store = Store(out)
+    record_path.parent.mkdir(parents=True, exist_ok=True)
+    lock = open(record_path.with_suffix(".lock"), "w")  # noqa: SIM115 - held for the whole sweep
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SweepError(f"sweep {spec.id!r} is already running into {out} (lock {lock.name})") from None
+        for p in points:  # attach runs from earlier invocations
+            old = by_hash.get(p.config_hash)
+            stored = store.get_run(old["run_id"]) if old else None
+            if stored is not None:
+                p.run_id, p.status = stored["run_id"], stored["status"]
+        save()
+        for p in points:
+            if p.status == "done":
+                result.skipped.append(p.run_id)
+                console.print(f"sweep {spec.id} [{p.index + 1}/{len(points)}] {p.label()}: done ({p.run_id}), skipped", highlight=False)
+                continue
+            resume = p.run_id is not None
+            if resume:
+                plan = plan_resume(store, p.run_id)
+            else:
+                plan = p.plan
+                p.run_id = create_train_run(store, p.config, plan)
+            for warning in plan.warnings:
+                console.print(f"[yellow]warning:[/] {warning}")
+            p.status = "running"
+            save()
+            verb = "resuming" if resume else "running"
+            console.print(f"sweep {spec.id} [{p.index + 1}/{len(points)}] {p.label()}: {verb} {p.run_id}", highlight=False)
+            result.ran.append(p.run_id)
+            try:
+                execute_run(plan, store, p.run_id, resume=resume, console=console)
+            except KeyboardInterrupt:
+                p.status = "interrupted"
+                save()
+                raise
+            except Exception as exc:  # noqa: BLE001 - recorded; the sweep goes on
+                p.status = "failed"
+                result.failed.append(p.run_id)
+                save()
+                if not keep_going:
+                    raise
+                console.print(f"[bold red]run {p.run_id} failed:[/] {type(exc).__name__}: {exc}")
+                continue
+            p.status = "done"
+            save()
+    finally:
+        fcntl.flock(lock, fcntl.LOCK_UN)
+        lock.close()
+        store.close()
+    return result
