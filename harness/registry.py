@@ -92,7 +92,7 @@ def _describe(obj: object) -> str:
     return f"{module}.{getattr(obj, '__qualname__', getattr(obj, 'name', type(obj).__name__))}"
 
 
-TASKS: Registry = Registry("tasks", ("tasks.synthetic.arith", "tasks.math.benchmarks"))
+TASKS: Registry = Registry("tasks", ("tasks.synthetic.arith", "tasks.math.benchmarks", "tasks.code.evalplus", "tasks.code.livecodebench"))
 METHODS: Registry = Registry(
     "methods",
     tuple(

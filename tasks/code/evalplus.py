@@ -1,0 +1,288 @@
+"""HumanEval+ and MBPP+ (evalplus data format), graded by differential testing inside the sandbox.
+
+Data: ``DIR/humaneval_plus/HumanEvalPlus-v0.1.10.jsonl.gz`` and ``DIR/mbpp_plus/MbppPlus-v0.2.0.jsonl.gz`` (the
+evalplus release assets; any ``*.jsonl[.gz]`` in that folder is accepted when the default name is absent). DIR:
+the ``data_dir`` argument of ``load()``, then ``options.data_dir``, then ``$HARNESS_DATA_DIR``. There is no hub
+fallback: the Hugging Face copies (``evalplus/humanevalplus``, ``evalplus/mbppplus``) carry no base/plus inputs.
+
+Grading follows evalplus 0.3 (``evalplus/eval/__init__.py``):
+  - expected outputs and per-input reference runtimes come from running ``prompt + canonical_solution`` over the
+    base and plus inputs IN THE SANDBOX; they are cached per dataset file hash under
+    ``<cache>/evalplus/<task>-<sha256[:16]>/`` (cache: ``$HARNESS_CACHE_DIR``, ``$XDG_CACHE_HOME/opd-harness`` or
+    ``~/.cache/opd-harness``);
+  - per-input time limit ``max(min_time_limit, gt_time_limit_factor * ref_time)`` (defaults 4.0 s and 4.0x), a
+    phase wall limit of ``min(60, sum(limits)) + 1``; a time-out is a failing test (status ``timeout`` in details);
+  - output ``==`` expected, else ``np.allclose(rtol=1e-7, atol)`` with atol 1e-6 forced for float outputs; the
+    MBPP special oracles and MBPP input deserialisation (tuples, sets, complex) as evalplus;
+  - fast check: a phase stops at its first failing input; plus runs only when base passed (plus = base and plus).
+Score.details (JSON) has ``base`` and ``plus`` statuses; the task's status is ``plus`` (default) or ``base``
+(``options.grade``). An unparsable completion is ``fail``; a sandbox failure is ``error``.
+
+Code extraction (evalplus sanitize / lm-eval style): the last fenced block if the completion has one, else the
+raw completion. For HumanEval, code that does not define the entry point is appended to the prompt (a base model
+continuing the function body).
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field
+
+from harness.registry import TASKS
+from tasks.base import DataError, Problem, Score
+from tasks.code.common import CodeOptions, SandboxedTask, aligned, cache_root, defines, error, fail, last_fenced_block, syntax_error
+
+DATA_DIR_ENV = "HARNESS_DATA_DIR"
+INSTRUCTION = "Please provide a self-contained Python script that solves the following problem in a markdown code block:"
+TRUTH_TIMEOUT_S = 300.0
+
+
+class DataNotFound(FileNotFoundError):
+    """No local data file; the message says where it looked."""
+
+
+class EvalPlusOptions(CodeOptions):
+    grade: Literal["plus", "base"] = Field("plus", description="which test set decides pass/fail")
+    base_only: bool = Field(False, description="skip the plus tests (plus is then reported as 'skipped')")
+    min_time_limit: float = Field(4.0, gt=0, description="evalplus --min_time_limit (seconds per input)")
+    gt_time_limit_factor: float = Field(4.0, gt=0, description="evalplus --gt_time_limit_factor")
+    instruction: str = INSTRUCTION
+
+
+def _read_rows(path: Path):
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield line_no, json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(path, line_no, "<line>", f"not valid JSON ({exc.msg})") from None
+
+
+def validate_row(row: Any, path: Path, line: int) -> dict:
+    """Check the evalplus fields of one row; a bad one is a DataError naming file, line and field."""
+    if not isinstance(row, Mapping):
+        raise DataError(path, line, "<row>", "expected a JSON object")
+    for name in ("task_id", "prompt", "entry_point", "canonical_solution"):
+        if name not in row:
+            raise DataError(path, line, name, "missing")
+        if not isinstance(row[name], str) or not row[name].strip():
+            raise DataError(path, line, name, "expected a non-empty string")
+    if not row["entry_point"].isidentifier():
+        raise DataError(path, line, "entry_point", f"not an identifier: {row['entry_point']!r}")
+    row = dict(row)
+    for name in ("base_input", "plus_input"):
+        value = row.get(name)
+        if value == {}:  # MbppPlus v0.2.0 Mbpp/793 has ``"plus_input": {}``: no plus inputs (as evalplus reads it)
+            value = row[name] = []
+        if not isinstance(value, list) or not all(isinstance(v, (list, tuple)) for v in value):
+            raise DataError(path, line, name, "expected a list of argument lists")
+    if not row["base_input"]:
+        raise DataError(path, line, "base_input", "empty")
+    atol = row.get("atol", 0)
+    if isinstance(atol, bool) or not isinstance(atol, (int, float)) or atol < 0:
+        raise DataError(path, line, "atol", f"expected a number >= 0, got {atol!r}")
+    if "contract" in row and not isinstance(row["contract"], str):
+        raise DataError(path, line, "contract", "expected a string")
+    return row
+
+
+class EvalPlusTask(SandboxedTask):
+    Options = EvalPlusOptions
+    dataset: ClassVar[str]  # "humaneval" | "mbpp"
+    file_name: ClassVar[str]
+
+    def __init__(self, options=None, sandbox=None) -> None:
+        super().__init__(options, sandbox)
+        self._rows: dict[str, dict] = {}
+        self._hash: str | None = None
+        self._truth_locks: dict[str, threading.Lock] = {}
+        self._locks_lock = threading.Lock()
+
+    @property
+    def grader(self) -> tuple[str, str]:
+        return ("evalplus-sandbox", "1")
+
+    # ---- data
+
+    def data_path(self, data_dir: Path | str | None = None) -> Path:
+        for value in (data_dir, self.options.data_dir, os.environ.get(DATA_DIR_ENV)):
+            if value:
+                folder = Path(value).expanduser() / self.name
+                path = folder / self.file_name
+                if path.is_file():
+                    return path
+                others = sorted(folder.glob("*.jsonl.gz")) + sorted(folder.glob("*.jsonl"))
+                if others:
+                    return others[0]
+                raise DataNotFound(f"{self.name}: no {path} (nor any *.jsonl[.gz] in {folder})")
+        raise DataNotFound(
+            f"{self.name}: no data directory (pass data_dir, set options.data_dir or ${DATA_DIR_ENV}); expected "
+            f"<DIR>/{self.name}/{self.file_name} (the evalplus release asset)"
+        )
+
+    def load(self, split: str = "test", data_dir: Path | None = None) -> list[Problem]:
+        if split not in self.splits:
+            raise ValueError(f"{self.name} has splits {self.splits}, not {split!r}")
+        opts: EvalPlusOptions = self.options  # type: ignore[assignment]
+        if opts.source == "hub":
+            raise DataNotFound(f"{self.name}: no hub source (the hub copies lack base/plus inputs); use a local file")
+        path = self.data_path(data_dir)
+        self._hash = hashlib.sha256(path.read_bytes()).hexdigest()
+        problems, first_line = [], {}
+        for line, raw in _read_rows(path):
+            row = validate_row(raw, path, line)
+            tid = row["task_id"]
+            if tid in first_line:
+                raise DataError(path, line, "task_id", f"duplicate id {tid!r} (first at line {first_line[tid]})")
+            first_line[tid] = line
+            row["atol"] = float(row.get("atol") or 0)
+            self._rows[tid] = row
+            problems.append(
+                Problem(
+                    id=tid,
+                    question=f"{opts.instruction}\n```\n{row['prompt'].strip()}\n```" if opts.instruction else row["prompt"],
+                    answer=row["entry_point"],
+                    solution=row["prompt"] + row["canonical_solution"],
+                    meta={"prompt": row["prompt"], "entry_point": row["entry_point"], "source": str(path),
+                          "n_base": len(row["base_input"]), "n_plus": len(row["plus_input"])},
+                )
+            )
+        if not problems:
+            raise DataError(path, 1, "<file>", "no rows")
+        return problems[: opts.limit] if opts.limit else problems
+
+    def format_prompt(self, problem: Problem, tokenizer) -> str:
+        """Chat models get the instruction and the prompt in a code block; plain completion gets the raw prompt."""
+        template = getattr(tokenizer, "chat_template", None)
+        if self.options.use_chat_template and template:
+            return super().format_prompt(problem, tokenizer)
+        return problem.meta["prompt"]
+
+    # ---- code
+
+    def extract_code(self, problem: Problem, completion: str) -> str:
+        block = last_fenced_block(completion)
+        code = block if block is not None else completion
+        if self.dataset == "humaneval" and not defines(code, problem.meta["entry_point"]):
+            code = problem.meta["prompt"].rstrip() + "\n" + code.strip("\n") if block is not None else problem.meta["prompt"] + completion
+        return code
+
+    # ---- ground truth (sandbox, cached)
+
+    def truth_dir(self) -> Path:
+        assert self._hash is not None, "load() first"
+        return cache_root() / "evalplus" / f"{self.name}-{self._hash[:16]}"
+
+    def truth(self, task_id: str) -> dict:
+        """Expected outputs (encoded, opaque to the host) and reference runtimes of one task.
+
+        Raises:
+            RuntimeError: the canonical solution could not be run (sandbox failure or crash).
+        """
+        path = self.truth_dir() / (task_id.replace("/", "_") + ".json")
+        with self._locks_lock:
+            lock = self._truth_locks.setdefault(task_id, threading.Lock())
+        with lock:
+            if path.is_file():
+                try:
+                    return json.loads(path.read_text())
+                except (OSError, json.JSONDecodeError):
+                    pass
+            row = self._rows[task_id]
+            job = {
+                "mode": "evalplus_truth", "dataset": self.dataset, "task_id": task_id,
+                "code": row["prompt"] + row["canonical_solution"], "entry_point": row["entry_point"],
+                "base_input": row["base_input"], "plus_input": row["plus_input"],
+            }
+            outcome = self.run_job(job, TRUTH_TIMEOUT_S, max_output_bytes=1 << 30)  # some outputs are large (HumanEval/14)
+            if outcome.error:
+                raise RuntimeError(f"ground truth of {task_id}: sandbox error: {outcome.error}")
+            phases = {line["phase"]: line for line in outcome.lines if "phase" in line}
+            if not outcome.done or set(phases) != {"base", "plus"} or outcome.result.stdout_truncated:
+                r = outcome.result
+                raise RuntimeError(f"ground truth of {task_id}: canonical solution failed ({r.status}, exit {r.exit_code}): {r.stderr[-500:]}")
+            data = {f"{p}_{k}": phases[p][k] for p in ("base", "plus") for k in ("outputs", "times")}
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
+            tmp.write_text(json.dumps(data))
+            tmp.replace(path)
+            return data
+
+    # ---- grading
+
+    def grade_many(self, problems: list[Problem], completions: list[str]) -> list[Score]:
+        aligned(problems, completions)
+        return self.parallel(lambda i: self.grade_one(problems[i], completions[i]), len(problems))
+
+    def grade_one(self, problem: Problem, completion: str) -> Score:
+        opts: EvalPlusOptions = self.options  # type: ignore[assignment]
+        code = self.extract_code(problem, completion)
+        bad = syntax_error(code)
+        if bad:
+            return fail(code, base="fail", plus="fail", reason=f"unparsable: {bad}", graded=opts.grade)
+        try:
+            truth = self.truth(problem.id)
+        except RuntimeError as exc:
+            return error(code, reason=str(exc))
+        row = self._rows[problem.id]
+        phases = ["base"] if opts.base_only else ["base", "plus"]
+        job: dict[str, Any] = {
+            "mode": "evalplus_check", "dataset": self.dataset, "task_id": problem.id, "code": code,
+            "entry_point": row["entry_point"], "atol": row["atol"], "phases": phases,
+        }
+        timeout = 5.0
+        for phase in phases:
+            limits = [max(opts.min_time_limit, opts.gt_time_limit_factor * t) for t in truth[f"{phase}_times"]]
+            job.update({f"{phase}_input": row[f"{phase}_input"], f"{phase}_expected": truth[f"{phase}_outputs"], f"{phase}_limits": limits})
+            timeout += min(60.0, sum(limits)) + 1.0
+        outcome = self.run_job(job, timeout)
+        if outcome.error:
+            return error(code, reason=f"sandbox: {outcome.error}")
+        got = {line["phase"]: line for line in outcome.lines if "phase" in line}
+        status: dict[str, str] = {}
+        info: dict[str, Any] = {}
+        for phase in phases:
+            if phase in got:
+                status[phase] = got[phase]["status"]
+                if got[phase].get("error"):
+                    info[f"{phase}_error"] = got[phase]["error"]
+                    info[f"{phase}_failed_input"] = got[phase].get("failed_input")
+                if status[phase] != "pass":
+                    break
+            else:  # the program died or hit the wall limit during this phase
+                r = outcome.result
+                status[phase] = "timeout" if r.status == "timeout" else "fail"
+                info[f"{phase}_error"] = f"sandbox run ended: {r.status}, exit {r.exit_code}: {r.stderr[-300:]}"
+                break
+        base = status.get("base", "fail")
+        plus = "skipped" if opts.base_only else ("pass" if base == "pass" and status.get("plus") == "pass" else status.get("plus", "fail"))
+        passed = base == "pass" if opts.grade == "base" else plus == "pass"
+        details = {"base": base, "plus": plus, "graded": opts.grade, **info}
+        return Score("pass" if passed else "fail", extracted=code, details=json.dumps(details))
+
+
+@TASKS.register("humaneval_plus")
+class HumanEvalPlusTask(EvalPlusTask):
+    name = "humaneval_plus"
+    description = "HumanEval+ (evalplus v0.1.10, 164 problems, base + plus tests) graded in the sandbox"
+    dataset = "humaneval"
+    file_name = "HumanEvalPlus-v0.1.10.jsonl.gz"
+
+
+@TASKS.register("mbpp_plus")
+class MbppPlusTask(EvalPlusTask):
+    name = "mbpp_plus"
+    description = "MBPP+ (evalplus v0.2.0, 378 problems, base + plus tests) graded in the sandbox"
+    dataset = "mbpp"
+    file_name = "MbppPlus-v0.2.0.jsonl.gz"

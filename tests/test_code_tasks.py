@@ -1,0 +1,244 @@
+"""Code tasks: HumanEval+ / MBPP+ (real files from ../shared/data) and LiveCodeBench (project-written problems).
+
+Docker tests are marked ``docker``; without a daemon or image they skip, unless ``HARNESS_REQUIRE_DOCKER=1``
+where they fail (same rule as tests/test_sandbox.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import zlib
+from pathlib import Path
+
+import pytest
+
+import sandbox
+from tasks.base import DataError
+from tasks.code.common import last_fenced_block
+from tasks.code.evalplus import HumanEvalPlusTask, MbppPlusTask
+from tasks.code.livecodebench import LiveCodeBenchTask, decode_pickled_str, decode_private_tests
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+REQUIRE_DOCKER = os.environ.get("HARNESS_REQUIRE_DOCKER") == "1"
+IMAGE = os.environ.get("HARNESS_SANDBOX_IMAGE", "opd-sandbox:bookworm")
+
+
+def _unavailable(reason: str):
+    if REQUIRE_DOCKER:
+        pytest.fail(f"HARNESS_REQUIRE_DOCKER=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def docker_sb():
+    try:
+        import docker
+
+        client = docker.from_env()
+        client.ping()
+        client.images.get(IMAGE)
+    except Exception as exc:  # noqa: BLE001
+        _unavailable(f"no usable Docker daemon / image {IMAGE} ({type(exc).__name__}: {exc})")
+    with sandbox.open_sandbox("docker", image=IMAGE, pool_size=2) as sb:
+        yield sb
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("HARNESS_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "code-cache"))
+
+
+def _needs_data():
+    if not (DATA / "humaneval_plus").is_dir():
+        pytest.skip(f"no {DATA}")
+
+
+def fenced(code: str) -> str:
+    return f"Here is my solution:\n```python\n{code}\n```\nDone."
+
+
+# ---------------------------------------------------------------- loading (no Docker)
+
+
+def test_load_real_files():
+    _needs_data()
+    he = HumanEvalPlusTask().load(data_dir=DATA)
+    mb = MbppPlusTask().load(data_dir=DATA)
+    assert len(he) == 164 and len({p.id for p in he}) == 164
+    assert len(mb) == 378 and len({p.id for p in mb}) == 378
+    assert he[0].id == "HumanEval/0" and he[0].meta["entry_point"] == "has_close_elements"
+
+
+def test_bad_row_names_file_line_field(tmp_path):
+    folder = tmp_path / "humaneval_plus"
+    folder.mkdir()
+    good = {"task_id": "T/0", "prompt": "def f(x):\n", "entry_point": "f", "canonical_solution": "    return x\n",
+            "base_input": [[1]], "plus_input": [], "atol": 0, "contract": ""}
+    bad = dict(good, task_id="T/1", entry_point=3)
+    (folder / "x.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(DataError, match=r"x\.jsonl:2: field 'entry_point'"):
+        HumanEvalPlusTask().load(data_dir=tmp_path)
+
+
+def test_extraction_and_unparsable_is_fail_without_sandbox():
+    assert last_fenced_block("a\n```python\nx = 1\n```\nb\n```\ny = 2\n```") == "y = 2"
+    assert last_fenced_block("no fence") is None
+    _needs_data()
+    task = HumanEvalPlusTask(sandbox=object())  # never touched: parsing happens on the host, nothing runs
+    p = task.load(data_dir=DATA)[0]
+    s = task.grade_many([p], [fenced("def has_close_elements(:\n  pass")])[0]
+    assert s.status == "fail" and "unparsable" in json.loads(s.details)["reason"]
+    # a body-only completion (base model) is appended to the prompt
+    assert task.extract_code(p, "    return True\n").startswith(p.meta["prompt"])
+
+
+def test_sandbox_failure_is_error():
+    _needs_data()
+    with sandbox.open_sandbox("docker", image=IMAGE, base_url="unix:///nonexistent/docker.sock", retries=0) as sb:
+        task = HumanEvalPlusTask(sandbox=sb)
+        p = task.load(data_dir=DATA)[0]
+        s = task.grade_many([p], [fenced(p.solution)])[0]
+    assert s.status == "error"
+
+
+def test_private_tests_decoded_without_unpickling():
+    tests = [{"input": "1 2\n", "output": "3\n", "testtype": "stdin"}]
+    blob = base64.b64encode(zlib.compress(pickle.dumps(json.dumps(tests)))).decode()
+    assert decode_private_tests(blob) == tests
+    assert decode_private_tests(json.dumps(tests)) == tests
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    with pytest.raises(ValueError, match="not allowed"):
+        decode_pickled_str(pickle.dumps(Evil()))
+    for proto in range(0, pickle.HIGHEST_PROTOCOL + 1):
+        assert decode_pickled_str(pickle.dumps("héllo" * 100, protocol=proto)) == "héllo" * 100
+
+
+# ---------------------------------------------------------------- grading in Docker
+
+
+def _sample(problems, ids):
+    by_id = {p.id: p for p in problems}
+    return [by_id[i] for i in ids]
+
+
+@pytest.mark.docker
+def test_humaneval_canonical_pass_wrong_fail_hang_timeout(docker_sb):
+    _needs_data()
+    task = HumanEvalPlusTask(HumanEvalPlusTask.Options(min_time_limit=1.0), sandbox=docker_sb)
+    ps = _sample(task.load(data_dir=DATA), ["HumanEval/0", "HumanEval/2", "HumanEval/32", "HumanEval/53", "HumanEval/150"])
+    canon = [fenced(p.solution) for p in ps]
+    body_only = [p.solution[len(p.meta["prompt"]):] for p in ps]  # completion-style (prompt + body)
+    wrong = [fenced(f"def {p.meta['entry_point']}(*args):\n    return None") for p in ps[:2]]
+    hang = [fenced(f"def {ps[0].meta['entry_point']}(*args):\n    while True:\n        pass")]
+    scores = task.grade_many(ps + ps + ps[:2] + ps[:1], canon + body_only + wrong + hang)
+    details = [json.loads(s.details) for s in scores]
+    assert [s.status for s in scores[:10]] == ["pass"] * 10, details
+    assert all(d["base"] == "pass" and d["plus"] == "pass" for d in details[:10])
+    assert [s.status for s in scores[10:12]] == ["fail", "fail"]
+    assert scores[12].status == "fail" and details[12]["base"] == "timeout", details[12]
+
+
+@pytest.mark.docker
+def test_mbpp_canonical_pass_and_wrong_fail(docker_sb):
+    _needs_data()
+    task = MbppPlusTask(sandbox=docker_sb)
+    ids = ["Mbpp/2", "Mbpp/124", "Mbpp/581", "Mbpp/793", "Mbpp/3"]
+    ps = _sample(task.load(data_dir=DATA), ids)
+    scores = task.grade_many(ps, [fenced(p.solution) for p in ps])
+    assert [s.status for s in scores] == ["pass"] * 5, [s.details for s in scores]
+    # base passes but plus fails: is_not_prime wrong for large inputs -> base pass, plus fail
+    p = ps[4]
+    cheat = fenced("def is_not_prime(n):\n    return n in (2, 10, 35, 37) and n != 2 and n != 37")
+    s = task.grade_many([p], [cheat])[0]
+    d = json.loads(s.details)
+    assert s.status == "fail" and d["plus"] == "fail"
+    base_task = MbppPlusTask(MbppPlusTask.Options(grade="base"), sandbox=docker_sb)
+    base_task.load(data_dir=DATA)
+    assert base_task.grade_many([p], [cheat])[0].status == ("pass" if d["base"] == "pass" else "fail")
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_more_canonical_solutions(docker_sb):
+    _needs_data()
+    for cls, step in ((HumanEvalPlusTask, 8), (MbppPlusTask, 19)):
+        task = cls(sandbox=docker_sb)
+        ps = task.load(data_dir=DATA)[::step]
+        scores = task.grade_many(ps, [fenced(p.solution) for p in ps])
+        bad = [(p.id, s.details) for p, s in zip(ps, scores) if s.status != "pass"]
+        assert not bad, bad
+
+
+# ---------------------------------------------------------------- LiveCodeBench
+
+
+def _lcb_row(qid, content, public, private, func_name=None, starter="", date="2024-01-10T00:00:00", encode=True):
+    private_text = json.dumps(private)
+    if encode:
+        private_text = base64.b64encode(zlib.compress(pickle.dumps(private_text))).decode()
+    return {
+        "question_title": qid, "question_content": content, "platform": "atcoder" if func_name is None else "leetcode",
+        "question_id": qid, "contest_id": "c1", "contest_date": date, "starter_code": starter, "difficulty": "easy",
+        "public_test_cases": json.dumps(public), "private_test_cases": private_text,
+        "metadata": json.dumps({"func_name": func_name} if func_name else {}),
+    }
+
+
+@pytest.fixture
+def lcb_dir(tmp_path):
+    folder = tmp_path / "livecodebench"
+    folder.mkdir()
+    stdin = _lcb_row(
+        "abc001_a", "Read two integers and print their sum.",
+        [{"input": "1 2\n", "output": "3\n", "testtype": "stdin"}],
+        [{"input": "10 -4\n", "output": "6\n", "testtype": "stdin"}, {"input": "1000000000 1000000000\n", "output": "2000000000\n", "testtype": "stdin"}],
+    )
+    functional = _lcb_row(
+        "lc1", "Return the indices of two numbers adding up to target.",
+        [{"input": "[2,7,11,15]\n9", "output": "[0, 1]", "testtype": "functional"}],
+        [{"input": "[3,2,4]\n6", "output": "[1, 2]", "testtype": "functional"}],
+        func_name="twoSum", starter="class Solution:\n    def twoSum(self, nums: List[int], target: int) -> List[int]:\n        ",
+        date="2024-06-01T00:00:00",
+    )
+    (folder / "test.jsonl").write_text(json.dumps(stdin) + "\n")
+    (folder / "test2.jsonl").write_text(json.dumps(functional) + "\n")
+    return tmp_path
+
+
+def test_lcb_load_filters(lcb_dir):
+    ps = LiveCodeBenchTask().load(data_dir=lcb_dir)
+    assert [p.id for p in ps] == ["abc001_a", "lc1"]
+    assert ps[0].meta["n_private"] == 2 and ps[0].meta["inputs"][2] == "1000000000 1000000000\n"
+    assert [p.id for p in LiveCodeBenchTask(LiveCodeBenchTask.Options(release_version="release_v1")).load(data_dir=lcb_dir)] == ["abc001_a"]
+    assert [p.id for p in LiveCodeBenchTask(LiveCodeBenchTask.Options(release_version="v2")).load(data_dir=lcb_dir)] == ["lc1"]
+    assert [p.id for p in LiveCodeBenchTask(LiveCodeBenchTask.Options(start_date="2024-03-01")).load(data_dir=lcb_dir)] == ["lc1"]
+    assert [p.id for p in LiveCodeBenchTask(LiveCodeBenchTask.Options(end_date="2024-03-01")).load(data_dir=lcb_dir)] == ["abc001_a"]
+
+
+@pytest.mark.docker
+def test_lcb_stdin_and_functional_grading(lcb_dir, docker_sb):
+    task = LiveCodeBenchTask(LiveCodeBenchTask.Options(timeout=2.0), sandbox=docker_sb)
+    stdin_p, fn_p = task.load(data_dir=lcb_dir)
+    good_stdin = fenced("a, b = map(int, input().split())\nprint(a + b)")
+    overflow = fenced("a, b = map(int, input().split())\nprint(min(a + b, 10**9))")  # fails a private test
+    good_fn = fenced(
+        "class Solution:\n    def twoSum(self, nums: List[int], target: int) -> List[int]:\n"
+        "        seen = {}\n        for i, x in enumerate(nums):\n            if target - x in seen:\n"
+        "                return (seen[target - x], i)\n            seen[x] = i\n"
+    )
+    wrong_fn = fenced("class Solution:\n    def twoSum(self, nums, target):\n        return [0, 1]\n")
+    hang_fn = fenced("class Solution:\n    def twoSum(self, nums, target):\n        while True: pass\n")
+    problems = [stdin_p, stdin_p, stdin_p, fn_p, fn_p, fn_p, fn_p]
+    completions = [good_stdin, overflow, "print(1)  # no code block", good_fn, wrong_fn, hang_fn, fenced("class Solution(:")]
+    scores = task.grade_many(problems, completions)
+    details = [json.loads(s.details) for s in scores]
+    assert [s.status for s in scores] == ["pass", "fail", "fail", "pass", "fail", "fail", "fail"], details
+    assert details[1]["failed_test"] == 2  # the private test with the large sum
+    assert details[4]["failed_test"] == 1 and details[5]["result"] == "timeout"
