@@ -36,3 +36,33 @@ def tiny_model_factory(char_tokenizer):
         return build_tiny_model(arch, len(char_tokenizer), pad_id=char_tokenizer.pad_token_id, eos_id=char_tokenizer.eos_token_id, seed=seed)
 
     return make
+
+
+REQUIRE_DOCKER = os.environ.get("HARNESS_REQUIRE_DOCKER") == "1"  # CI sets it: Docker tests fail instead of skipping
+SANDBOX_IMAGE = os.environ.get("HARNESS_SANDBOX_IMAGE", "opd-sandbox:bookworm")
+
+
+def docker_unavailable(reason: str):
+    """Skip with the reason, or fail loudly where Docker is required (CI)."""
+    if REQUIRE_DOCKER:
+        pytest.fail(f"HARNESS_REQUIRE_DOCKER=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def docker_client():
+    """A live Docker client with the sandbox image present."""
+    try:
+        import docker
+    except ImportError:
+        docker_unavailable("the docker SDK is not installed (pip install docker==7.2.0)")
+    try:
+        client = docker.from_env()
+        client.ping()
+    except Exception as exc:  # noqa: BLE001
+        docker_unavailable(f"no Docker daemon ({type(exc).__name__}: {exc}); start it with `dockerd &`")
+    try:
+        client.images.get(SANDBOX_IMAGE)
+    except docker.errors.ImageNotFound:
+        docker_unavailable(f"image {SANDBOX_IMAGE} missing; build it with `python -m sandbox.build`")
+    return client

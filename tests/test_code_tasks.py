@@ -22,26 +22,11 @@ from tasks.code.evalplus import HumanEvalPlusTask, MbppPlusTask
 from tasks.code.livecodebench import LiveCodeBenchTask, decode_pickled_str, decode_private_tests
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-REQUIRE_DOCKER = os.environ.get("HARNESS_REQUIRE_DOCKER") == "1"
-IMAGE = os.environ.get("HARNESS_SANDBOX_IMAGE", "opd-sandbox:bookworm")
-
-
-def _unavailable(reason: str):
-    if REQUIRE_DOCKER:
-        pytest.fail(f"HARNESS_REQUIRE_DOCKER=1 but {reason}", pytrace=False)
-    pytest.skip(reason)
+from conftest import SANDBOX_IMAGE as IMAGE  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def docker_sb():
-    try:
-        import docker
-
-        client = docker.from_env()
-        client.ping()
-        client.images.get(IMAGE)
-    except Exception as exc:  # noqa: BLE001
-        _unavailable(f"no usable Docker daemon / image {IMAGE} ({type(exc).__name__}: {exc})")
+def docker_sb(docker_client):
     with sandbox.open_sandbox("docker", image=IMAGE, pool_size=2) as sb:
         yield sb
 

@@ -18,32 +18,8 @@ import pytest
 import sandbox
 from sandbox import ExecRequest, ExecResult
 
-REQUIRE_DOCKER = os.environ.get("HARNESS_REQUIRE_DOCKER") == "1"
-IMAGE = os.environ.get("HARNESS_SANDBOX_IMAGE", "opd-sandbox:bookworm")
-
-
-def _unavailable(reason: str):
-    if REQUIRE_DOCKER:
-        pytest.fail(f"HARNESS_REQUIRE_DOCKER=1 but {reason}", pytrace=False)
-    pytest.skip(reason)
-
-
-@pytest.fixture(scope="module")
-def docker_client():
-    try:
-        import docker
-    except ImportError:
-        _unavailable("the docker SDK is not installed (pip install docker==7.2.0)")
-    try:
-        client = docker.from_env()
-        client.ping()
-    except Exception as exc:  # noqa: BLE001
-        _unavailable(f"no Docker daemon ({type(exc).__name__}: {exc}); start it with `dockerd &`")
-    try:
-        client.images.get(IMAGE)
-    except docker.errors.ImageNotFound:
-        _unavailable(f"image {IMAGE} missing; build it with `python -m sandbox.build`")
-    return client
+from conftest import SANDBOX_IMAGE as IMAGE  # noqa: E402
+from conftest import docker_unavailable as _unavailable  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,18 @@ from pydantic import BaseModel, ConfigDict, Field
 SCORE_FIELDS = ("logprobs", "entropy", "topk", "full")
 
 
+def as_bool(value) -> bool:
+    """A boolean backend option that may arrive as a string from the command line."""
+    if isinstance(value, str):
+        lowered = value.strip().lower()
+        if lowered in {"1", "true", "yes", "on"}:
+            return True
+        if lowered in {"0", "false", "no", "off"}:
+            return False
+        raise ValueError(f"expected a boolean, got {value!r}")
+    return bool(value)
+
+
 class SamplingParams(BaseModel):
     """Sampling settings, normalised once for every backend."""
 

@@ -64,7 +64,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from harness.backends import Completion, SamplingParams
+from harness.backends import Completion, SamplingParams, as_bool
 from harness.registry import BACKENDS
 
 log = logging.getLogger("harness.backends.openai")
@@ -72,17 +72,6 @@ log = logging.getLogger("harness.backends.openai")
 MODES = ("completions", "chat")
 PROMPT_FORMATS = ("auto", "tokens", "text")
 MAX_BACKOFF_S = 30.0
-
-
-def _as_bool(value) -> bool:
-    if isinstance(value, str):
-        lowered = value.strip().lower()
-        if lowered in {"1", "true", "yes", "on"}:
-            return True
-        if lowered in {"0", "false", "no", "off"}:
-            return False
-        raise ValueError(f"expected a boolean, got {value!r}")
-    return bool(value)
 
 
 def derive_seed(seed: int, prompt_index: int) -> int:
@@ -193,8 +182,8 @@ class OpenAIBackend:
             prompt_format=prompt_format,
             connect_retries=int(connect_retries),
             retry_backoff_s=float(retry_backoff_s),
-            server_extensions=_as_bool(server_extensions),
-            logprobs=_as_bool(logprobs),
+            server_extensions=as_bool(server_extensions),
+            logprobs=as_bool(logprobs),
         )
 
     # ------------------------------------------------------------------ generation

@@ -69,7 +69,7 @@ from typing import Any
 
 import torch
 
-from harness.backends import SCORE_FIELDS, Completion, SamplingParams
+from harness.backends import SCORE_FIELDS, Completion, SamplingParams, as_bool
 from harness.backends.openai_backend import derive_seed
 from harness.registry import BACKENDS
 
@@ -90,17 +90,6 @@ def import_vllm():
     except ImportError as exc:
         raise RuntimeError(VLLM_MISSING) from exc
     return vllm
-
-
-def _as_bool(value) -> bool:
-    if isinstance(value, str):
-        lowered = value.strip().lower()
-        if lowered in {"1", "true", "yes", "on"}:
-            return True
-        if lowered in {"0", "false", "no", "off"}:
-            return False
-        raise ValueError(f"expected a boolean, got {value!r}")
-    return bool(value)
 
 
 # ---------------------------------------------------------------------------- pure helpers (no vllm)
@@ -355,7 +344,7 @@ class VLLMBackend:
             gpu_memory_utilization=float(gpu_memory_utilization),
             dtype=str(dtype),
             seed=int(seed),
-            enforce_eager=_as_bool(enforce_eager),
+            enforce_eager=as_bool(enforce_eager),
             max_logprobs=int(max_logprobs),
             logprobs_mode=RAW_LOGPROBS,
             worker_extension_cls=WORKER_EXTENSION,
@@ -364,9 +353,9 @@ class VLLMBackend:
         if max_model_len is not None:
             kwargs["max_model_len"] = int(max_model_len)
         if enable_prefix_caching is not None:
-            kwargs["enable_prefix_caching"] = _as_bool(enable_prefix_caching)
+            kwargs["enable_prefix_caching"] = as_bool(enable_prefix_caching)
         llm = vllm.LLM(**kwargs)
-        return cls(llm, max_logprobs=int(max_logprobs), show_progress=_as_bool(show_progress))
+        return cls(llm, max_logprobs=int(max_logprobs), show_progress=as_bool(show_progress))
 
     # ------------------------------------------------------------------ vLLM objects
 
