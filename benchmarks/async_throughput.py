@@ -1,0 +1,65 @@
+"""Async vs sync throughput on the CPU arith config, against the ideal-overlap bound.
+
+Runs the same config (cached cpu-demo models, N steps, no evaluation) in sync mode and in async
+mode (rollout worker and learner one thread each; sync also gets one thread so the comparison is
+per-role fair), one after the other in this process. From the sync run's stage times it computes
+the ideal-overlap bound: a step can be no faster than max(rollout time, learner time), so
+  ideal speed-up = (t_rollout + t_train) / max(t_rollout, t_train).
+Also measures f-OPD's overhead over plain async OPD with the sampled-token loss (same schedule).
+Usage: ``python benchmarks/async_throughput.py [--steps 60] [--out /tmp/bench-async]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from rich.console import Console
+
+from harness.config import build_config
+from harness.plan import plan_run
+from harness.store import Store
+from harness.sweep import create_train_run, execute_run
+
+
+def run_once(out: Path, steps: int, *overrides: str) -> dict[int, dict[str, float]]:
+    settings = [f"trainer.steps={steps}", f"trainer.checkpoint_every={steps}", "eval.teacher=false", "eval.before_training=false",
+                "eval.limit=8", "eval.k=1", "threads=1", *overrides]  # fmt: skip
+    plan = plan_run(build_config(preset="cpu-demo", overrides=settings))
+    store = Store(out)
+    run_id = create_train_run(store, plan.config, plan)
+    execute_run(plan, store, run_id, resume=False, console=Console(stderr=True, quiet=True))
+    return store.step_metrics(run_id)
+
+
+def median(metrics: dict[int, dict[str, float]], key: str, skip: int = 3) -> float:
+    """Median over steps, skipping the first few (warm-up, empty pipeline)."""
+    return statistics.median(m.get(key, 0.0) for s, m in metrics.items() if s > skip)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--out", type=Path, default=Path("/tmp/bench-async"))
+    args = parser.parse_args()
+    sync = run_once(args.out, args.steps, "trainer.mode=sync")
+    async_opd = run_once(args.out, args.steps, "trainer.mode=async", "trainer.max_lag=1")
+    async_sampled = run_once(args.out, args.steps, "trainer.mode=async", "trainer.max_lag=1", "method_args.opd.estimator=sampled")
+    async_fopd = run_once(args.out, args.steps, "trainer.mode=async", "trainer.max_lag=1", "method=f_opd")
+    rollout = median(sync, "time_generate_s") + median(sync, "time_teacher_s")
+    train = median(sync, "time_train_s")
+    step_sync, step_async, step_sampled, step_fopd = (median(m, "time_step_s") for m in (sync, async_opd, async_sampled, async_fopd))
+    ideal = (rollout + train) / max(rollout, train)
+    print(f"{args.steps} steps of 64 samples, 1 thread per role; medians over steps > 3")
+    print(f"sync stage times: rollout (generate + teacher) {rollout * 1e3:.0f} ms, train {train * 1e3:.0f} ms, step {step_sync * 1e3:.0f} ms")
+    print(f"async OPD step {step_async * 1e3:.0f} ms: speed-up {step_sync / step_async:.2f}x; ideal-overlap bound {ideal:.2f}x "
+          f"({(step_sync / step_async - 1) / (ideal - 1) * 100 if ideal > 1 else 0:.0f}% of the possible gain)")  # fmt: skip
+    print(f"async idle ratios: rollout {median(async_opd, 'idle_ratio_rollout'):.2f}, learner {median(async_opd, 'idle_ratio_learner'):.2f}; "
+          f"mean lag {statistics.mean(m['lag_mean'] for m in async_opd.values()):.2f}")  # fmt: skip
+    print(f"f-OPD async step {step_fopd * 1e3:.0f} ms vs plain async OPD with the same sampled-token loss {step_sampled * 1e3:.0f} ms: "
+          f"overhead {step_fopd / step_sampled:.2f}x")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
