@@ -38,7 +38,7 @@ def _cache(tmp_path_factory, monkeypatch):
 
 def _needs_data():
     if not (DATA / "humaneval_plus").is_dir():
-        pytest.skip(f"no {DATA}")
+        pytest.fail(f"benchmark data missing at {DATA} (tests read ../shared/data, see its MANIFEST.md)")
 
 
 def fenced(code: str) -> str:
