@@ -13,7 +13,7 @@ import typer
 import yaml
 from rich.console import Console
 
-from harness.config import ConfigError, build_config
+from harness.config import ConfigError, build_config, deep_merge, parse_override
 from harness.registry import METHODS, TASKS, RegistryError
 
 app = typer.Typer(help="Benchmark harness for on-policy distillation of language models.", no_args_is_help=True, add_completion=False)
@@ -115,6 +115,9 @@ def eval_(
     out: Annotated[Path, typer.Option(help="results root")] = Path("results"),
     json_: Annotated[bool, typer.Option("--json", help="print a JSON summary instead of a table")] = False,
     max_error_rate: Annotated[float, typer.Option(help="exit 1 if a task's fraction of grading errors exceeds this")] = 0.02,
+    task_arg: Annotated[
+        list[str] | None, typer.Option("--task-arg", help="task option TASK.KEY=VALUE, repeatable (e.g. arith.max_operand=50, as a run's task_args)")
+    ] = None,
     backend_option: Annotated[
         list[str] | None,
         typer.Option("--backend-option", help="backend option KEY=VALUE, repeatable (openai: base_url=http://HOST:PORT/v1, mode=chat, concurrency=16, tokenizer=PATH)"),
@@ -132,8 +135,14 @@ def eval_(
     _quiet_libraries()
     names = [t.strip() for t in task.split(",") if t.strip()]
     try:
+        task_args: dict = {}
+        for item in task_arg or []:
+            task_args = deep_merge(task_args, parse_override(item))
+        unused = set(task_args) - set(names)
+        if unused:
+            raise ConfigError(f"--task-arg names {sorted(unused)}, which are not among --task {', '.join(names)}")
         backend_cls = BACKENDS.get(backend)
-        tasks = [make_task(name, {}) for name in names]
+        tasks = [make_task(name, task_args) for name in names]
     except (ConfigError, RegistryError) as exc:
         raise _fail(str(exc)) from None
     if data_dir is not None:
@@ -144,13 +153,15 @@ def eval_(
         if not sep or not key.strip():
             raise _fail(f"--backend-option {item!r}: expected KEY=VALUE")
         options[key.strip()] = yaml.safe_load(value) if value else value  # "8" -> 8, URLs stay strings
+    if backend == "hf":
+        options.setdefault("show_progress", sys.stderr.isatty())  # a generation progress bar on terminals
     try:
         engine = backend_cls.load(model, **options)
     except (OSError, ValueError, TypeError, RuntimeError) as exc:  # TypeError: an unknown option; RuntimeError: vllm missing
         raise _fail(str(exc)) from None
     store = Store(out)
     run_id = new_run_id("eval", "+".join(names))
-    config = {"backend_options": {k: v for k, v in options.items() if k != "api_key"}, "model": model, "backend": backend, "tasks": names, "k": k, "limit": limit, "temperature": temperature, "top_p": top_p, "seed": seed}
+    config = {"task_args": task_args, "backend_options": {k: v for k, v in options.items() if k != "api_key"}, "model": model, "backend": backend, "tasks": names, "k": k, "limit": limit, "temperature": temperature, "top_p": top_p, "seed": seed}
     store.create_run(run_id, kind="eval", config=config, task=",".join(names), model=model)
     summaries = {}
     for t in tasks:

@@ -47,3 +47,17 @@ def test_grading_errors_are_counted_and_gate_the_exit_code(tmp_path):
     assert (summary["n_pass"], summary["n_fail"], summary["n_errors"]) == (1, 1, 1)
     assert summary["avg_at_k"] == 0.5  # the errored sample is excluded, not scored as a fail
     assert runner.invoke(app, [*args, "--max-error-rate", "0.5"]).exit_code == 0
+
+
+def test_task_args_reach_the_task(tmp_path):
+    options = ArithOptions(max_operand=50, max_mul_operand=9)
+    problems = ArithTask(options).load("test")[:4]
+    path = tmp_path / "outputs.jsonl"
+    path.write_text("".join(json.dumps({"task": "arith", "id": p.id, "completion": f"\\boxed{{{p.answer}}}"}) + "\n" for p in problems))
+    base = ["eval", "--backend", "replay", "--model", str(path), "--task", "arith", "--k", "1", "--limit", "4", "--out", str(tmp_path), "--json"]
+    matched = runner.invoke(app, [*base, "--task-arg", "arith.max_operand=50", "--task-arg", "arith.max_mul_operand=9"])
+    assert json.loads(matched.stdout)["tasks"]["arith"]["avg_at_k"] == 1.0
+    default = runner.invoke(app, base)  # the default arith distribution has different problems under the same ids
+    assert json.loads(default.stdout)["tasks"]["arith"]["avg_at_k"] < 1.0
+    bad = runner.invoke(app, [*base, "--task-arg", "arith.bogus=1"])
+    assert bad.exit_code == 2 and "task_args.arith.bogus" in bad.output
