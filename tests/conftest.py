@@ -66,3 +66,34 @@ def docker_client():
     except docker.errors.ImageNotFound:
         docker_unavailable(f"image {SANDBOX_IMAGE} missing; build it with `python -m sandbox.build`")
     return client
+
+
+@pytest.fixture(scope="module")
+def docker_sb(docker_client):
+    """A Docker sandbox (pool of 2) for the tests of one module."""
+    import sandbox
+
+    with sandbox.open_sandbox("docker", image=SANDBOX_IMAGE, pool_size=2) as sb:
+        yield sb
+
+
+@pytest.fixture(scope="module")
+def local_sb():
+    """A local-provider sandbox for the tests of one module."""
+    import sandbox
+
+    with sandbox.open_sandbox("local", network_isolation="auto") as sb:
+        yield sb
+
+
+@pytest.fixture(params=["local", pytest.param("docker", marks=pytest.mark.docker)])
+def sb(request):
+    """Each test once per provider (Docker ones marked `docker`)."""
+    return request.getfixturevalue(f"{request.param}_sb")
+
+
+def sandbox_request(sb, code: str, **kw):
+    """An ExecRequest running ``code`` with the sandbox's Python."""
+    from sandbox import ExecRequest
+
+    return ExecRequest(argv=[sb.python, "-c", code], **kw)

@@ -25,12 +25,6 @@ DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 from conftest import SANDBOX_IMAGE as IMAGE  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def docker_sb(docker_client):
-    with sandbox.open_sandbox("docker", image=IMAGE, pool_size=2) as sb:
-        yield sb
-
-
 @pytest.fixture(autouse=True)
 def _cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("HARNESS_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "code-cache"))
