@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -130,3 +133,17 @@ class DataError(ValueError):
 
     def __init__(self, path: Path | str, line: int, field_name: str, problem: str) -> None:
         super().__init__(f"{path}:{line}: field {field_name!r}: {problem}")
+
+
+def read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
+    """(1-based line, parsed row) for each non-blank line of a JSONL (or .jsonl.gz) file; a non-JSON line is a DataError."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield line_no, json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(path, line_no, "<line>", f"not valid JSON ({exc.msg} at column {exc.colno})") from None

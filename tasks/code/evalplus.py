@@ -25,7 +25,6 @@ continuing the function body).
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
@@ -37,7 +36,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from harness.registry import TASKS
-from tasks.base import DataError, Problem, Score
+from tasks.base import DataError, Problem, Score, read_jsonl
 from tasks.code.common import CodeOptions, SandboxedTask, aligned, cache_root, defines, error, fail, last_fenced_block, syntax_error
 
 DATA_DIR_ENV = "HARNESS_DATA_DIR"
@@ -55,18 +54,6 @@ class EvalPlusOptions(CodeOptions):
     min_time_limit: float = Field(4.0, gt=0, description="evalplus --min_time_limit (seconds per input)")
     gt_time_limit_factor: float = Field(4.0, gt=0, description="evalplus --gt_time_limit_factor")
     instruction: str = INSTRUCTION
-
-
-def _read_rows(path: Path):
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield line_no, json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(path, line_no, "<line>", f"not valid JSON ({exc.msg})") from None
 
 
 def validate_row(row: Any, path: Path, line: int) -> dict:
@@ -140,7 +127,7 @@ class EvalPlusTask(SandboxedTask):
         path = self.data_path(data_dir)
         self._hash = hashlib.sha256(path.read_bytes()).hexdigest()
         problems, first_line = [], {}
-        for line, raw in _read_rows(path):
+        for line, raw in read_jsonl(path):
             row = validate_row(raw, path, line)
             tid = row["task_id"]
             if tid in first_line:

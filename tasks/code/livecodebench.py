@@ -38,7 +38,7 @@ from typing import Any
 from pydantic import Field
 
 from harness.registry import TASKS
-from tasks.base import DataError, Problem, Score
+from tasks.base import DataError, Problem, Score, read_jsonl
 from tasks.code.common import CodeOptions, SandboxedTask, aligned, error, fail, last_fenced_block, syntax_error
 
 DATA_DIR_ENV = "HARNESS_DATA_DIR"
@@ -172,13 +172,8 @@ class LiveCodeBenchTask(SandboxedTask):
         files = select_files(folder, opts.release_version) if folder and folder.is_dir() and opts.source != "hub" else []
         if files:
             for path in files:
-                with open(path, encoding="utf-8") as f:
-                    for line_no, line in enumerate(f, start=1):
-                        if line.strip():
-                            try:
-                                yield str(path), line_no, json.loads(line)
-                            except json.JSONDecodeError as exc:
-                                raise DataError(path, line_no, "<line>", f"not valid JSON ({exc.msg})") from None
+                for line_no, row in read_jsonl(path):
+                    yield str(path), line_no, row
             return
         if opts.source == "local":
             raise FileNotFoundError(f"livecodebench: no {folder}/*.jsonl (release_version={opts.release_version})")

@@ -55,7 +55,6 @@ and the new problem last, followed by ``Solution:``.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -68,7 +67,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field as OptionField
 
 from harness.registry import TASKS
-from tasks.base import DataError, Problem, Task, TaskOptions
+from tasks.base import DataError, Problem, Task, TaskOptions, read_jsonl
 from tasks.math_grading import MathVerifyGraded, extract_boxed
 
 log = logging.getLogger(__name__)
@@ -266,18 +265,6 @@ class HubSource:
 
 
 # --------------------------------------------------------------------------- row readers
-
-
-def read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
-    """(1-based line, parsed row) for each non-blank line; a non-JSON line is a DataError."""
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield line_no, json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(path, line_no, "<line>", f"not valid JSON ({exc.msg} at column {exc.colno})") from None
 
 
 def read_parquet(path: Path) -> Iterator[tuple[int, Any]]:
