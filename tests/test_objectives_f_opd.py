@@ -451,20 +451,7 @@ def _random_inputs(seed: int, b: int, t: int, empty: bool = False):
 
 
 def _batch_from(mask, q, stale, fresh, lag) -> TensorBatch:
-    b, t = mask.shape
-    return TensorBatch(
-        input_ids=torch.zeros((b, t), dtype=torch.long),
-        attention_mask=torch.ones((b, t), dtype=torch.long),
-        loss_mask=mask,
-        step_index=torch.zeros((b, t), dtype=torch.long),
-        behaviour_logprobs=q,
-        teacher_logprobs=stale,
-        rewards=torch.full((b,), float("nan")),
-        policy_version=torch.zeros(b, dtype=torch.long),
-        group_ids=torch.arange(b),
-        teacher_fresh_logprobs=fresh,
-        policy_lag=lag,
-    )
+    return make_batch(mask, q, stale, fresh=fresh, lag=lag, dtype=torch.float64)
 
 
 def _loss_and_grad(name, batch, s_values):
