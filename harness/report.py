@@ -39,7 +39,6 @@ from harness.metrics import bootstrap_ci
 from harness.store import Store
 
 ASYNC_ONLY = ("max_lag", "fixed_lag", "sync_every", "executor")
-_MISSING = object()
 
 
 def dotted_get(config: dict, key: str, default: Any = None) -> Any:
