@@ -123,6 +123,7 @@ class Session:
     state: TrainState
     method_state: object | None
     train_problems: list = field(default_factory=list)
+    _eval_problems: dict = field(default_factory=dict)  # task name -> problems, loaded once per run
 
     @classmethod
     def open(cls, plan, store: Store, run_id: str, *, resume: bool, console: Console, threads: int | None = None) -> "Session":
@@ -195,7 +196,10 @@ class Session:
             if store.has_eval(run_id, step, task.name):
                 continue
             k = cfg.eval.k or task.options.k
-            problems = task.load("test")[: cfg.eval.limit] if cfg.eval.limit else task.load("test")
+            if task.name not in self._eval_problems:
+                loaded = task.load("test")
+                self._eval_problems[task.name] = loaded[: cfg.eval.limit] if cfg.eval.limit else loaded
+            problems = self._eval_problems[task.name]
             sampling = SamplingParams(temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, max_new_tokens=task.options.max_new_tokens, seed=cfg.eval.seed)
             result = evaluate_task(backend, task, problems, k=k, sampling=sampling, n_resamples=cfg.eval.n_resamples)
             store_eval(store, run_id, step, result)
