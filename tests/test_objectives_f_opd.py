@@ -486,3 +486,50 @@ def test_empty_masks_give_zero_loss_without_nan(seed, b, t, name, fresh):
     assert loss.item() == 0.0 and (grad == 0).all()
     assert all(math.isfinite(v) for v in diag.values())
     assert diag["excluded_samples"] == float(b)
+
+
+# ----------------------------------------------------------------------------------------------
+# estimator "full": the exact per-position reverse KL inside the async methods' weighting
+
+
+def _full_case(lag):
+    torch.manual_seed(0)
+    b, t, v = 3, 4, 5
+    student_full = torch.log_softmax(torch.randn(b, t, v, dtype=torch.float64), -1).requires_grad_(True)
+    teacher_full = torch.log_softmax(torch.randn(b, t, v, dtype=torch.float64), -1)
+    tokens = torch.randint(0, v, (b, t))
+    student_logp = student_full.gather(-1, tokens[..., None]).squeeze(-1)
+    mask = [[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]]
+    behaviour = (student_logp.detach() - 0.1).tolist()
+    teacher = teacher_full.gather(-1, tokens[..., None]).squeeze(-1).tolist()
+    batch = make_batch(mask, behaviour, teacher, teacher_full=teacher_full, lag=lag, dtype=torch.float64)
+    return batch, StudentOutputs(logprobs=student_logp, full=student_full), student_full, teacher_full
+
+
+def test_full_estimator_lag_only_is_sigmoid_weighted_exact_kl():
+    batch, student, student_full, teacher_full = _full_case([0, 2, 5])
+    spec = METHODS.get("opd_lag_only")
+    loss, _ = spec.objective(batch, student, spec.hparams(estimator="full"), None)
+    kl = (student_full.exp() * (student_full - teacher_full)).sum(-1).mean(-1)  # per-sample mean over 4 tokens
+    w = torch.sigmoid(1.0 / (torch.tensor([0.0, 2.0, 5.0], dtype=torch.float64) + 1.0) - 0.5)
+    assert torch.allclose(loss, (w * kl).mean(), atol=1e-12)
+    loss.backward()
+    assert student_full.grad is not None and torch.isfinite(student_full.grad).all()
+
+
+def test_full_estimator_hard_refresh_at_lag_zero_equals_opd_full_on_equal_lengths():
+    batch, student, _, _ = _full_case([0, 0, 0])
+    hard = METHODS.get("opd_hard_refresh")
+    opd = METHODS.get("opd")
+    loss_hard, _ = hard.objective(batch, student, hard.hparams(estimator="full"), None)
+    loss_opd, _ = opd.objective(batch, student, opd.hparams(estimator="full"), None)
+    assert torch.allclose(loss_hard, loss_opd, atol=1e-12)  # equal lengths: per-sample-then-batch mean = token mean
+
+
+def test_full_estimator_declares_full_distributions_and_refuses_without_them():
+    spec = METHODS.get("f_opd")
+    assert {"teacher_full", "student_full"} <= spec.needs(spec.hparams(estimator="full"))
+    assert "teacher_full" not in spec.needs(spec.hparams())
+    batch, student, _, _ = _full_case([1, 1, 1])
+    with pytest.raises(ValueError, match="full"):
+        spec.objective(batch, StudentOutputs(logprobs=student.logprobs), spec.hparams(estimator="full"), None)

@@ -28,6 +28,7 @@ from harness.registry import METHODS
 from harness.trajectory import TensorBatch
 from trainers.objectives import HParams, MethodSpec, StudentOutputs
 from trainers.objectives.common import k3
+from trainers.objectives.opd import full_reverse_kl
 
 FreshnessForm = Literal["exp", "reciprocal", "product"]
 RefreshRule = Literal["freshness", "freshness_or_coverage", "periodic"]
@@ -290,9 +291,13 @@ def plain_terms(stats: AsyncStats, *, anchor_coef: float = 0.0, weights: torch.T
     )
 
 
-def per_sample_terms(student_logp: torch.Tensor, terms: LossTerms) -> tuple[torch.Tensor, torch.Tensor]:
-    """(l_i, R_i^anchor) per sample, with gradient w.r.t. the student log-probs."""
-    per_token = terms.token_weights * terms.log_ratio * student_logp  # ℓ_t = sg(s_t − T_t)·s_t (× IS weight)
+def per_sample_terms(student_logp: torch.Tensor, terms: LossTerms, token_kl: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(l_i, R_i^anchor) per sample, with gradient w.r.t. the student log-probs.
+
+    ``token_kl`` (estimator ``full``): the exact per-position reverse KL replaces the sampled-token ℓ_t.
+    """
+    token_loss = terms.log_ratio * student_logp if token_kl is None else token_kl  # ℓ_t = sg(s_t − T_t)·s_t
+    per_token = terms.token_weights * token_loss  # (× truncated IS weight)
     distill = sample_mean(per_token, terms.sup_mask)  # l_i = Σ_{U^sup} ℓ_t / max(|U^sup|, 1)
     anchor = sample_mean(k3(student_logp, terms.behaviour), terms.roll_mask)  # R_i = mean_{U^roll} k3(s; q)
     return distill, anchor
@@ -305,9 +310,9 @@ def combine(distill: torch.Tensor, anchor: torch.Tensor, terms: LossTerms) -> to
     return _masked(per_sample, selected).sum() / selected.sum().clamp(min=1).to(per_sample.dtype)
 
 
-def async_opd_loss(student_logp: torch.Tensor, terms: LossTerms) -> torch.Tensor:
+def async_opd_loss(student_logp: torch.Tensor, terms: LossTerms, token_kl: torch.Tensor | None = None) -> torch.Tensor:
     """The shared differentiable loss of every method here (§5.5–5.6); terms are held fixed."""
-    distill, anchor = per_sample_terms(student_logp, terms)
+    distill, anchor = per_sample_terms(student_logp, terms, token_kl)
     return combine(distill, anchor, terms)
 
 
@@ -315,7 +320,17 @@ def async_opd_loss(student_logp: torch.Tensor, terms: LossTerms) -> torch.Tensor
 # Hyper-parameters
 
 
-class FOPDParams(HParams):
+class AsyncOPDParams(HParams):
+    """Shared by the five async methods: which per-token distillation loss they weight and filter."""
+
+    estimator: Literal["sampled", "full"] = Field(
+        "sampled",
+        description="sampled: ℓ_t = sg(s_t − T_t)·s_t (the paper's); full: exact full-vocabulary reverse KL at each position "
+        "against the rollout-time teacher distribution (lower variance at small batches; stale samples only shift the states)",
+    )
+
+
+class FOPDParams(AsyncOPDParams):
     alpha: float = Field(1.0, ge=0, description="α: weight of rollout drift D_roll in the freshness score")
     beta: float = Field(0.5, ge=0, description="β: weight of supervision drift D_sup in the freshness score")
     freshness_form: FreshnessForm = Field("exp", description="Eq. 11 form: exp (reconstructed default), reciprocal, product")
@@ -333,20 +348,20 @@ class FOPDParams(HParams):
     )
 
 
-class OPDKLParams(HParams):
+class OPDKLParams(AsyncOPDParams):
     anchor_coef: float = Field(0.1, ge=0, description="λ: weight of the KL-to-behaviour anchor on all valid tokens")
 
 
-class ClippedIWParams(HParams):
+class ClippedIWParams(AsyncOPDParams):
     c_iw: float = Field(2.0, gt=0, description="c_iw: cap of the per-token importance weight exp(s − q)")
 
 
-class LagOnlyParams(HParams):
+class LagOnlyParams(AsyncOPDParams):
     xi: Xi = Field(0.5, description="ξ in σ((τ+1)⁻¹ − ξ): a constant, or 'batch_mean'")
     renormalise: bool = Field(False, description="rescale the selected samples' weights to mean 1")
 
 
-class HardRefreshParams(HParams):
+class HardRefreshParams(AsyncOPDParams):
     refresh_every: int = Field(10, ge=1, description="H: signal a full refresh every H learner steps")
 
 
@@ -410,9 +425,18 @@ def opd_lag_only_terms(stats: AsyncStats, hp: LagOnlyParams) -> tuple[LossTerms,
 # Objectives
 
 
-def _loss_and_diagnostics(student_logp: torch.Tensor, stats: AsyncStats, terms: LossTerms) -> Result:
+def token_reverse_kl(batch: TensorBatch, student: StudentOutputs, hp: AsyncOPDParams) -> torch.Tensor | None:
+    """Exact per-position KL(π_θ ‖ π_T) for estimator ``full`` (teacher distribution from rollout time); None for ``sampled``."""
+    if hp.estimator != "full":
+        return None
+    if student.full is None or batch.teacher_full is None:
+        raise ValueError("estimator 'full' needs full student and teacher distributions")
+    return full_reverse_kl(student.full, batch.teacher_full)
+
+
+def _loss_and_diagnostics(student_logp: torch.Tensor, stats: AsyncStats, terms: LossTerms, token_kl: torch.Tensor | None = None) -> Result:
     """The shared loss plus the diagnostics every method logs."""
-    distill, anchor = per_sample_terms(student_logp, terms)
+    distill, anchor = per_sample_terms(student_logp, terms, token_kl)
     loss = combine(distill, anchor, terms)
     selected = terms.selected
     n_sel = max(int(selected.sum()), 1)
@@ -440,7 +464,7 @@ def f_opd_objective(batch: TensorBatch, student: StudentOutputs, hp: FOPDParams,
     """f-OPD: J = mean_{i∈C} σ(f_i − ξ)(l_i + λR_i), plus the adaptive refresh signal (§5.6–5.7)."""
     stats = async_stats(batch, student.logprobs.detach())
     terms, f = f_opd_terms(stats, hp)
-    loss, diagnostics = _loss_and_diagnostics(student.logprobs, stats, terms)
+    loss, diagnostics = _loss_and_diagnostics(student.logprobs, stats, terms, token_reverse_kl(batch, student, hp))
     f_mean = float(f.mean())
     m_roll, m_sup = diagnostics["trusted_roll_frac"], diagnostics["trusted_sup_frac"]
     stateless = refresh_due(f_mean, m_roll, m_sup, rule=hp.refresh_rule, kappa_f=hp.kappa_f, kappa_cov=hp.kappa_cov)
@@ -457,14 +481,14 @@ def f_opd_objective(batch: TensorBatch, student: StudentOutputs, hp: FOPDParams,
 def opd_kl_objective(batch: TensorBatch, student: StudentOutputs, hp: OPDKLParams, state: object = None) -> Result:
     """Async OPD + KL: mean_i (l_i + λR_i) over all valid tokens, unweighted."""
     stats = async_stats(batch, student.logprobs.detach())
-    return _loss_and_diagnostics(student.logprobs, stats, opd_kl_terms(stats, hp))
+    return _loss_and_diagnostics(student.logprobs, stats, opd_kl_terms(stats, hp), token_reverse_kl(batch, student, hp))
 
 
 def opd_clipped_iw_objective(batch: TensorBatch, student: StudentOutputs, hp: ClippedIWParams, state: object = None) -> Result:
     """Async OPD + clipped IW: per-token loss × min(exp(s − q), c_iw), no anchor, no weights."""
     stats = async_stats(batch, student.logprobs.detach())
     terms = opd_clipped_iw_terms(stats, hp)
-    loss, diagnostics = _loss_and_diagnostics(student.logprobs, stats, terms)
+    loss, diagnostics = _loss_and_diagnostics(student.logprobs, stats, terms, token_reverse_kl(batch, student, hp))
     iw = terms.token_weights
     diagnostics["iw_mean"] = float(_masked(iw, stats.mask).sum() / stats.mask.sum().clamp(min=1.0))
     diagnostics["iw_clip_fraction"] = float(_masked((iw >= hp.c_iw).to(iw.dtype), stats.mask).sum() / stats.mask.sum().clamp(min=1.0))
@@ -475,7 +499,7 @@ def opd_lag_only_objective(batch: TensorBatch, student: StudentOutputs, hp: LagO
     """Lag-only weighting: mean_i σ((τ_i+1)⁻¹ − ξ)·l_i over all valid tokens."""
     stats = async_stats(batch, student.logprobs.detach())
     terms, f = opd_lag_only_terms(stats, hp)
-    loss, diagnostics = _loss_and_diagnostics(student.logprobs, stats, terms)
+    loss, diagnostics = _loss_and_diagnostics(student.logprobs, stats, terms, token_reverse_kl(batch, student, hp))
     diagnostics.update(freshness_mean=float(f.mean()), weight_mean=float(freshness_weights(f, hp.xi).mean()))
     return loss, diagnostics
 
@@ -483,7 +507,7 @@ def opd_lag_only_objective(batch: TensorBatch, student: StudentOutputs, hp: LagO
 def opd_hard_refresh_objective(batch: TensorBatch, student: StudentOutputs, hp: HardRefreshParams, state: object = None) -> Result:
     """Plain async OPD loss; the run's RefreshMonitor signals a full refresh every H steps."""
     stats = async_stats(batch, student.logprobs.detach())
-    loss, diagnostics = _loss_and_diagnostics(student.logprobs, stats, plain_terms(stats))
+    loss, diagnostics = _loss_and_diagnostics(student.logprobs, stats, plain_terms(stats), token_reverse_kl(batch, student, hp))
     signal, events = _refresh_signal(state, 1.0, 1.0, 1.0, stateless=False)  # no monitor ⇒ no step count ⇒ no signal
     diagnostics.update(refresh_signal=float(signal), refresh_events=float(events))
     return loss, diagnostics
@@ -502,7 +526,8 @@ SHARED_NOTES = {
 
 
 def _needs(hp: HParams) -> frozenset[str]:
-    return ASYNC_NEEDS
+    full = getattr(hp, "estimator", "sampled") == "full"
+    return ASYNC_NEEDS | {"teacher_full", "student_full"} if full else ASYNC_NEEDS
 
 
 def _spec(
