@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 
 import numpy as np
+from tqdm import tqdm
 
 from harness.backends import Backend, SamplingParams
 from harness.metrics import bootstrap_ci, pass_at_k
 from harness.rollout import rollout
 from harness.store import SampleRow, Store
 from harness.trajectory import Trajectory
+
+GRADE_CHUNK = 64  # completions per grade_many call, so the grading progress bar moves
 
 
 @dataclass
@@ -57,12 +61,36 @@ def summarize_samples(samples: list[SampleRow], k: int, *, n_resamples: int = 10
     return summary
 
 
-def evaluate_task(backend: Backend, task, problems: list, *, k: int, sampling: SamplingParams, n_resamples: int = 10_000) -> EvalResult:
+def grade_with_progress(task, problems: list, completions: list[str], *, chunk: int = GRADE_CHUNK, show_progress: bool | None = None) -> list:
+    """``task.grade_many`` in chunks with a tqdm bar on stderr (terminals only by default); same scores as one call."""
+    if len(problems) != len(completions):
+        raise ValueError(f"{len(problems)} problems but {len(completions)} completions to grade")
+    show = sys.stderr.isatty() if show_progress is None else show_progress
+    scores: list = []
+    with tqdm(total=len(completions), desc="grade", leave=False, disable=not show, file=sys.stderr) as bar:
+        for start in range(0, len(completions), chunk):
+            part = task.grade_many(problems[start : start + chunk], completions[start : start + chunk])
+            if len(part) != len(completions[start : start + chunk]):
+                raise ValueError(f"{task.name}: grade_many returned {len(part)} scores for {len(completions[start : start + chunk])} completions")
+            scores.extend(part)
+            bar.update(len(part))
+    return scores
+
+
+def task_rollout(backend: Backend, task, problems: list, params: SamplingParams) -> list[Trajectory]:
+    """The task's own ``rollout(backend, problems, params)`` when it has one (e.g. scoring-based tasks), else the shared rollout."""
+    own = getattr(task, "rollout", None)
+    return own(backend, problems, params) if callable(own) else rollout(backend, task, problems, params)
+
+
+def evaluate_task(
+    backend: Backend, task, problems: list, *, k: int, sampling: SamplingParams, n_resamples: int = 10_000, show_progress: bool | None = None
+) -> EvalResult:
     """k samples per problem, graded by the task; returns the summary and per-sample rows."""
     started = time.perf_counter()
-    trajectories = rollout(backend, task, problems, sampling.model_copy(update={"n": k}))
+    trajectories = task_rollout(backend, task, problems, sampling.model_copy(update={"n": k}))
     by_id = {p.id: p for p in problems}
-    scores = task.grade_many([by_id[t.problem_id] for t in trajectories], [t.completion_text for t in trajectories])
+    scores = grade_with_progress(task, [by_id[t.problem_id] for t in trajectories], [t.completion_text for t in trajectories], show_progress=show_progress)
     samples = []
     for traj, score in zip(trajectories, scores, strict=True):
         traj.status, traj.extracted, traj.reward = score.status, score.extracted, score.value

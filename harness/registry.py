@@ -1,7 +1,8 @@
 """One registry mechanism for tasks, methods, backends, sandboxes and pipelines.
 
 Plugins register under a string name with a decorator; third-party packages add entries through
-the entry-point group ``opd_harness.<kind>``. Built-in modules are imported lazily on first lookup,
+the entry-point group ``opd_harness.<kind>``. A prefix factory (``add_prefix``) serves a whole family of
+names ``prefix:rest`` that cannot be listed up front (e.g. one task per external benchmark suite entry). Built-in modules are imported lazily on first lookup,
 so importing ``harness`` stays cheap.
 """
 
@@ -31,6 +32,8 @@ class Registry(Generic[T]):
         self.entry_point_group = f"opd_harness.{kind}"
         self._builtin_modules = builtin_modules
         self._items: dict[str, T] = {}
+        self._prefixes: dict[str, Callable[[str], T]] = {}
+        self._made: dict[str, T] = {}  # "prefix:rest" -> what its factory built (built once)
         self._loaded = False
 
     def register(self, name: str) -> Callable[[T], T]:
@@ -48,6 +51,20 @@ class Registry(Generic[T]):
         if existing is not None and existing is not obj:
             raise RegistryError(f"duplicate {self.kind} name {name!r}: already registered by {_describe(existing)}")
         self._items[name] = obj
+
+    def add_prefix(self, prefix: str, factory: Callable[[str], T]) -> None:
+        """Route every name ``prefix:REST`` to ``factory(REST)`` (e.g. ``lm_eval:gsm8k``); built once per name."""
+        if not prefix or ":" in prefix:
+            raise RegistryError(f"bad {self.kind} prefix {prefix!r}: must be non-empty and contain no ':'")
+        existing = self._prefixes.get(prefix)
+        if existing is not None and existing is not factory:
+            raise RegistryError(f"duplicate {self.kind} prefix {prefix!r}: already registered by {_describe(existing)}")
+        self._prefixes[prefix] = factory
+
+    def prefixes(self) -> list[str]:
+        """Sorted registered prefixes (a name ``PREFIX:REST`` is built by that prefix's factory)."""
+        self._load()
+        return sorted(self._prefixes)
 
     def _load(self) -> None:
         if self._loaded:
@@ -67,10 +84,22 @@ class Registry(Generic[T]):
         self._load()
         if name in self._items:
             return self._items[name]
+        prefix, sep, rest = name.partition(":")
+        if sep and prefix in self._prefixes:
+            return self._from_prefix(name, prefix, rest)
         valid = sorted(self._items)
         close = difflib.get_close_matches(name, valid, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise RegistryError(f"unknown {self.kind} {name!r}.{hint} Valid {self.kind}: {', '.join(valid) or '(none)'}")
+        patterns = "".join(f", {p}:<name>" for p in sorted(self._prefixes))
+        raise RegistryError(f"unknown {self.kind} {name!r}.{hint} Valid {self.kind}: {', '.join(valid) or '(none)'}{patterns}")
+
+    def _from_prefix(self, name: str, prefix: str, rest: str) -> T:
+        """The object ``factory(rest)`` for ``prefix:rest``, built on first use and then reused."""
+        if not rest.strip():
+            raise RegistryError(f"{self.kind} name {name!r}: expected {prefix}:<name> with a name after the colon")
+        if name not in self._made:
+            self._made[name] = self._prefixes[prefix](rest)
+        return self._made[name]
 
     def names(self) -> list[str]:
         """Sorted registered names."""
@@ -83,8 +112,12 @@ class Registry(Generic[T]):
             yield name, self._items[name]
 
     def __contains__(self, name: object) -> bool:
+        """Registered names, and any ``prefix:rest`` with a registered prefix (its factory may still refuse it)."""
         self._load()
-        return name in self._items
+        if name in self._items:
+            return True
+        prefix, sep, rest = name.partition(":") if isinstance(name, str) else ("", "", "")
+        return bool(sep and rest.strip() and prefix in self._prefixes)
 
 
 def _describe(obj: object) -> str:
@@ -92,7 +125,9 @@ def _describe(obj: object) -> str:
     return f"{module}.{getattr(obj, '__qualname__', getattr(obj, 'name', type(obj).__name__))}"
 
 
-TASKS: Registry = Registry("tasks", ("tasks.synthetic.arith", "tasks.math.benchmarks", "tasks.code.evalplus", "tasks.code.livecodebench"))
+TASKS: Registry = Registry(
+    "tasks", ("tasks.synthetic.arith", "tasks.math.benchmarks", "tasks.code.evalplus", "tasks.code.livecodebench", "tasks.lm_eval_bridge")
+)
 METHODS: Registry = Registry(
     "methods",
     tuple(
