@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 import yaml
 from rich.console import Console
+from rich.markup import escape
 
 from harness.config import ConfigError, build_config, deep_merge, parse_override
 from harness.registry import METHODS, TASKS, RegistryError
@@ -31,7 +32,7 @@ def _quiet_libraries() -> None:
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
-    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)  # escaped: "opd-harness[ray]" is not markup
     return typer.Exit(code)
 
 
@@ -39,7 +40,10 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
 def run(
     method: Annotated[str | None, typer.Option(help="training method (see `harness methods`)")] = None,
     task: Annotated[str | None, typer.Option(help="training task (see `harness tasks`)")] = None,
-    mode: Annotated[str | None, typer.Option(help="pipeline: sync")] = None,
+    mode: Annotated[str | None, typer.Option(help="pipeline: sync, or async (rollout and learning overlap)")] = None,
+    executor: Annotated[
+        str | None, typer.Option(help="where the roles run: inprocess (threads in this process) or ray (actors; local Ray, or trainer.ray_address)")
+    ] = None,
     preset: Annotated[str | None, typer.Option(help="built-in preset: smoke, cpu-demo")] = None,
     config: Annotated[Path | None, typer.Option("--config", help="YAML config file")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="dotted override KEY=VALUE, repeatable (e.g. trainer.lr=1e-5)")] = None,
@@ -55,11 +59,12 @@ def run(
     store = Store(out)
     try:
         if resume:
-            if any(v is not None for v in (method, task, mode, preset, config)) or set_:
+            if any(v is not None for v in (method, task, mode, executor, preset, config)) or set_:
                 raise ConfigError("--resume continues a run with its stored config; drop the other options")
             plan, run_id = plan_resume(store, resume), resume
         else:
-            cli = {"method": method, "task": task, "trainer": {"mode": mode} if mode else None}
+            trainer = {key: value for key, value in (("mode", mode), ("executor", executor)) if value is not None}
+            cli = {"method": method, "task": task, "trainer": trainer or None}
             plan = plan_run(build_config(preset=preset, config_file=config, overrides=set_ or [], cli=cli))
     except (ConfigError, RegistryError) as exc:
         raise _fail(str(exc)) from None

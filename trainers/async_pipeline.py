@@ -10,6 +10,11 @@ sample can ever exceed it. ``fixed_lag`` L generates batch b with exactly r = ma
 (a method's ``refresh_signal``, e.g. f-OPD or hard refresh) drops every buffered batch with lag > 0
 and has the worker regenerate them with the newest weights. With ``max_lag = 0`` the schedule is
 exactly the synchronous one.
+
+The schedule (:class:`Schedule`, :class:`RolloutWorker`, :func:`drive`) is written against two
+small role interfaces, a rollout (``version``, ``load``, ``make``) and a learner (``train``,
+``snapshot``, ``pull``); this module gives the in-process ones (a worker thread with its own copy
+of the student, the learner in the calling thread) and ``trainers.ray_executor`` the Ray actors.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from rich.console import Console
@@ -28,7 +34,7 @@ from harness.backends.hf import HFBackend
 from harness.registry import PIPELINES
 from harness.store import Store
 from harness.trajectory import TensorBatch
-from trainers.pipeline import Session, add_rates, learn, make_batch, sample_problems
+from trainers.pipeline import Session, add_rates, learn, make_batch, response_lengths, sample_problems
 from trainers.sync import provided_inputs
 
 
@@ -46,18 +52,62 @@ def fixed_version(batch_index: int, lag: int) -> int:
     return max(batch_index - 1 - lag, 0)
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """Which weights may generate each batch: the async knobs, or the synchronous run (max_lag 0)."""
+
+    steps: int
+    max_lag: int
+    fixed_lag: int | None
+    sync_every: int
+
+    @classmethod
+    def of(cls, plan) -> "Schedule":
+        """The schedule of ``plan``: sync mode is async with max_lag 0 (a batch always sees the newest weights)."""
+        t = plan.config.trainer
+        if t.mode == "sync":
+            return cls(t.steps, max_lag=0, fixed_lag=None, sync_every=1)
+        return cls(t.steps, t.max_lag, t.fixed_lag, t.sync_every)
+
+    @property
+    def keep(self) -> int:
+        """Weight versions the board must hold so that every allowed version is still there."""
+        return max(self.max_lag, self.fixed_lag or 0, self.sync_every) + 2
+
+    def target_version(self, index: int, current: int, latest: int, force_sync: bool) -> int:
+        """The weights batch ``index`` must be generated with, given the loaded and the newest version."""
+        if self.fixed_lag is not None:
+            return fixed_version(index, self.fixed_lag)
+        required = required_version(index, self.max_lag)
+        if not force_sync and current >= required and latest - current < self.sync_every:
+            return current  # current weights are still allowed and not due for a sync
+        return max(latest, required)
+
+
+def state_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A detached copy of the weights, immune to later optimizer steps."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
 class WeightBoard:
-    """The learner publishes versioned weight snapshots; rollout workers wait for and fetch them."""
+    """The learner publishes versioned weight snapshots; rollout workers wait for and fetch them.
+
+    A snapshot is whatever the rollout role loads: a state dict in process, an object ref with Ray.
+    """
 
     def __init__(self, keep: int) -> None:
         self._cond = threading.Condition()
-        self._snapshots: dict[int, dict[str, torch.Tensor]] = {}
+        self._snapshots: dict[int, Any] = {}
         self._keep = max(keep, 1)
         self.latest = -1
         self.stopped = False
 
     def publish(self, version: int, model: torch.nn.Module) -> None:
-        snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        """Publish a copy of ``model``'s current weights as ``version``."""
+        self.publish_snapshot(version, state_snapshot(model))
+
+    def publish_snapshot(self, version: int, snapshot: Any) -> None:
+        """Publish ``snapshot`` as ``version`` and forget versions older than ``keep``."""
         with self._cond:
             self._snapshots[version] = snapshot
             self.latest = version
@@ -74,7 +124,7 @@ class WeightBoard:
                 raise PipelineStopped
             return self.latest
 
-    def get(self, version: int) -> dict[str, torch.Tensor]:
+    def get(self, version: int) -> Any:
         with self._cond:
             return self._snapshots[version]
 
@@ -89,7 +139,7 @@ class BufferEntry:
     index: int  # batch index b: trained on at learner step b
     version: int  # behaviour policy version r
     epoch: int  # refresh epoch it was generated in
-    batch: TensorBatch
+    batch: TensorBatch | Any  # a TensorBatch, or an object ref to one with Ray
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -175,29 +225,89 @@ class RoleClock:
         return self.seconds["wait"] / total if total > 0 else 0.0
 
 
-class RolloutWorker(threading.Thread):
-    """Generates and teacher-scores batches b = start+1 .. steps with the allowed weight versions."""
+class Rollout(Protocol):
+    """The rollout role: generates and teacher-scores batches with weights fetched from the board."""
 
-    def __init__(self, plan, session: Session, board: WeightBoard, buffer: ReplayBuffer, start: int, pause: threading.Event) -> None:
-        super().__init__(name="rollout-worker", daemon=True)
-        self.plan, self.session, self.board, self.buffer = plan, session, board, buffer
-        self.next_index = start + 1
-        self.pause = pause  # cleared while the learner evaluates
-        self.clock = RoleClock()
+    version: int  # weights currently loaded (-1: none yet)
+
+    def load(self, version: int) -> None: ...
+
+    def make(self, index: int) -> tuple[Any, dict[str, float]]: ...
+
+
+@dataclass
+class LearnResult:
+    """What the driver needs back from a learner step: metrics, per-sample lags and response lengths."""
+
+    metrics: dict[str, float]
+    lags: list[int]
+    lengths: torch.Tensor
+
+
+class Learner(Protocol):
+    """The learner role: trains on batch b at version b − 1 and hands out its weights and state."""
+
+    def train(self, batch: Any, version: int) -> LearnResult: ...
+
+    def snapshot(self) -> Any: ...
+
+    def pull(self) -> None: ...
+
+
+class LocalRollout:
+    """In-process rollout: a private copy of the student behind an HF backend; the session's teacher scores."""
+
+    def __init__(self, plan, session: Session, board: WeightBoard) -> None:
+        self.plan, self.session, self.board = plan, session, board
         model = copy.deepcopy(session.student.model)
         self.backend = HFBackend(model, session.student.tokenizer, batch_size=plan.config.trainer.generate_batch_size)
         self.backend.version = -1
 
+    @property
+    def version(self) -> int:
+        return self.backend.version
+
+    def load(self, version: int) -> None:
+        self.backend.load_weights(self.board.get(version), version)
+
+    def make(self, index: int) -> tuple[TensorBatch, dict[str, float]]:
+        metrics: dict[str, float] = {}
+        problems = sample_problems(self.plan.config, self.session.train_problems, index)
+        batch, _ = make_batch(self.plan, self.backend, self.session.teacher, problems, index, metrics)
+        return batch, metrics
+
+
+class LocalLearner:
+    """In-process learner: trains the session's own student, so checkpoints need no pull."""
+
+    def __init__(self, plan, session: Session) -> None:
+        self.plan, self.session = plan, session
+
+    def train(self, batch: TensorBatch, version: int) -> LearnResult:
+        metrics: dict[str, float] = {}
+        learn(self.plan, self.session.student.model, self.session.optimizer, batch, self.session.method_state, version, metrics)
+        return LearnResult(metrics, batch.policy_lag.tolist(), response_lengths(batch))
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        return state_snapshot(self.session.student.model)
+
+    def pull(self) -> None:
+        pass
+
+
+class RolloutWorker(threading.Thread):
+    """Generates and teacher-scores batches b = start+1 .. steps with the weight versions the schedule allows."""
+
+    def __init__(self, schedule: Schedule, rollout: Rollout, board: WeightBoard, buffer: ReplayBuffer, start: int, pause: threading.Event) -> None:
+        super().__init__(name="rollout-worker", daemon=True)
+        self.schedule, self.rollout, self.board, self.buffer = schedule, rollout, board, buffer
+        self.next_index = start + 1
+        self.pause = pause  # cleared while the learner evaluates
+        self.clock = RoleClock()
+
     def target_version(self, index: int, force_sync: bool) -> int:
         """The weights batch ``index`` must be generated with (at least this version; waits are the caller's)."""
-        trainer = self.plan.config.trainer
-        if trainer.fixed_lag is not None:
-            return fixed_version(index, trainer.fixed_lag)
-        required = required_version(index, trainer.max_lag)
-        current = self.backend.version
-        if not force_sync and current >= required and self.board.latest - current < trainer.sync_every:
-            return current  # current weights are still allowed and not due for a sync
-        return max(self.board.latest, required)
+        return self.schedule.target_version(index, self.rollout.version, self.board.latest, force_sync)
 
     def run(self) -> None:
         try:
@@ -208,7 +318,7 @@ class RolloutWorker(threading.Thread):
             self.buffer.fail(exc)
 
     def _loop(self) -> None:
-        steps, fixed = self.plan.config.trainer.steps, self.plan.config.trainer.fixed_lag is not None
+        steps, fixed = self.schedule.steps, self.schedule.fixed_lag is not None
         force_sync = False
         while not self.buffer.stopped:
             self.pause.wait()  # evaluation pauses are not idle time
@@ -222,15 +332,13 @@ class RolloutWorker(threading.Thread):
             waited = time.perf_counter()
             wanted = self.target_version(index, force_sync)
             latest = self.board.wait_for(wanted)
-            if not fixed and wanted != self.backend.version:
+            if not fixed and wanted != self.rollout.version:
                 wanted = latest  # syncing anyway: take the newest weights
             self.clock.add("wait", time.perf_counter() - waited)
-            if self.backend.version != wanted:
-                self.backend.load_weights(self.board.get(wanted), wanted)
+            if self.rollout.version != wanted:
+                self.rollout.load(wanted)
             force_sync = False
-            metrics: dict[str, float] = {}
-            problems = sample_problems(self.plan.config, self.session.train_problems, index)
-            batch, _ = make_batch(self.plan, self.backend, self.session.teacher, problems, index, metrics)
+            batch, metrics = self.rollout.make(index)
             for key in ("generate", "teacher", "reward"):
                 self.clock.add(key, metrics.get(f"time_{key}_s", 0.0))
             if self.buffer.put(BufferEntry(index, wanted, epoch, batch, metrics)):
@@ -238,7 +346,7 @@ class RolloutWorker(threading.Thread):
 
 
 class AsyncPipeline:
-    """In-process async pipeline: one rollout worker thread, the learner in the calling thread."""
+    """Async pipeline: a rollout worker beside the learner, in process (threads) or as Ray actors."""
 
     name = "async"
 
@@ -249,56 +357,70 @@ class AsyncPipeline:
         return []
 
     def run(self, plan, store: Store, run_id: str, *, resume: bool = False, console: Console | None = None) -> None:
-        run_async(plan, store, run_id, resume=resume, console=console or Console(stderr=True))
+        console = console or Console(stderr=True)
+        if plan.config.trainer.executor == "ray":
+            from trainers.ray_executor import run_ray
+
+            run_ray(plan, store, run_id, resume=resume, console=console)
+        else:
+            run_async(plan, store, run_id, resume=resume, console=console)
 
 
 PIPELINES.add("async", AsyncPipeline())
 
 
 def run_async(plan, store: Store, run_id: str, *, resume: bool, console: Console) -> None:
-    """Train with rollout and learning overlapped; lag, staleness and idle time go to the store."""
-    trainer = plan.config.trainer
+    """Train with rollout and learning overlapped in this process; lag, staleness and idle time go to the store."""
     session = Session.open(plan, store, run_id, resume=resume, console=console, threads=plan.config.threads or 1)
     session.evaluate_start()
-    keep = max(trainer.max_lag, trainer.fixed_lag or 0, trainer.sync_every) + 2
-    board, buffer, pause = WeightBoard(keep), ReplayBuffer(), threading.Event()
-    board.publish(session.state.step, session.student.model)
+    schedule = Schedule.of(plan)
+    board = WeightBoard(schedule.keep)
+    drive(plan, session, schedule, LocalRollout(plan, session, board), LocalLearner(plan, session), board)
+    store.set_status(run_id, "done")
+
+
+def drive(plan, session: Session, schedule: Schedule, rollout: Rollout, learner: Learner, board: WeightBoard) -> None:
+    """The learner loop of every executor: take batch b, train, publish version b, refresh, record, checkpoint."""
+    buffer, pause = ReplayBuffer(), threading.Event()
+    board.publish_snapshot(session.state.step, learner.snapshot())
     pause.set()
-    worker = RolloutWorker(plan, session, board, buffer, session.state.step, pause)
-    learner = RoleClock()
+    worker = RolloutWorker(schedule, rollout, board, buffer, session.state.step, pause)
+    clock = RoleClock()
     staleness: Counter = Counter()
     refreshes, dropped = 0, 0
     worker.start()
-    bar = tqdm(range(session.state.step + 1, trainer.steps + 1), desc=f"train {plan.method.name} (async)", initial=session.state.step, total=trainer.steps, dynamic_ncols=True)
+    trainer = plan.config.trainer
+    label = trainer.mode + (f", {trainer.executor}" if trainer.executor != "inprocess" else "")
+    bar = tqdm(range(session.state.step + 1, schedule.steps + 1), desc=f"train {plan.method.name} ({label})", initial=session.state.step, total=schedule.steps, dynamic_ncols=True)
     try:
         last_end = time.perf_counter()
         for step in bar:
             waited = time.perf_counter()
             entry = buffer.take(step)
-            learner.add("wait", time.perf_counter() - waited)
-            metrics = dict(entry.metrics)
-            learn(plan, session.student.model, session.optimizer, entry.batch, session.method_state, step - 1, metrics)
-            learner.add("train", metrics["time_train_s"])
-            board.publish(step, session.student.model)
-            staleness.update(entry.batch.policy_lag.tolist())
-            if metrics.get("refresh_signal", 0.0) > 0 and trainer.fixed_lag is None:  # the lag study keeps its lag
+            clock.add("wait", time.perf_counter() - waited)
+            result = learner.train(entry.batch, step - 1)
+            metrics = {**entry.metrics, **result.metrics}
+            clock.add("train", metrics["time_train_s"])
+            board.publish_snapshot(step, learner.snapshot())
+            staleness.update(result.lags)
+            if metrics.get("refresh_signal", 0.0) > 0 and schedule.fixed_lag is None:  # the lag study keeps its lag
                 refreshes += 1
                 dropped += len(buffer.drop_stale())
             now = time.perf_counter()
-            add_rates(metrics, entry.batch, now - last_end)
+            add_rates(metrics, result.lengths, now - last_end)
             metrics.update(behaviour_version=float(entry.version), buffer_size=float(len(buffer)), refreshes=float(refreshes), dropped_batches=float(dropped),
-                           idle_ratio_rollout=worker.clock.idle_ratio(), idle_ratio_learner=learner.idle_ratio())  # fmt: skip
+                           idle_ratio_rollout=worker.clock.idle_ratio(), idle_ratio_learner=clock.idle_ratio())  # fmt: skip
             pause.clear()  # the worker finishes its current batch, then waits while we checkpoint/evaluate
             checkpoint_metrics = {
                 "staleness_hist": {str(k): v for k, v in sorted(staleness.items())},
                 "rollout_seconds": dict(worker.clock.seconds),
-                "learner_seconds": dict(learner.seconds),
+                "learner_seconds": dict(clock.seconds),
                 "idle_ratio_rollout": worker.clock.idle_ratio(),
-                "idle_ratio_learner": learner.idle_ratio(),
+                "idle_ratio_learner": clock.idle_ratio(),
                 "refreshes": refreshes,
                 "dropped_batches": dropped,
             }
-            session.record_step(step, metrics, metrics["time_step_s"], checkpoint_metrics)
+            session.record_step(step, metrics, metrics["time_step_s"], checkpoint_metrics, before_checkpoint=learner.pull)
             pause.set()
             last_end = time.perf_counter()
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", lag=f"{metrics['lag_mean']:.1f}")
@@ -308,4 +430,3 @@ def run_async(plan, store: Store, run_id: str, *, resume: bool, console: Console
         pause.set()
         worker.join(timeout=30)
         bar.close()
-    store.set_status(run_id, "done")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,13 @@ def sample_problems(cfg, train_problems: list, step: int) -> list:
 
 def make_batch(plan, student: HFBackend, teacher: HFBackend, problems: list, step: int, metrics: dict) -> tuple[TensorBatch, list[Trajectory]]:
     """Roll out (or take references), grade when the method needs rewards, and score with the teacher."""
+    batch, trajectories = generate_batch(plan, student, problems, step, metrics)
+    teacher_phase(plan, teacher, batch, metrics)
+    return batch, trajectories
+
+
+def generate_batch(plan, student: HFBackend, problems: list, step: int, metrics: dict) -> tuple[TensorBatch, list[Trajectory]]:
+    """The rollout role's half of :func:`make_batch`: sample (or take references) and grade; no teacher."""
     cfg, task, method, hparams = plan.config, plan.task, plan.method, plan.hparams
     needs = method.needs(hparams)
     with timed("generate", metrics):
@@ -60,11 +68,19 @@ def make_batch(plan, student: HFBackend, teacher: HFBackend, problems: list, ste
             for traj, score in zip(trajectories, scores, strict=True):
                 traj.reward = score.value
             metrics["reward_mean"] = sum(s.value for s in scores) / len(scores)
-    batch = to_tensor_batch(trajectories, student.pad_id)
-    if needs & {"teacher_logprobs", "teacher_full"}:
+    return to_tensor_batch(trajectories, student.pad_id), trajectories
+
+
+def needs_teacher(plan) -> bool:
+    """Whether the method reads teacher log-probs or distributions (otherwise the teacher never runs)."""
+    return bool(plan.method.needs(plan.hparams) & {"teacher_logprobs", "teacher_full"})
+
+
+def teacher_phase(plan, teacher: HFBackend, batch: TensorBatch, metrics: dict) -> None:
+    """The teacher role's half of :func:`make_batch`: score ``batch`` in place when the method needs it."""
+    if needs_teacher(plan):
         with timed("teacher", metrics):
-            score_teacher(teacher, batch, full="teacher_full" in needs)
-    return batch, trajectories
+            score_teacher(teacher, batch, full="teacher_full" in plan.method.needs(plan.hparams))
 
 
 @torch.no_grad()
@@ -85,9 +101,13 @@ def learn(plan, model, optimizer, batch: TensorBatch, method_state, learner_vers
         metrics.update(train_step(model, optimizer, batch, plan.method, plan.hparams, method_state, grad_clip=plan.config.trainer.grad_clip))
 
 
-def add_rates(metrics: dict, batch: TensorBatch, seconds: float) -> None:
-    """Samples, tokens and their rates over ``seconds`` of step time."""
-    lengths = batch.loss_mask.sum(-1)
+def response_lengths(batch: TensorBatch) -> torch.Tensor:
+    """Trained (loss-masked) tokens per sample: all the rate metrics need from a batch."""
+    return batch.loss_mask.sum(-1)
+
+
+def add_rates(metrics: dict, lengths: torch.Tensor, seconds: float) -> None:
+    """Samples, tokens and their rates over ``seconds`` of step time (``lengths``: :func:`response_lengths`)."""
     metrics.update(
         time_step_s=seconds,
         samples=float(lengths.numel()),
@@ -165,8 +185,14 @@ class Session:
         mode = cfg.trainer.mode
         self.console.print(f"training: method={self.plan.method.name}" + (f" estimator={estimator}" if estimator else "") + f", mode={mode}, {cfg.trainer.steps} steps")
 
-    def record_step(self, step: int, metrics: dict, train_seconds: float, checkpoint_metrics: dict | None = None) -> bool:
-        """Count the step, log it, and checkpoint + evaluate when due; returns True if it checkpointed."""
+    def record_step(
+        self, step: int, metrics: dict, train_seconds: float, checkpoint_metrics: dict | None = None, before_checkpoint: Callable[[], None] | None = None
+    ) -> bool:
+        """Count the step, log it, and checkpoint + evaluate when due; returns True if it checkpointed.
+
+        ``before_checkpoint`` brings this session's student, optimizer and method state up to date
+        first, when another process (a Ray learner) trains them.
+        """
         cfg = self.plan.config
         self.scheduler.step()
         self.student.version = step
@@ -178,6 +204,8 @@ class Session:
         self.store.log_step(self.run_id, step, metrics)
         if step % cfg.trainer.checkpoint_every and step != cfg.trainer.steps:
             return False
+        if before_checkpoint is not None:
+            before_checkpoint()
         extra = {"method_state": self.method_state.state_dict()} if self.method_state is not None else {}
         path = save_checkpoint(self.store.run_dir(self.run_id), self.state, self.student.model, self.student.tokenizer, self.optimizer, self.scheduler, extra)
         self.store.add_checkpoint(

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from harness.registry import PIPELINES
 from harness.store import Store
-from trainers.pipeline import Session, add_rates, learn, make_batch, sample_problems
+from trainers.pipeline import Session, add_rates, learn, make_batch, response_lengths, sample_problems
 
 BASE_INPUTS = frozenset({"behaviour_logprobs", "teacher_logprobs", "teacher_full", "student_full", "step_boundaries", "policy_lag", "reference_responses"})
 
@@ -35,7 +35,13 @@ class SyncPipeline:
         return []
 
     def run(self, plan, store: Store, run_id: str, *, resume: bool = False, console: Console | None = None) -> None:
-        run_sync(plan, store, run_id, resume=resume, console=console or Console(stderr=True))
+        console = console or Console(stderr=True)
+        if plan.config.trainer.executor == "ray":  # the async schedule with max_lag 0 is the synchronous one
+            from trainers.ray_executor import run_ray
+
+            run_ray(plan, store, run_id, resume=resume, console=console)
+        else:
+            run_sync(plan, store, run_id, resume=resume, console=console)
 
 
 PIPELINES.add("sync", SyncPipeline())
@@ -53,7 +59,7 @@ def run_sync(plan, store: Store, run_id: str, *, resume: bool, console: Console)
         problems = sample_problems(plan.config, session.train_problems, step)
         batch, _ = make_batch(plan, session.student, session.teacher, problems, step, metrics)
         learn(plan, session.student.model, session.optimizer, batch, session.method_state, session.student.version, metrics)
-        add_rates(metrics, batch, time.perf_counter() - started)
+        add_rates(metrics, response_lengths(batch), time.perf_counter() - started)
         session.record_step(step, metrics, metrics["time_step_s"])
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", kl=f"{metrics['teacher_kl']:.3f}" if "teacher_kl" in metrics else "-")
     bar.close()

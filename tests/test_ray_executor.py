@@ -1,0 +1,107 @@
+"""Ray executor: the same tiny run under --executor inprocess and --executor ray gives the same losses, lags and evals."""
+
+import importlib.util
+import json
+import os
+import shutil
+import sqlite3
+import tempfile
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from harness.cli import app
+from harness.config import ConfigError, build_config
+
+runner = CliRunner()
+BASE = ["run", "--task", "arith", "--preset", "smoke", "--set", "threads=1", "--set", "eval.teacher=false", "--set", "eval.before_training=false"]
+
+
+def test_executor_flag_is_validated(tmp_path, monkeypatch):
+    assert build_config(cli={"trainer": {"executor": "ray"}}).trainer.executor == "ray"
+    result = runner.invoke(app, ["run", "--out", str(tmp_path), "--executor", "threads"])
+    assert result.exit_code == 2 and "trainer.executor" in result.output
+    with pytest.raises(ConfigError, match="ray_address"):
+        build_config(overrides=["trainer.ray_address=127.0.0.1:6379"])
+    original = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: None if name == "ray" else original(name, *a, **k))
+    result = runner.invoke(app, ["run", "--out", str(tmp_path), "--mode", "async", "--executor", "ray"])
+    assert result.exit_code == 2
+    message = " ".join(result.output.split())
+    assert "--executor ray needs Ray" in message and "pip install 'opd-harness[ray]'" in message
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """One local Ray for the module (as environment.md §4 sets it up): 2 CPUs, 512 MiB object store, no auth token."""
+    ray = pytest.importorskip("ray")
+    saved = {key: os.environ.get(key) for key in ("RAY_AUTH_MODE", "RAY_USAGE_STATS_ENABLED")}
+    os.environ.update(RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    temp_dir = tempfile.mkdtemp(prefix="opd-ray-")  # short: Ray's socket paths must stay under 108 characters
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=512 * 2**20, _temp_dir=temp_dir)
+    yield ray
+    ray.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def run(out, *extra) -> tuple[dict[int, dict[str, float]], list[dict], dict[int, float]]:
+    """Run the CLI into ``out`` (shared, so the tiny models are built once); (step metrics, checkpoints, Avg@k by step)."""
+    db = out / "results.sqlite"
+    before = _train_runs(db)
+    result = runner.invoke(app, [*BASE, "--out", str(out), *extra])
+    assert result.exit_code == 0, result.output
+    (run_id,) = _train_runs(db) - before
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute("SELECT step, name, value FROM step_metrics WHERE run_id=?", (run_id,)).fetchall()
+        checkpoints = [json.loads(m) for (m,) in conn.execute("SELECT metrics_json FROM checkpoints WHERE run_id=? ORDER BY step", (run_id,))]
+        evals = dict(conn.execute("SELECT step, avg_at_k FROM evals WHERE run_id=?", (run_id,)).fetchall())
+        (status,) = conn.execute("SELECT status FROM runs WHERE run_id=?", (run_id,)).fetchone()
+    assert status == "done"
+    metrics: dict[int, dict[str, float]] = {}
+    for step, name, value in rows:
+        metrics.setdefault(step, {})[name] = value
+    return metrics, checkpoints, evals
+
+
+def _train_runs(db) -> set[str]:
+    if not db.exists():
+        return set()
+    with sqlite3.connect(db) as conn:
+        return {r for (r,) in conn.execute("SELECT run_id FROM runs WHERE kind='train'")}
+
+
+def assert_same_run(a: dict, b: dict) -> None:
+    """Same steps, losses within 1e-5, and identical behaviour versions and lags."""
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    assert [b[s]["loss"] for s in b] == pytest.approx([a[s]["loss"] for s in b], abs=1e-5)
+    for name in ("behaviour_version", "lag_mean", "lag_max"):
+        assert [b[s][name] for s in sorted(b)] == [a[s][name] for s in sorted(a)], name
+
+
+@pytest.mark.slow
+def test_ray_executor_matches_inprocess(tmp_path, ray_session):
+    started = time.perf_counter()
+    lag = ["--method", "f_opd", "--mode", "async", "--set", "trainer.fixed_lag=1", "--set", "trainer.warmup_steps=3"]  # warm-up: the LR schedule crosses checkpoints
+    inprocess, inprocess_ckpts, inprocess_evals = run(tmp_path, *lag)
+    on_ray, ray_ckpts, ray_evals = run(tmp_path, *lag, "--executor", "ray")
+    assert_same_run(inprocess, on_ray)
+    assert [on_ray[s]["behaviour_version"] for s in (1, 2, 3, 4)] == [0, 0, 1, 2]
+    assert ray_evals == inprocess_evals and sorted(ray_evals) == [2, 4]  # checkpoints evaluate the learner's pulled weights
+    for step in on_ray.values():
+        assert {"idle_ratio_rollout", "idle_ratio_learner", "samples_per_s", "tokens_per_s", "time_generate_s", "time_teacher_s", "time_train_s"} <= set(step)
+    final = ray_ckpts[-1]
+    assert final["staleness_hist"] == inprocess_ckpts[-1]["staleness_hist"] == {"0": 8, "1": 24}
+    assert {"generate", "teacher", "wait"} <= set(final["rollout_seconds"]) and {"train", "wait"} <= set(final["learner_seconds"])
+    # sync mode on Ray is the async schedule with max_lag 0: the synchronous losses
+    sync, _, _ = run(tmp_path, "--method", "opd")
+    sync_on_ray, _, _ = run(tmp_path, "--method", "opd", "--executor", "ray")
+    assert sorted(sync) == sorted(sync_on_ray) == [1, 2, 3, 4]
+    assert [sync_on_ray[s]["loss"] for s in range(1, 5)] == pytest.approx([sync[s]["loss"] for s in range(1, 5)], abs=1e-5)
+    assert [(m["behaviour_version"], m["lag_max"]) for _, m in sorted(sync_on_ray.items())] == [(0, 0), (1, 0), (2, 0), (3, 0)]
+    print(f"ray executor test: {time.perf_counter() - started:.1f}s")

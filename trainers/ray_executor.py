@@ -1,0 +1,241 @@
+"""Ray executor (``--executor ray``): the roles of a run as Ray actors, on the schedule of the async pipeline.
+
+A rollout actor (its own copy of the student behind an HF backend) generates and grades batch b
+with the weights of version r; a teacher actor scores it; a learner actor (student, optimizer,
+method state; learning rates from the driver's schedule) trains on it and returns each version's
+weights as an object in the object store. The driver runs the very loop of the in-process
+executor (``trainers.async_pipeline``: ``Schedule``, ``RolloutWorker``, ``drive``), so max_lag,
+fixed_lag, sync_every and refreshes mean the same, and records through the same ``Session``:
+before every checkpoint and evaluation it pulls the learner's weights, optimizer and method state
+into the session's objects. Sync mode is this schedule with max_lag 0. Batches go from actor to
+actor as object refs; the driver only sees metrics. Ray is imported here only, and this module
+only when the executor is ray.
+
+Results match the in-process executor for the same seed: sampling for batch b depends only on
+(seed, b, weights), every role runs torch with the run's thread count (``threads``, default 1),
+and whenever the schedule is deterministic (``fixed_lag``, or ``max_lag`` 0) so are the losses.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+import torch
+from rich.console import Console
+
+from harness.backends.hf import HFBackend
+from harness.store import Store
+from harness.trajectory import TensorBatch
+from trainers.async_pipeline import LearnResult, Schedule, WeightBoard, drive, state_snapshot
+from trainers.pipeline import Session, generate_batch, learn, needs_teacher, response_lengths, sample_problems, teacher_phase
+
+# environment.md §4: no token file in ~/.ray (auth on by default in Ray 2.60), no usage reporting.
+RAY_ENV_DEFAULTS = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+OBJECT_STORE_BYTES = 512 * 2**20  # caps /dev/shm use of a local Ray
+ROLES = 3  # rollout, teacher, learner
+
+
+def import_ray() -> ModuleType:
+    """Ray, with this project's environment defaults set first (variables already set win)."""
+    for key, value in RAY_ENV_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    try:
+        import ray
+    except ImportError:
+        raise RuntimeError("--executor ray needs Ray, which is not installed; install it with: pip install 'opd-harness[ray]'") from None
+    return ray
+
+
+@contextmanager
+def ray_runtime(address: str | None, threads: int, console: Console) -> Iterator[ModuleType]:
+    """Join Ray for a run: one already initialised (left running), the cluster at ``address``, or a new local one."""
+    ray = import_ray()
+    if ray.is_initialized():
+        yield ray
+        return
+    if address:
+        console.print(f"executor: ray cluster at {address}")
+        ray.init(address=address)
+    else:
+        console.print(f"executor: local ray ({ROLES * threads} CPUs)")
+        ray.init(num_cpus=ROLES * threads, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+def _setup_actor(threads: int) -> None:
+    """An actor process computes with the run's torch thread count (so results match in process) and quiet libraries."""
+    torch.set_num_threads(threads)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+
+
+def _plan(config: dict) -> Any:
+    """Re-resolve the run's plan inside an actor from its JSON config (registries load in this process)."""
+    from harness.config import RunConfig
+    from harness.plan import plan_run
+
+    return plan_run(RunConfig.model_validate(config))
+
+
+class _Role:
+    """What every actor answers: ``ready`` returns once the constructor (imports, plan, models) is done."""
+
+    def ready(self) -> bool:
+        return True
+
+
+class RolloutActor(_Role):
+    """Rollout role: a copy of the student behind an HF backend; generates (and grades) batch b with weights r."""
+
+    def __init__(self, config: dict, model: torch.nn.Module, tokenizer: Any, train_problems: list, threads: int) -> None:
+        _setup_actor(threads)
+        self.plan = _plan(config)
+        self.backend = HFBackend(model, tokenizer, batch_size=self.plan.config.trainer.generate_batch_size)
+        self.backend.version = -1
+        self.train_problems = train_problems
+
+    def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        self.backend.load_weights(weights, version)
+
+    def generate(self, index: int) -> tuple[TensorBatch, dict[str, float]]:
+        """Batch ``index`` from the loaded weights; sampling is seeded by (seed, index) only."""
+        metrics: dict[str, float] = {}
+        problems = sample_problems(self.plan.config, self.train_problems, index)
+        batch, _ = generate_batch(self.plan, self.backend, problems, index, metrics)
+        return batch, metrics
+
+
+class TeacherActor(_Role):
+    """Teacher role: holds the teacher and fills its log-probs (or distributions) into batches."""
+
+    def __init__(self, config: dict, model: torch.nn.Module, tokenizer: Any, threads: int) -> None:
+        _setup_actor(threads)
+        self.plan = _plan(config)
+        model.requires_grad_(False)
+        self.backend = HFBackend(model, tokenizer, batch_size=self.plan.config.trainer.generate_batch_size)
+
+    def score(self, batch: TensorBatch, metrics: dict[str, float]) -> tuple[TensorBatch, dict[str, float]]:
+        teacher_phase(self.plan, self.backend, batch, metrics)
+        return batch, metrics
+
+
+class LearnerActor(_Role):
+    """Learner role: student, optimizer and method state; one optimizer step per batch at the driver's learning rates."""
+
+    def __init__(self, config: dict, parts: tuple, threads: int) -> None:
+        _setup_actor(threads)
+        self.plan = _plan(config)
+        self.model, self.optimizer, self.method_state = parts  # one pickle: the optimizer still holds this model's parameters
+
+    def train(self, batch: TensorBatch, version: int, lrs: list[float]) -> LearnResult:
+        """Train at learner version ``version`` with the learning rates of the driver's schedule (its ``Session`` steps it)."""
+        for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        metrics: dict[str, float] = {}
+        learn(self.plan, self.model, self.optimizer, batch, self.method_state, version, metrics)
+        return LearnResult(metrics, batch.policy_lag.tolist(), response_lengths(batch))
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return state_snapshot(self.model)
+
+    def state(self) -> dict[str, Any]:
+        """Weights, optimizer and method state, for the driver's checkpoints and evaluations."""
+        method_state = self.method_state.state_dict() if self.method_state is not None else None
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "method_state": method_state}
+
+
+class RayRollout:
+    """Driver side of the rollout and teacher actors, for ``RolloutWorker``: loads weights by ref, returns batch refs."""
+
+    def __init__(self, ray: ModuleType, plan, actor: Any, teacher: Any, board: WeightBoard) -> None:
+        self.ray, self.actor, self.teacher, self.board = ray, actor, teacher, board
+        self.score = needs_teacher(plan)
+        self.version = -1
+
+    def load(self, version: int) -> None:
+        self.actor.load_weights.remote(self.board.get(version), version)  # runs before the next generate (actor order)
+        self.version = version
+
+    def make(self, index: int) -> tuple[Any, dict[str, float]]:
+        batch, metrics = self.actor.generate.options(num_returns=2).remote(index)
+        if self.score:
+            batch, metrics = self.teacher.score.options(num_returns=2).remote(batch, metrics)
+        return batch, self.ray.get(metrics)
+
+
+class RayLearner:
+    """Driver side of the learner actor, for ``drive``: train by ref, weights as refs, state pulled into the session."""
+
+    def __init__(self, ray: ModuleType, actor: Any, session: Session) -> None:
+        self.ray, self.actor, self.session = ray, actor, session
+
+    def train(self, batch: Any, version: int) -> LearnResult:
+        lrs = [group["lr"] for group in self.session.optimizer.param_groups]  # set by the session's scheduler
+        return self.ray.get(self.actor.train.remote(batch, version, lrs))
+
+    def snapshot(self) -> Any:
+        return self.actor.weights.remote()  # an object ref: the weights stay in the object store
+
+    def pull(self) -> None:
+        """Copy the learner's weights, optimizer and method state into the session before it checkpoints/evaluates."""
+        state = self.ray.get(self.actor.state.remote())
+        optimizer = self.session.optimizer
+        lrs = [group["lr"] for group in optimizer.param_groups]  # the schedule is the session's: it stepped already
+        self.session.student.model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        if self.session.method_state is not None:
+            self.session.method_state.load_state_dict(state["method_state"])
+
+
+def start_actors(ray: ModuleType, plan, session: Session, threads: int) -> tuple[Any, Any, Any]:
+    """(rollout, teacher, learner) actors, seeded with the session's current models and optimizer state."""
+    config = plan.config.model_dump(mode="json")
+    student, teacher = session.student, session.teacher
+    remote = lambda cls: ray.remote(cls).options(max_concurrency=1)  # noqa: E731  one call at a time, in order
+    rollout = remote(RolloutActor).remote(config, ray.put(student.model), student.tokenizer, ray.put(session.train_problems), threads)
+    scorer = remote(TeacherActor).remote(config, ray.put(teacher.model), teacher.tokenizer, threads)
+    parts = ray.put((student.model, session.optimizer, session.method_state))
+    learner = remote(LearnerActor).remote(config, parts, threads)
+    return rollout, scorer, learner
+
+
+def wait_ready(ray: ModuleType, actors: tuple, console: Console) -> None:
+    """Block until every actor is constructed, so actor start-up is not counted as training time."""
+    started = time.perf_counter()
+    ray.get([actor.ready.remote() for actor in actors])
+    console.print(f"ray actors ready (rollout, teacher, learner); waited {time.perf_counter() - started:.1f}s after the step-0 evaluation")
+
+
+def run_ray(plan, store: Store, run_id: str, *, resume: bool, console: Console) -> None:
+    """Train with the roles as Ray actors on the async schedule (max_lag 0 in sync mode); same store records."""
+    cfg = plan.config
+    threads = cfg.threads or 1
+    with ray_runtime(cfg.trainer.ray_address, threads, console) as ray:
+        session = Session.open(plan, store, run_id, resume=resume, console=console, threads=threads)
+        schedule = Schedule.of(plan)
+        board = WeightBoard(schedule.keep)
+        actors = start_actors(ray, plan, session, threads)  # they start up while the driver evaluates step 0
+        try:
+            session.evaluate_start()
+            wait_ready(ray, actors, console)
+            rollout, scorer, learner = actors
+            with warnings.catch_warnings():  # the session's optimizer mirrors the learner's, so only its scheduler steps
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before", category=UserWarning)
+                drive(plan, session, schedule, RayRollout(ray, plan, rollout, scorer, board), RayLearner(ray, learner, session), board)
+        finally:
+            for actor in actors:
+                ray.kill(actor)
+    store.set_status(run_id, "done")
