@@ -1,5 +1,6 @@
 """Async pipeline: lag accounting, the max_lag bound, lag 0 ≡ sync, refresh semantics."""
 
+import json
 import random
 import sqlite3
 import time
@@ -121,3 +122,36 @@ def test_f_opd_async_smoke_records_lag_freshness_and_throughput(tmp_path):
         assert {"lag_mean", "lag_max", "freshness_mean", "weight_mean", "samples_per_s", "idle_ratio_rollout", "idle_ratio_learner"} <= set(step)
         assert 0 < step["freshness_mean"] <= 1 and step["lag_max"] <= 1
     assert '"staleness_hist"' in ckpt and '"idle_ratio_learner"' in ckpt
+
+
+@pytest.mark.slow
+def test_fixed_lag_resume_ramps_lag_back_up_and_keeps_counters(tmp_path, monkeypatch):
+    """Only the checkpoint's weights survive a restart: after resuming at step 2 with fixed lag 2, batch 3
+    uses version 2 (lag 0), batch 4 version 2 (lag 1), then lag 2 again; the staleness histogram and
+    stage clocks continue from the checkpoint instead of restarting at zero."""
+    out = tmp_path / "resume"
+    args = ["--method", "opd", "--mode", "async", "--set", "trainer.fixed_lag=2", "--set", "trainer.steps=6", "--set", "trainer.checkpoint_every=2"]
+    original = ap.Session.record_step
+
+    def interrupt_after_checkpoint(self, step, *a, **kw):
+        if step == 3:
+            raise KeyboardInterrupt  # as if the run were stopped between checkpoints
+        return original(self, step, *a, **kw)
+
+    monkeypatch.setattr(ap.Session, "record_step", interrupt_after_checkpoint)
+    runner.invoke(app, [*BASE, "--out", str(out), *args])
+    monkeypatch.setattr(ap.Session, "record_step", original)
+    with sqlite3.connect(out / "results.sqlite") as conn:
+        (run_id,) = conn.execute("SELECT run_id FROM runs WHERE kind='train'").fetchone()
+        before = conn.execute("SELECT metrics_json FROM checkpoints WHERE run_id=? AND step=2", (run_id,)).fetchone()[0]
+    result = runner.invoke(app, ["run", "--resume", run_id, "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    with sqlite3.connect(out / "results.sqlite") as conn:
+        rows = conn.execute("SELECT step, value FROM step_metrics WHERE run_id=? AND name='lag_max' ORDER BY step", (run_id,)).fetchall()
+        final = conn.execute("SELECT metrics_json FROM checkpoints WHERE run_id=? AND step=6", (run_id,)).fetchone()[0]
+    assert [s for s, _ in rows] == [1, 2, 3, 4, 5, 6]
+    assert [v for _, v in rows] == [0.0, 1.0, 0.0, 1.0, 2.0, 2.0]
+    hist_before, hist_final = json.loads(before)["staleness_hist"], json.loads(final)["staleness_hist"]
+    per_batch = sum(hist_before.values()) // 2
+    assert hist_final == {"0": 2 * per_batch, "1": 2 * per_batch, "2": 2 * per_batch}
+    assert json.loads(final)["learner_seconds"]["train"] > json.loads(before)["learner_seconds"]["train"]

@@ -61,3 +61,25 @@ def test_failed_eval_write_leaves_nothing(tmp_path):
         else:
             raise AssertionError("an invalid status must be refused")
         assert store.count("samples", "r1") == 0 and store.count("evals", "r1") == 0
+
+
+def test_restored_scheduler_puts_the_saved_learning_rate_back():
+    """A warm-up schedule resumed at step 3 must train step 4 at the step-3 rate, not the first warm-up rate."""
+    import torch
+
+    from trainers.checkpoint import restore_scheduler
+
+    def factory(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([param], lr=1.0)
+    sched = factory(opt)
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    saved_lr, saved = opt.param_groups[0]["lr"], sched.state_dict()
+    fresh = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    restored = restore_scheduler(fresh, factory, saved)
+    assert saved_lr == 0.4
+    assert fresh.param_groups[0]["lr"] == restored.get_last_lr()[0] == saved_lr

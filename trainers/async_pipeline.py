@@ -20,6 +20,7 @@ of the student, the learner in the calling thread) and ``trainers.ray_executor``
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 import time
 from collections import Counter
@@ -60,6 +61,7 @@ class Schedule:
     max_lag: int
     fixed_lag: int | None
     sync_every: int
+    floor: int = 0  # oldest version that exists: the resumed checkpoint's step (earlier weights are gone)
 
     @classmethod
     def of(cls, plan) -> "Schedule":
@@ -77,8 +79,8 @@ class Schedule:
     def target_version(self, index: int, current: int, latest: int, force_sync: bool) -> int:
         """The weights batch ``index`` must be generated with, given the loaded and the newest version."""
         if self.fixed_lag is not None:
-            return fixed_version(index, self.fixed_lag)
-        required = required_version(index, self.max_lag)
+            return max(fixed_version(index, self.fixed_lag), self.floor)  # after a resume the lag ramps back up to L
+        required = max(required_version(index, self.max_lag), self.floor)
         if not force_sync and current >= required and latest - current < self.sync_every:
             return current  # current weights are still allowed and not due for a sync
         return max(latest, required)
@@ -379,15 +381,28 @@ def run_async(plan, store: Store, run_id: str, *, resume: bool, console: Console
     store.set_status(run_id, "done")
 
 
+def resumed_counters(session: Session) -> dict:
+    """The cumulative async counters (staleness histogram, refreshes, stage seconds) stored with the checkpoint
+    a run resumes from, so they continue instead of restarting at zero; empty for a fresh run."""
+    if session.state.step == 0:
+        return {}
+    stored = [c for c in session.store.checkpoints(session.run_id) if c["step"] == session.state.step]
+    return stored[-1]["metrics"] if stored else {}
+
+
 def drive(plan, session: Session, schedule: Schedule, rollout: Rollout, learner: Learner, board: WeightBoard) -> None:
     """The learner loop of every executor: take batch b, train, publish version b, refresh, record, checkpoint."""
     buffer, pause = ReplayBuffer(), threading.Event()
+    schedule = dataclasses.replace(schedule, floor=session.state.step)
     board.publish_snapshot(session.state.step, learner.snapshot())
     pause.set()
     worker = RolloutWorker(schedule, rollout, board, buffer, session.state.step, pause)
     clock = RoleClock()
-    staleness: Counter = Counter()
-    refreshes, dropped = 0, 0
+    carried = resumed_counters(session)
+    staleness: Counter = Counter({int(k): v for k, v in carried.get("staleness_hist", {}).items()})
+    refreshes, dropped = int(carried.get("refreshes", 0)), int(carried.get("dropped_batches", 0))
+    worker.clock.seconds.update(carried.get("rollout_seconds", {}))
+    clock.seconds.update(carried.get("learner_seconds", {}))
     worker.start()
     trainer = plan.config.trainer
     label = trainer.mode + (f", {trainer.executor}" if trainer.executor != "inprocess" else "")

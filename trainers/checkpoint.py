@@ -53,14 +53,23 @@ def save_checkpoint(run_dir: Path, state: TrainState, model, tokenizer, optimize
     return target
 
 
+def restore_scheduler(optimizer, scheduler_factory, state: dict):
+    """A scheduler at its saved position, with the optimizer's learning rates set to the saved ones: building a
+    scheduler resets each group's lr to its first value, and ``load_state_dict`` does not put it back."""
+    scheduler = scheduler_factory(optimizer)
+    scheduler.load_state_dict(state)
+    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+        group["lr"] = lr
+    return scheduler
+
+
 def load_checkpoint(path: Path, optimizer_factory, scheduler_factory):
     """(model, tokenizer, optimizer, scheduler, state, extra) restored from a checkpoint folder."""
     model, tokenizer = load_model_and_tokenizer(path)
     payload = torch.load(Path(path) / STATE_FILE, weights_only=False)
     optimizer = optimizer_factory(model)
     optimizer.load_state_dict(payload["optimizer"])
-    scheduler = scheduler_factory(optimizer)
-    scheduler.load_state_dict(payload["scheduler"])
+    scheduler = restore_scheduler(optimizer, scheduler_factory, payload["scheduler"])
     torch.set_rng_state(payload["rng"]["torch"])
     random.setstate(payload["rng"]["python"])
     np.random.set_state(payload["rng"]["numpy"])
