@@ -41,12 +41,13 @@ import base64
 import io
 import os
 import socket
+import struct
 import tarfile
 import threading
 import time
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -597,13 +598,13 @@ def _execute(sb: DockerSandbox, box: _Box, request: ExecRequest, cwd: str, poole
         t0 = time.perf_counter()
         timer.start()
         try:
-            for o, e in api.exec_start(exec_id, stream=True, demux=True):
-                if o:
-                    out.add(o)
-                    tail += o
+            for stream, data in _exec_frames(api, exec_id):
+                if stream == 1:
+                    out.add(data)
+                    tail += data
                     del tail[:-512]
-                if e:
-                    err.add(e)
+                else:
+                    err.add(data)
         finally:
             timer.cancel()
         wall = time.perf_counter() - t0
@@ -645,6 +646,39 @@ def _execute(sb: DockerSandbox, box: _Box, request: ExecRequest, cwd: str, poole
     else:
         result.status = signal_status(exit_code)
     return result, clean == 0
+
+
+def _exec_frames(api, exec_id: str) -> Iterator[tuple[int, bytes]]:
+    """Start an exec and yield its (stream, data) frames (1 stdout, 2 stderr) until it ends.
+
+    docker-py's own demultiplexer (``exec_start(stream=True, demux=True)``) reads the raw socket underneath
+    http.client's buffered reader, so output that arrived together with the response headers is skipped and the
+    frames lose their alignment ("ValueError: 56 is not a valid stream", docker-py #3160; seen here under load when
+    a program writes at once). This reads the frames through that buffered reader instead (docker 7.2 internals).
+
+    Raises:
+        _Infra: the stream is not a valid multiplexed stream.
+    """
+    res = api._post_json(api._url("/exec/{0}/start", exec_id), headers={"Connection": "Upgrade", "Upgrade": "tcp"},
+                         data={"Tty": False, "Detach": False}, stream=True)
+    try:
+        api._raise_for_status(res)
+        api._disable_socket_timeout(api._get_raw_response_socket(res))
+        reader = res.raw._fp.fp  # the buffered reader http.client parsed the headers with
+        while True:
+            header = reader.read(8)
+            if len(header) < 8:
+                return
+            stream, size = struct.unpack(">BxxxL", header)
+            if stream not in (1, 2):
+                raise _Infra(f"docker exec stream out of frame alignment (stream id {stream})")
+            data = reader.read(size)
+            if data:
+                yield stream, data
+            if len(data) < size:
+                return
+    finally:
+        res.close()
 
 
 def posixpath_rel(abs_path: str) -> str:

@@ -99,6 +99,28 @@ def test_private_tests_decoded_without_unpickling():
         assert decode_pickled_str(pickle.dumps("héllo" * 100, protocol=proto)) == "héllo" * 100
 
 
+def test_evalplus_rules_on_the_host():
+    """checker.evalplus_match follows evalplus unsafe_execute (the comparison runs in the harness, not the sandbox)."""
+    from tasks.code.checker import evalplus_match
+
+    def ok(dataset, ep, out, exp, atol=0.0, inp=()):
+        try:
+            evalplus_match(dataset, ep, lambda: inp, out, exp, atol)
+            return True
+        except Exception:  # noqa: BLE001
+            return False
+
+    assert ok("humaneval", "f", [1, 2], [1, 2]) and not ok("humaneval", "f", (1, 2), [1, 2])  # tuples are not lists
+    assert ok("humaneval", "f", 0.1 + 0.2, 0.3) and not ok("humaneval", "f", 0.31, 0.3)  # float: atol 1e-6 forced
+    assert not ok("humaneval", "f", 1, 1.0000001, atol=1e-3)  # allclose only for equal types
+    assert ok("humaneval", "f", True, 1)  # == semantics: True == 1
+    assert ok("mbpp", "similar_elements", [3, 4], (4, 3)) and ok("mbpp", "are_equivalent", "anything", 1)
+    assert ok("mbpp", "check_str", "a match object", True) and not ok("mbpp", "check_str", None, True)
+    assert ok("humaneval", "find_zero", 1.0, 99.0, atol=1e-4, inp=([-1.0, 1.0],))  # a root passes whatever the expected
+    assert not ok("humaneval", "find_zero", 2.0, 1.0, atol=1e-4, inp=([-1.0, 1.0],))
+    assert not ok("humaneval", "f", float("nan"), float("nan"))  # as evalplus: NaN never matches
+
+
 # ---------------------------------------------------------------- grading in Docker
 
 
@@ -153,6 +175,31 @@ def test_more_canonical_solutions(docker_sb):
         scores = task.grade_many(ps, [fenced(p.solution) for p in ps])
         bad = [(p.id, s.details) for p, s in zip(ps, scores) if s.status != "pass"]
         assert not bad, bad
+
+
+@pytest.mark.docker
+def test_output_written_at_once_survives_a_slow_reader(docker_sb):
+    """The runner writes its key line at once; a reader delayed past it must still get every byte (docker-py #3160)."""
+    import sys
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sandbox import ExecRequest
+
+    request = ExecRequest(argv=["sh", "-c", "echo first; i=0; while [ $i -lt 100 ]; do echo line-$i; i=$((i+1)); done"])
+    stop, interval = threading.Event(), sys.getswitchinterval()
+    burners = [threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)], daemon=True) for _ in range(2)]
+    sys.setswitchinterval(0.05)  # the reading thread now often starts after the program has written
+    try:
+        for b in burners:
+            b.start()
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda _: docker_sb.run(request), range(12)))
+    finally:
+        stop.set()
+        sys.setswitchinterval(interval)
+    bad = [(r.status, r.stdout[:40]) for r in results if not (r.success and r.stdout.count("\n") == 101)]
+    assert not bad, bad
 
 
 # ---------------------------------------------------------------- LiveCodeBench

@@ -1,7 +1,9 @@
 """Shared pieces of the code tasks: code extraction, the sandbox job runner, the sandbox-owning base class.
 
-Model-written code never runs in the harness process: the host only parses it (``ast.parse``) and ships it,
-with its tests, to ``sandbox_runner.py`` inside the sandbox (one sandbox run per sample, every test batched).
+Model-written code never runs in the harness process: the host only parses it (``ast.parse``) and ships it, with
+the test inputs (never the expected outputs), to ``sandbox_runner.py`` inside the sandbox (one sandbox run per
+sample, every test batched). The runner reports the program's outputs in HMAC-authenticated records; the verdict
+is computed here (``checker.py``).
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ import ast
 import json
 import os
 import re
-import secrets
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -20,9 +21,19 @@ from typing import Any, Literal
 from pydantic import Field
 
 from tasks.base import Problem, Score, Task, TaskOptions
+from tasks.code.checker import Report, parse_report
 
 RUNNER = (Path(__file__).with_name("sandbox_runner.py")).read_bytes()
 _FENCE = re.compile(r"^\s*```")
+# CPython 3.11 tracks the AST conversion's recursion depth in interpreter-wide state: ast.parse in two threads at
+# once can raise a spurious "SystemError: AST constructor recursion depth mismatch" (seen here; cpython gh-106905).
+_AST_LOCK = threading.Lock()
+
+
+def parse(code: str) -> ast.Module:
+    """``ast.parse`` serialised across threads (see ``_AST_LOCK``)."""
+    with _AST_LOCK:
+        return ast.parse(code)
 
 
 def last_fenced_block(text: str) -> str | None:
@@ -40,7 +51,7 @@ def last_fenced_block(text: str) -> str | None:
 def defines(code: str, name: str) -> bool:
     """Whether ``code`` (parsable) defines a function or class ``name`` anywhere."""
     try:
-        tree = ast.parse(code)
+        tree = parse(code)
     except (SyntaxError, ValueError):
         return False
     return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == name for n in ast.walk(tree))
@@ -49,7 +60,7 @@ def defines(code: str, name: str) -> bool:
 def syntax_error(code: str) -> str | None:
     """The parse error of ``code`` (parsing only; nothing is executed), or None."""
     try:
-        ast.parse(code)
+        parse(code)
     except SyntaxError as exc:
         return f"SyntaxError: {exc.msg} (line {exc.lineno})"
     except (ValueError, RecursionError, MemoryError) as exc:  # null bytes, absurd nesting
@@ -76,14 +87,14 @@ class CodeOptions(TaskOptions):
 
 
 class RunOutcome:
-    """Parsed result lines of one runner job, or the sandbox failure."""
+    """The runner's authenticated report of one job and the sandbox result, or why the job could not run (``error``)."""
 
-    def __init__(self, lines: list[dict], result, error: str | None) -> None:
-        self.lines, self.result, self.error = lines, result, error
+    def __init__(self, report: Report, result, error: str | None) -> None:
+        self.report, self.result, self.error = report, result, error
 
     @property
     def done(self) -> bool:
-        return any(line.get("done") for line in self.lines)
+        return self.report.done
 
 
 class SandboxedTask(Task):
@@ -129,11 +140,14 @@ class SandboxedTask(Task):
     # ---- running jobs
 
     def run_job(self, job: dict, timeout_s: float, max_output_bytes: int = 64 << 20) -> RunOutcome:
-        """Run ``sandbox_runner.py`` on ``job`` in the sandbox; returns its result lines (or the failure)."""
+        """Run ``sandbox_runner.py`` on ``job`` in the sandbox; its authenticated report, or an ``error``.
+
+        ``error`` is set only when the sandbox failed or the runner never started (no key line): both happen before
+        any model code runs, so a program cannot turn its own failure into an error.
+        """
         from sandbox import ExecRequest
 
-        nonce = "@@" + secrets.token_hex(8) + "@@"
-        payload = json.dumps({**job, "nonce": nonce}, allow_nan=True).encode()
+        payload = json.dumps(job, allow_nan=True).encode()
         opts: CodeOptions = self.options  # type: ignore[assignment]
         request = ExecRequest(
             argv=[self.sandbox.python, "runner.py", "job.json"],
@@ -146,15 +160,12 @@ class SandboxedTask(Task):
         )
         result = self.sandbox.run(request)
         if result.status == "error":
-            return RunOutcome([], result, result.error or "sandbox error")
-        lines = []
-        for raw in result.stdout.split("\n"):
-            if raw.startswith(nonce):
-                try:
-                    lines.append(json.loads(raw[len(nonce) :]))
-                except json.JSONDecodeError:
-                    pass
-        return RunOutcome(lines, result, None)
+            return RunOutcome(Report(started=False), result, result.error or "sandbox error")
+        report = parse_report(result.stdout)
+        if not report.started:
+            why = f"the runner did not start ({result.status}, exit {result.exit_code}): {result.stderr[-300:]}"
+            return RunOutcome(report, result, why)
+        return RunOutcome(report, result, None)
 
     def parallel(self, fn: Callable[[int], Score], n: int) -> list[Score]:
         """``[fn(i) for i in range(n)]`` with up to ``workers`` at once; an exception becomes an ``error`` score."""

@@ -8,13 +8,17 @@ fallback: the Hugging Face copies (``evalplus/humanevalplus``, ``evalplus/mbpppl
 Grading follows evalplus 0.3 (``evalplus/eval/__init__.py``):
   - expected outputs and per-input reference runtimes come from running ``prompt + canonical_solution`` over the
     base and plus inputs IN THE SANDBOX; they are cached per dataset file hash under
-    ``<cache>/evalplus/<task>-<sha256[:16]>/`` (cache: ``$HARNESS_CACHE_DIR``, ``$XDG_CACHE_HOME/opd-harness`` or
-    ``~/.cache/opd-harness``);
-  - per-input time limit ``max(min_time_limit, gt_time_limit_factor * ref_time)`` (defaults 4.0 s and 4.0x), a
-    phase wall limit of ``min(60, sum(limits)) + 1``; a time-out is a failing test (status ``timeout`` in details);
-  - output ``==`` expected, else ``np.allclose(rtol=1e-7, atol)`` with atol 1e-6 forced for float outputs; the
-    MBPP special oracles and MBPP input deserialisation (tuples, sets, complex) as evalplus;
-  - fast check: a phase stops at its first failing input; plus runs only when base passed (plus = base and plus).
+    ``<cache>/evalplus/<task>-<sha256[:16]>-v<TRUTH_VERSION>/`` (cache: ``$HARNESS_CACHE_DIR``,
+    ``$XDG_CACHE_HOME/opd-harness`` or ``~/.cache/opd-harness``) and never sent into a sandbox again;
+  - the candidate runs in a child of the sandbox runner, which measures each input's time and kills it at the
+    per-input limit ``max(min_time_limit, gt_time_limit_factor * ref_time)`` (defaults 4.0 s and 4.0x) or the phase
+    wall ``min(60, sum(limits)) + 1``; a time-out is a failing test (status ``timeout`` in details);
+  - the runner reports the candidate's outputs (tagged JSON, HMAC-authenticated) and THE HARNESS compares them
+    (``checker.evalplus_match``): output ``==`` expected, else ``np.allclose(rtol=1e-7, atol)`` with atol 1e-6 forced
+    from the first float output on; the MBPP special oracles and input deserialisation (tuples, sets, complex) as
+    evalplus; instances of other classes than builtins are equal to nothing;
+  - fast check: a phase stops at its first failing input (exceptions and time-outs in the sandbox, wrong outputs
+    here); base and plus run in one sandbox run, plus = base and plus.
 Score.details (JSON) has ``base`` and ``plus`` statuses; the task's status is ``plus`` (default) or ``base``
 (``options.grade``). An unparsable completion is ``fail``; a sandbox failure is ``error``.
 
@@ -37,11 +41,14 @@ from pydantic import Field
 
 from harness.registry import TASKS
 from tasks.base import DataError, Problem, Score, read_jsonl
+from tasks.code import checker
 from tasks.code.common import CodeOptions, SandboxedTask, aligned, cache_root, defines, error, fail, last_fenced_block, syntax_error
+from tasks.code.sandbox_runner import phase_inputs
 
 DATA_DIR_ENV = "HARNESS_DATA_DIR"
 INSTRUCTION = "Please provide a self-contained Python script that solves the following problem in a markdown code block:"
 TRUTH_TIMEOUT_S = 300.0
+TRUTH_VERSION = 2  # bump when the cached ground truth's format changes
 
 
 class DataNotFound(FileNotFoundError):
@@ -169,10 +176,10 @@ class EvalPlusTask(SandboxedTask):
 
     def truth_dir(self) -> Path:
         assert self._hash is not None, "load() first"
-        return cache_root() / "evalplus" / f"{self.name}-{self._hash[:16]}"
+        return cache_root() / "evalplus" / f"{self.name}-{self._hash[:16]}-v{TRUTH_VERSION}"
 
     def truth(self, task_id: str) -> dict:
-        """Expected outputs (encoded, opaque to the host) and reference runtimes of one task.
+        """Expected outputs (tagged JSON texts), reference runtimes and first float-output index, per phase.
 
         Raises:
             RuntimeError: the canonical solution could not be run (sandbox failure or crash).
@@ -186,25 +193,37 @@ class EvalPlusTask(SandboxedTask):
                     return json.loads(path.read_text())
                 except (OSError, json.JSONDecodeError):
                     pass
-            row = self._rows[task_id]
-            job = {
-                "mode": "evalplus_truth", "dataset": self.dataset, "task_id": task_id,
-                "code": row["prompt"] + row["canonical_solution"], "entry_point": row["entry_point"],
-                "base_input": row["base_input"], "plus_input": row["plus_input"],
-            }
-            outcome = self.run_job(job, TRUTH_TIMEOUT_S, max_output_bytes=1 << 30)  # some outputs are large (HumanEval/14)
-            if outcome.error:
-                raise RuntimeError(f"ground truth of {task_id}: sandbox error: {outcome.error}")
-            phases = {line["phase"]: line for line in outcome.lines if "phase" in line}
-            if not outcome.done or set(phases) != {"base", "plus"} or outcome.result.stdout_truncated:
-                r = outcome.result
-                raise RuntimeError(f"ground truth of {task_id}: canonical solution failed ({r.status}, exit {r.exit_code}): {r.stderr[-500:]}")
-            data = {f"{p}_{k}": phases[p][k] for p in ("base", "plus") for k in ("outputs", "times")}
+            data = self._compute_truth(task_id)
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
             tmp.write_text(json.dumps(data))
             tmp.replace(path)
             return data
+
+    def _compute_truth(self, task_id: str) -> dict:
+        """Run the canonical solution over every input in the sandbox (evalplus get_groundtruth)."""
+        row = self._rows[task_id]
+        job = {
+            "mode": "evalplus_truth", "dataset": self.dataset, "task_id": task_id,
+            "code": row["prompt"] + row["canonical_solution"], "entry_point": row["entry_point"],
+            "base_input": row["base_input"], "plus_input": row["plus_input"],
+        }
+        outcome = self.run_job(job, TRUTH_TIMEOUT_S, max_output_bytes=1 << 30)  # some outputs are large (HumanEval/14)
+        if outcome.error:
+            raise RuntimeError(f"ground truth of {task_id}: sandbox error: {outcome.error}")
+        r = outcome.result
+        data: dict[str, Any] = {}
+        for phase in ("base", "plus"):
+            got, end = checker.phase_records(outcome.report, phase)
+            n = len(row[f"{phase}_input"])
+            if not outcome.done or end is None or sorted(got) != list(range(n)) or r.stdout_truncated:
+                hint = f" (more than the sandbox's memory_mb={self.options.memory_mb})" if r.status == "oom" else ""
+                why = f"{r.status}{hint}, exit {r.exit_code}"
+                raise RuntimeError(f"ground truth of {task_id}: canonical solution failed ({why}): {r.stderr[-500:]}")
+            data[f"{phase}_outputs"] = [got[i].payload for i in range(n)]
+            data[f"{phase}_times"] = [got[i].header["t"] for i in range(n)]
+            data[f"{phase}_float_from"] = next((i for i in range(n) if checker.is_floats(checker.decode(got[i].payload))), None)
+        return data
 
     # ---- grading
 
@@ -223,40 +242,54 @@ class EvalPlusTask(SandboxedTask):
         except RuntimeError as exc:
             return error(code, reason=str(exc))
         row = self._rows[problem.id]
-        phases = ["base"] if opts.base_only else ["base", "plus"]
-        job: dict[str, Any] = {
-            "mode": "evalplus_check", "dataset": self.dataset, "task_id": problem.id, "code": code,
-            "entry_point": row["entry_point"], "atol": row["atol"], "phases": phases,
-        }
-        timeout = 5.0
-        for phase in phases:
+        names = ["base"] if opts.base_only else ["base", "plus"]
+        phases = []
+        for phase in names:
             limits = [max(opts.min_time_limit, opts.gt_time_limit_factor * t) for t in truth[f"{phase}_times"]]
-            job.update({f"{phase}_input": row[f"{phase}_input"], f"{phase}_expected": truth[f"{phase}_outputs"], f"{phase}_limits": limits})
-            timeout += min(60.0, sum(limits)) + 1.0
-        outcome = self.run_job(job, timeout)
+            phases.append({"name": phase, "inputs": row[f"{phase}_input"], "limits": limits, "wall": min(60.0, sum(limits)) + 1.0})
+        job = {"mode": "evalplus_check", "dataset": self.dataset, "task_id": problem.id, "code": code,
+               "entry_point": row["entry_point"], "phases": phases}
+        expected_bytes = sum(len(t) for phase in names for t in truth[f"{phase}_outputs"])
+        outcome = self.run_job(job, 5.0 + sum(p["wall"] for p in phases), max_output_bytes=max(64 << 20, 8 * expected_bytes + (1 << 20)))
         if outcome.error:
             return error(code, reason=f"sandbox: {outcome.error}")
-        got = {line["phase"]: line for line in outcome.lines if "phase" in line}
-        status: dict[str, str] = {}
-        info: dict[str, Any] = {}
-        for phase in phases:
-            if phase in got:
-                status[phase] = got[phase]["status"]
-                if got[phase].get("error"):
-                    info[f"{phase}_error"] = got[phase]["error"]
-                    info[f"{phase}_failed_input"] = got[phase].get("failed_input")
-                if status[phase] != "pass":
-                    break
-            else:  # the program died or hit the wall limit during this phase
-                r = outcome.result
-                status[phase] = "timeout" if r.status == "timeout" else "fail"
-                info[f"{phase}_error"] = f"sandbox run ended: {r.status}, exit {r.exit_code}: {r.stderr[-300:]}"
-                break
-        base = status.get("base", "fail")
-        plus = "skipped" if opts.base_only else ("pass" if base == "pass" and status.get("plus") == "pass" else status.get("plus", "fail"))
-        passed = base == "pass" if opts.grade == "base" else plus == "pass"
-        details = {"base": base, "plus": plus, "graded": opts.grade, **info}
+        verdicts = {phase: self.check_phase(problem.id, phase, truth, outcome) for phase in names}
+        base = verdicts["base"].status
+        details: dict[str, Any] = {"base": base, "graded": opts.grade}
+        if opts.base_only:
+            details["plus"] = "skipped"
+        else:
+            own = verdicts["plus"].status
+            details["plus"] = own if base == "pass" else ("fail" if own == "pass" else own)
+        for phase, v in verdicts.items():
+            if v.status != "pass" and (phase == "base" or base == "pass"):
+                details[f"{phase}_error"], details[f"{phase}_failed_input"] = v.error, v.failed_input
+        if outcome.report.rejected:
+            details["rejected_records"] = outcome.report.rejected
+        passed = base == "pass" if opts.grade == "base" else details["plus"] == "pass"
         return Score("pass" if passed else "fail", extracted=code, details=json.dumps(details))
+
+    def check_phase(self, task_id: str, phase: str, truth: dict, outcome) -> checker.PhaseVerdict:
+        """evalplus's verdict of one phase from the candidate's reported outputs and the ground truth."""
+        row = self._rows[task_id]
+        entry_point, expected = row["entry_point"], truth[f"{phase}_outputs"]
+        float_from = truth[f"{phase}_float_from"]
+        inputs: list = []
+
+        def inp(i: int):
+            if not inputs:
+                inputs.extend(phase_inputs(self.dataset, task_id, row[f"{phase}_input"]))
+            return inputs[i]
+
+        def match(i: int, text: str) -> None:
+            if text == expected[i] and checker.same_text_is_equal(entry_point, text):
+                return
+            # evalplus's atol before input i: the row's, or 1e-6 once an earlier expected output was float (not find_zero)
+            atol = row["atol"] or (1e-6 if float_from is not None and i > float_from and entry_point != "find_zero" else 0.0)
+            checker.evalplus_match(self.dataset, entry_point, lambda: inp(i), checker.decode(text), checker.decode(expected[i]), atol)
+
+        got, end = checker.phase_records(outcome.report, phase)
+        return checker.check_outputs(len(expected), got, end, match, outcome.result.status)
 
 
 @TASKS.register("humaneval_plus")

@@ -19,7 +19,9 @@ Grading as lcb_runner: code = last fenced block (no block: fail); stdin/stdout t
 test with a per-test limit (``timeout``, default 6 s) and compare stripped lines (token-wise Decimal equality
 allowed); functional tests call ``Solution().<func_name>`` (or a top-level function) with the JSON-decoded
 input lines and compare to the JSON output (tuples as lists, no float tolerance). A sample passes when all
-public and private tests pass; a time-out is a failing test.
+public and private tests pass; a time-out is a failing test. Only the inputs enter the sandbox: the runner
+reports each test's stdout (or the function's tagged-JSON result) and the comparison happens here
+(``checker``), so model code can neither read the expected outputs nor forge a verdict.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from pydantic import Field
 
 from harness.registry import TASKS
 from tasks.base import DataError, Problem, Score, read_jsonl
+from tasks.code import checker
 from tasks.code.common import CodeOptions, SandboxedTask, aligned, error, fail, last_fenced_block, syntax_error
 
 DATA_DIR_ENV = "HARNESS_DATA_DIR"
@@ -271,18 +274,50 @@ class LiveCodeBenchTask(SandboxedTask):
         bad = syntax_error(code)
         if bad:
             return fail(code, reason=f"unparsable: {bad}")
-        n = len(problem.meta["inputs"])
-        job = {"mode": "lcb", "code": code, "fn_name": problem.meta["fn_name"], "timeout": opts.timeout,
-               "inputs": problem.meta["inputs"], "outputs": problem.meta["outputs"]}
-        outcome = self.run_job(job, min(500.0, (opts.timeout + 1) * n + 5))
+        inputs, outputs = problem.meta["inputs"], problem.meta["outputs"]
+        n, limit = len(inputs), opts.timeout
+        if problem.meta["fn_name"]:
+            phase = {"name": "tests", "inputs": inputs, "limits": [limit] * n, "wall": (limit + 1) * n + 1}
+            job = {"mode": "lcb_functional", "code": code, "fn_name": problem.meta["fn_name"], "load_limit": limit, "phases": [phase]}
+        else:
+            job = {"mode": "lcb_stdin", "code": code, "inputs": inputs, "timeout": limit}
+        expected_bytes = sum(len(o) for o in outputs)
+        outcome = self.run_job(job, min(500.0, (limit + 1) * n + 5), max_output_bytes=max(64 << 20, 4 * expected_bytes + (1 << 20)))
         if outcome.error:
             return error(code, reason=f"sandbox: {outcome.error}")
-        results = [line for line in outcome.lines if "status" in line]
-        if not results:
-            r = outcome.result
-            status = "timeout" if r.status == "timeout" else "fail"
-            return fail(code, result=status, reason=f"sandbox run ended: {r.status}, exit {r.exit_code}: {r.stderr[-300:]}")
-        res = results[0]
-        if res["status"] == "pass":
+        if problem.meta["fn_name"]:
+            verdict = self._functional_verdict(outputs, outcome)
+        else:
+            verdict = self._stdin_verdict(outputs, outcome)
+        if verdict.status == "pass":
             return Score("pass", extracted=code, details=json.dumps({"result": "pass", "tests": n}))
-        return fail(code, result=res["status"], failed_test=res.get("failed_test"), reason=res.get("error"))
+        return fail(code, result=verdict.status, failed_test=verdict.failed_input, reason=verdict.error)
+
+    @staticmethod
+    def _functional_verdict(outputs: list[str], outcome) -> checker.PhaseVerdict:
+        """prediction == json.loads(output), in test order (the child turned a top-level tuple into a list)."""
+
+        def match(i: int, text: str) -> None:
+            assert checker.decode(text) == json.loads(outputs[i]), "wrong answer"
+
+        got, end = checker.phase_records(outcome.report, "tests")
+        return checker.check_outputs(len(outputs), got, end, match, outcome.result.status)
+
+    @staticmethod
+    def _stdin_verdict(outputs: list[str], outcome) -> checker.PhaseVerdict:
+        """Each test's reported stdout against its expected output, in order; the first bad one decides."""
+        tests = {r.header["test"]: r for r in outcome.report.records if isinstance(r.header.get("test"), int) and r.payload is not None}
+        for i, gold in enumerate(outputs):
+            r = tests.get(i)
+            if r is None:
+                status = "timeout" if outcome.result.status == "timeout" else "fail"
+                return checker.PhaseVerdict(status, f"no result for test {i} (sandbox status {outcome.result.status})", i)
+            if r.header.get("status") != "ok":
+                return checker.PhaseVerdict("timeout" if r.header["status"] == "timeout" else "fail", r.header.get("error"), i)
+            try:
+                stdout = base64.b64decode(r.payload, validate=True).decode("utf-8", errors="replace")
+            except ValueError:
+                return checker.PhaseVerdict("fail", "malformed stdout record", i)
+            if not checker.stdout_matches(stdout, gold):
+                return checker.PhaseVerdict("fail", "wrong answer", i)
+        return checker.PhaseVerdict("pass")

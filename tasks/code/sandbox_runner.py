@@ -1,143 +1,108 @@
-"""Test runner executed INSIDE the sandbox (never imported or run by the harness process).
+"""Test runner executed INSIDE the sandbox. The harness imports it only for its pure helpers; it runs nothing at import.
 
-Usage inside the sandbox: ``python3 sandbox_runner.py job.json``. The job file is read and deleted before any
-untrusted code runs. Results are written as lines ``<nonce><json>`` to a private copy of stdout; the program's
-own stdout is sent to /dev/null (fd level) so it can neither flood nor truncate the result lines.
+Usage inside the sandbox: ``python3 sandbox_runner.py job.json``. Trust model (DEVELOPERS.md, "Code grading"):
+  - This process, the supervisor, is trusted. Model code runs only in a child process it forks before anything secret
+    exists (evalplus, LiveCodeBench functional tests), or in one subprocess per test (LiveCodeBench stdin tests).
+  - The job holds inputs, never expected outputs: the supervisor reports what the model code returned (tagged JSON,
+    ``encode``) or printed for each input, and the HARNESS compares that with the ground truth. Forging the report
+    cannot help without the expected outputs, which exist only on the host.
+  - Reports are authenticated. Before model code runs, the supervisor makes itself non-dumpable (same-uid processes
+    can then neither read its memory nor open its /proc fds), writes a fresh random key as the first stdout line and
+    waits until the reader has drained the pipe. Every later record carries HMAC-SHA256(key, body). Model code may
+    write into (or read from) the same pipe, but cannot produce a valid record; a lost record is a fail, never a pass.
+  - Time limits are measured here (wall clock from sending an input until the child says the call returned; encoding
+    the result gets the same allowance again) and enforced by killing the child: model code cannot stop this clock.
 
-Modes:
-  ``evalplus_truth``  run the canonical solution over base and plus inputs; report encoded outputs + runtimes.
-  ``evalplus_check``  run a candidate over base then plus inputs (evalplus's rules: per-input SIGALRM limit,
-                      fast check, atol / float tolerance, special oracles); one result line per phase.
-  ``lcb``             LiveCodeBench tests: stdin/stdout (one subprocess per test) or functional (in-process).
+Wire format (stdout lines): first ``OPD-RUNNER-KEY <hex>``, then ``OPD-RUNNER-REC <hmac hex> <body>``, body being
+``<header JSON>`` or ``<header JSON>\\t<payload>``.
+
+Modes (``job["mode"]``):
+  ``evalplus_truth``   run the trusted canonical solution in this process; per input: its encoded output and runtime.
+  ``evalplus_check``   a candidate in a child, phase by phase (evalplus's per-input limits); per input: the child's
+                       encoded output and the time measured here; a phase ends at the first exception, time-out or crash.
+  ``lcb_functional``   the same for LiveCodeBench call-based tests.
+  ``lcb_stdin``        one subprocess per test (``timeout`` each); per test: exit status and stdout (base64).
 """
 
+import base64
 import copy
+import hashlib
+import hmac
 import io
 import json
 import math
 import os
+import select
 import signal
 import subprocess
 import sys
 import time
 
-try:
-    sys.set_int_max_str_digits(0)
-except AttributeError:  # pragma: no cover
-    pass
-
-JOB_PATH = sys.argv[1]
-with open(JOB_PATH) as _f:
-    JOB = json.load(_f)
-os.remove(JOB_PATH)
-NONCE = JOB["nonce"]
-_OUT_FD = os.dup(1)
-_NULL = os.open(os.devnull, os.O_RDWR)
-os.dup2(_NULL, 1)
-os.dup2(_NULL, 0)
-sys.stdin = io.StringIO("")
-
-
-def emit(obj):
-    os.write(_OUT_FD, (NONCE + json.dumps(obj, allow_nan=True) + "\n").encode())
-
-
-class TimeoutException(Exception):
-    pass
-
-
-def _alarm(signum, frame):
-    raise TimeoutException("time limit")
-
-
-signal.signal(signal.SIGALRM, _alarm)
-
-
-class time_limit:
-    def __init__(self, seconds):
-        self.seconds = seconds
-
-    def __enter__(self):
-        signal.setitimer(signal.ITIMER_REAL, self.seconds)
-
-    def __exit__(self, *exc):
-        signal.setitimer(signal.ITIMER_REAL, 0)
-
-
-class swallow_io:
-    def __enter__(self):
-        self.saved = sys.stdout, sys.stderr, sys.stdin
-        sys.stdout = io.StringIO()
-        sys.stderr = io.StringIO()
-        sys.stdin = io.StringIO("")
-
-    def __exit__(self, *exc):
-        sys.stdout, sys.stderr, sys.stdin = self.saved
-
+KEY_PREFIX = b"OPD-RUNNER-KEY "
+RECORD_PREFIX = b"OPD-RUNNER-REC "
+SEPARATOR = "\t"  # between a record's header JSON and its payload (json.dumps never writes a raw tab)
+BIG_INT_BITS = 10_000  # larger ints travel as hex: the host's int/str digit limit does not apply to base 16
+MAX_REPLY_BYTES = 256 << 20  # one answer of the child
+MAX_STDOUT_BYTES = 16 << 20  # one stdin test's stdout
+DRAIN_TIMEOUT_S = 10.0
 
 # ----------------------------------------------------------------- value encoding (tagged JSON)
 
 
-class _Repr:
-    """An output of a type the encoding does not know: compared by repr."""
+def _readers():
+    """(base type, reader) for subclasses of builtins: the base type's own method reads the data, theirs never run."""
+    return (
+        (int, int.__int__),
+        (float, float.__float__),
+        (complex, lambda x: complex(complex.__complex__(x))),
+        (str, str.__str__),
+        (bytes, lambda x: bytes(memoryview(x))),
+        (bytearray, lambda x: bytes(memoryview(x))),
+        (list, lambda x: list(list.__iter__(x))),
+        (tuple, lambda x: tuple(tuple.__iter__(x))),
+        (dict, lambda x: dict(dict.items(x))),
+        (frozenset, lambda x: frozenset(frozenset.__iter__(x))),
+        (set, lambda x: set(set.__iter__(x))),
+    )
 
-    def __init__(self, text):
-        self.text = text
 
-    def __eq__(self, other):
-        return repr(other) == self.text
-
-    def __hash__(self):
-        return hash(self.text)
-
-    def __repr__(self):
-        return self.text
+_READERS = _readers()
 
 
 def encode(x):
-    if x is None or isinstance(x, (bool, str)):
+    """Tagged JSON of a value: builtins by exact type; other classes are opaque (equal to nothing on the host)."""
+    t = type(x)
+    if x is None or t is bool or t is str or t is float:
         return x
-    if isinstance(x, int):
-        return int(x)
-    if isinstance(x, float):
-        return float(x)
-    if isinstance(x, list):
+    if t is int:
+        return x if x.bit_length() <= BIG_INT_BITS else {"__t": "int", "v": format(x, "x")}
+    if t is list:
         return [encode(v) for v in x]
-    if isinstance(x, tuple):
+    if t is tuple:
         return {"__t": "tuple", "v": [encode(v) for v in x]}
-    if isinstance(x, dict):
+    if t is dict:
         return {"__t": "dict", "v": [[encode(k), encode(v)] for k, v in x.items()]}
-    if isinstance(x, (set, frozenset)):
-        return {"__t": type(x).__name__, "v": [encode(v) for v in x]}
-    if isinstance(x, complex):
+    if t is set or t is frozenset:
+        return {"__t": t.__name__, "v": [encode(v) for v in x]}
+    if t is complex:
         return {"__t": "complex", "v": [x.real, x.imag]}
-    if isinstance(x, (bytes, bytearray)):
-        return {"__t": "bytes", "v": bytes(x).hex()}
-    return {"__t": "repr", "v": repr(x)}
+    if t is bytes or t is bytearray:
+        return {"__t": "bytes", "v": x.hex()}
+    np = sys.modules.get("numpy")
+    if np is not None and issubclass(t, np.generic) and t.__module__ == "numpy":
+        return encode(x.item())  # numpy scalars compare as Python numbers in evalplus
+    for base, read in _READERS:
+        if issubclass(t, base):  # issubclass on the type: a fake __class__ does not count
+            return encode(read(x))
+    return {"__t": "opaque", "v": f"{t.__module__}.{t.__qualname__}"}
 
 
-def decode(x):
-    if isinstance(x, list):
-        return [decode(v) for v in x]
-    if isinstance(x, dict):
-        t, v = x["__t"], x["v"]
-        if t == "tuple":
-            return tuple(decode(i) for i in v)
-        if t == "dict":
-            return {decode(k): decode(val) for k, val in v}
-        if t == "set":
-            return {decode(i) for i in v}
-        if t == "frozenset":
-            return frozenset(decode(i) for i in v)
-        if t == "complex":
-            return complex(v[0], v[1])
-        if t == "bytes":
-            return bytes.fromhex(v)
-        return _Repr(v)
-    return x
+def dumps(value):
+    """Compact ASCII JSON of ``encode(value)`` (NaN / Infinity allowed)."""
+    return json.dumps(encode(value), allow_nan=True, separators=(",", ":"))
 
 
-# ----------------------------------------------------------------- evalplus
+# ----------------------------------------------------------------- evalplus rules (shared with the host checker)
 
 
 def mbpp_deserialize_inputs(task_id, inputs):
@@ -178,6 +143,11 @@ def mbpp_deserialize_inputs(task_id, inputs):
     return inputs
 
 
+def phase_inputs(dataset, task_id, inputs):
+    """A phase's inputs as evalplus passes them (MBPP ones deserialised)."""
+    return mbpp_deserialize_inputs(task_id, inputs) if dataset == "mbpp" else inputs
+
+
 MBPP_OUTPUT_NOT_NONE_TASKS = ["check_str", "text_match_three", "text_starta_endb"]
 MBPP_OUTPUT_SET_EQ_TASKS = [
     "similar_elements", "find_char_long", "common_in_nested_lists", "extract_singly",
@@ -185,124 +155,37 @@ MBPP_OUTPUT_SET_EQ_TASKS = [
 ]
 
 
-def _surface_Area(base_edge, height):
+def surface_area_oracle(base_edge, height):
+    """evalplus _special_oracle.py, Mbpp/581."""
     slant_height = math.sqrt((base_edge / 2) ** 2 + height**2)
     return round(base_edge**2 + 4 * (base_edge * slant_height) / 2)
 
 
-def _digit_distance_nums(num1, num2):
+def digit_distance_oracle(num1, num2):
+    """evalplus _special_oracle.py, Mbpp/558."""
     s1, s2 = str(num1), str(num2)
     width = max(len(s1), len(s2))
     return sum(abs(int(a) - int(b)) for a, b in zip(s1.zfill(width), s2.zfill(width)))
 
 
-def _poly(xs, x):
+def poly(xs, x):
+    """HumanEval/32's polynomial, for the find_zero oracle."""
     return sum(coeff * math.pow(x, i) for i, coeff in enumerate(xs))
 
 
-def is_floats(x):
-    if isinstance(x, float):
-        return True
-    if isinstance(x, (list, tuple)) and x:
-        return all(isinstance(i, float) for i in x)
-    try:
-        import numpy as np
-
-        if isinstance(x, np.ndarray):
-            return x.dtype in (np.float64, np.float32)
-    except ImportError:
-        pass
-    return False
+# ----------------------------------------------------------------- in-process helpers
 
 
-def _inputs(job, phase):
-    inputs = job[phase + "_input"]
-    if job["dataset"] == "mbpp":
-        inputs = mbpp_deserialize_inputs(job["task_id"], inputs)
-    return inputs
+class swallow_io:
+    """evalplus swallow_io: the program's print / input go to in-memory streams."""
 
+    def __enter__(self):
+        self.saved = sys.stdout, sys.stderr, sys.stdin
+        sys.stdout, sys.stderr, sys.stdin = io.StringIO(), io.StringIO(), io.StringIO("")
 
-def evalplus_truth(job):
-    glb = {}
-    exec(job["code"], glb)
-    fn = glb[job["entry_point"]]
-    not_none = job["dataset"] == "mbpp" and job["entry_point"] in MBPP_OUTPUT_NOT_NONE_TASKS
-    for phase in ("base", "plus"):
-        outs, times = [], []
-        for inp in _inputs(job, phase):
-            inp = copy.deepcopy(inp)
-            start = time.time()
-            out = fn(*inp)
-            times.append(time.time() - start)
-            outs.append(out is not None if not_none else out)
-        emit({"phase": phase, "outputs": json.dumps(encode(outs), allow_nan=True), "times": times})
+    def __exit__(self, *exc):
+        sys.stdout, sys.stderr, sys.stdin = self.saved
 
-
-def _check_one(dataset, entry_point, fn, inp, exp, atol, limit):
-    """evalplus/eval/__init__.py::unsafe_execute for one input; raises on failure; returns the atol to keep."""
-    with time_limit(limit):
-        with swallow_io():
-            out = fn(*inp)
-    exact_match = out == exp
-    if dataset == "mbpp":
-        if entry_point == "are_equivalent":  # Mbpp/164
-            exact_match = True
-        elif entry_point == "sum_div":  # Mbpp/295
-            exact_match = exact_match or out == 0
-        elif entry_point == "surface_Area":  # Mbpp/581
-            exact_match = exact_match or abs(out - _surface_Area(*inp)) <= atol
-        elif entry_point == "digit_distance_nums":  # Mbpp/558
-            exact_match = exact_match or out == _digit_distance_nums(*inp)
-        elif entry_point in MBPP_OUTPUT_SET_EQ_TASKS:
-            exact_match = set(out) == set(exp)
-        elif entry_point in MBPP_OUTPUT_NOT_NONE_TASKS:
-            exact_match = out == exp if isinstance(out, bool) else exp == (out is not None)
-    if dataset == "humaneval" and entry_point == "find_zero":
-        assert abs(_poly(*inp, out)) <= atol
-        return atol
-    if atol == 0 and is_floats(exp):
-        atol = 1e-6  # evalplus enforces this (and keeps it for the following inputs)
-    if not exact_match and atol != 0:
-        import numpy as np
-
-        assert type(out) == type(exp)
-        if isinstance(exp, (list, tuple)):
-            assert len(out) == len(exp)
-        assert np.allclose(out, exp, rtol=1e-07, atol=atol)
-    else:
-        assert exact_match
-    return atol
-
-
-def evalplus_check(job):
-    glb = {}
-    try:
-        with swallow_io():
-            exec(job["code"], glb)
-        fn = glb[job["entry_point"]]
-    except BaseException as exc:  # noqa: BLE001 - untrusted code
-        emit({"phase": "base", "status": "fail", "error": f"load: {type(exc).__name__}: {exc}"[:500]})
-        return
-    atol = job["atol"]
-    for phase in job["phases"]:
-        expected = decode(json.loads(job[phase + "_expected"]))
-        limits = job[phase + "_limits"]
-        status, error, failed_at = "pass", None, None
-        for i, inp in enumerate(_inputs(job, phase)):
-            try:
-                atol = _check_one(job["dataset"], job["entry_point"], fn, inp, expected[i], atol, limits[i])
-            except TimeoutException:
-                status, error, failed_at = "timeout", "time limit", i
-            except BaseException as exc:  # noqa: BLE001 - untrusted code
-                status, error, failed_at = "fail", f"{type(exc).__name__}: {exc}"[:500], i
-            if status != "pass":
-                break
-        emit({"phase": phase, "status": status, "error": error, "failed_input": failed_at, "n": len(limits)})
-        if status != "pass":
-            return
-
-
-# ----------------------------------------------------------------- LiveCodeBench
 
 LCB_IMPORTS = (
     "from string import *\nfrom re import *\nfrom datetime import *\nfrom collections import *\nfrom heapq import *\n"
@@ -314,91 +197,368 @@ LCB_IMPORTS = (
 )
 
 
-def _lines(text):
-    return [line.strip() for line in text.strip().split("\n")]
+# ----------------------------------------------------------------- the child (model code runs here)
 
 
-def stdout_matches(pred, gold):
-    """lcb_runner: same number of stripped lines; each equal, or token-wise equal as Decimal."""
-    from decimal import Decimal, InvalidOperation
+class Child:
+    """A forked worker that runs model code on request; the supervisor times and kills it."""
 
-    p, g = _lines(pred), _lines(gold)
-    if len(p) != len(g):
-        return False
-    for a, b in zip(p, g):
-        if a == b:
-            continue
+    def __init__(self):
+        cmd_r, cmd_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # pragma: no cover - runs in the child
+            for fd in os.listdir("/proc/self/fd"):
+                if int(fd) > 2 and int(fd) not in (cmd_r, rep_w):
+                    try:
+                        os.close(int(fd))
+                    except OSError:
+                        pass
+            exit_now = os._exit  # bound before model code runs (it may replace os._exit)
+            try:
+                _child_main(cmd_r, rep_w)
+            finally:
+                exit_now(1)  # never return into the supervisor's code
+        os.close(cmd_r)
+        os.close(rep_w)
+        os.set_blocking(cmd_w, False)  # a child that stops reading cannot block the supervisor past a deadline
+        self.cmd, self.rep, self.buf = cmd_w, rep_r, bytearray()
+        self.alive = True
+
+    def send(self, obj, deadline):
+        """Write one command line; False when the child did not take it before the deadline."""
+        data = memoryview((json.dumps(obj, allow_nan=True) + "\n").encode())
+        while data:
+            try:
+                data = data[os.write(self.cmd, data) :]
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([], [self.cmd], [], left)[1]:
+                    return False
+            except OSError:  # the child is gone: the next read reports it
+                return True
+        return True
+
+    def read_line(self, deadline):
+        """The child's next reply line (bytes, no newline); "timeout", "exited" or "too large".
+
+        A line that arrives after the deadline is a time-out too (this process may have been stopped meanwhile).
+        """
+        while True:
+            at = self.buf.find(b"\n")
+            if at >= 0 and time.monotonic() > deadline:
+                return "timeout"
+            if at >= 0:
+                line = bytes(self.buf[:at])
+                del self.buf[: at + 1]
+                return line
+            if len(self.buf) > MAX_REPLY_BYTES:
+                return "too large"
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return "timeout"
+            ready, _, _ = select.select([self.rep], [], [], left)
+            if not ready:
+                return "timeout"
+            chunk = os.read(self.rep, 1 << 20)
+            if not chunk:
+                return "exited"
+            self.buf += chunk
+
+    def request(self, obj, deadline):
+        """Send one command; (reply line or failure word, seconds measured here)."""
+        started = time.monotonic()
+        reply = self.read_line(deadline) if self.send(obj, deadline) else "timeout"
+        return reply, time.monotonic() - started
+
+    def kill(self):
+        """SIGKILL the child's process group and the child; reap it; its exit description."""
+        if not self.alive:
+            return ""
+        self.alive = False
+        for target in (lambda: os.killpg(self.pid, signal.SIGKILL), lambda: os.kill(self.pid, signal.SIGKILL)):
+            try:
+                target()
+            except OSError:
+                pass
         try:
-            if [Decimal(t) for t in a.split()] != [Decimal(t) for t in b.split()]:
-                return False
-        except (InvalidOperation, ValueError):
-            return False
-    return True
+            _, status = os.waitpid(self.pid, 0)
+            code = os.waitstatus_to_exitcode(status)
+        except ChildProcessError:
+            return ""
+        return f"exit {code}" if code >= 0 else f"signal {-code}"
 
 
-def lcb_stdin(job):
+def _child_main(cmd_fd, rep_fd):  # pragma: no cover - runs in the child
+    """Serve load / call commands until the pipe closes; model code is trusted with nothing."""
+    try:
+        os.setpgid(0, 0)
+    except OSError:
+        pass
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")  # under memory pressure the kernel kills this process, not the supervisor
+    except OSError:
+        pass
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    sys.stdin = io.StringIO("")
+    reader = os.fdopen(cmd_fd, "rb", buffering=1 << 16)
+    state = {}
+
+    def reply(text):
+        data = (text + "\n").encode("ascii", "replace")
+        while data:
+            data = data[os.write(rep_fd, data) :]
+
+    for raw in reader:
+        cmd = json.loads(raw)
+        try:
+            if cmd["op"] == "load":
+                state["fn"] = _load(cmd)
+                state.update(_parsers(cmd))
+                text = "+"
+            else:
+                args = state["parse"](cmd["arg"]) if "parse" in state else cmd["arg"]
+                with swallow_io():
+                    out = state["fn"](*args)
+                reply("=")  # the call returned: its time stops here, encoding the result gets its own allowance
+                if state.get("tuple_as_list") and isinstance(out, tuple):  # lcb_runner: a tuple result compares as a list
+                    out = list(tuple.__iter__(out))
+                text = "+" + dumps(out)
+        except BaseException as exc:  # noqa: BLE001 - model code may raise anything, SystemExit included
+            try:
+                text = "-" + json.dumps(f"{type(exc).__name__}: {exc}"[:500])
+            except BaseException:  # noqa: BLE001 - a str() that raises
+                text = "-" + json.dumps(type(exc).__name__)
+        reply(text)
+    os._exit(0)
+
+
+def _load(cmd):  # pragma: no cover - runs in the child
+    """Exec the model code and return the callable named by the command."""
+    glb = {"__name__": cmd.get("module_name", "__main__")}
+    with swallow_io():
+        exec(cmd.get("prelude", "") + cmd["code"], glb)
+    name = cmd["entry_point"]
+    solution = glb.get("Solution")
+    if cmd.get("solution_class") and isinstance(solution, type):
+        return getattr(solution(), name)
+    return glb[name]
+
+
+def _parsers(cmd):  # pragma: no cover - runs in the child
+    """How the child turns a call's JSON argument into positional arguments."""
+    if cmd["kind"] == "evalplus":
+        dataset, task_id = cmd["dataset"], cmd["task_id"]
+        return {"parse": lambda arg: phase_inputs(dataset, task_id, [arg])[0]}
+    return {"parse": lambda arg: [json.loads(line) for line in arg.split("\n") if line.strip()], "tuple_as_list": True}
+
+
+# ----------------------------------------------------------------- supervisor output
+
+
+class Reporter:
+    """Writes the key line, then HMAC-authenticated records, to a private copy of stdout."""
+
+    def __init__(self):
+        self.fd = os.dup(1)
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 1)  # print() of trusted canonical code must not reach the report
+        os.dup2(null, 0)
+        sys.stdin = io.StringIO("")
+        self.key = None
+
+    def start(self):
+        """Make this process non-dumpable, send a fresh key and wait until the reader has taken it."""
+        import ctypes
+        import fcntl
+        import stat
+        import termios
+
+        if not stat.S_ISFIFO(os.fstat(self.fd).st_mode):
+            raise SystemExit("sandbox_runner: stdout must be a pipe")
+        if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE = 4
+            raise SystemExit(f"sandbox_runner: prctl(PR_SET_DUMPABLE) failed: errno {ctypes.get_errno()}")
+        self.key = os.urandom(32)
+        self._write(KEY_PREFIX + self.key.hex().encode() + b"\n")
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        pending = bytearray(4)
+        while True:
+            fcntl.ioctl(self.fd, termios.FIONREAD, pending)
+            if int.from_bytes(pending, sys.byteorder) == 0:
+                return
+            if time.monotonic() > deadline:
+                raise SystemExit("sandbox_runner: the reader did not drain stdout")
+            time.sleep(0.0005)
+
+    def record(self, header, payload=None):
+        body = json.dumps(header, allow_nan=True, separators=(",", ":"))
+        if payload is not None:
+            body += SEPARATOR + payload
+        data = body.encode("ascii", "backslashreplace")
+        mac = hmac.new(self.key, data, hashlib.sha256).hexdigest().encode()
+        self._write(RECORD_PREFIX + mac + b" " + data + b"\n")
+
+    def _write(self, data):
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self.fd, view) :]
+
+
+# ----------------------------------------------------------------- modes
+
+
+def evalplus_truth(job, out, child=None):
+    """Run the trusted canonical solution; per input its encoded output and runtime (evalplus trusted_exec)."""
+    glb = {}
+    exec(job["code"], glb)
+    fn = glb[job["entry_point"]]
+    not_none = job["dataset"] == "mbpp" and job["entry_point"] in MBPP_OUTPUT_NOT_NONE_TASKS
+    for phase in ("base", "plus"):
+        for i, inp in enumerate(phase_inputs(job["dataset"], job["task_id"], job[phase + "_input"])):
+            inp = copy.deepcopy(inp)
+            start = time.time()
+            value = fn(*inp)
+            elapsed = time.time() - start
+            out.record({"phase": phase, "i": i, "t": elapsed}, dumps(value is not None if not_none else value))
+        out.record({"phase": phase, "end": "ok"})
+
+
+def run_calls(job, out, child, load):
+    """Load the code in the child, then call it on each phase's inputs under the per-input limits and phase walls.
+
+    Per input a record ``{phase, i, t}`` with the child's answer as payload, ``t`` being the call's time (until the
+    child's "=" line; evalplus times the call only); encoding and sending the result get the same limit again. Per
+    phase an end record ``{phase, end, error, at}`` (``end``: ok, load, exception, timeout, exited, protocol, too large).
+    """
+    phases = job["phases"]
+    deadline = time.monotonic() + phases[0]["wall"]  # evalplus counts loading inside the first phase's wall
+    reply, elapsed = child.request(load, min(deadline, time.monotonic() + job.get("load_limit", math.inf)))
+    if reply != b"+":
+        out.record({"phase": phases[0]["name"], "end": "load", "error": _failure(reply, child), "at": None, "t": elapsed})
+        return
+    for k, phase in enumerate(phases):
+        name, limits = phase["name"], phase["limits"]
+        if k:
+            deadline = time.monotonic() + phase["wall"]
+        end, error, at = "ok", None, None
+        for i, arg in enumerate(phase["inputs"]):
+            reply, elapsed = child.request({"op": "call", "arg": arg}, min(time.monotonic() + limits[i], deadline))
+            if reply == b"=":  # returned within the limit; the answer (encoded result) may take as long again
+                reply = child.read_line(min(time.monotonic() + limits[i], deadline))
+            if isinstance(reply, bytes) and reply[:1] == b"+" and reply.isascii():
+                out.record({"phase": name, "i": i, "t": elapsed}, reply[1:].decode())
+                continue
+            end = "exception" if isinstance(reply, bytes) and reply[:1] == b"-" else reply if isinstance(reply, str) else "protocol"
+            error, at = _failure(reply, child), i
+            break
+        out.record({"phase": name, "end": end, "error": error, "at": at})
+        if end != "ok":
+            return
+
+
+def _exception(reply):
+    try:
+        return str(json.loads(reply[1:]))[:500] if reply[:1] == b"-" else "malformed answer"
+    except ValueError:
+        return "malformed answer"
+
+
+def _failure(reply, child):
+    """A readable reason for a failed command (killing the child after a time-out)."""
+    if isinstance(reply, bytes):
+        return _exception(reply) if reply[:1] == b"-" else "malformed answer (not '+' ASCII JSON or '-' error)"
+    if reply == "timeout":
+        child.kill()
+        return "time limit"
+    if reply == "exited":
+        return f"the program ended ({child.kill() or 'exit'})"
+    return "answer too large"
+
+
+def evalplus_check(job, out, child):
+    """A candidate over the job's phases (each ``{name, inputs, limits, wall}``), evalplus inputs deserialised in the child."""
+    load = {"op": "load", "kind": "evalplus", "code": job["code"], "entry_point": job["entry_point"],
+            "dataset": job["dataset"], "task_id": job["task_id"]}
+    run_calls(job, out, child, load)
+
+
+def lcb_functional(job, out, child):
+    """LiveCodeBench call-based tests: ``Solution().<fn_name>`` (or a top-level function) on JSON-lines arguments."""
+    load = {"op": "load", "kind": "lcb", "code": job["code"], "prelude": LCB_IMPORTS, "entry_point": job["fn_name"],
+            "solution_class": True, "module_name": "solution"}
+    run_calls(job, out, child, load)
+
+
+def lcb_stdin(job, out, child=None):
+    """Run ``solution.py`` once per test; report exit status and stdout, stop at the first crash or time-out."""
     with open("solution.py", "w") as f:
         f.write(job["code"])
-    for i, (inp, out) in enumerate(zip(job["inputs"], job["outputs"])):
-        try:
-            proc = subprocess.run(
-                [sys.executable, "solution.py"], input=inp.encode(), capture_output=True, timeout=job["timeout"]
-            )
-        except subprocess.TimeoutExpired:
-            emit({"status": "timeout", "failed_test": i, "error": "time limit"})
-            return
-        if proc.returncode != 0:
-            err = proc.stderr.decode(errors="replace")[-400:]
-            emit({"status": "fail", "failed_test": i, "error": f"exit {proc.returncode}: {err}"})
-            return
-        if not stdout_matches(proc.stdout.decode(errors="replace"), out):
-            emit({"status": "fail", "failed_test": i, "error": "wrong answer"})
-            return
-    emit({"status": "pass", "n": len(job["inputs"])})
+    for i, inp in enumerate(job["inputs"]):
+        status, stdout, error, elapsed = _run_program(inp.encode(), job["timeout"])
+        out.record({"test": i, "status": status, "error": error, "t": elapsed}, base64.b64encode(stdout).decode())
+        if status != "ok":
+            break
+    out.record({"end": "done"})
 
 
-def lcb_functional(job):
-    glb = {"__name__": "solution"}
+def _run_program(stdin, timeout):
+    """(status, stdout bytes, error, seconds) of one run of solution.py in its own session."""
+    started = time.monotonic()
     try:
-        with time_limit(job["timeout"]):
-            with swallow_io():
-                exec(LCB_IMPORTS + job["code"], glb)
-        name = job["fn_name"]
-        if "Solution" in glb and isinstance(glb["Solution"], type):
-            fn = getattr(glb["Solution"](), name)
-        else:
-            fn = glb[name]
-    except BaseException as exc:  # noqa: BLE001
-        emit({"status": "fail", "failed_test": None, "error": f"load: {type(exc).__name__}: {exc}"[:500]})
-        return
-    for i, (inp, out) in enumerate(zip(job["inputs"], job["outputs"])):
-        try:
-            args = [json.loads(line) for line in inp.split("\n") if line.strip()]
-            gold = json.loads(out)
-            with time_limit(job["timeout"]):
-                with swallow_io():
-                    pred = fn(*args)
-            if isinstance(pred, tuple):
-                pred = list(pred)
-            ok = pred == gold
-        except TimeoutException:
-            emit({"status": "timeout", "failed_test": i, "error": "time limit"})
-            return
-        except BaseException as exc:  # noqa: BLE001
-            emit({"status": "fail", "failed_test": i, "error": f"{type(exc).__name__}: {exc}"[:500]})
-            return
-        if not ok:
-            emit({"status": "fail", "failed_test": i, "error": "wrong answer"})
-            return
-    emit({"status": "pass", "n": len(job["inputs"])})
+        proc = subprocess.Popen([sys.executable, "solution.py"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True)
+    except OSError as exc:
+        return "fail", b"", f"cannot start the program: {exc}", 0.0
+    try:
+        stdout, stderr = proc.communicate(stdin, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", b"", "time limit", time.monotonic() - started
+    finally:
+        _killpg(proc)  # also whatever it left running in its session
+    elapsed = time.monotonic() - started
+    if len(stdout) > MAX_STDOUT_BYTES:
+        return "fail", b"", f"more than {MAX_STDOUT_BYTES} bytes of output", elapsed
+    if proc.returncode != 0:
+        return "fail", stdout, f"exit {proc.returncode}: {stderr.decode(errors='replace')[-400:]}", elapsed
+    return "ok", stdout, None, elapsed
 
 
-MODES = {
-    "evalplus_truth": evalplus_truth,
-    "evalplus_check": evalplus_check,
-    "lcb": lambda job: (lcb_functional if job.get("fn_name") else lcb_stdin)(job),
-}
+def _killpg(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    proc.wait()
 
-MODES[JOB["mode"]](JOB)
-emit({"done": True})
-os._exit(0)
+
+MODES = {"evalplus_truth": evalplus_truth, "evalplus_check": evalplus_check, "lcb_functional": lcb_functional, "lcb_stdin": lcb_stdin}
+CHILD_MODES = ("evalplus_check", "lcb_functional")
+
+
+def main():
+    try:
+        sys.set_int_max_str_digits(0)
+    except AttributeError:  # pragma: no cover
+        pass
+    with open(sys.argv[1]) as f:
+        job = json.load(f)
+    os.remove(sys.argv[1])
+    if job.get("mode") not in MODES:
+        raise SystemExit(f"sandbox_runner: unknown mode {job.get('mode')!r}")
+    child = Child() if job["mode"] in CHILD_MODES else None  # forked before the key exists: its memory never holds it
+    out = Reporter()
+    try:
+        out.start()
+        MODES[job["mode"]](job, out, child)
+    finally:
+        if child is not None:
+            child.kill()
+    out.record({"done": True})
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
