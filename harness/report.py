@@ -107,7 +107,8 @@ def _sweep_runs(store: Store, record: dict, task: str | None, collapse_threshold
         run_id = point.get("run_id")
         stored = store.get_run(run_id) if run_id else None
         if stored is None:
-            runs.append({"run_id": run_id, "status": "pending", "config": None, "coords": dict(point.get("coords", {}))})
+            coords = {k: point.get("coords", {}).get(k) for k in keys}  # every grid key, as for a stored run: one row per setting
+            runs.append({"run_id": run_id, "status": "pending", "config": None, "coords": coords})
             continue
         cfg = stored["config"]
         if task is None:

@@ -251,3 +251,12 @@ def test_lag_curve_means_cis_and_png(tmp_path):
 def test_report_of_an_unknown_sweep_is_a_clear_error(tmp_path):
     with pytest.raises(SweepError, match="no sweep 'nope'"):
         write_report(tmp_path, "nope")
+
+
+def test_pending_points_of_a_later_sub_grid_join_the_row_of_their_setting(hand_made):
+    """A sub-grid without trainer.fixed_lag still lands in the same row as finished runs of that setting."""
+    store, record = hand_made
+    record = {**record, "grid_keys": ["method", "trainer.mode", "trainer.fixed_lag", "seed"]}
+    record["points"] = [*record["points"], {"coords": {"method": "f_opd", "trainer.mode": "async", "seed": 3}}]
+    rows = [r for r in sweep_report(store, record)["rows"] if r["method"] == "f_opd"]
+    assert len(rows) == 1 and (rows[0]["n_done"], rows[0]["n_runs"]) == (1, 2)
