@@ -28,7 +28,7 @@ from harness.registry import METHODS
 from harness.trajectory import TensorBatch
 from trainers.objectives import HParams, MethodSpec, StudentOutputs
 from trainers.objectives.common import k3
-from trainers.objectives.opd import full_reverse_kl
+from trainers.objectives.opd import exact_reverse_kl
 
 FreshnessForm = Literal["exp", "reciprocal", "product"]
 RefreshRule = Literal["freshness", "freshness_or_coverage", "periodic"]
@@ -427,11 +427,7 @@ def opd_lag_only_terms(stats: AsyncStats, hp: LagOnlyParams) -> tuple[LossTerms,
 
 def token_reverse_kl(batch: TensorBatch, student: StudentOutputs, hp: AsyncOPDParams) -> torch.Tensor | None:
     """Exact per-position KL(π_θ ‖ π_T) for estimator ``full`` (teacher distribution from rollout time); None for ``sampled``."""
-    if hp.estimator != "full":
-        return None
-    if student.full is None or batch.teacher_full is None:
-        raise ValueError("estimator 'full' needs full student and teacher distributions")
-    return full_reverse_kl(student.full, batch.teacher_full)
+    return exact_reverse_kl(batch, student) if hp.estimator == "full" else None
 
 
 def _loss_and_diagnostics(student_logp: torch.Tensor, stats: AsyncStats, terms: LossTerms, token_kl: torch.Tensor | None = None) -> Result:

@@ -36,15 +36,20 @@ def full_reverse_kl(student_full: torch.Tensor, teacher_full: torch.Tensor) -> t
     return (student_full.exp() * (student_full - teacher_full)).sum(-1)
 
 
+def exact_reverse_kl(batch: TensorBatch, student: StudentOutputs) -> torch.Tensor:
+    """Per-position KL(π_θ ‖ π_T) from the full distributions; a clear error when a pipeline did not provide them."""
+    if student.full is None or batch.teacher_full is None:
+        raise ValueError("estimator 'full' needs full student and teacher distributions")
+    return full_reverse_kl(student.full, batch.teacher_full)
+
+
 def opd_objective(batch: TensorBatch, student: StudentOutputs, hp: OPDParams, state: object = None) -> tuple[torch.Tensor, dict[str, float]]:
     """Vanilla OPD loss and diagnostics (teacher_kl = Σk/Σm, the logged reverse-KL estimate)."""
     mask = batch.loss_mask
     k = sampled_reverse_kl(batch.behaviour_logprobs, batch.teacher_logprobs, mask)
     diagnostics = {"teacher_kl": float(masked_mean(k, mask)), "tokens": float(mask.sum())}
     if hp.estimator == "full":
-        if student.full is None or batch.teacher_full is None:
-            raise ValueError("opd estimator 'full' needs full student and teacher distributions")
-        per_token = hp.kl_coef * full_reverse_kl(student.full, batch.teacher_full)
+        per_token = hp.kl_coef * exact_reverse_kl(batch, student)
         diagnostics["teacher_kl_full"] = float(masked_mean(per_token.detach(), mask) / hp.kl_coef)
     else:
         advantage = (-hp.kl_coef * k).detach()  # reverse KL = log q − log T; the advantage is its negative
