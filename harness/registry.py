@@ -137,4 +137,5 @@ METHODS: Registry = Registry(
 )
 BACKENDS: Registry = Registry("backends", ("harness.backends.hf", "harness.backends.replay", "harness.backends.openai_backend", "harness.backends.vllm_backend"))
 SANDBOXES: Registry = Registry("sandboxes")
-PIPELINES: Registry = Registry("pipelines", ("trainers.sync", "trainers.async_pipeline"))
+PIPELINES: Registry = Registry("pipelines", ("trainers.loop",))
+EXECUTORS: Registry = Registry("executors", ("trainers.inprocess", "trainers.ray_executor"))

@@ -9,9 +9,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import trainers.async_pipeline as ap
+import trainers.inprocess as ip
+import trainers.loop as ap
 from harness.cli import app
-from trainers.async_pipeline import BufferEntry, ReplayBuffer, fixed_version, required_version
+from trainers.loop import BufferEntry, ReplayBuffer, fixed_version, required_version
 
 runner = CliRunner()
 BASE = ["run", "--task", "arith", "--preset", "smoke", "--set", "threads=1", "--set", "eval.teacher=false", "--set", "eval.before_training=false"]
@@ -75,13 +76,13 @@ def test_fixed_lag_accounting_is_exact(tmp_path):
 @pytest.mark.parametrize("max_lag, sync_every", [(1, 1), (2, 3)])
 def test_max_lag_is_never_exceeded_under_random_timing(tmp_path, monkeypatch, max_lag, sync_every):
     rng = random.Random(max_lag)
-    original = ap.learn
+    original = ip.learn
 
     def slow_learn(*args, **kwargs):  # a learner slower than the worker: the buffer fills, lag grows
         time.sleep(rng.uniform(0.0, 0.08))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(ap, "learn", slow_learn)
+    monkeypatch.setattr(ip, "learn", slow_learn)
     metrics, _ = run(tmp_path, "--method", "opd", "--mode", "async", "--set", f"trainer.max_lag={max_lag}",
                      "--set", f"trainer.sync_every={sync_every}", "--set", "trainer.steps=12", "--set", "trainer.checkpoint_every=6")  # fmt: skip
     lags = [metrics[s]["lag_max"] for s in range(1, 13)]
@@ -91,8 +92,8 @@ def test_max_lag_is_never_exceeded_under_random_timing(tmp_path, monkeypatch, ma
 
 @pytest.mark.slow
 def test_hard_refresh_regenerates_stale_batches(tmp_path, monkeypatch):
-    original = ap.learn
-    monkeypatch.setattr(ap, "learn", lambda *a, **k: (time.sleep(0.3), original(*a, **k))[1])  # the worker runs ahead
+    original = ip.learn
+    monkeypatch.setattr(ip, "learn", lambda *a, **k: (time.sleep(0.3), original(*a, **k))[1])  # the worker runs ahead
     metrics, ckpt = run(tmp_path, "--method", "opd_hard_refresh", "--mode", "async", "--set", "method_args.opd_hard_refresh.refresh_every=3",
                         "--set", "trainer.max_lag=3", "--set", "trainer.steps=12", "--set", "trainer.checkpoint_every=6")  # fmt: skip
     refresh_steps = [s for s in range(1, 13) if metrics[s]["refresh_signal"] > 0]

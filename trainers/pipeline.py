@@ -1,6 +1,7 @@
-"""What every pipeline shares: the run session (models, optimizer, resume, checkpoints, evaluation)
-and the three phases of a training step — make a batch (generate, reward, teacher), learn, account.
-Sync and async pipelines differ only in who runs which phase when.
+"""What every executor shares: the run session (models, optimizer, resume, checkpoints, evaluation)
+and the three phases of a training step — make a batch (generate, reward, behaviour log-probs,
+teacher), learn, account. The loop (``trainers.loop``) and the executors only decide who runs which
+phase when.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from harness.backends import SamplingParams
+from harness.backends import Backend, SamplingParams
 from harness.backends.hf import HFBackend
+from harness.registry import BACKENDS
 from harness.evaluation import evaluate_task, store_eval
 from harness.rollout import reference_trajectories, rollout
 from harness.store import Store
@@ -38,15 +40,16 @@ def sample_problems(cfg, train_problems: list, step: int) -> list:
     return rng.sample(train_problems, min(cfg.trainer.prompts_per_step, len(train_problems)))
 
 
-def make_batch(plan, student: HFBackend, teacher: HFBackend, problems: list, step: int, metrics: dict) -> tuple[TensorBatch, list[Trajectory]]:
+def make_batch(plan, student: Backend, teacher: HFBackend, problems: list, step: int, metrics: dict) -> tuple[TensorBatch, list[Trajectory]]:
     """Roll out (or take references), grade when the method needs rewards, and score with the teacher."""
     batch, trajectories = generate_batch(plan, student, problems, step, metrics)
     teacher_phase(plan, teacher, batch, metrics)
     return batch, trajectories
 
 
-def generate_batch(plan, student: HFBackend, problems: list, step: int, metrics: dict) -> tuple[TensorBatch, list[Trajectory]]:
-    """The rollout role's half of :func:`make_batch`: sample (or take references) and grade; no teacher."""
+def generate_batch(plan, student: Backend, problems: list, step: int, metrics: dict) -> tuple[TensorBatch, list[Trajectory]]:
+    """The rollout role's half of :func:`make_batch`: sample (or take references), grade, and (when the
+    method reads π_old) score the sampled tokens under the behaviour weights; no teacher."""
     cfg, task, method, hparams = plan.config, plan.task, plan.method, plan.hparams
     needs = method.needs(hparams)
     with timed("generate", metrics):
@@ -68,7 +71,36 @@ def generate_batch(plan, student: HFBackend, problems: list, step: int, metrics:
             for traj, score in zip(trajectories, scores, strict=True):
                 traj.reward = score.value
             metrics["reward_mean"] = sum(s.value for s in scores) / len(scores)
-    return to_tensor_batch(trajectories, student.pad_id), trajectories
+    batch = to_tensor_batch(trajectories, student.pad_id)
+    if "old_logprobs" in needs and method.on_policy:
+        with timed("old_logprobs", metrics):
+            batch.old_logprobs = behaviour_logprobs(student, batch)
+    return batch, trajectories
+
+
+@torch.no_grad()
+def behaviour_logprobs(backend: Backend, batch: TensorBatch) -> torch.Tensor:
+    """o_t (methods.md §0): log-probs of the sampled tokens recomputed under the weights that generated them,
+    on exactly the padded layout the learner scores, so that the importance ratio exp(s − o) is 1 at lag 0."""
+    scores = backend.score(batch.input_ids, batch.attention_mask, want=("logprobs",))
+    return scores["logprobs"].float().cpu() * batch.loss_mask
+
+
+def open_rollout_backend(plan, student_path: str, *, model: torch.nn.Module | None = None, tokenizer=None) -> Backend:
+    """The rollout role's inference engine, ``trainer.rollout_backend``, with no weights version yet (-1).
+
+    ``hf`` wraps ``model`` when one is given (a copy shipped to a Ray actor); otherwise, and for every other
+    backend (e.g. vLLM on a GPU), the engine is loaded from the student's folder. Either way the loop pushes
+    the learner's weights through ``load_weights(state, version)`` before the first batch.
+    """
+    cfg = plan.config.trainer
+    cls = BACKENDS.get(cfg.rollout_backend)
+    options = dict(cfg.rollout_backend_options)
+    if cls is HFBackend:
+        options.setdefault("batch_size", cfg.generate_batch_size)
+    backend = cls(model, tokenizer, **options) if (model is not None and cls is HFBackend) else cls.load(student_path, **options)
+    backend.version = -1
+    return backend
 
 
 def needs_teacher(plan) -> bool:
@@ -138,6 +170,7 @@ class Session:
     student: HFBackend
     teacher: HFBackend
     teacher_path: str
+    student_path: str
     optimizer: torch.optim.Optimizer
     scheduler: object
     state: TrainState
@@ -151,7 +184,7 @@ class Session:
         cfg = plan.config
         torch.set_num_threads(threads or cfg.threads or os.cpu_count() or 1)
         teacher_model, tokenizer, teacher_path = prepare_model(cfg.teacher, "teacher", plan.task, store.root)
-        student_model, student_tok, _ = prepare_model(cfg.student, "student", plan.task, store.root)
+        student_model, student_tok, student_path = prepare_model(cfg.student, "student", plan.task, store.root)
         if student_tok.get_vocab() != tokenizer.get_vocab():
             raise ValueError("student and teacher tokenizers differ; per-token distillation needs a shared vocabulary")
         optimizer_factory, scheduler_factory = _optimizer_factory(cfg), _scheduler_factory(cfg)
@@ -172,7 +205,7 @@ class Session:
         teacher = HFBackend(teacher_model, tokenizer, batch_size=cfg.trainer.generate_batch_size)
         teacher_model.requires_grad_(False)
         train_problems = plan.task.load("train" if "train" in plan.task.splits else "test")
-        return cls(plan, store, run_id, console, student, teacher, teacher_path, optimizer, scheduler, state, method_state, train_problems)
+        return cls(plan, store, run_id, console, student, teacher, teacher_path, student_path, optimizer, scheduler, state, method_state, train_problems)
 
     def evaluate_start(self) -> None:
         """Teacher reference row, the student before training, or a checkpoint whose eval was interrupted."""

@@ -4,7 +4,7 @@ A rollout actor (its own copy of the student behind an HF backend) generates and
 with the weights of version r; a teacher actor scores it; a learner actor (student, optimizer,
 method state; learning rates from the driver's schedule) trains on it and returns each version's
 weights as an object in the object store. The driver runs the very loop of the in-process
-executor (``trainers.async_pipeline``: ``Schedule``, ``RolloutWorker``, ``drive``), so max_lag,
+executor (``trainers.loop``: ``Schedule``, ``RolloutWorker``, ``drive``), so max_lag,
 fixed_lag, sync_every and refreshes mean the same, and records through the same ``Session``:
 before every checkpoint and evaluation it pulls the learner's weights, optimizer and method state
 into the session's objects. Sync mode is this schedule with max_lag 0. Batches go from actor to
@@ -30,10 +30,10 @@ import torch
 from rich.console import Console
 
 from harness.backends.hf import HFBackend
-from harness.store import Store
+from harness.registry import EXECUTORS
 from harness.trajectory import TensorBatch
-from trainers.async_pipeline import LearnResult, Schedule, WeightBoard, drive, state_snapshot
-from trainers.pipeline import Session, generate_batch, learn, needs_teacher, response_lengths, sample_problems, teacher_phase
+from trainers.loop import LearnResult, Roles, WeightBoard, state_snapshot
+from trainers.pipeline import Session, generate_batch, learn, needs_teacher, open_rollout_backend, response_lengths, sample_problems, teacher_phase
 
 # environment.md §4: no token file in ~/.ray (auth on by default in Ray 2.60), no usage reporting.
 RAY_ENV_DEFAULTS = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -96,13 +96,13 @@ class _Role:
 
 
 class RolloutActor(_Role):
-    """Rollout role: a copy of the student behind an HF backend; generates (and grades) batch b with weights r."""
+    """Rollout role: the run's rollout backend (the shipped student copy for ``hf``, else loaded from the
+    student's folder, which the actor's node must see); generates (and grades) batch b with weights r."""
 
-    def __init__(self, config: dict, model: torch.nn.Module, tokenizer: Any, train_problems: list, threads: int) -> None:
+    def __init__(self, config: dict, model: torch.nn.Module, tokenizer: Any, student_path: str, train_problems: list, threads: int) -> None:
         _setup_actor(threads)
         self.plan = _plan(config)
-        self.backend = HFBackend(model, tokenizer, batch_size=self.plan.config.trainer.generate_batch_size)
-        self.backend.version = -1
+        self.backend = open_rollout_backend(self.plan, student_path, model=model, tokenizer=tokenizer)
         self.train_problems = train_problems
 
     def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
@@ -205,7 +205,7 @@ def start_actors(ray: ModuleType, plan, session: Session, threads: int) -> tuple
     config = plan.config.model_dump(mode="json")
     student, teacher = session.student, session.teacher
     remote = lambda cls: ray.remote(cls).options(max_concurrency=1)  # noqa: E731  one call at a time, in order
-    rollout = remote(RolloutActor).remote(config, ray.put(student.model), student.tokenizer, ray.put(session.train_problems), threads)
+    rollout = remote(RolloutActor).remote(config, ray.put(student.model), student.tokenizer, session.student_path, ray.put(session.train_problems), threads)
     scorer = remote(TeacherActor).remote(config, ray.put(teacher.model), teacher.tokenizer, threads)
     parts = ray.put((student.model, session.optimizer, session.method_state))
     learner = remote(LearnerActor).remote(config, parts, threads)
@@ -219,23 +219,24 @@ def wait_ready(ray: ModuleType, actors: tuple, console: Console) -> None:
     console.print(f"ray actors ready (rollout, teacher, learner); waited {time.perf_counter() - started:.1f}s after the step-0 evaluation")
 
 
-def run_ray(plan, store: Store, run_id: str, *, resume: bool, console: Console) -> None:
-    """Train with the roles as Ray actors on the async schedule (max_lag 0 in sync mode); same store records."""
-    cfg = plan.config
-    threads = cfg.threads or 1
-    with ray_runtime(cfg.trainer.ray_address, threads, console) as ray:
-        session = Session.open(plan, store, run_id, resume=resume, console=console, threads=threads)
-        schedule = Schedule.of(plan)
-        board = WeightBoard(schedule.keep)
-        actors = start_actors(ray, plan, session, threads)  # they start up while the driver evaluates step 0
+class RayExecutor:
+    """Roles as Ray actors (rollout, teacher-scorer, learner) on a local Ray or the cluster at ``trainer.ray_address``."""
+
+    def runtime(self, plan, console: Console):
+        return ray_runtime(plan.config.trainer.ray_address, plan.config.threads or 1, console)
+
+    @contextmanager
+    def roles(self, plan, session: Session, board: WeightBoard, console: Console) -> Iterator[Roles]:
+        ray = import_ray()
+        actors = start_actors(ray, plan, session, plan.config.threads or 1)  # they start up while the driver evaluates step 0
+        rollout, scorer, learner = actors
         try:
-            session.evaluate_start()
-            wait_ready(ray, actors, console)
-            rollout, scorer, learner = actors
             with warnings.catch_warnings():  # the session's optimizer mirrors the learner's, so only its scheduler steps
                 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before", category=UserWarning)
-                drive(plan, session, schedule, RayRollout(ray, plan, rollout, scorer, board), RayLearner(ray, learner, session), board)
+                yield Roles(RayRollout(ray, plan, rollout, scorer, board), RayLearner(ray, learner, session), ready=lambda: wait_ready(ray, actors, console))
         finally:
             for actor in actors:
                 ray.kill(actor)
-    store.set_status(run_id, "done")
+
+
+EXECUTORS.add("ray", RayExecutor())

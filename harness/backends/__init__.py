@@ -69,3 +69,16 @@ class Backend(Protocol):
 
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, want: tuple[str, ...] = ("logprobs",), top_k: int = 0) -> dict[str, torch.Tensor]:
         """Per-position tensors aligned with ``input_ids`` (position t scores token t given its prefix)."""
+
+
+@runtime_checkable
+class RolloutEngine(Backend, Protocol):
+    """A backend that can be a training run's rollout role: built by ``load`` from the student's folder,
+    then fed the learner's weights. ``version`` is the policy version of the loaded weights (-1: none yet)."""
+
+    @classmethod
+    def load(cls, model: str, **options) -> "RolloutEngine":
+        """Start the engine on a model folder (or hub id)."""
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """Replace the weights by ``state_dict`` (Hugging Face parameter names) and set ``version``."""

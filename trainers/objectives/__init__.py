@@ -18,6 +18,7 @@ from harness.trajectory import TensorBatch
 # Inputs a method may declare; the pipeline provides each or refuses the run up front.
 INPUTS = {
     "behaviour_logprobs": "student log-probs of sampled tokens at generation time",
+    "old_logprobs": "π_old: log-probs of the sampled tokens recomputed under the behaviour weights (PPO-style ratios; methods.md §0)",
     "teacher_logprobs": "teacher log-probs of the sampled tokens",
     "teacher_full": "full teacher distribution over the vocabulary at every position",
     "student_full": "full current-student distribution (with gradient)",

@@ -371,8 +371,8 @@ def ap_opd_magcap_objective(batch: TensorBatch, student: StudentOutputs, hp: Mag
 
 
 def ap_opd_needs(hp: HParams) -> frozenset[str]:
-    """o comes from the trainer (current student, detached, in a sync step); only the teacher's sampled-token log-probs are needed."""
-    return frozenset({"teacher_logprobs"})
+    """T of the sampled tokens, and o recomputed under the behaviour weights (the current student, detached, when absent)."""
+    return frozenset({"teacher_logprobs", "old_logprobs"})
 
 
 _COMMON_NOTES = {

@@ -56,7 +56,8 @@ def clipped_surrogate(
     per_token = -torch.minimum(unclipped, clipped)
     loss = masked_sum(per_token, mask) if aggregation == "sum" else masked_mean(per_token, mask)
     clip_frac = masked_mean((unclipped != clipped).float(), mask)
-    return loss, {"clip_fraction": float(clip_frac)}
+    deviation = torch.where(mask > 0, (ratio.detach() - 1.0).abs(), torch.zeros_like(ratio))
+    return loss, {"clip_fraction": float(clip_frac), "ratio_mean": float(masked_mean(ratio.detach(), mask)), "ratio_max_dev": float(deviation.max()) if deviation.numel() else 0.0}
 
 
 def k3(log_p_model: torch.Tensor, log_p_ref: torch.Tensor) -> torch.Tensor:

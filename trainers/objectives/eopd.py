@@ -90,7 +90,7 @@ def eopd_objective(batch: TensorBatch, student: StudentOutputs, hp: EOPDParams, 
 
 def eopd_needs(hp: EOPDParams) -> frozenset[str]:
     """Teacher entropy and forward KL need both full distributions; the sampled RKL term needs T_t."""
-    return frozenset({"teacher_full", "student_full", "teacher_logprobs"})
+    return frozenset({"teacher_full", "student_full", "teacher_logprobs", "old_logprobs"})
 
 
 METHODS.add(

@@ -57,7 +57,7 @@ def grpo_objective(batch: TensorBatch, student: StudentOutputs, hp: GRPOParams, 
 
 
 def grpo_needs(hp: GRPOParams) -> frozenset[str]:
-    return frozenset({"rewards", "behaviour_logprobs"})
+    return frozenset({"rewards", "behaviour_logprobs", "old_logprobs"})
 
 
 METHODS.add(
@@ -69,7 +69,7 @@ METHODS.add(
         hparams=GRPOParams,
         needs=grpo_needs,  # type: ignore[arg-type]
         notes={
-            "ratio": "ρ = exp(s − o) against trainer-recomputed o (the current student, detached, in a one-update sync step); behaviour_logprobs are declared but not used by the loss",
+            "ratio": "ρ = exp(s − o) against o recomputed by the rollout role under the behaviour weights (π_old); 1 at lag 0, off 1 in async runs with policy lag",
             "dual_clip": "verl's vanilla loss also dual-clips negative advantages at ρ = 3.0; not applied here (ρ ≡ 1 in value with one update per step)",
         },
     ),

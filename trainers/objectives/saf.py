@@ -239,7 +239,7 @@ def saf_objective(batch: TensorBatch, student: StudentOutputs, hp: SAFParams, st
 
 
 def saf_needs(hp: SAFParams) -> frozenset[str]:
-    base = {"teacher_logprobs", "behaviour_logprobs"}
+    base = {"teacher_logprobs", "behaviour_logprobs", "old_logprobs"}
     return frozenset(base | {"rewards"} if hp.grpo_coef != 0.0 else base)
 
 

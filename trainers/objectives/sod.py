@@ -184,7 +184,7 @@ def sod_objective(batch: TensorBatch, student: StudentOutputs, hp: SODParams, st
 
 
 def sod_needs(hp: SODParams) -> frozenset[str]:
-    base = {"teacher_logprobs", "behaviour_logprobs", "step_boundaries"}
+    base = {"teacher_logprobs", "behaviour_logprobs", "old_logprobs", "step_boundaries"}
     return frozenset(base | {"rewards"} if hp.grpo_coef != 0.0 else base)
 
 

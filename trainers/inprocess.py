@@ -1,0 +1,79 @@
+"""The in-process executor: the rollout role is a worker thread with its own inference backend (the
+run's ``trainer.rollout_backend``, weights pushed through ``load_weights``); the session's teacher
+scores its batches; the learner trains the session's own student in the calling thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+
+import torch
+from rich.console import Console
+
+from harness.registry import EXECUTORS
+from harness.trajectory import TensorBatch
+from trainers.loop import LearnResult, Roles, WeightBoard, state_snapshot
+from trainers.pipeline import Session, learn, make_batch, open_rollout_backend, response_lengths, sample_problems
+
+
+class LocalRollout:
+    """In-process rollout: a private inference backend (loaded from the student's folder) fed weights from the board."""
+
+    def __init__(self, plan, session: Session, board: WeightBoard) -> None:
+        self.plan, self.session, self.board = plan, session, board
+        self.backend = open_rollout_backend(plan, session.student_path)
+
+    @property
+    def version(self) -> int:
+        return self.backend.version
+
+    def load(self, version: int) -> None:
+        self.backend.load_weights(self.board.get(version), version)
+
+    def make(self, index: int) -> tuple[TensorBatch, dict[str, float]]:
+        metrics: dict[str, float] = {}
+        problems = sample_problems(self.plan.config, self.session.train_problems, index)
+        batch, _ = make_batch(self.plan, self.backend, self.session.teacher, problems, index, metrics)
+        return batch, metrics
+
+    def close(self) -> None:
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
+
+
+class LocalLearner:
+    """In-process learner: trains the session's own student, so checkpoints need no pull."""
+
+    def __init__(self, plan, session: Session) -> None:
+        self.plan, self.session = plan, session
+
+    def train(self, batch: TensorBatch, version: int) -> LearnResult:
+        metrics: dict[str, float] = {}
+        learn(self.plan, self.session.student.model, self.session.optimizer, batch, self.session.method_state, version, metrics)
+        return LearnResult(metrics, batch.policy_lag.tolist(), response_lengths(batch))
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        return state_snapshot(self.session.student.model)
+
+    def pull(self) -> None:
+        pass
+
+
+class InProcessExecutor:
+    """Roles as threads of this process: nothing to start up, nothing to wait for."""
+
+    def runtime(self, plan, console: Console):
+        return nullcontext()
+
+    @contextmanager
+    def roles(self, plan, session: Session, board: WeightBoard, console: Console) -> Iterator[Roles]:
+        rollout = LocalRollout(plan, session, board)
+        try:
+            yield Roles(rollout, LocalLearner(plan, session))
+        finally:
+            rollout.close()
+
+
+EXECUTORS.add("inprocess", InProcessExecutor())
