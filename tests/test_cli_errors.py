@@ -28,6 +28,14 @@ runner = CliRunner()
 GOOD_ROW = {"problem": "What is 1+1?", "answer": "2", "unique_id": "test/a/1.json", "solution": "1+1=\\boxed{2}"}
 
 
+@pytest.fixture(autouse=True)
+def _restore_data_dir_env(monkeypatch):
+    """``harness eval --data-dir`` sets $HARNESS_DATA_DIR in its (here: this) process; put it back after each test."""
+    monkeypatch.setenv("HARNESS_DATA_DIR", os.environ.get("HARNESS_DATA_DIR", ""))  # records the original for teardown
+    if not os.environ["HARNESS_DATA_DIR"]:
+        monkeypatch.delenv("HARNESS_DATA_DIR")
+
+
 def flat(text: str) -> str:
     """Rich wraps long messages; compare on single-spaced text."""
     return " ".join(text.split())
@@ -316,7 +324,7 @@ REFERENCES = {  # task -> whether its training split (default source) carries re
 
 
 def test_every_task_declares_what_it_provides():
-    assert set(REFERENCES) == set(TASKS.names())
+    assert set(REFERENCES) >= {name for name in TASKS.names() if not name.startswith("_")}  # "_name": tasks other tests register
     for name, references in REFERENCES.items():
         task = TASKS.get(name)()
         assert ("reference_responses" in task.provided_inputs()) is references, name
@@ -326,13 +334,16 @@ def test_every_task_declares_what_it_provides():
 
 def test_lm_eval_generation_tasks_provide_references_and_choice_tasks_do_not(tmp_path):
     pytest.importorskip("lm_eval")
-    from test_lm_eval import DATA, make
+    from harness.plan import make_task
 
-    for template in DATA.glob("*.yaml.tmpl"):
-        (tmp_path / template.name.removesuffix(".tmpl")).write_text(template.read_text().format(data_file=(DATA / "arith.jsonl").resolve()))
-    shutil.copy(DATA / "utils.py", tmp_path / "utils.py")
-    assert "reference_responses" in make("arith_gen", tmp_path).provided_inputs()
-    assert "reference_responses" not in make("arith_mc", tmp_path).provided_inputs()
+    data = Path(__file__).parent / "data" / "lm_eval"
+    for template in data.glob("*.yaml.tmpl"):
+        (tmp_path / template.name.removesuffix(".tmpl")).write_text(template.read_text().format(data_file=(data / "arith.jsonl").resolve()))
+    shutil.copy(data / "utils.py", tmp_path / "utils.py")
+    for name, references in (("arith_gen", True), ("arith_mc", False)):
+        task = make_task(f"lm_eval:{name}", {f"lm_eval:{name}": {"include_path": str(tmp_path)}})
+        assert ("reference_responses" in task.provided_inputs()) is references
+        assert all((p.solution is not None) is references for p in task.load("test"))
 
 
 DATA_DIR = Path(os.environ.get("HARNESS_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
@@ -344,7 +355,8 @@ def test_declared_references_match_the_data(name, options):
     cls = TASKS.get(name)
     task = cls(cls.Options(**options))
     if not (DATA_DIR / name).is_dir():
-        pytest.skip(f"no {DATA_DIR / name} (set HARNESS_DATA_DIR)")
+        reason = f"no {DATA_DIR / name} (set HARNESS_DATA_DIR)"
+        pytest.fail(reason) if os.environ.get("HARNESS_REQUIRE_DATA") == "1" else pytest.skip(reason)
     assert "reference_responses" in task.provided_inputs()
     problems = task.load(task.training_split(), DATA_DIR)
     assert problems and all(p.solution for p in problems)
