@@ -19,7 +19,9 @@ Each grid point becomes ``--set key=value`` overrides applied after ``base.set``
 validated (config and plan) before any run starts; an error names the grid point. Points whose
 resolved configs are identical are run once. Re-running a sweep skips points whose run is
 ``done``, resumes runs left ``running`` / ``interrupted`` / ``failed`` from their last checkpoint,
-and starts the rest. Do not run the same sweep twice at the same time (a lock file refuses it).
+and starts the rest. Do not run the same sweep twice at the same time (a lock file refuses it); a run
+being executed (by a sweep or ``harness run``) holds ``runs/<run_id>/run.lock``, so no second process
+resumes it at the same time (:func:`run_lock`).
 """
 
 from __future__ import annotations
