@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -15,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from harness.config import ConfigError, build_config, deep_merge, parse_override
+from harness.jsonout import to_json
 from harness.registry import METHODS, TASKS, RegistryError
 
 app = typer.Typer(help="Benchmark harness for on-policy distillation of language models.", no_args_is_help=True, add_completion=False)
@@ -50,32 +50,42 @@ def run(
     out: Annotated[Path, typer.Option(help="results root")] = Path("results"),
     resume: Annotated[str | None, typer.Option(help="resume RUN_ID from its last checkpoint")] = None,
 ) -> None:
-    """Train a student with METHOD on TASK, evaluating every checkpoint (Avg@k) into the store."""
-    from harness.plan import plan_run
+    """Train a student with METHOD on TASK, evaluating every checkpoint (Avg@k) into the store.
+
+    Everything (config, plan, every task's data) is validated before the output folder or the store is created.
+    """
+    from harness.plan import load_plan_data, plan_run
     from harness.store import Store
-    from harness.sweep import create_train_run, execute_run, plan_resume
+    from harness.sweep import RunLocked, create_train_run, execute_run, plan_resume
 
     _quiet_libraries()
-    store = Store(out)
+    store = None
     try:
         if resume:
             if any(v is not None for v in (method, task, mode, executor, preset, config)) or set_:
                 raise ConfigError("--resume continues a run with its stored config; drop the other options")
+            if not (out / "results.sqlite").is_file():
+                raise ConfigError(f"--resume {resume}: no results store at {out / 'results.sqlite'} (pass the run's --out)")
+            store = Store(out)
             plan, run_id = plan_resume(store, resume), resume
         else:
             trainer = {key: value for key, value in (("mode", mode), ("executor", executor)) if value is not None}
             cli = {"method": method, "task": task, "trainer": trainer or None}
             plan = plan_run(build_config(preset=preset, config_file=config, overrides=set_ or [], cli=cli))
-    except (ConfigError, RegistryError) as exc:
+        load_plan_data(plan)
+    except (ConfigError, RegistryError) as exc:  # DataUnavailable included: missing data or a bad row, nothing created
         raise _fail(str(exc)) from None
     for warning in plan.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
-    if not resume:
+    if store is None:
+        store = Store(out)
         run_id = create_train_run(store, plan.config, plan)
     console.print(f"run [bold]{run_id}[/] → {store.path}")
     started = time.perf_counter()
     try:
         execute_run(plan, store, run_id, resume=bool(resume), console=console)
+    except RunLocked as exc:
+        raise _fail(str(exc)) from None
     except KeyboardInterrupt:
         raise _fail(f"interrupted; continue with: harness run --resume {run_id} --out {out}", 130) from None
     _print_run_summary(store, run_id, plan, time.perf_counter() - started)
@@ -128,11 +138,14 @@ def eval_(
         typer.Option("--backend-option", help="backend option KEY=VALUE, repeatable (openai: base_url=http://HOST:PORT/v1, mode=chat, concurrency=16, tokenizer=PATH)"),
     ] = None,
 ) -> None:
-    """Evaluate one model or checkpoint on one or more tasks; rows go to the store."""
+    """Evaluate one model or checkpoint on one or more tasks; rows go to the store.
+
+    Every task's problems are loaded and validated before the model is loaded and the run row created.
+    """
     from harness.backends import SamplingParams
     from harness.evaluation import evaluate_task, store_eval
     from harness.leaderboard import leaderboard_rows, render_table
-    from harness.plan import make_task
+    from harness.plan import load_problems, make_task
     from harness.registry import BACKENDS
     from harness.store import Store
     from harness.sweep import new_run_id
@@ -140,6 +153,10 @@ def eval_(
     _quiet_libraries()
     names = [t.strip() for t in task.split(",") if t.strip()]
     try:
+        if data_dir is not None:
+            if not data_dir.is_dir():
+                raise ConfigError(f"--data-dir {data_dir}: no such directory (it holds one folder per task: DIR/<task>/...)")
+            os.environ["HARNESS_DATA_DIR"] = str(data_dir)
         task_args: dict = {}
         for item in task_arg or []:
             task_args = deep_merge(task_args, parse_override(item))
@@ -148,10 +165,9 @@ def eval_(
             raise ConfigError(f"--task-arg names {sorted(unused)}, which are not among --task {', '.join(names)}")
         backend_cls = BACKENDS.get(backend)
         tasks = [make_task(name, task_args) for name in names]
-    except (ConfigError, RegistryError) as exc:
+        problems_of = {t.name: load_problems(t, "test", data_dir=data_dir, limit=limit) for t in tasks}
+    except (ConfigError, RegistryError) as exc:  # DataUnavailable included: a missing data folder or a bad row
         raise _fail(str(exc)) from None
-    if data_dir is not None:
-        os.environ["HARNESS_DATA_DIR"] = str(data_dir)
     options = {}
     for item in backend_option or []:
         key, sep, value = item.partition("=")
@@ -168,27 +184,27 @@ def eval_(
     run_id = new_run_id("eval", "+".join(names))
     config = {"task_args": task_args, "backend_options": {k: v for k, v in options.items() if k != "api_key"}, "model": model, "backend": backend, "tasks": names, "k": k, "limit": limit, "temperature": temperature, "top_p": top_p, "seed": seed}
     store.create_run(run_id, kind="eval", config=config, task=",".join(names), model=model)
-    summaries = {}
-    for t in tasks:
-        problems = t.load("test", data_dir)
-        problems = problems[:limit] if limit else problems
-        kk = k or t.options.k
-        sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=t.options.max_new_tokens, seed=seed)
-        errors: tuple[type[BaseException], ...] = (ValueError,)
-        if backend == "openai":
-            import openai
+    errors: tuple[type[BaseException], ...] = (ValueError,)
+    if backend == "openai":
+        import openai
 
-            errors += (openai.OpenAIError,)
-        try:
-            result = evaluate_task(engine, t, problems, k=kk, sampling=sampling)
-        except errors as exc:  # e.g. a replay file without enough samples, an unreachable server
-            store.set_status(run_id, "failed")
-            raise _fail(str(exc)) from None
-        store_eval(store, run_id, 0, result)
-        summaries[t.name] = {**result.summary, "grader": "/".join(result.grader)}
+        errors += (openai.OpenAIError,)
+    summaries = {}
+    try:
+        for t in tasks:
+            sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=t.options.max_new_tokens, seed=seed)
+            result = evaluate_task(engine, t, problems_of[t.name], k=k or t.options.k, sampling=sampling)
+            store_eval(store, run_id, 0, result)
+            summaries[t.name] = {**result.summary, "grader": "/".join(result.grader)}
+    except errors as exc:  # e.g. a replay file without enough samples, an unreachable server
+        store.set_status(run_id, "failed")
+        raise _fail(str(exc)) from None
+    except BaseException:  # anything else (Ctrl-C included) still leaves no run marked running
+        store.set_status(run_id, "failed")
+        raise
     store.set_status(run_id, "done")
     if json_:
-        print(json.dumps({"run_id": run_id, "model": model, "tasks": summaries}, indent=2))
+        print(to_json({"run_id": run_id, "model": model, "tasks": summaries}))
     else:
         stdout.print(render_table(leaderboard_rows(store, [run_id])))
     too_many = {name: s["n_errors"] / max(s["n_samples"], 1) for name, s in summaries.items() if s["n_errors"] / max(s["n_samples"], 1) > max_error_rate}
@@ -222,7 +238,7 @@ def tasks(json_: Annotated[bool, typer.Option("--json", help="machine-readable l
     """List registered tasks."""
     described = [cls.describe() for _, cls in TASKS.items()]
     if json_:
-        print(json.dumps(described, indent=2))
+        print(to_json(described))
         return
     for d in described:
         stdout.print(f"[bold]{d['name']}[/]  {d['description']}  (sandbox: {'yes' if d['needs_sandbox'] else 'no'})")
@@ -233,7 +249,7 @@ def methods(json_: Annotated[bool, typer.Option("--json", help="machine-readable
     """List registered training methods with their hyper-parameters and declared inputs."""
     described = [spec.describe() for _, spec in METHODS.items()]
     if json_:
-        print(json.dumps(described, indent=2))
+        print(to_json(described))
         return
     for d in described:
         stdout.print(f"[bold]{d['name']}[/]  {d['description']}\n    needs: {', '.join(d['inputs'])}; defaults: {d['defaults']}")

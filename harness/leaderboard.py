@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 
 import numpy as np
 from rich.table import Table
 
+from harness.jsonout import to_json
 from harness.metrics import PairedResult, paired_bootstrap
 from harness.store import Store
 
@@ -94,7 +94,7 @@ def render_csv(rows: list[dict]) -> str:
 
 
 def render_json(rows: list[dict]) -> str:
-    return json.dumps(rows, indent=2)
+    return to_json(rows)
 
 
 def per_problem_values(store: Store, run_id: str, step: int, task: str, k: int) -> dict[str, float]:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pydantic import ValidationError
 
 from harness.config import ConfigError, RunConfig, format_validation_error
 from harness.registry import METHODS, PIPELINES, TASKS, RegistryError
+from tasks.base import DataError
 
 
 @dataclass
@@ -21,6 +23,66 @@ class Plan:
     eval_tasks: list = field(default_factory=list)
     pipeline: object = None
     warnings: list[str] = field(default_factory=list)
+    train_problems: list | None = None  # the training split, once load_plan_data has validated it
+    eval_problems: dict[str, list] = field(default_factory=dict)  # eval task name -> its evaluated test problems
+
+
+class DataUnavailable(ConfigError):
+    """A task's data is missing or has a bad row; the CLI prints it and exits with code 2."""
+
+
+def data_hint(task_name: str) -> str:
+    """How to get a task's data and point the harness at it."""
+    return (
+        f"get it with `harness data fetch {task_name} --to DIR`, then pass --data-dir DIR (harness eval), "
+        f"--set task_args.{task_name}.data_dir=DIR (harness run) or set $HARNESS_DATA_DIR=DIR"
+    )
+
+
+def load_problems(task, split: str, *, data_dir: Path | None = None, limit: int | None = None) -> list:
+    """The validated problems of ``task``'s ``split`` (the first ``limit``); missing data or a bad row is DataUnavailable."""
+    try:
+        problems = task.load(split, data_dir)
+    except DataError as exc:  # names file:line:field
+        raise DataUnavailable(f"{task.name} [{split}]: bad data: {exc}") from None
+    except ValueError as exc:  # e.g. options that leave too few distinct problems
+        raise DataUnavailable(f"{task.name} [{split}]: {exc}") from None
+    except (FileNotFoundError, ImportError) as exc:  # DataNotFound included; ImportError: a reader's optional dependency
+        raise DataUnavailable(f"{exc}\n{task.name}: {data_hint(task.name)}") from None
+    return problems[:limit] if limit else problems
+
+
+def load_plan_data(plan: Plan) -> Plan:
+    """Load and validate the training split and every eval task's problems onto ``plan``, before anything is created."""
+    train = load_problems(plan.task, plan.task.training_split())
+    users = reference_users(plan.config, plan.method, plan.hparams)
+    lacking = next((p for p in train if p.solution is None), None) if users else None
+    if lacking is not None:
+        raise DataUnavailable(f"{users[0]} trains on reference solutions, but {plan.task.name} problem {lacking.id!r} has none")
+    plan.train_problems = train
+    plan.eval_problems = {task.name: load_problems(task, "test", limit=plan.config.eval.limit) for task in plan.eval_tasks}
+    return plan
+
+
+def reference_users(cfg: RunConfig, method, hparams) -> list[str]:
+    """What in this run trains on the task's reference solutions: a method off-policy or declaring them, SFT warm-ups."""
+    users = [f"method {method.name!r}"] if not method.on_policy or "reference_responses" in method.needs(hparams) else []
+    return users + [f"{role}.sft_steps={getattr(cfg, role).sft_steps}" for role in ("student", "teacher") if getattr(cfg, role).sft_steps > 0]
+
+
+def check_references(cfg: RunConfig, method, hparams, task) -> None:
+    """Refuse a run whose method or warm-up needs reference solutions the training task does not declare."""
+    for role in ("student", "teacher"):
+        spec = getattr(cfg, role)
+        if spec.sft_steps > 0 and spec.path is not None:
+            raise ConfigError(f"{role}.sft_steps={spec.sft_steps}: warm-up is only supported for tiny models built from '{role}.arch'; set {role}.sft_steps=0")
+    users = reference_users(cfg, method, hparams)
+    if users and "reference_responses" not in task.provided_inputs():
+        raise ConfigError(
+            f"{' and '.join(users)} {'trains' if len(users) == 1 else 'train'} on reference solutions, which task {task.name!r} does not provide "
+            f"(it provides {sorted(task.provided_inputs())}); choose a task with reference solutions"
+            + (" or set those sft_steps to 0" if any("sft_steps" in u for u in users) else "")
+        )
 
 
 def make_task(name: str, task_args: dict[str, dict]) -> object:
@@ -70,4 +132,5 @@ def plan_run(cfg: RunConfig) -> Plan:
             f"method {method.name!r} needs {sorted(missing)}, which the {cfg.trainer.mode} pipeline cannot provide for task "
             f"{task.name!r} (it provides {sorted(provided)})"
         )
+    check_references(cfg, method, hparams, task)
     return Plan(cfg, method, hparams, task, eval_tasks, pipeline, warnings=list(pipeline.warnings(method, hparams, task)))

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from harness.jsonout import to_json
 from harness.metrics import bootstrap_ci
 from harness.store import Store
 
@@ -293,7 +294,7 @@ def render_markdown(report: dict) -> str:
 
 
 def render_json(report: dict) -> str:
-    return json.dumps(report, indent=2)
+    return to_json(report)
 
 
 def write_report(out: str | Path, sweep_id: str, *, task: str | None = None, collapse_threshold: float = 0.5, baseline_method: str = "opd") -> dict:

@@ -19,7 +19,9 @@ Each grid point becomes ``--set key=value`` overrides applied after ``base.set``
 validated (config and plan) before any run starts; an error names the grid point. Points whose
 resolved configs are identical are run once. Re-running a sweep skips points whose run is
 ``done``, resumes runs left ``running`` / ``interrupted`` / ``failed`` from their last checkpoint,
-and starts the rest. Do not run the same sweep twice at the same time (a lock file refuses it).
+and starts the rest. Do not run the same sweep twice at the same time (a lock file refuses it); a run
+being executed (by a sweep or ``harness run``) holds ``runs/<run_id>/run.lock``, so no second process
+resumes it at the same time (:func:`run_lock`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,10 @@ import json
 import os
 import re
 import secrets
+import socket
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -238,18 +243,52 @@ def plan_resume(store: Store, run_id: str):
     return plan_run(RunConfig.model_validate(stored["config"]))
 
 
-def execute_run(plan, store: Store, run_id: str, *, resume: bool, console: Console) -> None:
-    """Run a planned training run; the store's status ends done, interrupted (Ctrl-C) or failed."""
-    if resume:
-        store.set_status(run_id, "running")
+class RunLocked(ConfigError):
+    """Another live process is executing this run; the CLI prints it and exits with code 2."""
+
+
+LOCK_FILE = "run.lock"
+
+
+@contextmanager
+def run_lock(run_dir: Path, run_id: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``<run_dir>/run.lock`` for the block; refuse with RunLocked if another process holds it.
+
+    The kernel drops the lock when its holder exits, however it exits, so a dead process never blocks a resume.
+    """
+    handle = open(Path(run_dir) / LOCK_FILE, "a+")  # noqa: SIM115 - held for the block; "a+" never truncates a holder's note
     try:
-        plan.pipeline.run(plan, store, run_id, resume=resume, console=console)
-    except KeyboardInterrupt:
-        store.set_status(run_id, "interrupted")
-        raise
-    except Exception:
-        store.set_status(run_id, "failed")
-        raise
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise RunLocked(f"run {run_id} is already being executed by {holder} (lock {handle.name}); wait for it to end or stop it first") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        handle.flush()
+        yield
+    finally:
+        handle.close()  # closing the descriptor releases the lock
+
+
+def execute_run(plan, store: Store, run_id: str, *, resume: bool, console: Console) -> None:
+    """Run a planned training run under its run lock; the store's status ends done, interrupted (Ctrl-C) or failed.
+
+    Raises RunLocked, leaving the run untouched, when another process is executing it.
+    """
+    with run_lock(store.run_dir(run_id), run_id):
+        if resume:
+            store.set_status(run_id, "running")
+        try:
+            plan.pipeline.run(plan, store, run_id, resume=resume, console=console)
+        except KeyboardInterrupt:
+            store.set_status(run_id, "interrupted")
+            raise
+        except Exception:
+            store.set_status(run_id, "failed")
+            raise
 
 
 # ---- sweeps ------------------------------------------------------------------------------------

@@ -84,6 +84,7 @@ class Task(ABC):
     needs_sandbox: ClassVar[bool] = False
     multi_turn: ClassVar[bool] = False
     provides_reward: ClassVar[bool] = True  # graded outcome usable as an RL reward
+    provides_references: ClassVar[bool] = False  # every problem of the training split carries a reference solution
     splits: ClassVar[tuple[str, ...]] = ("test",)
 
     def __init__(self, options: TaskOptions | None = None) -> None:
@@ -92,6 +93,14 @@ class Task(ABC):
     @abstractmethod
     def load(self, split: str = "test", data_dir: Path | None = None) -> list[Problem]:
         """Validated problems of ``split`` (a bad row names its file, line and field)."""
+
+    def training_split(self) -> str:
+        """The split a run trains (and warms models up) on: ``train`` when the task has one, else ``test``."""
+        return "train" if "train" in self.splits else "test"
+
+    def provided_inputs(self) -> frozenset[str]:
+        """Method inputs this task's data gives (``rewards``, ``reference_responses``), checked when a run is planned."""
+        return frozenset({"rewards"} if self.provides_reward else ()) | frozenset({"reference_responses"} if self.provides_references else ())
 
     def format_prompt(self, problem: Problem, tokenizer) -> str:
         """The model's chat template with the question when it has one, else the plain question."""
@@ -124,8 +133,13 @@ class Task(ABC):
             "needs_sandbox": cls.needs_sandbox,
             "multi_turn": cls.multi_turn,
             "provides_reward": cls.provides_reward,
+            "provides_references": cls.provides_references,
             "splits": list(cls.splits),
         }
+
+
+class DataNotFound(FileNotFoundError):
+    """A task's data folder or file is missing (and no other source gave it); the message names where it looked."""
 
 
 class DataError(ValueError):

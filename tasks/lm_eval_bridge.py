@@ -258,6 +258,11 @@ class LmEvalTask(Task):
         opts: LmEvalOptions = self.options  # type: ignore[assignment]
         return opts.apply_chat_template or opts.use_chat_template
 
+    def provided_inputs(self) -> frozenset[str]:
+        """Rewards, and reference responses for generation tasks (their gold target is the solution, see ``_problem``)."""
+        refs = frozenset({"reference_responses"}) if self.output_type == "generate_until" else frozenset()
+        return (super().provided_inputs() - {"reference_responses"}) | refs
+
     # ---- problems and prompts
 
     def load(self, split: str = "test", data_dir: Path | None = None) -> list[Problem]:

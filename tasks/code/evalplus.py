@@ -41,6 +41,7 @@ from pydantic import Field
 
 from harness.registry import TASKS
 from tasks.base import DataError, Problem, Score, read_jsonl
+from tasks.base import DataNotFound as TaskDataNotFound
 from tasks.code import checker
 from tasks.code.common import CodeOptions, SandboxedTask, aligned, cache_root, defines, error, fail, last_fenced_block, syntax_error
 from tasks.code.sandbox_runner import phase_inputs
@@ -51,7 +52,7 @@ TRUTH_TIMEOUT_S = 300.0
 TRUTH_VERSION = 2  # bump when the cached ground truth's format changes
 
 
-class DataNotFound(FileNotFoundError):
+class DataNotFound(TaskDataNotFound):
     """No local data file; the message says where it looked."""
 
 
@@ -93,6 +94,7 @@ def validate_row(row: Any, path: Path, line: int) -> dict:
 
 class EvalPlusTask(SandboxedTask):
     Options = EvalPlusOptions
+    provides_references = True  # prompt + canonical_solution of every row
     dataset: ClassVar[str]  # "humaneval" | "mbpp"
     file_name: ClassVar[str]
 

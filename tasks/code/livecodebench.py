@@ -40,7 +40,7 @@ from typing import Any
 from pydantic import Field
 
 from harness.registry import TASKS
-from tasks.base import DataError, Problem, Score, read_jsonl
+from tasks.base import DataError, DataNotFound, Problem, Score, read_jsonl
 from tasks.code import checker
 from tasks.code.common import CodeOptions, SandboxedTask, aligned, error, fail, last_fenced_block, syntax_error
 
@@ -156,6 +156,7 @@ class LiveCodeBenchTask(SandboxedTask):
     name = "livecodebench"
     description = "LiveCodeBench code generation (stdin and LeetCode-style functional tests) graded in the sandbox"
     Options = LiveCodeBenchOptions
+    provides_references = False  # the release files hold tests, no reference solutions
 
     @property
     def grader(self) -> tuple[str, str]:
@@ -178,12 +179,17 @@ class LiveCodeBenchTask(SandboxedTask):
                 for line_no, row in read_jsonl(path):
                     yield str(path), line_no, row
             return
+        looked = f"no {folder}/*.jsonl (release_version={opts.release_version})" if folder else f"no data directory (data_dir, options.data_dir or ${DATA_DIR_ENV})"
         if opts.source == "local":
-            raise FileNotFoundError(f"livecodebench: no {folder}/*.jsonl (release_version={opts.release_version})")
-        from datasets import load_dataset  # optional, imported only on the hub path
+            raise DataNotFound(f"livecodebench: {looked}")
+        try:
+            from datasets import load_dataset  # optional, imported only on the hub path
 
-        kwargs = {"version_tag": opts.release_version} if opts.release_version else {}
-        ds = load_dataset(HUB_ID, split="test", trust_remote_code=True, **kwargs)
+            kwargs = {"version_tag": opts.release_version} if opts.release_version else {}
+            ds = load_dataset(HUB_ID, split="test", trust_remote_code=True, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - any hub failure ends in one clear error
+            hint = " (pip install datasets)" if isinstance(exc, ImportError) else ""
+            raise DataNotFound(f"livecodebench: {looked}; Hugging Face hub fallback {HUB_ID} failed: {type(exc).__name__}: {exc}{hint}") from exc
         for i, row in enumerate(ds, start=1):
             yield f"hub:{HUB_ID}", i, row
 

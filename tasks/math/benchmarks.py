@@ -68,6 +68,7 @@ from pydantic import Field as OptionField
 
 from harness.registry import TASKS
 from tasks.base import DataError, Problem, Task, TaskOptions, read_jsonl
+from tasks.base import DataNotFound as TaskDataNotFound
 from tasks.math_grading import MathVerifyGraded, extract_boxed
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ _DAPO_PREFIX = "Solve the following math problem step by step."
 _DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 
 
-class DataNotFound(FileNotFoundError):
+class DataNotFound(TaskDataNotFound):
     """Neither a local file nor the hub gave the split; the message says where it looked."""
 
 
@@ -350,6 +351,24 @@ class MathTask(MathVerifyGraded, Task):
     local_layout: ClassVar[Layout]
     hub: ClassVar[Mapping[str, HubSource]]  # split -> hub source
     collapse_identical: ClassVar[bool] = False  # skip exact repeats of (id, question, answer)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Declare ``provides_references`` from the layouts, for the default source (``auto``: local or hub)."""
+        super().__init_subclass__(**kwargs)
+        if "local_layout" in cls.__dict__:
+            cls.provides_references = cls.references_guaranteed("auto")
+
+    @classmethod
+    def references_guaranteed(cls, source: str) -> bool:
+        """Whether every training problem read from ``source`` has a reference solution (a required solution field)."""
+        split = "train" if "train" in cls.splits else "test"
+        layouts = ([] if source == "hub" else [cls.local_layout]) + ([] if source == "local" else [cls.hub[split].layout])
+        return all(layout.solution is not None and layout.solution.required for layout in layouts)
+
+    def provided_inputs(self) -> frozenset[str]:
+        """Rewards, and reference responses when the layouts of ``options.source`` all carry solutions."""
+        refs = self.references_guaranteed(self.options.source)  # type: ignore[attr-defined]
+        return (super().provided_inputs() - {"reference_responses"}) | frozenset({"reference_responses"} if refs else ())
 
     # ---- loading
 

@@ -65,6 +65,7 @@ class ArithTask(MathVerifyGraded, Task):
     description = "Synthetic multi-step arithmetic (e.g. 37+4*12) with step-by-step solutions and a boxed answer"
     Options = ArithOptions
     splits = ("train", "test")
+    provides_references = True  # every problem carries its step-by-step solution
 
     def load(self, split: str = "test", data_dir: Path | None = None) -> list[Problem]:
         """Generate ``split`` deterministically from the seed; test expressions never appear in train."""
