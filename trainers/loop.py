@@ -397,12 +397,12 @@ class Executor(Protocol):
         """The rollout and learner roles of ``session``, started (not necessarily ready) and stopped on exit."""
 
 
-BASE_INPUTS = frozenset({"behaviour_logprobs", "old_logprobs", "teacher_logprobs", "teacher_full", "student_full", "step_boundaries", "policy_lag", "reference_responses"})
+BASE_INPUTS = frozenset({"behaviour_logprobs", "old_logprobs", "teacher_logprobs", "teacher_full", "student_full", "step_boundaries", "policy_lag"})
 
 
 def provided_inputs(task) -> frozenset[str]:
-    """Inputs the loop can give an objective for ``task``."""
-    return BASE_INPUTS | ({"rewards"} if task.provides_reward else set())
+    """Inputs the loop can give an objective for ``task``: its own (rewards, references) plus what the roles compute."""
+    return BASE_INPUTS | task.provided_inputs()
 
 
 def role_threads(plan) -> int:

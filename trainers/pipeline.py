@@ -204,8 +204,8 @@ class Session:
         student.version = state.step
         teacher = HFBackend(teacher_model, tokenizer, batch_size=cfg.trainer.generate_batch_size)
         teacher_model.requires_grad_(False)
-        train_problems = plan.task.load("train" if "train" in plan.task.splits else "test")
-        return cls(plan, store, run_id, console, student, teacher, teacher_path, student_path, optimizer, scheduler, state, method_state, train_problems)
+        train_problems = plan.train_problems if plan.train_problems is not None else plan.task.load(plan.task.training_split())
+        return cls(plan, store, run_id, console, student, teacher, teacher_path, student_path, optimizer, scheduler, state, method_state, train_problems, dict(plan.eval_problems))
 
     def evaluate_start(self) -> None:
         """Teacher reference row, the student before training, or a checkpoint whose eval was interrupted."""

@@ -58,7 +58,7 @@ def prepare_model(spec: ModelSpec, role: str, task, cache_root: Path, *, show_pr
 
 def supervised_warmup(model, tokenizer, task, spec: ModelSpec, *, desc: str, show_progress: bool = True) -> dict[str, float]:
     """SFT on the task's reference solutions with a one-cycle learning rate; deterministic under the seed."""
-    problems = task.load("train" if "train" in task.splits else "test")
+    problems = task.load(task.training_split())
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=spec.sft_lr, total_steps=spec.sft_steps, pct_start=0.05)
     rng = random.Random(spec.seed)
