@@ -348,32 +348,9 @@ def sandbox_cleanup(
     stdout.print(f"removed {n} sandbox container(s)")
 
 
-data_app = typer.Typer(help="Benchmark files: download them into the layout the tasks read, check a data folder.", no_args_is_help=True)
+from harness.data import data_app  # noqa: E402 - the `data` sub-app (harness data fetch / check) lives beside its code
+
 app.add_typer(data_app, name="data")
-
-
-@data_app.command("fetch")
-def data_fetch(
-    tasks: Annotated[list[str], typer.Argument(help="tasks whose files to download (see `harness data check`)")],
-    to: Annotated[Path, typer.Option("--to", help="data folder (default $HARNESS_DATA_DIR, else ./data)")] = None,  # type: ignore[assignment]
-    force: Annotated[bool, typer.Option("--force", help="download again even when a valid copy is present")] = False,
-) -> None:
-    """Download TASK... from the Hugging Face hub (or the benchmark's release) into DIR/<task>/<file>, validated."""
-    from harness.data import run_fetch
-
-    raise typer.Exit(run_fetch(tasks, to, force, stdout, _fail))
-
-
-@data_app.command("check")
-def data_check(
-    folder: Annotated[Path, typer.Argument(help="data folder to validate")],
-    tasks: Annotated[list[str] | None, typer.Argument(help="only these tasks (then a missing one is an error)")] = None,
-) -> None:
-    """Validate a data folder (layout, rows via each task's loader, ids, row counts); list present and missing files."""
-    from harness.data import run_check
-
-    raise typer.Exit(run_check(folder, tasks or [], stdout, _fail))
-
 
 def main() -> None:
     app()

@@ -23,9 +23,14 @@ from collections.abc import Callable, Iterable, Mapping, Sized
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from harness.registry import TASKS
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from harness.registry import TASKS, RegistryError
 
 Status = Literal["ok", "missing", "invalid"]
 
@@ -134,10 +139,11 @@ def fetch_need(folder: Path, need: DataNeed, *, force: bool = False) -> CheckRes
         try:
             need.fetch(staging)
         except Exception as exc:  # noqa: BLE001 - network, hub and library failures end in one message
-            raise DataFetchError(f"{need.task} [{need.split}]: download from {need.source} failed: {type(exc).__name__}: {exc}") from exc
+            raise DataFetchError(f"download from {need.source} failed: {type(exc).__name__}: {exc}") from exc
         result = check_need(staging, need)
         if result.status != "ok":
-            raise DataFetchError(f"{need.task} [{need.split}]: the download from {need.source} is {result.status}: {result.detail}")
+            detail = result.detail.replace(str(staging), "<download>")  # the staged copy is removed; name the file in it
+            raise DataFetchError(f"the download from {need.source} is {result.status}: {detail}")
         placed = []
         for path in result.files:
             target = folder / path.relative_to(staging)
@@ -231,72 +237,107 @@ def default_folder() -> Path:
     return Path(os.environ.get(DATA_DIR_ENV) or "data").expanduser()
 
 
-def _known_tasks(tasks: Iterable[str], fail: Callable[[str, int], Exception]) -> list[str]:
-    """The named tasks, each registered and reading files; otherwise a usage error (exit 2) naming it."""
-    from harness.registry import RegistryError
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    """Print ``error: message`` on stderr and return the Exit to raise (2: bad input; 1: a failed download or check)."""
+    console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+    return typer.Exit(code)
 
+
+def _known_tasks(tasks: Iterable[str]) -> list[str]:
+    """The named tasks, each registered and reading files; otherwise a usage error (exit 2) naming it."""
     readers = all_needs()
     for name in tasks:
         try:
             TASKS.get(name)
         except RegistryError as exc:
-            raise fail(str(exc), 2) from None
+            raise _fail(str(exc)) from None
         if name not in readers:
-            raise fail(f"task {name!r} reads no data files (tasks that do: {', '.join(sorted(readers))})", 2)
+            raise _fail(f"task {name!r} reads no data files (tasks that do: {', '.join(sorted(readers))})")
     return list(dict.fromkeys(tasks))
 
 
-def _table(results: list[CheckResult], folder: Path):
-    """A rich table of check/fetch results: task, split, status, problems, files or what is wrong."""
-    from rich.markup import escape
-    from rich.table import Table
-
+def _table(results: list[CheckResult], folder: Path) -> Table:
+    """A table of check/fetch results: task, split, status, problems, files (what is wrong is printed below it)."""
     colour = {"ok": "green", "missing": "yellow", "invalid": "bold red"}
-    table = Table("task", "split", "status", "problems", "files / detail")
+    table = Table("task", "split", "status", "problems", "files")
     for r in results:
         files = ", ".join(str(p.relative_to(folder)) if p.is_relative_to(folder) else str(p) for p in r.files)
-        detail = "; ".join(x for x in (files, r.detail) if x)
+        note = r.detail if r.status == "missing" or (r.status == "ok" and r.detail) else ""
         rows = "" if r.rows is None else str(r.rows)
-        table.add_row(r.need.task, r.need.split, f"[{colour[r.status]}]{r.status}[/]", rows, escape(detail))
+        table.add_row(r.need.task, r.need.split, f"[{colour[r.status]}]{r.status}[/]", rows, escape("; ".join(x for x in (files, note) if x)))
     return table
 
 
-def run_check(folder: Path, tasks: list[str], console, fail: Callable[[str, int], Exception]) -> int:
-    """``harness data check``: exit 1 when a present split is invalid, or a task named on the command line is missing."""
+def _print_problems(results: list[CheckResult]) -> None:
+    """One unwrapped line per invalid split, so its file:line:field message stays whole."""
+    for r in results:
+        if r.status == "invalid":
+            out.print(f"invalid: {r.need.task} [{r.need.split}]: {r.detail}", markup=False, highlight=False, soft_wrap=True)
+
+
+data_app = typer.Typer(
+    help="Benchmark files: download them into the layout the tasks read, check a data folder.", no_args_is_help=True, add_completion=False
+)
+console = Console(stderr=True)
+out = Console() if sys.stdout.isatty() else Console(width=160)
+
+
+@data_app.command("check")
+def check(
+    folder: Annotated[Path, typer.Argument(help="data folder to validate")],
+    tasks: Annotated[list[str] | None, typer.Argument(help="only these tasks (then a missing one is an error)")] = None,
+) -> None:
+    """Validate a data folder (layout, rows via each task's loader, ids, row counts); list what is present and missing.
+
+    Exit 1 when a present split is invalid or a task named here is missing; missing tasks are only listed otherwise.
+    """
     if not folder.is_dir():
-        raise fail(f"data folder {folder} does not exist (create it with `harness data fetch TASK --to {folder}`)", 2)
-    named = _known_tasks(tasks, fail)
+        raise _fail(f"data folder {folder} does not exist (create it with `harness data fetch TASK --to {folder}`)")
+    named = _known_tasks(tasks or [])
     results = check_folder(folder, named or None)
-    console.print(_table(results, folder))
+    out.print(_table(results, folder))
+    _print_problems(results)
     unknown = unknown_entries(folder, results)
     if unknown:
-        console.print(f"not read by any task: {', '.join(unknown)}", highlight=False)
+        out.print(f"not read by any task: {', '.join(unknown)}", highlight=False, markup=False)
     counts = {s: sum(r.status == s for r in results) for s in ("ok", "missing", "invalid")}
-    console.print(f"{folder}: {counts['ok']} ok, {counts['missing']} missing, {counts['invalid']} invalid", highlight=False)
+    out.print(f"{folder}: {counts['ok']} ok, {counts['missing']} missing, {counts['invalid']} invalid", highlight=False, markup=False)
     if counts["missing"] and not named:
         missing = sorted({r.need.task for r in results if r.status == "missing"})
-        console.print(f"fetch the missing ones with: harness data fetch {' '.join(missing)} --to {folder}", highlight=False)
-    failed = counts["invalid"] or (named and counts["missing"])
-    return 1 if failed else 0
+        out.print(f"fetch the missing ones with: harness data fetch {' '.join(missing)} --to {folder}", highlight=False, markup=False, soft_wrap=True)
+    if counts["invalid"] or (named and counts["missing"]):
+        raise typer.Exit(1)
 
 
-def run_fetch(tasks: list[str], to: Path | None, force: bool, console, fail: Callable[[str, int], Exception]) -> int:
-    """``harness data fetch``: download each split of each task; exit 1 when any download fails or is invalid."""
+@data_app.command("fetch")
+def fetch(
+    tasks: Annotated[list[str], typer.Argument(help="tasks whose files to download (see `harness data check DIR`)")],
+    to: Annotated[Path | None, typer.Option("--to", help=f"data folder (default ${DATA_DIR_ENV}, else ./data)")] = None,
+    force: Annotated[bool, typer.Option("--force", help="download again even when a valid copy is present")] = False,
+) -> None:
+    """Download TASK... from the Hugging Face hub (evalplus: its release) into DIR/<task>/<file>, validated first.
+
+    Each split is downloaded into a staging folder, loaded with the task's own loader and counted, and only then
+    moved into place: a failed or invalid download writes nothing. Exit 1 when any download fails.
+    """
     folder = to if to is not None else default_folder()
     if folder.exists() and not folder.is_dir():
-        raise fail(f"--to {folder} is a file, not a folder", 2)
-    names = _known_tasks(tasks, fail)
+        raise _fail(f"--to {folder} is a file, not a folder")
     results: list[CheckResult] = []
-    failed = 0
-    for name in names:
+    for name in _known_tasks(tasks):
         for need in needs_of(name):
             console.print(f"{name} [{need.split}]: {need.source} -> {folder}/{', '.join(need.files)}", highlight=False, markup=False)
             try:
                 results.append(fetch_need(folder, need, force=force))
             except DataFetchError as exc:
-                failed += 1
                 results.append(CheckResult(need, "invalid", detail=str(exc)))
-    console.print(_table(results, folder))
+    out.print(_table(results, folder))
+    _print_problems(results)
+    failed = sum(r.status != "ok" for r in results)
     if failed:
-        console.print(f"{failed} download(s) failed; nothing of them was written to {folder}", highlight=False)
-    return 1 if failed else 0
+        out.print(f"{failed} download(s) failed; nothing of them was written to {folder}", highlight=False, markup=False)
+        raise typer.Exit(1)
+
+
+if __name__ == "__main__":  # `python -m harness.data ...` runs the same commands as `harness data ...`
+    data_app()
