@@ -106,7 +106,7 @@ FEW_SHOT: tuple[tuple[str, str], ...] = (
     ),
 )
 
-# DAPO-Math-17k's upstream instruction wrapper around each problem (stripped in the shared/data copy).
+# DAPO-Math-17k's upstream instruction wrapper around each problem (stripped in the MasterVito/SvS copy that dapo_math_17k.parquet is).
 _DAPO_PREFIX = "Solve the following math problem step by step."
 _DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 
