@@ -248,3 +248,12 @@ def test_data_tests_skip_with_the_reason_or_fail_when_data_is_required(tmp_path:
     assert "harness data fetch humaneval_plus mbpp_plus" in skipped.stdout
     failed = run_data_test(tmp_path, require=True)
     assert failed.returncode == 1 and "1 failed" in failed.stdout and "HARNESS_REQUIRE_DATA=1 but benchmark data missing" in failed.stdout
+
+
+def test_the_cli_has_the_data_commands() -> None:
+    from typer.testing import CliRunner
+
+    from harness.cli import app
+
+    result = CliRunner().invoke(app, ["data", "--help"])
+    assert result.exit_code == 0 and "fetch" in result.output and "check" in result.output
