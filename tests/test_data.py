@@ -49,8 +49,39 @@ def lcb_row(qid: str) -> dict:
             "public_test_cases": tests, "private_test_cases": tests, "metadata": "{}"}  # fmt: skip
 
 
+def parquet(rows: list[dict]) -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buf = io.BytesIO()
+    pq.write_table(pa.Table.from_pylist(rows), buf)
+    return buf.getvalue()
+
+
+GSM8K_CARD = b"""---
+configs:
+- config_name: main
+  data_files:
+  - split: train
+    path: main/train-*
+  - split: test
+    path: main/test-*
+---
+# gsm8k
+"""
+
+
+def gsm8k_rows(n: int) -> list[dict]:
+    return [{"question": f"Tom has {i} apples and gets one more. How many?", "answer": f"{i}+1=<<{i}+1={i + 1}>>{i + 1}\n#### {i + 1}"} for i in range(n)]
+
+
 def hub_repos(math500: list[dict]) -> dict[str, dict[str, bytes]]:
     return {
+        "openai/gsm8k": {  # a config ("main") declared in the dataset card, Parquet shards, two splits
+            "README.md": GSM8K_CARD,
+            "main/train-00000-of-00001.parquet": parquet(gsm8k_rows(7473)),
+            "main/test-00000-of-00001.parquet": parquet(gsm8k_rows(1319)),
+        },
         "HuggingFaceH4/MATH-500": {"README.md": b"# MATH-500\n", "test.jsonl": jsonl(math500)},
         "Maxwell-Jia/AIME_2024": {"aime_2024_problems.jsonl": jsonl(aime24_rows())},
         "livecodebench/code_generation_lite": {
@@ -87,22 +118,25 @@ def test_fetch_downloads_into_the_layout_the_tasks_read(tmp_path: Path) -> None:
     data = tmp_path / "data"
     with FakeHub(hub_repos(math500_rows(500))) as hub:
         cli = [sys.executable, "-m", "harness.cli", "data"]  # the user's command, once
-        result = harness_online(hub, tmp_path / "hf", "fetch", "math500", "aime24", "livecodebench", "--to", str(data), cli=cli)
+        result = harness_online(hub, tmp_path / "hf", "fetch", "math500", "aime24", "gsm8k", "livecodebench", "--to", str(data), cli=cli)
         requests = list(hub.requests)
     assert result.returncode == 0, result.stdout + result.stderr
     assert sorted(str(p.relative_to(data)) for p in data.rglob("*") if p.is_file()) == [
-        "aime24/test.jsonl", "livecodebench/test.jsonl", "livecodebench/test2.jsonl", "math500/test.jsonl",
+        "aime24/test.jsonl", "gsm8k/test.jsonl", "gsm8k/train.jsonl", "livecodebench/test.jsonl", "livecodebench/test2.jsonl",
+        "math500/test.jsonl",
     ]  # fmt: skip  (no staging folder, no loading script left behind)
     math500 = local_problems("math500", data)
     assert len(math500) == 500 and math500[3].id == "test/algebra/3.json" and math500[3].answer == "4"
     aime = local_problems("aime24", data)  # the hub's ID/Problem/Answer columns, rewritten in the local layout
     assert [(p.id, p.answer) for p in aime[:2]] == [("2024-I-1", "0"), ("2024-I-2", "1")]
     assert [p.id for p in local_problems("livecodebench", data)] == ["a1", "a2", "b1"]
+    gsm8k = local_problems("gsm8k", data, "train")
+    assert len(gsm8k) == 7473 and gsm8k[4].answer == "5" and len(local_problems("gsm8k", data, "test")) == 1319
     assert any(r.startswith("GET /datasets/HuggingFaceH4/MATH-500/resolve/") for r in requests)  # really over HTTP
     assert any(r.startswith("GET /datasets/livecodebench/code_generation_lite/resolve/") and "test2.jsonl" in r for r in requests)
-    check = harness_online(hub, tmp_path / "hf", "check", str(data), "math500", "aime24", "livecodebench")
+    check = harness_online(hub, tmp_path / "hf", "check", str(data), "math500", "aime24", "gsm8k", "livecodebench")
     assert check.returncode == 0, check.stdout + check.stderr
-    assert "3 ok, 0 missing, 0 invalid" in check.stdout
+    assert "5 ok, 0 missing, 0 invalid" in check.stdout
 
 
 @pytest.mark.slow
