@@ -32,11 +32,15 @@ from rich.table import Table
 
 from harness.registry import TASKS, RegistryError
 
-Status = Literal["ok", "missing", "invalid"]
+Status = Literal["ok", "missing", "invalid", "error"]  # error: the download itself failed (network, hub), not the data
 
 
 class DataFetchError(RuntimeError):
-    """A download failed or gave data the task's loader refuses; nothing was moved into the data folder."""
+    """A download failed (status ``error``) or gave data the task's loader refuses (``invalid``); nothing was moved in."""
+
+    def __init__(self, message: str, status: Status) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -139,11 +143,11 @@ def fetch_need(folder: Path, need: DataNeed, *, force: bool = False) -> CheckRes
         try:
             need.fetch(staging)
         except Exception as exc:  # noqa: BLE001 - network, hub and library failures end in one message
-            raise DataFetchError(f"download from {need.source} failed: {type(exc).__name__}: {exc}") from exc
+            raise DataFetchError(f"download from {need.source} failed: {type(exc).__name__}: {exc}", "error") from exc
         result = check_need(staging, need)
         if result.status != "ok":
             detail = result.detail.replace(str(staging), "<download>")  # the staged copy is removed; name the file in it
-            raise DataFetchError(f"the download from {need.source} is {result.status}: {detail}")
+            raise DataFetchError(f"the download from {need.source} is {result.status}: {detail}", "invalid")
         placed = []
         for path in result.files:
             target = folder / path.relative_to(staging)
@@ -258,7 +262,7 @@ def _known_tasks(tasks: Iterable[str]) -> list[str]:
 
 def _table(results: list[CheckResult], folder: Path) -> Table:
     """A table of check/fetch results: task, split, status, problems, files (what is wrong is printed below it)."""
-    colour = {"ok": "green", "missing": "yellow", "invalid": "bold red"}
+    colour = {"ok": "green", "missing": "yellow", "invalid": "bold red", "error": "bold red"}
     table = Table("task", "split", "status", "problems", "files")
     for r in results:
         files = ", ".join(str(p.relative_to(folder)) if p.is_relative_to(folder) else str(p) for p in r.files)
@@ -269,10 +273,10 @@ def _table(results: list[CheckResult], folder: Path) -> Table:
 
 
 def _print_problems(results: list[CheckResult]) -> None:
-    """One unwrapped line per invalid split, so its file:line:field message stays whole."""
+    """One unwrapped line per invalid or failed split, so its file:line:field message stays whole."""
     for r in results:
-        if r.status == "invalid":
-            out.print(f"invalid: {r.need.task} [{r.need.split}]: {r.detail}", markup=False, highlight=False, soft_wrap=True)
+        if r.status in ("invalid", "error"):
+            out.print(f"{r.status}: {r.need.task} [{r.need.split}]: {r.detail}", markup=False, highlight=False, soft_wrap=True)
 
 
 data_app = typer.Typer(
@@ -323,14 +327,18 @@ def fetch(
     folder = to if to is not None else default_folder()
     if folder.exists() and not folder.is_dir():
         raise _fail(f"--to {folder} is a file, not a folder")
+    names = _known_tasks(tasks)
+    created = not folder.exists()
     results: list[CheckResult] = []
-    for name in _known_tasks(tasks):
+    for name in names:
         for need in needs_of(name):
-            console.print(f"{name} [{need.split}]: {need.source} -> {folder}/{', '.join(need.files)}", highlight=False, markup=False)
+            console.print(f"{name} [{need.split}]: {need.source} -> {folder}/{', '.join(need.files)}", highlight=False, markup=False, soft_wrap=True)
             try:
                 results.append(fetch_need(folder, need, force=force))
             except DataFetchError as exc:
-                results.append(CheckResult(need, "invalid", detail=str(exc)))
+                results.append(CheckResult(need, exc.status, detail=str(exc)))
+    if created and folder.is_dir() and not any(folder.iterdir()):
+        folder.rmdir()  # nothing fetched: leave no empty folder behind
     out.print(_table(results, folder))
     _print_problems(results)
     failed = sum(r.status != "ok" for r in results)

@@ -152,8 +152,13 @@ def test_fetch_of_a_bad_copy_writes_nothing(tmp_path: Path) -> None:
     with FakeHub(hub_repos(bad)) as hub:
         invalid = harness_online(hub, tmp_path / "hf", "fetch", "math500", "--to", str(data))
     assert invalid.returncode == 1
-    assert "invalid: math500 [test]: " in invalid.stdout and "math500/test.jsonl:7: field 'answer': is null" in invalid.stdout
+    assert "invalid: math500 [test]: the download from" in invalid.stdout and "math500/test.jsonl:7: field 'answer': is null" in invalid.stdout
     assert list(data.rglob("*")) == [data / "math500"]  # no file, no staging folder
+    with FakeHub({}) as hub:  # the hub does not have it (and datasets has no cached copy): an error, and no folder is made
+        unreachable = harness_online(hub, tmp_path / "hf-empty", "fetch", "math500", "--to", str(tmp_path / "new"))  # no cache
+
+    assert unreachable.returncode == 1 and "error: math500 [test]: download from hf:HuggingFaceH4/MATH-500[test] failed" in unreachable.stdout
+    assert not (tmp_path / "new").exists()
 
 
 def test_unknown_task_or_one_without_files_is_a_usage_error(tmp_path: Path) -> None:
