@@ -156,7 +156,6 @@ def test_fetch_of_a_bad_copy_writes_nothing(tmp_path: Path) -> None:
     assert list(data.rglob("*")) == [data / "math500"]  # no file, no staging folder
     with FakeHub({}) as hub:  # the hub does not have it (and datasets has no cached copy): an error, and no folder is made
         unreachable = harness_online(hub, tmp_path / "hf-empty", "fetch", "math500", "--to", str(tmp_path / "new"))  # no cache
-
     assert unreachable.returncode == 1 and "error: math500 [test]: download from hf:HuggingFaceH4/MATH-500[test] failed" in unreachable.stdout
     assert not (tmp_path / "new").exists()
 
