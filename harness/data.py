@@ -203,7 +203,10 @@ def download_hub_files(repo_id: str, pattern: str, dest: Path, *, revision: str 
 
 def hub_dataset_rows(dataset: str, config: str | None, split: str) -> Iterable[dict]:
     """Rows of a hub dataset split through ``datasets.load_dataset`` (progress bars on a terminal)."""
-    import datasets
+    try:
+        import datasets
+    except ImportError as exc:
+        raise ImportError(f"{exc}: reading a hub dataset needs `datasets` (pip install 'opd-harness[lmeval]')") from None
 
     (datasets.enable_progress_bars if show_progress() else datasets.disable_progress_bars)()
     return datasets.load_dataset(dataset, config, split=split)

@@ -295,3 +295,10 @@ def test_the_cli_has_the_data_commands() -> None:
 
     result = CliRunner().invoke(app, ["data", "--help"])
     assert result.exit_code == 0 and "fetch" in result.output and "check" in result.output
+
+
+def test_a_hub_fetch_without_datasets_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+    with pytest.raises(DataFetchError, match=r"download from hf:HuggingFaceH4/MATH-500\[test\] failed: ImportError: .*opd-harness\[lmeval\]") as info:
+        fetch_need(tmp_path, needs_of("math500")[0])
+    assert info.value.status == "error" and list(tmp_path.iterdir()) == []
