@@ -119,7 +119,7 @@ def check_folder(folder: Path, tasks: Iterable[str] | None = None) -> list[Check
 
 def unknown_entries(folder: Path, results: Iterable[CheckResult]) -> list[str]:
     """Top-level folders and files of ``folder`` that no task declares (e.g. data of another tool)."""
-    known = {pattern.split("/")[0] for name, needs in all_needs().items() for need in needs for pattern in need.files}
+    known = {pattern.split("/")[0] for needs in all_needs().values() for need in needs for pattern in need.files}
     known |= {r.need.task for r in results}
     return sorted(p.name for p in folder.iterdir() if p.name not in known and not p.name.startswith(".") and not _is_doc(p))
 
