@@ -364,6 +364,10 @@ def sandbox_cleanup(
     stdout.print(f"removed {n} sandbox container(s)")
 
 
+from harness.data import data_app  # noqa: E402 - the `data` sub-app (harness data fetch / check) lives beside its code
+
+app.add_typer(data_app, name="data")
+
 def main() -> None:
     app()
 

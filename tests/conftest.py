@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,6 +92,45 @@ def local_sb():
 def sb(request):
     """Each test once per provider (Docker ones marked `docker`)."""
     return request.getfixturevalue(f"{request.param}_sb")
+
+
+REQUIRE_DATA = os.environ.get("HARNESS_REQUIRE_DATA") == "1"  # CI sets it: tests fail when benchmark files are missing
+DEFAULT_DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"  # a checkout beside the project's data folder
+
+
+def benchmark_data_dir() -> Path:
+    """Where tests read benchmark files: ``$HARNESS_DATA_DIR``, else ``../shared/data`` beside the repository."""
+    return Path(os.environ.get("HARNESS_DATA_DIR") or DEFAULT_DATA_DIR).expanduser()
+
+
+def data_unavailable(reason: str):
+    """Skip with the reason, or fail loudly where benchmark data is required (CI)."""
+    if REQUIRE_DATA:
+        pytest.fail(f"HARNESS_REQUIRE_DATA=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def benchmark_data() -> Callable[..., Path]:
+    """``benchmark_data("math500/test.jsonl", ...)``: the data folder once every named file is in it.
+
+    A missing file skips the test with the path and the command that fetches it (fails under
+    ``HARNESS_REQUIRE_DATA=1``). The folder is read once per session, so tests that set
+    ``HARNESS_DATA_DIR`` for the code under test do not move it.
+    """
+    folder = benchmark_data_dir()
+
+    def need(*files: str) -> Path:
+        missing = [name for name in files if not (folder / name).is_file()]
+        if missing:
+            tasks = " ".join(sorted({name.split("/")[0] for name in missing}))
+            data_unavailable(
+                f"benchmark data missing: {', '.join(str(folder / m) for m in missing)} "
+                f"(set HARNESS_DATA_DIR, or `harness data fetch {tasks} --to {folder}`)"
+            )
+        return folder
+
+    return need
 
 
 def sandbox_request(sb, code: str, **kw):

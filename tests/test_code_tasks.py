@@ -1,4 +1,4 @@
-"""Code tasks: HumanEval+ / MBPP+ (real files from ../shared/data) and LiveCodeBench (project-written problems).
+"""Code tasks: HumanEval+ / MBPP+ (real files from the `benchmark_data` folder) and LiveCodeBench (project-written problems).
 
 Docker tests are marked ``docker``; without a daemon or image they skip, unless ``HARNESS_REQUIRE_DOCKER=1``
 where they fail (same rule as tests/test_sandbox.py).
@@ -11,7 +11,6 @@ import json
 import os
 import pickle
 import zlib
-from pathlib import Path
 
 import pytest
 
@@ -21,18 +20,14 @@ from tasks.code.common import last_fenced_block
 from tasks.code.evalplus import HumanEvalPlusTask, MbppPlusTask
 from tasks.code.livecodebench import LiveCodeBenchTask, decode_pickled_str, decode_private_tests
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+HE_FILE = f"humaneval_plus/{HumanEvalPlusTask.file_name}"
+MBPP_FILE = f"mbpp_plus/{MbppPlusTask.file_name}"
 from conftest import SANDBOX_IMAGE as IMAGE  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def _cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("HARNESS_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "code-cache"))
-
-
-def _needs_data():
-    if not (DATA / "humaneval_plus").is_dir():
-        pytest.fail(f"benchmark data missing at {DATA} (tests read ../shared/data, see its MANIFEST.md)")
 
 
 def fenced(code: str) -> str:
@@ -42,10 +37,10 @@ def fenced(code: str) -> str:
 # ---------------------------------------------------------------- loading (no Docker)
 
 
-def test_load_real_files():
-    _needs_data()
-    he = HumanEvalPlusTask().load(data_dir=DATA)
-    mb = MbppPlusTask().load(data_dir=DATA)
+def test_load_real_files(benchmark_data):
+    data = benchmark_data(HE_FILE, MBPP_FILE)
+    he = HumanEvalPlusTask().load(data_dir=data)
+    mb = MbppPlusTask().load(data_dir=data)
     assert len(he) == 164 and len({p.id for p in he}) == 164
     assert len(mb) == 378 and len({p.id for p in mb}) == 378
     assert he[0].id == "HumanEval/0" and he[0].meta["entry_point"] == "has_close_elements"
@@ -62,23 +57,23 @@ def test_bad_row_names_file_line_field(tmp_path):
         HumanEvalPlusTask().load(data_dir=tmp_path)
 
 
-def test_extraction_and_unparsable_is_fail_without_sandbox():
+def test_extraction_and_unparsable_is_fail_without_sandbox(benchmark_data):
     assert last_fenced_block("a\n```python\nx = 1\n```\nb\n```\ny = 2\n```") == "y = 2"
     assert last_fenced_block("no fence") is None
-    _needs_data()
+    data = benchmark_data(HE_FILE)
     task = HumanEvalPlusTask(sandbox=object())  # never touched: parsing happens on the host, nothing runs
-    p = task.load(data_dir=DATA)[0]
+    p = task.load(data_dir=data)[0]
     s = task.grade_many([p], [fenced("def has_close_elements(:\n  pass")])[0]
     assert s.status == "fail" and "unparsable" in json.loads(s.details)["reason"]
     # a body-only completion (base model) is appended to the prompt
     assert task.extract_code(p, "    return True\n").startswith(p.meta["prompt"])
 
 
-def test_sandbox_failure_is_error():
-    _needs_data()
+def test_sandbox_failure_is_error(benchmark_data):
+    data = benchmark_data(HE_FILE)
     with sandbox.open_sandbox("docker", image=IMAGE, base_url="unix:///nonexistent/docker.sock", retries=0) as sb:
         task = HumanEvalPlusTask(sandbox=sb)
-        p = task.load(data_dir=DATA)[0]
+        p = task.load(data_dir=data)[0]
         s = task.grade_many([p], [fenced(p.solution)])[0]
     assert s.status == "error"
 
@@ -130,10 +125,10 @@ def _sample(problems, ids):
 
 
 @pytest.mark.docker
-def test_humaneval_canonical_pass_wrong_fail_hang_timeout(docker_sb):
-    _needs_data()
+def test_humaneval_canonical_pass_wrong_fail_hang_timeout(docker_sb, benchmark_data):
+    data = benchmark_data(HE_FILE)
     task = HumanEvalPlusTask(HumanEvalPlusTask.Options(min_time_limit=1.0), sandbox=docker_sb)
-    ps = _sample(task.load(data_dir=DATA), ["HumanEval/0", "HumanEval/2", "HumanEval/32", "HumanEval/53", "HumanEval/150"])
+    ps = _sample(task.load(data_dir=data), ["HumanEval/0", "HumanEval/2", "HumanEval/32", "HumanEval/53", "HumanEval/150"])
     canon = [fenced(p.solution) for p in ps]
     body_only = [p.solution[len(p.meta["prompt"]):] for p in ps]  # completion-style (prompt + body)
     wrong = [fenced(f"def {p.meta['entry_point']}(*args):\n    return None") for p in ps[:2]]
@@ -147,11 +142,11 @@ def test_humaneval_canonical_pass_wrong_fail_hang_timeout(docker_sb):
 
 
 @pytest.mark.docker
-def test_mbpp_canonical_pass_and_wrong_fail(docker_sb):
-    _needs_data()
+def test_mbpp_canonical_pass_and_wrong_fail(docker_sb, benchmark_data):
+    data = benchmark_data(MBPP_FILE)
     task = MbppPlusTask(sandbox=docker_sb)
     ids = ["Mbpp/2", "Mbpp/124", "Mbpp/581", "Mbpp/793", "Mbpp/3"]
-    ps = _sample(task.load(data_dir=DATA), ids)
+    ps = _sample(task.load(data_dir=data), ids)
     scores = task.grade_many(ps, [fenced(p.solution) for p in ps])
     assert [s.status for s in scores] == ["pass"] * 5, [s.details for s in scores]
     # base passes but plus fails: is_not_prime wrong for large inputs -> base pass, plus fail
@@ -161,17 +156,17 @@ def test_mbpp_canonical_pass_and_wrong_fail(docker_sb):
     d = json.loads(s.details)
     assert s.status == "fail" and d["plus"] == "fail"
     base_task = MbppPlusTask(MbppPlusTask.Options(grade="base"), sandbox=docker_sb)
-    base_task.load(data_dir=DATA)
+    base_task.load(data_dir=data)
     assert base_task.grade_many([p], [cheat])[0].status == ("pass" if d["base"] == "pass" else "fail")
 
 
 @pytest.mark.docker
 @pytest.mark.slow
-def test_more_canonical_solutions(docker_sb):
-    _needs_data()
+def test_more_canonical_solutions(docker_sb, benchmark_data):
+    data = benchmark_data(HE_FILE, MBPP_FILE)
     for cls, step in ((HumanEvalPlusTask, 8), (MbppPlusTask, 19)):
         task = cls(sandbox=docker_sb)
-        ps = task.load(data_dir=DATA)[::step]
+        ps = task.load(data_dir=data)[::step]
         scores = task.grade_many(ps, [fenced(p.solution) for p in ps])
         bad = [(p.id, s.details) for p, s in zip(ps, scores) if s.status != "pass"]
         assert not bad, bad

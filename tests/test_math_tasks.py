@@ -1,4 +1,4 @@
-"""Math benchmark tasks: loading real files from ../shared/data, row validation, hub fallback, gold self-check."""
+"""Math benchmark tasks: loading real files (the `benchmark_data` folder), row validation, hub fallback, gold self-check."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import types
 from decimal import Decimal
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
@@ -25,9 +25,7 @@ from tasks.math.benchmarks import (
 )
 from tasks.math_grading import MathGrader, extract_boxed
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-
-# task -> (split, rows) as listed in ../shared/data/MANIFEST.md
+# task -> (split, rows) of the files `harness data check` accepts (the copies in MANIFEST.md of the data folder)
 EXPECTED_ROWS = {
     "math500": ("test", 500),
     "aime24": ("test", 30),
@@ -64,13 +62,23 @@ def needs_data(name: str) -> None:
 _LOADED: dict[str, list[Problem]] = {}
 
 
-def load_real(name: str) -> list[Problem]:
-    """Problems of a shared/data file, loaded once per test session."""
-    if name not in _LOADED:
+def real_file(name: str) -> str:
+    """The file of ``name``'s split in EXPECTED_ROWS, relative to the data folder."""
+    return f"{name}/{TASKS.get(name).files[EXPECTED_ROWS[name][0]]}"
+
+
+@pytest.fixture
+def load_real(benchmark_data) -> Callable[[str], list[Problem]]:
+    """``load_real(name)``: the problems of a real benchmark file, loaded once per test session (skips without it)."""
+
+    def load(name: str) -> list[Problem]:
         needs_data(name)
-        split, _ = EXPECTED_ROWS[name]
-        _LOADED[name] = task_for(name, source="local").load(split, data_dir=DATA)
-    return _LOADED[name]
+        data = benchmark_data(real_file(name))
+        if name not in _LOADED:
+            _LOADED[name] = task_for(name, source="local").load(EXPECTED_ROWS[name][0], data_dir=data)
+        return _LOADED[name]
+
+    return load
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -84,15 +92,15 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_ROWS))
-def test_real_file_loads_expected_rows_with_unique_ids(name: str) -> None:
+def test_real_file_loads_expected_rows_with_unique_ids(name: str, load_real, benchmark_data) -> None:
     problems = load_real(name)
     assert len(problems) == EXPECTED_ROWS[name][1]
     assert len({p.id for p in problems}) == len(problems)
     assert all(p.answer and p.question.endswith("\n" + BOXED_INSTRUCTION) for p in problems)
-    assert all(p.meta["source"] == str(DATA / name / task_for(name).files[EXPECTED_ROWS[name][0]]) for p in problems[:3])
+    assert all(p.meta["source"] == str(benchmark_data(real_file(name)) / real_file(name)) for p in problems[:3])
 
 
-def test_real_file_ids_and_golds() -> None:
+def test_real_file_ids_and_golds(load_real) -> None:
     by_id = {name: {p.id: p for p in load_real(name)} for name in ("math500", "aime24", "amc23", "olympiadbench", "minerva")}
     assert by_id["math500"]["test/precalculus/807.json"].answer == "\\left( 3, \\frac{\\pi}{2} \\right)"
     assert by_id["aime24"]["60"].answer == "204"
@@ -106,7 +114,7 @@ def test_real_file_ids_and_golds() -> None:
     assert by_id["math500"]["test/precalculus/807.json"].meta["subject"] == "Precalculus"
 
 
-def test_dapo_math_is_a_training_source() -> None:
+def test_dapo_math_is_a_training_source(load_real) -> None:
     problems = load_real("dapo_math")
     task = task_for("dapo_math")
     assert task.splits == ("train",) and task.provides_reward
@@ -124,7 +132,7 @@ def test_default_k_and_generation_length() -> None:
     assert TASKS.get("math500").describe()["defaults"]["source"] == "auto"
 
 
-# --------------------------------------------------------------------------- layouts not in shared/data
+# --------------------------------------------------------------------------- layouts of other copies
 
 
 def test_aime25_layout(tmp_path: Path) -> None:
@@ -306,9 +314,9 @@ def test_hub_rows_are_validated_too(fake_hub: dict) -> None:
         task_for("math500", source="hub").load("test")
 
 
-def test_unknown_split_is_refused() -> None:
+def test_unknown_split_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="splits"):
-        task_for("math500").load("train", data_dir=DATA)
+        task_for("math500").load("train", data_dir=tmp_path)
 
 
 # --------------------------------------------------------------------------- prompt
@@ -326,7 +334,7 @@ def test_instruction_and_few_shot_options(tmp_path: Path) -> None:
         MathOptions(few_shot=len(FEW_SHOT) + 1)
 
 
-def test_format_prompt_uses_the_chat_template_when_there_is_one() -> None:
+def test_format_prompt_uses_the_chat_template_when_there_is_one(load_real) -> None:
     class Tok:
         chat_template = "x"
 
@@ -342,7 +350,7 @@ def test_format_prompt_uses_the_chat_template_when_there_is_one() -> None:
 # --------------------------------------------------------------------------- grading
 
 
-def test_grade_many_and_grader_identity() -> None:
+def test_grade_many_and_grader_identity(load_real) -> None:
     task = task_for("aime24")
     problems = load_real("aime24")[:3]
     zero_padded = next(p for p in load_real("aime24") if p.answer == "025")
@@ -380,7 +388,7 @@ def wrong_answer(gold: str) -> str:
     return "\\text{wrong}"
 
 
-def test_clean_gold_repairs_the_known_quirks(grader: MathGrader) -> None:
+def test_clean_gold_repairs_the_known_quirks(grader: MathGrader, load_real) -> None:
     """Each repaired gold self-verifies; its raw form does not, which is why clean_gold exists."""
     problems = {(name, p.id): p for name, _ in REPAIRED for p in load_real(name)}
     repaired = [problems[key] for key in REPAIRED]
@@ -392,8 +400,8 @@ def test_clean_gold_repairs_the_known_quirks(grader: MathGrader) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(EXPECTED_ROWS))
-def test_every_gold_grades_against_itself_and_a_wrong_answer_fails(name: str, grader: MathGrader) -> None:
-    """``\\boxed{gold}`` passes and a wrong answer fails, for every problem of every shared/data math file.
+def test_every_gold_grades_against_itself_and_a_wrong_answer_fails(name: str, grader: MathGrader, load_real) -> None:
+    """``\\boxed{gold}`` passes and a wrong answer fails, for every problem of every real math file.
 
     A grade depends only on (completion, gold), so each distinct gold is graded once for all the
     problems that share it (DAPO's 17,917 rows have 2,251 distinct golds).

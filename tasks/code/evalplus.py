@@ -39,6 +39,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
+from harness.data import DataNeed, download_url
 from harness.registry import TASKS
 from tasks.base import DataError, Problem, Score, read_jsonl
 from tasks.base import DataNotFound as TaskDataNotFound
@@ -97,6 +98,9 @@ class EvalPlusTask(SandboxedTask):
     provides_references = True  # prompt + canonical_solution of every row
     dataset: ClassVar[str]  # "humaneval" | "mbpp"
     file_name: ClassVar[str]
+    release_url: ClassVar[str]  # the release asset evalplus itself downloads
+    content_sha256: ClassVar[str]  # SHA-256 of the gunzipped asset (gzip headers differ between copies)
+    expected_rows: ClassVar[int]
 
     def __init__(self, options=None, sandbox=None) -> None:
         super().__init__(options, sandbox)
@@ -110,6 +114,25 @@ class EvalPlusTask(SandboxedTask):
         return ("evalplus-sandbox", "1")
 
     # ---- data
+
+    @classmethod
+    def data_needs(cls) -> tuple[DataNeed, ...]:
+        """The release asset at ``<task>/<file_name>`` (the hub copies lack base/plus inputs, so it comes from GitHub)."""
+        need = DataNeed(
+            task=cls.name,
+            split="test",
+            files=(f"{cls.name}/{cls.file_name}",),
+            source=cls.release_url,
+            fetch=cls.fetch_release,
+            load=lambda folder: cls(cls.Options(source="local")).load(data_dir=folder),
+            rows=(cls.expected_rows,),
+        )
+        return (need,)
+
+    @classmethod
+    def fetch_release(cls, folder: Path) -> None:
+        """Download the release asset into ``folder/<task>/<file_name>``, checking its content hash."""
+        download_url(cls.release_url, folder / cls.name / cls.file_name, gunzipped_sha256=cls.content_sha256)
 
     def data_path(self, data_dir: Path | str | None = None) -> Path:
         for value in (data_dir, self.options.data_dir, os.environ.get(DATA_DIR_ENV)):
@@ -300,6 +323,9 @@ class HumanEvalPlusTask(EvalPlusTask):
     description = "HumanEval+ (evalplus v0.1.10, 164 problems, base + plus tests) graded in the sandbox"
     dataset = "humaneval"
     file_name = "HumanEvalPlus-v0.1.10.jsonl.gz"
+    release_url = "https://github.com/evalplus/humanevalplus_release/releases/download/v0.1.10/HumanEvalPlus.jsonl.gz"
+    content_sha256 = "42526ec0e7d5f3ee0b06d6ced98f8c8bae3d76519151bfb3d36f79010645bd7f"
+    expected_rows = 164
 
 
 @TASKS.register("mbpp_plus")
@@ -308,3 +334,6 @@ class MbppPlusTask(EvalPlusTask):
     description = "MBPP+ (evalplus v0.2.0, 378 problems, base + plus tests) graded in the sandbox"
     dataset = "mbpp"
     file_name = "MbppPlus-v0.2.0.jsonl.gz"
+    release_url = "https://github.com/evalplus/mbppplus_release/releases/download/v0.2.0/MbppPlus.jsonl.gz"
+    content_sha256 = "b54e762755248ca411b523c917fa9f93c07b5ff2966bf60b3917b853926a3dad"
+    expected_rows = 378

@@ -39,6 +39,7 @@ from typing import Any
 
 from pydantic import Field
 
+from harness.data import DataNeed, download_hub_files
 from harness.registry import TASKS
 from tasks.base import DataError, DataNotFound, Problem, Score, read_jsonl
 from tasks.code import checker
@@ -163,6 +164,19 @@ class LiveCodeBenchTask(SandboxedTask):
         return ("lcb-sandbox", "1")
 
     # ---- data
+
+    @classmethod
+    def data_needs(cls) -> tuple[DataNeed, ...]:
+        """Upstream's release files ``test.jsonl``, ``test2.jsonl`` .. (release_v5: 880 problems), copied from the hub."""
+        need = DataNeed(
+            task=cls.name,
+            split="test",
+            files=(f"{cls.name}/test*.jsonl",),
+            source=f"hf:{HUB_ID} (test*.jsonl)",
+            fetch=lambda folder: download_hub_files(HUB_ID, "test*.jsonl", folder / cls.name),
+            load=lambda folder: cls(cls.Options(source="local")).load(data_dir=folder),
+        )
+        return (need,)
 
     def _folder(self, data_dir) -> Path | None:
         for value in (data_dir, self.options.data_dir, os.environ.get(DATA_DIR_ENV)):

@@ -1,7 +1,9 @@
 r"""Real math benchmarks, declared as data: where the rows live, which field holds what, how the gold is read.
 
-Every task reads the same file layout as ``../shared/data`` (``DIR/<task name>/<file>``) and falls back to
-the Hugging Face hub when no local file exists. Rows are validated one by one: a bad row raises
+Every task reads one file layout (``DIR/<task name>/<file>``, what ``harness data fetch`` writes) and falls
+back to the Hugging Face hub when no local file exists. ``harness data fetch`` rewrites hub rows in the local
+layout (``hub_to_local``: AIME24, AMC23 and Minerva's hub copies use other field names; Minerva's has no
+worked solution, so its gold is stored as ``\boxed{answer}``). Rows are validated one by one: a bad row raises
 :class:`tasks.base.DataError` naming the file, the 1-based line (row number for Parquet and hub rows) and
 the field. Duplicate ids are an error. Grading is math-verify (:mod:`tasks.math_grading`) on the last
 ``\boxed{}`` of a completion against the gold below.
@@ -40,7 +42,7 @@ golds such as ``\$18.90``, which math-verify cannot parse as a gold; OlympiadBen
 answers like ``$69$,$84$`` and one broken ``$221,$8$``; Minerva ``idx`` 72 has a stray ``$ $`` inside its
 box), whitespace is collapsed and a trailing period dropped. The original is kept in
 ``Problem.meta["raw_answer"]`` when it changed. With that, ``\boxed{<gold>}`` grades "pass" for every
-row of every file in ``../shared/data`` (tests/test_math_tasks.py).
+row of every file of the project's data folder (tests/test_math_tasks.py).
 
 Default k (samples per problem for Avg@k) follows the AP-OPD paper: MATH500, Minerva and OlympiadBench 4;
 AMC23 and AIME 16; GSM8K and DAPO-Math 1. Default ``max_new_tokens`` is 4096 (enough for a non-thinking
@@ -55,17 +57,20 @@ and the new problem last, followed by ``Solution:``.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field as OptionField
 
+from harness.data import DataNeed, hub_dataset_rows, write_rows
 from harness.registry import TASKS
 from tasks.base import DataError, Problem, Task, TaskOptions, read_jsonl
 from tasks.base import DataNotFound as TaskDataNotFound
@@ -102,7 +107,7 @@ FEW_SHOT: tuple[tuple[str, str], ...] = (
     ),
 )
 
-# DAPO-Math-17k's upstream instruction wrapper around each problem (stripped in the shared/data copy).
+# DAPO-Math-17k's upstream instruction wrapper around each problem (stripped in the MasterVito/SvS copy that dapo_math_17k.parquet is).
 _DAPO_PREFIX = "Solve the following math problem step by step."
 _DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 
@@ -294,6 +299,41 @@ def read_hub(source: HubSource) -> Iterator[tuple[int, Any]]:
         yield row_no, row
 
 
+# --------------------------------------------------------------------------- hub rows in the local layout (harness data fetch)
+# Each takes the hub rows of a split and yields them in the layout of the local file, so that a fetched folder
+# loads like any local copy. Tasks whose hub copy already has the local layout write the rows as they come.
+
+
+def aime24_hub_to_local(rows: Iterable[Mapping[str, Any]]) -> Iterator[dict]:
+    """Maxwell-Jia/AIME_2024 (``ID``, ``Problem``, ``Solution``, ``Answer``) as the local ``id/problem/solution/answer``."""
+    for row in rows:
+        yield {"id": row.get("ID"), "problem": row.get("Problem"), "solution": row.get("Solution"), "answer": row.get("Answer")}
+
+
+def amc23_hub_to_local(rows: Iterable[Mapping[str, Any]]) -> Iterator[dict]:
+    """math-ai/amc23 (``question``, ``answer``, maybe ``id``/``url``) as the local layout; no id: the row index."""
+    for index, row in enumerate(rows):
+        ident = row.get("id")
+        local = {"id": index if ident is None else ident, "problem": row.get("question"), "answer": row.get("answer")}
+        yield local | ({"url": row["url"]} if row.get("url") else {})
+
+
+def minerva_hub_to_local(rows: Iterable[Mapping[str, Any]]) -> Iterator[dict]:
+    """math-ai/minervamath (``question``, ``answer``) as the local layout: ``idx`` = row index, gold boxed in ``solution``."""
+    for index, row in enumerate(rows):
+        yield {"idx": index, "problem": row.get("question"), "solution": f"\\boxed{{{row.get('answer')}}}"}
+
+
+def without_exact_repeats(rows: Iterable[Mapping[str, Any]]) -> Iterator[Mapping[str, Any]]:
+    """Rows minus exact repeats (DAPO-Math-17k's parquet repeats each row about 100 times)."""
+    seen: set[str] = set()
+    for row in rows:
+        key = json.dumps(row, sort_keys=True, default=str)
+        if key not in seen:
+            seen.add(key)
+            yield row
+
+
 _MISSING = object()
 
 
@@ -351,6 +391,38 @@ class MathTask(MathVerifyGraded, Task):
     local_layout: ClassVar[Layout]
     hub: ClassVar[Mapping[str, HubSource]]  # split -> hub source
     collapse_identical: ClassVar[bool] = False  # skip exact repeats of (id, question, answer)
+    expected_rows: ClassVar[Mapping[str, tuple[int, ...]]] = {}  # split -> problem counts of the known good copies
+    hub_to_local: ClassVar[Callable[[Iterable[Mapping[str, Any]]], Iterable[Mapping[str, Any]]] | None] = None  # None: same layout
+
+    # ---- data on disk (harness data fetch / check)
+
+    @classmethod
+    def data_needs(cls) -> tuple[DataNeed, ...]:
+        """One need per split: the local file, fetched from the hub source and rewritten in the local layout."""
+        return tuple(
+            DataNeed(
+                task=cls.name,
+                split=split,
+                files=(f"{cls.name}/{cls.files[split]}",),
+                source=cls.hub[split].where(),
+                fetch=partial(cls.fetch_split, split),
+                load=partial(cls.load_local, split),
+                rows=cls.expected_rows.get(split, ()),
+            )
+            for split in cls.splits
+        )
+
+    @classmethod
+    def fetch_split(cls, split: str, folder: Path) -> None:
+        """Download ``split`` from its hub source into ``folder/<name>/<file>``, in the local file's layout."""
+        hub = cls.hub[split]
+        rows: Iterable[Mapping[str, Any]] = hub_dataset_rows(hub.dataset, hub.config, hub.split)
+        write_rows(folder / cls.name / cls.files[split], cls.hub_to_local(rows) if cls.hub_to_local else rows)
+
+    @classmethod
+    def load_local(cls, split: str, folder: Path) -> list[Problem]:
+        """The problems of ``split`` read from the local file under ``folder`` only (never the hub)."""
+        return cls(cls.Options(source="local")).load(split, data_dir=folder)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Declare ``provides_references`` from the layouts, for the default source (``auto``: local or hub)."""
@@ -500,6 +572,7 @@ class Math500Task(MathTask):
         question=Field("problem"), answer=Field("answer"), id=Field("unique_id"), solution=Field("solution"), meta=("subject", "level")
     )
     hub = {"test": HubSource("HuggingFaceH4/MATH-500", "test", local_layout)}
+    expected_rows = {"test": (500,)}
 
 
 @TASKS.register("aime24")
@@ -524,6 +597,8 @@ class Aime24Task(MathTask):
             ),
         )
     }
+    expected_rows = {"test": (30,)}
+    hub_to_local = staticmethod(aime24_hub_to_local)
 
 
 @TASKS.register("aime25")
@@ -534,6 +609,7 @@ class Aime25Task(MathTask):
     files = {"test": "test.jsonl"}
     local_layout = _PROBLEM_ANSWER
     hub = {"test": HubSource("math-ai/aime25", "test", _PROBLEM_ANSWER)}
+    expected_rows = {"test": (30,)}
 
 
 @TASKS.register("amc23")
@@ -550,6 +626,8 @@ class Amc23Task(MathTask):
             Layout(question=Field("question"), answer=Field("answer", whole_number), id=Field("id", identifier, required=False)),
         )
     }
+    expected_rows = {"test": (40,)}
+    hub_to_local = staticmethod(amc23_hub_to_local)
 
 
 _OLYMPIAD_LAYOUT = Layout(
@@ -569,6 +647,7 @@ class OlympiadBenchTask(MathTask):
     files = {"test": "test.jsonl"}
     local_layout = _OLYMPIAD_LAYOUT
     hub = {"test": HubSource("Hothan/OlympiadBench", "train", _OLYMPIAD_LAYOUT, config="OE_TO_maths_en_COMP")}
+    expected_rows = {"test": (675, 674)}  # the Qwen2.5-Math copy; the hub's
 
 
 @TASKS.register("minerva")
@@ -584,6 +663,8 @@ class MinervaTask(MathTask):
         meta=("type",),
     )
     hub = {"test": HubSource("math-ai/minervamath", "test", Layout(question=Field("question"), answer=Field("answer")))}
+    expected_rows = {"test": (272,)}
+    hub_to_local = staticmethod(minerva_hub_to_local)
 
 
 _GSM8K_LAYOUT = Layout(question=Field("question"), answer=Field("answer", gsm8k_answer), solution=Field("answer", gsm8k_solution))
@@ -598,6 +679,7 @@ class Gsm8kTask(MathTask):
     files = {"train": "train.jsonl", "test": "test.jsonl"}
     local_layout = _GSM8K_LAYOUT
     hub = {split: HubSource("openai/gsm8k", split, _GSM8K_LAYOUT, config="main") for split in ("train", "test")}
+    expected_rows = {"train": (7473,), "test": (1319,)}
 
 
 _DAPO_LAYOUT = Layout(
@@ -618,3 +700,5 @@ class DapoMathTask(MathTask):
     local_layout = _DAPO_LAYOUT
     hub = {"train": HubSource("BytedTsinghua-SIA/DAPO-Math-17k", "train", _DAPO_LAYOUT)}
     collapse_identical = True  # the upstream parquet repeats every row about 100 times
+    expected_rows = {"train": (17917,)}
+    hub_to_local = staticmethod(without_exact_repeats)

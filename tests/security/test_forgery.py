@@ -22,7 +22,6 @@ from tasks.code import sandbox_runner as rt
 from tasks.code.evalplus import HumanEvalPlusTask
 from tasks.code.livecodebench import LiveCodeBenchTask
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 # Runs at import of every attempt: defines forge(), which sprays fake records wherever it can write.
 FORGE = r'''
@@ -150,16 +149,15 @@ def _cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("HARNESS_CACHE_DIR", str(tmp_path_factory.getbasetemp() / "forgery-cache"))
 
 
-def _he_task(sb) -> tuple[HumanEvalPlusTask, object]:
-    if not (DATA / "humaneval_plus").is_dir():
-        pytest.fail(f"benchmark data missing at {DATA} (see ../shared/data/MANIFEST.md)")
+def _he_task(sb, benchmark_data) -> tuple[HumanEvalPlusTask, object]:
+    data = benchmark_data(f"humaneval_plus/{HumanEvalPlusTask.file_name}")
     task = HumanEvalPlusTask(HumanEvalPlusTask.Options(min_time_limit=0.5), sandbox=sb)
-    problem = {p.id: p for p in task.load(data_dir=DATA)}["HumanEval/0"]
+    problem = {p.id: p for p in task.load(data_dir=data)}["HumanEval/0"]
     return task, problem
 
 
-def test_evalplus_forgeries_fail(sb):
-    task, p = _he_task(sb)
+def test_evalplus_forgeries_fail(sb, benchmark_data):
+    task, p = _he_task(sb, benchmark_data)
     prompt = p.meta["prompt"]
     names = list(HE_ATTEMPTS)
     honest = fenced(prompt + CORRECT_HE0)
@@ -175,8 +173,8 @@ def test_evalplus_forgeries_fail(sb):
         assert details["fake lines to stdout only, wrong answer"].get("rejected_records", 0) > 0, details
 
 
-def test_jobs_carry_no_expected_outputs(sb, tmp_path):
-    task, p = _he_task(sb)
+def test_jobs_carry_no_expected_outputs(sb, tmp_path, benchmark_data):
+    task, p = _he_task(sb, benchmark_data)
     jobs = []
 
     class Recording:
