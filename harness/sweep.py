@@ -43,6 +43,7 @@ from rich.console import Console
 from harness.config import ConfigError, RunConfig, build_config, format_validation_error
 from harness.registry import RegistryError
 from harness.store import Store
+from tasks.base import close_tasks
 
 _ID = re.compile(r"^[A-Za-z0-9._-]+$")
 
@@ -250,6 +251,8 @@ def execute_run(plan, store: Store, run_id: str, *, resume: bool, console: Conso
     except Exception:
         store.set_status(run_id, "failed")
         raise
+    finally:  # the tasks' sandbox containers go with the run, however it ends
+        close_tasks([plan.task, *plan.eval_tasks])
 
 
 # ---- sweeps ------------------------------------------------------------------------------------
