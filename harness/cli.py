@@ -411,6 +411,7 @@ def main() -> None:
         app()
     except SystemExit:
         if _terminated:
+            console.print("[bold red]terminated[/] by SIGTERM")
             raise SystemExit(128 + signal.SIGTERM) from None
         raise
 

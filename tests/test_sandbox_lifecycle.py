@@ -127,7 +127,9 @@ def watch_cli(client, args: list[str], env: dict, tmp_path: Path, *, inject: str
             proc.kill()
             proc.wait()
     waited = time.monotonic() - signalled_at if signalled_at is not None else None
-    return Watched(proc.returncode, log.read_text(), proc.pid, seen, containers_of(client, proc.pid), waited)
+    left = containers_of(client, proc.pid)
+    remove(client, left)  # recorded for the assertions; never left running whatever they say
+    return Watched(proc.returncode, log.read_text(), proc.pid, seen, left, waited)
 
 
 def remove(client, ids: list[str]) -> None:
@@ -138,12 +140,9 @@ def remove(client, ids: list[str]) -> None:
             pass
 
 
-def assert_nothing_left(client, w: Watched) -> None:
-    try:
-        assert w.seen > 0, f"no sandbox container was ever seen for pid {w.pid}: the test proves nothing\n{w.stderr[-3000:]}"
-        assert w.left == [], f"{len(w.left)} container(s) of pid {w.pid} outlived it (exit {w.returncode})\n{w.stderr[-3000:]}"
-    finally:
-        remove(client, w.left)
+def assert_nothing_left(w: Watched) -> None:
+    assert w.seen > 0, f"no sandbox container was ever seen for pid {w.pid}: the test proves nothing\n{w.stderr[-3000:]}"
+    assert w.left == [], f"{len(w.left)} container(s) of pid {w.pid} outlived it (exit {w.returncode})\n{w.stderr[-3000:]}"
 
 
 def run_rows(out: Path) -> list[tuple]:
@@ -243,22 +242,30 @@ def test_a_sandbox_dropped_without_close_is_still_removed_at_exit(docker_client)
 def test_close_removes_busy_containers_and_their_runs_end_as_error(docker_client):
     from sandbox.docker import OWNER_LABEL, _OWNER
 
+    def ours() -> set[str]:
+        return {c.id for c in docker_client.containers.list(all=True, filters={"label": f"{OWNER_LABEL}={_OWNER}"})}
+
+    before = ours()
     sb = sandbox.open_sandbox("docker", image=SANDBOX_IMAGE, pool_size=1, retries=2)
     results = []
     runner = threading.Thread(target=lambda: results.append(sb.run(ExecRequest(argv=["sleep", "60"], timeout_s=60))))
-    runner.start()
-    deadline = time.monotonic() + 60
-    while not sb._busy and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert sb._busy, "the run never started"
-    box = next(iter(sb._busy))
-    t0 = time.perf_counter()
-    sb.close()
-    runner.join(timeout=30)
-    assert not runner.is_alive() and time.perf_counter() - t0 < 30
+    try:
+        runner.start()
+        deadline = time.monotonic() + 60
+        while not (ours() - before) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        busy = ours() - before
+        assert len(busy) == 1, "the run's container never started"
+        time.sleep(0.5)  # the program is running
+        t0 = time.perf_counter()
+        sb.close()
+        runner.join(timeout=30)
+        seconds, left = time.perf_counter() - t0, busy & ours()
+    finally:
+        sb.close()
+        remove(docker_client, list(ours() - before))
+    assert not runner.is_alive() and seconds < 30 and left == set(), (seconds, left)
     assert results[0].status == "error" and results[0].attempts == 1, results[0]  # no retry into a closed pool
-    ours = {c.id for c in docker_client.containers.list(all=True, filters={"label": f"{OWNER_LABEL}={_OWNER}"})}
-    assert box.container.id not in ours
 
 
 # ---------------------------------------------------------------- the CLI (item: leaked containers)
@@ -271,7 +278,7 @@ def test_eval_leaves_no_container_on_normal_exit(docker_client, data_dir, cli_en
     w = watch_cli(docker_client, [*eval_args(replay, data_dir, tmp_path / "out"), "--json"], cli_env, tmp_path)
     assert w.returncode == 0, w.stderr
     assert '"n_pass": 2' in w.stderr  # graded in the sandbox (stdout and stderr share the log)
-    assert_nothing_left(docker_client, w)
+    assert_nothing_left(w)
 
 
 @pytest.mark.docker
@@ -280,7 +287,7 @@ def test_eval_leaves_no_container_on_an_exception(docker_client, data_dir, cli_e
     replay = replay_file(tmp_path / "replay.jsonl", data_dir)
     w = watch_cli(docker_client, eval_args(replay, data_dir, tmp_path / "out"), cli_env, tmp_path, inject=INJECT_FAILURE)
     assert w.returncode == 1 and "RuntimeError: injected failure" in w.stderr, w.stderr
-    assert_nothing_left(docker_client, w)
+    assert_nothing_left(w)
 
 
 @pytest.mark.docker
@@ -292,7 +299,7 @@ def test_eval_leaves_no_container_on_sigterm(docker_client, data_dir, cli_env, t
     w = watch_cli(docker_client, args, cli_env, tmp_path, sigterm_when=lambda seen: seen > 0)
     assert w.returncode == 128 + signal.SIGTERM, w.stderr
     assert w.exit_after_signal_s is not None and w.exit_after_signal_s < 60, w.exit_after_signal_s
-    assert_nothing_left(docker_client, w)
+    assert_nothing_left(w)
 
 
 @pytest.mark.docker
@@ -316,4 +323,4 @@ def test_run_leaves_no_container(how, docker_client, data_dir, cli_env, tmp_path
     else:
         assert w.returncode == 128 + signal.SIGTERM and train == ["interrupted"], (train, w.stderr[-3000:])
         assert "harness run --resume" in " ".join(w.stderr.split())
-    assert_nothing_left(docker_client, w)
+    assert_nothing_left(w)
