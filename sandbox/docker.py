@@ -416,7 +416,8 @@ class DockerSandbox(Sandbox):
             container = client.containers.create(self.image, **kwargs)
             container.start()
         except docker.errors.ImageNotFound as exc:
-            raise _NoRetry(f"image {self.image!r} not found; build it with `{build_command(self.image)}` (or `python -m sandbox.build`) ({exc})") from exc
+            how = f"`{build_command(self.image)}` (or `python -m sandbox.build`)"
+            raise _NoRetry(f"image {self.image!r} not found; build it with {how} ({exc})") from exc
         except (docker.errors.DockerException, OSError) as exc:
             if container is not None:
                 self._remove(_Box(container, limits))

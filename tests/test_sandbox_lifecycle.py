@@ -82,7 +82,8 @@ def replay_file(path: Path, data_dir: Path, body: str | None = None) -> Path:
 
 def eval_args(replay: Path, data_dir: Path, out: Path, *extra: str, image: str = SANDBOX_IMAGE) -> list[str]:
     return ["eval", "--backend", "replay", "--model", str(replay), "--task", "humaneval_plus", "--k", "1", "--limit", "2",
-            "--data-dir", str(data_dir), "--out", str(out), "--task-arg", f"humaneval_plus.sandbox_options.image={image}", *extra]  # fmt: skip
+            "--data-dir", str(data_dir), "--out", str(out),
+            "--task-arg", f"humaneval_plus.sandbox_options.image={image}", *extra]  # fmt: skip
 
 
 def containers_of(client, pid: int) -> list[str]:
@@ -106,7 +107,8 @@ class Watched:
         self.exit_after_signal_s = exit_after_signal_s
 
 
-def watch_cli(client, args: list[str], env: dict, tmp_path: Path, *, inject: str = "", sigterm_when=None, timeout_s: float = 900) -> Watched:
+def watch_cli(client, args: list[str], env: dict, tmp_path: Path, *, inject: str = "", sigterm_when=None,
+              timeout_s: float = 900) -> Watched:  # fmt: skip
     """Run the harness CLI (``harness.cli.main``), polling its containers; send SIGTERM once ``sigterm_when(seen)`` holds."""
     code = inject + "\nfrom harness.cli import main\nmain()\n"
     log = tmp_path / f"cli-{time.monotonic_ns()}.log"
@@ -185,7 +187,7 @@ def test_missing_image_names_the_build_command(docker_client):
     from tasks.code.evalplus import EvalPlusOptions, HumanEvalPlusTask
 
     with HumanEvalPlusTask(EvalPlusOptions(sandbox_options={"image": MISSING_IMAGE})) as task:
-        with pytest.raises(TaskNotReady, match=f"image '{MISSING_IMAGE}' not found; build it with `harness sandbox build --tag {MISSING_IMAGE}`"):
+        with pytest.raises(TaskNotReady, match=f"'{MISSING_IMAGE}' not found; build it with `harness sandbox build --tag {MISSING_IMAGE}`"):
             task.check_ready()
     with HumanEvalPlusTask(EvalPlusOptions(sandbox_options={"image": SANDBOX_IMAGE})) as task:
         task.check_ready()  # the built image: ready
@@ -197,7 +199,8 @@ def test_eval_with_missing_image_exits_2_before_writing(docker_client, data_dir,
     out = tmp_path / "out"
     replay = replay_file(tmp_path / "replay.jsonl", data_dir)
     args = eval_args(replay, data_dir, out, image=MISSING_IMAGE)
-    result = subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=ROOT, env=cli_env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=ROOT, env=cli_env, capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
     assert result.returncode == 2, result.stderr
     assert f"harness sandbox build --tag {MISSING_IMAGE}" in " ".join(result.stderr.split()), result.stderr
     assert run_rows(out) == []
