@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -36,7 +39,57 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
     return typer.Exit(code)
 
 
+# ---- task lifecycle and clean shutdown (readiness before anything is written; sandboxes closed however a command ends)
+
+
+_tasks_to_close: list = []  # tasks of the running command, closed when it ends (see ``_closes_tasks``)
+
+
+def _closes_tasks(command: Callable) -> Callable:
+    """Command decorator: close the tasks given to ``_prepare_tasks`` (their sandbox containers) however the command ends."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        finally:
+            from tasks.base import close_tasks
+
+            tasks, _tasks_to_close[:] = list(_tasks_to_close), []
+            close_tasks(tasks)
+
+    return wrapper
+
+
+def _prepare_tasks(tasks: list) -> None:
+    """Have ``tasks`` closed when the command ends, and check each can run here (e.g. its sandbox image is built):
+    exit 2 with what to do, before any run row or output exists."""
+    from tasks.base import TaskNotReady
+
+    _tasks_to_close.extend(tasks)
+    try:
+        for task in tasks:
+            task.check_ready()
+    except TaskNotReady as exc:
+        raise _fail(str(exc)) from None
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread so that it unwinds like Ctrl-C: ``finally`` blocks close sandboxes, runs end interrupted."""
+
+
+_terminated = False
+
+
+def _raise_terminated(signum: int, frame) -> None:
+    global _terminated
+    _terminated = True
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM during the shutdown kills at once
+    raise Terminated(f"terminated by signal {signum}")
+
+
 @app.command()
+@_closes_tasks
 def run(
     method: Annotated[str | None, typer.Option(help="training method (see `harness methods`)")] = None,
     task: Annotated[str | None, typer.Option(help="training task (see `harness tasks`)")] = None,
@@ -75,6 +128,7 @@ def run(
         load_plan_data(plan)
     except (ConfigError, RegistryError) as exc:  # DataUnavailable included: missing data or a bad row, nothing created
         raise _fail(str(exc)) from None
+    _prepare_tasks([plan.task, *plan.eval_tasks])  # closed at exit; exit 2 if one cannot run here (e.g. no sandbox image)
     for warning in plan.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
     if store is None:
@@ -117,6 +171,7 @@ def _print_run_summary(store, run_id: str, plan, seconds: float) -> None:
 
 
 @app.command("eval")
+@_closes_tasks
 def eval_(
     model: Annotated[str, typer.Option(help="local model directory (or hub id) to evaluate")],
     task: Annotated[str, typer.Option(help="task name(s), comma separated")],
@@ -168,6 +223,7 @@ def eval_(
         problems_of = {t.name: load_problems(t, "test", data_dir=data_dir, limit=limit) for t in tasks}
     except (ConfigError, RegistryError) as exc:  # DataUnavailable included: a missing data folder or a bad row
         raise _fail(str(exc)) from None
+    _prepare_tasks(tasks)  # closed at exit; exit 2 if one cannot run here (e.g. no sandbox image)
     options = {}
     for item in backend_option or []:
         key, sep, value = item.partition("=")
@@ -369,7 +425,15 @@ from harness.data import data_app  # noqa: E402 - the `data` sub-app (harness da
 app.add_typer(data_app, name="data")
 
 def main() -> None:
-    app()
+    """Entry point. SIGTERM shuts down cleanly (see ``Terminated``) and exits 143 (128 + SIGTERM)."""
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        app()
+    except SystemExit:
+        if _terminated:
+            console.print("[bold red]terminated[/] by SIGTERM")
+            raise SystemExit(128 + signal.SIGTERM) from None
+        raise
 
 
 if __name__ == "__main__":

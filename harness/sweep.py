@@ -48,6 +48,7 @@ from rich.console import Console
 from harness.config import ConfigError, RunConfig, build_config, format_validation_error
 from harness.registry import RegistryError
 from harness.store import Store
+from tasks.base import close_tasks
 
 _ID = re.compile(r"^[A-Za-z0-9._-]+$")
 
@@ -278,17 +279,20 @@ def execute_run(plan, store: Store, run_id: str, *, resume: bool, console: Conso
 
     Raises RunLocked, leaving the run untouched, when another process is executing it.
     """
-    with run_lock(store.run_dir(run_id), run_id):
-        if resume:
-            store.set_status(run_id, "running")
-        try:
-            plan.pipeline.run(plan, store, run_id, resume=resume, console=console)
-        except KeyboardInterrupt:
-            store.set_status(run_id, "interrupted")
-            raise
-        except Exception:
-            store.set_status(run_id, "failed")
-            raise
+    try:
+        with run_lock(store.run_dir(run_id), run_id):
+            if resume:
+                store.set_status(run_id, "running")
+            try:
+                plan.pipeline.run(plan, store, run_id, resume=resume, console=console)
+            except KeyboardInterrupt:
+                store.set_status(run_id, "interrupted")
+                raise
+            except Exception:
+                store.set_status(run_id, "failed")
+                raise
+    finally:  # the tasks' sandbox containers go with the run, however it ends
+        close_tasks([plan.task, *plan.eval_tasks])
 
 
 # ---- sweeps ------------------------------------------------------------------------------------

@@ -205,6 +205,10 @@ class Sandbox(ABC):
     def close(self) -> None:
         """Release every resource (idle containers, open sessions). Idempotent."""
 
+    def check_ready(self) -> None:
+        """Raise ``SandboxUnavailable`` saying what to do when this sandbox cannot run programs here (daemon down,
+        image not built); callers check before a run instead of learning it from a column of ``error`` results."""
+
     def __enter__(self) -> Sandbox:
         return self
 

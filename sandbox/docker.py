@@ -12,7 +12,11 @@ Each container (``DockerSandbox`` options in brackets):
     in the container, including the sandbox's own 3: init, wrapper, `timeout`);
   - labels ``opd-harness.sandbox=1`` and ``opd-harness.sandbox.owner=<host>:<pid>:<start time>``:
     containers whose owner process is gone (a crashed run) are removed when the next process first
-    connects, and every container of this process is removed at exit (``atexit``) or ``close()``.
+    connects, and every container of this process is removed by ``close()`` (idle, busy and session
+    containers alike) or, for a sandbox never closed, at exit (``atexit``: open sandboxes are held by
+    strong references until closed, so one dropped without ``close()`` is still cleaned up).
+  - ``check_ready()`` says, before any run, whether the daemon answers and the image exists
+    (``SandboxUnavailable`` naming the command that fixes it).
 
 Runs:
   - The timeout is enforced inside the container (``timeout -s KILL``, which kills the program's
@@ -46,7 +50,6 @@ import tarfile
 import threading
 import time
 import uuid
-import weakref
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -54,6 +57,7 @@ from pathlib import Path
 
 import docker
 import docker.errors
+import requests
 from docker.types import Mount, Ulimit
 
 from sandbox import (
@@ -212,7 +216,9 @@ def reap_leftovers(client=None, base_url: str | None = None, everything: bool = 
 
 _reaped: set[str] = set()
 _reaped_lock = threading.Lock()
-_live: weakref.WeakSet[DockerSandbox] = weakref.WeakSet()
+# Every sandbox not yet closed, held strongly: a WeakSet lost sandboxes collected before exit (e.g. a
+# command's local task freed when it returned) and so left their containers running.
+_live: set[DockerSandbox] = set()
 
 
 @atexit.register
@@ -222,6 +228,11 @@ def _close_all() -> None:
             sb.close()
         except Exception:  # noqa: BLE001 - best effort at interpreter exit
             pass
+
+
+def build_command(image: str) -> str:
+    """The command that builds ``image`` (shown when it is missing)."""
+    return "harness sandbox build" + ("" if image == DEFAULT_IMAGE else f" --tag {image}")
 
 
 def _make_client(base_url: str | None, pool: int, timeout_s: float = 600):
@@ -330,7 +341,8 @@ class DockerSandbox(Sandbox):
         self._slots = threading.BoundedSemaphore(pool_size)
         self._idle: dict[_Limits, list[_Box]] = {}
         self._count = 0  # containers in the pool, idle + busy
-        self._sessions: weakref.WeakSet[DockerSession] = weakref.WeakSet()
+        self._busy: set[_Box] = set()  # pooled containers running a program now (removed by close())
+        self._sessions: set[DockerSession] = set()  # open sessions (strong: each is closed by close())
         self._closed = False
         self._stats_lock = threading.Lock()
         self.stats = {"created": 0, "reused": 0, "discarded": 0, "retries": 0}
@@ -359,6 +371,24 @@ class DockerSandbox(Sandbox):
                     self._client_obj = client
         return self._client_obj
 
+    def check_ready(self) -> None:
+        """Raise ``SandboxUnavailable`` saying what to do when the daemon does not answer or the image is not built."""
+        where = self.base_url or os.environ.get("DOCKER_HOST") or "the local socket"
+        try:
+            client = self._client()
+            client.api.ping()
+        except (_Infra, docker.errors.DockerException, requests.exceptions.RequestException, OSError) as exc:
+            cause = exc.__cause__ if isinstance(exc, _Infra) and exc.__cause__ else exc
+            raise SandboxUnavailable(
+                f"Docker daemon unreachable at {where} ({cause}); start it (`dockerd &` or `systemctl start docker`) or set DOCKER_HOST"
+            ) from None
+        try:
+            client.images.get(self.image)
+        except docker.errors.ImageNotFound:
+            raise SandboxUnavailable(f"sandbox image {self.image!r} not found; build it with `{build_command(self.image)}`") from None
+        except (docker.errors.DockerException, requests.exceptions.RequestException, OSError) as exc:
+            raise SandboxUnavailable(f"could not inspect sandbox image {self.image!r} at {where}: {exc}") from None
+
     def _create(self, limits: _Limits) -> _Box:
         client = self._client()
         kwargs = dict(
@@ -386,7 +416,8 @@ class DockerSandbox(Sandbox):
             container = client.containers.create(self.image, **kwargs)
             container.start()
         except docker.errors.ImageNotFound as exc:
-            raise _NoRetry(f"image {self.image!r} not found; build it with `python -m sandbox.build` ({exc})") from exc
+            how = f"`{build_command(self.image)}` (or `python -m sandbox.build`)"
+            raise _NoRetry(f"image {self.image!r} not found; build it with {how} ({exc})") from exc
         except (docker.errors.DockerException, OSError) as exc:
             if container is not None:
                 self._remove(_Box(container, limits))
@@ -422,14 +453,18 @@ class DockerSandbox(Sandbox):
             return 0
         with ThreadPoolExecutor(n) as ex:
             futures = [ex.submit(self._create, limits) for _ in range(n)]
-        made = 0
+        made, late = 0, []
         for f in futures:
             with self._lock:
-                if f.exception() is None:
+                if f.exception() is None and not self._closed:
                     self._idle.setdefault(limits, []).append(f.result())
                     made += 1
                 else:
                     self._count -= 1
+                    if f.exception() is None:
+                        late.append(f.result())  # closed while starting: not kept
+        for box in late:
+            self._remove(box)
         return made
 
     def _checkout(self, limits: _Limits) -> _Box:
@@ -440,7 +475,9 @@ class DockerSandbox(Sandbox):
             boxes = self._idle.get(limits)
             if boxes:
                 self._bump("reused")
-                return boxes.pop()
+                box = boxes.pop()
+                self._busy.add(box)
+                return box
             if self._count >= self.pool_size:  # full: evict an idle container with other limits
                 for other in self._idle.values():
                     if other:
@@ -451,19 +488,26 @@ class DockerSandbox(Sandbox):
         if victim is not None:
             self._remove(victim)
         try:
-            return self._create(limits)
+            box = self._create(limits)
         except BaseException:
             with self._lock:
                 self._count -= 1
             raise
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._busy.add(box)
+        if closed:  # close() ran while the container was starting
+            self._checkin(box, False)
+            raise RuntimeError("sandbox is closed")
+        return box
 
     def _checkin(self, box: _Box, reusable: bool) -> None:
-        if reusable and not self._closed:  # the run's wrapper already cleaned the container
-            with self._lock:
-                if not self._closed:
-                    self._idle.setdefault(box.limits, []).append(box)
-                    return
         with self._lock:
+            self._busy.discard(box)
+            if reusable and not self._closed:  # the run's wrapper already cleaned the container
+                self._idle.setdefault(box.limits, []).append(box)
+                return
             self._count -= 1
         self._bump("discarded")
         self._remove(box)
@@ -499,7 +543,9 @@ class DockerSandbox(Sandbox):
                 return ExecResult.failed(str(exc), attempts=i + 1)
             except _Infra as exc:
                 errors.append(str(exc))
-        return ExecResult.failed(f"sandbox failed after {self.retries + 1} attempts: {errors[-1]}", attempts=self.retries + 1)
+                if self._closed:  # no retry into a closed pool
+                    break
+        return ExecResult.failed(f"sandbox failed after {len(errors)} attempts: {errors[-1]}", attempts=len(errors))
 
     def _run_once(self, request: ExecRequest, limits: _Limits) -> ExecResult:
         box = self._checkout(limits)
@@ -516,6 +562,8 @@ class DockerSandbox(Sandbox):
         Raises:
             SandboxUnavailable: the container could not be created after the retries.
         """
+        if self._closed:
+            raise RuntimeError("sandbox is closed")
         limits = _Limits(memory_mb, cpus, pids, network)
         errors = []
         for i in range(self.retries + 1):
@@ -531,17 +579,25 @@ class DockerSandbox(Sandbox):
         else:
             raise SandboxUnavailable(f"could not create a session container: {errors[-1]}")
         s = DockerSession(self, box)
-        self._sessions.add(s)
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._sessions.add(s)
+        if closed:  # close() ran while the container was starting
+            s.close()
+            raise RuntimeError("sandbox is closed")
         return s
 
     def close(self) -> None:
-        """Remove every idle container and open session. Runs in flight discard their container when done."""
+        """Remove every container: idle ones, open sessions, and busy ones (their runs end as ``error``)."""
         with self._lock:
             self._closed = True
             boxes = [b for lst in self._idle.values() for b in lst]
             self._idle.clear()
             self._count -= len(boxes)
-        jobs = [lambda b=b: self._remove(b) for b in boxes] + [s.close for s in list(self._sessions)]
+            busy = list(self._busy)  # checked in (and counted down) by their runs
+            sessions = list(self._sessions)
+        jobs = [lambda b=b: self._remove(b) for b in boxes + busy] + [s.close for s in sessions]
         try:
             with ThreadPoolExecutor(min(8, len(jobs) or 1)) as ex:
                 list(ex.map(lambda job: job(), jobs))
@@ -631,6 +687,8 @@ def _execute(sb: DockerSandbox, box: _Box, request: ExecRequest, cwd: str, poole
     if guard_fired.is_set():
         result.status, result.error = "timeout", f"killed by the outer guard at {request.timeout_s + sb.grace_s:.1f}s"
         return result, not pooled
+    if len(fields) != 3 and sb._closed:  # close() removed the container under the run
+        raise _Infra("the sandbox was closed during the run")
     if len(fields) != 3:  # the wrapper itself was killed (the program signalled every process it could)
         result.status, result.error = "killed", "the sandbox wrapper was killed by the program"
         return result, False
@@ -746,3 +804,5 @@ class DockerSession(Session):
         if not self._closed:
             self._closed = True
             self._sb._remove(self._box)
+        with self._sb._lock:
+            self._sb._sessions.discard(self)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import gzip
 import json
+import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
@@ -123,6 +124,19 @@ class Task(ABC):
     def grader(self) -> tuple[str, str]:
         """(grader name, grader version), stored with every score."""
 
+    def check_ready(self) -> None:
+        """Raise ``TaskNotReady`` saying what to do when this task cannot run here (e.g. its sandbox image is not
+        built); the CLI calls it before it writes anything. Default: ready."""
+
+    def close(self) -> None:
+        """Release what the task holds (e.g. its sandbox's containers); idempotent, and the task may be used again."""
+
+    def __enter__(self) -> Task:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     @classmethod
     def describe(cls) -> dict:
         """Name, description, defaults and needs, for ``harness tasks --json``."""
@@ -140,6 +154,20 @@ class Task(ABC):
 
 class DataNotFound(FileNotFoundError):
     """A task's data folder or file is missing (and no other source gave it); the message names where it looked."""
+
+
+class TaskNotReady(RuntimeError):
+    """A task cannot run on this machine as configured; the message says what to do (e.g. the command to run)."""
+
+
+def close_tasks(tasks: Iterable[Task]) -> None:
+    """Close every task (each once, however often it is listed). A failure to close one is a warning, not an
+    exception: callers close in ``finally`` blocks, where raising would hide the error that is unwinding."""
+    for task in {id(t): t for t in tasks}.values():
+        try:
+            task.close()
+        except Exception as exc:  # noqa: BLE001 - the others must still be closed
+            warnings.warn(f"closing task {task.name!r} failed: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
 
 
 class DataError(ValueError):

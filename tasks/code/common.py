@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from tasks.base import Problem, Score, Task, TaskOptions
+from tasks.base import Problem, Score, Task, TaskNotReady, TaskOptions
 from tasks.code.checker import Report, parse_report
 
 RUNNER = (Path(__file__).with_name("sandbox_runner.py")).read_bytes()
@@ -127,10 +127,25 @@ class SandboxedTask(Task):
             return self._sandbox
 
     def close(self) -> None:
-        """Close the sandbox if this task opened it."""
-        if self._sandbox is not None and self._owns_sandbox:
-            self._sandbox.close()
-        self._sandbox = None
+        """Close the sandbox if this task opened it (removing its containers); the next grading opens a new one."""
+        with self._sb_lock:
+            sb, owned = self._sandbox, self._owns_sandbox
+            self._sandbox, self._owns_sandbox = None, False
+        if sb is not None and owned:
+            sb.close()
+
+    def check_ready(self) -> None:
+        """Raise ``TaskNotReady`` when the sandbox cannot run here (bad options, Docker daemon down, image not built)."""
+        import sandbox as sandbox_pkg
+
+        try:
+            sb = self.sandbox
+        except (KeyError, TypeError, ValueError) as exc:  # unknown provider or option, bad option value
+            raise TaskNotReady(f"{self.name}: task option sandbox / sandbox_options: {exc}") from None
+        try:
+            sb.check_ready()
+        except sandbox_pkg.SandboxUnavailable as exc:
+            raise TaskNotReady(f"{self.name}: {exc}") from None
 
     @property
     def workers(self) -> int:
@@ -149,8 +164,9 @@ class SandboxedTask(Task):
 
         payload = json.dumps(job, allow_nan=True).encode()
         opts: CodeOptions = self.options  # type: ignore[assignment]
+        sb = self.sandbox  # once: a close() meanwhile must not make this job open a second sandbox
         request = ExecRequest(
-            argv=[self.sandbox.python, "runner.py", "job.json"],
+            argv=[sb.python, "runner.py", "job.json"],
             files={"runner.py": RUNNER, "job.json": payload},
             timeout_s=timeout_s,
             memory_mb=opts.memory_mb,
@@ -158,7 +174,7 @@ class SandboxedTask(Task):
             pids=64,
             max_output_bytes=max_output_bytes,
         )
-        result = self.sandbox.run(request)
+        result = sb.run(request)
         if result.status == "error":
             return RunOutcome(Report(started=False), result, result.error or "sandbox error")
         report = parse_report(result.stdout)
@@ -178,8 +194,11 @@ class SandboxedTask(Task):
 
         if n == 0:
             return []
-        with ThreadPoolExecutor(max_workers=max(1, min(self.workers, n))) as pool:
+        pool = ThreadPoolExecutor(max_workers=max(1, min(self.workers, n)))
+        try:
             return list(pool.map(safe, range(n)))
+        finally:  # interrupted (Ctrl-C, SIGTERM): do not wait for runs in flight; closing the task ends them
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def fail(code: str | None, **details) -> Score:
