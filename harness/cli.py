@@ -131,16 +131,19 @@ def run(
     _prepare_tasks([plan.task, *plan.eval_tasks])  # closed at exit; exit 2 if one cannot run here (e.g. no sandbox image)
     for warning in plan.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
-    if store is None:
-        store = Store(out)
-        run_id = create_train_run(store, plan.config, plan)
-    console.print(f"run [bold]{run_id}[/] → {store.path}")
+    run_id = resume
     started = time.perf_counter()
     try:
+        if store is None:
+            store = Store(out)
+            run_id = create_train_run(store, plan.config, plan)
+        console.print(f"run [bold]{run_id}[/] → {store.path}")
         execute_run(plan, store, run_id, resume=bool(resume), console=console)
     except RunLocked as exc:
         raise _fail(str(exc)) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM, also in the moment between creating the run and executing it
+        if store is not None and run_id is not None and not resume and (store.get_run(run_id) or {}).get("status") == "running":
+            store.set_status(run_id, "interrupted")
         raise _fail(f"interrupted; continue with: harness run --resume {run_id} --out {out}", 130) from None
     _print_run_summary(store, run_id, plan, time.perf_counter() - started)
 
