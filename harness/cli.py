@@ -54,6 +54,7 @@ def run(
     from harness.plan import plan_run
     from harness.store import Store
     from harness.sweep import create_train_run, execute_run, plan_resume
+    from trainers.guards import TrainingAborted
 
     _quiet_libraries()
     store = Store(out)
@@ -78,6 +79,8 @@ def run(
         execute_run(plan, store, run_id, resume=bool(resume), console=console)
     except KeyboardInterrupt:
         raise _fail(f"interrupted; continue with: harness run --resume {run_id} --out {out}", 130) from None
+    except TrainingAborted as exc:  # non-finite loss, too many grading errors: the run is marked failed
+        raise _fail(f"run {run_id} failed: {exc}", 1) from None
     _print_run_summary(store, run_id, plan, time.perf_counter() - started)
 
 

@@ -63,6 +63,12 @@ class TrainerConfig(Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int | None = Field(None, ge=1, description="default: the task's max_new_tokens")
     generate_batch_size: int = Field(256, ge=1)
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="a non-finite loss or gradient norm: stop the run (status failed), or skip that optimizer step and go on"
+    )
+    max_grade_error_rate: float = Field(
+        0.02, ge=0, le=1, description="stop the run when a step's share of grading errors exceeds this (as harness eval --max-error-rate)"
+    )
 
     @field_validator("executor")
     @classmethod

@@ -22,6 +22,7 @@ from harness.store import Store
 from harness.timing import timed
 from harness.trajectory import TensorBatch, Trajectory, to_tensor_batch
 from trainers.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from trainers.guards import enforce_finite
 from trainers.learner import train_step
 from trainers.warmup import prepare_model
 
@@ -202,6 +203,8 @@ class Session:
         self.state.train_seconds += train_seconds
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         self.store.log_step(self.run_id, step, metrics)
+        if warning := enforce_finite(metrics, step, self.plan.method.name, cfg.trainer.on_nonfinite):  # raises under "stop", once recorded
+            self.console.print(f"[yellow]warning:[/] {warning}")
         if step % cfg.trainer.checkpoint_every and step != cfg.trainer.steps:
             return False
         if before_checkpoint is not None:
