@@ -29,9 +29,12 @@ def test_method_runs_end_to_end_on_smoke(method, out_dir):
         steps = store.step_metrics(run_id)
         evals = [e["step"] for e in store.evals(run_id)]
     assert sorted(steps) == [1, 2, 3, 4]
+    spec = METHODS.get(method)
     for step, metrics in steps.items():  # the values themselves, as the store reads them back (NaN stays NaN)
         assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]), (step, metrics)
         assert metrics["nonfinite"] == 0.0 and metrics["skipped"] == 0.0, (step, metrics)
+        if "rewards" in spec.needs(spec.hparams()):  # graded every step; arith's grader never errors
+            assert metrics["grade_errors"] == 0.0 and math.isfinite(metrics["reward_mean"]), (step, metrics)
     assert evals == [0, 2, 4]
 
 

@@ -13,7 +13,7 @@ from pydantic import Field
 from harness.registry import METHODS
 from harness.trajectory import TensorBatch
 from trainers.objectives import HParams, MethodSpec, StudentOutputs, masked_mean
-from trainers.objectives.common import clipped_surrogate, grpo_advantages, old_logprobs
+from trainers.objectives.common import clipped_surrogate, graded, graded_reward_mean, grpo_advantages, old_logprobs
 
 
 class ClipParams(HParams):
@@ -28,7 +28,7 @@ class GRPOParams(ClipParams):
 
 
 def grpo_sequence_advantages(batch: TensorBatch, coef: float = 1.0) -> torch.Tensor:
-    """g·A^grpo_b, shape (B,). With g = 0 (pure OPD) rewards are not read and may be absent (NaN)."""
+    """g·A^grpo_b, shape (B,); 0 for a sample without a reward (NaN: grading error). With g = 0 (pure OPD) rewards are not read."""
     if coef == 0.0:
         return torch.zeros(batch.loss_mask.shape[0], dtype=batch.loss_mask.dtype)
     return coef * grpo_advantages(batch.rewards, batch.group_ids).to(batch.loss_mask.dtype)  # (R − mean_g R)/(std_g R + 1e-6)
@@ -40,16 +40,22 @@ def grpo_token_advantages(batch: TensorBatch, coef: float = 1.0) -> torch.Tensor
 
 
 def grpo_objective(batch: TensorBatch, student: StudentOutputs, hp: GRPOParams, state: object = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped surrogate on the broadcast GRPO advantage; ρ_t = exp(s_t − o_t), token-mean."""
-    mask = batch.loss_mask
+    """Clipped surrogate on the broadcast GRPO advantage; ρ_t = exp(s_t − o_t), token-mean over graded samples.
+
+    A sample whose grading errored (NaN reward) has nothing to learn from here: its tokens leave the loss
+    and the token-mean, so it changes nothing for the others.
+    """
+    has_reward = graded(batch.rewards)
+    mask = batch.loss_mask * has_reward[:, None].to(batch.loss_mask.dtype)
     old = old_logprobs(batch, student)
     per_sequence = grpo_sequence_advantages(batch)
     advantages = grpo_token_advantages(batch).to(old.dtype)
     loss, diagnostics = clipped_surrogate(student.logprobs, old, advantages, mask, clip_low=hp.clip_low, clip_high=hp.clip_high)
+    scored = per_sequence[has_reward] if has_reward.any() else per_sequence.new_zeros(1)
     diagnostics.update(
-        reward_mean=float(batch.rewards.float().mean()),
-        advantage_mean=float(per_sequence.mean()),  # per sequence, before broadcasting
-        advantage_std=float(per_sequence.std(unbiased=False)),  # population std: defined for B = 1
+        reward_mean=graded_reward_mean(batch.rewards),
+        advantage_mean=float(scored.mean()),  # per graded sequence, before broadcasting
+        advantage_std=float(scored.std(unbiased=False)),  # population std: defined for B = 1
         token_advantage_mean=float(masked_mean(advantages, mask)),
         tokens=float(mask.sum()),
     )

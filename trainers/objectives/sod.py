@@ -23,7 +23,7 @@ from pydantic import Field
 from harness.registry import METHODS
 from harness.trajectory import TensorBatch
 from trainers.objectives import MethodSpec, StudentOutputs, masked_mean
-from trainers.objectives.common import clipped_surrogate, old_logprobs, opd_advantage
+from trainers.objectives.common import clipped_surrogate, graded_reward_mean, old_logprobs, opd_advantage
 from trainers.objectives.grpo import ClipParams, grpo_sequence_advantages
 
 WeightRule = Literal["telescoped", "recursive"]
@@ -179,7 +179,7 @@ def sod_objective(batch: TensorBatch, student: StudentOutputs, hp: SODParams, st
         tokens=float(mask.sum()),
     )
     if hp.grpo_coef != 0.0:
-        diagnostics["reward_mean"] = float(batch.rewards.float().mean())
+        diagnostics["reward_mean"] = graded_reward_mean(batch.rewards)  # over graded samples: errors are not zeros
     return loss, diagnostics
 
 
