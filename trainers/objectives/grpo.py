@@ -23,8 +23,19 @@ class ClipParams(HParams):
     clip_high: float = Field(0.28, ge=0, description="ε_hi: ratio clipped above at 1 + ε_hi")
 
 
-class GRPOParams(ClipParams):
+class GroupParams(HParams):
+    """The group baseline's guard, shared by GRPO, SOD and SAF-OPD."""
+
+    allow_single_sample: bool = Field(
+        False, description="allow trainer.samples_per_prompt = 1, where the group-centred advantage degenerates to the raw reward (no baseline)"
+    )
+
+
+class GRPOParams(ClipParams, GroupParams):
     pass
+
+
+GRPO_GROUP_SIZE = 8  # methods.md §3.6: the GRPO training config of SAF-OPD's paper, n = 8 rollouts per prompt
 
 
 def grpo_sequence_advantages(batch: TensorBatch, coef: float = 1.0) -> torch.Tensor:
@@ -74,7 +85,9 @@ METHODS.add(
         objective=grpo_objective,  # type: ignore[arg-type]
         hparams=GRPOParams,
         needs=grpo_needs,  # type: ignore[arg-type]
+        group_size=GRPO_GROUP_SIZE,
         notes={
+            "samples_per_prompt": "default 8 rollouts per prompt (the GRPO config of the SAF-OPD paper); 1 is refused unless allow_single_sample",
             "ratio": "ρ = exp(s − o) against trainer-recomputed o (the current student, detached, in a one-update sync step); behaviour_logprobs are declared but not used by the loss",
             "dual_clip": "verl's vanilla loss also dual-clips negative advantages at ρ = 3.0; not applied here (ρ ≡ 1 in value with one update per step)",
         },
