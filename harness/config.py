@@ -53,7 +53,9 @@ class TrainerConfig(Strict):
     sync_every: int = Field(1, ge=1, description="async: rollout weights are refreshed every N learner steps (or sooner if max_lag requires)")
     steps: int = Field(400, ge=1, description="optimizer steps")
     prompts_per_step: int = Field(64, ge=1)
-    samples_per_prompt: int = Field(1, ge=1, description="default: the method's group size for group-baseline methods (grpo 8, sod 16, saf_opd 8), else 1")
+    samples_per_prompt: int = Field(
+        1, ge=1, description="default: the method's group size for group-baseline methods (grpo 8, sod 16, saf_opd 8), else 1"
+    )
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up")

@@ -84,5 +84,6 @@ def apply_group_size(cfg: RunConfig, method, hparams) -> None:
         raise ConfigError(
             f"trainer.samples_per_prompt={trainer.samples_per_prompt}: method {method.name!r} centres each reward on its prompt's group "
             f"mean, which needs at least 2 samples per prompt (its default is {method.group_size}); with 1 it would train on the raw "
-            f"reward with no baseline. Set trainer.samples_per_prompt >= 2, or method_args.{method.name}.allow_single_sample=true to allow it"
+            f"reward with no baseline. Set trainer.samples_per_prompt >= 2, "
+            f"or method_args.{method.name}.allow_single_sample=true to allow it"
         )

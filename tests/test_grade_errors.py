@@ -22,7 +22,8 @@ class FlakyArith(ArithTask):
     """Arith whose grader fails on chosen trajectories and otherwise alternates fail / pass (no grading pool)."""
 
     def grade_many(self, problems, completions):
-        return [Score("error", details="grader crashed") if i in ERRORED else Score("pass" if i % 2 else "fail") for i in range(len(completions))]
+        grades = [Score("pass" if i % 2 else "fail") for i in range(len(completions))]
+        return [Score("error", details="grader crashed") if i in ERRORED else grade for i, grade in enumerate(grades)]
 
 
 def flaky_plan(*overrides: str):

@@ -43,7 +43,8 @@ def test_one_sample_per_prompt_is_allowed_when_asked(method):
 
 @pytest.mark.parametrize("method", ["sod", "saf_opd"])
 def test_without_the_grpo_term_there_is_no_baseline_to_refuse(method):
-    assert plan(f"method={method}", "trainer.samples_per_prompt=1", f"method_args.{method}.grpo_coef=0").config.trainer.samples_per_prompt == 1
+    p = plan(f"method={method}", "trainer.samples_per_prompt=1", f"method_args.{method}.grpo_coef=0")
+    assert p.config.trainer.samples_per_prompt == 1
 
 
 @pytest.mark.parametrize("method", sorted(GROUP_METHODS))
@@ -68,7 +69,8 @@ def test_applied_default_is_recorded_in_the_run_config(tmp_path):
 
 
 def test_cli_exits_2_before_creating_a_run(tmp_path):
-    result = CliRunner().invoke(app, ["run", "--method", "grpo", "--preset", "smoke", "--set", "trainer.samples_per_prompt=1", "--out", str(tmp_path)])
+    args = ["run", "--method", "grpo", "--preset", "smoke", "--set", "trainer.samples_per_prompt=1", "--out", str(tmp_path)]
+    result = CliRunner().invoke(app, args)
     assert result.exit_code == 2, result.output
     assert "trainer.samples_per_prompt" in result.output and "'grpo'" in result.output
     with Store(tmp_path) as store:

@@ -426,7 +426,8 @@ KEEP = [b for b in range(6) if b != ERRORED]
 def errored_and_without():
     """The batch with row 1 ungradeable (NaN reward), and the same batch without row 1."""
     with_error = make_batch(ERR_MASK, ERR_O, ERR_T, rewards=ERR_R, groups=ERR_G)
-    without = make_batch(*([row[b] for b in KEEP] for row in (ERR_MASK, ERR_O, ERR_T)), rewards=[ERR_R[b] for b in KEEP], groups=[ERR_G[b] for b in KEEP])
+    mask, old, teacher = ([row[b] for b in KEEP] for row in (ERR_MASK, ERR_O, ERR_T))
+    without = make_batch(mask, old, teacher, rewards=[ERR_R[b] for b in KEEP], groups=[ERR_G[b] for b in KEEP])
     return with_error, without
 
 

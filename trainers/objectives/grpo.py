@@ -27,7 +27,7 @@ class GroupParams(HParams):
     """The group baseline's guard, shared by GRPO, SOD and SAF-OPD."""
 
     allow_single_sample: bool = Field(
-        False, description="allow trainer.samples_per_prompt = 1, where the group-centred advantage degenerates to the raw reward (no baseline)"
+        False, description="allow trainer.samples_per_prompt = 1, where the group-centred advantage is the raw reward (no baseline)"
     )
 
 
@@ -87,7 +87,7 @@ METHODS.add(
         needs=grpo_needs,  # type: ignore[arg-type]
         group_size=GRPO_GROUP_SIZE,
         notes={
-            "samples_per_prompt": "default 8 rollouts per prompt (the GRPO config of the SAF-OPD paper); 1 is refused unless allow_single_sample",
+            "samples_per_prompt": "default 8 per prompt (the GRPO config of the SAF-OPD paper); 1 is refused unless allow_single_sample",
             "ratio": "ρ = exp(s − o) against trainer-recomputed o (the current student, detached, in a one-update sync step); behaviour_logprobs are declared but not used by the loss",
             "dual_clip": "verl's vanilla loss also dual-clips negative advantages at ρ = 3.0; not applied here (ρ ≡ 1 in value with one update per step)",
         },

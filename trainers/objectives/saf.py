@@ -254,7 +254,7 @@ METHODS.add(
         make_state=Schedule.from_params,  # type: ignore[arg-type]
         group_size=8,  # methods.md §3.6: GRPO with n = 8 rollouts per prompt
         notes={
-            "samples_per_prompt": "default 8 rollouts per prompt (the paper's training config); 1 is refused unless allow_single_sample (with grpo_coef ≠ 0)",
+            "samples_per_prompt": "default 8 per prompt (the paper's training config); with grpo_coef ≠ 0, 1 needs allow_single_sample",
             "tanh_form": "c·tanh(a) as in the code and README (not c·tanh(a/c)): slope c near 0, saturates at ±c only for |a| ≳ 2",
             "anneal_without_warmup": "code anneals from step 1 when N = 0 (default True); the README says N = 0 disables Stage 4 (False)",
             "anneal_horizon": "R = anneal_steps (200) by default; anneal_total_steps = S > 0 gives R = max(1, S − warm-up end), the paper's 'remaining steps'",

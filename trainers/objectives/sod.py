@@ -198,7 +198,7 @@ METHODS.add(
         needs=sod_needs,  # type: ignore[arg-type]
         group_size=16,  # methods.md §2.5: 16 rollouts per prompt (run_sod.sh)
         notes={
-            "samples_per_prompt": "default 16 rollouts per prompt (official run script); 1 is refused unless allow_single_sample (with grpo_coef ≠ 0)",
+            "samples_per_prompt": "default 16 per prompt (official run script); with grpo_coef ≠ 0, 1 needs allow_single_sample",
             "delta": "δ = 0.2 from the official run script; the fork's config dataclass default is 0.5",
             "weight_rule": "official code clips only the output of the unclipped running product (= (d_1+ε)/(d_k+ε)); 'recursive' clips the carried product, a possible paper reading",
             "steps": "a step is a maximal run of loss_mask = 1 (official code); 'step_index' also splits adjacent model segments with different step ids",
