@@ -104,8 +104,9 @@ def last_run(store: Store) -> dict:
 
 
 @pytest.mark.slow
-def test_nonfinite_loss_stops_the_run_and_is_recorded_as_nan(out_dir):
-    result = smoke_run(out_dir, "--set", f"method_args.{METHOD}.at_call=2")
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_nonfinite_loss_stops_the_run_and_is_recorded_as_nan(out_dir, mode):
+    result = smoke_run(out_dir, "--mode", mode, "--set", f"method_args.{METHOD}.at_call=2")
     assert result.exit_code == 1, result.output
     assert "step 2" in result.output and repr(METHOD) in result.output and "non-finite" in result.output
     with Store(out_dir) as store:
