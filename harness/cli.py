@@ -110,6 +110,7 @@ def run(
     from harness.plan import load_plan_data, plan_run
     from harness.store import Store
     from harness.sweep import RunLocked, create_train_run, execute_run, plan_resume
+    from trainers.guards import TrainingAborted
 
     _quiet_libraries()
     store = None
@@ -145,6 +146,8 @@ def run(
         if store is not None and run_id is not None and not resume and (store.get_run(run_id) or {}).get("status") == "running":
             store.set_status(run_id, "interrupted")
         raise _fail(f"interrupted; continue with: harness run --resume {run_id} --out {out}", 130) from None
+    except TrainingAborted as exc:  # non-finite loss, too many grading errors: the run is marked failed
+        raise _fail(f"run {run_id} failed: {exc}", 1) from None
     _print_run_summary(store, run_id, plan, time.perf_counter() - started)
 
 

@@ -55,7 +55,9 @@ class TrainerConfig(Strict):
     sync_every: int = Field(1, ge=1, description="async: rollout weights are refreshed every N learner steps (or sooner if max_lag requires)")
     steps: int = Field(400, ge=1, description="optimizer steps")
     prompts_per_step: int = Field(64, ge=1)
-    samples_per_prompt: int = Field(1, ge=1)
+    samples_per_prompt: int = Field(
+        1, ge=1, description="default: the method's group size for group-baseline methods (grpo 8, sod 16, saf_opd 8), else 1"
+    )
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up")
@@ -65,6 +67,12 @@ class TrainerConfig(Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     max_new_tokens: int | None = Field(None, ge=1, description="default: the task's max_new_tokens")
     generate_batch_size: int = Field(256, ge=1)
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="a non-finite loss or gradient norm: stop the run (status failed), or skip that optimizer step and go on"
+    )
+    max_grade_error_rate: float = Field(
+        0.02, ge=0, le=1, description="stop the run when a step's share of grading errors exceeds this (as harness eval --max-error-rate)"
+    )
 
     @field_validator("executor")
     @classmethod

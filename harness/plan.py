@@ -121,6 +121,7 @@ def plan_run(cfg: RunConfig) -> Plan:
         if name == method.name:
             hparams = validated
     hparams = hparams if hparams is not None else method.hparams()
+    apply_group_size(cfg, method, hparams)
     task = make_task(cfg.task, cfg.task_args)
     eval_tasks = [make_task(name, cfg.task_args) for name in cfg.eval.tasks]
     if cfg.trainer.mode not in method.modes:
@@ -134,3 +135,18 @@ def plan_run(cfg: RunConfig) -> Plan:
         )
     check_references(cfg, method, hparams, task)
     return Plan(cfg, method, hparams, task, eval_tasks, pipeline, warnings=list(pipeline.warnings(method, hparams, task)))
+
+
+def apply_group_size(cfg: RunConfig, method, hparams) -> None:
+    """Give a group-baseline method (GRPO family) its default samples per prompt when no layer set one,
+    and refuse 1 sample per prompt, where its advantage would be the raw reward, unless explicitly allowed."""
+    trainer = cfg.trainer
+    if method.group_size is not None and "samples_per_prompt" not in trainer.model_fields_set:
+        trainer.samples_per_prompt = method.group_size  # recorded in the run's config like a set value
+    if method.group_baseline(hparams) and trainer.samples_per_prompt < 2 and not getattr(hparams, "allow_single_sample", False):
+        raise ConfigError(
+            f"trainer.samples_per_prompt={trainer.samples_per_prompt}: method {method.name!r} centres each reward on its prompt's group "
+            f"mean, which needs at least 2 samples per prompt (its default is {method.group_size}); with 1 it would train on the raw "
+            f"reward with no baseline. Set trainer.samples_per_prompt >= 2, "
+            f"or method_args.{method.name}.allow_single_sample=true to allow it"
+        )

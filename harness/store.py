@@ -7,6 +7,7 @@ killed at any point and resumed from its last checkpoint neither loses nor dupli
 from __future__ import annotations
 
 import json
+import math
 import sqlite3
 import time
 from collections.abc import Iterable
@@ -41,6 +42,18 @@ CREATE TABLE IF NOT EXISTS samples (
     PRIMARY KEY (run_id, step, task, problem_id, sample_index)
 );
 """
+
+
+def encode_metric(value: float) -> float | str:
+    """A metric value for SQLite: finite floats as REAL, NaN/±inf as the text 'nan'/'inf'/'-inf'
+    (SQLite would silently store NaN as NULL, and a lost NaN loss reads like a missing one)."""
+    value = float(value)
+    return value if math.isfinite(value) else str(value)
+
+
+def decode_metric(value: float | str | None) -> float | None:
+    """Inverse of :func:`encode_metric`: the text forms of non-finite values read back as floats."""
+    return float(value) if isinstance(value, str) else value
 
 
 @dataclass(frozen=True)
@@ -124,7 +137,7 @@ class Store:
         with self._tx() as c:
             c.executemany(
                 "INSERT OR REPLACE INTO step_metrics VALUES (?,?,?,?)",
-                [(run_id, step, name, float(value)) for name, value in metrics.items()],
+                [(run_id, step, name, encode_metric(value)) for name, value in metrics.items()],
             )
 
     def delete_steps_after(self, run_id: str, step: int) -> None:
@@ -135,7 +148,7 @@ class Store:
     def step_metrics(self, run_id: str) -> dict[int, dict[str, float]]:
         out: dict[int, dict[str, float]] = {}
         for row in self._conn.execute("SELECT step, name, value FROM step_metrics WHERE run_id=? ORDER BY step", (run_id,)):
-            out.setdefault(row["step"], {})[row["name"]] = row["value"]
+            out.setdefault(row["step"], {})[row["name"]] = decode_metric(row["value"])
         return out
 
     # checkpoints --------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Every registered method runs end-to-end through `harness run --preset smoke` (in-process CLI)."""
 
+import math
 import sqlite3
 
 import pytest
@@ -7,6 +8,7 @@ from typer.testing import CliRunner
 
 from harness.cli import app
 from harness.registry import METHODS
+from harness.store import Store
 
 runner = CliRunner()
 BUILTIN_METHODS = [name for name in METHODS.names() if not name.startswith("_")]
@@ -22,11 +24,17 @@ def out_dir(tmp_path_factory):
 def test_method_runs_end_to_end_on_smoke(method, out_dir):
     result = runner.invoke(app, ["run", "--method", method, "--task", "arith", "--preset", "smoke", "--set", "eval.teacher=false", "--out", str(out_dir)])
     assert result.exit_code == 0, result.output
-    with sqlite3.connect(out_dir / "results.sqlite") as conn:
-        (run_id,) = conn.execute("SELECT run_id FROM runs WHERE method=? AND kind='train' ORDER BY created_at DESC", (method,)).fetchone()
-        losses = [v for (v,) in conn.execute("SELECT value FROM step_metrics WHERE run_id=? AND name='loss' ORDER BY step", (run_id,))]
-        evals = [s for (s,) in conn.execute("SELECT step FROM evals WHERE run_id=? ORDER BY step", (run_id,))]
-    assert len(losses) == 4 and all(v == v for v in losses)  # four finite (non-NaN) losses
+    with Store(out_dir) as store:
+        run_id = [r["run_id"] for r in store.runs() if r["method"] == method and r["kind"] == "train"][-1]
+        steps = store.step_metrics(run_id)
+        evals = [e["step"] for e in store.evals(run_id)]
+    assert sorted(steps) == [1, 2, 3, 4]
+    spec = METHODS.get(method)
+    for step, metrics in steps.items():  # the values themselves, as the store reads them back (NaN stays NaN)
+        assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"]), (step, metrics)
+        assert metrics["nonfinite"] == 0.0 and metrics["skipped"] == 0.0, (step, metrics)
+        if "rewards" in spec.needs(spec.hparams()):  # graded every step; arith's grader never errors
+            assert metrics["grade_errors"] == 0.0 and math.isfinite(metrics["reward_mean"]), (step, metrics)
     assert evals == [0, 2, 4]
 
 

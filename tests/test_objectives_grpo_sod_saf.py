@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from harness.registry import METHODS
 from harness.trajectory import TensorBatch
 from trainers.objectives import StudentOutputs
-from trainers.objectives.common import opd_advantage
+from trainers.objectives.common import grpo_advantages, opd_advantage
 from trainers.objectives.grpo import GRPOParams, grpo_needs, grpo_objective, grpo_sequence_advantages
 from trainers.objectives.saf import (
     SAFParams,
@@ -410,6 +410,64 @@ def test_gradcheck_wrt_current_student_logprobs(name):
         return objective(batch, StudentOutputs(s_), hp, fresh_state(name))[0]
 
     assert torch.autograd.gradcheck(loss, (s,), eps=1e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------------- grading errors (NaN rewards)
+
+NAN = float("nan")
+# group 0 = rows 0-3 (row 1's grading errored), group 1 = rows 4-5; ERRORED is dropped for the "without" batch
+ERR_MASK = [[1, 1, 0], [1, 1, 1], [0, 1, 1], [1, 0, 1], [1, 1, 1], [1, 0, 0]]
+ERR_O = [[-1.0, -0.5, -2.0], [-0.3, -1.0, -0.8], [-0.7, -0.2, -0.9], [-1.1, -0.4, -0.6], [-0.2, -1.5, -0.3], [-0.9, -0.1, -1.0]]
+ERR_T = [[-0.4, -0.9, -1.0], [-1.3, -0.2, -0.1], [-0.5, -0.6, -1.9], [-0.8, -0.3, -0.2], [-0.6, -0.9, -1.1], [-0.1, -0.7, -0.4]]
+ERR_R, ERR_G, ERRORED = [1.0, NAN, 0.0, 1.0, 0.0, 1.0], [0, 0, 0, 0, 1, 1], 1
+KEEP = [b for b in range(6) if b != ERRORED]
+
+
+def errored_and_without():
+    """The batch with row 1 ungradeable (NaN reward), and the same batch without row 1."""
+    with_error = make_batch(ERR_MASK, ERR_O, ERR_T, rewards=ERR_R, groups=ERR_G)
+    mask, old, teacher = ([row[b] for b in KEEP] for row in (ERR_MASK, ERR_O, ERR_T))
+    without = make_batch(mask, old, teacher, rewards=[ERR_R[b] for b in KEEP], groups=[ERR_G[b] for b in KEEP])
+    return with_error, without
+
+
+def test_grpo_advantages_leave_an_errored_sample_out_of_its_group():
+    rewards = t([1.0, NAN, 0.0, 1.0, NAN, 0.5, NAN])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 2])
+    a = grpo_advantages(rewards, groups)
+    expected_group_0 = grpo_advantages(t([1.0, 0.0, 1.0]), torch.zeros(3, dtype=torch.long))  # the group without its error
+    assert_close(a[[0, 2, 3]], expected_group_0)
+    assert a[1] == 0 and a[4] == 0 and a[6] == 0  # errors get no advantage
+    assert a[5] == 0  # the last graded member of a larger group has no baseline: 0, not its raw reward
+    assert torch.isfinite(a).all()
+    assert grpo_advantages(t([0.5]), torch.tensor([0])).tolist() == [0.5]  # a true singleton keeps the verl convention
+
+
+def test_grpo_errored_sample_changes_nothing_for_the_others_and_gets_no_gradient():
+    with_error, without = errored_and_without()
+    loss_e, grad_e, diag_e = run(grpo_objective, with_error, t(ERR_O), GRPOParams())
+    loss_w, grad_w, diag_w = run(grpo_objective, without, without.old_logprobs, GRPOParams())
+    assert math.isfinite(loss_e.item()) and loss_e.item() == pytest.approx(loss_w.item(), abs=1e-12)
+    assert_close(grad_e[KEEP], grad_w, atol=1e-12)
+    assert torch.all(grad_e[ERRORED] == 0)
+    assert diag_e["reward_mean"] == pytest.approx(diag_w["reward_mean"]) == pytest.approx(3 / 5)  # errors are not zeros
+    assert diag_e["tokens"] == diag_w["tokens"]
+
+
+@pytest.mark.parametrize("name", ["sod", "saf_opd"])
+def test_fused_methods_keep_only_the_opd_term_of_an_errored_sample(name):
+    """SOD/SAF: the errored sample still gets its OPD advantage (no reward needed) but no GRPO term, and the
+    others' advantages are those of the batch without it (same token-mean denominator up to its tokens)."""
+    objective, hp = METHOD_CASES[name]
+    with_error, without = errored_and_without()
+    _, grad_e, diag_e = run(objective, with_error, t(ERR_O), hp, fresh_state(name))  # s = o: grad_t = −A_t / Σm
+    _, grad_w, _ = run(objective, without, without.old_logprobs, hp, fresh_state(name))
+    _, grad_opd_only, _ = run(objective, with_error, t(ERR_O), hp.model_copy(update={"grpo_coef": 0.0}), fresh_state(name))
+    n_e, n_w = with_error.loss_mask.sum(), without.loss_mask.sum()
+    assert torch.isfinite(grad_e).all()
+    assert_close(grad_e[KEEP] * n_e, grad_w * n_w, atol=1e-12)  # per-token advantages of the others unchanged
+    assert_close(grad_e[ERRORED], grad_opd_only[ERRORED], atol=1e-12)  # no reward gradient, its OPD one intact
+    assert diag_e["reward_mean"] == pytest.approx(3 / 5)
 
 
 # --------------------------------------------------------------------------------- registration

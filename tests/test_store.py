@@ -1,3 +1,5 @@
+import math
+
 from harness.store import SampleRow, Store
 
 
@@ -48,6 +50,17 @@ def test_rewrites_never_duplicate_rows(tmp_path):
         store.log_step("r1", 2, {"loss": 0.4})
         store.delete_steps_after("r1", 1)
         assert list(store.step_metrics("r1")) == [1]
+
+
+def test_nonfinite_step_metrics_read_back_as_what_they_were(tmp_path):
+    """SQLite stores a bound NaN as NULL; the store keeps NaN and ±inf so a diverged loss is never read as missing."""
+    with Store(tmp_path) as store:
+        store.create_run("r1", kind="train", config={})
+        store.log_step("r1", 1, {"loss": float("nan"), "grad_norm": float("inf"), "kl": float("-inf"), "lr": 1e-3})
+    with Store(tmp_path) as store:  # reopened from disk
+        got = store.step_metrics("r1")[1]
+    assert math.isnan(got["loss"]) and got["grad_norm"] == math.inf and got["kl"] == -math.inf and got["lr"] == 1e-3
+    assert all(isinstance(v, float) for v in got.values())
 
 
 def test_failed_eval_write_leaves_nothing(tmp_path):

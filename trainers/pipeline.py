@@ -24,6 +24,7 @@ from harness.store import Store
 from harness.timing import timed
 from harness.trajectory import TensorBatch, Trajectory, to_tensor_batch
 from trainers.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from trainers.guards import enforce_finite, enforce_grade_error_rate, grade_error_count
 from trainers.learner import train_step
 from trainers.warmup import prepare_model
 
@@ -69,8 +70,11 @@ def generate_batch(plan, student: Backend, problems: list, step: int, metrics: d
             by_id = {p.id: p for p in problems}
             scores = task.grade_many([by_id[t.problem_id] for t in trajectories], [t.completion_text for t in trajectories])
             for traj, score in zip(trajectories, scores, strict=True):
-                traj.reward = score.value
-            metrics["reward_mean"] = sum(s.value for s in scores) / len(scores)
+                traj.reward = None if score.status == "error" else score.value  # no reward (NaN), never 0: objectives leave it out
+            errors = grade_error_count([s.status for s in scores])
+            graded = [s.value for s in scores if s.status != "error"]
+            metrics.update(grade_errors=float(errors), reward_mean=sum(graded) / len(graded) if graded else float("nan"))
+            enforce_grade_error_rate(errors, len(scores), cfg.trainer.max_grade_error_rate, step, task.name)
     batch = to_tensor_batch(trajectories, student.pad_id)
     if "old_logprobs" in needs and method.on_policy:
         with timed("old_logprobs", metrics):
@@ -235,6 +239,8 @@ class Session:
         self.state.train_seconds += train_seconds
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         self.store.log_step(self.run_id, step, metrics)
+        if warning := enforce_finite(metrics, step, self.plan.method.name, cfg.trainer.on_nonfinite):  # raises under "stop", once recorded
+            self.console.print(f"[yellow]warning:[/] {warning}")
         if step % cfg.trainer.checkpoint_every and step != cfg.trainer.steps:
             return False
         if before_checkpoint is not None:

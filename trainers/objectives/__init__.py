@@ -68,6 +68,13 @@ class MethodSpec:
     modes: tuple[str, ...] = ("sync", "async")
     make_state: Callable[[HParams], "MethodState"] | None = None  # schedules (SAF warm-up/anneal, f-OPD refresh)
     notes: dict[str, str] = field(default_factory=dict)
+    # Methods with a group-centred reward advantage (GRPO family): samples per prompt when the config sets none.
+    # Their baseline needs ≥ 2 samples per prompt; config validation refuses 1 unless hparams.allow_single_sample.
+    group_size: int | None = None
+
+    def group_baseline(self, hparams: HParams) -> bool:
+        """Whether this method, with these hyper-parameters, centres rewards on a per-prompt group mean."""
+        return self.group_size is not None and "rewards" in self.needs(hparams)
 
     def describe(self) -> dict:
         """Name, description, defaults and declared inputs, for ``harness methods --json``."""
@@ -80,6 +87,7 @@ class MethodSpec:
             "on_policy": self.on_policy,
             "modes": list(self.modes),
             "stateful": self.make_state is not None,
+            "samples_per_prompt": self.group_size,
             "notes": dict(self.notes),
         }
 

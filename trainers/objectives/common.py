@@ -24,18 +24,32 @@ def opd_advantage(old_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: torc
     return ((teacher_logp - old_logp) * mask).detach()
 
 
+def graded(rewards: torch.Tensor) -> torch.Tensor:
+    """(B,) bool: which trajectories have a reward; NaN marks a grading error (or no reward at all)."""
+    return ~torch.isnan(rewards)
+
+
+def graded_reward_mean(rewards: torch.Tensor) -> float:
+    """Mean reward over the graded trajectories (NaN when none is graded): errors are not zeros."""
+    return float(torch.nanmean(rewards.float())) if rewards.numel() else float("nan")
+
+
 def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """(R_b − mean_g R) / (std_g R + eps) with the unbiased std; a group of size 1 gets mean 0, std 1."""
-    if torch.isnan(rewards).any():
-        raise ValueError("GRPO advantages need a reward for every trajectory (found NaN)")
+    """(R_b − mean_g R) / (std_g R + eps) with the unbiased std; a group of size 1 gets mean 0, std 1.
+
+    A NaN reward (grading error) gets advantage 0 and is left out of its group's mean and std; a larger
+    group left with a single graded member has no baseline, so that member gets 0 too.
+    """
     out = torch.zeros_like(rewards, dtype=torch.float32)
+    has_reward = graded(rewards)
     for g in group_ids.unique():
-        idx = group_ids == g
-        r = rewards[idx].float()
-        if r.numel() == 1:
-            out[idx] = r  # mean 0, std 1 (verl convention)
-        else:
-            out[idx] = (r - r.mean()) / (r.std(unbiased=True) + eps)
+        members = group_ids == g
+        scored = members & has_reward
+        r = rewards[scored].float()
+        if int(members.sum()) == 1:
+            out[scored] = r  # mean 0, std 1 (verl convention for a group of size 1)
+        elif r.numel() >= 2:
+            out[scored] = (r - r.mean()) / (r.std(unbiased=True) + eps)
     return out
 
 

@@ -13,7 +13,7 @@ from pydantic import Field
 from harness.registry import METHODS
 from harness.trajectory import TensorBatch
 from trainers.objectives import HParams, MethodSpec, StudentOutputs, masked_mean
-from trainers.objectives.common import clipped_surrogate, grpo_advantages, old_logprobs
+from trainers.objectives.common import clipped_surrogate, graded, graded_reward_mean, grpo_advantages, old_logprobs
 
 
 class ClipParams(HParams):
@@ -23,12 +23,23 @@ class ClipParams(HParams):
     clip_high: float = Field(0.28, ge=0, description="ε_hi: ratio clipped above at 1 + ε_hi")
 
 
-class GRPOParams(ClipParams):
+class GroupParams(HParams):
+    """The group baseline's guard, shared by GRPO, SOD and SAF-OPD."""
+
+    allow_single_sample: bool = Field(
+        False, description="allow trainer.samples_per_prompt = 1, where the group-centred advantage is the raw reward (no baseline)"
+    )
+
+
+class GRPOParams(ClipParams, GroupParams):
     pass
 
 
+GRPO_GROUP_SIZE = 8  # methods.md §3.6: the GRPO training config of SAF-OPD's paper, n = 8 rollouts per prompt
+
+
 def grpo_sequence_advantages(batch: TensorBatch, coef: float = 1.0) -> torch.Tensor:
-    """g·A^grpo_b, shape (B,). With g = 0 (pure OPD) rewards are not read and may be absent (NaN)."""
+    """g·A^grpo_b, shape (B,); 0 for a sample without a reward (NaN: grading error). With g = 0 (pure OPD) rewards are not read."""
     if coef == 0.0:
         return torch.zeros(batch.loss_mask.shape[0], dtype=batch.loss_mask.dtype)
     return coef * grpo_advantages(batch.rewards, batch.group_ids).to(batch.loss_mask.dtype)  # (R − mean_g R)/(std_g R + 1e-6)
@@ -40,16 +51,22 @@ def grpo_token_advantages(batch: TensorBatch, coef: float = 1.0) -> torch.Tensor
 
 
 def grpo_objective(batch: TensorBatch, student: StudentOutputs, hp: GRPOParams, state: object = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped surrogate on the broadcast GRPO advantage; ρ_t = exp(s_t − o_t), token-mean."""
-    mask = batch.loss_mask
+    """Clipped surrogate on the broadcast GRPO advantage; ρ_t = exp(s_t − o_t), token-mean over graded samples.
+
+    A sample whose grading errored (NaN reward) has nothing to learn from here: its tokens leave the loss
+    and the token-mean, so it changes nothing for the others.
+    """
+    has_reward = graded(batch.rewards)
+    mask = batch.loss_mask * has_reward[:, None].to(batch.loss_mask.dtype)
     old = old_logprobs(batch, student)
     per_sequence = grpo_sequence_advantages(batch)
     advantages = grpo_token_advantages(batch).to(old.dtype)
     loss, diagnostics = clipped_surrogate(student.logprobs, old, advantages, mask, clip_low=hp.clip_low, clip_high=hp.clip_high)
+    scored = per_sequence[has_reward] if has_reward.any() else per_sequence.new_zeros(1)
     diagnostics.update(
-        reward_mean=float(batch.rewards.float().mean()),
-        advantage_mean=float(per_sequence.mean()),  # per sequence, before broadcasting
-        advantage_std=float(per_sequence.std(unbiased=False)),  # population std: defined for B = 1
+        reward_mean=graded_reward_mean(batch.rewards),
+        advantage_mean=float(scored.mean()),  # per graded sequence, before broadcasting
+        advantage_std=float(scored.std(unbiased=False)),  # population std: defined for B = 1
         token_advantage_mean=float(masked_mean(advantages, mask)),
         tokens=float(mask.sum()),
     )
@@ -68,9 +85,11 @@ METHODS.add(
         objective=grpo_objective,  # type: ignore[arg-type]
         hparams=GRPOParams,
         needs=grpo_needs,  # type: ignore[arg-type]
+        group_size=GRPO_GROUP_SIZE,
         notes={
+            "samples_per_prompt": "default 8 per prompt (the GRPO config of the SAF-OPD paper); 1 is refused unless allow_single_sample",
             "ratio": "ρ = exp(s − o) against o recomputed by the rollout role under the behaviour weights (π_old); 1 at lag 0, off 1 in async runs with policy lag",
-            "dual_clip": "verl's vanilla loss also dual-clips negative advantages at ρ = 3.0; not applied here (ρ ≡ 1 in value with one update per step)",
+            "dual_clip": "verl's vanilla loss also dual-clips negative advantages at ρ = 3.0; not applied here (one update per batch)",
         },
     ),
 )

@@ -23,11 +23,11 @@ from pydantic import Field
 from harness.registry import METHODS
 from harness.trajectory import TensorBatch
 from trainers.objectives import MethodSpec, StudentOutputs, masked_mean
-from trainers.objectives.common import clipped_surrogate, k3, old_logprobs, opd_advantage
-from trainers.objectives.grpo import ClipParams, grpo_sequence_advantages
+from trainers.objectives.common import clipped_surrogate, graded_reward_mean, k3, old_logprobs, opd_advantage
+from trainers.objectives.grpo import ClipParams, GroupParams, grpo_sequence_advantages
 
 
-class SAFParams(ClipParams):
+class SAFParams(ClipParams, GroupParams):
     # Stage 1 — top-k% sparsification
     topk: bool = Field(True, description="Stage 1 switch: per-sequence top-k% sparsification by |a|")
     topk_percent: float = Field(20.0, ge=0, le=100, description="k: percent of valid tokens kept (identity unless 0 < k < 100)")
@@ -234,7 +234,7 @@ def saf_objective(batch: TensorBatch, student: StudentOutputs, hp: SAFParams, st
         tokens=float(mask.sum()),
     )
     if hp.grpo_coef != 0.0:
-        diagnostics["reward_mean"] = float(batch.rewards.float().mean())
+        diagnostics["reward_mean"] = graded_reward_mean(batch.rewards)  # over graded samples: errors are not zeros
     return loss, diagnostics
 
 
@@ -252,7 +252,9 @@ METHODS.add(
         hparams=SAFParams,
         needs=saf_needs,  # type: ignore[arg-type]
         make_state=Schedule.from_params,  # type: ignore[arg-type]
+        group_size=8,  # methods.md §3.6: GRPO with n = 8 rollouts per prompt
         notes={
+            "samples_per_prompt": "default 8 per prompt (the paper's training config); with grpo_coef ≠ 0, 1 needs allow_single_sample",
             "tanh_form": "c·tanh(a) as in the code and README (not c·tanh(a/c)): slope c near 0, saturates at ±c only for |a| ≳ 2",
             "anneal_without_warmup": "code anneals from step 1 when N = 0 (default True); the README says N = 0 disables Stage 4 (False)",
             "anneal_horizon": "R = anneal_steps (200) by default; anneal_total_steps = S > 0 gives R = max(1, S − warm-up end), the paper's 'remaining steps'",

@@ -23,14 +23,14 @@ from pydantic import Field
 from harness.registry import METHODS
 from harness.trajectory import TensorBatch
 from trainers.objectives import MethodSpec, StudentOutputs, masked_mean
-from trainers.objectives.common import clipped_surrogate, old_logprobs, opd_advantage
-from trainers.objectives.grpo import ClipParams, grpo_sequence_advantages
+from trainers.objectives.common import clipped_surrogate, graded_reward_mean, old_logprobs, opd_advantage
+from trainers.objectives.grpo import ClipParams, GroupParams, grpo_sequence_advantages
 
 WeightRule = Literal["telescoped", "recursive"]
 StepSource = Literal["mask_runs", "step_index"]
 
 
-class SODParams(ClipParams):
+class SODParams(ClipParams, GroupParams):
     eps: float = Field(1e-6, gt=0, description="ε in w_k = min((d_1+ε)/(d_k+ε), 1+δ)")
     delta: float = Field(0.2, ge=0, description="δ: weight cap 1+δ (0.2 = official run script; the config dataclass default is 0.5)")
     c_opd: float = Field(1.0, description="c_opd: weight of the step-weighted OPD advantage")
@@ -179,7 +179,7 @@ def sod_objective(batch: TensorBatch, student: StudentOutputs, hp: SODParams, st
         tokens=float(mask.sum()),
     )
     if hp.grpo_coef != 0.0:
-        diagnostics["reward_mean"] = float(batch.rewards.float().mean())
+        diagnostics["reward_mean"] = graded_reward_mean(batch.rewards)  # over graded samples: errors are not zeros
     return loss, diagnostics
 
 
@@ -196,7 +196,9 @@ METHODS.add(
         objective=sod_objective,  # type: ignore[arg-type]
         hparams=SODParams,
         needs=sod_needs,  # type: ignore[arg-type]
+        group_size=16,  # methods.md §2.5: 16 rollouts per prompt (run_sod.sh)
         notes={
+            "samples_per_prompt": "default 16 per prompt (official run script); with grpo_coef ≠ 0, 1 needs allow_single_sample",
             "delta": "δ = 0.2 from the official run script; the fork's config dataclass default is 0.5",
             "weight_rule": "official code clips only the output of the unclipped running product (= (d_1+ε)/(d_k+ε)); 'recursive' clips the carried product, a possible paper reading",
             "steps": "a step is a maximal run of loss_mask = 1 (official code); 'step_index' also splits adjacent model segments with different step ids",
