@@ -63,3 +63,29 @@ def test_share_at_the_threshold_is_allowed(student):
     metrics: dict[str, float] = {}
     batch, _ = generate_batch(plan, student, problems, 1, metrics)
     assert metrics["grade_errors"] == 2.0 and int(torch.isnan(batch.rewards).sum()) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_run_past_the_error_share_ends_failed_with_one_line(tmp_path, mode):
+    """Raised in the rollout role (a worker thread in both modes), the error reaches the CLI as itself: exit 1, no traceback."""
+    import sqlite3
+
+    from typer.testing import CliRunner
+
+    from harness.cli import app
+    from harness.registry import TASKS
+
+    class FlakyRunTask(FlakyArith):
+        name = "_flaky_arith"
+
+    if "_flaky_arith" not in TASKS:
+        TASKS.add("_flaky_arith", FlakyRunTask)
+    args = ["run", "--method", "grpo", "--task", "_flaky_arith", "--mode", mode, "--preset", "smoke", "--set", "eval.teacher=false",
+            "--set", "eval.before_training=false", "--set", "threads=1", "--out", str(tmp_path)]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1, result.output
+    message = " ".join(result.output.split())
+    assert "step 1: 2 of" in message and "trainer.max_grade_error_rate" in message and "Traceback" not in message
+    with sqlite3.connect(tmp_path / "results.sqlite") as conn:
+        assert conn.execute("SELECT status FROM runs WHERE kind='train'").fetchall() == [("failed",)]
