@@ -76,14 +76,15 @@ def math500_data(root: Path, rows: list) -> Path:
 # --------------------------------------------------------------------------- item 7: harness eval
 
 
-def test_eval_missing_data_folder_exits_2_naming_the_path_and_how_to_get_it(tmp_path):
-    model = replay_file(tmp_path, "math500", [("test/a/1.json", "\\boxed{2}")])
+@pytest.mark.parametrize("task, problem, missing", [("math500", "test/a/1.json", "math500/test.jsonl"), ("humaneval_plus", "HumanEval/0", "humaneval_plus")])
+def test_eval_missing_data_folder_exits_2_naming_the_path_and_how_to_get_it(tmp_path, task, problem, missing):
+    model = replay_file(tmp_path, task, [(problem, "\\boxed{2}")])
     empty, out = tmp_path / "data", tmp_path / "out"
     empty.mkdir()
-    result = runner.invoke(app, ["eval", "--backend", "replay", "--model", str(model), "--task", "math500", "--data-dir", str(empty), "--out", str(out)])
+    result = runner.invoke(app, ["eval", "--backend", "replay", "--model", str(model), "--task", task, "--data-dir", str(empty), "--out", str(out)])
     assert result.exit_code == 2, result.output
     message = flat(result.output)
-    assert str(empty / "math500" / "test.jsonl") in message and "--data-dir" in message and "harness data fetch math500" in message
+    assert str(empty / missing) in message and "--data-dir" in message and f"harness data fetch {task}" in message
     assert "Traceback" not in result.output and run_rows(out) == [] and not out.exists()
 
 
@@ -92,16 +93,6 @@ def test_eval_data_dir_that_does_not_exist_is_named(tmp_path):
     result = runner.invoke(app, ["eval", "--backend", "replay", "--model", str(model), "--task", "math500", "--data-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "out")])
     assert result.exit_code == 2 and f"--data-dir {tmp_path / 'nope'}: no such directory" in flat(result.output)
     assert not (tmp_path / "out").exists()
-
-
-def test_eval_code_task_missing_data_exits_2(tmp_path):
-    model = replay_file(tmp_path, "humaneval_plus", [("HumanEval/0", "pass")])
-    empty, out = tmp_path / "data", tmp_path / "out"
-    empty.mkdir()
-    result = runner.invoke(app, ["eval", "--backend", "replay", "--model", str(model), "--task", "humaneval_plus", "--data-dir", str(empty), "--out", str(out)])
-    assert result.exit_code == 2, result.output
-    assert str(empty / "humaneval_plus") in flat(result.output) and "harness data fetch humaneval_plus" in flat(result.output)
-    assert run_rows(out) == []
 
 
 def test_eval_lm_eval_task_with_a_missing_data_file_exits_2_naming_it(tmp_path):
