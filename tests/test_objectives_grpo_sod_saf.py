@@ -475,9 +475,9 @@ def test_fused_methods_keep_only_the_opd_term_of_an_errored_sample(name):
 
 def test_methods_registered_with_declared_inputs():
     assert {"grpo", "sod", "saf_opd"} <= set(METHODS.names())
-    assert grpo_needs(GRPOParams()) == {"rewards", "behaviour_logprobs"}
-    assert sod_needs(SODParams()) == {"rewards", "teacher_logprobs", "behaviour_logprobs", "step_boundaries"}
-    assert saf_needs(SAFParams()) == {"rewards", "teacher_logprobs", "behaviour_logprobs"}
+    assert grpo_needs(GRPOParams()) == {"rewards", "behaviour_logprobs", "old_logprobs"}
+    assert sod_needs(SODParams()) == {"rewards", "teacher_logprobs", "behaviour_logprobs", "old_logprobs", "step_boundaries"}
+    assert saf_needs(SAFParams()) == {"rewards", "teacher_logprobs", "behaviour_logprobs", "old_logprobs"}
     assert "rewards" not in sod_needs(SODParams(grpo_coef=0.0)) | saf_needs(SAFParams(grpo_coef=0.0))
     spec = METHODS.get("saf_opd")
     assert spec.describe()["stateful"] and spec.notes
