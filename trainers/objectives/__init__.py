@@ -67,19 +67,22 @@ class MethodSpec:
     modes: tuple[str, ...] = ("sync", "async")
     make_state: Callable[[HParams], "MethodState"] | None = None  # schedules (SAF warm-up/anneal, f-OPD refresh)
     notes: dict[str, str] = field(default_factory=dict)
+    run_notes: Callable[[HParams], dict[str, str]] | None = None  # notes that depend on a run's hyper-parameters
 
-    def describe(self) -> dict:
-        """Name, description, defaults and declared inputs, for ``harness methods --json``."""
+    def describe(self, hparams: HParams | None = None) -> dict:
+        """Name, description, defaults, declared inputs and notes, for ``harness methods --json``; given a
+        run's ``hparams`` (``method.json``), the inputs and notes are that run's."""
         defaults = self.hparams()
+        chosen = defaults if hparams is None else hparams
         return {
             "name": self.name,
             "description": self.description,
             "defaults": defaults.model_dump(),
-            "inputs": sorted(self.needs(defaults)),
+            "inputs": sorted(self.needs(chosen)),
             "on_policy": self.on_policy,
             "modes": list(self.modes),
             "stateful": self.make_state is not None,
-            "notes": dict(self.notes),
+            "notes": {**self.notes, **(self.run_notes(chosen) if self.run_notes else {})},
         }
 
 
