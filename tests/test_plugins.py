@@ -38,7 +38,8 @@ def plugin_objective(batch, student, hp, state=None):
     """Sampled-token reverse-KL surrogate sg(s - T)*s, token mean."""
     coef = (student.logprobs.detach() - batch.teacher_logprobs) * hp.scale
     loss = masked_mean(coef * student.logprobs, batch.loss_mask)
-    return loss, {"teacher_kl": float(masked_mean(batch.behaviour_logprobs - batch.teacher_logprobs, batch.loss_mask)), "plugin_scale": hp.scale}
+    teacher_kl = masked_mean(batch.behaviour_logprobs - batch.teacher_logprobs, batch.loss_mask)
+    return loss, {"teacher_kl": float(teacher_kl), "plugin_scale": hp.scale}
 
 
 PLUGIN_OPD = MethodSpec(
@@ -96,7 +97,8 @@ def test_open_sandbox_finds_a_plugin_provider(plugin_env):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=plugin_env, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "True"
-    unknown = subprocess.run([sys.executable, "-c", "import sandbox; sandbox.open_sandbox('plugin_locl')"], capture_output=True, text=True, timeout=300, env=plugin_env, cwd=ROOT)
+    typo = "import sandbox; sandbox.open_sandbox('plugin_locl')"
+    unknown = subprocess.run([sys.executable, "-c", typo], capture_output=True, text=True, timeout=300, env=plugin_env, cwd=ROOT)
     assert "valid: docker, local, plugin_local" in unknown.stderr
 
 
@@ -123,5 +125,6 @@ def test_run_and_eval_with_plugin_task_and_method(plugin_env, tmp_path):
     assert scales == [(0.5,)]  # the plug-in's objective ran, with the run's hyper-parameter
     assert evaluated == {"plugin_arith"}
     checkpoint = sorted((out / "runs" / run_id / "checkpoints").iterdir())[-1]
-    summary = json.loads(harness(plugin_env, "eval", "--model", str(checkpoint), "--task", "plugin_arith", "--limit", "2", "--k", "1", "--out", str(out), "--json").stdout)
+    eval_result = harness(plugin_env, "eval", "--model", str(checkpoint), "--task", "plugin_arith", "--limit", "2", "--k", "1", "--out", str(out), "--json")
+    summary = json.loads(eval_result.stdout)
     assert summary["tasks"]["plugin_arith"]["n_samples"] == 2

@@ -107,7 +107,8 @@ def _plugin_dist(root: Path, name: str, entry_points: str, module: str | None = 
 
 
 def test_plugin_claiming_a_builtin_name_is_refused(tmp_path, monkeypatch):
-    _plugin_dist(tmp_path, "greedy-plugin", "[opd_harness.tasks]\narith = greedy_plugin_mod:Other\n", "greedy_plugin_mod", "class Other:\n    name = 'arith'\n")
+    entries = "[opd_harness.tasks]\narith = greedy_plugin_mod:Other\n"
+    _plugin_dist(tmp_path, "greedy-plugin", entries, "greedy_plugin_mod", "class Other:\n    name = 'arith'\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(RegistryError, match=r"duplicate opd_harness.tasks entry point 'arith'.*greedy-plugin"):
         Registry("tasks").names()
@@ -139,7 +140,8 @@ def test_module_entry_points_and_prefix_families(tmp_path, monkeypatch):
         REG.add("one", 1)  # a module that registers several names on import: one entry point per name
         REG.add("two", 2)
         """
-    _plugin_dist(tmp_path, "gadget-plugin", "[opd_harness.gadgets]\none = gadget_mod\ntwo = gadget_mod\nfam:* = gadget_mod:make\n", "gadget_mod", code)
+    entries = "[opd_harness.gadgets]\none = gadget_mod\ntwo = gadget_mod\nfam:* = gadget_mod:make\n"
+    _plugin_dist(tmp_path, "gadget-plugin", entries, "gadget_mod", code)
     monkeypatch.syspath_prepend(str(tmp_path))
     import gadget_mod
 
@@ -157,7 +159,8 @@ def test_module_entry_point_that_registers_nothing_is_an_error(tmp_path, monkeyp
 
 
 def test_broken_plugin_names_its_entry_point_and_is_retried(tmp_path, monkeypatch):
-    _plugin_dist(tmp_path, "broken-plugin", "[opd_harness.tasks_y]\nbad = broken_plugin_mod:Task\n", "broken_plugin_mod", "import no_such_module_xyz\n")
+    entries = "[opd_harness.tasks_y]\nbad = broken_plugin_mod:Task\n"
+    _plugin_dist(tmp_path, "broken-plugin", entries, "broken_plugin_mod", "import no_such_module_xyz\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     reg: Registry = Registry("tasks_y")
     for _ in range(2):  # a failed load is not remembered as done
@@ -166,7 +169,8 @@ def test_broken_plugin_names_its_entry_point_and_is_retried(tmp_path, monkeypatc
 
 
 def test_source_tree_entry_points_read_pyproject(tmp_path):
-    (tmp_path / "pyproject.toml").write_text('[project]\nname = "opd-harness"\n[project.entry-points."opd_harness.tasks"]\narith = "m:A"\n"fam:*" = "m:f"\n')
+    declared = '[project.entry-points."opd_harness.tasks"]\narith = "m:A"\n"fam:*" = "m:f"\n'
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "opd-harness"\n' + declared)
     eps = source_tree_entry_points("opd_harness.tasks", tmp_path / "pyproject.toml")
     assert [(ep.name, ep.value) for ep in eps] == [("arith", "m:A"), ("fam:*", "m:f")]
     (tmp_path / "pyproject.toml").write_text('[project]\nname = "someone-else"\n')
