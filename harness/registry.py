@@ -1,20 +1,29 @@
 """One registry mechanism for tasks, methods, backends, sandboxes and pipelines.
 
-Plugins register under a string name with a decorator; third-party packages add entries through
-the entry-point group ``opd_harness.<kind>``. A prefix factory (``add_prefix``) serves a whole family of
-names ``prefix:rest`` that cannot be listed up front (e.g. one task per external benchmark suite entry). Built-in modules are imported lazily on first lookup,
-so importing ``harness`` stays cheap.
+Tasks, methods and sandboxes are declared as entry points in the groups ``opd_harness.<kind>``, the
+built-ins in this project's pyproject.toml like any plug-in package's. An entry is either
+``name = "module:object"`` (the object is registered under ``name``) or ``name = "module"`` (importing the
+module registers ``name``, e.g. with ``@TASKS.register``; for a module that registers several names, each
+name gets its own entry). ``"prefix:*" = "module:factory"`` declares a prefix family: every name
+``prefix:rest`` is built by ``factory(rest)`` (e.g. one task per lm-eval task). Entry points are loaded on
+the first lookup, so importing ``harness`` stays cheap. Backends and pipelines still come from their
+built-in module lists (plus any entry points in their groups).
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib
+import tomllib
 from collections.abc import Callable, Iterator
-from importlib.metadata import entry_points
+from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
+
+PROJECT = "opd-harness"  # this project's distribution name
+PREFIX_SUFFIX = ":*"  # an entry point named "prefix:*" declares a prefix family
 
 
 class RegistryError(KeyError):
@@ -67,17 +76,31 @@ class Registry(Generic[T]):
         return sorted(self._prefixes)
 
     def _load(self) -> None:
+        """Import the built-in modules and load every declared entry point, once; a failure is retried next time."""
         if self._loaded:
             return
         self._loaded = True
-        for module in self._builtin_modules:
-            importlib.import_module(module)
-        for ep in entry_points(group=self.entry_point_group):
-            if ep.name in self._items:
-                continue
+        try:
+            for module in self._builtin_modules:
+                importlib.import_module(module)
+            for ep in unique_entry_points(self.entry_point_group):
+                self._add_entry_point(ep)
+        except Exception:
+            self._loaded = False
+            raise
+
+    def _add_entry_point(self, ep: EntryPoint) -> None:
+        """Register what ``ep`` declares: an object, a prefix factory, or the names its module registers on import."""
+        try:
             loaded = ep.load()
-            if ep.name not in self._items:  # the module may have registered itself on import
-                self.add(ep.name, loaded)
+        except Exception as exc:
+            raise RegistryError(f"{self.kind} entry point {_describe_entry_point(ep)} failed to load: {type(exc).__name__}: {exc}") from exc
+        if ep.name.endswith(PREFIX_SUFFIX):
+            self.add_prefix(ep.name[: -len(PREFIX_SUFFIX)], loaded)
+        elif ep.attr is not None:
+            self.add(ep.name, loaded)
+        elif ep.name not in self._items:
+            raise RegistryError(f"{self.kind} entry point {_describe_entry_point(ep)}: importing the module did not register {ep.name!r}")
 
     def get(self, name: str) -> T:
         """The plugin called ``name``; an unknown name lists the valid ones and the closest match."""
@@ -125,17 +148,56 @@ def _describe(obj: object) -> str:
     return f"{module}.{getattr(obj, '__qualname__', getattr(obj, 'name', type(obj).__name__))}"
 
 
-TASKS: Registry = Registry(
-    "tasks", ("tasks.synthetic.arith", "tasks.math.benchmarks", "tasks.code.evalplus", "tasks.code.livecodebench", "tasks.lm_eval_bridge")
-)
-METHODS: Registry = Registry(
-    "methods",
-    tuple(
-        f"trainers.objectives.{m}"
-        for m in ("opd", "sft", "grpo", "sod", "saf", "ap_opd", "iw_opd", "eopd", "gkd", "f_opd")
-    ),
-)
+def _describe_entry_point(ep: EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    origin = f" (from {dist.name} {dist.version})" if dist is not None else f" (from {PROJECT}'s pyproject.toml)"
+    return f"{ep.name} = {ep.value}{origin}"
+
+
+def _is_this_project(ep: EntryPoint) -> bool:
+    dist = getattr(ep, "dist", None)
+    return dist is not None and (dist.name or "").lower().replace("_", "-") == PROJECT
+
+
+def source_tree_entry_points(group: str, pyproject: Path | None = None) -> list[EntryPoint] | None:
+    """The entry points this project's pyproject.toml declares in ``group`` when the code runs from a
+    source checkout (it sits beside ``harness/``); None for an installed wheel."""
+    pyproject = pyproject or Path(__file__).resolve().parent.parent / "pyproject.toml"
+    if not pyproject.is_file():
+        return None
+    project = tomllib.loads(pyproject.read_text()).get("project", {})
+    if project.get("name") != PROJECT:
+        return None
+    declared = project.get("entry-points", {}).get(group, {})
+    return [EntryPoint(name=name, value=value, group=group) for name, value in declared.items()]
+
+
+def declared_entry_points(group: str) -> list[EntryPoint]:
+    """Every entry point of ``group``: this project's (from its source checkout's pyproject.toml when there
+    is one, so a stale or missing install cannot hide a built-in) and every other installed package's."""
+    installed = list(entry_points(group=group))
+    source = source_tree_entry_points(group)
+    if source is None:
+        return installed
+    return source + [ep for ep in installed if not _is_this_project(ep)]
+
+
+def unique_entry_points(group: str) -> list[EntryPoint]:
+    """:func:`declared_entry_points` with identical declarations merged; one name declared twice with
+    different values is a :class:`RegistryError` naming both."""
+    chosen: dict[str, EntryPoint] = {}
+    for ep in declared_entry_points(group):
+        first = chosen.setdefault(ep.name, ep)
+        if first.value != ep.value:
+            raise RegistryError(
+                f"duplicate {group} entry point {ep.name!r}: {_describe_entry_point(first)} and {_describe_entry_point(ep)}"
+            )
+    return list(chosen.values())
+
+
+TASKS: Registry = Registry("tasks")  # built-ins: [project.entry-points."opd_harness.tasks"] in pyproject.toml
+METHODS: Registry = Registry("methods")  # built-ins: [project.entry-points."opd_harness.methods"]
 BACKENDS: Registry = Registry("backends", ("harness.backends.hf", "harness.backends.replay", "harness.backends.openai_backend", "harness.backends.vllm_backend"))
-SANDBOXES: Registry = Registry("sandboxes")
+SANDBOXES: Registry = Registry("sandboxes")  # built-ins: [project.entry-points."opd_harness.sandboxes"]
 PIPELINES: Registry = Registry("pipelines", ("trainers.loop",))
 EXECUTORS: Registry = Registry("executors", ("trainers.inprocess", "trainers.ray_executor"))

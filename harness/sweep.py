@@ -229,7 +229,7 @@ def create_train_run(store: Store, cfg: RunConfig, plan) -> str:
     run_id = new_run_id(cfg.method, cfg.task)
     store.create_run(run_id, kind="train", config=cfg.model_dump(), method=cfg.method, task=cfg.task)
     (store.run_dir(run_id) / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
-    method_record = {**plan.method.describe(), "hparams": plan.hparams.model_dump(), "warnings": plan.warnings}
+    method_record = {**plan.method.describe(plan.hparams), "hparams": plan.hparams.model_dump(), "warnings": plan.warnings}
     (store.run_dir(run_id) / "method.json").write_text(json.dumps(method_record, indent=2))
     return run_id
 

@@ -263,9 +263,14 @@ def open_sandbox(name: str = "docker", **options) -> Sandbox:
         KeyError: unknown provider (the message lists the valid ones).
     """
     _load_builtin(name)
-    if name not in PROVIDERS:
-        raise KeyError(f"unknown sandbox provider {name!r}; valid: {', '.join(provider_names())}")
-    return PROVIDERS[name](**options)
+    if name in PROVIDERS:
+        return PROVIDERS[name](**options)
+    from harness.registry import SANDBOXES  # entry points "opd_harness.sandboxes": plug-in providers
+
+    if name not in SANDBOXES:
+        valid = sorted(set(provider_names()) | set(SANDBOXES.names()))
+        raise KeyError(f"unknown sandbox provider {name!r}; valid: {', '.join(valid)}")
+    return SANDBOXES.get(name)(**options)
 
 
 # ---------------------------------------------------------------- helpers shared by providers

@@ -1,5 +1,6 @@
 """f-OPD and its asynchronous baselines (methods.md §5) on hand-computed tensors and properties."""
 
+import dataclasses
 import math
 
 import pytest
@@ -15,6 +16,7 @@ from trainers.objectives.f_opd import (
     ClippedIWParams,
     FOPDParams,
     HardRefreshParams,
+    AsyncOPDParams,
     LagOnlyParams,
     OPDKLParams,
     RefreshMonitor,
@@ -25,6 +27,7 @@ from trainers.objectives.f_opd import (
     freshness,
     freshness_weights,
     lag_only_freshness,
+    opd_async_objective,
     opd_clipped_iw_objective,
     opd_clipped_iw_terms,
     opd_hard_refresh_objective,
@@ -39,9 +42,10 @@ from trainers.objectives.f_opd import (
     trusted_tokens,
 )
 
-NAMES = ("f_opd", "opd_kl", "opd_clipped_iw", "opd_lag_only", "opd_hard_refresh")
+NAMES = ("f_opd", "opd_async", "opd_kl", "opd_clipped_iw", "opd_lag_only", "opd_hard_refresh")
 OBJECTIVES = {
     "f_opd": (f_opd_objective, FOPDParams()),
+    "opd_async": (opd_async_objective, AsyncOPDParams()),
     "opd_kl": (opd_kl_objective, OPDKLParams()),
     "opd_clipped_iw": (opd_clipped_iw_objective, ClippedIWParams()),
     "opd_lag_only": (opd_lag_only_objective, LagOnlyParams()),
@@ -285,6 +289,48 @@ def test_opd_kl_anchor_on_all_tokens_without_weights():
     r = sum(math.exp(x) - x - 1 for x in (-1.0 + 0.2, -1.0 + 1.9)) / 2
     assert loss.item() == pytest.approx(l + 0.1 * r, abs=1e-6)
     assert diag["anchor"] == pytest.approx(r, abs=1e-6) and diag["weight_mean"] == 1.0
+
+
+def test_opd_async_is_the_bare_loss_on_a_hand_batch():
+    # §5.8 "Async OPD": mean_i mean_t sg(s − T)·s over all valid tokens, lag and drift ignored
+    batch = make_batch([[1, 1, 0], [0, 1, 1]], [[-1.0, -1.0, -1.0], [-0.5, -0.5, -3.0]], [[-0.5, -2.0, -0.1], [-1.0, -0.2, -1.0]], lag=[0, 7])
+    s = torch.tensor([[-0.2, -1.9, -4.0], [-0.3, -0.6, -2.0]], requires_grad=True)  # |s − q| > κ: f-OPD would filter
+    loss, diag = opd_async_objective(batch, StudentOutputs(s), AsyncOPDParams())
+    loss.backward()
+    l0 = ((-0.2 + 0.5) * -0.2 + (-1.9 + 2.0) * -1.9) / 2
+    l1 = ((-0.6 + 0.2) * -0.6 + (-2.0 + 1.0) * -2.0) / 2
+    assert loss.item() == pytest.approx((l0 + l1) / 2, abs=1e-6)
+    expected_grad = [[(-0.2 + 0.5) / 4, (-1.9 + 2.0) / 4, 0.0], [0.0, (-0.6 + 0.2) / 4, (-2.0 + 1.0) / 4]]
+    assert s.grad.tolist() == [pytest.approx(row, abs=1e-6) for row in expected_grad]
+    assert diag["weight_mean"] == 1.0 and diag["excluded_samples"] == 0.0  # "anchor" is still logged (KL to q), with λ = 0
+
+
+@pytest.mark.parametrize("estimator", ["sampled", "full"])
+def test_opd_async_equals_the_other_baselines_with_their_extras_off(estimator):
+    # opd_kl with λ = 0 and opd_lag_only at one common lag with renormalised weights (all 1) are the same loss
+    batch, student, _, _ = _full_case([3, 3, 3])
+    loss, _ = opd_async_objective(batch, student, AsyncOPDParams(estimator=estimator))
+    grad = torch.autograd.grad(loss, student.full, retain_graph=True)[0]
+    for objective, hp in (
+        (opd_kl_objective, OPDKLParams(anchor_coef=0.0, estimator=estimator)),
+        (opd_lag_only_objective, LagOnlyParams(renormalise=True, estimator=estimator)),
+    ):
+        other, _ = objective(batch, student, hp)
+        assert torch.allclose(loss, other, atol=1e-12)
+        assert torch.allclose(grad, torch.autograd.grad(other, student.full, retain_graph=True)[0], atol=1e-12)
+
+
+@pytest.mark.parametrize("estimator", ["sampled", "full"])
+def test_opd_async_at_lag_zero_has_the_gradient_of_opd(estimator):
+    # s = q and equal lengths: ∇ sg(s − T)·s = (q − T)∇s is Tinker's IS gradient at ratio 1; full: same exact KL
+    batch, student, _, _ = _full_case([0, 0, 0])
+    batch = dataclasses.replace(batch, behaviour_logprobs=student.logprobs.detach().clone())
+    loss, _ = opd_async_objective(batch, student, AsyncOPDParams(estimator=estimator))
+    opd = METHODS.get("opd")
+    opd_loss, _ = opd.objective(batch, student, opd.hparams(estimator=estimator), None)
+    grad = torch.autograd.grad(loss, student.full, retain_graph=True)[0]
+    opd_grad = torch.autograd.grad(opd_loss, student.full, retain_graph=True)[0]
+    assert torch.allclose(grad, opd_grad, atol=1e-12) and grad.abs().sum() > 0
 
 
 def test_clipped_iw_caps_the_ratio():

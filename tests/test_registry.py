@@ -1,9 +1,14 @@
+import json
+import subprocess
 import sys
 import textwrap
+import tomllib
+from importlib.metadata import entry_points
+from pathlib import Path
 
 import pytest
 
-from harness.registry import METHODS, PIPELINES, TASKS, Registry, RegistryError
+from harness.registry import METHODS, PIPELINES, SANDBOXES, TASKS, Registry, RegistryError, source_tree_entry_points
 
 
 def test_duplicate_name_rejected():
@@ -63,3 +68,132 @@ def test_third_party_plugin_through_entry_point(tmp_path, monkeypatch):
     reg: Registry = Registry("tasks")
     assert reg.get("my_task").name == "my_task"
     sys.modules.pop("fake_plugin_mod", None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points: the built-ins are declared in pyproject.toml like any plug-in
+
+
+def _declared(group: str) -> dict[str, str]:
+    pyproject = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    return pyproject["project"]["entry-points"][group]
+
+
+@pytest.mark.parametrize("registry", [TASKS, METHODS], ids=["tasks", "methods"])
+def test_every_builtin_name_is_declared_as_an_entry_point(registry):
+    declared = _declared(registry.entry_point_group)
+    names = {name for name in declared if not name.endswith(":*")}
+    prefixes = {name[:-2] for name in declared if name.endswith(":*")}
+    public = {name for name in registry.names() if not name.startswith("_")}  # "_x": registered by other tests
+    assert names and public == names  # nothing registered on import goes undeclared
+    assert set(registry.prefixes()) == prefixes
+    assert registry._builtin_modules == ()  # no hard-coded module list left
+
+
+def test_sandbox_entry_points_name_the_builtin_providers():
+    import sandbox
+
+    assert set(SANDBOXES.names()) == {"docker", "local"}
+    assert SANDBOXES.get("local") is sandbox.PROVIDERS["local"]
+
+
+def _plugin_dist(root: Path, name: str, entry_points: str, module: str | None = None, code: str = "") -> None:
+    """A fake installed distribution under ``root``: ``name-0.1.dist-info`` with METADATA and entry_points.txt."""
+    dist = root / f"{name}-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(textwrap.dedent(entry_points))
+    if module:
+        (root / f"{module}.py").write_text(textwrap.dedent(code))
+
+
+def test_plugin_claiming_a_builtin_name_is_refused(tmp_path, monkeypatch):
+    entries = "[opd_harness.tasks]\narith = greedy_plugin_mod:Other\n"
+    _plugin_dist(tmp_path, "greedy-plugin", entries, "greedy_plugin_mod", "class Other:\n    name = 'arith'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RegistryError, match=r"duplicate opd_harness.tasks entry point 'arith'.*greedy-plugin"):
+        Registry("tasks").names()
+    sys.modules.pop("greedy_plugin_mod", None)
+
+
+def test_identical_declarations_are_merged(tmp_path, monkeypatch):
+    # e.g. a stale install of this project declaring the same sandboxes as the checkout
+    for dist in ("twin-a", "twin-b"):
+        sub = tmp_path / dist
+        sub.mkdir()
+        _plugin_dist(sub, dist, "[opd_harness.things]\nwidget = twin_mod:Widget\n")
+        monkeypatch.syspath_prepend(str(sub))
+    (tmp_path / "twin_mod.py").write_text("class Widget:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reg: Registry = Registry("things")
+    assert reg.names() == ["widget"] and reg.get("widget").__name__ == "Widget"
+    sys.modules.pop("twin_mod", None)
+
+
+def test_module_entry_points_and_prefix_families(tmp_path, monkeypatch):
+    code = """
+        from harness.registry import Registry
+        REG = Registry("gadgets")  # a registry of its own, so the test touches no real one
+
+        def make(rest):
+            return ("made", rest)
+
+        REG.add("one", 1)  # a module that registers several names on import: one entry point per name
+        REG.add("two", 2)
+        """
+    entries = "[opd_harness.gadgets]\none = gadget_mod\ntwo = gadget_mod\nfam:* = gadget_mod:make\n"
+    _plugin_dist(tmp_path, "gadget-plugin", entries, "gadget_mod", code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import gadget_mod
+
+    assert gadget_mod.REG.get("fam:x") == ("made", "x")  # the prefix entry point built it
+    assert gadget_mod.REG.names() == ["one", "two"] and gadget_mod.REG.prefixes() == ["fam"]
+    sys.modules.pop("gadget_mod", None)
+
+
+def test_module_entry_point_that_registers_nothing_is_an_error(tmp_path, monkeypatch):
+    _plugin_dist(tmp_path, "lazy-plugin", "[opd_harness.tasks_x]\nghost = lazy_plugin_mod\n", "lazy_plugin_mod", "X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RegistryError, match=r"ghost = lazy_plugin_mod \(from lazy-plugin 0.1\): importing the module did not register 'ghost'"):
+        Registry("tasks_x").names()
+    sys.modules.pop("lazy_plugin_mod", None)
+
+
+def test_broken_plugin_names_its_entry_point_and_is_retried(tmp_path, monkeypatch):
+    entries = "[opd_harness.tasks_y]\nbad = broken_plugin_mod:Task\n"
+    _plugin_dist(tmp_path, "broken-plugin", entries, "broken_plugin_mod", "import no_such_module_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reg: Registry = Registry("tasks_y")
+    for _ in range(2):  # a failed load is not remembered as done
+        with pytest.raises(RegistryError, match=r"bad = broken_plugin_mod:Task \(from broken-plugin 0.1\) failed to load: ModuleNotFoundError"):
+            reg.get("bad")
+
+
+def test_source_tree_entry_points_read_pyproject(tmp_path):
+    declared = '[project.entry-points."opd_harness.tasks"]\narith = "m:A"\n"fam:*" = "m:f"\n'
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "opd-harness"\n' + declared)
+    eps = source_tree_entry_points("opd_harness.tasks", tmp_path / "pyproject.toml")
+    assert [(ep.name, ep.value) for ep in eps] == [("arith", "m:A"), ("fam:*", "m:f")]
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "someone-else"\n')
+    assert source_tree_entry_points("opd_harness.tasks", tmp_path / "pyproject.toml") is None
+    assert source_tree_entry_points("opd_harness.tasks", tmp_path / "missing.toml") is None
+
+
+def test_installed_metadata_alone_serves_every_builtin():
+    """What an installed wheel sees (no pyproject.toml beside harness/): the distribution's own entry points."""
+    groups = {kind: f"opd_harness.{kind}" for kind in ("tasks", "methods", "sandboxes")}
+    installed = {
+        kind: {ep.name: ep.value for ep in entry_points(group=group) if ep.dist is not None and ep.dist.name == "opd-harness"}
+        for kind, group in groups.items()
+    }
+    if not installed["tasks"]:
+        pytest.skip("the installed opd-harness predates its task/method entry points: run `pip install --no-deps -e .`")
+    assert installed == {kind: _declared(group) for kind, group in groups.items()}
+    code = (  # a fresh interpreter, so that the modules register on import into the real registries
+        "import json, harness.registry as r\n"
+        "r.source_tree_entry_points = lambda group, pyproject=None: None\n"
+        "print(json.dumps({k: sorted(g.names() + [p + ':*' for p in g.prefixes()]) for k, g in "
+        "(('tasks', r.TASKS), ('methods', r.METHODS), ('sandboxes', r.SANDBOXES))}))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
+    assert json.loads(result.stdout) == {kind: sorted(names) for kind, names in installed.items()}

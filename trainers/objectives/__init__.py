@@ -68,6 +68,7 @@ class MethodSpec:
     modes: tuple[str, ...] = ("sync", "async")
     make_state: Callable[[HParams], "MethodState"] | None = None  # schedules (SAF warm-up/anneal, f-OPD refresh)
     notes: dict[str, str] = field(default_factory=dict)
+    run_notes: Callable[[HParams], dict[str, str]] | None = None  # notes that depend on a run's hyper-parameters
     # Methods with a group-centred reward advantage (GRPO family): samples per prompt when the config sets none.
     # Their baseline needs ≥ 2 samples per prompt; config validation refuses 1 unless hparams.allow_single_sample.
     group_size: int | None = None
@@ -76,19 +77,21 @@ class MethodSpec:
         """Whether this method, with these hyper-parameters, centres rewards on a per-prompt group mean."""
         return self.group_size is not None and "rewards" in self.needs(hparams)
 
-    def describe(self) -> dict:
-        """Name, description, defaults and declared inputs, for ``harness methods --json``."""
+    def describe(self, hparams: HParams | None = None) -> dict:
+        """Name, description, defaults, declared inputs and notes, for ``harness methods --json``; given a
+        run's ``hparams`` (``method.json``), the inputs and notes are that run's."""
         defaults = self.hparams()
+        chosen = defaults if hparams is None else hparams
         return {
             "name": self.name,
             "description": self.description,
             "defaults": defaults.model_dump(),
-            "inputs": sorted(self.needs(defaults)),
+            "inputs": sorted(self.needs(chosen)),
             "on_policy": self.on_policy,
             "modes": list(self.modes),
             "stateful": self.make_state is not None,
             "samples_per_prompt": self.group_size,
-            "notes": dict(self.notes),
+            "notes": {**self.notes, **(self.run_notes(chosen) if self.run_notes else {})},
         }
 
 

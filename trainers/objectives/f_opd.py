@@ -1,10 +1,11 @@
 """f-OPD: freshness-aware asynchronous on-policy distillation (methods.md §5, arXiv 2605.17862), and
 the asynchronous baselines of its paper (§5.8).
 
-All five methods share one per-token distillation loss ``ℓ_t = sg(s_t − T_t)·s_t`` (T = T^fresh when the
+All six methods share one per-token distillation loss ``ℓ_t = sg(s_t − T_t)·s_t`` (T = T^fresh when the
 batch carries it, else T^stale), averaged per sample over a token set and then over samples. They differ
 only in
 - the sample weight w_i: f_opd σ(f_i − ξ); opd_lag_only σ((τ_i+1)⁻¹ − ξ); the others 1;
+  opd_async is the bare loss (§5.8 "Async OPD": no weight, no anchor, no filtering, no refresh);
 - the token sets: f_opd averages ℓ over U^sup and the anchor over U^roll; the others use all valid tokens;
 - the anchor coefficient λ of R^anchor = mean k3(s; q): f_opd and opd_kl λ > 0, the others 0;
 - per-token truncated importance weights min(e^{s−q}, c_iw) (opd_clipped_iw only);
@@ -321,7 +322,7 @@ def async_opd_loss(student_logp: torch.Tensor, terms: LossTerms, token_kl: torch
 
 
 class AsyncOPDParams(HParams):
-    """Shared by the five async methods: which per-token distillation loss they weight and filter."""
+    """Shared by the six async methods (opd_async has no others): which per-token distillation loss they weight and filter."""
 
     estimator: Literal["sampled", "full"] = Field(
         "sampled",
@@ -474,6 +475,12 @@ def f_opd_objective(batch: TensorBatch, student: StudentOutputs, hp: FOPDParams,
     return loss, diagnostics
 
 
+def opd_async_objective(batch: TensorBatch, student: StudentOutputs, hp: AsyncOPDParams, state: object = None) -> Result:
+    """Async OPD (§5.8): mean_i l_i over all valid tokens; no freshness weight, no anchor, no filtering."""
+    stats = async_stats(batch, student.logprobs.detach())
+    return _loss_and_diagnostics(student.logprobs, stats, plain_terms(stats), token_reverse_kl(batch, student, hp))
+
+
 def opd_kl_objective(batch: TensorBatch, student: StudentOutputs, hp: OPDKLParams, state: object = None) -> Result:
     """Async OPD + KL: mean_i (l_i + λR_i) over all valid tokens, unweighted."""
     stats = async_stats(batch, student.logprobs.detach())
@@ -559,9 +566,16 @@ F_OPD_SPEC = _spec(
         "selection": "C(B^t) excludes samples with an empty U^sup (reconstructed)",
     },
 )
+OPD_ASYNC_SPEC = _spec(
+    "opd_async",
+    "Async OPD (the f-OPD paper's baseline): the shared async OPD loss with no freshness weight, no anchor, no token filtering",
+    opd_async_objective,
+    AsyncOPDParams,
+    notes={"baseline": "§5.8 'Async OPD': f-OPD's per-token loss and aggregation with w_i = 1, λ = 0, all valid tokens"},
+)
 OPD_KL_SPEC = _spec(
     "opd_kl",
-    "Async OPD + KL: the shared async OPD loss plus λ·KL(current‖behaviour) (k3) on all valid tokens; anchor_coef=0 is plain async OPD",
+    "Async OPD + KL: the shared async OPD loss plus λ·KL(current‖behaviour) (k3) on all valid tokens; anchor_coef=0 equals opd_async",
     opd_kl_objective,
     OPDKLParams,
     notes={"baseline": "reconstructed §5.8: f-OPD anchor on all valid tokens, no freshness weight, no filtering"},
@@ -589,5 +603,5 @@ OPD_HARD_REFRESH_SPEC = _spec(
     notes={"baseline": "reconstructed §5.8: periodic full synchronisation every H steps regardless of statistics"},
 )
 
-for _spec_obj in (F_OPD_SPEC, OPD_KL_SPEC, OPD_CLIPPED_IW_SPEC, OPD_LAG_ONLY_SPEC, OPD_HARD_REFRESH_SPEC):
+for _spec_obj in (F_OPD_SPEC, OPD_ASYNC_SPEC, OPD_KL_SPEC, OPD_CLIPPED_IW_SPEC, OPD_LAG_ONLY_SPEC, OPD_HARD_REFRESH_SPEC):
     METHODS.add(_spec_obj.name, _spec_obj)

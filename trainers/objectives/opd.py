@@ -3,7 +3,8 @@
 Two per-token estimators of the reverse KL(π_θ ‖ π_T):
 - ``sampled`` (Thinking Machines / Tinker): the sampled-token log-ratio k_t = q_t − T_t is a
   per-token reward; advantage A_t = −c_kl·k_t (detached); importance-sampling loss
-  −Σ_t exp(s_t − q_t)·A_t, token-mean by default (Tinker's sum as an option).
+  −Σ_t exp(s_t − q_t)·A_t, token-mean by default (Tinker's sum, which methods.md §1.1 specifies, as
+  ``aggregation: sum``; a run's ``method.json`` notes which one it used).
 - ``full``: the exact per-token reverse KL Σ_v π_θ(v)(log π_θ(v) − log π_T(v)) over the whole
   vocabulary, differentiated directly (GKD-style, β = 1). Far lower variance at small batch sizes.
 """
@@ -65,13 +66,31 @@ def opd_needs(hp: OPDParams) -> frozenset[str]:
     return frozenset(base | {"teacher_full", "student_full"} if hp.estimator == "full" else base)
 
 
-METHODS.add(
-    "opd",
-    MethodSpec(
-        name="opd",
-        description="Vanilla on-policy distillation: per-token reverse-KL advantage with an importance-sampling loss (or the exact full-vocabulary reverse KL)",
-        objective=opd_objective,  # type: ignore[arg-type]
-        hparams=OPDParams,
-        needs=opd_needs,  # type: ignore[arg-type]
-    ),
+AGGREGATION_NOTES = {
+    "token-mean": "token-mean over the batch's valid tokens (verl-style; the default), NOT methods.md §1.1's sum "
+    "over tokens (Tinker); aggregation=sum selects the sum",
+    "sum": "sum over the batch's valid tokens, as methods.md §1.1 (Tinker) specifies; the loss and gradient scale "
+    "with the number of tokens per step",
+}
+ESTIMATOR_NOTES = {
+    "sampled": "Tinker's importance-sampling loss −Σ exp(s − q)·A with A = −c_kl(q − T), ratio against the sampler "
+    "log-probs q (methods.md §1.1)",
+    "full": "exact full-vocabulary reverse KL(π_θ ‖ π_T) per position, differentiated directly (GKD-style, β = 1); "
+    "not §1.1's sampled-token estimator",
+}
+
+
+def opd_run_notes(hp: OPDParams) -> dict[str, str]:
+    """The run's aggregation and estimator, and how each relates to methods.md §1.1, for ``method.json``."""
+    return {"aggregation": AGGREGATION_NOTES[hp.aggregation], "estimator": ESTIMATOR_NOTES[hp.estimator]}
+
+
+OPD_SPEC = MethodSpec(
+    name="opd",
+    description="Vanilla on-policy distillation: per-token reverse-KL advantage with an importance-sampling loss (or the exact full-vocabulary reverse KL)",
+    objective=opd_objective,  # type: ignore[arg-type]
+    hparams=OPDParams,
+    needs=opd_needs,  # type: ignore[arg-type]
+    run_notes=opd_run_notes,  # type: ignore[arg-type]
 )
+METHODS.add("opd", OPD_SPEC)
