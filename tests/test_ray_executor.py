@@ -105,3 +105,53 @@ def test_ray_executor_matches_inprocess(tmp_path, ray_session):
     assert [sync_on_ray[s]["loss"] for s in range(1, 5)] == pytest.approx([sync[s]["loss"] for s in range(1, 5)], abs=1e-5)
     assert [(m["behaviour_version"], m["lag_max"]) for _, m in sorted(sync_on_ray.items())] == [(0, 0), (1, 0), (2, 0), (3, 0)]
     print(f"ray executor test: {time.perf_counter() - started:.1f}s")
+
+
+class _Recorder:
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name = log, name
+
+    def close(self) -> None:
+        self.log.append(f"close {self.name}")
+
+
+def test_actors_release_their_tasks_and_engines_before_they_are_killed(monkeypatch):
+    """``ray.kill`` skips an actor's exit hooks, so the executor asks every actor to close (task sandboxes,
+    inference engine) first; a dead actor does not stop the others from being killed."""
+    from types import SimpleNamespace
+
+    import trainers.ray_executor as rx
+
+    log: list[str] = []
+    role = rx._Role()
+    role.plan = SimpleNamespace(task=_Recorder(log, "train task"), eval_tasks=[_Recorder(log, "eval task")])
+    role.backend = _Recorder(log, "engine")
+    role.close()
+    assert sorted(log) == ["close engine", "close eval task", "close train task"]
+
+    class FakeActor:
+        def __init__(self, name: str) -> None:
+            self.name = name
+            self.close = SimpleNamespace(remote=lambda: log.append(f"close {name}") or name)
+
+    class FakeRay:
+        def get(self, refs, timeout=None):
+            log.append(f"get {refs} timeout={timeout}")
+            raise RuntimeError("one actor died")
+
+        def kill(self, actor) -> None:
+            log.append(f"kill {actor.name}")
+
+    log.clear()
+    actors = (FakeActor("rollout"), FakeActor("teacher"), FakeActor("learner"))
+    monkeypatch.setattr(rx, "import_ray", lambda: FakeRay())
+    monkeypatch.setattr(rx, "start_actors", lambda *a, **k: actors)
+    monkeypatch.setattr(rx, "RayRollout", lambda *a, **k: "rollout role")
+    monkeypatch.setattr(rx, "RayLearner", lambda *a, **k: "learner role")
+    plan = SimpleNamespace(config=SimpleNamespace(threads=1))
+    session = SimpleNamespace(optimizer=None)
+    with rx.RayExecutor().roles(plan, session, board=None, console=rx.Console(quiet=True)) as roles:
+        assert (roles.rollout, roles.learner) == ("rollout role", "learner role") and log == []
+    assert log[:3] == ["close rollout", "close teacher", "close learner"]
+    assert log[3].startswith("get ['rollout', 'teacher', 'learner']")
+    assert log[4:] == ["kill rollout", "kill teacher", "kill learner"]

@@ -32,6 +32,7 @@ from rich.console import Console
 from harness.backends.hf import HFBackend
 from harness.registry import EXECUTORS
 from harness.trajectory import TensorBatch
+from tasks.base import close_tasks
 from trainers.loop import LearnResult, Roles, WeightBoard, state_snapshot
 from trainers.pipeline import Session, generate_batch, learn, needs_teacher, open_rollout_backend, response_lengths, sample_problems, teacher_phase
 
@@ -39,6 +40,7 @@ from trainers.pipeline import Session, generate_batch, learn, needs_teacher, ope
 RAY_ENV_DEFAULTS = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 OBJECT_STORE_BYTES = 512 * 2**20  # caps /dev/shm use of a local Ray
 ROLES = 3  # rollout, teacher, learner
+CLOSE_TIMEOUT_S = 60.0  # how long the actors get to release their tasks' sandboxes before they are killed
 
 
 def import_ray() -> ModuleType:
@@ -89,10 +91,19 @@ def _plan(config: dict) -> Any:
 
 
 class _Role:
-    """What every actor answers: ``ready`` returns once the constructor (imports, plan, models) is done."""
+    """What every actor answers: ``ready`` returns once the constructor (imports, plan, models) is done;
+    ``close`` releases what the actor's own plan holds (task sandboxes, an inference engine) before it is killed."""
 
     def ready(self) -> bool:
         return True
+
+    def close(self) -> None:
+        plan = getattr(self, "plan", None)
+        if plan is not None:
+            close_tasks([plan.task, *plan.eval_tasks])
+        close = getattr(getattr(self, "backend", None), "close", None)
+        if close is not None:
+            close()
 
 
 class RolloutActor(_Role):
@@ -235,6 +246,10 @@ class RayExecutor:
                 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before", category=UserWarning)
                 yield Roles(RayRollout(ray, plan, rollout, scorer, board), RayLearner(ray, learner, session), ready=lambda: wait_ready(ray, actors, console))
         finally:
+            try:  # a kill skips the actors' exit hooks: their sandbox containers and engines are released first
+                ray.get([actor.close.remote() for actor in actors], timeout=CLOSE_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - a dead or stuck actor must not keep the others alive
+                console.print(f"[yellow]warning:[/] ray actors did not close cleanly ({type(exc).__name__}: {exc}); killing them")
             for actor in actors:
                 ray.kill(actor)
 
