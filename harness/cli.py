@@ -430,6 +430,7 @@ from harness.data import data_app  # noqa: E402 - the `data` sub-app (harness da
 
 app.add_typer(data_app, name="data")
 
+
 def main() -> None:
     """Entry point. SIGTERM shuts down cleanly (see ``Terminated``) and exits 143 (128 + SIGTERM)."""
     signal.signal(signal.SIGTERM, _raise_terminated)

@@ -14,7 +14,7 @@ from rich.console import Console
 from harness.registry import EXECUTORS
 from harness.trajectory import TensorBatch
 from trainers.loop import LearnResult, Roles, WeightBoard, state_snapshot
-from trainers.pipeline import Session, learn, make_batch, open_rollout_backend, response_lengths, sample_problems
+from trainers.pipeline import Session, close_rollout_backend, learn, make_batch, open_rollout_backend, response_lengths, sample_problems
 
 
 class LocalRollout:
@@ -38,9 +38,7 @@ class LocalRollout:
         return batch, metrics
 
     def close(self) -> None:
-        close = getattr(self.backend, "close", None)
-        if close is not None:
-            close()
+        close_rollout_backend(self.backend)
 
 
 class LocalLearner:

@@ -17,8 +17,9 @@ from rich.console import Console
 
 from harness.backends import Backend, SamplingParams
 from harness.backends.hf import HFBackend
-from harness.registry import BACKENDS
 from harness.evaluation import evaluate_task, store_eval
+from harness.plan import load_plan_data
+from harness.registry import BACKENDS
 from harness.rollout import reference_trajectories, rollout
 from harness.store import Store
 from harness.timing import timed
@@ -107,6 +108,13 @@ def open_rollout_backend(plan, student_path: str, *, model: torch.nn.Module | No
     return backend
 
 
+def close_rollout_backend(backend: Backend | None) -> None:
+    """Stop an engine that owns a process or a GPU (vLLM's ``close``); backends without one hold nothing to release."""
+    close = getattr(backend, "close", None)
+    if close is not None:
+        close()
+
+
 def needs_teacher(plan) -> bool:
     """Whether the method reads teacher log-probs or distributions (otherwise the teacher never runs)."""
     return bool(plan.method.needs(plan.hparams) & {"teacher_logprobs", "teacher_full"})
@@ -180,15 +188,17 @@ class Session:
     state: TrainState
     method_state: object | None
     train_problems: list = field(default_factory=list)
-    _eval_problems: dict = field(default_factory=dict)  # task name -> problems, loaded once per run
 
     @classmethod
     def open(cls, plan, store: Store, run_id: str, *, resume: bool, console: Console, threads: int | None = None) -> "Session":
-        """Build or load the models (resuming from the last checkpoint when asked)."""
+        """Build or load the models (resuming from the last checkpoint when asked); the run's data is loaded
+        onto the plan once (``harness run`` has already done it, a sweep's run does it here)."""
         cfg = plan.config
         torch.set_num_threads(threads or cfg.threads or os.cpu_count() or 1)
-        teacher_model, tokenizer, teacher_path = prepare_model(cfg.teacher, "teacher", plan.task, store.root)
-        student_model, student_tok, student_path = prepare_model(cfg.student, "student", plan.task, store.root)
+        if plan.train_problems is None:
+            load_plan_data(plan)
+        teacher_model, tokenizer, teacher_path = prepare_model(cfg.teacher, "teacher", plan.task, plan.train_problems, store.root)
+        student_model, student_tok, student_path = prepare_model(cfg.student, "student", plan.task, plan.train_problems, store.root)
         if student_tok.get_vocab() != tokenizer.get_vocab():
             raise ValueError("student and teacher tokenizers differ; per-token distillation needs a shared vocabulary")
         optimizer_factory, scheduler_factory = _optimizer_factory(cfg), _scheduler_factory(cfg)
@@ -208,8 +218,7 @@ class Session:
         student.version = state.step
         teacher = HFBackend(teacher_model, tokenizer, batch_size=cfg.trainer.generate_batch_size)
         teacher_model.requires_grad_(False)
-        train_problems = plan.train_problems if plan.train_problems is not None else plan.task.load(plan.task.training_split())
-        return cls(plan, store, run_id, console, student, teacher, teacher_path, student_path, optimizer, scheduler, state, method_state, train_problems, dict(plan.eval_problems))
+        return cls(plan, store, run_id, console, student, teacher, teacher_path, student_path, optimizer, scheduler, state, method_state, plan.train_problems)
 
     def evaluate_start(self) -> None:
         """Teacher reference row, the student before training, or a checkpoint whose eval was interrupted."""
@@ -263,10 +272,7 @@ class Session:
             if store.has_eval(run_id, step, task.name):
                 continue
             k = cfg.eval.k or task.options.k
-            if task.name not in self._eval_problems:
-                loaded = task.load("test")
-                self._eval_problems[task.name] = loaded[: cfg.eval.limit] if cfg.eval.limit else loaded
-            problems = self._eval_problems[task.name]
+            problems = self.plan.eval_problems[task.name]
             sampling = SamplingParams(temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, max_new_tokens=task.options.max_new_tokens, seed=cfg.eval.seed)
             result = evaluate_task(backend, task, problems, k=k, sampling=sampling, n_resamples=cfg.eval.n_resamples)
             store_eval(store, run_id, step, result)

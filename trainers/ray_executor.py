@@ -34,7 +34,17 @@ from harness.registry import EXECUTORS
 from harness.trajectory import TensorBatch
 from tasks.base import close_tasks
 from trainers.loop import LearnResult, Roles, WeightBoard, state_snapshot
-from trainers.pipeline import Session, generate_batch, learn, needs_teacher, open_rollout_backend, response_lengths, sample_problems, teacher_phase
+from trainers.pipeline import (
+    Session,
+    close_rollout_backend,
+    generate_batch,
+    learn,
+    needs_teacher,
+    open_rollout_backend,
+    response_lengths,
+    sample_problems,
+    teacher_phase,
+)
 
 # environment.md §4: no token file in ~/.ray (auth on by default in Ray 2.60), no usage reporting.
 RAY_ENV_DEFAULTS = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -101,9 +111,7 @@ class _Role:
         plan = getattr(self, "plan", None)
         if plan is not None:
             close_tasks([plan.task, *plan.eval_tasks])
-        close = getattr(getattr(self, "backend", None), "close", None)
-        if close is not None:
-            close()
+        close_rollout_backend(getattr(self, "backend", None))
 
 
 class RolloutActor(_Role):

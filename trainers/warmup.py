@@ -32,8 +32,9 @@ def cache_key(spec: ModelSpec, task) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def prepare_model(spec: ModelSpec, role: str, task, cache_root: Path, *, show_progress: bool = True):
-    """(model, tokenizer, path): loaded from ``spec.path``, from the cache, or built and warmed up now."""
+def prepare_model(spec: ModelSpec, role: str, task, problems: list, cache_root: Path, *, show_progress: bool = True):
+    """(model, tokenizer, path): loaded from ``spec.path``, from the cache, or built and warmed up now on
+    ``problems`` (the task's training split, as the run loaded it)."""
     if spec.path is not None:
         model, tokenizer = load_model_and_tokenizer(spec.path)
         if spec.sft_steps:
@@ -46,7 +47,7 @@ def prepare_model(spec: ModelSpec, role: str, task, cache_root: Path, *, show_pr
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(spec.arch, len(tokenizer), pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, seed=spec.seed)
     if spec.sft_steps:
-        supervised_warmup(model, tokenizer, task, spec, desc=f"SFT {role}", show_progress=show_progress)
+        supervised_warmup(model, tokenizer, task, problems, spec, desc=f"SFT {role}", show_progress=show_progress)
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     save_model_and_tokenizer(model, tokenizer, tmp)
@@ -56,9 +57,8 @@ def prepare_model(spec: ModelSpec, role: str, task, cache_root: Path, *, show_pr
     return model, tokenizer, str(target)
 
 
-def supervised_warmup(model, tokenizer, task, spec: ModelSpec, *, desc: str, show_progress: bool = True) -> dict[str, float]:
-    """SFT on the task's reference solutions with a one-cycle learning rate; deterministic under the seed."""
-    problems = task.load(task.training_split())
+def supervised_warmup(model, tokenizer, task, problems: list, spec: ModelSpec, *, desc: str, show_progress: bool = True) -> dict[str, float]:
+    """SFT on the reference solutions of ``problems`` with a one-cycle learning rate; deterministic under the seed."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=spec.sft_lr, total_steps=spec.sft_steps, pct_start=0.05)
     rng = random.Random(spec.seed)
