@@ -337,17 +337,21 @@ def test_lm_eval_generation_tasks_provide_references_and_choice_tasks_do_not(tmp
         assert all((p.solution is not None) is references for p in task.load("test"))
 
 
-DATA_DIR = Path(os.environ.get("HARNESS_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
-
-
-@pytest.mark.parametrize("name, options", [("math500", {}), ("aime24", {}), ("minerva", {"source": "local"}), ("humaneval_plus", {}), ("mbpp_plus", {})])
-def test_declared_references_match_the_data(name, options):
+@pytest.mark.parametrize(
+    "name, options, data_file",
+    [
+        ("math500", {}, "math500/test.jsonl"),
+        ("aime24", {}, "aime24/test.jsonl"),
+        ("minerva", {"source": "local"}, "minerva/test.jsonl"),
+        ("humaneval_plus", {}, "humaneval_plus/HumanEvalPlus-v0.1.10.jsonl.gz"),
+        ("mbpp_plus", {}, "mbpp_plus/MbppPlus-v0.2.0.jsonl.gz"),
+    ],
+)
+def test_declared_references_match_the_data(name, options, data_file, benchmark_data):
     """A task declaring references has a solution on every training problem of the real files."""
     cls = TASKS.get(name)
     task = cls(cls.Options(**options))
-    if not (DATA_DIR / name).is_dir():
-        reason = f"no {DATA_DIR / name} (set HARNESS_DATA_DIR)"
-        pytest.fail(reason) if os.environ.get("HARNESS_REQUIRE_DATA") == "1" else pytest.skip(reason)
+    data_dir = benchmark_data(data_file)
     assert "reference_responses" in task.provided_inputs()
-    problems = task.load(task.training_split(), DATA_DIR)
+    problems = task.load(task.training_split(), data_dir)
     assert problems and all(p.solution for p in problems)

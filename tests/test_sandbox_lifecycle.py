@@ -28,7 +28,6 @@ from sandbox import ExecRequest
 from conftest import SANDBOX_IMAGE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA_DIR = Path(os.environ.get("HARNESS_DATA_DIR") or Path(__file__).resolve().parents[2] / "shared" / "data")
 MISSING_IMAGE = "opd-sandbox:does-not-exist"
 # `harness run`: the smoke preset, shortened, evaluating humaneval_plus with a prewarmed pool (the tiny model's
 # completions do not parse, so without prewarm no container would be started and the test would prove nothing)
@@ -50,13 +49,10 @@ INJECT_FAILURE = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def data_dir() -> Path:
-    if not (DATA_DIR / "humaneval_plus").is_dir():
-        reason = f"no humaneval_plus data under {DATA_DIR} (set HARNESS_DATA_DIR)"
-        if os.environ.get("HARNESS_REQUIRE_DATA") == "1":
-            pytest.fail(reason, pytrace=False)
-        pytest.skip(reason)
-    return DATA_DIR
+def data_dir(benchmark_data) -> Path:
+    from tasks.code.evalplus import HumanEvalPlusTask
+
+    return benchmark_data(f"humaneval_plus/{HumanEvalPlusTask.file_name}")
 
 
 @pytest.fixture(scope="module")
