@@ -204,7 +204,7 @@ def eval_(
     Every task's problems are loaded and validated before the model is loaded and the run row created.
     """
     from harness.backends import SamplingParams
-    from harness.evaluation import evaluate_task, store_eval
+    from harness.evaluation import describe_episodes, evaluate_task, store_eval
     from harness.leaderboard import leaderboard_rows, render_table
     from harness.plan import load_problems, make_task
     from harness.registry import BACKENDS
@@ -269,6 +269,9 @@ def eval_(
         print(to_json({"run_id": run_id, "model": model, "tasks": summaries}))
     else:
         stdout.print(render_table(leaderboard_rows(store, [run_id])))
+        for name, summary in summaries.items():
+            if line := describe_episodes(summary):
+                stdout.print(f"{name}: {line}")
     too_many = {name: s["n_errors"] / max(s["n_samples"], 1) for name, s in summaries.items() if s["n_errors"] / max(s["n_samples"], 1) > max_error_rate}
     if too_many:
         rates = ", ".join(f"{name} {rate:.1%}" for name, rate in too_many.items())

@@ -61,39 +61,76 @@ def summarize_samples(samples: list[SampleRow], k: int, *, n_resamples: int = 10
     return summary
 
 
-def grade_with_progress(task, problems: list, completions: list[str], *, chunk: int = GRADE_CHUNK, show_progress: bool | None = None) -> list:
-    """``task.grade_many`` in chunks with a tqdm bar on stderr (terminals only by default); same scores as one call."""
-    if len(problems) != len(completions):
-        raise ValueError(f"{len(problems)} problems but {len(completions)} completions to grade")
+def grade_episodes(task, problems: list, trajectories: list[Trajectory], *, chunk: int = GRADE_CHUNK, show_progress: bool | None = None) -> list:
+    """``task.grade_trajectories`` in chunks with a tqdm bar on stderr (terminals only by default); an episode whose
+    environment failed is graded ``error`` without asking the task. Each trajectory's ``grade_s`` is its share."""
+    from tasks.base import Score
+
+    if len(problems) != len(trajectories):
+        raise ValueError(f"{len(problems)} problems but {len(trajectories)} trajectories to grade")
+    scores: list = [Score("error", details=t.metadata["env_error"]) if "env_error" in t.metadata else None for t in trajectories]
+    todo = [i for i, s in enumerate(scores) if s is None]
     show = sys.stderr.isatty() if show_progress is None else show_progress
-    scores: list = []
-    with tqdm(total=len(completions), desc="grade", leave=False, disable=not show, file=sys.stderr) as bar:
-        for start in range(0, len(completions), chunk):
-            part = task.grade_many(problems[start : start + chunk], completions[start : start + chunk])
-            if len(part) != len(completions[start : start + chunk]):
-                raise ValueError(f"{task.name}: grade_many returned {len(part)} scores for {len(completions[start : start + chunk])} completions")
-            scores.extend(part)
+    with tqdm(total=len(todo), desc="grade", leave=False, disable=not show, file=sys.stderr) as bar:
+        for start in range(0, len(todo), chunk):
+            part_ids = todo[start : start + chunk]
+            started = time.perf_counter()
+            part = task.grade_trajectories([problems[i] for i in part_ids], [trajectories[i] for i in part_ids])
+            if len(part) != len(part_ids):
+                raise ValueError(f"{task.name}: grade_trajectories returned {len(part)} scores for {len(part_ids)} episodes")
+            share = (time.perf_counter() - started) / len(part_ids)
+            for i, score in zip(part_ids, part, strict=True):
+                scores[i] = score
+                trajectories[i].timings["grade_s"] = share
             bar.update(len(part))
     return scores
 
 
-def task_rollout(backend: Backend, task, problems: list, params: SamplingParams) -> list[Trajectory]:
-    """The task's own ``rollout(backend, problems, params)`` when it has one (e.g. scoring-based tasks), else the shared rollout."""
-    own = getattr(task, "rollout", None)
-    return own(backend, problems, params) if callable(own) else rollout(backend, task, problems, params)
+def episode_metrics(traj: Trajectory, score) -> dict:
+    """What is stored per sample beyond the grade: the episode's counters, the grader's metrics, and timings."""
+    out = {k: v for k, v in traj.metadata.get("episode", {}).items()}
+    out.update(score.metrics)
+    out.update({k: round(v, 6) for k, v in traj.timings.items()})
+    return out
+
+
+def summarize_episodes(metrics: list[dict]) -> dict:
+    """Agentic aggregates over episodes (only when the task reports tool calls): invalid tool rate (share of
+    episodes with at least one invalid call), mean tool calls and turns, tool-error rate (errored / all calls)."""
+    if not metrics or not any("tool_calls" in m for m in metrics):
+        return {"mean_turns": float(np.mean([m.get("turns", 1) for m in metrics]))} if metrics else {}
+    calls = sum(m.get("tool_calls", 0) for m in metrics)
+    return {
+        "mean_turns": float(np.mean([m.get("turns", 0) for m in metrics])),
+        "mean_tool_calls": float(np.mean([m.get("tool_calls", 0) for m in metrics])),
+        "invalid_tool_rate": float(np.mean([m.get("invalid_tool_calls", 0) > 0 for m in metrics])),
+        "tool_error_rate": sum(m.get("tool_errors", 0) for m in metrics) / calls if calls else 0.0,
+    }
+
+
+def describe_episodes(summary: dict) -> str:
+    """The agentic part of an evaluation summary as one line (empty for tasks without tool calls)."""
+    if "invalid_tool_rate" not in summary:
+        return ""
+    return (
+        f"invalid tool rate {summary['invalid_tool_rate']:.3f}, tool-error rate {summary['tool_error_rate']:.3f}, "
+        f"{summary['mean_tool_calls']:.2f} tool calls and {summary['mean_turns']:.2f} turns per episode"
+    )
 
 
 def evaluate_task(
     backend: Backend, task, problems: list, *, k: int, sampling: SamplingParams, n_resamples: int = 10_000, show_progress: bool | None = None
 ) -> EvalResult:
-    """k samples per problem, graded by the task; returns the summary and per-sample rows."""
+    """k episodes per problem through the one rollout path, graded by the task; returns the summary and per-sample rows."""
     started = time.perf_counter()
-    trajectories = task_rollout(backend, task, problems, sampling.model_copy(update={"n": k}))
+    trajectories = rollout(backend, task, problems, sampling.model_copy(update={"n": k}))
     by_id = {p.id: p for p in problems}
-    scores = grade_with_progress(task, [by_id[t.problem_id] for t in trajectories], [t.completion_text for t in trajectories], show_progress=show_progress)
-    samples = []
+    scores = grade_episodes(task, [by_id[t.problem_id] for t in trajectories], trajectories, show_progress=show_progress)
+    samples, per_episode = [], []
     for traj, score in zip(trajectories, scores, strict=True):
-        traj.status, traj.extracted, traj.reward = score.status, score.extracted, score.value
+        traj.status, traj.extracted, traj.reward = score.status, score.extracted, score.reward_value
+        metrics = episode_metrics(traj, score)
+        per_episode.append(metrics)
         samples.append(
             SampleRow(
                 problem_id=traj.problem_id,
@@ -104,9 +141,11 @@ def evaluate_task(
                 status=score.status,
                 latency_s=traj.timings.get("generate_s", 0.0),
                 details=score.details,
+                metrics=metrics,
             )
         )
     summary = summarize_samples(samples, k, n_resamples=n_resamples)
+    summary.update(summarize_episodes(per_episode))
     summary["seconds"] = time.perf_counter() - started
     return EvalResult(task.name, summary, samples, trajectories, task.grader)
 

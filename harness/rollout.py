@@ -1,15 +1,28 @@
 """Rollout: drive a backend through task environments and collect trajectories.
 
-One code path serves evaluation and training (so what is evaluated is what is trained on). All
-live episodes are batched together each turn; a single-turn task finishes after one turn.
+One code path serves evaluation and training (so what is evaluated is what is trained on): both call
+:func:`rollout`. All live episodes generate together each turn (grouped only by their stop strings); the
+environment steps of the live episodes then run concurrently in a bounded thread pool, so one slow tool
+call does not serialise the batch. Every environment is closed, whatever happens.
+
+Per episode the trajectory records ``metadata["episode"]``: ``turns``, ``stop_reason`` (``done``,
+``max_turns``, ``context`` or ``env_error``) and the environment's counters (``tool_calls``,
+``invalid_tool_calls``, ``tool_errors``, ...), and ``timings``: ``generate_s`` (its share of each batched
+generation), ``env_s`` and, once graded, ``grade_s``. An environment that raises is an infrastructure
+failure of that episode (``metadata["env_error"]``), graded ``error``, never a fail.
 """
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
-from harness.backends import Backend, SamplingParams
+from harness.backends import Backend, Completion, SamplingParams
+from harness.episode import Env, Observation, render_observation
 from harness.trajectory import Segment, Trajectory
+
+DEFAULT_ENV_WORKERS = 16  # concurrent environment steps (tool calls) across the live episodes
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -17,35 +30,104 @@ def encode(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def rollout(backend: Backend, task, problems: list, params: SamplingParams, *, max_turns: int = 1) -> list[Trajectory]:
-    """``params.n`` episodes per problem, ordered problem-major; returns ungraded trajectories."""
+@dataclass
+class Episode:
+    """A live episode: its environment, its trajectory so far, and the rollout's own counters."""
+
+    problem: object
+    traj: Trajectory
+    env: Env | None = None
+    live: bool = True
+    counters: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def context(self) -> list[int]:
+        return self.traj.prompt_ids + self.traj.response_ids
+
+    def end(self, reason: str) -> None:
+        self.live = False
+        self.traj.metadata.setdefault("episode", {})["stop_reason"] = reason
+
+    def fail(self, stage: str, exc: BaseException) -> None:
+        self.traj.metadata["env_error"] = f"{stage}: {type(exc).__name__}: {exc}"
+        self.end("env_error")
+
+
+def rollout(backend: Backend, task, problems: list, params: SamplingParams, *, env_workers: int = DEFAULT_ENV_WORKERS) -> list[Trajectory]:
+    """``params.n`` episodes per problem, ordered problem-major; returns ungraded trajectories.
+
+    The single entry point of evaluation and training. A task that answers by scoring instead of generating
+    (lm-eval's multiple-choice tasks) provides ``rollout(backend, problems, params)`` and is routed to it here."""
+    own = getattr(task, "rollout", None)
+    if callable(own):
+        return own(backend, problems, params)
+    return run_episodes(backend, task, problems, params, env_workers=env_workers)
+
+
+def run_episodes(backend: Backend, task, problems: list, params: SamplingParams, *, env_workers: int = DEFAULT_ENV_WORKERS) -> list[Trajectory]:
+    """The turn loop: open every episode, then generate for all live ones and step their environments, until none is live."""
     tokenizer = backend.tokenizer
-    one_sample = params.model_copy(update={"n": 1})
-    episodes = []
-    for problem in problems:
-        for sample_index in range(params.n):
-            env = task.env(problem, tokenizer)
-            prompt = env.reset()
-            traj = Trajectory(task=task.name, problem_id=problem.id, sample_index=sample_index, prompt_ids=encode(tokenizer, prompt), prompt_text=prompt)
-            episodes.append((env, traj))
-    live = list(range(len(episodes)))
-    for turn in range(max_turns):
-        if not live:
-            break
-        contexts = [episodes[i][1].prompt_ids + episodes[i][1].response_ids for i in live]
-        seed = None if params.seed is None else params.seed + turn
+    use_template = getattr(task.options, "use_chat_template", True)
+    limit = context_limit(backend, task)
+    episodes = [
+        Episode(problem, Trajectory(task=task.name, problem_id=problem.id, sample_index=s, prompt_ids=[])) for problem in problems for s in range(params.n)
+    ]
+    with ThreadPoolExecutor(max_workers=max(1, env_workers), thread_name_prefix="env") as pool:
+        try:
+            list(pool.map(lambda e: open_episode(e, task, tokenizer), episodes))
+            turn = 0
+            while live := [e for e in episodes if e.live]:
+                generate_turn(backend, live, params, turn, limit)
+                list(pool.map(lambda e: step_episode(e, tokenizer, use_template, limit), [e for e in live if e.live]))
+                turn += 1
+        finally:
+            list(pool.map(close_episode, episodes))
+    return [e.traj for e in episodes]
+
+
+def context_limit(backend: Backend, task) -> int | None:
+    """The most tokens a context may hold: the task's ``max_context_tokens`` and the model's own limit, whichever is smaller."""
+    limits = [getattr(task.options, "max_context_tokens", None), getattr(backend, "max_context", None)]
+    known = [int(x) for x in limits if x]
+    return min(known) if known else None
+
+
+def open_episode(episode: Episode, task, tokenizer) -> None:
+    """Create the environment and take its opening context; a failure ends the episode as an infrastructure error."""
+    started = time.perf_counter()
+    try:
+        episode.env = task.env(episode.problem, tokenizer)
+        prompt = episode.env.reset()
+        episode.traj.prompt_text = prompt
+        episode.traj.prompt_ids = encode(tokenizer, prompt)
+    except Exception as exc:  # noqa: BLE001 - one broken environment must not take the batch down
+        episode.fail("reset", exc)
+    add_time(episode.traj, "env_s", time.perf_counter() - started)
+
+
+def generate_turn(backend: Backend, live: list[Episode], params: SamplingParams, turn: int, limit: int | None) -> None:
+    """One batched generation per distinct set of stop strings; each completion becomes the episode's next model segment."""
+    groups: dict[tuple[str, ...], list[Episode]] = {}
+    for episode in live:
+        if episode.traj.num_steps >= episode.env.max_turns:
+            episode.end("max_turns")
+            continue
+        room = None if limit is None else limit - len(episode.context)
+        if room is not None and room <= 0:
+            episode.end("context")
+            continue
+        groups.setdefault(tuple(dict.fromkeys((*params.stop, *episode.env.stop))), []).append(episode)
+    for stop, group in groups.items():
+        rooms = [params.max_new_tokens if limit is None else min(params.max_new_tokens, limit - len(e.context)) for e in group]
+        turn_params = params.model_copy(
+            update={"n": 1, "stop": stop, "max_new_tokens": max(rooms), "seed": None if params.seed is None else params.seed + turn}
+        )
         started = time.perf_counter()
-        params_turn = one_sample.model_copy(update={"seed": seed})
-        if getattr(backend, "needs_episode_keys", False):  # e.g. replay: serves stored completions by episode key
-            keys = [(episodes[i][1].task, episodes[i][1].problem_id, episodes[i][1].sample_index) for i in live]
-            completions = backend.generate(contexts, params_turn, keys=keys)
-        else:
-            completions = backend.generate(contexts, params_turn)
-        per_episode = (time.perf_counter() - started) / max(len(live), 1)
-        still_live = []
-        for i, completion in zip(live, completions, strict=True):
-            env, traj = episodes[i]
-            traj.segments.append(
+        completions = generate(backend, [e.context for e in group], turn_params, [episode_key(e, turn) for e in group])
+        share = (time.perf_counter() - started) / len(group)
+        for episode, completion, room in zip(group, completions, rooms, strict=True):
+            completion = fit_completion(backend.tokenizer, completion, room)
+            episode.traj.segments.append(
                 Segment(
                     kind="model",
                     token_ids=completion.token_ids,
@@ -56,32 +138,105 @@ def rollout(backend: Backend, task, problems: list, params: SamplingParams, *, m
                     finish_reason=completion.finish_reason,
                 )
             )
-            traj.timings["generate_s"] = traj.timings.get("generate_s", 0.0) + per_episode
-            observation, done = env.step(completion.text)
-            if observation:
-                traj.segments.append(Segment(kind="env", token_ids=encode(tokenizer, observation), text=observation))
-            if not done:
-                still_live.append(i)
-        live = still_live
-    return [traj for _, traj in episodes]
+            add_time(episode.traj, "generate_s", share)
+
+
+def generate(backend: Backend, contexts: list[list[int]], params: SamplingParams, keys: list[tuple[str, str, int, int]]) -> list[Completion]:
+    """``backend.generate``; a backend that serves stored turns (replay) also gets each episode's (task, id, sample, turn)."""
+    if getattr(backend, "needs_episode_keys", False):
+        return backend.generate(contexts, params, keys=keys)
+    return backend.generate(contexts, params)
+
+
+def episode_key(episode: Episode, turn: int) -> tuple[str, str, int, int]:
+    return (episode.traj.task, episode.traj.problem_id, episode.traj.sample_index, turn)
+
+
+def fit_completion(tokenizer, completion: Completion, room: int) -> Completion:
+    """Cut a completion that would overrun its episode's context budget (finish reason ``length``)."""
+    if len(completion.token_ids) <= room:
+        return completion
+    ids = completion.token_ids[:room]
+    return Completion(ids, completion.logprobs[:room], tokenizer.decode(ids, skip_special_tokens=True), "length", completion.prompt_index, completion.sample_index)
+
+
+def step_episode(episode: Episode, tokenizer, use_template: bool, limit: int | None) -> None:
+    """Hand the episode's last model turn to its environment and append the observation as environment tokens.
+
+    An observation that does not fit the context budget with room for another token cannot be put back into
+    the context: it counts as an invalid tool call and ends the episode (``stop_reason`` ``context``)."""
+    started = time.perf_counter()
+    try:
+        result = episode.env.step(episode.traj.segments[-1].text)
+        observation = None if result.observation is None else observation_segment(result.observation, tokenizer, use_template)
+    except Exception as exc:  # noqa: BLE001 - an environment failure is this episode's infrastructure error
+        episode.fail("step", exc)
+        return
+    finally:
+        add_time(episode.traj, "env_s", time.perf_counter() - started)
+    if observation is not None:
+        if limit is not None and len(episode.context) + len(observation.token_ids) >= limit:
+            if not result.done:
+                episode.counters["context_overflows"] = episode.counters.get("context_overflows", 0) + 1
+                episode.end("context")
+            return
+        episode.traj.segments.append(observation)
+    if result.done:
+        episode.end("done")
+
+
+def observation_segment(observation: Observation, tokenizer, use_template: bool) -> Segment:
+    """The environment tokens of an observation, rendered in the role the model expects."""
+    text = render_observation(observation, tokenizer, use_template)
+    return Segment(kind="env", token_ids=encode(tokenizer, text), text=text)
+
+
+def close_episode(episode: Episode) -> None:
+    """Record the episode's counters and close its environment (a failure to close is recorded, not raised)."""
+    stats = episode.traj.metadata.setdefault("episode", {})
+    stats["turns"] = episode.traj.num_steps
+    stats.setdefault("stop_reason", "done" if not episode.live else "interrupted")
+    if episode.env is None:
+        return
+    try:
+        stats.update(episode.env.metrics())
+        overflows = episode.counters.get("context_overflows", 0)
+        if overflows:
+            stats["context_overflows"] = overflows
+            stats["invalid_tool_calls"] = stats.get("invalid_tool_calls", 0) + overflows
+    finally:
+        try:
+            episode.env.close()
+        except Exception as exc:  # noqa: BLE001 - the other environments must still be closed
+            episode.traj.metadata["close_error"] = f"{type(exc).__name__}: {exc}"
+
+
+def add_time(traj: Trajectory, name: str, seconds: float) -> None:
+    traj.timings[name] = traj.timings.get(name, 0.0) + seconds
 
 
 def reference_trajectories(task, problems: list, tokenizer) -> list[Trajectory]:
-    """Teacher-forced trajectories from each problem's reference solution (for SFT)."""
+    """Teacher-forced trajectories from each problem's reference (for SFT).
+
+    A multi-turn reference (``problem.meta["reference_turns"]``: ``[{"model": text, "observation": {"content",
+    "role", "raw"} or null}, ...]``) becomes model segments (one step each) interleaved with the observations,
+    rendered exactly as a live episode would render them; otherwise ``problem.solution`` is one model turn."""
+    use_template = getattr(task.options, "use_chat_template", True)
     out = []
     for problem in problems:
-        if problem.solution is None:
+        turns = problem.meta.get("reference_turns") or ([{"model": problem.solution}] if problem.solution is not None else None)
+        if not turns:
             raise ValueError(f"{task.name} problem {problem.id} has no reference solution to train on")
-        prompt = task.env(problem, tokenizer).reset()
-        response = encode(tokenizer, problem.solution) + [tokenizer.eos_token_id]
-        out.append(
-            Trajectory(
-                task=task.name,
-                problem_id=problem.id,
-                sample_index=0,
-                prompt_ids=encode(tokenizer, prompt),
-                prompt_text=prompt,
-                segments=[Segment(kind="model", token_ids=response, text=problem.solution, step=0)],
-            )
-        )
+        env = task.env(problem, tokenizer)
+        try:
+            prompt = env.reset()
+        finally:
+            env.close()
+        segments: list[Segment] = []
+        for step, turn in enumerate(turns):
+            ids = encode(tokenizer, turn["model"]) + ([tokenizer.eos_token_id] if step == len(turns) - 1 else [])
+            segments.append(Segment(kind="model", token_ids=ids, text=turn["model"], step=step))
+            if turn.get("observation") and step < len(turns) - 1:
+                segments.append(observation_segment(Observation(**turn["observation"]), tokenizer, use_template))
+        out.append(Trajectory(task=task.name, problem_id=problem.id, sample_index=0, prompt_ids=encode(tokenizer, prompt), prompt_text=prompt, segments=segments))
     return out

@@ -12,7 +12,7 @@ import sqlite3
 import time
 from collections.abc import Iterable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 SCHEMA = """
@@ -33,15 +33,17 @@ CREATE TABLE IF NOT EXISTS evals (
     run_id TEXT NOT NULL, step INTEGER NOT NULL, task TEXT NOT NULL, k INTEGER NOT NULL,
     n INTEGER NOT NULL, n_problems INTEGER NOT NULL, avg_at_k REAL, ci_low REAL, ci_high REAL,
     pass_at_k REAL, n_errors INTEGER NOT NULL, grader TEXT NOT NULL, grader_version TEXT NOT NULL,
-    created_at REAL NOT NULL, PRIMARY KEY (run_id, step, task)
+    created_at REAL NOT NULL, metrics_json TEXT, PRIMARY KEY (run_id, step, task)
 );
 CREATE TABLE IF NOT EXISTS samples (
     run_id TEXT NOT NULL, step INTEGER NOT NULL, task TEXT NOT NULL, problem_id TEXT NOT NULL,
     sample_index INTEGER NOT NULL, completion TEXT, extracted TEXT, score REAL,
-    status TEXT NOT NULL CHECK (status IN ('pass', 'fail', 'error')), latency_s REAL, details TEXT,
+    status TEXT NOT NULL CHECK (status IN ('pass', 'fail', 'error')), latency_s REAL, details TEXT, metrics_json TEXT,
     PRIMARY KEY (run_id, step, task, problem_id, sample_index)
 );
 """
+ADDED_COLUMNS = (("evals", "metrics_json", "TEXT"), ("samples", "metrics_json", "TEXT"))  # columns newer than the first schema
+EVAL_COLUMNS = ("k", "n_samples", "n_problems", "avg_at_k", "ci_low", "ci_high", "pass_at_k", "n_errors")  # summary keys with columns
 
 
 def encode_metric(value: float) -> float | str:
@@ -68,6 +70,14 @@ class SampleRow:
     status: str
     latency_s: float
     details: str = ""
+    metrics: dict = field(default_factory=dict)  # episode counters, grader metrics and timings
+
+
+def with_metrics(row: sqlite3.Row) -> dict:
+    """A row as a dict, its ``metrics_json`` column decoded into ``metrics`` (Python's JSON keeps NaN and inf)."""
+    out = dict(row)
+    out["metrics"] = json.loads(out.pop("metrics_json", None) or "{}")
+    return out
 
 
 class Store:
@@ -82,6 +92,14 @@ class Store:
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=NORMAL")
         self._conn.executescript(SCHEMA)
+        self._add_missing_columns()
+
+    def _add_missing_columns(self) -> None:
+        """Bring a results file written by an older version up to the current schema (columns are only ever added)."""
+        for table, column, kind in ADDED_COLUMNS:
+            present = {r["name"] for r in self._conn.execute(f"PRAGMA table_info({table})")}
+            if column not in present:
+                self._conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
     def close(self) -> None:
         self._conn.close()
@@ -170,21 +188,29 @@ class Store:
         with self._tx() as c:
             c.execute("DELETE FROM samples WHERE run_id=? AND step=? AND task=?", (run_id, step, task))
             c.executemany(
-                "INSERT INTO samples VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                [(run_id, step, task, s.problem_id, s.sample_index, s.completion, s.extracted, s.score, s.status, s.latency_s, s.details) for s in samples],
-            )
+                "INSERT INTO samples (run_id, step, task, problem_id, sample_index, completion, extracted, score, status, latency_s, details,"
+                " metrics_json) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                [
+                    (run_id, step, task, s.problem_id, s.sample_index, s.completion, s.extracted, s.score, s.status, s.latency_s, s.details,
+                     json.dumps(s.metrics) if s.metrics else None)
+                    for s in samples
+                ],
+            )  # fmt: skip
+            extra = {k: v for k, v in summary.items() if k not in EVAL_COLUMNS and isinstance(v, int | float)}
             c.execute(
-                "INSERT OR REPLACE INTO evals VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                "INSERT OR REPLACE INTO evals (run_id, step, task, k, n, n_problems, avg_at_k, ci_low, ci_high, pass_at_k, n_errors, grader,"
+                " grader_version, created_at, metrics_json) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     run_id, step, task, summary["k"], summary["n_samples"], summary["n_problems"], summary["avg_at_k"],
                     summary["ci_low"], summary["ci_high"], summary.get("pass_at_k"), summary.get("n_errors", 0),
-                    grader, grader_version, time.time(),
+                    grader, grader_version, time.time(), json.dumps(extra) if extra else None,
                 ),
             )  # fmt: skip
 
     def evals(self, run_id: str | None = None) -> list[dict]:
+        """Evaluation rows; ``metrics`` holds the summary's extra measurements (agentic rates, n_pass, ...)."""
         query = "SELECT * FROM evals" + (" WHERE run_id=?" if run_id else "") + " ORDER BY run_id, step, task"
-        return [dict(r) for r in self._conn.execute(query, (run_id,) if run_id else ())]
+        return [with_metrics(r) for r in self._conn.execute(query, (run_id,) if run_id else ())]
 
     def has_eval(self, run_id: str, step: int, task: str) -> bool:
         return self._conn.execute("SELECT 1 FROM evals WHERE run_id=? AND step=? AND task=?", (run_id, step, task)).fetchone() is not None
@@ -193,7 +219,7 @@ class Store:
         rows = self._conn.execute(
             "SELECT * FROM samples WHERE run_id=? AND step=? AND task=? ORDER BY problem_id, sample_index", (run_id, step, task)
         )
-        return [dict(r) for r in rows]
+        return [with_metrics(r) for r in rows]
 
     def count(self, table: str, run_id: str) -> int:
         if table not in {"checkpoints", "step_metrics", "evals", "samples"}:

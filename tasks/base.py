@@ -1,4 +1,4 @@
-"""Base classes every task shares: problems, scores, single-turn environments and the Task contract."""
+"""Base classes every task shares: problems, scores and the Task contract (environments: :mod:`harness.episode`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
+
+from harness.episode import Env, SingleTurnEnv  # noqa: F401 - re-exported: tasks build their environments from here
 
 Status = Literal["pass", "fail", "error"]
 
@@ -34,35 +36,19 @@ class Score:
     status: Status
     extracted: str | None = None
     details: str = ""
+    reward: float | None = None  # the RL reward when it is not simply 1 for pass and 0 for fail
+    metrics: dict = field(default_factory=dict)  # per-episode measurements (turns, tool calls, ...)
 
     @property
     def value(self) -> float:
         return 1.0 if self.status == "pass" else 0.0
 
-
-class Env(ABC):
-    """An episode: ``reset`` gives the first observation, ``step`` consumes one model turn."""
-
-    @abstractmethod
-    def reset(self) -> str:
-        """The initial text shown to the model (the formatted prompt)."""
-
-    @abstractmethod
-    def step(self, model_text: str) -> tuple[str | None, bool]:
-        """Consume a model turn; return (observation text to append or None, done)."""
-
-
-class SingleTurnEnv(Env):
-    """One model turn and done: the environment of every single-turn benchmark."""
-
-    def __init__(self, prompt: str) -> None:
-        self.prompt = prompt
-
-    def reset(self) -> str:
-        return self.prompt
-
-    def step(self, model_text: str) -> tuple[str | None, bool]:
-        return None, True
+    @property
+    def reward_value(self) -> float | None:
+        """The reward to train on: None for an ``error`` grade (no reward, never 0), else ``reward`` or the pass value."""
+        if self.status == "error":
+            return None
+        return self.value if self.reward is None else float(self.reward)
 
 
 class TaskOptions(BaseModel):
@@ -118,6 +104,15 @@ class Task(ABC):
     @abstractmethod
     def grade_many(self, problems: list[Problem], completions: list[str]) -> list[Score]:
         """Grade completions (one per problem entry, aligned); never raises for a bad completion."""
+
+    def grade_trajectories(self, problems: list[Problem], trajectories: list) -> list[Score]:
+        """Grade whole episodes (aligned with ``problems``). Default, for single-turn tasks: ``grade_many`` on each
+        episode's text; multi-turn tasks override it to read the turns, observations and episode counters."""
+        return self.grade_many(problems, [t.completion_text for t in trajectories])
+
+    def grade(self, problem: Problem, trajectory) -> Score:
+        """Grade one episode."""
+        return self.grade_trajectories([problem], [trajectory])[0]
 
     @property
     @abstractmethod

@@ -47,7 +47,7 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from harness.registry import TASKS
-from tasks.base import Problem, Score, Task, TaskOptions
+from tasks.base import Problem, Score, SingleTurnEnv, Task, TaskOptions
 
 PREFIX = "lm_eval"
 INCLUDE_ENV = "HARNESS_LM_EVAL_INCLUDE"
@@ -326,12 +326,15 @@ class LmEvalTask(Task):
 
     def rollout(self, backend, problems: list[Problem], params) -> list:
         """Generation with the task's stop strings, or scoring of the continuations (multiple choice, loglikelihood)."""
-        from harness.rollout import rollout
+        from harness.rollout import run_episodes
 
         if self.output_type == "generate_until" or getattr(backend, "needs_episode_keys", False):
-            stop = tuple(dict.fromkeys((*params.stop, *self.until)))
-            return rollout(backend, self, problems, params.model_copy(update={"stop": stop}))
+            return run_episodes(backend, self, problems, params)  # the shared episode loop; stop strings from env()
         return self._scored_rollout(backend, problems, params.n)
+
+    def env(self, problem: Problem, tokenizer) -> SingleTurnEnv:
+        """One generation turn that stops at the task's ``until`` strings."""
+        return SingleTurnEnv(self.format_prompt(problem, tokenizer), stop=tuple(self.until))
 
     def _scored_rollout(self, backend, problems: list[Problem], n: int) -> list:
         """Score every (context, continuation) with ``backend.score`` and turn each doc's pick into ``n`` trajectories."""

@@ -281,15 +281,21 @@ class CountingTask:
         self.calls.append(len(completions))
         return [Score("pass" if c == p.answer else "fail", c) for p, c in zip(problems, completions)]
 
+    def grade_trajectories(self, problems, trajectories):
+        return self.grade_many(problems, [t.completion_text for t in trajectories])
+
 
 def test_grading_in_chunks_gives_the_same_scores():
-    from harness.evaluation import grade_with_progress
+    from harness.evaluation import grade_episodes
+    from harness.trajectory import Segment, Trajectory
 
     problems = [Problem(id=str(i), question="q", answer=str(i % 3)) for i in range(10)]
     completions = [str(i % 2) for i in range(10)]
+    episodes = [Trajectory("counting", p.id, 0, [], segments=[Segment("model", [1], c, step=0)]) for p, c in zip(problems, completions)]
     whole = CountingTask().grade_many(problems, completions)
     task = CountingTask()
-    assert grade_with_progress(task, problems, completions, chunk=4, show_progress=True) == whole
+    assert grade_episodes(task, problems, episodes, chunk=4, show_progress=True) == whole
     assert task.calls == [4, 4, 2]
-    with pytest.raises(ValueError, match="10 problems but 9 completions"):
-        grade_with_progress(task, problems, completions[:9])
+    assert all("grade_s" in t.timings for t in episodes)
+    with pytest.raises(ValueError, match="10 problems but 9 trajectories"):
+        grade_episodes(task, problems, episodes[:9])

@@ -31,7 +31,7 @@ def test_missing_samples_and_bad_rows_are_named(tmp_path):
     path.write_text('{"task": "arith", "id": "test-0", "completion": "x"}\n')
     result = runner.invoke(app, ["eval", "--backend", "replay", "--model", str(path), "--task", "arith", "--k", "2", "--limit", "1", "--out", str(tmp_path)])
     assert result.exit_code == 2
-    assert "has 1 completion(s), sample 1 was asked for" in " ".join(result.output.split())
+    assert "has 1 sample(s) and no sample 1" in " ".join(result.output.split())
 
 
 def test_grading_errors_are_counted_and_gate_the_exit_code(tmp_path):

@@ -17,7 +17,7 @@ from rich.console import Console
 
 from harness.backends import Backend, SamplingParams
 from harness.backends.hf import HFBackend
-from harness.evaluation import evaluate_task, store_eval
+from harness.evaluation import describe_episodes, evaluate_task, grade_episodes, store_eval, summarize_episodes
 from harness.plan import load_plan_data
 from harness.registry import BACKENDS
 from harness.rollout import reference_trajectories, rollout
@@ -69,18 +69,25 @@ def generate_batch(plan, student: Backend, problems: list, step: int, metrics: d
     if "rewards" in needs:
         with timed("reward", metrics):
             by_id = {p.id: p for p in problems}
-            scores = task.grade_many([by_id[t.problem_id] for t in trajectories], [t.completion_text for t in trajectories])
+            scores = grade_episodes(task, [by_id[t.problem_id] for t in trajectories], trajectories, show_progress=False)
             for traj, score in zip(trajectories, scores, strict=True):
-                traj.reward = None if score.status == "error" else score.value  # no reward (NaN), never 0: objectives leave it out
+                traj.reward = score.reward_value  # an error grade gives no reward (NaN), never 0: objectives leave it out
             errors = grade_error_count([s.status for s in scores])
             graded = [s.value for s in scores if s.status != "error"]
             metrics.update(grade_errors=float(errors), reward_mean=sum(graded) / len(graded) if graded else float("nan"))
             enforce_grade_error_rate(errors, len(scores), cfg.trainer.max_grade_error_rate, step, task.name)
+    metrics.update(episode_step_metrics(trajectories))
     batch = to_tensor_batch(trajectories, student.pad_id)
     if "old_logprobs" in needs and method.on_policy:
         with timed("old_logprobs", metrics):
             batch.old_logprobs = behaviour_logprobs(student, batch)
     return batch, trajectories
+
+
+def episode_step_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Agentic measurements of a step's episodes (turns always; tool calls and the invalid tool rate when the task
+    counts them), with the same definitions as evaluation's."""
+    return summarize_episodes([t.metadata.get("episode", {}) for t in trajectories])
 
 
 @torch.no_grad()
@@ -280,6 +287,7 @@ class Session:
             self.console.print(
                 f"  eval {label:<7} step {step:>5} {task.name}: Avg@{k} = {s['avg_at_k']:.3f} "
                 f"[{s['ci_low']:.3f}, {s['ci_high']:.3f}] over {s['n_problems']} problems, {s['n_errors']} errors ({s['seconds']:.1f}s)"
+                + (f"; {line}" if (line := describe_episodes(s)) else "")
             )
         if model is not None:
             store.set_status(run_id, "done")

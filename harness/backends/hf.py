@@ -34,6 +34,7 @@ class HFBackend:
         self.show_progress = show_progress
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_id = tokenizer.eos_token_id
+        self.max_context: int | None = getattr(model.config, "max_position_embeddings", None)  # rollout's context budget
 
     @classmethod
     def load(cls, model: str, **options) -> "HFBackend":

@@ -1,25 +1,47 @@
-"""Replay backend: completions read from a JSONL file, to re-grade published outputs.
+"""Replay backend: model turns read from a JSONL file, to re-grade published outputs or run scripted agents.
 
-Rows are ``{"task": NAME, "id": PROBLEM_ID, "completion": TEXT}``; several rows with the same
-(task, id) are several samples, in file order. Use it as ``harness eval --backend replay --model FILE``.
+Rows are ``{"task": NAME, "id": PROBLEM_ID, "completion": TEXT}`` (a single-turn sample) or
+``{"task": NAME, "id": PROBLEM_ID, "turns": [TEXT, ...]}`` (a multi-turn sample: one element per model turn,
+while the task's environment runs live, so tool calls really execute). Several rows with the same (task, id)
+are several samples, in file order, unless a row gives ``"sample_index"``. A sample that runs out of turns
+before its environment is done answers the next turns with empty text. Use it as
+``harness eval --backend replay --model FILE``.
 """
 
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from pathlib import Path
 
 from harness.backends import Completion, SamplingParams
 from harness.models.tiny import build_char_tokenizer
 from harness.registry import BACKENDS
 
-REQUIRED = {"task": str, "id": (str, int), "completion": str}
+Sample = list[str]  # the model turns of one episode
 
 
-def read_replay_file(path: Path) -> dict[tuple[str, str], list[str]]:
-    """(task, id) → completions in file order; a bad row names file, line and field."""
-    samples: dict[tuple[str, str], list[str]] = defaultdict(list)
+def row_error(path: Path, line: int, field: str, problem: str) -> ValueError:
+    return ValueError(f"{path}:{line}: field {field!r}: {problem}")
+
+
+def row_turns(path: Path, line: int, row: dict) -> Sample:
+    """The turns of one row: ``turns`` (a non-empty list of strings) or ``completion`` (one string), not both."""
+    if ("turns" in row) == ("completion" in row):
+        raise row_error(path, line, "completion", "give exactly one of 'completion' (one turn) or 'turns' (a list of model turns)")
+    if "completion" in row:
+        if not isinstance(row["completion"], str):
+            raise row_error(path, line, "completion", f"expected a string, got {type(row['completion']).__name__}")
+        return [row["completion"]]
+    turns = row["turns"]
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+        raise row_error(path, line, "turns", "expected a non-empty list of strings (one per model turn)")
+    return list(turns)
+
+
+def read_replay_file(path: Path) -> dict[tuple[str, str], list[Sample | None]]:
+    """(task, id) → samples (each a list of turns) by sample index; a bad row names file, line and field."""
+    path = Path(path)
+    samples: dict[tuple[str, str], list[Sample | None]] = {}
     with open(path, encoding="utf-8") as handle:
         for line_no, line in enumerate(handle, start=1):
             if not line.strip():
@@ -30,23 +52,31 @@ def read_replay_file(path: Path) -> dict[tuple[str, str], list[str]]:
                 raise ValueError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
             if not isinstance(row, dict):
                 raise ValueError(f"{path}:{line_no}: expected a JSON object")
-            for field, kind in REQUIRED.items():
-                if field not in row:
-                    raise ValueError(f"{path}:{line_no}: field {field!r}: missing")
-                if not isinstance(row[field], kind) or isinstance(row[field], bool):
-                    raise ValueError(f"{path}:{line_no}: field {field!r}: expected {kind}, got {type(row[field]).__name__}")
-            samples[(row["task"], str(row["id"]))].append(row["completion"])
-    return dict(samples)
+            for name, kind in (("task", str), ("id", (str, int))):
+                if name not in row:
+                    raise row_error(path, line_no, name, "missing")
+                if not isinstance(row[name], kind) or isinstance(row[name], bool):
+                    raise row_error(path, line_no, name, f"expected {kind}, got {type(row[name]).__name__}")
+            turns = row_turns(path, line_no, row)
+            slots = samples.setdefault((row["task"], str(row["id"])), [])
+            index = row.get("sample_index", len(slots))
+            if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+                raise row_error(path, line_no, "sample_index", f"expected an integer >= 0, got {index!r}")
+            slots.extend([None] * (index + 1 - len(slots)))
+            if slots[index] is not None:
+                raise row_error(path, line_no, "sample_index", f"sample {index} of task {row['task']!r} id {row['id']!r} is given twice")
+            slots[index] = turns
+    return samples
 
 
 @BACKENDS.register("replay")
 class ReplayBackend:
-    """Serves stored completions by (task, problem id, sample index); never runs a model."""
+    """Serves stored model turns by (task, problem id, sample index, turn); never runs a model."""
 
     name = "replay"
     needs_episode_keys = True
 
-    def __init__(self, samples: dict[tuple[str, str], list[str]], source: str = "") -> None:
+    def __init__(self, samples: dict[tuple[str, str], list[Sample | None]], source: str = "") -> None:
         self.samples = samples
         self.source = source
         self.tokenizer = build_char_tokenizer()  # trajectories still carry token ids; characters suffice
@@ -60,23 +90,27 @@ class ReplayBackend:
             raise FileNotFoundError(f"--model {model!r}: the replay backend needs a JSONL file of completions")
         return cls(read_replay_file(path), source=str(path))
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, keys: list[tuple[str, str, int]] | None = None) -> list[Completion]:
-        """The stored completion for each (task, id, sample index) key; missing samples are an error."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams, keys: list[tuple] | None = None) -> list[Completion]:
+        """The stored turn for each (task, id, sample index[, turn]) key; a missing sample is an error."""
         if keys is None or len(keys) != len(prompts):
-            raise ValueError("the replay backend needs a (task, id, sample) key per prompt")
+            raise ValueError("the replay backend needs a (task, id, sample, turn) key per prompt")
         out = []
-        for index, (task, problem_id, sample) in enumerate(keys):
+        for index, key in enumerate(keys):
+            task, problem_id, sample = key[:3]
+            turn = key[3] if len(key) > 3 else 0
             for s in range(params.n):
-                stored = self.samples.get((task, problem_id), [])
-                wanted = sample + s
-                if wanted >= len(stored):
-                    raise ValueError(
-                        f"{self.source}: task {task!r} id {problem_id!r} has {len(stored)} completion(s), sample {wanted} was asked for (lower --k)"
-                    )
-                text = stored[wanted]
+                turns = self.sample_turns(task, problem_id, sample + s)
+                text = turns[turn] if turn < len(turns) else ""
                 ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
                 out.append(Completion(ids, [0.0] * len(ids), text, "stop", index, s))
         return out
+
+    def sample_turns(self, task: str, problem_id: str, sample: int) -> Sample:
+        stored = self.samples.get((task, problem_id), [])
+        if sample >= len(stored) or stored[sample] is None:
+            have = sum(s is not None for s in stored)
+            raise ValueError(f"{self.source}: task {task!r} id {problem_id!r} has {have} sample(s) and no sample {sample} (lower --k)")
+        return stored[sample]  # type: ignore[return-value]
 
     def score(self, *args, **kwargs):
         raise NotImplementedError("the replay backend holds no model and cannot score sequences")

@@ -1,0 +1,238 @@
+"""The episode spine: one rollout path for evaluation and training, multi-turn contexts, masks, step indices,
+observation rendering, concurrency of environment steps, and that every environment is closed."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from harness.backends import SamplingParams
+from harness.backends.hf import HFBackend
+from harness.backends.replay import ReplayBackend
+from harness.episode import Env, Observation, StepResult, render_observation
+from harness.evaluation import evaluate_task
+from harness.rollout import reference_trajectories, rollout
+from harness.trajectory import to_tensor_batch
+from tasks.base import Problem, Score, Task, TaskOptions
+
+CHATML = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+class EchoOptions(TaskOptions):
+    turns: int = 3  # model turns before the environment says done
+    role: str = "inline"
+    step_sleep_s: float = 0.0
+    fail_at: int | None = None  # a step that raises (infrastructure failure)
+    max_context_tokens: int | None = None
+
+
+class EchoEnv(Env):
+    """Answers every model turn with ``[obs N]``; done after ``turns`` turns; records its lifecycle."""
+
+    stop = ("#",)
+
+    def __init__(self, task: "EchoTask", prompt: str) -> None:
+        self.task, self.prompt, self.n = task, prompt, 0
+        self.max_turns = 10
+        self.closed = False
+        task.envs.append(self)
+
+    def reset(self) -> str:
+        return self.prompt
+
+    def step(self, model_text: str) -> StepResult:
+        opts = self.task.options
+        with self.task.lock:
+            self.task.active += 1
+            self.task.peak = max(self.task.peak, self.task.active)
+        try:
+            time.sleep(opts.step_sleep_s)
+            self.n += 1
+            if opts.fail_at == self.n:
+                raise RuntimeError("tool backend down")
+            done = self.n >= opts.turns
+            return StepResult(None if done else Observation(f"[obs {self.n}]", role=opts.role), done)
+        finally:
+            with self.task.lock:
+                self.task.active -= 1
+
+    def metrics(self) -> dict[str, float]:
+        return {"tool_calls": float(self.n), "invalid_tool_calls": 0.0, "tool_errors": 0.0}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class EchoTask(Task):
+    name = "echo"
+    description = "test task"
+    Options = EchoOptions
+    multi_turn = True
+
+    def __init__(self, options=None) -> None:
+        super().__init__(options)
+        self.envs: list[EchoEnv] = []
+        self.lock = threading.Lock()
+        self.active = self.peak = 0
+
+    def load(self, split="test", data_dir=None):
+        return [Problem(id=f"p{i}", question=f"Q{i}:", answer="x") for i in range(4)]
+
+    def env(self, problem, tokenizer) -> EchoEnv:
+        return EchoEnv(self, self.format_prompt(problem, tokenizer))
+
+    def grade_many(self, problems, completions):
+        return [Score("pass" if "obs" in c else "fail") for c in completions]
+
+    @property
+    def grader(self):
+        return ("echo", "1")
+
+
+@pytest.fixture
+def backend(tiny_model_factory, char_tokenizer):
+    return HFBackend(tiny_model_factory(seed=3), char_tokenizer, batch_size=16)
+
+
+def scripted(task: EchoTask, turns: list[str], n: int = 1) -> ReplayBackend:
+    return ReplayBackend({(task.name, p.id): [list(turns)] * n for p in task.load()})
+
+
+def test_multi_turn_episode_interleaves_model_and_environment_tokens(char_tokenizer):
+    task = EchoTask(EchoOptions(turns=3))
+    trajs = rollout(scripted(task, ["a#", "bb#", "ccc"]), task, task.load()[:1], SamplingParams(n=1))
+    (traj,) = trajs
+    assert [(s.kind, s.text) for s in traj.segments] == [
+        ("model", "a#"), ("env", "[obs 1]"), ("model", "bb#"), ("env", "[obs 2]"), ("model", "ccc"),
+    ]  # fmt: skip
+    assert [s.step for s in traj.model_segments] == [0, 1, 2]
+    assert traj.metadata["episode"]["turns"] == 3 and traj.metadata["episode"]["stop_reason"] == "done"
+    assert traj.metadata["episode"]["tool_calls"] == 3
+    batch = to_tensor_batch(trajs, char_tokenizer.pad_token_id)
+    n_prompt = len(traj.prompt_ids)
+    expected_mask = [0] * n_prompt + [1] * 2 + [0] * 7 + [1] * 3 + [0] * 7 + [1] * 3
+    assert batch.loss_mask[0].tolist() == expected_mask
+    expected_steps = [-1] * n_prompt + [0] * 2 + [-1] * 7 + [1] * 3 + [-1] * 7 + [2] * 3
+    assert batch.step_index[0].tolist() == expected_steps
+    assert all(e.closed for e in task.envs)
+
+
+def test_observations_use_the_chat_template_role(char_tokenizer):
+    tok = char_tokenizer.__class__.from_pretrained  # noqa: F841 - the fixture is session-wide; copy before changing it
+    import copy
+
+    templated = copy.deepcopy(char_tokenizer)
+    templated.chat_template = CHATML
+    text = render_observation(Observation("out", role="tool"), templated)
+    assert text == "<|end|>\n<|tool|>out<|end|>\n<|assistant|>"  # closes the assistant turn, tool message, new turn
+    assert render_observation(Observation("out", role="tool", raw="<r>out</r>"), char_tokenizer) == "<r>out</r>"  # no template: raw
+    assert render_observation(Observation("out", role="inline", raw="<i>out</i>"), templated) == "<i>out</i>"  # inline: never templated
+    task = EchoTask(EchoOptions(turns=2, role="user", use_chat_template=True))
+    replay = scripted(task, ["a#", "b"])
+    replay.tokenizer = templated
+    (traj,) = rollout(replay, task, task.load()[:1], SamplingParams())
+    assert traj.prompt_text == "<|user|>Q0:<|end|>\n<|assistant|>"
+    assert traj.segments[1].kind == "env" and traj.segments[1].text == "<|end|>\n<|user|>[obs 1]<|end|>\n<|assistant|>"
+
+
+def test_env_steps_run_concurrently_and_generation_is_batched(backend):
+    task = EchoTask(EchoOptions(turns=2, step_sleep_s=0.3))
+    calls: list[int] = []
+    original = backend.generate
+    backend.generate = lambda prompts, params: calls.append(len(prompts)) or original(prompts, params)  # type: ignore[method-assign]
+    started = time.perf_counter()
+    trajs = rollout(backend, task, task.load(), SamplingParams(max_new_tokens=3, n=2, seed=0))
+    elapsed = time.perf_counter() - started
+    assert len(trajs) == 8 and all(t.num_steps == 2 for t in trajs)
+    assert calls == [8, 8]  # every live episode in one generate call per turn
+    assert task.peak > 1  # environment steps overlapped
+    assert elapsed < 8 * 2 * 0.3  # far below one-at-a-time (4.8 s)
+    assert all(t.timings["env_s"] >= 0.6 for t in trajs) and all(t.timings["generate_s"] > 0 for t in trajs)
+
+
+def test_failing_environment_is_an_error_grade_and_every_env_is_closed(backend):
+    task = EchoTask(EchoOptions(turns=3, fail_at=2))
+    result = evaluate_task(backend, task, task.load(), k=1, sampling=SamplingParams(max_new_tokens=2, seed=0), n_resamples=100)
+    assert {s.status for s in result.samples} == {"error"}
+    assert all("tool backend down" in s.details for s in result.samples)
+    assert result.summary["n_errors"] == 4 and result.summary["n_problems"] == 0
+    assert all(e.closed for e in task.envs) and len(task.envs) == 4
+
+
+def test_environments_are_closed_when_generation_fails(backend):
+    task = EchoTask(EchoOptions(turns=3))
+
+    def boom(prompts, params):
+        raise KeyboardInterrupt  # a killed rollout
+
+    backend.generate = boom  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        rollout(backend, task, task.load(), SamplingParams(n=2))
+    assert len(task.envs) == 8 and all(e.closed for e in task.envs)
+
+
+def test_context_budget_ends_the_episode_and_counts_an_unplaceable_observation(char_tokenizer):
+    task = EchoTask(EchoOptions(turns=5, max_context_tokens=12))  # prompt "Q0:" = 3 tokens
+    (traj,) = rollout(scripted(task, ["abcd#", "efgh#", "x"]), task, task.load()[:1], SamplingParams())
+    assert len(traj.prompt_ids) + len(traj.response_ids) <= 12
+    episode = traj.metadata["episode"]
+    assert episode["stop_reason"] == "context" and episode["context_overflows"] == 1 and episode["invalid_tool_calls"] == 1
+
+
+def test_max_turns_caps_the_episode():
+    task = EchoTask(EchoOptions(turns=100))
+    (traj,) = rollout(scripted(task, ["a#"] * 20), task, task.load()[:1], SamplingParams())
+    assert traj.num_steps == 10 and traj.metadata["episode"]["stop_reason"] == "max_turns"
+
+
+def test_multi_turn_reference_trajectory_matches_a_live_episode(char_tokenizer):
+    task = EchoTask(EchoOptions(turns=2))
+    problem = Problem("p0", "Q0:", "x", meta={"reference_turns": [{"model": "a#", "observation": {"content": "[obs 1]", "role": "inline"}}, {"model": "b"}]})
+    (ref,) = reference_trajectories(task, [problem], char_tokenizer)
+    (live,) = rollout(scripted(task, ["a#", "b"]), task, [problem], SamplingParams())
+    assert ref.prompt_ids + ref.response_ids == live.prompt_ids + live.response_ids + [char_tokenizer.eos_token_id]
+    assert [s.kind for s in ref.segments] == ["model", "env", "model"] and [s.step for s in ref.model_segments] == [0, 1]
+
+
+def test_evaluation_and_training_roll_out_the_same_trajectories(backend):
+    """One path: the trainer's batch and an evaluation with the same seed and sampling give identical episodes."""
+    from types import SimpleNamespace
+
+    from harness.config import RunConfig
+    from trainers.objectives.opd import OPD_SPEC  # noqa: F401 - registers opd
+    from harness.registry import METHODS
+    from trainers.pipeline import generate_batch, step_seed
+
+    task = EchoTask(EchoOptions(turns=2))
+    problems = task.load()
+    cfg = RunConfig.model_validate({"method": "opd", "task": "arith", "trainer": {"samples_per_prompt": 2, "max_new_tokens": 3, "temperature": 1.0}})
+    method = METHODS.get("opd")
+    plan = SimpleNamespace(config=cfg, task=task, method=method, hparams=method.hparams())
+    _, trained = generate_batch(plan, backend, problems, 5, {})
+    params = SamplingParams(temperature=1.0, max_new_tokens=3, seed=step_seed(cfg.seed, 5))
+    evaluated = evaluate_task(backend, task, problems, k=2, sampling=params, n_resamples=10).trajectories
+    assert [t.prompt_ids + t.response_ids for t in trained] == [t.prompt_ids + t.response_ids for t in evaluated]
+    assert [[s.behaviour_logprobs for s in t.model_segments] for t in trained] == [[s.behaviour_logprobs for s in t.model_segments] for t in evaluated]
+
+
+def test_old_logprobs_equal_the_behaviour_policy_on_multi_turn_contexts(backend):
+    """π_old is the behaviour policy's log-prob of each sampled token in the interleaved context: ratio 1 at lag 0."""
+    from harness.trajectory import to_tensor_batch
+    from trainers.pipeline import behaviour_logprobs
+
+    task = EchoTask(EchoOptions(turns=3))
+    trajs = rollout(backend, task, task.load(), SamplingParams(max_new_tokens=4, n=2, seed=1))
+    batch = to_tensor_batch(trajs, backend.pad_id)
+    old = behaviour_logprobs(backend, batch)
+    mask = batch.loss_mask > 0
+    assert torch.allclose(old[mask], batch.behaviour_logprobs[mask], atol=1e-4)  # generation-time log-probs
+    current = backend.score(batch.input_ids, batch.attention_mask)["logprobs"]
+    assert torch.allclose(torch.exp(current[mask] - old[mask]), torch.ones(int(mask.sum())), atol=1e-5)
+    teacher = backend.score(batch.input_ids, batch.attention_mask)["logprobs"] * batch.loss_mask
+    assert (teacher[batch.loss_mask == 0] == 0).all() and (teacher[mask] != 0).all()  # teacher covers model tokens of the interleaved context
