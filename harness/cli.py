@@ -97,7 +97,7 @@ def run(
     executor: Annotated[
         str | None, typer.Option(help="where the roles run: inprocess (threads in this process) or ray (actors; local Ray, or trainer.ray_address)")
     ] = None,
-    preset: Annotated[str | None, typer.Option(help="built-in preset: smoke, cpu-demo")] = None,
+    preset: Annotated[str | None, typer.Option(help="built-in preset: smoke, cpu-demo, tool-demo")] = None,
     config: Annotated[Path | None, typer.Option("--config", help="YAML config file")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="dotted override KEY=VALUE, repeatable (e.g. trainer.lr=1e-5)")] = None,
     out: Annotated[Path, typer.Option(help="results root")] = Path("results"),

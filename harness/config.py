@@ -134,7 +134,7 @@ class RunConfig(Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
 
 
-PRESETS = ("smoke", "cpu-demo")
+PRESETS = ("smoke", "cpu-demo", "tool-demo")
 
 
 def load_preset(name: str) -> dict:

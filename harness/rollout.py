@@ -69,6 +69,7 @@ def run_episodes(backend: Backend, task, problems: list, params: SamplingParams,
     tokenizer = backend.tokenizer
     use_template = getattr(task.options, "use_chat_template", True)
     limit = context_limit(backend, task)
+    budgets = getattr(backend, "counts_tokens", True)  # replayed turns are characters, not the model's tokens: no token budgets
     episodes = [
         Episode(problem, Trajectory(task=task.name, problem_id=problem.id, sample_index=s, prompt_ids=[])) for problem in problems for s in range(params.n)
     ]
@@ -77,8 +78,8 @@ def run_episodes(backend: Backend, task, problems: list, params: SamplingParams,
             list(pool.map(lambda e: open_episode(e, task, tokenizer), episodes))
             turn = 0
             while live := [e for e in episodes if e.live]:
-                generate_turn(backend, live, params, turn, limit)
-                list(pool.map(lambda e: step_episode(e, tokenizer, use_template, limit), [e for e in live if e.live]))
+                generate_turn(backend, live, params, turn, limit if budgets else None, fit=budgets)
+                list(pool.map(lambda e: step_episode(e, tokenizer, use_template, limit if budgets else None), [e for e in live if e.live]))
                 turn += 1
         finally:
             list(pool.map(close_episode, episodes))
@@ -105,8 +106,9 @@ def open_episode(episode: Episode, task, tokenizer) -> None:
     add_time(episode.traj, "env_s", time.perf_counter() - started)
 
 
-def generate_turn(backend: Backend, live: list[Episode], params: SamplingParams, turn: int, limit: int | None) -> None:
-    """One batched generation per distinct set of stop strings; each completion becomes the episode's next model segment."""
+def generate_turn(backend: Backend, live: list[Episode], params: SamplingParams, turn: int, limit: int | None, *, fit: bool = True) -> None:
+    """One batched generation per distinct set of stop strings; each completion becomes the episode's next model segment
+    (cut to the turn's token budget when ``fit``)."""
     groups: dict[tuple[str, ...], list[Episode]] = {}
     for episode in live:
         if episode.traj.num_steps >= episode.env.max_turns:
@@ -126,7 +128,8 @@ def generate_turn(backend: Backend, live: list[Episode], params: SamplingParams,
         completions = generate(backend, [e.context for e in group], turn_params, [episode_key(e, turn) for e in group])
         share = (time.perf_counter() - started) / len(group)
         for episode, completion, room in zip(group, completions, rooms, strict=True):
-            completion = fit_completion(backend.tokenizer, completion, room)
+            if fit:
+                completion = fit_completion(backend.tokenizer, completion, room)
             episode.traj.segments.append(
                 Segment(
                     kind="model",

@@ -179,7 +179,9 @@ def test_environments_are_closed_when_generation_fails(backend):
 
 def test_context_budget_ends_the_episode_and_counts_an_unplaceable_observation(char_tokenizer):
     task = EchoTask(EchoOptions(turns=5, max_context_tokens=12))  # prompt "Q0:" = 3 tokens
-    (traj,) = rollout(scripted(task, ["abcd#", "efgh#", "x"]), task, task.load()[:1], SamplingParams())
+    replay = scripted(task, ["abcd#", "efgh#", "x"])
+    replay.counts_tokens = True  # a model's own tokens: budgets apply (replayed characters are exempt)
+    (traj,) = rollout(replay, task, task.load()[:1], SamplingParams())
     assert len(traj.prompt_ids) + len(traj.response_ids) <= 12
     episode = traj.metadata["episode"]
     assert episode["stop_reason"] == "context" and episode["context_overflows"] == 1 and episode["invalid_tool_calls"] == 1
@@ -236,3 +238,16 @@ def test_old_logprobs_equal_the_behaviour_policy_on_multi_turn_contexts(backend)
     assert torch.allclose(torch.exp(current[mask] - old[mask]), torch.ones(int(mask.sum())), atol=1e-5)
     teacher = backend.score(batch.input_ids, batch.attention_mask)["logprobs"] * batch.loss_mask
     assert (teacher[batch.loss_mask == 0] == 0).all() and (teacher[mask] != 0).all()  # teacher covers model tokens of the interleaved context
+
+
+def test_sod_steps_are_the_model_turns(char_tokenizer):
+    """SOD's steps (maximal runs of trained tokens) are exactly the episode's model turns."""
+    from trainers.objectives.sod import step_ids
+
+    task = EchoTask(EchoOptions(turns=3))
+    trajs = rollout(scripted(task, ["ab#", "c#", "def"], n=2), task, task.load()[:2], SamplingParams(n=2))
+    batch = to_tensor_batch(trajs, char_tokenizer.pad_token_id)
+    model = batch.loss_mask > 0
+    assert torch.equal(step_ids(batch.loss_mask)[model], batch.step_index[model] + 1)
+    assert torch.equal(step_ids(batch.loss_mask, batch.step_index)[model], batch.step_index[model] + 1)
+    assert int(step_ids(batch.loss_mask).max()) == 3

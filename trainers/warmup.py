@@ -57,10 +57,17 @@ def prepare_model(spec: ModelSpec, role: str, task, problems: list, cache_root: 
     return model, tokenizer, str(target)
 
 
+def warmup_schedule(optimizer: torch.optim.Optimizer, lr: float, steps: int):
+    """One-cycle learning rate (5 % warm-up, at least two steps of it); a constant rate for runs too short to have one."""
+    if steps < 4:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=min(0.5, max(0.05, 2 / steps)))
+
+
 def supervised_warmup(model, tokenizer, task, problems: list, spec: ModelSpec, *, desc: str, show_progress: bool = True) -> dict[str, float]:
     """SFT on the reference solutions of ``problems`` with a one-cycle learning rate; deterministic under the seed."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=spec.sft_lr, total_steps=spec.sft_steps, pct_start=0.05)
+    schedule = warmup_schedule(optimizer, spec.sft_lr, spec.sft_steps)
     rng = random.Random(spec.seed)
     hparams = SFT_SPEC.hparams()
     metrics: dict[str, float] = {}

@@ -75,6 +75,7 @@ class ReplayBackend:
 
     name = "replay"
     needs_episode_keys = True
+    counts_tokens = False  # its token ids are characters, not the recorded model's tokens: token budgets do not apply
 
     def __init__(self, samples: dict[tuple[str, str], list[Sample | None]], source: str = "") -> None:
         self.samples = samples

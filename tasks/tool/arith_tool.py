@@ -1,0 +1,94 @@
+"""``arith_tool``: large-operand arithmetic that a small model can only get right with the code interpreter.
+
+Problems such as ``Compute 48213*771-5512.`` are generated from a seed (train and test disjoint; ids
+``<split>-<index>``). Every problem carries a reference episode that uses the tool: one call printing the
+expression, then ``<answer>\\boxed{value}</answer>``; its observation is rendered exactly as a live episode
+renders the interpreter's output, so teacher and student can be warmed up on tool traces (SFT) on CPU. The
+default prompt is the bare question (tiny models learn the format from the traces) and the context budget
+fits the tiny models' 512 positions.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from harness.registry import TASKS
+from tasks.base import Problem
+from tasks.tool.base import ToolOptions, ToolTask
+
+
+class ArithToolOptions(ToolOptions):
+    k: int = 4
+    max_new_tokens: int = 64
+    prompt: Literal["instruction", "bare"] = Field("bare", description="instruction: explain the tool and answer format; bare: the question only")
+    max_context_tokens: int = Field(480, ge=16, description="context budget of an episode (prompt, model and tool tokens)")
+    num_ops: int = Field(2, ge=1, le=4, description="operators per expression")
+    operators: str = Field("+-*", pattern=r"^[+\-*]+$", description="operators to draw from")
+    min_operand: int = Field(100, ge=0, description="operands are drawn from min_operand..max_operand")
+    max_operand: int = Field(99999, ge=1, description="operands are drawn from min_operand..max_operand")
+    seed: int = 4321
+    n_train: int = Field(5000, ge=1)
+    n_test: int = Field(200, ge=1)
+
+
+def make_expression(rng: random.Random, opts: ArithToolOptions) -> str:
+    """One random expression such as ``48213*771-5512``."""
+    operands = [rng.randint(opts.min_operand, opts.max_operand) for _ in range(opts.num_ops + 1)]
+    operators = [rng.choice(opts.operators) for _ in range(opts.num_ops)]
+    return "".join(f"{a}{op}" for a, op in zip(operands, operators)) + str(operands[-1])
+
+
+def evaluate_expression(expression: str) -> int:
+    """The exact value of an expression of non-negative integers and + - * (precedence as in Python)."""
+    if not set(expression) <= set("0123456789+-*"):
+        raise ValueError(f"not an integer +-* expression: {expression!r}")
+    return int(eval(expression, {"__builtins__": {}}, {}))  # noqa: S307 - digits and + - * only, checked above
+
+
+@TASKS.register("arith_tool")
+class ArithToolTask(ToolTask):
+    name = "arith_tool"
+    description = "Synthetic large-operand arithmetic solved with a Python code interpreter (multi-turn tool use, CPU scale)"
+    Options = ArithToolOptions
+    splits = ("train", "test")
+    provides_references = True  # every problem carries a reference episode that uses the tool
+
+    def load(self, split: str = "test", data_dir: Path | None = None) -> list[Problem]:
+        """Generate ``split`` deterministically from the seed; test expressions never appear in train."""
+        if split not in self.splits:
+            raise ValueError(f"arith_tool has splits {self.splits}, not {split!r}")
+        opts: ArithToolOptions = self.options  # type: ignore[assignment]
+        if opts.min_operand > opts.max_operand:
+            raise ValueError(f"arith_tool: min_operand ({opts.min_operand}) is above max_operand ({opts.max_operand})")
+        rng = random.Random(opts.seed)
+        seen: set[str] = set()
+        out: dict[str, list[Problem]] = {"test": [], "train": []}
+        for name, wanted in (("test", opts.n_test), ("train", opts.n_train)):  # test first: train excludes its expressions
+            attempts = 0
+            while len(out[name]) < wanted:
+                attempts += 1
+                if attempts > 20 * wanted + 1000:
+                    raise ValueError(f"arith_tool: cannot draw {wanted} distinct {name} problems; widen the operand range")
+                expression = make_expression(rng, opts)
+                if expression in seen:
+                    continue
+                seen.add(expression)
+                value = str(evaluate_expression(expression))
+                turns = self.reference_turns(value, f"print({expression})")
+                out[name].append(
+                    Problem(
+                        id=f"{name}-{len(out[name])}",
+                        question=f"Compute {expression}.\n",
+                        answer=value,
+                        solution="".join(t["model"] for t in turns),
+                        meta={"reference_turns": turns},
+                    )
+                )
+            if name == split:
+                break
+        problems = out[split]
+        return problems[: opts.limit] if opts.limit else problems
