@@ -250,9 +250,11 @@ def test_sandbox_closed_under_a_live_interpreter_is_an_error(local_sb):
     sb = sandbox.open_sandbox("local", network_isolation="auto")
     py = PythonInterpreter(sb)
     ok(py.run_cell("x = 1"))
+    session = py.session
     sb.close()
     r = py.run_cell("print(x)")
     assert r.status == "error" and r.state_lost, r
+    assert not session.host_path.exists()  # handing the cell over did not recreate the removed directory
     py.close()
 
 
