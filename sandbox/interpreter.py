@@ -12,15 +12,16 @@ Inside the session (network off; memory / CPU / process limits from the construc
   - the *supervisor* (stdlib only, never runs model code): receives a cell, hands it to the worker,
     reads the worker's output, enforces the timeout, and restarts the worker when it dies;
   - the *worker*: a Python process whose ``__main__`` namespace lives across cells. Its stdout and
-    stderr are one pipe (one line-buffered stream), so the output keeps the order it was written in.
-    It runs in its own process group; processes a cell starts are signalled (SIGUSR1, whose default
-    action ends them) when the cell ends, so a fork bomb does not outlive its cell.
+    stderr are one pipe (one line-buffered stream, restored before every cell), so the output keeps
+    the order it was written in. Each cell runs in a process group of its own, led by the worker;
+    when the cell ends the worker steps out of it and SIGKILLs it, so whatever the cell started (a
+    subprocess, a fork bomb) ends with the cell unless it left the group (``setsid``).
 
 How a cell reaches the supervisor (the *transport*), found out once per sandbox object:
   - ``exec``: the supervisor runs detached (``setsid``) and listens on an abstract Unix socket (no
     file a cell could delete); each cell is one ``Session.run`` of a tiny client that hands the cell
     over and prints the reply. Used where a background process outlives the run that started it
-    (Docker: the container lives on; per cell one ``docker exec``).
+    (Docker: the container lives on; per cell one ``docker exec``). Only peers of the same uid are served.
   - ``files``: where a run's processes all die when it ends (the local provider as root: each run has
     its own PID namespace), the supervisor is itself one long ``Session.run`` (a background thread)
     and cells travel as files in ``.opd-interp/`` of the work dir (``write_files`` / ``read_file``,
@@ -34,8 +35,8 @@ Cell semantics:
   - an exception (SyntaxError, KeyboardInterrupt, ``sys.exit(1)`` ...) → status ``ok``, ``raised=True``,
     the traceback (without the harness's frames) in ``output``; the state is kept. ``sys.exit()`` /
     ``sys.exit(0)`` just ends the cell (``raised=False``).
-  - past ``timeout_s`` the cell is interrupted (an exception that ``except Exception`` does not catch)
-    → status ``timeout``, state kept; a cell that does not stop within ~2 s (stuck in C code, or
+  - past ``timeout_s`` the cell is interrupted (SIGUSR1 raises, inside the cell, an exception that
+    ``except Exception`` does not catch; Jupyter sends SIGINT) → status ``timeout``, state kept; a cell that does not stop within ~2 s (stuck in C code, or
     swallowing the interrupt) gets its worker killed and restarted: ``state_lost=True``.
   - the worker dies (``os._exit``, a signal, the memory limit) → status ``crash``, ``state_lost=True``,
     a fresh worker is ready for the next cell.
@@ -43,8 +44,10 @@ Cell semantics:
   - anything that breaks the sandbox itself (daemon down, session cannot be opened) → status ``error``
     with ``error`` set; ``run_cell`` never raises for it. The session is then discarded (state lost)
     and the next cell opens a fresh one.
-  - processes a cell leaves running are signalled when the cell ends; stray output that background
+  - processes a cell leaves running are killed when the cell ends (see above); output that background
     threads print between cells is discarded.
+  - cells run in the session's work root (the files transport keeps ``.opd-interp/`` there); files
+    persist across cells as they do in any session.
 
 ``close()`` destroys the session (idempotent; also ``with``); a closed interpreter refuses cells
 (``RuntimeError``). An interpreter dropped without ``close()`` is closed when it is garbage collected
@@ -416,6 +419,9 @@ def serve_socket(srv):
         srv.settimeout(None)
         with conn:
             try:
+                uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
+                if uid != os.getuid():
+                    continue  # abstract sockets have no permissions: only our own user may hand us cells
                 conn.settimeout(30.0)  # a request arrives at once (a cell holding a connection open cannot block us)
                 n = struct.unpack(">I", recv_exact(conn, 4))[0]
                 raw = recv_exact(conn, n)
