@@ -646,7 +646,7 @@ class _Connection:
                 raise _Infra(f"{type(exc).__name__}: {exc}") from exc
             if r.status == "ok" and r.exit_code == 3 and r.stdout == "NOSERVER":
                 raise _NoDaemon()
-            if r.status == "ok" and r.exit_code == 0:
+            if r.exit_code == 0:  # (Docker reads the worker's OOM kill during the cell as status "oom" of this run)
                 try:
                     return json.loads(r.stdout)
                 except ValueError:
@@ -784,6 +784,8 @@ class PythonInterpreter:
                 raise RuntimeError("this PythonInterpreter is closed; make a new one")
             t0 = time.perf_counter()
             result = self._run(code, timeout_s)
+            if self._closed:  # close() from another thread destroyed the session under the cell
+                result = CellResult(status="error", output="", state_lost=True, error="the interpreter was closed while the cell ran")
             if result.status == "error" or not result.duration_s:
                 result.duration_s = time.perf_counter() - t0
             return result
@@ -843,6 +845,9 @@ class PythonInterpreter:
             session = self.sandbox.session(memory_mb=self.memory_mb, cpus=self.cpus, pids=self.pids, network=False)
         except Exception as exc:  # noqa: BLE001 - SandboxUnavailable, a closed sandbox, a daemon error...
             raise _Infra(f"could not open a sandbox session: {type(exc).__name__}: {exc}") from exc
+        if self._closed:  # close() ran meanwhile: this session must not outlive it
+            session.close()
+            raise _Infra("the interpreter was closed")
         conn = _Connection(self.sandbox, session, transport)
         self._holder.conn = conn
         try:
@@ -859,10 +864,9 @@ class PythonInterpreter:
         self._holder.close()
 
     def close(self) -> None:
-        """Destroy the session and refuse further cells. Idempotent."""
-        with self._lock:
-            self._closed = True
-            self._finalizer()
+        """Destroy the session and refuse further cells (a cell running in another thread ends as ``error``). Idempotent."""
+        self._closed = True  # not under the lock: a cell in flight ends (as an error) instead of delaying this
+        self._finalizer()
 
     def __enter__(self) -> PythonInterpreter:
         return self

@@ -268,3 +268,17 @@ def test_bad_arguments_are_refused(local_sb):
             py.run_cell(b"print(1)")
         with pytest.raises(ValueError):
             py.run_cell("print(1)", timeout_s=0)
+
+
+def test_close_from_another_thread_ends_a_running_cell(sb):
+    py = PythonInterpreter(sb)
+    ok(py.run_cell("x = 1"))
+    session = py.session
+    with ThreadPoolExecutor(1) as ex:
+        running = ex.submit(py.run_cell, "import time\ntime.sleep(30)", 30.0)
+        time.sleep(1.0)
+        t0 = time.perf_counter()
+        py.close()
+        r = running.result(timeout=20)
+    assert time.perf_counter() - t0 < 10 and (r.status, r.state_lost) == ("error", True) and "closed" in r.error, r
+    assert _session_gone(sb, session)
