@@ -36,8 +36,9 @@ Cell semantics:
     the traceback (without the harness's frames) in ``output``; the state is kept. ``sys.exit()`` /
     ``sys.exit(0)`` just ends the cell (``raised=False``).
   - past ``timeout_s`` the cell is interrupted (SIGUSR1 raises, inside the cell, an exception that
-    ``except Exception`` does not catch; Jupyter sends SIGINT) → status ``timeout``, state kept; a cell that does not stop within ~2 s (stuck in C code, or
-    swallowing the interrupt) gets its worker killed and restarted: ``state_lost=True``.
+    ``except Exception`` does not catch; Jupyter sends SIGINT) → status ``timeout``, state kept; a
+    cell that does not stop within ~2 s (stuck in C code, or swallowing the interrupt) gets its
+    worker killed and restarted: ``state_lost=True``.
   - the worker dies (``os._exit``, a signal, the memory limit) → status ``crash``, ``state_lost=True``,
     a fresh worker is ready for the next cell.
   - timeouts, crashes and restarts append a one-line note in brackets to ``output``.
@@ -59,6 +60,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 import time
 import uuid
 import weakref
@@ -241,8 +243,9 @@ class Worker:
         self.r_out, w_out = os.pipe()
         null = os.open(os.devnull, os.O_RDONLY)
         try:
-            self.proc = subprocess.Popen([sys.executable, "-c", WORKER, str(r_cell), str(w_done), str(os.getpgrp())], stdin=null, stdout=w_out,
-                                         stderr=w_out, pass_fds=(r_cell, w_done), preexec_fn=os.setpgrp, close_fds=True)
+            argv = [sys.executable, "-c", WORKER, str(r_cell), str(w_done), str(os.getpgrp())]
+            self.proc = subprocess.Popen(argv, stdin=null, stdout=w_out, stderr=w_out, pass_fds=(r_cell, w_done),
+                                         preexec_fn=os.setpgrp, close_fds=True)
         except BaseException:
             for fd in (self.w_cell, self.r_done, self.r_out):
                 os.close(fd)
@@ -391,7 +394,7 @@ def run_cell(req):
     else:
         lost = True
         if status == "timeout":
-            notes.append("the cell did not stop after the interrupt; the Python process was restarted and variables from earlier cells are lost")
+            notes.append("the cell did not stop when interrupted; the Python process was restarted, variables from earlier cells are lost")
         else:
             status = "crash"
             notes.append(f"the Python process died ({crashed}); variables from earlier cells are lost")
@@ -614,7 +617,7 @@ class _Connection:
             return f"{type(r).__name__}: {r}"
         return f"its run ended ({r.status}, exit {r.exit_code}): {(r.error or r.stderr)[-500:]}"
 
-    def _poll_file(self, path: str, deadline: float, accept=lambda raw: True) -> bytes | None:
+    def _poll_file(self, path: str, deadline: float, accept: Callable[[bytes], bool] = lambda raw: True) -> bytes | None:
         """Wait for a file the supervisor writes (and ``accept``s); None when its run ended or the deadline passed."""
         pause = 0.0005
         while True:
@@ -685,7 +688,7 @@ class _Connection:
             raise _Infra(f"the sandbox session is failing: {r.error}")
 
     @staticmethod
-    def _answers(seq: int):
+    def _answers(seq: int) -> Callable[[bytes], bool]:
         """Whether a reply file is the (complete) answer to request ``seq`` (not the previous one's)."""
 
         def accept(raw: bytes) -> bool:
