@@ -644,7 +644,9 @@ class _Connection:
             small = len(payload) <= _ARGV_PAYLOAD_MAX
             argv = [self.sandbox.python, "-I", "-S", "-c", _CLIENT, self.key, *([payload] if small else [])]
             try:
-                r = self.session.run(ExecRequest(argv=argv, stdin=b"" if small else payload.encode(), timeout_s=wait_s))
+                stdin = b"" if small else payload.encode()
+                reply_max = 8 * int(req.get("cap", 0)) + (1 << 16)  # JSON escapes: up to 6 bytes a character
+                r = self.session.run(ExecRequest(argv=argv, stdin=stdin, timeout_s=wait_s, max_output_bytes=max(reply_max, 1 << 20)))
             except Exception as exc:  # noqa: BLE001 - a closed session or sandbox, a refused timeout
                 raise _Infra(f"{type(exc).__name__}: {exc}") from exc
             if r.status == "ok" and r.exit_code == 3 and r.stdout == "NOSERVER":

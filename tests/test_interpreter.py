@@ -72,6 +72,14 @@ def test_output_interleaves_streams_and_is_truncated_with_a_marker(sb):
         assert ok(py.run_cell("print('still captured')")) == "still captured\n"
 
 
+def test_large_cells_and_large_outputs_travel_whole(sb):
+    with PythonInterpreter(sb, max_output_chars=300_000) as py:
+        big = "s = '" + "ab" * 100_000 + "'\nprint(len(s))"  # over the transport's argv size: handed over through stdin
+        assert ok(py.run_cell(big)) == "200000\n"
+        r = py.run_cell("print('\\u00e9' * 250_000)")  # escaped in the reply: over the default 1 MiB cap of a run's stdout
+        assert ok(r) == "é" * 250_000 + "\n" and not r.truncated
+
+
 def test_timeout_interrupts_the_cell_and_keeps_state(py):
     ok(py.run_cell("x = 42"))
     t0 = time.perf_counter()
@@ -279,7 +287,7 @@ def test_close_from_another_thread_ends_a_running_cell(sb):
     session = py.session
     with ThreadPoolExecutor(1) as ex:
         running = ex.submit(py.run_cell, "import time\ntime.sleep(30)", 30.0)
-        time.sleep(1.0)
+        time.sleep(0.5)
         t0 = time.perf_counter()
         py.close()
         r = running.result(timeout=20)
