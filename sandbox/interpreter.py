@@ -39,8 +39,9 @@ Cell semantics:
     ``except Exception`` does not catch; Jupyter sends SIGINT) → status ``timeout``, state kept; a
     cell that does not stop within ~2 s (stuck in C code, or swallowing the interrupt) gets its
     worker killed and restarted: ``state_lost=True``.
-  - the worker dies (``os._exit``, a signal, the memory limit) → status ``crash``, ``state_lost=True``,
-    a fresh worker is ready for the next cell.
+  - the worker dies (``os._exit``, a signal, Docker's OOM kill at the memory limit; the local
+    provider's address-space limit raises ``MemoryError`` instead) → status ``crash``,
+    ``state_lost=True``, a fresh worker is ready for the next cell.
   - timeouts, crashes and restarts append a one-line note in brackets to ``output``.
   - anything that breaks the sandbox itself (daemon down, session cannot be opened) → status ``error``
     with ``error`` set; ``run_cell`` never raises for it. The session is then discarded (state lost)
@@ -50,9 +51,10 @@ Cell semantics:
   - cells run in the session's work root (the files transport keeps ``.opd-interp/`` there); files
     persist across cells as they do in any session.
 
-``close()`` destroys the session (idempotent; also ``with``); a closed interpreter refuses cells
-(``RuntimeError``). An interpreter dropped without ``close()`` is closed when it is garbage collected
-or at exit (``weakref.finalize``), and the providers remove their sessions on ``Sandbox.close()``.
+``close()`` destroys the session (idempotent; also ``with``; a cell running meanwhile in another
+thread ends as ``error``); a closed interpreter refuses cells (``RuntimeError``). An interpreter
+dropped without ``close()`` is closed when it is garbage collected or at exit (``weakref.finalize``),
+and the providers remove their sessions on ``Sandbox.close()``.
 Each interpreter serialises its own cells with a lock; many interpreters run concurrently.
 """
 
@@ -60,10 +62,10 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sandbox import ExecRequest, Sandbox, Session
@@ -710,7 +712,7 @@ class _Connection:
             self.session.close()
         except Exception:  # noqa: BLE001 - best effort: the provider reaps what is left
             pass
-        if self.server_thread is not None:
+        if self.server_thread is not None and self.server_thread is not threading.current_thread():  # a finalizer runs anywhere
             self.server_thread.join(timeout=5.0)
 
 
@@ -790,6 +792,7 @@ class PythonInterpreter:
             t0 = time.perf_counter()
             result = self._run(code, timeout_s)
             if self._closed:  # close() from another thread destroyed the session under the cell
+                self._holder.close()  # (or ran before this cell's new session was recorded)
                 result = CellResult(status="error", output="", state_lost=True, error="the interpreter was closed while the cell ran")
             if result.status == "error" or not result.duration_s:
                 result.duration_s = time.perf_counter() - t0
