@@ -42,7 +42,8 @@ Cell semantics:
   - the worker dies (``os._exit``, a signal, Docker's OOM kill at the memory limit; the local
     provider's address-space limit raises ``MemoryError`` instead) → status ``crash``,
     ``state_lost=True``, a fresh worker is ready for the next cell.
-  - timeouts, crashes and restarts append a one-line note in brackets to ``output``.
+  - crashes and restarts (state lost) append a one-line note in brackets to ``output``; a timeout
+    that kept the state adds nothing (the status says it; the caller words it for the model).
   - anything that breaks the sandbox itself (daemon down, session cannot be opened) → status ``error``
     with ``error`` set; ``run_cell`` never raises for it. The session is then discarded (state lost)
     and the next cell opens a fresh one.
@@ -829,10 +830,7 @@ class PythonInterpreter:
         if truncated:
             text += f"\n...[output truncated: {total - len(text)} more characters]"
         status, state_lost = reply["status"], bool(reply.get("state_lost"))
-        notes = list(reply.get("notes") or [])
-        if status == "timeout" and not state_lost:
-            notes.insert(0, "the cell timed out and was interrupted; variables from earlier cells are kept")
-        for note in notes:
+        for note in reply.get("notes") or []:  # (a timeout that kept the state has none: the status says it)
             text += ("\n" if text and not text.endswith("\n") else "") + f"[{note}]"
         return CellResult(
             status=status,

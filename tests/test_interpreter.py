@@ -65,7 +65,7 @@ def test_output_interleaves_streams_and_is_truncated_with_a_marker(sb):
         assert r.truncated and r.output == "é" * 100 + "\n...[output truncated: 901 more characters]", r
         r = py.run_cell("n = 0\nwhile True:\n    print('x' * 1000)\n    n += 1", timeout_s=1.0)
         assert (r.status, r.truncated, r.state_lost) == ("timeout", True, False), r
-        assert len(r.output) < 300 and "timed out" in r.output
+        assert r.output.startswith("x" * 100) and len(r.output) < 200  # (a timeout that kept the state adds no note)
         n = int(py.run_cell("print(n)").output)
         assert n > 100  # the flood really ran and was read (not blocked on a full pipe)
         assert ok(py.run_cell("import os\nos.close(1)\nos.close(2)\nsys.stdout.close()")) == ""
