@@ -471,6 +471,8 @@ class LocalSession(Session):
                 return ExecResult.failed(f"local sandbox failed: {exc}")
 
     def write_files(self, files: Mapping[str, bytes]) -> None:
+        if self._closed:  # writing would recreate the removed directory, and nobody would remove it again
+            raise RuntimeError("session is closed")
         self._sb._write(self._root, self._cwd, files, self._uid)
 
     def read_file(self, path: str, max_bytes: int = MAX_READ_FILE_BYTES) -> bytes:

@@ -1,0 +1,881 @@
+"""A persistent Python interpreter in one sandbox session, for multi-turn tool use (one per episode).
+
+    import sandbox
+    from sandbox.interpreter import PythonInterpreter
+    with sandbox.open_sandbox("docker") as sb, PythonInterpreter(sb) as py:
+        py.run_cell("import math\\nx = math.factorial(20)")
+        py.run_cell("print(x % 1000)").output          # "0\\n"
+
+Variables, imports and functions defined by one cell are visible to the next, like a Jupyter kernel.
+
+Inside the session (network off; memory / CPU / process limits from the constructor) two processes run:
+  - the *supervisor* (stdlib only, never runs model code): receives a cell, hands it to the worker,
+    reads the worker's output, enforces the timeout, and restarts the worker when it dies;
+  - the *worker*: a Python process whose ``__main__`` namespace lives across cells. Its stdout and
+    stderr are one pipe (one line-buffered stream, restored before every cell), so the output keeps
+    the order it was written in. Each cell runs in a process group of its own, led by the worker;
+    when the cell ends the worker steps out of it and SIGKILLs it, so whatever the cell started (a
+    subprocess, a fork bomb) ends with the cell unless it left the group (``setsid``).
+
+How a cell reaches the supervisor (the *transport*), found out once per sandbox object:
+  - ``exec``: the supervisor runs detached (``setsid``) and listens on an abstract Unix socket (no
+    file a cell could delete); each cell is one ``Session.run`` of a tiny client that hands the cell
+    over and prints the reply. Used where a background process outlives the run that started it
+    (Docker: the container lives on; per cell one ``docker exec``). Only peers of the same uid are served.
+  - ``files``: where a run's processes all die when it ends (the local provider as root: each run has
+    its own PID namespace), the supervisor is itself one long ``Session.run`` (a background thread)
+    and cells travel as files in ``.opd-interp/`` of the work dir (``write_files`` / ``read_file``,
+    polled). The supervisor exits when the host process goes away (its stdout pipe breaks).
+
+Cell semantics:
+  - output is what the cell prints (stdout and stderr interleaved), cut to ``max_output_chars`` with
+    ``"\\n...[output truncated: N more characters]"``. With ``display_last_expr=True`` the repr of a
+    final expression statement is printed too (Jupyter's convention; off by default, as in ReTool's
+    script-style sandbox).
+  - an exception (SyntaxError, KeyboardInterrupt, ``sys.exit(1)`` ...) → status ``ok``, ``raised=True``,
+    the traceback (without the harness's frames) in ``output``; the state is kept. ``sys.exit()`` /
+    ``sys.exit(0)`` just ends the cell (``raised=False``).
+  - past ``timeout_s`` the cell is interrupted (SIGUSR1 raises, inside the cell, an exception that
+    ``except Exception`` does not catch; Jupyter sends SIGINT) → status ``timeout``, state kept; a
+    cell that does not stop within ~2 s (stuck in C code, or swallowing the interrupt) gets its
+    worker killed and restarted: ``state_lost=True``.
+  - the worker dies (``os._exit``, a signal, Docker's OOM kill at the memory limit; the local
+    provider's address-space limit raises ``MemoryError`` instead) → status ``crash``,
+    ``state_lost=True``, a fresh worker is ready for the next cell.
+  - crashes and restarts (state lost) append a one-line note in brackets to ``output``; a timeout
+    that kept the state adds nothing (the status says it; the caller words it for the model).
+  - anything that breaks the sandbox itself (daemon down, session cannot be opened) → status ``error``
+    with ``error`` set; ``run_cell`` never raises for it. The session is then discarded (state lost)
+    and the next cell opens a fresh one.
+  - processes a cell leaves running are killed when the cell ends (see above); output that background
+    threads print between cells is discarded.
+  - cells run in the session's work root (the files transport keeps ``.opd-interp/`` there); files
+    persist across cells as they do in any session.
+
+``close()`` destroys the session (idempotent; also ``with``; a cell running meanwhile in another
+thread ends as ``error``); a closed interpreter refuses cells (``RuntimeError``). An interpreter
+dropped without ``close()`` is closed when it is garbage collected or at exit (``weakref.finalize``),
+and the providers remove their sessions on ``Sandbox.close()``.
+Each interpreter serialises its own cells with a lock; many interpreters run concurrently.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sandbox import ExecRequest, Sandbox, Session
+
+__all__ = ["CellResult", "PythonInterpreter", "CELL_STATUSES"]
+
+CELL_STATUSES = ("ok", "timeout", "crash", "error")
+CONTROL_DIR = ".opd-interp"  # files transport: requests and replies (in the session's work root)
+_INTERRUPT_GRACE_S = 2.0  # after the timeout: how long the worker has to stop before it is killed
+_SLACK_S = 15.0  # host-side wait beyond timeout_s + grace: worker restart, process start, transport
+_START_TIMEOUT_S = 30.0
+_SERVE_TIMEOUT_S = 7 * 24 * 3600.0  # files transport: the supervisor's run lasts the session
+_ARGV_PAYLOAD_MAX = 100_000  # exec transport: larger requests go through stdin
+_TRANSPORTS: weakref.WeakKeyDictionary[Sandbox, str] = weakref.WeakKeyDictionary()  # what worked per sandbox
+_TRANSPORTS_LOCK = threading.Lock()
+
+# ---------------------------------------------------------------- code that runs inside the sandbox
+
+# The worker: argv = [CELL_FD, DONE_FD]. Reads length-prefixed JSON cells from CELL_FD, runs them in a
+# persistent __main__ namespace, writes one JSON line per cell to DONE_FD. SIGUSR1 interrupts a cell.
+_WORKER = r'''
+import ast, io, json, linecache, os, signal, struct, sys, time, traceback, types
+CELL_FD, DONE_FD, SUP_PGID = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+os.set_inheritable(CELL_FD, False); os.set_inheritable(DONE_FD, False)
+ME = os.getpid()
+try:
+    with open("/proc/self/oom_score_adj", "w") as f:
+        f.write("1000")  # the memory limit's OOM killer picks the worker, not the supervisor
+except OSError:
+    pass
+
+class CellInterrupted(BaseException):
+    """Raised by SIGUSR1 (the cell ran past its timeout); not an Exception, so `except Exception` lets it through."""
+
+in_cell = False
+def on_usr1(signum, frame):
+    if os.getpid() != ME:
+        os._exit(1)  # a process the cell forked: ended with the cell
+    if in_cell:
+        raise CellInterrupted()
+signal.signal(signal.SIGUSR1, on_usr1)
+
+OUT_FD = os.dup(1)  # a copy, to restore fds 1 and 2 should a cell close them
+
+def fresh_stream():
+    return io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True)
+
+stream = fresh_stream()
+main = types.ModuleType("__main__")
+main.__builtins__ = __builtins__
+sys.modules["__main__"] = main
+ns = main.__dict__
+sys.argv = [""]
+
+def read_exact(n):
+    buf = b""
+    while len(buf) < n:
+        chunk = os.read(CELL_FD, n - len(buf))
+        if not chunk:
+            os._exit(0)
+        buf += chunk
+    return buf
+
+def reap():
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0] > 0:
+            pass
+    except ChildProcessError:
+        pass
+
+def end_cell_processes():
+    """SIGKILL what the cell started: the worker steps out into the supervisor's process group, then kills its own."""
+    try:
+        os.setpgid(0, SUP_PGID)
+    except OSError:
+        return  # the cell moved the worker to another session: nothing to step into
+    try:
+        os.killpg(ME, signal.SIGKILL)
+    except OSError:
+        return  # the group is empty
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:  # reap them, so they stop counting against the process limit
+        try:
+            if os.waitpid(-ME, os.WNOHANG)[0] == 0:
+                time.sleep(0.001)
+        except ChildProcessError:
+            break
+
+def show(exc, name):
+    if isinstance(exc, SyntaxError):
+        lines = traceback.format_exception_only(type(exc), exc)
+    else:
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == "<string>":  # the worker's own frames
+            tb = tb.tb_next
+        lines = traceback.format_exception(type(exc), exc, tb)
+    stream.write("".join(lines))
+
+count = 0
+while True:
+    reap()
+    n = struct.unpack(">I", read_exact(4))[0]
+    msg = json.loads(read_exact(n))
+    count += 1
+    name = f"<cell {count}>"
+    src = msg["code"]
+    linecache.cache[name] = (len(src), None, src.splitlines(True), name)
+    raised = interrupted = False
+    for fd in (1, 2):
+        os.dup2(OUT_FD, fd)
+    if stream.closed:
+        stream = fresh_stream()
+    sys.stdout = sys.stderr = stream  # every cell's output is captured, whatever the last one did to them
+    try:
+        os.setpgid(0, 0)  # the cell's own process group (led by the worker), ended with the cell
+    except OSError:
+        pass
+    try:
+        try:
+            tree = ast.parse(src, name)
+            last = None
+            if msg.get("display") and tree.body and isinstance(tree.body[-1], ast.Expr):
+                last = compile(ast.Expression(tree.body.pop().value), name, "eval")
+            body = compile(tree, name, "exec")
+            in_cell = True
+            exec(body, ns)
+            if last is not None:
+                value = eval(last, ns)
+                if value is not None:
+                    print(repr(value))
+        finally:
+            in_cell = False
+            if os.getpid() != ME:
+                os._exit(0)  # a process the cell forked ran to the end of the cell: it must not act as the worker
+    except CellInterrupted:
+        interrupted = True
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            raised = True
+            show(exc, name)
+    except BaseException as exc:
+        raised = True
+        try:
+            show(exc, name)
+        except BaseException:
+            pass
+    if os.getpid() != ME:
+        os._exit(1)
+    for s in (sys.stdout, sys.stderr, stream):
+        try:
+            s.flush()
+        except BaseException:
+            pass
+    end_cell_processes()
+    reap()
+    os.write(DONE_FD, json.dumps({"raised": raised, "interrupted": interrupted}).encode() + b"\n")
+'''
+
+# The supervisor: argv = [MODE, KEY, WORKER_SOURCE]. MODE "daemon": fork a detached copy that listens
+# on the abstract socket "\0KEY", print "READY <pid>" once it does, exit. MODE "serve": stay in the
+# foreground and take requests from files KEY/<n>.json (+ KEY/<n>.go), answering in KEY/<n>.out.
+_SUPERVISOR = r'''
+import codecs, json, os, select, signal, socket, struct, subprocess, sys, time
+MODE, KEY, WORKER = sys.argv[1], sys.argv[2], sys.argv[3]
+GRACE = float(sys.argv[4])
+
+def killpg(pgid, sig):
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+class Worker:
+    def __init__(self):
+        r_cell, self.w_cell = os.pipe()
+        self.r_done, w_done = os.pipe()
+        self.r_out, w_out = os.pipe()
+        null = os.open(os.devnull, os.O_RDONLY)
+        try:
+            argv = [sys.executable, "-c", WORKER, str(r_cell), str(w_done), str(os.getpgrp())]
+            self.proc = subprocess.Popen(argv, stdin=null, stdout=w_out, stderr=w_out, pass_fds=(r_cell, w_done),
+                                         preexec_fn=os.setpgrp, close_fds=True)
+        except BaseException:
+            for fd in (self.w_cell, self.r_done, self.r_out):
+                os.close(fd)
+            raise
+        finally:
+            for fd in (r_cell, w_done, w_out, null):
+                os.close(fd)
+        os.set_blocking(self.r_out, False)
+        self.cells = 0
+
+    def alive(self):
+        return self.proc.poll() is None
+
+    def kill(self):
+        killpg(self.proc.pid, signal.SIGKILL)
+        try:
+            self.proc.kill()
+        except OSError:
+            pass
+        self.proc.wait()
+        for fd in (self.w_cell, self.r_done, self.r_out):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    def drain(self, sink):
+        """Read what is in the output pipe now; False once every writer has closed it."""
+        while True:
+            try:
+                data = os.read(self.r_out, 65536)
+            except BlockingIOError:
+                return True
+            except OSError:
+                return False
+            if not data:
+                return False
+            if sink is not None:
+                sink.add(data)
+
+class Capture:
+    def __init__(self, cap):
+        self.cap, self.kept, self.total = cap, [], 0
+        self.size = 0
+        self.dec = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def add(self, data):
+        text = self.dec.decode(data)
+        self.total += len(text)
+        if self.size < self.cap:
+            piece = text[: self.cap - self.size]
+            self.kept.append(piece)
+            self.size += len(piece)
+
+    def finish(self):
+        self.add(b"")
+        tail = self.dec.decode(b"", final=True)
+        self.total += len(tail)
+        if self.size < self.cap:
+            self.kept.append(tail[: self.cap - self.size])
+        return "".join(self.kept)
+
+def describe(code):
+    if code is None:
+        return "the process vanished"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name}" + (" (out of memory?)" if -code == signal.SIGKILL else "")
+    return f"exit code {code}"
+
+worker = None
+def fresh_worker():
+    global worker
+    worker = Worker()
+
+def run_cell(req):
+    """Run one cell; the reply dict."""
+    global worker
+    lost, notes = False, []
+    if worker is None or not worker.alive():
+        if worker is not None:
+            lost = worker.cells > 0
+            code = worker.proc.returncode
+            worker.kill()
+            notes.append(f"the Python process had died between cells ({describe(code)}); variables from earlier cells are lost")
+        worker = None
+        fresh_worker()
+    w = worker
+    w.drain(None)  # stray output of background threads between cells
+    out = Capture(int(req["cap"]))
+    payload = json.dumps({"code": req["code"], "display": bool(req.get("display"))}).encode()
+    t0 = time.monotonic()
+    status, raised, done = "ok", False, None
+    try:
+        os.write(w.w_cell, struct.pack(">I", len(payload)))
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(w.w_cell, view):]
+    except OSError:
+        pass  # the worker died: seen below
+    w.cells += 1
+    deadline, phase, buf, crashed = t0 + float(req["timeout"]), 0, b"", None
+    while True:
+        now = time.monotonic()
+        if now >= deadline:
+            if phase == 0:
+                status = "timeout"
+            if phase < 2:
+                try:
+                    os.kill(w.proc.pid, signal.SIGUSR1)  # interrupts the cell; the worker then ends what it started
+                except OSError:
+                    pass
+                phase += 1
+                deadline = now + (0.5 if phase == 1 else GRACE - 0.5)
+            else:
+                w.kill()
+                crashed = "interrupt ignored"
+                break
+        ready, _, _ = select.select([w.r_out, w.r_done], [], [], max(0.0, min(0.1, deadline - now)))
+        if w.r_out in ready:
+            w.drain(out)
+        if w.r_done in ready:
+            try:
+                data = os.read(w.r_done, 4096)
+            except OSError:
+                data = b""
+            if data:
+                buf += data
+                if buf.endswith(b"\n"):
+                    done = json.loads(buf.splitlines()[-1])
+                    break
+        if (w.r_done in ready and not data) or not w.alive():
+            w.proc.wait()
+            crashed = describe(w.proc.returncode)
+            w.drain(out)
+            w.kill()
+            break
+    duration = time.monotonic() - t0
+    if done is not None:
+        w.drain(out)
+        raised = bool(done.get("raised"))
+        w.drain(out)
+    else:
+        lost = True
+        if status == "timeout":
+            notes.append("the cell did not stop when interrupted; the Python process was restarted, variables from earlier cells are lost")
+        else:
+            status = "crash"
+            notes.append(f"the Python process died ({crashed}); variables from earlier cells are lost")
+        worker = None
+        try:
+            fresh_worker()
+        except OSError as exc:
+            notes.append(f"could not restart it yet: {exc}")
+    return {"status": status, "raised": raised, "output": out.finish(), "total_chars": out.total, "state_lost": lost,
+            "notes": notes, "duration_s": duration}
+
+def handle(raw):
+    req = json.loads(raw)
+    if req.get("op") == "ping":
+        return {"status": "pong"}
+    return run_cell(req)
+
+def serve_socket(srv):
+    srv.settimeout(60.0)  # nobody connects within a minute: the host lost us (e.g. it fell back to files)
+    while True:
+        try:
+            conn, _ = srv.accept()
+        except socket.timeout:
+            break
+        srv.settimeout(None)
+        with conn:
+            try:
+                uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[1]
+                if uid != os.getuid():
+                    continue  # abstract sockets have no permissions: only our own user may hand us cells
+                conn.settimeout(30.0)  # a request arrives at once (a cell holding a connection open cannot block us)
+                n = struct.unpack(">I", recv_exact(conn, 4))[0]
+                raw = recv_exact(conn, n)
+                conn.settimeout(None)
+                reply = handle(raw)
+                conn.sendall(json.dumps(reply).encode())
+            except (OSError, ValueError, struct.error):
+                pass
+
+def recv_exact(conn, n):
+    buf = b""
+    while len(buf) < n:
+        chunk = conn.recv(n - len(buf))
+        if not chunk:
+            raise OSError("client went away")
+        buf += chunk
+    return buf
+
+def serve_files(ctl):
+    os.makedirs(ctl, exist_ok=True)
+    for name in os.listdir(ctl):
+        try:
+            os.unlink(os.path.join(ctl, name))
+        except OSError:
+            pass
+    with open(os.path.join(ctl, "ready"), "w") as f:
+        f.write(str(os.getpid()))
+    # Fixed names, never deleted here: the host's write_files may be walking the directory at any time.
+    # The host writes req.json, then go (the request's number); we answer in out.json (tmp + rename).
+    seq, idle, beat = 1, 0.0005, time.monotonic()
+    while True:
+        try:
+            with open(os.path.join(ctl, "go"), "rb") as f:
+                ready = f.read().strip() == str(seq).encode()
+        except OSError:
+            ready = False
+        if not ready:
+            now = time.monotonic()
+            if now - beat > 1.0:
+                beat = now
+                try:
+                    os.write(1, b".")  # the host is gone when this pipe breaks
+                except OSError:
+                    return
+            time.sleep(idle)
+            idle = min(idle * 1.25, 0.02)
+            continue
+        try:
+            with open(os.path.join(ctl, "req.json"), "rb") as f:
+                reply = handle(f.read())
+        except (OSError, ValueError) as exc:
+            reply = {"status": "error", "error": f"bad request file: {exc}"}
+        reply["seq"] = seq
+        os.makedirs(ctl, exist_ok=True)
+        tmp = os.path.join(ctl, "out.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(reply, f)
+        os.replace(tmp, os.path.join(ctl, "out.json"))
+        seq, idle = seq + 1, 0.0005
+
+signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+if MODE == "daemon":
+    r, w = os.pipe()
+    if os.fork() > 0:
+        os.close(w)
+        msg = os.read(r, 100).decode()
+        sys.stdout.write(msg)
+        sys.exit(0 if msg.startswith("READY") else 1)
+    os.close(r)
+    os.setsid()
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind("\0" + KEY)
+    srv.listen(8)
+    fresh_worker()
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.write(w, f"READY {os.getpid()}".encode())
+    os.close(w)
+    try:
+        serve_socket(srv)
+    finally:
+        if worker is not None:
+            worker.kill()
+else:
+    try:
+        os.setsid()  # the workers' session: a worker steps back into our process group between cells
+    except OSError:
+        pass
+    fresh_worker()
+    try:
+        serve_files(os.path.abspath(KEY))  # absolute: a cell may delete and the host recreate the work dir
+    finally:
+        if worker is not None:
+            worker.kill()
+'''
+
+# The exec transport's client: argv = [KEY] or [KEY, REQUEST] (else the request is on stdin).
+_CLIENT = r'''
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+try:
+    s.connect("\0" + sys.argv[1])
+except OSError:
+    sys.stdout.write("NOSERVER")
+    sys.exit(3)
+data = sys.argv[2].encode() if len(sys.argv) > 2 else sys.stdin.buffer.read()
+s.sendall(len(data).to_bytes(4, "big") + data)
+out = []
+while True:
+    chunk = s.recv(1 << 16)
+    if not chunk:
+        break
+    out.append(chunk)
+sys.stdout.buffer.write(b"".join(out))
+'''
+
+
+# ---------------------------------------------------------------- host side
+
+
+@dataclass
+class CellResult:
+    """What one cell did. ``status``: ``ok`` (ran to the end or raised: ``raised``), ``timeout``, ``crash``, ``error``."""
+
+    status: str
+    output: str
+    raised: bool = False
+    truncated: bool = False
+    state_lost: bool = False  # earlier variables are gone (the interpreter was restarted during this cell)
+    duration_s: float = 0.0
+    error: str | None = None  # status "error" only: what failed in the sandbox
+
+
+class _Infra(Exception):
+    """The sandbox failed (status ``error``)."""
+
+
+class _Dead(Exception):
+    """The supervisor or its session is gone (restart needed); ``status`` is what the cell gets."""
+
+    def __init__(self, status: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _Connection:
+    """One session with a running supervisor, and the way to hand it requests."""
+
+    def __init__(self, sandbox: Sandbox, session: Session, transport: str) -> None:
+        self.sandbox, self.session, self.transport = sandbox, session, transport
+        self.key = f"opd-interp-{uuid.uuid4().hex}"
+        self.seq = 0
+        self.server_thread: threading.Thread | None = None
+        self.server_result = None
+        self.closed = False
+
+    # -------------------------------------------------------- start
+
+    def start(self) -> None:
+        """Start the supervisor. Raises ``_Infra`` when it cannot start, ``_NoDaemon`` when detached processes die."""
+        if self.transport == "exec":
+            argv = [self.sandbox.python, "-I", "-S", "-c", _SUPERVISOR, "daemon", self.key, _WORKER, str(_INTERRUPT_GRACE_S)]
+            try:
+                r = self.session.run(ExecRequest(argv=argv, timeout_s=_START_TIMEOUT_S, max_output_bytes=4096))
+            except Exception as exc:  # noqa: BLE001
+                raise _Infra(f"{type(exc).__name__}: {exc}") from exc
+            if r.status != "ok" or r.exit_code != 0 or not r.stdout.startswith("READY"):
+                raise _Infra(f"the interpreter did not start ({r.status}, exit {r.exit_code}): {(r.error or r.stderr or r.stdout)[-500:]}")
+            return
+        argv = [self.sandbox.python, "-I", "-S", "-c", _SUPERVISOR, "serve", CONTROL_DIR, _WORKER, str(_INTERRUPT_GRACE_S)]
+        request = ExecRequest(argv=argv, timeout_s=_SERVE_TIMEOUT_S, max_output_bytes=4096)
+
+        def serve() -> None:
+            try:
+                self.server_result = self.session.run(request)
+            except Exception as exc:  # noqa: BLE001 - reported through server_result
+                self.server_result = exc
+
+        self.server_thread = threading.Thread(target=serve, name="opd-interp-serve", daemon=True)
+        self.server_thread.start()
+        if self._poll_file(f"{CONTROL_DIR}/ready", time.monotonic() + _START_TIMEOUT_S) is None:
+            raise _Infra(f"the interpreter did not start: {self._server_story()}")
+
+    def _server_story(self) -> str:
+        r = self.server_result
+        if r is None:
+            return "no ready file after the start timeout"
+        if isinstance(r, Exception):
+            return f"{type(r).__name__}: {r}"
+        return f"its run ended ({r.status}, exit {r.exit_code}): {(r.error or r.stderr)[-500:]}"
+
+    def _poll_file(self, path: str, deadline: float, accept: Callable[[bytes], bool] = lambda raw: True) -> bytes | None:
+        """Wait for a file the supervisor writes (and ``accept``s); None when its run ended or the deadline passed."""
+        pause = 0.0005
+        while True:
+            ended = self.server_thread is not None and not self.server_thread.is_alive()
+            try:
+                raw = self.session.read_file(path)
+                if accept(raw):
+                    return raw
+            except (OSError, ValueError):  # not there yet (or something a cell put in its place)
+                pass
+            except Exception as exc:  # noqa: BLE001 - SandboxUnavailable, a closed session
+                raise _Infra(f"could not read the interpreter's reply: {type(exc).__name__}: {exc}") from exc
+            if ended or time.monotonic() >= deadline:
+                return None
+            time.sleep(pause)
+            pause = min(pause * 1.3, 0.01)
+
+    # -------------------------------------------------------- requests
+
+    def request(self, req: dict, wait_s: float) -> dict:
+        """Send one request; the supervisor's reply. Raises ``_Dead`` / ``_Infra`` / ``_NoDaemon``."""
+        payload = json.dumps(req)
+        if self.transport == "exec":
+            small = len(payload) <= _ARGV_PAYLOAD_MAX
+            argv = [self.sandbox.python, "-I", "-S", "-c", _CLIENT, self.key, *([payload] if small else [])]
+            try:
+                stdin = b"" if small else payload.encode()
+                reply_max = 8 * int(req.get("cap", 0)) + (1 << 16)  # JSON escapes: up to 6 bytes a character
+                r = self.session.run(ExecRequest(argv=argv, stdin=stdin, timeout_s=wait_s, max_output_bytes=max(reply_max, 1 << 20)))
+            except Exception as exc:  # noqa: BLE001 - a closed session or sandbox, a refused timeout
+                raise _Infra(f"{type(exc).__name__}: {exc}") from exc
+            if r.status == "ok" and r.exit_code == 3 and r.stdout == "NOSERVER":
+                raise _NoDaemon()
+            if r.exit_code == 0:  # (Docker reads the worker's OOM kill during the cell as status "oom" of this run)
+                try:
+                    return json.loads(r.stdout)
+                except ValueError:
+                    pass
+            if r.status == "error":
+                raise _Infra(r.error or "the sandbox failed")
+            if r.status == "timeout":
+                raise _Dead("timeout", "the interpreter did not answer in time")
+            raise _Dead("crash", f"the interpreter's connection broke ({r.status}, exit {r.exit_code}: {(r.error or r.stderr)[-300:]})")
+        self.seq += 1
+        files = {f"{CONTROL_DIR}/req.json": payload.encode(), f"{CONTROL_DIR}/go": str(self.seq).encode()}
+        for attempt in range(3):
+            try:
+                self.session.write_files(files)
+                break
+            except FileNotFoundError:  # a file the cell's background work deleted while the provider walked the dir
+                if attempt == 2:
+                    raise _Infra("could not hand the cell over: the work dir kept changing") from None
+            except Exception as exc:  # noqa: BLE001 - OSError, SandboxUnavailable, a closed session
+                raise _Infra(f"could not hand the cell over: {type(exc).__name__}: {exc}") from exc
+        raw = self._poll_file(f"{CONTROL_DIR}/out.json", time.monotonic() + wait_s, accept=self._answers(self.seq))
+        if raw is None:
+            if self.server_thread is not None and not self.server_thread.is_alive():
+                self._check_session()
+                raise _Dead("crash", f"the interpreter's supervisor ended: {self._server_story()}")
+            raise _Dead("timeout", "the interpreter did not answer in time")
+        return json.loads(raw)
+
+    def _check_session(self) -> None:
+        """Raise ``_Infra`` when the session itself is gone (closed, its sandbox closed, the provider failing)."""
+        try:
+            r = self.session.run(ExecRequest(argv=["true"], timeout_s=10))
+        except Exception as exc:  # noqa: BLE001
+            raise _Infra(f"the sandbox session is gone: {type(exc).__name__}: {exc}") from exc
+        if r.status == "error":
+            raise _Infra(f"the sandbox session is failing: {r.error}")
+
+    @staticmethod
+    def _answers(seq: int) -> Callable[[bytes], bool]:
+        """Whether a reply file is the (complete) answer to request ``seq`` (not the previous one's)."""
+
+        def accept(raw: bytes) -> bool:
+            try:
+                return json.loads(raw).get("seq") == seq
+            except (ValueError, AttributeError):
+                return False
+
+        return accept
+
+    def close(self) -> None:
+        """Destroy the session (which ends the supervisor, the worker and everything they started)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.session.close()
+        except Exception:  # noqa: BLE001 - best effort: the provider reaps what is left
+            pass
+        if self.server_thread is not None and self.server_thread is not threading.current_thread():  # a finalizer runs anywhere
+            self.server_thread.join(timeout=5.0)
+
+
+class _NoDaemon(Exception):
+    """A process detached in one run did not survive it: this provider needs the files transport."""
+
+
+class _Holder:
+    """The current connection, reachable from the finalizer without keeping the interpreter alive."""
+
+    def __init__(self) -> None:
+        self.conn: _Connection | None = None
+
+    def close(self) -> None:
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.close()
+
+
+class PythonInterpreter:
+    """A persistent Python interpreter in one sandbox session (one per episode); see the module docstring.
+
+    Args:
+        sandbox: an open provider (``sandbox.open_sandbox(...)``); the session opens on the first cell.
+        memory_mb, cpus, pids: the session's limits (the supervisor and the worker share them).
+        max_output_chars: most characters of output kept per cell.
+        display_last_expr: print the repr of a final expression statement, as Jupyter does.
+    """
+
+    def __init__(
+        self,
+        sandbox: Sandbox,
+        *,
+        memory_mb: int = 512,
+        cpus: float = 1.0,
+        pids: int = 64,
+        max_output_chars: int = 4096,
+        display_last_expr: bool = False,
+    ) -> None:
+        if max_output_chars < 1:
+            raise ValueError(f"max_output_chars must be >= 1, got {max_output_chars}")
+        ExecRequest(argv=["true"], memory_mb=memory_mb, cpus=cpus, pids=pids)  # validates the limits
+        self.sandbox = sandbox
+        self.memory_mb, self.cpus, self.pids = memory_mb, cpus, pids
+        self.max_output_chars, self.display_last_expr = max_output_chars, display_last_expr
+        self._lock = threading.Lock()
+        self._holder = _Holder()
+        self._finalizer = weakref.finalize(self, self._holder.close)
+        self._closed = False
+
+    @property
+    def transport(self) -> str | None:
+        """``exec`` or ``files`` once the session is open (see the module docstring), else None."""
+        conn = self._holder.conn
+        return conn.transport if conn is not None else None
+
+    @property
+    def session(self) -> Session | None:
+        """The open session (None before the first cell and after a restart or ``close``)."""
+        conn = self._holder.conn
+        return conn.session if conn is not None else None
+
+    def run_cell(self, code: str, timeout_s: float = 10.0) -> CellResult:
+        """Run one cell; never raises for what the code does or for a sandbox failure (status ``error``).
+
+        Raises:
+            RuntimeError: the interpreter is closed.
+            TypeError / ValueError: ``code`` is not a str, ``timeout_s`` is not > 0.
+        """
+        if not isinstance(code, str):
+            raise TypeError(f"code must be str, got {type(code).__name__}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this PythonInterpreter is closed; make a new one")
+            t0 = time.perf_counter()
+            result = self._run(code, timeout_s)
+            if self._closed:  # close() from another thread destroyed the session under the cell
+                self._holder.close()  # (or ran before this cell's new session was recorded)
+                result = CellResult(status="error", output="", state_lost=True, error="the interpreter was closed while the cell ran")
+            if result.status == "error" or not result.duration_s:
+                result.duration_s = time.perf_counter() - t0
+            return result
+
+    def _run(self, code: str, timeout_s: float) -> CellResult:
+        had_session = self._holder.conn is not None
+        req = {"op": "cell", "code": code, "timeout": timeout_s, "cap": self.max_output_chars, "display": self.display_last_expr}
+        wait_s = timeout_s + _INTERRUPT_GRACE_S + _SLACK_S
+        try:
+            try:
+                reply = self._connect().request(req, wait_s)
+            except _NoDaemon:  # detached processes die with their run here: use the files transport
+                self._drop()
+                with _TRANSPORTS_LOCK:
+                    _TRANSPORTS[self.sandbox] = "files"
+                reply = self._connect().request(req, wait_s)
+        except _Infra as exc:
+            self._drop()
+            return CellResult(status="error", output="", state_lost=had_session, error=str(exc))
+        except _Dead as exc:
+            self._drop()
+            note = f"{exc}; the interpreter was restarted and variables from earlier cells are lost"
+            return CellResult(status=exc.status, output=f"[{note}]", state_lost=True)
+        if reply.get("status") not in ("ok", "timeout", "crash"):
+            self._drop()
+            return CellResult(status="error", output="", state_lost=had_session, error=str(reply.get("error") or reply))
+        return self._result(reply)
+
+    def _result(self, reply: dict) -> CellResult:
+        """A supervisor's reply as a ``CellResult``: output cut to ``max_output_chars``, notes appended."""
+        text, total = reply.get("output", "")[: self.max_output_chars], int(reply.get("total_chars", 0))
+        truncated = total > len(text)
+        if truncated:
+            text += f"\n...[output truncated: {total - len(text)} more characters]"
+        status, state_lost = reply["status"], bool(reply.get("state_lost"))
+        for note in reply.get("notes") or []:  # (a timeout that kept the state has none: the status says it)
+            text += ("\n" if text and not text.endswith("\n") else "") + f"[{note}]"
+        return CellResult(
+            status=status,
+            output=text,
+            raised=bool(reply.get("raised")),
+            truncated=truncated,
+            state_lost=state_lost,
+            duration_s=float(reply.get("duration_s", 0.0)),
+        )
+
+    def _connect(self) -> _Connection:
+        """The open connection, or a new session with a started supervisor. Raises ``_Infra``."""
+        if self._holder.conn is not None:
+            return self._holder.conn
+        with _TRANSPORTS_LOCK:
+            transport = _TRANSPORTS.get(self.sandbox, "exec")
+        try:
+            session = self.sandbox.session(memory_mb=self.memory_mb, cpus=self.cpus, pids=self.pids, network=False)
+        except Exception as exc:  # noqa: BLE001 - SandboxUnavailable, a closed sandbox, a daemon error...
+            raise _Infra(f"could not open a sandbox session: {type(exc).__name__}: {exc}") from exc
+        if self._closed:  # close() ran meanwhile: this session must not outlive it
+            session.close()
+            raise _Infra("the interpreter was closed")
+        conn = _Connection(self.sandbox, session, transport)
+        self._holder.conn = conn
+        try:
+            conn.start()
+        except Exception as exc:
+            self._drop()
+            if isinstance(exc, _Infra):
+                raise
+            raise _Infra(f"the interpreter did not start: {type(exc).__name__}: {exc}") from exc
+        return conn
+
+    def _drop(self) -> None:
+        """Destroy the current session (its state is lost); the next cell opens a new one."""
+        self._holder.close()
+
+    def close(self) -> None:
+        """Destroy the session and refuse further cells (a cell running in another thread ends as ``error``). Idempotent."""
+        self._closed = True  # not under the lock: a cell in flight ends (as an error) instead of delaying this
+        self._finalizer()
+
+    def __enter__(self) -> PythonInterpreter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

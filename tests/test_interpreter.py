@@ -1,0 +1,295 @@
+"""The persistent Python interpreter (sandbox.interpreter) on both providers.
+
+Docker tests are marked ``docker``; without a daemon (or the image) they skip with the reason, unless
+``HARNESS_REQUIRE_DOCKER=1`` (CI), where they fail (the ``sb`` fixture of conftest).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+import sandbox
+from sandbox.interpreter import CellResult, PythonInterpreter
+
+from conftest import SANDBOX_IMAGE as IMAGE  # noqa: E402
+from conftest import docker_unavailable  # noqa: E402
+
+
+@pytest.fixture
+def py(sb):
+    with PythonInterpreter(sb) as interp:
+        yield interp
+
+
+def ok(r: CellResult) -> str:
+    """The output of a cell that must have run cleanly."""
+    assert (r.status, r.raised, r.state_lost, r.error) == ("ok", False, False, None), r
+    return r.output
+
+
+def test_state_persists_across_cells(py):
+    ok(py.run_cell("import math\nx = 41\ndef f(a):\n    return a + 1\nclass C:\n    k = 'kept'"))
+    assert ok(py.run_cell("print(f(x), math.factorial(5), C.k)")) == "42 120 kept\n"
+    assert ok(py.run_cell("x += 1\nprint(__name__, x)")) == "__main__ 42\n"
+    assert py.transport in ("exec", "files")
+
+
+def test_exceptions_keep_state_and_show_the_cells_traceback(py):
+    ok(py.run_cell("y = 7"))
+    r = py.run_cell("def g():\n    return 1 / 0\ng()")
+    assert (r.status, r.raised, r.state_lost) == ("ok", True, False), r
+    assert "ZeroDivisionError: division by zero" in r.output and 'File "<cell 2>", line 2, in g' in r.output
+    assert "return 1 / 0" in r.output and "<string>" not in r.output  # the worker's own frames are hidden
+    r = py.run_cell("def h(:")
+    assert r.raised and "SyntaxError" in r.output
+    r = py.run_cell("raise KeyboardInterrupt")
+    assert r.raised and "KeyboardInterrupt" in r.output
+    r = py.run_cell("import sys; print('bye'); sys.exit(3)")
+    assert r.raised and r.output.startswith("bye\n") and "SystemExit: 3" in r.output
+    assert ok(py.run_cell("import sys; print('done'); sys.exit()")) == "done\n"  # exit 0 just ends the cell
+    assert ok(py.run_cell("print(y)")) == "7\n"
+
+
+def test_output_interleaves_streams_and_is_truncated_with_a_marker(sb):
+    with PythonInterpreter(sb, max_output_chars=100) as py:
+        code = "import sys, subprocess\nprint('a')\nprint('b', file=sys.stderr)\nsubprocess.run(['echo', 'c'])\nprint('d')"
+        assert ok(py.run_cell(code)) == "a\nb\nc\nd\n"
+        r = py.run_cell("print('é' * 1000)")
+        assert r.truncated and r.output == "é" * 100 + "\n...[output truncated: 901 more characters]", r
+        r = py.run_cell("n = 0\nwhile True:\n    print('x' * 1000)\n    n += 1", timeout_s=1.0)
+        assert (r.status, r.truncated, r.state_lost) == ("timeout", True, False), r
+        assert r.output.startswith("x" * 100) and len(r.output) < 200  # (a timeout that kept the state adds no note)
+        n = int(py.run_cell("print(n)").output)
+        assert n > 100  # the flood really ran and was read (not blocked on a full pipe)
+        assert ok(py.run_cell("import os\nos.close(1)\nos.close(2)\nsys.stdout.close()")) == ""
+        assert ok(py.run_cell("print('still captured')")) == "still captured\n"
+
+
+def test_large_cells_and_large_outputs_travel_whole(sb):
+    with PythonInterpreter(sb, max_output_chars=300_000) as py:
+        big = "s = '" + "ab" * 100_000 + "'\nprint(len(s))"  # over the transport's argv size: handed over through stdin
+        assert ok(py.run_cell(big)) == "200000\n"
+        r = py.run_cell("print('\\u00e9' * 250_000)")  # escaped in the reply: over the default 1 MiB cap of a run's stdout
+        assert ok(r) == "é" * 250_000 + "\n" and not r.truncated
+
+
+def test_timeout_interrupts_the_cell_and_keeps_state(py):
+    ok(py.run_cell("x = 42"))
+    t0 = time.perf_counter()
+    r = py.run_cell("while True:\n    pass", timeout_s=1.0)
+    assert (r.status, r.state_lost) == ("timeout", False), r
+    assert 1.0 <= r.duration_s < 2.0 and time.perf_counter() - t0 < 4.0
+    r = py.run_cell("import time\ntry:\n    time.sleep(30)\nexcept Exception:\n    print('caught by except Exception')", timeout_s=0.5)
+    assert (r.status, r.state_lost) == ("timeout", False) and "caught" not in r.output, r
+    assert ok(py.run_cell("print(x)")) == "42\n"
+
+
+def test_a_cell_that_ignores_the_interrupt_is_killed_and_the_state_lost(py):
+    ok(py.run_cell("x = 1"))
+    r = py.run_cell("while True:\n    try:\n        while True:\n            pass\n    except BaseException:\n        pass", timeout_s=0.5)
+    assert (r.status, r.state_lost) == ("timeout", True) and "lost" in r.output, r
+    r = py.run_cell("print(x)")
+    assert r.raised and "NameError" in r.output and not r.state_lost
+
+
+def test_crash_restarts_a_fresh_interpreter(py):
+    ok(py.run_cell("x = 1"))
+    r = py.run_cell("import os\nprint('before', flush=True)\nos._exit(1)")
+    assert (r.status, r.state_lost, r.raised) == ("crash", True, False), r
+    assert r.output.startswith("before\n") and "exit code 1" in r.output
+    assert ok(py.run_cell("print('fresh')")) == "fresh\n"
+    assert "NameError" in py.run_cell("x").output
+
+
+def test_killing_every_process_it_can_reach_is_a_crash(py):
+    ok(py.run_cell("x = 1"))
+    r = py.run_cell("import os, signal\nos.kill(-1, signal.SIGKILL)")
+    assert (r.status, r.state_lost) == ("crash", True), r
+    assert ok(py.run_cell("print(2)")) == "2\n"
+
+
+def test_deleting_the_work_dir_does_not_break_it(py):
+    ok(py.run_cell("x = 5\nopen('data.txt', 'w').write('hi')\nprint(open('data.txt').read())"))
+    wipe = "import os, shutil\nfor name in os.listdir('.'):\n    p = os.path.join('.', name)\n"
+    wipe += "    shutil.rmtree(p) if os.path.isdir(p) else os.remove(p)"
+    ok(py.run_cell(wipe))  # .opd-interp/ of the files transport included
+    assert ok(py.run_cell("print(x, os.listdir('.'))")).startswith("5 ")
+
+
+def test_no_network(py):
+    code = (
+        "import socket\n"
+        "print([name for _, name in socket.if_nameindex()])\n"
+        "try:\n"
+        "    socket.create_connection(('10.255.255.1', 80), timeout=2)\n"
+        "    print('connected')\n"
+        "except OSError as exc:\n"
+        "    print('refused')"
+    )
+    assert ok(py.run_cell(code)) == "['lo']\nrefused\n"
+
+
+def test_memory_limit(sb):
+    with PythonInterpreter(sb, memory_mb=128) as py:
+        ok(py.run_cell("small = [1, 2, 3]"))
+        r = py.run_cell("big = b'x' * (400 << 20)\nprint(len(big))", timeout_s=10)
+        # The local provider limits address space (MemoryError, state kept); Docker's cgroup OOM-kills the worker.
+        assert (r.status == "ok" and r.raised and "MemoryError" in r.output) or (r.status, r.state_lost) == ("crash", True), r
+        assert ok(py.run_cell("print('alive')")) == "alive\n"
+
+
+def test_fork_bomb_is_contained(sb):
+    with PythonInterpreter(sb, pids=32) as py:
+        ok(py.run_cell("x = 3"))
+        r = py.run_cell("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", timeout_s=1.0)
+        assert r.status == "timeout", r
+        spawn = "import subprocess\nprint(x, subprocess.run(['echo', 'spawned'], capture_output=True, text=True).stdout)"
+        out = py.run_cell(spawn, timeout_s=5)  # the bomb's processes are gone: the process limit has room again
+        assert ok(out) == "3 spawned\n\n"
+
+
+def test_display_last_expression_is_optional(sb):
+    with PythonInterpreter(sb, display_last_expr=True) as py:
+        assert ok(py.run_cell("x = 20\nx + 1")) == "21\n"
+        assert ok(py.run_cell("print('p')\nNone")) == "p\n"
+        assert ok(py.run_cell("y = x")) == ""
+    with PythonInterpreter(sb) as py:
+        assert ok(py.run_cell("1 + 1")) == ""  # off by default: output is what the cell prints
+
+
+def test_interpreters_are_independent_and_run_concurrently(sb):
+    interps = [PythonInterpreter(sb) for _ in range(3)]
+    try:
+
+        def episode(i: int) -> list[str]:
+            interps[i].run_cell(f"v = {i}")
+            return [interps[i].run_cell("v = v * 10\nprint(v)").output for _ in range(2)]
+
+        with ThreadPoolExecutor(3) as ex:
+            assert list(ex.map(episode, range(3))) == [[f"{i * 10}\n", f"{i * 100}\n"] for i in range(3)]
+    finally:
+        for interp in interps:
+            interp.close()
+
+
+def _session_gone(sb, session) -> bool:
+    """Whether the session's container (docker) or directory and processes (local) are gone."""
+    if sb.name == "docker":
+        import docker
+
+        try:
+            docker.from_env().containers.get(session.container_id)
+        except docker.errors.NotFound:
+            return True
+        return False
+    from sandbox.local import _uid_tasks
+
+    return not session.host_path.exists() and (session._uid is None or not _uid_tasks(session._uid)[0])
+
+
+def test_close_and_garbage_collection_leave_nothing_behind(sb):
+    py = PythonInterpreter(sb)
+    ok(py.run_cell("import subprocess\np = subprocess.Popen(['sleep', '300'])"))  # a process of its own too
+    session = py.session
+    assert session is not None and not _session_gone(sb, session)
+    py.close()
+    py.close()  # idempotent
+    assert _session_gone(sb, session)
+    with pytest.raises(RuntimeError, match="closed"):
+        py.run_cell("print(1)")
+    forgotten = PythonInterpreter(sb)
+    ok(forgotten.run_cell("x = 1"))
+    session = forgotten.session
+    del forgotten
+    gc.collect()
+    assert _session_gone(sb, session)
+
+
+def test_exiting_without_close_leaves_nothing_behind(sb):
+    opts = f"image={IMAGE!r}" if sb.name == "docker" else ""
+    code = (
+        "import sandbox\nfrom sandbox.interpreter import PythonInterpreter\n"
+        f"sb = sandbox.open_sandbox({sb.name!r}, {opts})\npy = PythonInterpreter(sb)\n"
+        "assert py.run_cell('x = 1').status == 'ok'\n"
+        "s = py.session\n"
+        "print(s.container_id if sb.name == 'docker' else f'{s.host_path} {s._uid}', flush=True)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    if sb.name == "docker":
+        import docker
+
+        with pytest.raises(docker.errors.NotFound):
+            docker.from_env().containers.get(out.stdout.strip())
+    else:
+        from pathlib import Path
+
+        from sandbox.local import _uid_tasks
+
+        path, uid = out.stdout.split()
+        deadline = time.monotonic() + 3  # the supervisor notices its host is gone within ~1 s
+        while uid != "None" and _uid_tasks(int(uid))[0] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not Path(path).exists() and (uid == "None" or not _uid_tasks(int(uid))[0])
+
+
+def test_sandbox_failures_are_error_results_not_exceptions():
+    try:
+        import docker  # noqa: F401 - only the SDK is needed, not a daemon
+    except ImportError:
+        docker_unavailable("the docker SDK is not installed")
+    with sandbox.open_sandbox("docker", base_url="unix:///nonexistent/docker.sock", retries=1, retry_delay_s=0.01, reap=False) as down:
+        with PythonInterpreter(down) as py:
+            r = py.run_cell("print(1)")
+            assert r.status == "error" and r.error and "session" in r.error and r.output == "", r
+            assert py.run_cell("print(1)").status == "error"  # still no exception on the next try
+    closed = sandbox.open_sandbox("local", network_isolation="auto")
+    closed.close()
+    r = PythonInterpreter(closed).run_cell("print(1)")
+    assert r.status == "error" and "closed" in r.error
+
+
+def test_sandbox_closed_under_a_live_interpreter_is_an_error(local_sb):
+    sb = sandbox.open_sandbox("local", network_isolation="auto")
+    py = PythonInterpreter(sb)
+    ok(py.run_cell("x = 1"))
+    session = py.session
+    sb.close()
+    r = py.run_cell("print(x)")
+    assert r.status == "error" and r.state_lost, r
+    assert not session.host_path.exists()  # handing the cell over did not recreate the removed directory
+    py.close()
+
+
+def test_bad_arguments_are_refused(local_sb):
+    with pytest.raises(ValueError):
+        PythonInterpreter(local_sb, memory_mb=1)
+    with pytest.raises(ValueError):
+        PythonInterpreter(local_sb, max_output_chars=0)
+    with PythonInterpreter(local_sb) as py:
+        with pytest.raises(TypeError):
+            py.run_cell(b"print(1)")
+        with pytest.raises(ValueError):
+            py.run_cell("print(1)", timeout_s=0)
+
+
+def test_close_from_another_thread_ends_a_running_cell(sb):
+    py = PythonInterpreter(sb)
+    ok(py.run_cell("x = 1"))
+    session = py.session
+    with ThreadPoolExecutor(1) as ex:
+        running = ex.submit(py.run_cell, "import time\ntime.sleep(30)", 30.0)
+        time.sleep(0.5)
+        t0 = time.perf_counter()
+        py.close()
+        r = running.result(timeout=20)
+    assert time.perf_counter() - t0 < 10 and (r.status, r.state_lost) == ("error", True) and "closed" in r.error, r
+    assert _session_gone(sb, session)
