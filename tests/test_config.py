@@ -37,7 +37,7 @@ def test_unknown_key_names_key_and_allowed():
         (["--set", "trainer.lrr=1"], "unknown key 'trainer.lrr'"),
         (["--set", "trainer.lr=-1"], "trainer.lr"),
         (["--set", "trainer.steps=many"], "trainer.steps"),
-        (["--preset", "nope"], "available presets: smoke, cpu-demo"),
+        (["--preset", "nope"], "available presets: smoke, cpu-demo, tool-demo"),
         (["--method", "opdd"], "Did you mean 'opd'"),
         (["--task", "arithh"], "Did you mean 'arith'"),
         (["--set", "method_args.opd.estimator=exact"], "method_args.opd.estimator"),
