@@ -153,6 +153,9 @@ def test_no_container_is_left_behind(docker_client):
     before = set(leftover_containers(docker_client))
     with make_task("docker") as task:
         problems = task.load("test")[:2]
+        envs = []  # held, so that only close() (not garbage collection) can remove their containers
+        make_env = task.env
+        task.env = lambda problem, tokenizer: envs.append(make_env(problem, tokenizer)) or envs[-1]
         play(task, [[code("x = 1"), code("print(x)"), answer(1)], [code("import os\nos._exit(3)"), answer(2)]])
         assert set(leftover_containers(docker_client)) - before == set(), "an episode left its container running"
 
@@ -166,6 +169,7 @@ def test_no_container_is_left_behind(docker_client):
         with pytest.raises(KeyboardInterrupt):
             rollout(killer, task, problems, SamplingParams())
         assert set(leftover_containers(docker_client)) - before == set(), "a killed rollout left containers"
+        assert len(envs) == 4
 
 
 @pytest.mark.slow
