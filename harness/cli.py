@@ -340,6 +340,50 @@ def leaderboard(
 
 
 @app.command()
+def gate(
+    baseline: Annotated[str, typer.Option(help="the accepted checkpoint: RUN or RUN:STEP (default step: the run's last evaluated one)")],
+    candidate: Annotated[str, typer.Option(help="the checkpoint under test: RUN or RUN:STEP")],
+    task: Annotated[str | None, typer.Option(help="task name(s), comma separated (default: every task both evaluated)")] = None,
+    out: Annotated[Path, typer.Option(help="results root holding both runs")] = Path("results"),
+    alpha: Annotated[float, typer.Option(help="false-alarm rate of the whole gate (one-sided; split over tasks by Bonferroni)")] = 0.05,
+    max_drop: Annotated[float, typer.Option(help="tolerated drop in absolute Avg@k points (0.02 = two points)")] = 0.0,
+    min_problems: Annotated[int, typer.Option(help="fewer problems per task than this is inconclusive")] = 10,
+    max_error_rate: Annotated[float, typer.Option(help="a side with more errored or missing samples than this fraction is inconclusive")] = 0.02,
+    n_resamples: Annotated[int, typer.Option(help="paired bootstrap resamples")] = 10_000,
+    seed: Annotated[int, typer.Option(help="bootstrap seed")] = 0,
+    json_: Annotated[str | None, typer.Option("--json", help="write the JSON report to this file ('-' = stdout; the verdict paragraph then goes to stderr)")] = None,
+) -> None:
+    """Is CANDIDATE significantly worse than BASELINE on the same problems? Exit 0 pass, 1 regression, 2 usage error, 3 inconclusive.
+
+    Paired per problem: exact McNemar test for k = 1, paired bootstrap otherwise; errored or missing samples never count as passes.
+    """
+    from harness.gate import GateUsageError, verdict_paragraph
+    from harness.gate import gate as run_gate
+    from harness.store import Store
+
+    if not (out / "results.sqlite").is_file():
+        raise _fail(f"--out {out}: no results store at {out / 'results.sqlite'}")
+    if min_problems < 1 or n_resamples < 100 or not 0 <= max_error_rate < 1:
+        raise _fail("--min-problems must be >= 1, --n-resamples >= 100 and --max-error-rate in [0, 1)")
+    tasks = [t.strip() for t in task.split(",") if t.strip()] if task else None
+    with Store(out) as store:
+        try:
+            report = run_gate(store, baseline, candidate, tasks, alpha=alpha, max_drop=max_drop, min_problems=min_problems,
+                              max_bad_rate=max_error_rate, n_resamples=n_resamples, seed=seed)  # fmt: skip
+        except GateUsageError as exc:
+            raise _fail(str(exc)) from None
+    paragraph = verdict_paragraph(report)
+    if json_ == "-":
+        print(to_json(report.to_dict()))
+        print(paragraph, file=sys.stderr)
+    else:
+        if json_:
+            Path(json_).write_text(to_json(report.to_dict()) + "\n")
+        print(paragraph)
+    raise typer.Exit(report.exit_code)
+
+
+@app.command()
 def sweep(
     file: Annotated[Path, typer.Argument(help="sweep YAML: base (preset/config/set) and grid (dotted key -> list of values)")],
     out: Annotated[Path, typer.Option(help="results root")] = Path("results"),
