@@ -319,22 +319,46 @@ def methods(json_: Annotated[bool, typer.Option("--json", help="machine-readable
 
 @app.command()
 def leaderboard(
-    directory: Annotated[Path, typer.Argument(help="results root holding results.sqlite")] = Path("results"),
-    format_: Annotated[str, typer.Option("--format", help="table, md, csv or json")] = "table",
-    run: Annotated[list[str] | None, typer.Option(help="only these run ids (repeatable)")] = None,
+    directories: Annotated[list[Path] | None, typer.Argument(help="results roots holding results.sqlite (several merge into one board; default: results)")] = None,
+    format_: Annotated[str, typer.Option("--format", help="table, md, csv, json, or html (one self-contained page with plots)")] = "table",
+    run: Annotated[list[str] | None, typer.Option(help="only these run ids (repeatable; not for html)")] = None,
+    out: Annotated[Path | None, typer.Option(help="write to this file instead of stdout")] = None,
+    baseline_method: Annotated[str, typer.Option(help="html: the sync method relative throughput is normalised to")] = "opd",
+    collapse_threshold: Annotated[float, typer.Option(help="html: a run collapsed when final Avg@k < this x its peak Avg@k")] = 0.5,
 ) -> None:
-    """Runs × checkpoints × tasks with Avg@k ± 95% CI and throughput."""
+    """Runs × checkpoints × tasks with Avg@k ± 95% CI and throughput; ``--format html`` gives a page with plots and a drill-down per run."""
     from harness.leaderboard import leaderboard_rows, render_csv, render_json, render_markdown, render_table
     from harness.store import Store
 
+    roots = directories or [Path("results")]
     renderers = {"md": render_markdown, "csv": render_csv, "json": render_json}
-    if format_ not in {"table", *renderers}:
-        raise _fail(f"--format {format_!r}: choose one of table, md, csv, json")
-    if not (directory / "results.sqlite").exists():
-        raise _fail(f"no results store at {directory / 'results.sqlite'}")
-    rows = leaderboard_rows(Store(directory), run)
+    if format_ not in {"table", "html", *renderers}:
+        raise _fail(f"--format {format_!r}: choose one of table, md, csv, json, html")
+    for root in roots:
+        if not (root / "results.sqlite").is_file():
+            raise _fail(f"no results store at {root / 'results.sqlite'}")
+    if format_ == "html":
+        from harness.leaderboard_page import write_html
+
+        if run:
+            raise _fail("--run filters the text formats; the html page shows every run of the given roots")
+        if not 0 < collapse_threshold <= 1:
+            raise _fail(f"--collapse-threshold {collapse_threshold}: must be in (0, 1]")
+        if out is None:
+            raise _fail("--format html needs --out FILE (e.g. --out board.html)")
+        path = write_html(roots, out, baseline_method=baseline_method, collapse_threshold=collapse_threshold)
+        console.print(f"leaderboard page → {path}")
+        return
+    rows = []
+    for root in roots:
+        with Store(root) as store:
+            rows += leaderboard_rows(store, run)
     if format_ == "table":
+        if out is not None:
+            raise _fail("--out writes md, csv, json or html; the table is for the terminal")
         stdout.print(render_table(rows))
+    elif out is not None:
+        out.write_text(renderers[format_](rows))
     else:
         sys.stdout.write(renderers[format_](rows))
 
