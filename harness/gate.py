@@ -334,7 +334,7 @@ def _describe(v: TaskVerdict) -> str:
     test = f"exact McNemar, {t.worse} worse vs {t.better} better" if t.test == "exact McNemar" else f"paired bootstrap over {v.n_problems} problems"
     text = (
         f"{v.task}: {label} {_f(v.avg_baseline)} → {_f(v.avg_candidate)}, Δ = {t.delta:+.3f} "
-        f"(one-sided {1 - v.alpha:.1%} bound {t.ci_high:+.3f}; {test}; p = {t.p_value:.3g}) → {v.verdict}"
+        f"(one-sided {(1 - v.alpha) * 100:.4g}% upper bound {t.ci_high:+.3f}; {test}; p = {t.p_value:.3g}) → {v.verdict}"
     )
     if v.bad_baseline or v.bad_candidate:
         text += f" [errored/missing samples: baseline {v.bad_baseline}, candidate {v.bad_candidate}; counted against the candidate]"

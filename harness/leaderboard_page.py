@@ -187,11 +187,18 @@ def _svg(fig) -> str:
     return text[text.index("<svg") :]
 
 
-def _label(row: dict) -> str:
-    if row["kind"] != "train":
-        return f"{row['run']} (eval)"
-    seed = f" s{row['seed']}" if row["seed"] is not None else ""
-    return f"{row['method']} {row['mode']}{seed} · {row['run']}"
+def _group(row: dict) -> str:
+    """The legend entry of a row: runs of one method and mode share a colour (seeds are lines of that colour)."""
+    return f"{row['run']} (eval)" if row["kind"] != "train" else f"{row['method']} {row['mode']}"
+
+
+def _colours(rows: list[dict]) -> dict[str, str]:
+    return {g: f"C{i % 10}" for i, g in enumerate(dict.fromkeys(_group(r) for r in rows))}
+
+
+def _legend(ax, handles_by_label: dict) -> None:
+    """One legend entry per method/mode, outside the axes so that many runs never hide the curves."""
+    ax.legend(handles_by_label.values(), handles_by_label.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
 
 
 def plot_avg_vs_step(board: Board, task: str) -> str:
@@ -199,23 +206,25 @@ def plot_avg_vs_step(board: Board, task: str) -> str:
     fig = _figure()
     ax = fig.subplots()
     runs = {info.key: info for info in board.runs}
-    for i, row in enumerate(r for r in board.rows if r["task"] == task):
+    rows = [r for r in board.rows if r["task"] == task]
+    colours, handles = _colours(rows), {}
+    for row in rows:
         evals = sorted((e for e in runs[row["run"]].evals if e["task"] == task and e["avg_at_k"] is not None), key=lambda e: e["step"])
         if not evals:
             continue
-        color = f"C{i % 10}"
+        group, colour = _group(row), colours[_group(row)]
         steps = [e["step"] for e in evals]
         if row["kind"] != "train" or len(evals) == 1:
-            ax.axhline(evals[-1]["avg_at_k"], linestyle="--", color=color, alpha=0.7, label=_label(row))
+            handles[group] = ax.axhline(evals[-1]["avg_at_k"], linestyle="--", color=colour, alpha=0.8)
             continue
-        ax.plot(steps, [e["avg_at_k"] for e in evals], marker="o", color=color, label=_label(row))
+        (handles[group],) = ax.plot(steps, [e["avg_at_k"] for e in evals], marker="o", markersize=3, color=colour, linewidth=1.2)
         lo = [e["ci_low"] if e["ci_low"] is not None else e["avg_at_k"] for e in evals]
         hi = [e["ci_high"] if e["ci_high"] is not None else e["avg_at_k"] for e in evals]
-        ax.fill_between(steps, lo, hi, color=color, alpha=0.15)
-    k = next((r["k"] for r in board.rows if r["task"] == task), None)
+        ax.fill_between(steps, lo, hi, color=colour, alpha=0.08)
+    k = next((r["k"] for r in rows), None)
     ax.set(xlabel="step", ylabel=f"Avg@{k} (95% CI)", title=f"{task}: Avg@{k} vs step")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
+    _legend(ax, handles)
     return _svg(fig)
 
 
@@ -227,36 +236,38 @@ def plot_throughput_vs_accuracy(board: Board) -> str | None:
     relative = all(r["relative_throughput"] for r in rows)
     fig = _figure()
     ax = fig.subplots()
-    for i, task in enumerate(sorted({r["task"] for r in rows})):
-        for row in (r for r in rows if r["task"] == task):
-            last = row["last"]
-            x = row["relative_throughput"] if relative else row["samples_per_hour"]
-            err = [[max(last["avg_at_k"] - (last["ci_low"] or last["avg_at_k"]), 0)], [max((last["ci_high"] or last["avg_at_k"]) - last["avg_at_k"], 0)]]
-            ax.errorbar([x], [last["avg_at_k"]], yerr=err, marker="o", capsize=3, color=f"C{i % 10}", label=task)
-            ax.annotate(f"{row['method']} {row['mode']}", (x, last["avg_at_k"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
-    handles, labels = ax.get_legend_handles_labels()
-    unique = dict(zip(labels, handles))
-    ax.legend(unique.values(), unique.keys(), fontsize=7, title="task", title_fontsize=7)
+    colours, handles = _colours(rows), {}
+    markers = {t: m for t, m in zip(sorted({r["task"] for r in rows}), "osD^vP*X", strict=False)}
+    for row in rows:
+        last = row["last"]
+        x = row["relative_throughput"] if relative else row["samples_per_hour"]
+        err = [[max(last["avg_at_k"] - (last["ci_low"] if last["ci_low"] is not None else last["avg_at_k"]), 0)],
+               [max((last["ci_high"] if last["ci_high"] is not None else last["avg_at_k"]) - last["avg_at_k"], 0)]]  # fmt: skip
+        label = _group(row) + (f" · {row['task']}" if len(markers) > 1 else "")
+        handles[label] = ax.errorbar([x], [last["avg_at_k"]], yerr=err, marker=markers.get(row["task"], "o"), capsize=3, color=colours[_group(row)], alpha=0.85)
+    _legend(ax, handles)
     ax.set(xlabel="relative throughput (× sync baseline)" if relative else "training samples / hour", ylabel="final Avg@k (95% CI)", title="throughput vs final accuracy")
     ax.grid(alpha=0.3)
     return _svg(fig)
 
 
 def plot_training_curves(board: Board, names: tuple[str, ...] = ("student_entropy", "teacher_kl")) -> str | None:
-    """Per-step student entropy and teacher KL of every training run that logged them."""
+    """Per-step student entropy and teacher KL of every training run that logged them (one colour per method and mode)."""
     runs = [info for info in board.runs if info.run["kind"] == "train" and any(n in m for m in info.steps.values() for n in names)]
     if not runs:
         return None
     fig = _figure(9.6, 3.4)
-    axes = fig.subplots(1, len(names))
-    for ax, name in zip(np.atleast_1d(axes), names, strict=True):
-        for i, info in enumerate(runs):
+    axes = np.atleast_1d(fig.subplots(1, len(names)))
+    groups = {info.key: f"{info.run.get('method')} {_mode(info.config)}" for info in runs}
+    colours, handles = {g: f"C{i % 10}" for i, g in enumerate(dict.fromkeys(groups.values()))}, {}
+    for ax, name in zip(axes, names, strict=True):
+        for info in runs:
             points = [(step, m[name]) for step, m in sorted(info.steps.items()) if m.get(name) is not None]
             if points:
-                ax.plot(*zip(*points), color=f"C{i % 10}", label=f"{info.run.get('method')} {_mode(info.config)} · {info.key}", linewidth=1.2)
+                (handles[groups[info.key]],) = ax.plot(*zip(*points), color=colours[groups[info.key]], linewidth=1.0, alpha=0.8)
         ax.set(xlabel="step", title=name.replace("_", " "))
         ax.grid(alpha=0.3)
-    np.atleast_1d(axes)[0].legend(fontsize=7)
+    _legend(axes[-1], handles)
     return _svg(fig)
 
 

@@ -4,6 +4,7 @@ results roots, checked as text and in headless Chromium (tables and plots visibl
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import os
 import re
@@ -195,9 +196,10 @@ class Chromium:
         cmd_read, self._cmd = os.pipe()
         self._reply, reply_write = os.pipe()
 
-        def wire_fds() -> None:
-            os.dup2(cmd_read, 3)
-            os.dup2(reply_write, 4)
+        def wire_fds() -> None:  # in the child: our pipe ends become fds 3 and 4 (moved up first, as they may be 3 or 4 already)
+            high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in (cmd_read, reply_write)]
+            os.dup2(high[0], 3)  # dup2 onto another number clears close-on-exec
+            os.dup2(high[1], 4)
 
         argv = [binary, *CHROMIUM_FLAGS, "--remote-debugging-pipe", f"--user-data-dir={profile}", "--window-size=1400,1000", "about:blank"]
         self.proc = subprocess.Popen(argv, preexec_fn=wire_fds, close_fds=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # noqa: PLW1509
