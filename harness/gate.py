@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -254,6 +255,101 @@ def score_matrices(store: Store, baseline: tuple[str, int], candidate: tuple[str
     return problems, out["base"], out["cand"]
 
 
+# ---- model paths: evaluate them first, on the same problems, k, sampling and seed ---------------
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """How the gate evaluates a model path (both sides alike); the run config has ``harness eval``'s shape."""
+
+    tasks: tuple[str, ...]
+    k: int | None = None
+    limit: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    task_args: dict = field(default_factory=dict)
+    backend: str = "hf"
+    backend_options: dict = field(default_factory=dict)
+    data_dir: Path | None = None
+
+    def config(self, model: str) -> dict:
+        return {"task_args": self.task_args, "backend_options": self.backend_options, "model": model, "backend": self.backend, "tasks": list(self.tasks),
+                "k": self.k, "limit": self.limit, "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}  # fmt: skip
+
+
+def find_eval_run(store: Store, model: str, spec: EvalSpec) -> str | None:
+    """The newest finished eval run of ``model`` made with exactly ``spec`` (by `harness eval` or an earlier gate), if any."""
+    wanted = spec.config(model)
+    for run in reversed(store.runs()):
+        if run["kind"] != "eval" or run["status"] != "done":
+            continue
+        config = (store.get_run(run["run_id"]) or {}).get("config", {})
+        same = all(config.get(key) == value for key, value in wanted.items() if key != "tasks")
+        if same and set(spec.tasks) <= set(config.get("tasks") or []):
+            return run["run_id"]
+    return None
+
+
+def evaluate_model(store: Store, model: str, spec: EvalSpec) -> str:
+    """Evaluate ``model`` on ``spec`` into a new eval run, as `harness eval` would; returns the run id.
+
+    Problems are loaded and the tasks checked before the model is loaded or the run row created;
+    a bad task, missing data or a model that does not load is a GateUsageError.
+    """
+    from harness.backends import SamplingParams
+    from harness.config import ConfigError
+    from harness.evaluation import evaluate_task, store_eval
+    from harness.plan import load_problems, make_task
+    from harness.registry import BACKENDS, RegistryError
+    from harness.sweep import new_run_id
+    from tasks.base import TaskNotReady, close_tasks
+
+    tasks = []
+    try:
+        try:
+            tasks = [make_task(name, spec.task_args) for name in spec.tasks]
+            problems = {t.name: load_problems(t, "test", data_dir=spec.data_dir, limit=spec.limit) for t in tasks}
+            for t in tasks:
+                t.check_ready()
+            engine = BACKENDS.get(spec.backend).load(model, **spec.backend_options)
+        except (ConfigError, RegistryError, TaskNotReady, OSError, ValueError, TypeError) as exc:
+            raise GateUsageError(f"cannot evaluate {model}: {exc}") from None
+        run_id = new_run_id("eval", "+".join(spec.tasks))
+        store.create_run(run_id, kind="eval", config=spec.config(model), task=",".join(spec.tasks), model=model)
+        try:
+            for t in tasks:
+                sampling = SamplingParams(temperature=spec.temperature, top_p=spec.top_p, max_new_tokens=t.options.max_new_tokens, seed=spec.seed)
+                store_eval(store, run_id, 0, evaluate_task(engine, t, problems[t.name], k=spec.k or t.options.k, sampling=sampling))
+        except BaseException:
+            store.set_status(run_id, "failed")
+            raise
+        store.set_status(run_id, "done")
+        return run_id
+    finally:
+        close_tasks(tasks)
+
+
+def resolve_model_refs(store: Store, refs: dict[str, str], spec: EvalSpec | None) -> tuple[dict[str, str], list[str]]:
+    """Replace each reference that names no stored run but an existing path (a model directory, a replay file) by the
+    eval run of that model under ``spec``, evaluating it first when the store has none; returns the refs and notes."""
+    out, notes = dict(refs), []
+    for flag, text in refs.items():
+        run_id = text.rpartition(":")[0] if text.rpartition(":")[2].isdigit() else text
+        if store.get_run(run_id) is not None or not Path(text).exists():
+            continue
+        if spec is None:
+            raise GateUsageError(f"{flag} {text!r} is a path, not a run of {store.path}: name the tasks with --task to evaluate it first")
+        found = find_eval_run(store, text, spec)
+        if found:
+            notes.append(f"{flag} {text}: reused its evaluation {found}")
+        else:
+            found = evaluate_model(store, text, spec)
+            notes.append(f"{flag} {text}: evaluated into {found}")
+        out[flag] = f"{found}:0"
+    return out, notes
+
+
 @dataclass
 class GateReport:
     """Everything ``harness gate`` decided, for the JSON report and the verdict paragraph."""
@@ -287,12 +383,19 @@ def gate(
     max_bad_rate: float = 0.02,
     n_resamples: int = 10_000,
     seed: int = 0,
+    eval_spec: EvalSpec | None = None,
 ) -> GateReport:
-    """Compare two stored checkpoints (``RUN[:STEP]``) task by task and overall; raises GateUsageError on bad references."""
+    """Compare two checkpoints task by task and overall; raises GateUsageError on bad references.
+
+    A reference is a stored ``RUN[:STEP]``, or a model path (directory, replay file) that is evaluated first with
+    ``eval_spec`` (reusing an identical earlier evaluation of it in the store).
+    """
     if not 0 < alpha < 0.5:
         raise GateUsageError(f"--alpha {alpha}: must be in (0, 0.5)")
     if not 0 <= max_drop < 1:
         raise GateUsageError(f"--max-drop {max_drop}: must be in [0, 1) (absolute Avg@k points, e.g. 0.02)")
+    refs, eval_notes = resolve_model_refs(store, {"--baseline": baseline, "--candidate": candidate}, eval_spec)
+    baseline, candidate = refs["--baseline"], refs["--candidate"]
     base_ref = resolve_ref(store, baseline, "--baseline", tasks)
     cand_ref = resolve_ref(store, candidate, "--candidate", tasks)
     if tasks is None:
@@ -301,7 +404,7 @@ def gate(
             raise GateUsageError(f"--baseline {baseline} and --candidate {candidate} share no evaluated task; name them with --task")
     n_tests = len(tasks) + (1 if len(tasks) > 1 else 0)
     per_test_alpha = alpha / n_tests  # Bonferroni: the family of tests (tasks + overall) keeps its false-alarm rate at alpha
-    notes = [f"Bonferroni: {n_tests} tests at alpha {alpha:g} / {n_tests} = {per_test_alpha:.4g} each"] if n_tests > 1 else []
+    notes = eval_notes + ([f"Bonferroni: {n_tests} tests at alpha {alpha:g} / {n_tests} = {per_test_alpha:.4g} each"] if n_tests > 1 else [])
     verdicts, matrices = [], []
     for task in tasks:
         ev = {side: next(e for e in store.evals(ref[0]) if e["step"] == ref[1] and e["task"] == task) for side, ref in (("base", base_ref), ("cand", cand_ref))}

@@ -215,3 +215,53 @@ def test_gate_cli_usage_errors_exit_2(demo_store, args, message):
 def test_gate_cli_without_a_store_exits_2(tmp_path):
     result = runner.invoke(app, ["gate", "--baseline", "a", "--candidate", "b", "--out", str(tmp_path / "none")])
     assert result.exit_code == 2 and "no results store" in result.output
+
+
+# ---- model paths: evaluated first, on the same problems and seeds -----------------------------------
+
+
+def _replay(path, problems, wrong: set[int]):
+    """A replay 'model' (harness eval --backend replay): the right answer except on the problems in ``wrong``."""
+    rows = [{"task": "arith", "id": p.id, "completion": f"\\boxed{{{int(p.answer) + (1 if i in wrong else 0)}}}"} for i, p in enumerate(problems)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_gate_evaluates_model_paths_first_and_reuses_the_evaluations(tmp_path):
+    from tasks.synthetic.arith import ArithOptions, ArithTask
+
+    problems = ArithTask(ArithOptions()).load("test")[:30]
+    good = _replay(tmp_path / "good.jsonl", problems, wrong=set())
+    worse = _replay(tmp_path / "worse.jsonl", problems, wrong=set(range(12)))
+    out = tmp_path / "results"
+    args = ["gate", "--task", "arith", "--k", "1", "--limit", "30", "--backend", "replay", "--out", str(out), "--json", str(tmp_path / "g.json")]
+    regressed = runner.invoke(app, [*args, "--baseline", str(good), "--candidate", str(worse)])
+    assert regressed.exit_code == 1, regressed.output
+    report = json.loads((tmp_path / "g.json").read_text())
+    task = report["tasks"][0]
+    assert (task["avg_baseline"], task["avg_candidate"], task["n_problems"]) == (1.0, pytest.approx(0.6), 30)
+    assert (task["worst_case"]["test"], task["worst_case"]["worse"], task["worst_case"]["better"]) == ("exact McNemar", 12, 0)
+    with Store(out) as store:
+        runs = [r["run_id"] for r in store.runs()]
+        assert len(runs) == 2 and all(store.get_run(r)["config"]["backend"] == "replay" for r in runs)
+
+    improved = runner.invoke(app, [*args, "--baseline", str(worse), "--candidate", str(good)])
+    assert improved.exit_code == 0, improved.output
+    assert "reused its evaluation" in json.dumps(json.loads((tmp_path / "g.json").read_text())["notes"])
+    with Store(out) as store:
+        assert len(store.runs()) == 2  # both evaluations reused: same model, tasks, k, limit, sampling and seed
+
+    # A stored baseline against a path evaluated on fewer problems: the 10 problems it lacks are missing samples.
+    stored = runner.invoke(app, [*args, "--baseline", f"{runs[0]}:0", "--candidate", str(worse), "--limit", "20"])
+    assert stored.exit_code == 3 and "10 of 30 samples errored or missing" in " ".join(stored.output.split()), stored.output
+    with Store(out) as store:
+        assert len(store.runs()) == 3
+
+
+def test_gate_on_a_model_path_needs_tasks_and_a_loadable_model(tmp_path):
+    model = tmp_path / "m.jsonl"
+    model.write_text("")
+    no_task = runner.invoke(app, ["gate", "--baseline", str(model), "--candidate", str(model), "--out", str(tmp_path / "r")])
+    assert no_task.exit_code == 2 and "--task" in no_task.output, no_task.output
+    not_a_model = runner.invoke(app, ["gate", "--baseline", str(tmp_path), "--candidate", str(model), "--task", "arith", "--out", str(tmp_path / "r")])
+    assert not_a_model.exit_code == 2 and "cannot evaluate" in not_a_model.output, not_a_model.output
