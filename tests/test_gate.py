@@ -87,6 +87,32 @@ def test_max_drop_tolerates_small_drops_but_not_large_ones():
     assert judge(base, large, max_drop=0.10, n_resamples=2000).verdict == "regression"
 
 
+def test_max_drop_with_k1_needs_the_exact_test_and_the_bound():
+    rng = np.random.default_rng(9)
+    base, cand = simulate_pair(rng, 2000, 1, drop=0.04)  # a 4-point drop on 2,000 problems: significant
+    assert judge(base, cand, n_resamples=2000).verdict == "regression"
+    tolerant = judge(base, cand, max_drop=0.10, n_resamples=2000)
+    assert tolerant.worst_case.p_value < 0.05 and tolerant.worst_case.ci_high > -0.10 and tolerant.verdict == "pass"
+
+
+def test_overall_test_catches_a_diffuse_regression_and_bonferroni_splits_alpha(tmp_path):
+    """Four tasks each 4 points worse: too little for any one task at alpha/5, enough for the macro-average."""
+    rng = np.random.default_rng(4)
+    with Store(tmp_path) as store:
+        for run in ("a", "b"):
+            store.create_run(run, kind="eval", config={})
+        for task in ("t1", "t2", "t3", "t4"):
+            p = rng.random(150)
+            _store_eval(store, "a", 0, task, (rng.random((150, 4)) < p[:, None]).astype(float))
+            _store_eval(store, "b", 0, task, (rng.random((150, 4)) < np.clip(p - 0.04, 0, 1)[:, None]).astype(float))
+    result = runner.invoke(app, ["gate", "--baseline", "a", "--candidate", "b", "--out", str(tmp_path), "--json", "-"])
+    report = json.loads(result.stdout)
+    assert [t["alpha"] for t in report["tasks"]] == [pytest.approx(0.01)] * 4  # 4 tasks + overall = 5 tests
+    assert [t["verdict"] for t in report["tasks"]] == ["pass"] * 4
+    assert report["overall"]["verdict"] == "regression" and report["overall"]["worst_case"]["delta"] < -0.03
+    assert result.exit_code == 1 and report["verdict"] == "regression"
+
+
 def test_grading_errors_make_the_verdict_inconclusive_not_pass():
     """A regression whose failures surface as grading errors: too many errors -> inconclusive; a few errors that
     could hide the regression -> inconclusive too; the errors never turn it into a pass."""
