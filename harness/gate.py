@@ -440,7 +440,9 @@ def _describe(v: TaskVerdict) -> str:
         f"(one-sided {(1 - v.alpha) * 100:.4g}% upper bound {t.ci_high:+.3f}; {test}; p = {t.p_value:.3g}) → {v.verdict}"
     )
     if v.bad_baseline or v.bad_candidate:
-        text += f" [errored/missing samples: baseline {v.bad_baseline}, candidate {v.bad_candidate}; counted against the candidate]"
+        best = v.best_case
+        favour = f"; in its favour Δ = {best.delta:+.3f}, p = {best.p_value:.3g}" if best is not None else ""
+        text += f" [errored/missing samples: baseline {v.bad_baseline}, candidate {v.bad_candidate}; the figures count them against the candidate{favour}]"
     return text + (f" ({'; '.join(v.reasons)})" if v.reasons else "")
 
 
