@@ -59,7 +59,7 @@ def bootstrap_deltas(diffs: list[np.ndarray], n_resamples: int, seed: int) -> np
 
 
 @dataclass(frozen=True)
-class TestResult:
+class OneSidedResult:
     """One one-sided test of 'candidate worse than baseline' on imputed per-problem values."""
 
     test: str  # "exact McNemar" or "paired bootstrap"
@@ -72,7 +72,7 @@ class TestResult:
     regression: bool = False
 
 
-def one_sided_test(base: list[np.ndarray], cand: list[np.ndarray], *, alpha: float, max_drop: float, n_resamples: int, seed: int) -> TestResult:
+def one_sided_test(base: list[np.ndarray], cand: list[np.ndarray], *, alpha: float, max_drop: float, n_resamples: int, seed: int) -> OneSidedResult:
     """Test 'candidate worse by more than max_drop' on (problems, k) score matrices without NaN, one pair per task.
 
     One task with k = 1 and 0/1 scores gets the exact McNemar test; anything else the (stratified) paired bootstrap.
@@ -91,7 +91,7 @@ def one_sided_test(base: list[np.ndarray], cand: list[np.ndarray], *, alpha: flo
     else:
         p, test = float((1 + np.sum(deltas >= 0)) / (1 + len(deltas))), "paired bootstrap"
     material = ci_high < -max_drop if max_drop > 0 else delta < 0
-    return TestResult(test, delta, float(p), ci_low, ci_high, worse, better, bool(p < alpha and material))
+    return OneSidedResult(test, delta, float(p), ci_low, ci_high, worse, better, bool(p < alpha and material))
 
 
 # ---- one task -------------------------------------------------------------------------------------
@@ -110,8 +110,8 @@ class TaskVerdict:
     bad_baseline: int  # errored or missing samples among the n_problems x k expected
     bad_candidate: int
     alpha: float  # the per-test level after the Bonferroni split
-    worst_case: TestResult | None  # bad samples scored against the candidate
-    best_case: TestResult | None  # bad samples scored in its favour
+    worst_case: OneSidedResult | None  # bad samples scored against the candidate
+    best_case: OneSidedResult | None  # bad samples scored in its favour
     reasons: list[str] = field(default_factory=list)
     blocked: bool = False  # inconclusive before any test: too few problems, too many bad samples, different graders
 
@@ -163,7 +163,7 @@ def judge(
     return TaskVerdict(task, verdict, k, n, _valid_avg(base), _valid_avg(cand), bad_b, bad_c, alpha, worst, best, reasons, blocked=bool(reasons) and not decided_by_bad)
 
 
-def _bounds(pairs: list[tuple[np.ndarray, np.ndarray]], **kw) -> tuple[TestResult, TestResult]:
+def _bounds(pairs: list[tuple[np.ndarray, np.ndarray]], **kw) -> tuple[OneSidedResult, OneSidedResult]:
     """The test with every NaN (errored/missing) sample scored against the candidate, and in its favour."""
     worst = one_sided_test([np.nan_to_num(b, nan=1.0) for b, _ in pairs], [np.nan_to_num(c, nan=0.0) for _, c in pairs], **kw)
     if not any(np.isnan(b).any() or np.isnan(c).any() for b, c in pairs):
@@ -172,7 +172,7 @@ def _bounds(pairs: list[tuple[np.ndarray, np.ndarray]], **kw) -> tuple[TestResul
     return worst, best
 
 
-def _decide(worst: TestResult | None, best: TestResult | None, *, blocked: bool) -> tuple[str, bool]:
+def _decide(worst: OneSidedResult | None, best: OneSidedResult | None, *, blocked: bool) -> tuple[str, bool]:
     """(verdict, whether the bad samples alone made it inconclusive): pass only if even the worst case shows no
     regression, regression only if even the best case shows one."""
     if blocked or worst is None or best is None:

@@ -390,6 +390,14 @@ def summary_table(board: Board) -> str:
     return _table(headers, body, "methods")
 
 
+STEP_COLUMNS = ("loss", "teacher_kl", "student_entropy", "lag_mean")  # per-step metrics averaged between checkpoints in a run's table
+
+
+def _mean_of(window: list[dict[str, float]], name: str) -> float | None:
+    values = [m[name] for m in window if m.get(name) is not None and np.isfinite(m[name])]
+    return float(np.mean(values)) if values else None
+
+
 def run_section(info: RunInfo) -> str:
     """The drill-down of one run: config, method record, per-checkpoint metrics, staleness, stage timings."""
     parts = [f'<details id="{info.anchor}"><summary>{e(info.key)} <span class="muted">{e(info.run["kind"])} · {e(info.run.get("method") or "-")} · {e(info.run.get("task") or "")} · {e(info.run["status"] if "status" in info.run else "")} · {e(info.source)}</span></summary>']
@@ -398,6 +406,12 @@ def run_section(info: RunInfo) -> str:
         parts.append(f"<h4>method {e(str(info.method_record.get('name')))}</h4><p>{e(str(info.method_record.get('description', '')))}</p>")
         parts.append("<table><tr><th>hyper-parameter</th><th>value</th><th>note</th></tr>" + "".join(
             f"<tr><td>{e(k)}</td><td>{e(json.dumps(v))}</td><td>{e(str(notes.get(k, '')))}</td></tr>" for k, v in (info.method_record.get("hparams") or {}).items()) + "</table>")  # fmt: skip
+        hparams = info.method_record.get("hparams") or {}
+        for key, note in notes.items():
+            if key not in hparams:
+                parts.append(f"<p><b>{e(str(key))}</b>: {e(str(note))}</p>")
+        if info.method_record.get("inputs"):
+            parts.append(f'<p class="muted">inputs: {e(", ".join(map(str, info.method_record["inputs"])))}</p>')
         for warning in info.method_record.get("warnings") or []:
             parts.append(f'<p class="bad">warning: {e(str(warning))}</p>')
     tasks = sorted({ev["task"] for ev in info.evals})
@@ -405,15 +419,19 @@ def run_section(info: RunInfo) -> str:
     for ev in info.evals:
         by_step.setdefault(ev["step"], {})[ev["task"]] = ev
     ckpts = {c["step"]: c for c in info.checkpoints}
-    headers = ["step", *[f"{t} Avg@k [95% CI]" for t in tasks], "samples seen", "train s", "samples/h", "refreshes", "idle rollout", "idle learner"]
-    body = []
+    logged = [name for name in STEP_COLUMNS if any(name in m for m in info.steps.values())]
+    headers = ["step", *[f"{t} Avg@k [95% CI]" for t in tasks], "samples seen", "train s", "samples/h", *logged, "refreshes", "idle rollout", "idle learner"]
+    body, previous = [], 0
     for step in sorted(set(by_step) | set(ckpts)):
         c = ckpts.get(step, {})
         m = c.get("metrics", {})
+        window = [v for s, v in info.steps.items() if previous < s <= step]  # the steps since the previous row: their means
         cells = [f'<td class="num">{step}</td>', *[_avg_cell(by_step[step][t]) if t in by_step.get(step, {}) else '<td data-sort="">-</td>' for t in tasks]]
-        cells += [_num(c.get("samples_seen"), 0) if c.get("samples_seen") is not None else _num(None), _num(c.get("train_seconds"), 1), _num(c.get("samples_per_hour"), 0),
-                  _num(m.get("refreshes"), 0), _num(m.get("idle_ratio_rollout"), 2), _num(m.get("idle_ratio_learner"), 2)]  # fmt: skip
+        cells += [_num(c.get("samples_seen"), 0) if c.get("samples_seen") is not None else _num(None), _num(c.get("train_seconds"), 1), _num(c.get("samples_per_hour"), 0)]
+        cells += [_num(_mean_of(window, name)) for name in logged]
+        cells += [_num(m.get("refreshes"), 0), _num(m.get("idle_ratio_rollout"), 2), _num(m.get("idle_ratio_learner"), 2)]
         body.append("<tr>" + "".join(cells) + "</tr>")
+        previous = step
     parts.append("<h4>checkpoints</h4>" + _table(headers, body, f"{info.anchor}-checkpoints"))
     last = info.checkpoints[-1]["metrics"] if info.checkpoints else {}
     if last.get("staleness_hist"):

@@ -164,6 +164,8 @@ def test_drill_down_has_config_method_checkpoints_staleness_and_timings(page):
     assert "fopd-async" in section and "a note on kl_coef" in section and "&quot;trainer&quot;" in section
     checkpoints = _table(section, "run-1-checkpoints")
     assert [c["step"] for c in checkpoints] == ["0", "100", "200", "300"] and checkpoints[-1]["samples/h"] == "3000"
+    window = [1.0 / (1 + s / 50) for s in range(101, 201, 10)]  # the steps logged after checkpoint 100, up to 200
+    assert checkpoints[2]["teacher_kl"] == f"{sum(window) / len(window):.3f}" and checkpoints[0]["teacher_kl"] == "-"
     assert "staleness (to step 300)" in section and "<svg" in section and "generate" in section
 
 
