@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from harness.leaderboard import sample_scores
 from harness.metrics import _resampled_means
 from harness.store import Store
 
@@ -241,18 +242,11 @@ def resolve_ref(store: Store, text: str, flag: str, tasks: list[str] | None) -> 
 
 
 def score_matrices(store: Store, baseline: tuple[str, int], candidate: tuple[str, int], task: str, k: int) -> tuple[list[str], np.ndarray, np.ndarray]:
-    """Problem ids (the union of both sides) and (problems, k) score matrices; NaN = errored or missing sample."""
-    rows = {side: store.samples(*ref, task) for side, ref in (("base", baseline), ("cand", candidate))}
-    problems = sorted({s["problem_id"] for side in rows.values() for s in side})
-    index = {pid: i for i, pid in enumerate(problems)}
-    out = {}
-    for side, samples in rows.items():
-        m = np.full((len(problems), k), np.nan)
-        for s in samples:
-            if s["sample_index"] < k and s["status"] != "error" and s["score"] is not None:
-                m[index[s["problem_id"]], s["sample_index"]] = float(s["score"])
-        out[side] = m
-    return problems, out["base"], out["cand"]
+    """Problem ids (the union of both sides) and aligned (problems, k) score matrices; NaN = errored or missing sample."""
+    base, cand = sample_scores(store, *baseline, task, k), sample_scores(store, *candidate, task, k)
+    problems = sorted(set(base) | set(cand))
+    missing = np.full(k, np.nan)
+    return problems, np.array([base.get(p, missing) for p in problems]).reshape(-1, k), np.array([cand.get(p, missing) for p in problems]).reshape(-1, k)
 
 
 # ---- model paths: evaluate them first, on the same problems, k, sampling and seed ---------------
