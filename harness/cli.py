@@ -322,24 +322,123 @@ def methods(json_: Annotated[bool, typer.Option("--json", help="machine-readable
 
 @app.command()
 def leaderboard(
-    directory: Annotated[Path, typer.Argument(help="results root holding results.sqlite")] = Path("results"),
-    format_: Annotated[str, typer.Option("--format", help="table, md, csv or json")] = "table",
-    run: Annotated[list[str] | None, typer.Option(help="only these run ids (repeatable)")] = None,
+    directories: Annotated[list[Path] | None, typer.Argument(help="results roots holding results.sqlite (several merge into one board; default: results)")] = None,
+    format_: Annotated[str, typer.Option("--format", help="table, md, csv, json, or html (one self-contained page with plots)")] = "table",
+    run: Annotated[list[str] | None, typer.Option(help="only these run ids (repeatable; not for html)")] = None,
+    out: Annotated[Path | None, typer.Option(help="write to this file instead of stdout")] = None,
+    baseline_method: Annotated[str, typer.Option(help="html: the sync method relative throughput is normalised to")] = "opd",
+    collapse_threshold: Annotated[float, typer.Option(help="html: a run collapsed when final Avg@k < this x its peak Avg@k")] = 0.5,
 ) -> None:
-    """Runs × checkpoints × tasks with Avg@k ± 95% CI and throughput."""
+    """Runs × checkpoints × tasks with Avg@k ± 95% CI and throughput; ``--format html`` gives a page with plots and a drill-down per run."""
     from harness.leaderboard import leaderboard_rows, render_csv, render_json, render_markdown, render_table
     from harness.store import Store
 
+    roots = directories or [Path("results")]
     renderers = {"md": render_markdown, "csv": render_csv, "json": render_json}
-    if format_ not in {"table", *renderers}:
-        raise _fail(f"--format {format_!r}: choose one of table, md, csv, json")
-    if not (directory / "results.sqlite").exists():
-        raise _fail(f"no results store at {directory / 'results.sqlite'}")
-    rows = leaderboard_rows(Store(directory), run)
+    if format_ not in {"table", "html", *renderers}:
+        raise _fail(f"--format {format_!r}: choose one of table, md, csv, json, html")
+    for root in roots:
+        if not (root / "results.sqlite").is_file():
+            raise _fail(f"no results store at {root / 'results.sqlite'}")
+    if format_ == "html":
+        from harness.leaderboard_page import write_html
+
+        if run:
+            raise _fail("--run filters the text formats; the html page shows every run of the given roots")
+        if not 0 < collapse_threshold <= 1:
+            raise _fail(f"--collapse-threshold {collapse_threshold}: must be in (0, 1]")
+        if out is None:
+            raise _fail("--format html needs --out FILE (e.g. --out board.html)")
+        path = write_html(roots, out, baseline_method=baseline_method, collapse_threshold=collapse_threshold)
+        console.print(f"leaderboard page → {path}")
+        return
+    rows = []
+    for root in roots:
+        with Store(root) as store:
+            rows += leaderboard_rows(store, run)
     if format_ == "table":
+        if out is not None:
+            raise _fail("--out writes md, csv, json or html; the table is for the terminal")
         stdout.print(render_table(rows))
+    elif out is not None:
+        out.write_text(renderers[format_](rows))
     else:
         sys.stdout.write(renderers[format_](rows))
+
+
+@app.command()
+def gate(
+    baseline: Annotated[str, typer.Option(help="the accepted checkpoint: RUN or RUN:STEP (default step: the run's last evaluated one), or a model path")],
+    candidate: Annotated[str, typer.Option(help="the checkpoint under test: RUN, RUN:STEP or a model path")],
+    task: Annotated[str | None, typer.Option(help="task name(s), comma separated (default: every task both evaluated; required for model paths)")] = None,
+    out: Annotated[Path, typer.Option(help="results root holding the runs (model paths are evaluated into it)")] = Path("results"),
+    alpha: Annotated[float, typer.Option(help="false-alarm rate of the whole gate (one-sided; split over tasks by Bonferroni)")] = 0.05,
+    max_drop: Annotated[float, typer.Option(help="tolerated drop in absolute Avg@k points (0.02 = two points)")] = 0.0,
+    min_problems: Annotated[int, typer.Option(help="fewer problems per task than this is inconclusive")] = 10,
+    max_error_rate: Annotated[float, typer.Option(help="a side with more errored or missing samples than this fraction is inconclusive")] = 0.02,
+    n_resamples: Annotated[int, typer.Option(help="paired bootstrap resamples")] = 10_000,
+    bootstrap_seed: Annotated[int, typer.Option(help="bootstrap seed")] = 0,
+    json_: Annotated[str | None, typer.Option("--json", help="write the JSON report to this file ('-' = stdout; the verdict paragraph then goes to stderr)")] = None,
+    k: Annotated[int | None, typer.Option(help="model paths: samples per problem (default: the task's k)")] = None,
+    limit: Annotated[int | None, typer.Option(help="model paths: first N problems only")] = None,
+    temperature: Annotated[float, typer.Option(help="model paths: sampling temperature")] = 1.0,
+    top_p: Annotated[float, typer.Option(help="model paths: nucleus sampling")] = 1.0,
+    seed: Annotated[int, typer.Option(help="model paths: sampling seed (the same for both)")] = 0,
+    backend: Annotated[str, typer.Option(help="model paths: inference backend (hf, replay, openai, vllm)")] = "hf",
+    backend_option: Annotated[list[str] | None, typer.Option("--backend-option", help="model paths: backend option KEY=VALUE, repeatable")] = None,
+    task_arg: Annotated[list[str] | None, typer.Option("--task-arg", help="model paths: task option TASK.KEY=VALUE, repeatable")] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="model paths: local data root laid out as DIR/<task>/...")] = None,
+) -> None:
+    """Is CANDIDATE significantly worse than BASELINE on the same problems? Exit 0 pass, 1 regression, 2 usage error, 3 inconclusive.
+
+    Paired per problem: exact McNemar test for k = 1, paired bootstrap otherwise; errored or missing samples never count as passes.
+    A model path is evaluated first (same problems, k, sampling and seed for both sides; an identical earlier evaluation is reused).
+    """
+    from harness.gate import EvalSpec, GateUsageError, verdict_paragraph
+    from harness.gate import gate as run_gate
+    from harness.store import Store
+
+    _quiet_libraries()
+    tasks = [t.strip() for t in task.split(",") if t.strip()] if task else None
+    paths = [ref for ref in (baseline, candidate) if Path(ref).exists()]
+    if not (out / "results.sqlite").is_file() and not paths:
+        raise _fail(f"--out {out}: no results store at {out / 'results.sqlite'}")
+    if min_problems < 1 or n_resamples < 100 or not 0 <= max_error_rate < 1:
+        raise _fail("--min-problems must be >= 1, --n-resamples >= 100 and --max-error-rate in [0, 1)")
+    spec = None
+    if tasks:
+        try:
+            task_args: dict = {}
+            for item in task_arg or []:
+                task_args = deep_merge(task_args, parse_override(item))
+            options = {}
+            for item in backend_option or []:
+                key, sep, value = item.partition("=")
+                if not sep or not key.strip():
+                    raise ConfigError(f"--backend-option {item!r}: expected KEY=VALUE")
+                options[key.strip()] = yaml.safe_load(value) if value else value
+        except ConfigError as exc:
+            raise _fail(str(exc)) from None
+        if data_dir is not None and paths:
+            if not data_dir.is_dir():
+                raise _fail(f"--data-dir {data_dir}: no such directory (it holds one folder per task: DIR/<task>/...)")
+            os.environ["HARNESS_DATA_DIR"] = str(data_dir)
+        spec = EvalSpec(tuple(tasks), k=k, limit=limit, temperature=temperature, top_p=top_p, seed=seed, task_args=task_args, backend=backend, backend_options=options, data_dir=data_dir)
+    with Store(out) as store:
+        try:
+            report = run_gate(store, baseline, candidate, tasks, alpha=alpha, max_drop=max_drop, min_problems=min_problems,
+                              max_bad_rate=max_error_rate, n_resamples=n_resamples, seed=bootstrap_seed, eval_spec=spec)  # fmt: skip
+        except GateUsageError as exc:
+            raise _fail(str(exc)) from None
+    paragraph = verdict_paragraph(report)
+    if json_ == "-":
+        print(to_json(report.to_dict()))
+        print(paragraph, file=sys.stderr)
+    else:
+        if json_:
+            Path(json_).write_text(to_json(report.to_dict()) + "\n")
+        print(paragraph)
+    raise typer.Exit(report.exit_code)
 
 
 @app.command()

@@ -97,13 +97,22 @@ def render_json(rows: list[dict]) -> str:
     return to_json(rows)
 
 
-def per_problem_values(store: Store, run_id: str, step: int, task: str, k: int) -> dict[str, float]:
-    """Mean score of each problem's first k non-error samples, from the samples table."""
-    values: dict[str, list[float]] = {}
+def sample_scores(store: Store, run_id: str, step: int, task: str, k: int) -> dict[str, np.ndarray]:
+    """Each problem's scores of samples 0..k-1 of one evaluation; NaN where a sample errored or is missing.
+
+    The one reader of per-problem samples for paired comparisons (``paired_comparison`` and ``harness gate``).
+    """
+    out: dict[str, np.ndarray] = {}
     for s in store.samples(run_id, step, task):
-        if s["status"] != "error":
-            values.setdefault(s["problem_id"], []).append(s["score"])
-    return {pid: float(np.mean(v[:k])) for pid, v in values.items() if v}
+        row = out.setdefault(s["problem_id"], np.full(k, np.nan))
+        if s["sample_index"] < k and s["status"] != "error" and s["score"] is not None:
+            row[s["sample_index"]] = float(s["score"])
+    return out
+
+
+def per_problem_values(store: Store, run_id: str, step: int, task: str, k: int) -> dict[str, float]:
+    """Mean score of each problem's valid samples among its first k; problems with none are left out."""
+    return {pid: float(np.nanmean(row)) for pid, row in sample_scores(store, run_id, step, task, k).items() if not np.isnan(row).all()}
 
 
 def paired_comparison(store: Store, task: str, k: int, baseline: tuple[str, int], candidate: tuple[str, int], seed: int = 0) -> PairedResult:
