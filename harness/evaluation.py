@@ -16,6 +16,9 @@ from harness.store import SampleRow, Store
 from harness.trajectory import Trajectory
 
 GRADE_CHUNK = 64  # completions per grade_many call, so the grading progress bar moves
+GENERIC_SUMMARY_KEYS = frozenset(
+    {"k", "n_problems", "n_samples", "n_errors", "n_pass", "n_fail", "n_error_problems", "avg_at_k", "ci_low", "ci_high", "pass_at_k", "seconds"}
+)  # what every evaluation summary has; anything beyond is a task-specific measurement (e.g. agentic rates)
 
 
 @dataclass
@@ -97,8 +100,8 @@ def episode_metrics(traj: Trajectory, score) -> dict:
 def summarize_episodes(metrics: list[dict]) -> dict:
     """Agentic aggregates over episodes (only when the task reports tool calls): invalid tool rate (share of
     episodes with at least one invalid call), mean tool calls and turns, tool-error rate (errored / all calls)."""
-    if not metrics or not any("tool_calls" in m for m in metrics):
-        return {"mean_turns": float(np.mean([m.get("turns", 1) for m in metrics]))} if metrics else {}
+    if not any("tool_calls" in m for m in metrics):  # single-turn tasks: nothing agentic to report
+        return {"mean_turns": float(np.mean([m.get("turns", 1) for m in metrics]))} if any(m.get("turns", 1) > 1 for m in metrics) else {}
     calls = sum(m.get("tool_calls", 0) for m in metrics)
     return {
         "mean_turns": float(np.mean([m.get("turns", 0) for m in metrics])),

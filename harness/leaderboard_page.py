@@ -6,9 +6,9 @@ No server and no CDN: the page opens offline. Several results roots merge into o
   checkpoint, relative throughput (÷ mean samples/h of the sync runs of the baseline method on the same
   task, with the same configuration but the method when there are such runs: the f-OPD paper's
   normalisation), collapse (final Avg@k < threshold × peak, as in ``harness report``), grader and version;
-- per-sample metrics a task reports in its grade details (a JSON object with a ``"metrics"`` mapping of
-  name → number, e.g. an agentic task's ``invalid_tool_rate``, ``resolved``, ``loop``, ``premature_stop``),
-  averaged over the last checkpoint's samples, as extra columns where a task has them.
+- the task-specific measurements of the last checkpoint's evaluation (``harness.evaluation``'s summary beyond the
+  counts every evaluation has: e.g. an agentic task's invalid tool rate, tool-error rate, tool calls and turns per
+  episode), as extra columns where a task has them.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from harness.report import _match_key, dotted_get, plot_lag_curve, run_curve, summarize_run, sweep_report
+from harness.evaluation import GENERIC_SUMMARY_KEYS
 from harness.store import Store
 
 
@@ -57,22 +58,10 @@ def _mode(config: dict) -> str:
     return dotted_get(config, "trainer.mode", "-") or "-"
 
 
-def _task_metrics(store: Store, run_id: str, step: int, task: str) -> dict[str, float]:
-    """Means of the numeric ``details["metrics"]`` entries a task reports per sample (e.g. agentic episode rates)."""
-    sums: dict[str, list[float]] = {}
-    for s in store.samples(run_id, step, task):
-        details = s.get("details") or ""
-        if not details.startswith("{"):
-            continue
-        try:
-            metrics = json.loads(details).get("metrics")
-        except (json.JSONDecodeError, AttributeError):
-            continue
-        if isinstance(metrics, dict):
-            for name, value in metrics.items():
-                if isinstance(value, int | float):  # bools count as 0/1
-                    sums.setdefault(str(name), []).append(float(value))
-    return {name: float(np.mean(values)) for name, values in sums.items()}
+def _task_metrics(evaluation: dict) -> dict[str, float]:
+    """The task-specific measurements of an evaluation (e.g. an agentic task's invalid tool rate): every numeric
+    entry of its stored summary beyond the counts every evaluation has."""
+    return {k: float(v) for k, v in evaluation.get("metrics", {}).items() if k not in GENERIC_SUMMARY_KEYS and isinstance(v, int | float)}
 
 
 def _load_runs(store: Store, source: str, taken: set[str]) -> list[RunInfo]:
@@ -113,7 +102,7 @@ def _rows(store: Store, info: RunInfo, collapse_threshold: float) -> list[dict]:
                 "best": best, "last": last, "n_errors": last["n_errors"],
                 "samples_per_hour": last_ckpt.get("samples_per_hour"), "relative_throughput": None, "throughput_baseline": None,
                 "collapsed": summary["collapsed"] if summary and info.run["kind"] == "train" and len(scored) > 1 else None,
-                "task_metrics": _task_metrics(store, info.run["run_id"], last["step"], task),
+                "task_metrics": _task_metrics(last),
                 "config": info.config,
             }
         )  # fmt: skip

@@ -48,13 +48,11 @@ def _train_run(store: Store, run_id: str, *, method: str, mode: str, curve: list
 
 
 def _agentic_eval(store: Store, run_id: str) -> None:
-    """An eval-only run of a task whose grader reports per-sample episode metrics in its details."""
+    """An eval-only run of an agentic task: its summary carries episode measurements beyond Avg@k."""
     store.create_run(run_id, kind="eval", config={"model": "m"}, task="tools", model="/models/student")
-    rows = [
-        SampleRow(f"p{i}", 0, "c", None, float(i % 2), "pass" if i % 2 else "fail", 0.0, json.dumps({"metrics": {"invalid_tool_rate": 0.5 * (i % 2), "resolved": bool(i % 2)}}))
-        for i in range(4)
-    ]
-    summary = {"k": 1, "n_samples": 4, "n_problems": 4, "avg_at_k": 0.5, "ci_low": 0.0, "ci_high": 1.0, "n_errors": 0}
+    rows = [SampleRow(f"p{i}", 0, "c", None, float(i % 2), "pass" if i % 2 else "fail", 0.0, metrics={"tool_calls": i}) for i in range(4)]
+    summary = {"k": 1, "n_samples": 4, "n_problems": 4, "avg_at_k": 0.5, "ci_low": 0.0, "ci_high": 1.0, "n_errors": 0, "n_pass": 2,
+               "invalid_tool_rate": 0.25, "resolved": 0.5}  # fmt: skip
     store.add_eval(run_id, 0, "tools", summary, rows, grader="tool-judge", grader_version="2")
     store.set_status(run_id, "done")
 
@@ -147,6 +145,7 @@ def test_agentic_task_metrics_become_columns(page):
     agent = rows[("agent-eval", "tools")]
     assert (agent["invalid_tool_rate"], agent["resolved"]) == ("0.250", "0.500")
     assert rows[("opd-sync", "arith")]["invalid_tool_rate"] == "-"  # a task without them
+    assert "n_pass" not in agent  # the counts every evaluation has are not task metrics
 
 
 def test_two_roots_merge_and_clashing_run_ids_stay_apart(page, roots):
