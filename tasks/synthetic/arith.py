@@ -9,7 +9,9 @@ process pool, like the real math benchmarks. It is the CPU stand-in for math rea
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from pydantic import Field
 
@@ -59,6 +61,29 @@ def make_problem(rng: random.Random, opts: ArithOptions) -> tuple[str, list[str]
     return expression, lines, value
 
 
+T = TypeVar("T")
+
+
+def draw_distinct_splits(rng: random.Random, wanted: dict[str, int], split: str, draw: Callable[[random.Random], T], task: str) -> dict[str, list[T]]:
+    """Draws per split, in the order of ``wanted`` (test first, so that train excludes its expressions), up to
+    ``split``; ``draw(rng)`` returns a tuple whose first item is the expression that must be new."""
+    seen: set[str] = set()
+    out: dict[str, list[T]] = {}
+    for name, count in wanted.items():
+        out[name], attempts = [], 0
+        while len(out[name]) < count:
+            attempts += 1
+            if attempts > 20 * count + 1000:
+                raise ValueError(f"{task}: cannot draw {count} distinct {name} problems; widen the operand ranges")
+            item = draw(rng)
+            if item[0] not in seen:  # type: ignore[index]
+                seen.add(item[0])  # type: ignore[index]
+                out[name].append(item)
+        if name == split:
+            break
+    return out
+
+
 @TASKS.register("arith")
 class ArithTask(MathVerifyGraded, Task):
     name = "arith"
@@ -72,26 +97,13 @@ class ArithTask(MathVerifyGraded, Task):
         if split not in self.splits:
             raise ValueError(f"arith has splits {self.splits}, not {split!r}")
         opts: ArithOptions = self.options  # type: ignore[assignment]
-        rng = random.Random(opts.seed)
-        wanted = {"test": opts.n_test, "train": opts.n_train}
-        seen: set[str] = set()
-        out: dict[str, list[Problem]] = {"test": [], "train": []}
-        for name in ("test", "train"):  # test first, so the train split excludes its expressions
-            attempts = 0
-            while len(out[name]) < wanted[name]:
-                attempts += 1
-                if attempts > 20 * wanted[name] + 1000:
-                    raise ValueError(f"arith: cannot draw {wanted[name]} distinct {name} problems; widen the operand ranges")
-                expression, lines, value = make_problem(rng, opts)
-                if expression in seen:
-                    continue
-                seen.add(expression)
-                solution = "\n".join(lines + [f"\\boxed{{{value}}}"])
-                out[name].append(
-                    Problem(id=f"{name}-{len(out[name])}", question=f"Compute {expression}.\n", answer=str(value), solution=solution)
-                )
-            if name == split:
-                break
+        drawn = draw_distinct_splits(random.Random(opts.seed), {"test": opts.n_test, "train": opts.n_train}, split, lambda rng: make_problem(rng, opts), "arith")
+        out: dict[str, list[Problem]] = {}
+        for name, items in drawn.items():
+            out[name] = [
+                Problem(id=f"{name}-{i}", question=f"Compute {expression}.\n", answer=str(value), solution="\n".join(lines + [f"\\boxed{{{value}}}"]))
+                for i, (expression, lines, value) in enumerate(items)
+            ]
         problems = out[split]
         return problems[: opts.limit] if opts.limit else problems
 

@@ -18,6 +18,7 @@ from pydantic import Field
 
 from harness.registry import TASKS
 from tasks.base import Problem
+from tasks.synthetic.arith import draw_distinct_splits
 from tasks.tool.base import ToolOptions, ToolTask
 
 
@@ -64,31 +65,14 @@ class ArithToolTask(ToolTask):
         opts: ArithToolOptions = self.options  # type: ignore[assignment]
         if opts.min_operand > opts.max_operand:
             raise ValueError(f"arith_tool: min_operand ({opts.min_operand}) is above max_operand ({opts.max_operand})")
-        rng = random.Random(opts.seed)
-        seen: set[str] = set()
-        out: dict[str, list[Problem]] = {"test": [], "train": []}
-        for name, wanted in (("test", opts.n_test), ("train", opts.n_train)):  # test first: train excludes its expressions
-            attempts = 0
-            while len(out[name]) < wanted:
-                attempts += 1
-                if attempts > 20 * wanted + 1000:
-                    raise ValueError(f"arith_tool: cannot draw {wanted} distinct {name} problems; widen the operand range")
-                expression = make_expression(rng, opts)
-                if expression in seen:
-                    continue
-                seen.add(expression)
-                value = str(evaluate_expression(expression))
-                turns = self.reference_turns(value, f"print({expression})")
-                out[name].append(
-                    Problem(
-                        id=f"{name}-{len(out[name])}",
-                        question=f"Compute {expression}.\n",
-                        answer=value,
-                        solution="".join(t["model"] for t in turns),
-                        meta={"reference_turns": turns},
-                    )
-                )
-            if name == split:
-                break
+        draw = lambda rng: (make_expression(rng, opts),)  # noqa: E731
+        drawn = draw_distinct_splits(random.Random(opts.seed), {"test": opts.n_test, "train": opts.n_train}, split, draw, "arith_tool")
+        out = {name: [self.problem(f"{name}-{i}", expression) for i, (expression,) in enumerate(items)] for name, items in drawn.items()}
         problems = out[split]
         return problems[: opts.limit] if opts.limit else problems
+
+    def problem(self, problem_id: str, expression: str) -> Problem:
+        """The problem for ``expression`` with its reference episode (one tool call printing it, then the answer)."""
+        value = str(evaluate_expression(expression))
+        turns = self.reference_turns(value, f"print({expression})")
+        return Problem(problem_id, f"Compute {expression}.\n", value, solution="".join(t["model"] for t in turns), meta={"reference_turns": turns})
