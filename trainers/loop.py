@@ -34,8 +34,8 @@ from typing import Any, Protocol
 
 import torch
 from rich.console import Console
-from tqdm import tqdm
 
+from harness.progress import progress
 from harness.registry import EXECUTORS, PIPELINES
 from harness.store import Store
 from harness.trajectory import TensorBatch
@@ -334,7 +334,7 @@ def drive(plan, session: Session, schedule: Schedule, rollout: Rollout, learner:
     worker.start()
     trainer = plan.config.trainer
     label = trainer.mode + (f", {trainer.executor}" if trainer.executor != "inprocess" else "")
-    bar = tqdm(range(session.state.step + 1, schedule.steps + 1), desc=f"train {plan.method.name} ({label})", initial=session.state.step, total=schedule.steps, dynamic_ncols=True)
+    bar = progress(range(session.state.step + 1, schedule.steps + 1), desc=f"train {plan.method.name} ({label})", initial=session.state.step, total=schedule.steps)
     try:
         last_end = time.perf_counter()
         for step in bar:

@@ -13,10 +13,10 @@ import shutil
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from harness.config import ModelSpec
 from harness.models.tiny import build_char_tokenizer, build_tiny_model, load_model_and_tokenizer, save_model_and_tokenizer
+from harness.progress import progress
 from harness.rollout import reference_trajectories
 from harness.trajectory import to_tensor_batch
 from trainers.learner import train_step
@@ -73,7 +73,7 @@ def supervised_warmup(model, tokenizer, task, problems: list, spec: ModelSpec, *
     metrics: dict[str, float] = {}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(spec.seed)
-        bar = tqdm(range(spec.sft_steps), desc=desc, disable=not show_progress, dynamic_ncols=True)
+        bar = progress(range(spec.sft_steps), desc=desc, disable=not show_progress, total=spec.sft_steps)
         for _ in bar:
             chosen = rng.sample(problems, min(spec.sft_batch_size, len(problems)))
             batch = to_tensor_batch(reference_trajectories(task, chosen, tokenizer), tokenizer.pad_token_id)
