@@ -62,6 +62,11 @@ class Env(ABC):
         """Per-episode counters for the evaluation table (e.g. ``tool_calls``, ``invalid_tool_calls``, ``tool_errors``)."""
         return {}
 
+    def outcome(self) -> dict:
+        """What the episode produced beyond its text, collected just before ``close`` however the episode ended
+        (e.g. the ``git diff`` of a repository an agent edited); kept in ``trajectory.metadata["outcome"]`` for grading."""
+        return {}
+
     def close(self) -> None:
         """Release what the episode holds (e.g. its sandbox session); idempotent."""
 

@@ -195,19 +195,24 @@ def observation_segment(observation: Observation, tokenizer, use_template: bool)
 
 
 def close_episode(episode: Episode) -> None:
-    """Record the episode's counters and close its environment (a failure to close is recorded, not raised)."""
+    """Record the episode's counters and outcome, then close its environment. A failure to collect the outcome is
+    the episode's infrastructure error (graded ``error``); a failure to close is recorded; neither is raised."""
     stats = episode.traj.metadata.setdefault("episode", {})
     stats["turns"] = episode.traj.num_steps
     stats.setdefault("stop_reason", "done" if not episode.live else "interrupted")
+    overflows = episode.counters.get("context_overflows", 0)
+    if overflows:
+        stats["context_overflows"] = overflows
     if episode.env is None:
         return
     try:
         stats.update(episode.env.metrics())
-        overflows = episode.counters.get("context_overflows", 0)
-        if overflows:
-            stats["context_overflows"] = overflows
-            stats["invalid_tool_calls"] = stats.get("invalid_tool_calls", 0) + overflows
+        episode.traj.metadata["outcome"] = episode.env.outcome()
+    except Exception as exc:  # noqa: BLE001 - e.g. the sandbox died before the agent's patch could be read
+        episode.traj.metadata["env_error"] = f"outcome: {type(exc).__name__}: {exc}"
     finally:
+        if overflows:
+            stats["invalid_tool_calls"] = stats.get("invalid_tool_calls", 0) + overflows
         try:
             episode.env.close()
         except Exception as exc:  # noqa: BLE001 - the other environments must still be closed

@@ -30,6 +30,7 @@ class EchoOptions(TaskOptions):
     step_sleep_s: float = 0.0
     fail_at: int | None = None  # a step that raises (infrastructure failure)
     max_context_tokens: int | None = None
+    outcome_fails: bool = False  # collecting the episode's outcome raises (infrastructure failure)
 
 
 class EchoEnv(Env):
@@ -64,6 +65,11 @@ class EchoEnv(Env):
 
     def metrics(self) -> dict[str, float]:
         return {"tool_calls": float(self.n), "invalid_tool_calls": 0.0, "tool_errors": 0.0}
+
+    def outcome(self) -> dict:
+        if self.task.options.outcome_fails:
+            raise ConnectionError("sandbox gone")
+        return {"steps_seen": self.n}
 
     def close(self) -> None:
         self.closed = True
@@ -251,3 +257,13 @@ def test_sod_steps_are_the_model_turns(char_tokenizer):
     assert torch.equal(step_ids(batch.loss_mask)[model], batch.step_index[model] + 1)
     assert torch.equal(step_ids(batch.loss_mask, batch.step_index)[model], batch.step_index[model] + 1)
     assert int(step_ids(batch.loss_mask).max()) == 3
+
+
+def test_outcome_is_kept_for_grading_and_its_failure_is_an_error_grade(backend):
+    task = EchoTask(EchoOptions(turns=2))
+    (traj,) = rollout(scripted(task, ["a#", "b"]), task, task.load()[:1], SamplingParams())
+    assert traj.metadata["outcome"] == {"steps_seen": 2}
+    task = EchoTask(EchoOptions(turns=2, outcome_fails=True))
+    result = evaluate_task(backend, task, task.load(), k=1, sampling=SamplingParams(max_new_tokens=2, seed=0), n_resamples=10)
+    assert {s.status for s in result.samples} == {"error"} and "sandbox gone" in result.samples[0].details
+    assert all(e.closed for e in task.envs)
