@@ -1,0 +1,178 @@
+"""A mini-swe-agent-style environment: the model fixes a repository one bash command per turn.
+
+Every reply must hold exactly one command (``action_format``: ``fenced`` = one ```bash block, as mini-swe-agent;
+``tagged`` = one ``<command>…</command>``). It runs in the episode's sandbox session (the instance container,
+network off) with its working directory and exported variables carried over to the next turn (mini-swe-agent
+runs each command in a fresh subshell; persistence is the better default here). The observation, a ``user``
+message, is ``<returncode>N</returncode>`` and ``<output>…</output>``, head and tail kept when the output
+exceeds ``max_output_chars`` (10,000). A reply with no command or several is a format error (the model is told
+why); ``max_format_errors`` in a row end the episode. The agent submits with
+``echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``; the step and wall-time limits also end the episode. However it
+ends, its patch is ``git diff`` of the repository (new files included), collected before the container goes.
+
+Per episode it counts steps, format errors, commands that timed out, whether the agent submitted, whether it
+ran any test, and whether it repeated the same command 3+ times in a row (a loop).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from harness.episode import Env, Observation, StepResult
+
+SUBMIT = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
+FENCED_BASH = re.compile(r"```(?:bash|sh|shell)?[ \t]*\n(.*?)```", re.DOTALL)
+TAGGED = re.compile(r"<command>(.*?)</command>", re.DOTALL)
+TEST_COMMAND = re.compile(r"\b(pytest|runtests\.py|unittest|tox|nosetests|manage\.py\s+test|python3?\s+-m\s+(pytest|unittest)|test_\w+\.py)\b")
+LOOP_REPEATS = 3  # the same command this many times in a row is a loop
+
+SYSTEM_PROMPT = """You are a helpful assistant that can interact with a computer shell to solve programming tasks.
+Your response must contain exactly ONE {block} with ONE command (or commands connected with && or ||).
+Include a THOUGHT section before your command explaining your reasoning.
+Each command runs in a shell in the repository; the working directory and exported variables persist between commands.
+When you are done, submit with the command: echo {submit}"""
+
+INSTANCE_PROMPT = """<pr_description>
+Consider the following PR description:
+{problem}
+</pr_description>
+
+The repository is at {workdir}. Make changes to non-test files so that the issue in the PR description is resolved.
+Recommended workflow: find the relevant code, write a script that reproduces the issue, edit the source, verify the fix
+(run the reproduction and the relevant tests), then submit with: echo {submit}"""
+
+BLOCK_NAMES = {"fenced": "bash code block (```bash ... ```)", "tagged": "<command>...</command> block"}
+
+
+@dataclass(frozen=True)
+class AgentLimits:
+    """Limits of one agent episode."""
+
+    max_steps: int = 30
+    wall_time_s: float = 1800.0
+    command_timeout_s: float = 60.0
+    max_format_errors: int = 3
+    max_output_chars: int = 10_000
+
+
+def parse_command(reply: str, action_format: str) -> tuple[str | None, str | None]:
+    """(command, None) for a reply with exactly one command, else (None, why it is a format error)."""
+    blocks = (FENCED_BASH if action_format == "fenced" else TAGGED).findall(reply)
+    blocks = [b if isinstance(b, str) else b[0] for b in blocks]
+    if len(blocks) != 1:
+        what = "no" if not blocks else f"{len(blocks)}"
+        return None, f"Format error: your reply must contain exactly one {BLOCK_NAMES[action_format]}; it contained {what}."
+    command = blocks[0].strip()
+    return (command, None) if command else (None, "Format error: the command block is empty.")
+
+
+def head_tail(text: str, limit: int) -> str:
+    """``text`` when it fits, else its head and tail with the number of characters left out between them."""
+    if len(text) <= limit:
+        return text
+    keep = limit // 2
+    return f"{text[:keep]}\n[... {len(text) - 2 * keep} characters elided ...]\n{text[-keep:]}"
+
+
+def is_submission(command: str) -> bool:
+    """The agent's way to end the episode: a command whose first line echoes the submit word."""
+    first = command.strip().splitlines()[0] if command.strip() else ""
+    return first.startswith("echo") and SUBMIT in first
+
+
+def persistent(command: str, workdir: str, state: str) -> str:
+    """A bash script running ``command`` in the directory and with the exports the previous command left behind."""
+    return (
+        f"mkdir -p {state}; cd \"$(cat {state}/cwd 2>/dev/null || echo {shlex.quote(workdir)})\" 2>/dev/null || cd {shlex.quote(workdir)}\n"
+        f"[ -f {state}/env ] && . {state}/env\n"
+        f"{command}\n"
+        f"__rc=$?; pwd > {state}/cwd; export -p > {state}/env; exit $__rc\n"
+    )
+
+
+class ShellAgentEnv(Env):
+    """One agent episode in one sandbox session opened on the first command (``open_session()``)."""
+
+    def __init__(self, prompt: str, open_session: Callable[[], object], *, workdir: str, limits: AgentLimits, action_format: str = "fenced") -> None:
+        if action_format not in BLOCK_NAMES:
+            raise ValueError(f"action_format must be one of {sorted(BLOCK_NAMES)}, got {action_format!r}")
+        self.prompt, self.workdir, self.limits, self.action_format = prompt, workdir, limits, action_format
+        self.max_turns = limits.max_steps
+        self._open_session = open_session
+        self._session = None
+        self._state = f"/tmp/.agent-{uuid.uuid4().hex[:12]}"  # outside the repository, so never part of the patch
+        self._started = time.monotonic()
+        self.commands: list[str] = []
+        self.counts = {"steps": 0, "format_errors": 0, "command_timeouts": 0, "submitted": 0, "ran_tests": 0, "repeated_loop": 0}
+        self._consecutive_format_errors = 0
+
+    def reset(self) -> str:
+        return self.prompt
+
+    def step(self, model_text: str) -> StepResult:
+        self.counts["steps"] += 1
+        command, error = parse_command(model_text, self.action_format)
+        if command is None:
+            self.counts["format_errors"] += 1
+            self._consecutive_format_errors += 1
+            return StepResult(self.observation(error or ""), self._consecutive_format_errors >= self.limits.max_format_errors or self.out_of_budget())
+        self._consecutive_format_errors = 0
+        self.commands.append(command)
+        if self.commands[-LOOP_REPEATS:] == [command] * LOOP_REPEATS:
+            self.counts["repeated_loop"] = 1
+        if is_submission(command):
+            self.counts["submitted"] = 1
+            return StepResult(None, True)
+        if TEST_COMMAND.search(command):
+            self.counts["ran_tests"] = 1
+        return StepResult(self.observation(self.execute(command)), self.out_of_budget())
+
+    def out_of_budget(self) -> bool:
+        return self.counts["steps"] >= self.limits.max_steps or time.monotonic() - self._started >= self.limits.wall_time_s
+
+    def execute(self, command: str) -> str:
+        """Run one command with persistence; its return code and (head+tail) output as the agent sees them."""
+        from sandbox import ExecRequest
+
+        result = self.session().run(ExecRequest(argv=["bash", "-c", persistent(command, self.workdir, self._state)], timeout_s=self.limits.command_timeout_s))
+        if result.status == "error":
+            raise RuntimeError(f"the sandbox failed while running a command: {result.error}")
+        output = result.stdout + result.stderr
+        if result.status == "timeout":
+            self.counts["command_timeouts"] += 1
+            output += f"\nThe command timed out after {self.limits.command_timeout_s:g} s and was killed."
+        code = result.exit_code if result.exit_code is not None else -1
+        return f"<returncode>{code}</returncode>\n<output>\n{head_tail(output, self.limits.max_output_chars)}</output>"
+
+    def observation(self, text: str) -> Observation:
+        return Observation(content=text, role="user", raw=f"\n{text}\n")
+
+    def session(self):
+        if self._session is None:
+            self._session = self._open_session()
+        return self._session
+
+    def metrics(self) -> dict[str, float]:
+        return {name: float(value) for name, value in self.counts.items()}
+
+    def outcome(self) -> dict:
+        """The episode's patch: ``git diff`` of the repository against its base commit, new files included."""
+        from sandbox import ExecRequest
+
+        if self._session is None:  # no command ever ran: the repository is untouched
+            return {"patch": "", "commands": list(self.commands)}
+        script = f"cd {shlex.quote(self.workdir)} && git add -A >/dev/null 2>&1; git -c core.quotepath=false diff --cached --no-color --binary HEAD"
+        result = self.session().run(ExecRequest(argv=["bash", "-c", script], timeout_s=120, max_output_bytes=16 << 20))
+        if result.status != "ok" or result.exit_code != 0:
+            raise RuntimeError(f"could not read the patch ({result.status}, exit {result.exit_code}): {(result.stderr or result.error or '')[-500:]}")
+        return {"patch": result.stdout, "commands": list(self.commands)}
+
+    def close(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            session.close()
