@@ -73,6 +73,7 @@ class Task(ABC):
     provides_reward: ClassVar[bool] = True  # graded outcome usable as an RL reward
     provides_references: ClassVar[bool] = False  # every problem of the training split carries a reference solution
     splits: ClassVar[tuple[str, ...]] = ("test",)
+    episode_flags: ClassVar[tuple[str, ...]] = ()  # per-episode 0/1 metrics reported as "<flag>_rate" (e.g. repeated_loop)
 
     def __init__(self, options: TaskOptions | None = None) -> None:
         self.options = options if options is not None else self.Options()

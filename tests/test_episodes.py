@@ -267,3 +267,13 @@ def test_outcome_is_kept_for_grading_and_its_failure_is_an_error_grade(backend):
     result = evaluate_task(backend, task, task.load(), k=1, sampling=SamplingParams(max_new_tokens=2, seed=0), n_resamples=10)
     assert {s.status for s in result.samples} == {"error"} and "sandbox gone" in result.samples[0].details
     assert all(e.closed for e in task.envs)
+
+
+def test_declared_episode_flags_become_rates():
+    from harness.evaluation import summarize_episodes
+
+    episodes = [{"turns": 3, "tool_calls": 2, "repeated_loop": 1.0}, {"turns": 1, "tool_calls": 0}, {"turns": 2, "tool_calls": 1, "repeated_loop": 0.0}]
+    summary = summarize_episodes(episodes, ("repeated_loop", "premature_stop"))
+    assert summary["repeated_loop_rate"] == pytest.approx(1 / 3) and summary["premature_stop_rate"] == 0.0
+    assert summary["mean_tool_calls"] == 1.0 and summary["mean_turns"] == 2.0
+    assert summarize_episodes([{"turns": 1}, {"turns": 1}]) == {}  # single-turn: nothing agentic

@@ -76,7 +76,7 @@ def generate_batch(plan, student: Backend, problems: list, step: int, metrics: d
             graded = [s.value for s in scores if s.status != "error"]
             metrics.update(grade_errors=float(errors), reward_mean=sum(graded) / len(graded) if graded else float("nan"))
             enforce_grade_error_rate(errors, len(scores), cfg.trainer.max_grade_error_rate, step, task.name)
-    metrics.update(episode_step_metrics(trajectories))
+    metrics.update(episode_step_metrics(task, trajectories))
     batch = to_tensor_batch(trajectories, student.pad_id)
     if "old_logprobs" in needs and method.on_policy:
         with timed("old_logprobs", metrics):
@@ -84,10 +84,10 @@ def generate_batch(plan, student: Backend, problems: list, step: int, metrics: d
     return batch, trajectories
 
 
-def episode_step_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
-    """Agentic measurements of a step's episodes (turns always; tool calls and the invalid tool rate when the task
-    counts them), with the same definitions as evaluation's."""
-    return summarize_episodes([t.metadata.get("episode", {}) for t in trajectories])
+def episode_step_metrics(task, trajectories: list[Trajectory]) -> dict[str, float]:
+    """Agentic measurements of a step's episodes (turns, tool calls, invalid tool rate, the task's episode flags
+    when it has them), with the same definitions as evaluation's."""
+    return summarize_episodes([t.metadata.get("episode", {}) for t in trajectories], getattr(task, "episode_flags", ()))
 
 
 @torch.no_grad()

@@ -158,7 +158,11 @@ class ShellAgentEnv(Env):
         return self._session
 
     def metrics(self) -> dict[str, float]:
-        return {name: float(value) for name, value in self.counts.items()}
+        """The counters, plus the tool-use view every agentic task shares: commands run are tool calls, format
+        errors invalid calls, and commands that timed out tool errors."""
+        executed = len(self.commands) - self.counts["submitted"]
+        shared = {"tool_calls": executed + self.counts["format_errors"], "invalid_tool_calls": self.counts["format_errors"], "tool_errors": self.counts["command_timeouts"]}
+        return {name: float(value) for name, value in {**self.counts, **shared}.items()}
 
     def outcome(self) -> dict:
         """The episode's patch: ``git diff`` of the repository against its base commit, new files included."""
