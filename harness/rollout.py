@@ -68,8 +68,8 @@ def run_episodes(backend: Backend, task, problems: list, params: SamplingParams,
     """The turn loop: open every episode, then generate for all live ones and step their environments, until none is live."""
     tokenizer = backend.tokenizer
     use_template = getattr(task.options, "use_chat_template", True)
-    limit = context_limit(backend, task)
-    budgets = getattr(backend, "counts_tokens", True)  # replayed turns are characters, not the model's tokens: no token budgets
+    budgeted = getattr(backend, "counts_tokens", True)  # replayed turns are characters, not the model's tokens: no token budgets
+    limit = context_limit(backend, task) if budgeted else None
     episodes = [
         Episode(problem, Trajectory(task=task.name, problem_id=problem.id, sample_index=s, prompt_ids=[])) for problem in problems for s in range(params.n)
     ]
@@ -78,8 +78,8 @@ def run_episodes(backend: Backend, task, problems: list, params: SamplingParams,
             list(pool.map(lambda e: open_episode(e, task, tokenizer), episodes))
             turn = 0
             while live := [e for e in episodes if e.live]:
-                generate_turn(backend, live, params, turn, limit if budgets else None, fit=budgets)
-                list(pool.map(lambda e: step_episode(e, tokenizer, use_template, limit if budgets else None), [e for e in live if e.live]))
+                generate_turn(backend, live, params, turn, limit, fit=budgeted)
+                list(pool.map(lambda e: step_episode(e, tokenizer, use_template, limit), [e for e in live if e.live]))
                 turn += 1
         finally:
             list(pool.map(close_episode, episodes))
