@@ -219,16 +219,27 @@ def _model_of(annotation: Any) -> Any:
     return None
 
 
+def retarget_preset(preset: dict, task: str | None) -> dict:
+    """A preset run on another task: its evaluation follows the new task and its options for the old one are dropped
+    (``--preset smoke --task swebench`` evaluates swebench, not the preset's arith)."""
+    old = preset.get("task")
+    if not task or not old or task == old:
+        return preset
+    out = {**preset, "task_args": {k: v for k, v in preset.get("task_args", {}).items() if k != old}}
+    if "eval" in preset and "tasks" in preset["eval"]:
+        out["eval"] = {**preset["eval"], "tasks": list(dict.fromkeys(task if t == old else t for t in preset["eval"]["tasks"]))}
+    return out
+
+
 def build_config(*, preset: str | None = None, config_file: Path | None = None, overrides: list[str] = (), cli: dict | None = None) -> RunConfig:
     """Merge the layers and validate; raises :class:`ConfigError` naming the bad key."""
-    data: dict = {}
-    if preset:
-        data = deep_merge(data, load_preset(preset))
+    user: dict = {}
     if config_file:
-        data = deep_merge(data, load_yaml_file(config_file))
+        user = deep_merge(user, load_yaml_file(config_file))
     for item in overrides:
-        data = deep_merge(data, parse_override(item))
-    data = deep_merge(data, {k: v for k, v in (cli or {}).items() if v is not None})
+        user = deep_merge(user, parse_override(item))
+    user = deep_merge(user, {k: v for k, v in (cli or {}).items() if v is not None})
+    data = deep_merge(retarget_preset(load_preset(preset), user.get("task")), user) if preset else user
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:

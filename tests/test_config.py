@@ -92,3 +92,13 @@ def test_f_opd_in_sync_mode_is_allowed_with_a_warning():
     plan = plan_run(build_config(preset="smoke", cli={"method": "f_opd"}))
     assert any("always 0 in sync mode" in w for w in plan.warnings)
     assert plan_run(build_config(preset="smoke")).warnings == []
+
+
+def test_a_preset_on_another_task_evaluates_that_task():
+    from harness.config import build_config
+
+    cfg = build_config(preset="smoke", cli={"task": "arith_tool", "method": "opd"})
+    assert cfg.task == "arith_tool" and cfg.eval.tasks == ["arith_tool"] and "arith" not in cfg.task_args
+    cfg = build_config(preset="smoke", overrides=["task=arith_tool", "eval.tasks=[arith,arith_tool]", "task_args.arith.n_test=8"])
+    assert cfg.eval.tasks == ["arith", "arith_tool"] and cfg.task_args["arith"]["n_test"] == 8  # what the user sets stays
+    assert build_config(preset="smoke").task_args["arith"]["n_test"] == 16
