@@ -92,8 +92,20 @@ def test_max_lag_is_never_exceeded_under_random_timing(tmp_path, monkeypatch, ma
 
 @pytest.mark.slow
 def test_hard_refresh_regenerates_stale_batches(tmp_path, monkeypatch):
-    original = ip.learn
-    monkeypatch.setattr(ip, "learn", lambda *a, **k: (time.sleep(0.3), original(*a, **k))[1])  # the worker runs ahead
+    buffers: list[ReplayBuffer] = []
+    original_init, original_learn = ReplayBuffer.__init__, ip.learn
+    monkeypatch.setattr(ReplayBuffer, "__init__", lambda self: (original_init(self), buffers.append(self))[0])
+
+    def learn_after_the_worker_ran_ahead(plan, *args, **kwargs):
+        """Each step but the last waits (up to 3 s) until the worker has buffered a later batch, so that refreshes
+        find stale ones however loaded the machine is."""
+        last = args[4] + 1 >= plan.config.trainer.steps  # args[4]: the learner version, i.e. step - 1
+        deadline = time.monotonic() + 3  # a step right after a refresh waits for new weights: no batch can be ahead
+        while not last and not buffers[-1]._entries and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return original_learn(plan, *args, **kwargs)
+
+    monkeypatch.setattr(ip, "learn", learn_after_the_worker_ran_ahead)
     metrics, ckpt = run(tmp_path, "--method", "opd_hard_refresh", "--mode", "async", "--set", "method_args.opd_hard_refresh.refresh_every=3",
                         "--set", "trainer.max_lag=3", "--set", "trainer.steps=12", "--set", "trainer.checkpoint_every=6")  # fmt: skip
     refresh_steps = [s for s in range(1, 13) if metrics[s]["refresh_signal"] > 0]
