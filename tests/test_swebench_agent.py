@@ -76,3 +76,11 @@ def test_parsing_and_truncation_units():
     assert parse_command("<command>pwd</command>", "tagged") == ("pwd", None)
     assert parse_command("```bash\n\n```", "fenced")[0] is None
     assert head_tail("x" * 10, 20) == "x" * 10 and len(head_tail("ab" * 100, 20)) < 80
+
+
+def test_a_unified_diff_as_first_reply_is_the_submitted_patch(make_env):
+    patch = "diff --git a/calc.py b/calc.py\n--- a/calc.py\n+++ b/calc.py\n@@ -1,2 +1,2 @@\n def add(a, b):\n-    return a - b\n+    return a + b\n"
+    env = make_env()
+    assert env.step(patch).done and env.outcome()["patch"] == patch and env.metrics()["submitted"] == 1
+    env = make_env()
+    assert not env.step(bash("echo hi")).done and "format error" in env.step(patch).observation.content.lower()  # only as the first reply

@@ -9,6 +9,8 @@ exceeds ``max_output_chars`` (10,000). A reply with no command or several is a f
 why); ``max_format_errors`` in a row end the episode. The agent submits with
 ``echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``; the step and wall-time limits also end the episode. However it
 ends, its patch is ``git diff`` of the repository (new files included), collected before the container goes.
+A first reply that is itself a unified diff is taken as the submitted patch (SWE-bench's prediction format), so
+stored predictions and agents go through the same episodes.
 
 Per episode it counts steps, format errors, commands that timed out, whether the agent submitted, whether it
 ran any test, and whether it repeated the same command 3+ times in a row (a loop).
@@ -79,6 +81,12 @@ def head_tail(text: str, limit: int) -> str:
     return f"{text[:keep]}\n[... {len(text) - 2 * keep} characters elided ...]\n{text[-keep:]}"
 
 
+def looks_like_patch(text: str) -> bool:
+    """Whether a reply is a unified diff (a SWE-bench prediction) rather than an agent's turn."""
+    head = text.lstrip()
+    return head.startswith(("diff --git ", "--- a/", "--- ")) and "\n+++ " in head
+
+
 def is_submission(command: str) -> bool:
     """The agent's way to end the episode: a command whose first line echoes the submit word."""
     first = command.strip().splitlines()[0] if command.strip() else ""
@@ -110,12 +118,17 @@ class ShellAgentEnv(Env):
         self.commands: list[str] = []
         self.counts = {"steps": 0, "format_errors": 0, "command_timeouts": 0, "submitted": 0, "ran_tests": 0, "repeated_loop": 0}
         self._consecutive_format_errors = 0
+        self.submitted_patch: str | None = None
 
     def reset(self) -> str:
         return self.prompt
 
     def step(self, model_text: str) -> StepResult:
         self.counts["steps"] += 1
+        if self.counts["steps"] == 1 and looks_like_patch(model_text):  # a prediction in SWE-bench's own format
+            self.submitted_patch = model_text
+            self.counts["submitted"] = 1
+            return StepResult(None, True)
         command, error = parse_command(model_text, self.action_format)
         if command is None:
             self.counts["format_errors"] += 1
@@ -168,6 +181,8 @@ class ShellAgentEnv(Env):
         """The episode's patch: ``git diff`` of the repository against its base commit, new files included."""
         from sandbox import ExecRequest
 
+        if self.submitted_patch is not None:
+            return {"patch": self.submitted_patch, "commands": []}
         if self._session is None:  # no command ever ran: the repository is untouched
             return {"patch": "", "commands": list(self.commands)}
         script = f"cd {shlex.quote(self.workdir)} && git add -A >/dev/null 2>&1; git -c core.quotepath=false diff --cached --no-color --binary HEAD"
