@@ -146,3 +146,40 @@ def test_real_instance_gold_resolves_and_empty_does_not(benchmark_data, docker_c
     gold, empty = task.grade_many([problem, problem], [problem.answer, ""])
     assert gold.status == "pass", gold.details
     assert empty.status == "fail", empty.details
+
+
+def test_cli_sandbox_build_and_replay_eval(tiny, tmp_path):
+    from typer.testing import CliRunner
+
+    from harness.cli import app
+
+    root, patches = tiny
+    data = root / "data"
+    args = ["--data-dir", str(data), "--task-arg", f"swebench.dataset={data / 'swebench' / 'tiny.jsonl'}", "--task-arg", f"swebench.cache_dir={root / 'cache'}"]
+    runner = CliRunner()
+    built = runner.invoke(app, ["sandbox", "build", "--task", "swebench", *args])
+    assert built.exit_code == 0, built.output
+    assert IID in built.output and "dropped pins: none" in built.output
+    model = tmp_path / "gold.jsonl"
+    model.write_text(json.dumps({"task": "swebench", "id": IID, "completion": patches["gold"]}) + "\n")
+    result = runner.invoke(app, ["eval", "--task", "swebench", "--backend", "replay", "--model", str(model), "--k", "1", "--out", str(tmp_path / "out"), "--json", *args])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output[result.output.index("{"):])
+    got = summary["tasks"]["swebench"]
+    assert (got["n_pass"], got["n_fail"], got["n_errors"]) == (1, 0, 0), got
+
+
+def test_open_instance_session_runs_in_the_repository(tiny):
+    from sandbox import ExecRequest
+    from tasks.swebench.session import open_instance_session
+
+    root, _ = tiny
+    data = root / "data"
+    options = {"data_dir": str(data), "dataset": str(data / "swebench" / "tiny.jsonl"), "cache_dir": str(root / "cache")}
+    with open_instance_session(IID, options) as session:
+        script = "cd /testbed && git status --porcelain && git log --oneline | wc -l && python -c 'import calc, sys; print(calc.add(1, 2), sys.prefix)'"
+        result = session.run(ExecRequest(argv=["bash", "-c", script], timeout_s=60))
+        assert result.exit_code == 0, result.stderr
+        assert result.stdout.split() == ["1", "3", "/opt/venv"]
+        net = session.run(ExecRequest(argv=["python", "-c", "import socket; socket.create_connection(('pypi.org', 443), timeout=3)"], timeout_s=30))
+        assert net.exit_code != 0

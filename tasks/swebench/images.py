@@ -233,10 +233,34 @@ class _Builder:
         self.log.close()
 
 
+def _failures_file(cache_dir: Path, base_id: str) -> Path:
+    return cache_dir / f"dropped-pins-{base_id.split(':')[-1][:12]}.json"
+
+
+def known_failures(cache_dir: Path, base_id: str) -> dict[str, str]:
+    """Pins an earlier build on the same base image found uninstallable (``cache_dir/dropped-pins-<base>.json``): pin -> why."""
+    path = _failures_file(cache_dir, base_id)
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def remember_failures(cache_dir: Path, base_id: str, dropped: dict[str, str]) -> None:
+    """Record dropped pins so that later builds on the same base image skip them at once."""
+    path = _failures_file(cache_dir, base_id)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(known_failures(cache_dir, base_id) | dropped, indent=1, sort_keys=True))
+    tmp.replace(path)
+
+
 def install_pins(builder: _Builder, pins: list[str]) -> dict[str, str]:
-    """``pip install --no-deps`` the pins; drop the ones pip cannot install here and retry. Returns {dropped pin: why}."""
-    dropped: dict[str, str] = {}
-    todo = list(pins)
+    """``pip install --no-deps`` the pins; drop the ones pip cannot install here and retry. Returns {dropped pin: why}.
+    Pins already known to fail here (:func:`known_failures`) are dropped without trying them again."""
+    base = builder.inputs.base_image_id
+    known = known_failures(builder.cache_dir, base)
+    dropped: dict[str, str] = {p: known[p] for p in pins if p in known}
+    todo = [p for p in pins if p not in dropped]
     while todo:
         proc = builder.sh("pip install --no-deps -r /dev/stdin", f"install {len(todo)} pins", check=False, stdin="\n".join(todo).encode())
         if proc.returncode == 0:
@@ -249,6 +273,7 @@ def install_pins(builder: _Builder, pins: list[str]) -> dict[str, str]:
             reason = "no release for this Python" if re.search(rf"(No matching distribution|different Python).*{re.escape(pin.split('==')[0])}", out, re.I) else "could not be built"
             dropped[pin] = reason
             todo.remove(pin)
+        remember_failures(builder.cache_dir, base, {p: dropped[p] for p in culprits})
     return dropped
 
 

@@ -154,6 +154,22 @@ class SwebenchTask(Task):
             self._images[iid] = build_instance_image(self.build_inputs(row), self.cache_dir, force=force)
         return self._images[iid]
 
+    def build_images(self, force: bool = False, on_start=None, on_done=None) -> list[BuildResult | Exception]:
+        """Build the image of every selected instance (``harness sandbox build --task swebench``); a failed build is
+        returned as its exception and the others go on. ``on_start(id)`` / ``on_done(id, result)`` report progress."""
+        results: list[BuildResult | Exception] = []
+        for problem in self.load():
+            if on_start:
+                on_start(problem.id)
+            try:
+                result: BuildResult | Exception = self.ensure_image(problem.meta, force=force)
+            except (ImageBuildError, DataNotFound, KeyError, OSError) as exc:
+                result = exc
+            results.append(result)
+            if on_done:
+                on_done(problem.id, result)
+        return results
+
     def check_ready(self) -> None:
         try:
             base_image_id()
