@@ -183,3 +183,16 @@ def test_open_instance_session_runs_in_the_repository(tiny):
         assert result.stdout.split() == ["1", "3", "/opt/venv"]
         net = session.run(ExecRequest(argv=["python", "-c", "import socket; socket.create_connection(('pypi.org', 443), timeout=3)"], timeout_s=30))
         assert net.exit_code != 0
+
+
+def test_staged_data_loads_from_csv_and_save_to_disk_alike(benchmark_data):
+    data = benchmark_data("swebench/verified_mini_50.csv", "swebench/verified_mini_hf/test/data-00000-of-00001.arrow")
+    csv_rows = load_rows(data / "swebench" / "verified_mini_50.csv")
+    assert len(csv_rows) == 50 and csv_rows == load_rows(data / "swebench" / "verified_mini_hf")
+    task = SwebenchTask(SwebenchOptions(data_dir=str(data)))
+    staged = {p.parent.name for p in (data / "swebench" / "instances").glob("*/repo.tar.xz")}
+    problems = task.load()
+    assert {p.id for p in problems} == staged and staged  # default: every instance that has a snapshot
+    assert all(p.question == p.meta["problem_statement"] and p.answer == p.meta["patch"] for p in problems)
+    with pytest.raises(DataError, match="instances.*nope"):
+        SwebenchTask(SwebenchOptions(data_dir=str(data), instances="nope")).load()

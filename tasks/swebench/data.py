@@ -18,7 +18,7 @@ from typing import Any
 from tasks.base import DataError, DataNotFound, read_jsonl
 
 HUB_DATASET = "princeton-nlp/SWE-bench_Verified"
-LOCAL_FILES = ("verified_mini_50.csv", "verified_mini_hf")  # under <data dir>/swebench, tried in this order
+LOCAL_FILES = ("verified_mini_50.csv", "verified_mini_hf", "verified.jsonl")  # under <data dir>/swebench, tried in this order
 REQUIRED = ("repo", "instance_id", "base_commit", "patch", "test_patch", "problem_statement", "version", "FAIL_TO_PASS", "PASS_TO_PASS")
 OPTIONAL = ("hints_text", "created_at", "environment_setup_commit")
 LIST_FIELDS = ("FAIL_TO_PASS", "PASS_TO_PASS")
@@ -114,6 +114,24 @@ def find_rows_file(data_dir: Path) -> Path | None:
         if (data_dir / "swebench" / name).exists():
             return data_dir / "swebench" / name
     return None
+
+
+def fetch_hub(folder: Path, dataset: str = HUB_DATASET) -> None:
+    """``harness data fetch swebench``: the hub dataset's rows, validated, as ``folder/swebench/verified.jsonl``."""
+    rows = load_hub_rows(dataset)
+    out = folder / "swebench" / "verified.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def load_local(folder: Path) -> list[dict[str, Any]]:
+    """The rows of the first local file under ``folder/swebench``; DataNotFound naming the files looked for."""
+    path = find_rows_file(folder)
+    if path is None:
+        raise DataNotFound(f"swebench: none of {', '.join(LOCAL_FILES)} under {folder / 'swebench'}")
+    return load_rows(path)
 
 
 # --------------------------------------------------------------------------- repository sources

@@ -116,6 +116,13 @@ class SwebenchTask(Task):
             self._rows[r["instance_id"]] = r
         return [Problem(r["instance_id"], r["problem_statement"], r["patch"], solution=r["patch"], meta=r) for r in chosen]
 
+    @classmethod
+    def data_needs(cls):
+        """``harness data fetch/check swebench``: the rows file (the repository snapshots are staged separately)."""
+        from harness.data import DataNeed
+
+        return (DataNeed(task=cls.name, split="test", files=("swebench/verified*",), source=f"hf:{data.HUB_DATASET}[test]", fetch=data.fetch_hub, load=data.load_local),)
+
     # ---- images
 
     def build_inputs(self, row: dict) -> BuildInputs:
