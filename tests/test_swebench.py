@@ -22,7 +22,7 @@ REPO, VERSION, IID = "opd-harness/tinycalc", "0.1", "opd-harness__tinycalc-1"
 BASE = {
     "calc.py": 'def add(a, b):\n    return a + b\n\n\ndef mean(values):\n    """Arithmetic mean of a non-empty list."""\n    return sum(values) / (len(values) - 1)\n',
     "tests/__init__.py": "",
-    "tests/test_calc.py": "import unittest\n\nfrom calc import add\n\n\nclass CalcTest(unittest.TestCase):\n    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n",
+    "tests/test_calc.py": "import unittest\n\nfrom calc import add\n\n\nclass CalcTest(unittest.TestCase):\n    def test_add(self):\n        \"\"\"\n        add() sums two numbers (a docstring that starts on a new line).\n        \"\"\"\n        self.assertEqual(add(2, 3), 5)\n",
 }
 TEST_AFTER = BASE["tests/test_calc.py"].replace("from calc import add\n", "from calc import add, mean\n") + "\n    def test_mean(self):\n        self.assertEqual(mean([2, 4]), 3.0)\n"
 
@@ -45,7 +45,7 @@ def git_diff(files: dict[str, str], changed: dict[str, str], tmp: Path) -> str:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, docker_client):
     """A data dir with the tiny instance (snapshot + environment.yml with no pins + rows), and its patches."""
-    upstream.register_repo(REPO, {VERSION: {"python": "3.11", "test_cmd": "python -m unittest -v"}}, parser="django/django")
+    upstream.register_repo(REPO, {VERSION: {"python": "3.9", "test_cmd": "python -m unittest -v"}}, parser="django/django")
     root = tmp_path_factory.mktemp("swe")
     fixed = BASE["calc.py"].replace("(len(values) - 1)", "len(values)")
     patches = {
@@ -148,7 +148,7 @@ def test_real_instance_gold_resolves_and_empty_does_not(benchmark_data, docker_c
     assert empty.status == "fail", empty.details
 
 
-def test_cli_sandbox_build_and_replay_eval(tiny, tmp_path):
+def test_cli_sandbox_build_and_replay_eval(tiny, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from harness.cli import app
@@ -156,6 +156,7 @@ def test_cli_sandbox_build_and_replay_eval(tiny, tmp_path):
     root, patches = tiny
     data = root / "data"
     args = ["--data-dir", str(data), "--task-arg", f"swebench.dataset={data / 'swebench' / 'tiny.jsonl'}", "--task-arg", f"swebench.cache_dir={root / 'cache'}"]
+    monkeypatch.setenv("HARNESS_DATA_DIR", str(data))  # --data-dir sets it for the process: restored after the test
     runner = CliRunner()
     built = runner.invoke(app, ["sandbox", "build", "--task", "swebench", *args])
     assert built.exit_code == 0, built.output

@@ -6,8 +6,11 @@ iff every FAIL_TO_PASS and PASS_TO_PASS test passes.
 Differences from SWE-bench's own eval script, all forced by the offline Python 3.11 images: no conda; the
 spec's ``install`` is not re-run (the editable install of the image already sees the patched tree); the
 ``locale-gen`` step of ``eval_commands`` cannot run (read-only root, not root) and is skipped, and the locale it
-would make is replaced by ``C.UTF-8``; Python 3.11's unittest names ``name (module.Class.name)`` are mapped back
-to SWE-bench's ``name (module.Class)``.
+would make is replaced by ``C.UTF-8``. For instances whose spec asks for a Python older than 3.11 (their test
+lists were recorded with it), unittest's output is made to read as it did there: test names
+``name (module.Class.name)`` are mapped back to ``name (module.Class)``, and a ``sitecustomize`` restores the old
+``TestCase.shortDescription`` (the first docstring line *as written*, so a docstring that starts on a new line
+gives no description and the test is reported under its name, as in SWE-bench's lists).
 """
 
 from __future__ import annotations
@@ -29,6 +32,28 @@ APPLY_FAILED = ">>>>> Patch Apply Failed"
 TEST_PATCH_FAILED = ">>>>> Test Patch Apply Failed"
 APPLIED = ">>>>> Applied Patch"
 _UNITTEST_311 = re.compile(r"^(\S+) \((\S+)\.\1\)$")
+COMPAT_DIR = "/tmp/opd/compat"
+# unittest.TestCase.shortDescription of Python < 3.11 (3.11 strips the docstring before taking its first line)
+OLD_SHORT_DESCRIPTION = """\
+import unittest
+
+
+def _short_description(self):
+    doc = self._testMethodDoc
+    return doc and doc.split("\\n")[0].strip() or None
+
+
+unittest.TestCase.shortDescription = _short_description
+"""
+
+
+def recorded_before_311(spec: Mapping) -> bool:
+    """Whether the instance's test lists were recorded with a Python older than 3.11 (the spec's ``python``)."""
+    try:
+        major, minor = (int(x) for x in str(spec.get("python", "3.11")).split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) < (3, 11)
 
 
 @dataclass
@@ -78,6 +103,7 @@ def eval_script(row: Mapping, spec: Mapping) -> str:
         "fi",
         f"echo '{APPLIED}'",
         *eval_commands(spec),
+        *([f"export PYTHONPATH={COMPAT_DIR}${{PYTHONPATH:+:$PYTHONPATH}}"] if recorded_before_311(spec) else []),
         reset,
         f"git apply -v /tmp/opd/test.patch || {{ echo '{TEST_PATCH_FAILED}'; exit 4; }}",
         f"echo '{START}'",
@@ -113,7 +139,9 @@ def decide(row: Mapping, log: str) -> tuple[str, str, dict]:
     section = test_section(log)
     if section is None:
         return "fail", "the tests did not run", {}
-    status = map_unittest_names(upstream.parser_of(row["repo"])(section, None))
+    status = upstream.parser_of(row["repo"])(section, None)
+    if recorded_before_311(upstream.spec_of(row["repo"], row["version"])):
+        status = map_unittest_names(status)
     verdict, report = upstream.resolution(status, row["FAIL_TO_PASS"], row["PASS_TO_PASS"])
     f2p, p2p = report.get("FAIL_TO_PASS", {}), report.get("PASS_TO_PASS", {})
     summary = f"FAIL_TO_PASS {len(f2p.get('success', []))}/{len(row['FAIL_TO_PASS'])}, PASS_TO_PASS {len(p2p.get('success', []))}/{len(row['PASS_TO_PASS'])}"
@@ -141,7 +169,8 @@ def grade_patch(row: Mapping, patch: str, image: str, log_dir: Path, *, timeout_
     except (KeyError, upstream.SwebenchMissing) as exc:
         log_path.write_text(f"cannot grade: {exc}\n")
         return Outcome("error", str(exc), str(log_path), metrics)
-    bundle = stdin_bundle({"model.patch": patch if patch.endswith("\n") or empty else patch + "\n", "test.patch": row["test_patch"], "eval.sh": script})
+    files = {"model.patch": patch if patch.endswith("\n") or empty else patch + "\n", "test.patch": row["test_patch"], "eval.sh": script}
+    bundle = stdin_bundle(files | {"compat/sitecustomize.py": OLD_SHORT_DESCRIPTION})
     started = time.perf_counter()
     sb = sandbox.open_sandbox("docker", image=image, tmpfs_mb=1024, http_timeout_s=timeout_s + 120, retries=1)
     try:
