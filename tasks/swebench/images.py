@@ -5,7 +5,8 @@ An instance image is ``opd-sandbox:bookworm`` plus:
     ``environment.yml``; without one, the spec's requirements file read from the repository tree), installed
     ``--no-deps`` as the frozen environment they are. A pin that cannot be installed on 3.11 (no wheel, no
     build) is dropped and recorded; ``python``, ``pip`` and the venv's scripts come first on the default PATH
-    (``/usr/local/bin`` wrappers), so the sandbox's fixed PATH finds them;
+    (``/usr/local/bin`` wrappers), so the sandbox's fixed PATH finds them, and a ``.pth`` gives the base interpreter
+    the venv's packages (tox-current-env runs the tests through a link to the interpreter, which is no venv);
   - the repository at ``base_commit`` in ``/box`` (the sandbox's work root, writable in every container) with
     ``/testbed`` a link to it: the spec's ``pre_install`` and ``install`` steps run (editable install), then the
     tree is one git commit, owned by the sandbox user.
@@ -28,7 +29,7 @@ from pathlib import Path
 
 from sandbox.build import DEFAULT_TAG as BASE_IMAGE
 
-BUILDER_VERSION = "1"
+BUILDER_VERSION = "2"
 IMAGE_REPO = "opd-swebench"
 VENV = "/opt/venv"
 REPO_DIR = "/box"  # the docker sandbox's work root: its anonymous volume starts as a copy of this directory
@@ -318,6 +319,10 @@ def build_instance_image(inputs: BuildInputs, cache_dir: Path, *, force: bool = 
             f" for n in python python3 python3.11; do printf '#!/bin/sh\\nexec {VENV}/bin/python \"$@\"\\n' > /usr/local/bin/$n; chmod 755 /usr/local/bin/$n; done"
         )
         builder.sh(wrappers, "put the venv first on PATH")
+        # A link to the interpreter elsewhere (tox-current-env's .tox/<env>/bin/python) is not the venv: give the base
+        # interpreter the venv's packages too (appended after its own, which hold only the base image's python3-numpy).
+        site = f"{VENV}/lib/python3.11/site-packages"
+        builder.sh(f"echo 'import site; site.addsitedir(\"{site}\")' > /usr/local/lib/python3.11/dist-packages/opd-swebench-venv.pth", "venv packages for linked interpreters")
         labels = {f"{LABEL}": "1", f"{LABEL}.instance": inputs.instance_id, f"{LABEL}.key": inputs.key(), f"{LABEL}.dropped": json.dumps(dropped, sort_keys=True)}
         changes = [f"WORKDIR {REPO_DIR}", f"ENV PATH=/usr/local/sbin:/usr/local/bin:{VENV}/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
         changes += [f"LABEL {k}={json.dumps(v)}" for k, v in labels.items()]
