@@ -504,14 +504,11 @@ def sandbox_build(
     task_arg: Annotated[list[str] | None, typer.Option("--task-arg", help="task option TASK.KEY=VALUE, repeatable (with --task)")] = None,
 ) -> None:
     """Build the sandbox's Docker image from Debian packages (mmdebstrap + docker import; never docker pull); with
-    ``--task``, then the images that task needs."""
+    --task, then the images that task needs (--force then rebuilds those, not the base image)."""
     from sandbox.build import BuildError, build_base_image
 
-    if task is not None:
-        _build_task_images(task, data_dir, task_arg or [], force)
-        return
     try:
-        info = build_base_image(tag=tag, cache_dir=cache_dir, force=force)
+        info = build_base_image(tag=tag, cache_dir=cache_dir, force=force and task is None)
     except BuildError as exc:
         raise _fail(str(exc), 1) from None
     if info["built"]:
@@ -519,6 +516,8 @@ def sandbox_build(
         stdout.print(f"built {tag} ({info['image_id'][:19]}): rootfs {s['rootfs']:.1f}s, import {s['import']:.1f}s")
     else:
         stdout.print(f"{tag} exists ({info['image_id'][:19]}); --force rebuilds it")
+    if task is not None:
+        _build_task_images(task, data_dir, task_arg or [], force)
 
 
 def _build_task_images(name: str, data_dir: Path | None, task_arg: list[str], force: bool) -> None:
