@@ -43,7 +43,8 @@ def module(name: str) -> types.ModuleType:
     try:
         return importlib.import_module(f"swebench.{name}")
     except ModuleNotFoundError as exc:
-        raise SwebenchMissing(f"swebench.{name} needs {exc.name!r}: pip install {exc.name}") from exc
+        dist = {"dotenv": "python-dotenv"}.get(exc.name or "", exc.name)
+        raise SwebenchMissing(f"swebench.{name} needs the module {exc.name!r}: pip install {dist}") from exc
 
 
 def specs() -> dict:
