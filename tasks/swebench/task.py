@@ -46,7 +46,7 @@ class SwebenchTask(Task):
     description = "SWE-bench Verified: resolve GitHub issues; patches graded by the repository's tests in per-instance Docker images"
     Options = SwebenchOptions
     needs_sandbox = True
-    provides_references = True  # the gold patch
+    provides_references = False  # the gold patch is in Problem.solution, but it is no agent episode to warm a model up on
 
     def __init__(self, options: SwebenchOptions | None = None) -> None:
         super().__init__(options)
