@@ -188,7 +188,7 @@ def grade_patch(row: Mapping, patch: str, image: str, log_dir: Path, *, timeout_
     finally:
         sb.close()
     log = result.stdout + ("\n--- stderr ---\n" + result.stderr if result.stderr else "")
-    metrics["grade_s"] = time.perf_counter() - started
+    metrics["container_s"] = time.perf_counter() - started  # this grading container, from start to log
     log_path.write_text(f"# image {image}\n# status {result.status} exit {result.exit_code} ({result.duration_s:.1f}s)\n{log}", encoding="utf-8")
     if result.status == "error":
         return Outcome("error", f"sandbox error: {result.error}", str(log_path), metrics)
