@@ -1,0 +1,200 @@
+"""SWE-bench grading in real Docker containers, on a tiny hand-made repository in SWE-bench's schema (fast), and
+on one staged real instance (slow)."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from tasks.base import DataError
+from tasks.swebench import upstream
+from tasks.swebench.data import load_rows, validate_row
+from tasks.swebench.grading import map_unittest_names
+from tasks.swebench.images import environment_pins, failed_requirements
+from tasks.swebench.task import SwebenchOptions, SwebenchTask
+
+REPO, VERSION, IID = "opd-harness/tinycalc", "0.1", "opd-harness__tinycalc-1"
+BASE = {
+    "calc.py": 'def add(a, b):\n    return a + b\n\n\ndef mean(values):\n    """Arithmetic mean of a non-empty list."""\n    return sum(values) / (len(values) - 1)\n',
+    "tests/__init__.py": "",
+    "tests/test_calc.py": "import unittest\n\nfrom calc import add\n\n\nclass CalcTest(unittest.TestCase):\n    def test_add(self):\n        \"\"\"\n        add() sums two numbers (a docstring that starts on a new line).\n        \"\"\"\n        self.assertEqual(add(2, 3), 5)\n",
+}
+TEST_AFTER = BASE["tests/test_calc.py"].replace("from calc import add\n", "from calc import add, mean\n") + "\n    def test_mean(self):\n        self.assertEqual(mean([2, 4]), 3.0)\n"
+
+
+def git_diff(files: dict[str, str], changed: dict[str, str], tmp: Path) -> str:
+    """The ``git diff`` that turns ``files`` into ``files | changed``."""
+    tmp.mkdir(parents=True)
+    for name, text in files.items():
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / name).write_text(text)
+    run = lambda *a: subprocess.run(["git", "-C", str(tmp), *a], check=True, capture_output=True, text=True).stdout  # noqa: E731
+    run("init", "-q")
+    run("add", "-A")
+    run("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "base")
+    for name, text in changed.items():
+        (tmp / name).write_text(text)
+    return run("diff")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, docker_client):
+    """A data dir with the tiny instance (snapshot + environment.yml with no pins + rows), and its patches."""
+    upstream.register_repo(REPO, {VERSION: {"python": "3.9", "test_cmd": "python -m unittest -v"}}, parser="django/django")
+    root = tmp_path_factory.mktemp("swe")
+    fixed = BASE["calc.py"].replace("(len(values) - 1)", "len(values)")
+    patches = {
+        "gold": git_diff(BASE, {"calc.py": fixed}, root / "g1"),
+        "breaks_p2p": git_diff(BASE, {"calc.py": fixed.replace("return a + b", "return a - b")}, root / "g2"),
+        "test": git_diff(BASE, {"tests/test_calc.py": TEST_AFTER}, root / "g3"),
+    }
+    patches["no_apply"] = patches["gold"].replace("return sum(values)", "return total(values)")
+    inst = root / "data" / "swebench" / "instances" / IID
+    inst.mkdir(parents=True)
+    with tarfile.open(inst / "repo.tar.xz", "w:xz") as tf:
+        for name, text in BASE.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(text.encode())
+            tf.addfile(info, io.BytesIO(text.encode()))
+    (inst / "environment.yml").write_text("name: testbed\ndependencies:\n  - python=3.11\n")
+    row = {
+        "repo": REPO, "instance_id": IID, "base_commit": "0" * 40, "patch": patches["gold"], "test_patch": patches["test"],
+        "problem_statement": "mean([2, 4]) returns 6.0 instead of 3.0", "version": VERSION,
+        "FAIL_TO_PASS": json.dumps(["test_mean (tests.test_calc.CalcTest)"]), "PASS_TO_PASS": json.dumps(["test_add (tests.test_calc.CalcTest)"]),
+    }
+    (root / "data" / "swebench" / "tiny.jsonl").write_text(json.dumps(row) + "\n")
+    return root, patches
+
+
+def tiny_task(root: Path) -> SwebenchTask:
+    data = root / "data"
+    return SwebenchTask(SwebenchOptions(data_dir=str(data), dataset=str(data / "swebench" / "tiny.jsonl"), cache_dir=str(root / "cache")))
+
+
+def test_tiny_instance_grades(tiny):
+    root, patches = tiny
+    task = tiny_task(root)
+    problems = task.load()
+    assert [p.id for p in problems] == [IID]
+    names = ["gold", "empty", "breaks_p2p", "no_apply"]
+    scores = task.grade_many(problems * 4, [patches["gold"], "", patches["breaks_p2p"], patches["no_apply"]])
+    by = dict(zip(names, scores, strict=True))
+    assert by["gold"].status == "pass", by["gold"].details
+    assert by["gold"].metrics["patch_applied"] == 1.0
+    assert by["empty"].status == "fail" and by["empty"].metrics["empty_patch"] == 1.0
+    assert "FAIL_TO_PASS 0/1" in by["empty"].details
+    assert by["breaks_p2p"].status == "fail" and "PASS_TO_PASS 0/1" in by["breaks_p2p"].details
+    assert by["no_apply"].status == "fail" and "does not apply" in by["no_apply"].details
+    assert by["no_apply"].metrics["patch_applied"] == 0.0
+    log = Path(by["gold"].details.split("log: ")[1])
+    assert log.is_file() and "test_mean (tests.test_calc.CalcTest.test_mean) ... ok" in log.read_text()
+
+
+def test_image_is_cached_and_rebuilt_when_inputs_change(tiny):
+    root, _ = tiny
+    task = tiny_task(root)
+    row = task.load()[0].meta
+    first = task.ensure_image(row)
+    again = SwebenchTask(task.options).ensure_image(row)
+    assert again.tag == first.tag and not again.built
+    changed = task.build_inputs(row)
+    from dataclasses import replace
+
+    assert replace(changed, pre_install=("true",)).tag != first.tag
+
+
+def test_missing_image_that_cannot_build_is_error(tiny):
+    root, patches = tiny
+    task = tiny_task(root)
+    problem = task.load()[0]
+    row = dict(problem.meta, repo="nobody/unknown")  # no swebench spec: the image cannot be built
+    outcome = task.grade_patch(row, patches["gold"])
+    assert outcome.status == "error"
+
+
+def test_unittest_names_of_python_311_map_to_swebench_names():
+    got = map_unittest_names({"test_a (m.C.test_a)": "PASSED", "test_b (m.C)": "FAILED", "tests/x.py::t": "PASSED"})
+    assert got == {"test_a (m.C)": "PASSED", "test_b (m.C)": "FAILED", "tests/x.py::t": "PASSED"}
+
+
+def test_rows_are_validated_with_file_line_field(tmp_path):
+    good = {"repo": "a/b", "instance_id": "a__b-1", "base_commit": "c", "patch": "p", "test_patch": "t", "problem_statement": "s",
+            "version": "1", "FAIL_TO_PASS": '["x"]', "PASS_TO_PASS": "[]"}
+    path = tmp_path / "rows.jsonl"
+    path.write_text(json.dumps(good) + "\n" + json.dumps(dict(good, instance_id="a__b-2", FAIL_TO_PASS="not json")) + "\n")
+    with pytest.raises(DataError, match=r"rows.jsonl:2: field 'FAIL_TO_PASS'"):
+        load_rows(path)
+    assert validate_row(good, "f", 1)["FAIL_TO_PASS"] == ["x"]
+
+
+def test_pins_and_pip_failures():
+    assert environment_pins("dependencies:\n  - python=3.6\n  - pip:\n      - numpy==1.19.5\n      - asgiref==3.4.1\n") == ["numpy==1.19.5", "asgiref==3.4.1"]
+    out = "Collecting asgiref==3.4.1\nERROR: No matching distribution found for numpy==1.19.5\n"
+    assert failed_requirements(out, ["asgiref==3.4.1", "numpy==1.19.5"]) == ["numpy==1.19.5"]
+
+
+@pytest.mark.slow
+def test_real_instance_gold_resolves_and_empty_does_not(benchmark_data, docker_client, tmp_path):
+    instance = "sphinx-doc__sphinx-8721"  # the fastest of the staged instances to build here (~1.5 min; django ~4-6 min)
+    data = benchmark_data("swebench/verified_mini_50.csv", f"swebench/instances/{instance}/repo.tar.xz")
+    task = SwebenchTask(SwebenchOptions(data_dir=str(data), instances=instance, cache_dir=".cache/swebench"))
+    problem = task.load()[0]
+    gold, empty = task.grade_many([problem, problem], [problem.answer, ""])
+    assert gold.status == "pass", gold.details
+    assert empty.status == "fail", empty.details
+
+
+def test_cli_sandbox_build_and_replay_eval(tiny, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from harness.cli import app
+
+    root, patches = tiny
+    data = root / "data"
+    args = ["--data-dir", str(data), "--task-arg", f"swebench.dataset={data / 'swebench' / 'tiny.jsonl'}", "--task-arg", f"swebench.cache_dir={root / 'cache'}"]
+    monkeypatch.setenv("HARNESS_DATA_DIR", str(data))  # --data-dir sets it for the process: restored after the test
+    runner = CliRunner()
+    built = runner.invoke(app, ["sandbox", "build", "--task", "swebench", *args])
+    assert built.exit_code == 0, built.output
+    assert IID in built.output and "dropped pins: none" in built.output
+    model = tmp_path / "gold.jsonl"
+    model.write_text(json.dumps({"task": "swebench", "id": IID, "completion": patches["gold"]}) + "\n")
+    result = runner.invoke(app, ["eval", "--task", "swebench", "--backend", "replay", "--model", str(model), "--k", "1", "--out", str(tmp_path / "out"), "--json", *args])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output[result.output.index("{"):])
+    got = summary["tasks"]["swebench"]
+    assert (got["n_pass"], got["n_fail"], got["n_errors"]) == (1, 0, 0), got
+
+
+def test_open_instance_session_runs_in_the_repository(tiny):
+    from sandbox import ExecRequest
+    from tasks.swebench.session import open_instance_session
+
+    root, _ = tiny
+    data = root / "data"
+    options = {"data_dir": str(data), "dataset": str(data / "swebench" / "tiny.jsonl"), "cache_dir": str(root / "cache")}
+    with open_instance_session(IID, options) as session:
+        script = "cd /testbed && git status --porcelain && git log --oneline | wc -l && python -c 'import calc, sys; print(calc.add(1, 2), sys.prefix)'"
+        result = session.run(ExecRequest(argv=["bash", "-c", script], timeout_s=60))
+        assert result.exit_code == 0, result.stderr
+        assert result.stdout.split() == ["1", "3", "/opt/venv"]
+        net = session.run(ExecRequest(argv=["python", "-c", "import socket; socket.create_connection(('pypi.org', 443), timeout=3)"], timeout_s=30))
+        assert net.exit_code != 0
+
+
+def test_staged_data_loads_from_csv_and_save_to_disk_alike(benchmark_data):
+    data = benchmark_data("swebench/verified_mini_50.csv", "swebench/verified_mini_hf/test/data-00000-of-00001.arrow")
+    csv_rows = load_rows(data / "swebench" / "verified_mini_50.csv")
+    assert len(csv_rows) == 50 and csv_rows == load_rows(data / "swebench" / "verified_mini_hf")
+    task = SwebenchTask(SwebenchOptions(data_dir=str(data)))
+    staged = {p.parent.name for p in (data / "swebench" / "instances").glob("*/repo.tar.xz")}
+    problems = task.load()
+    assert {p.id for p in problems} == staged and staged  # default: every instance that has a snapshot
+    assert all(p.question == p.meta["problem_statement"] and p.answer == p.meta["patch"] for p in problems)
+    with pytest.raises(DataError, match="instances.*nope"):
+        SwebenchTask(SwebenchOptions(data_dir=str(data), instances="nope")).load()
