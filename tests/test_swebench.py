@@ -87,7 +87,7 @@ def test_tiny_instance_grades(tiny):
     assert by["gold"].status == "pass", by["gold"].details
     assert by["gold"].metrics["patch_applied"] == 1.0
     assert by["empty"].status == "fail" and by["empty"].metrics["empty_patch"] == 1.0
-    assert "FAIL_TO_PASS 0/1" in by["empty"].details
+    assert "empty patch" in by["empty"].details
     assert by["breaks_p2p"].status == "fail" and "PASS_TO_PASS 0/1" in by["breaks_p2p"].details
     assert by["no_apply"].status == "fail" and "does not apply" in by["no_apply"].details
     assert by["no_apply"].metrics["patch_applied"] == 0.0
@@ -198,3 +198,62 @@ def test_staged_data_loads_from_csv_and_save_to_disk_alike(benchmark_data):
     assert all(p.question == p.meta["problem_statement"] and p.answer == p.meta["patch"] for p in problems)
     with pytest.raises(DataError, match="instances.*nope"):
         SwebenchTask(SwebenchOptions(data_dir=str(data), instances="nope")).load()
+
+
+def test_scripted_agent_episodes_resolve_and_premature_stops_are_flagged(tiny, tmp_path):
+    """Replayed bash turns run live in the instance container; the final git diff is graded; stops are flagged."""
+    from harness.backends import SamplingParams
+    from harness.backends.replay import ReplayBackend
+    from harness.evaluation import evaluate_task
+    from tasks.swebench.agent_env import SUBMIT
+
+    def bash(command: str) -> str:
+        return f"THOUGHT: next.\n\n```bash\n{command}\n```"
+
+    root, patches = tiny
+    task = tiny_task(root)
+    (problem,) = task.load()
+    fixer = [bash("grep -n 'len(values)' calc.py"), bash("sed -i 's/(len(values) - 1)/len(values)/' calc.py"),
+             bash("python -m unittest -q 2>&1 | tail -1"), bash(f"echo {SUBMIT}")]  # fmt: skip
+    hasty = [bash("sed -i 's/return a + b/return a - b/' calc.py"), bash(f"echo {SUBMIT}")]  # breaks add, never tests
+    looping = [bash("ls")] * 3 + ["no command at all"] * 3  # three identical commands, then format errors end it
+    samples = {(task.name, problem.id): [fixer, hasty, looping, [patches["gold"]]]}
+    result = evaluate_task(ReplayBackend(samples), task, [problem], k=4, sampling=SamplingParams(), n_resamples=10)
+    statuses = [s.status for s in result.samples]
+    assert statuses == ["pass", "fail", "fail", "pass"], [s.details for s in result.samples]
+    fixed, rushed, looped, submitted = (s.metrics for s in result.samples)
+    assert fixed["ran_tests"] == 1 and fixed["premature_stop"] == 0 and fixed["tool_calls"] == 3
+    assert rushed["premature_stop"] == 1 and "PASS_TO_PASS 0/1" in result.samples[1].details
+    assert looped["repeated_loop"] == 1 and looped["premature_stop"] == 1 and looped["format_errors"] == 3
+    assert submitted["premature_stop"] == 0 and submitted["turns"] == 1  # a stored patch is a one-turn episode
+    assert "-    return sum(values) / (len(values) - 1)" in result.trajectories[0].metadata["outcome"]["patch"]
+    summary = result.summary
+    assert summary["repeated_loop_rate"] == 0.25 and summary["premature_stop_rate"] == 0.5 and summary["patch_apply_failure_rate"] == 0.0
+
+
+@pytest.mark.slow
+def test_f_opd_trains_on_agent_episodes_in_instance_containers(tiny, tmp_path):
+    """`harness run --method f_opd --task swebench --preset smoke` on the tiny instance: agent episodes, teacher scoring
+    of the interleaved context, checkpoints, evaluations and agentic metrics all run. The untrained tiny models write
+    no valid command (format errors end their episodes), so they resolve nothing and open no container."""
+    from typer.testing import CliRunner
+
+    from harness.cli import app
+    from harness.store import Store
+
+    root, _ = tiny
+    data = root / "data"
+    sets = [f"task_args.swebench.dataset={data / 'swebench' / 'tiny.jsonl'}", f"task_args.swebench.cache_dir={root / 'cache'}",
+            f"task_args.swebench.data_dir={data}", "task_args.swebench.max_steps=3", "trainer.max_new_tokens=48", "trainer.steps=2",
+            "trainer.checkpoint_every=2", "trainer.prompts_per_step=1", "eval.k=2", "eval.teacher=false",
+            "student.arch.max_positions=1024", "teacher.arch.max_positions=1024", "task_args.swebench.max_new_tokens=48",
+            "student.sft_steps=0", "teacher.sft_steps=0"]  # fmt: skip
+    args = ["run", "--method", "f_opd", "--task", "swebench", "--preset", "smoke", "--out", str(tmp_path / "out")]
+    result = CliRunner().invoke(app, [*args, *[x for s in sets for x in ("--set", s)]])
+    assert result.exit_code == 0, result.output
+    store = Store(tmp_path / "out")
+    (run,) = [r for r in store.runs() if r["kind"] == "train"]
+    steps = store.step_metrics(run["run_id"])
+    assert sorted(steps) == [1, 2] and all(s["model_tokens"] > 0 and "premature_stop_rate" in s for s in steps.values())
+    final = [e for e in store.evals(run["run_id"]) if e["step"] == 2][0]
+    assert final["n_errors"] == 0 and {"premature_stop_rate", "repeated_loop_rate", "invalid_tool_rate"} <= set(final["metrics"])

@@ -63,7 +63,11 @@ def open_instance_session(
     from tasks.swebench.task import task_for
 
     task, row = task_for(instance, options)
-    image = task.ensure_image(row).tag
+    return open_session_on(task.ensure_image(row).tag, memory_mb=memory_mb, cpus=cpus, pids=pids, tmpfs_mb=tmpfs_mb, max_command_s=max_command_s)
+
+
+def open_session_on(image: str, *, memory_mb: int = 4096, cpus: float = 2.0, pids: int = 1024, tmpfs_mb: int = 1024, max_command_s: float = 1800.0) -> InstanceSession:
+    """A session in a fresh container of an instance ``image`` (network off); closing it closes its sandbox."""
     sb = sandbox.open_sandbox("docker", image=image, tmpfs_mb=tmpfs_mb, http_timeout_s=max_command_s + 120)
     try:
         inner = sb.session(memory_mb=memory_mb, cpus=cpus, pids=pids, network=False)

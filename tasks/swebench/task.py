@@ -7,20 +7,24 @@ built on :func:`open_instance_session` and :func:`grade_instance_patch`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from concurrent.futures import ThreadPoolExecutor
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
 from tasks.base import DataError, DataNotFound, Problem, Score, Task, TaskNotReady, TaskOptions
 from tasks.swebench import data, upstream
+from tasks.swebench.agent_env import BLOCK_NAMES, INSTANCE_PROMPT, SUBMIT, SYSTEM_PROMPT, AgentLimits, ShellAgentEnv
 from tasks.swebench.grading import Outcome, grade_patch
+from tasks.swebench.session import open_session_on
 from tasks.swebench.images import BuildInputs, BuildResult, ImageBuildError, base_image_id, build_instance_image, environment_pins, requirement_lines, sha256_file
 
 DATA_DIR_ENV = "HARNESS_DATA_DIR"
+AGENT_WORKDIR = "/testbed"  # SWE-bench's repository path (a link to the sandbox work root in the instance images)
 DEFAULT_CACHE = Path(".cache/swebench")
 
 
@@ -34,6 +38,12 @@ class SwebenchOptions(TaskOptions):
     grade_timeout_s: float = Field(1800.0, gt=0, description="wall-clock limit of one grading run (past it: error)")
     grade_workers: int = Field(2, ge=1, description="instances graded at once")
     memory_mb: int = Field(4096, ge=256, description="memory of a grading or agent container")
+    max_steps: int = Field(30, ge=1, description="agent: model turns (one bash command each) per episode")
+    command_timeout_s: float = Field(60.0, gt=0, description="agent: wall-clock limit of one command")
+    wall_time_s: float = Field(1800.0, gt=0, description="agent: wall-clock limit of an episode")
+    max_format_errors: int = Field(3, ge=1, description="agent: consecutive replies without exactly one command that end the episode")
+    max_output_chars: int = Field(10_000, ge=200, description="agent: command output kept per observation (head and tail)")
+    action_format: Literal["fenced", "tagged"] = Field("fenced", description="agent: one ```bash block per reply, or one <command>...</command>")
 
 
 def resolve_data_dir(given: Path | str | None) -> Path:
@@ -46,7 +56,9 @@ class SwebenchTask(Task):
     description = "SWE-bench Verified: resolve GitHub issues; patches graded by the repository's tests in per-instance Docker images"
     Options = SwebenchOptions
     needs_sandbox = True
+    multi_turn = True
     provides_references = False  # the gold patch is in Problem.solution, but it is no agent episode to warm a model up on
+    episode_flags = ("repeated_loop", "premature_stop", "patch_apply_failure")
 
     def __init__(self, options: SwebenchOptions | None = None) -> None:
         super().__init__(options)
@@ -190,7 +202,10 @@ class SwebenchTask(Task):
     # ---- grading
 
     def grade_patch(self, row: dict, patch: str) -> Outcome:
-        """Build the instance image if needed, then grade ``patch`` on it (an image that cannot be built: ``error``)."""
+        """Build the instance image if needed, then grade ``patch`` on it (an image that cannot be built: ``error``).
+        An empty patch is unresolved without running anything (as in SWE-bench, where it is never evaluated)."""
+        if not patch.strip():
+            return Outcome("fail", "empty patch (nothing to evaluate)", metrics={"empty_patch": 1.0, "patch_applied": 0.0})
         try:
             image = self.ensure_image(row).tag
         except (ImageBuildError, DataNotFound, KeyError, OSError) as exc:
@@ -211,6 +226,44 @@ class SwebenchTask(Task):
     @property
     def grader(self) -> tuple[str, str]:
         return "swebench-docker", f"swebench=={upstream.SWEBENCH_VERSION}"
+
+    # ---- the agent (multi-turn episodes; a stored patch is a one-turn episode)
+
+    def format_prompt(self, problem: Problem, tokenizer) -> str:
+        """mini-swe-agent's system and instance messages, through the model's chat template when it has one."""
+        block = BLOCK_NAMES[self.opts.action_format]
+        system = SYSTEM_PROMPT.format(block=block, submit=SUBMIT)
+        instance = INSTANCE_PROMPT.format(problem=problem.question, workdir=AGENT_WORKDIR, submit=SUBMIT)
+        if self.opts.use_chat_template and getattr(tokenizer, "chat_template", None):
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": instance}]
+            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return f"{system}\n\n{instance}\n\n"
+
+    def env(self, problem: Problem, tokenizer) -> ShellAgentEnv:
+        """An agent episode on the instance; its container (and, if missing, its image) is made on the first command."""
+        opts = self.opts
+        row = self._rows.get(problem.id) or problem.meta
+        limits = AgentLimits(opts.max_steps, opts.wall_time_s, opts.command_timeout_s, opts.max_format_errors, opts.max_output_chars)
+        return ShellAgentEnv(self.format_prompt(problem, tokenizer), lambda: self.open_session(row), workdir=AGENT_WORKDIR, limits=limits, action_format=opts.action_format)
+
+    def open_session(self, row: dict):
+        """A session in a fresh container of the instance image (network off), closed with the episode."""
+        return open_session_on(self.ensure_image(row).tag, memory_mb=self.opts.memory_mb, max_command_s=self.opts.command_timeout_s)
+
+    def grade_trajectories(self, problems: list[Problem], trajectories: list) -> list[Score]:
+        """Grade each episode's patch (the agent's final ``git diff``, or the submitted diff) and flag premature stops:
+        an empty patch, or an agent that submitted without running any test."""
+        patches = [t.metadata.get("outcome", {}).get("patch", "") for t in trajectories]
+        scores = self.grade_many(problems, patches)
+        out = []
+        for score, traj, patch in zip(scores, trajectories, patches, strict=True):
+            episode = traj.metadata.get("episode", {})
+            agent_ran = bool(traj.metadata.get("outcome", {}).get("commands"))
+            premature = not patch.strip() or (agent_ran and episode.get("submitted") and not episode.get("ran_tests"))
+            applied = score.metrics.get("patch_applied")
+            flags = {"premature_stop": float(bool(premature)), "patch_apply_failure": float(applied == 0.0 and bool(patch.strip()))}
+            out.append(dataclasses.replace(score, metrics={**score.metrics, **flags}))
+        return out
 
 
 def outcome_score(outcome: Outcome, patch: str) -> Score:
