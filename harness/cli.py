@@ -307,6 +307,8 @@ def tasks(json_: Annotated[bool, typer.Option("--json", help="machine-readable l
         return
     for d in described:
         stdout.print(f"[bold]{d['name']}[/]  {d['description']}  (sandbox: {'yes' if d['needs_sandbox'] else 'no'})")
+    for prefix in TASKS.prefixes():
+        stdout.print(f"[bold]{prefix}:<name>[/]  a family of tasks: {TASKS.prefix_description(prefix)}")
 
 
 @app.command()

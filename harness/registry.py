@@ -70,6 +70,12 @@ class Registry(Generic[T]):
             raise RegistryError(f"duplicate {self.kind} prefix {prefix!r}: already registered by {_describe(existing)}")
         self._prefixes[prefix] = factory
 
+    def prefix_description(self, prefix: str) -> str:
+        """The first line of a family's factory docstring (what ``harness tasks`` shows for ``prefix:<name>``)."""
+        self._load()
+        doc = (self._prefixes[prefix].__doc__ or "").strip()
+        return doc.splitlines()[0] if doc else ""
+
     def prefixes(self) -> list[str]:
         """Sorted registered prefixes (a name ``PREFIX:REST`` is built by that prefix's factory)."""
         self._load()

@@ -197,3 +197,13 @@ def test_installed_metadata_alone_serves_every_builtin():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
     assert json.loads(result.stdout) == {kind: sorted(names) for kind, names in installed.items()}
+
+
+def test_harness_tasks_lists_the_task_families():
+    from typer.testing import CliRunner
+
+    from harness.cli import app
+
+    out = " ".join(CliRunner().invoke(app, ["tasks"]).output.split())
+    assert "retool:<name> a family of tasks: Any math task solved with a Python code interpreter" in out
+    assert "lm_eval:<name> a family of tasks: Any lm-evaluation-harness task" in out

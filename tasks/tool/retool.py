@@ -37,7 +37,9 @@ class RetoolTask(ToolTask):
 
 
 def make_retool_task(name: str) -> type[RetoolTask]:
-    """The task class ``retool:<name>`` wrapping the registered math task ``name``."""
+    """Any math task solved with a Python code interpreter in the sandbox, multi-turn (e.g. ``retool:aime24``).
+
+    Builds the task class ``retool:<name>`` wrapping the registered math task ``name``."""
     try:
         inner = TASKS.get(name)
     except RegistryError as exc:
