@@ -91,7 +91,7 @@ def grade_episodes(task, problems: list, trajectories: list[Trajectory], *, chun
 
 def episode_metrics(traj: Trajectory, score) -> dict:
     """What is stored per sample beyond the grade: the episode's counters, the grader's metrics, and timings."""
-    out = {k: v for k, v in traj.metadata.get("episode", {}).items()}
+    out = dict(traj.metadata.get("episode", {}))
     out.update(score.metrics)
     out.update({k: round(v, 6) for k, v in traj.timings.items()})
     return out

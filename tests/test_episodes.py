@@ -130,10 +130,9 @@ def test_multi_turn_episode_interleaves_model_and_environment_tokens(char_tokeni
 
 
 def test_observations_use_the_chat_template_role(char_tokenizer):
-    tok = char_tokenizer.__class__.from_pretrained  # noqa: F841 - the fixture is session-wide; copy before changing it
     import copy
 
-    templated = copy.deepcopy(char_tokenizer)
+    templated = copy.deepcopy(char_tokenizer)  # the fixture is session-wide: change a copy
     templated.chat_template = CHATML
     text = render_observation(Observation("out", role="tool"), templated)
     assert text == "<|end|>\n<|tool|>out<|end|>\n<|assistant|>"  # closes the assistant turn, tool message, new turn
@@ -213,7 +212,6 @@ def test_evaluation_and_training_roll_out_the_same_trajectories(backend):
     from types import SimpleNamespace
 
     from harness.config import RunConfig
-    from trainers.objectives.opd import OPD_SPEC  # noqa: F401 - registers opd
     from harness.registry import METHODS
     from trainers.pipeline import generate_batch, step_seed
 

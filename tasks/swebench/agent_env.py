@@ -65,7 +65,6 @@ class AgentLimits:
 def parse_command(reply: str, action_format: str) -> tuple[str | None, str | None]:
     """(command, None) for a reply with exactly one command, else (None, why it is a format error)."""
     blocks = (FENCED_BASH if action_format == "fenced" else TAGGED).findall(reply)
-    blocks = [b if isinstance(b, str) else b[0] for b in blocks]
     if len(blocks) != 1:
         what = "no" if not blocks else f"{len(blocks)}"
         return None, f"Format error: your reply must contain exactly one {BLOCK_NAMES[action_format]}; it contained {what}."

@@ -253,12 +253,13 @@ class SwebenchTask(Task):
     def grade_trajectories(self, problems: list[Problem], trajectories: list) -> list[Score]:
         """Grade each episode's patch (the agent's final ``git diff``, or the submitted diff) and flag premature stops:
         an empty patch, or an agent that submitted without running any test."""
-        patches = [t.metadata.get("outcome", {}).get("patch", "") for t in trajectories]
+        outcomes = [t.metadata.get("outcome", {}) for t in trajectories]
+        patches = [o.get("patch", "") for o in outcomes]
         scores = self.grade_many(problems, patches)
         out = []
-        for score, traj, patch in zip(scores, trajectories, patches, strict=True):
+        for score, traj, outcome, patch in zip(scores, trajectories, outcomes, patches, strict=True):
             episode = traj.metadata.get("episode", {})
-            agent_ran = bool(traj.metadata.get("outcome", {}).get("commands"))
+            agent_ran = bool(outcome.get("commands"))
             premature = not patch.strip() or (agent_ran and episode.get("submitted") and not episode.get("ran_tests"))
             applied = score.metrics.get("patch_applied")
             flags = {"premature_stop": float(bool(premature)), "patch_apply_failure": float(applied == 0.0 and bool(patch.strip()))}
