@@ -219,15 +219,39 @@ def _model_of(annotation: Any) -> Any:
     return None
 
 
-def retarget_preset(preset: dict, task: str | None) -> dict:
-    """A preset run on another task: its evaluation follows the new task and its options for the old one are dropped
-    (``--preset smoke --task swebench`` evaluates swebench, not the preset's arith)."""
+def retarget_preset(preset: dict, task: str | None, task_args: dict | None = None) -> dict:
+    """A preset run on another task: its evaluation follows the new task, its options for the old one are dropped, and
+    its tiny models are fitted to the new task (``--preset smoke --task swebench`` evaluates and trains on swebench)."""
     old = preset.get("task")
     if not task or not old or task == old:
         return preset
     out = {**preset, "task_args": {k: v for k, v in preset.get("task_args", {}).items() if k != old}}
     if "eval" in preset and "tasks" in preset["eval"]:
         out["eval"] = {**preset["eval"], "tasks": list(dict.fromkeys(task if t == old else t for t in preset["eval"]["tasks"]))}
+    return fit_preset_models(out, task, (task_args or {}).get(task, {}))
+
+
+def fit_preset_models(preset: dict, task: str, options: dict) -> dict:
+    """Fit a preset's models to a task they were not chosen for: their supervised warm-up trains on reference solutions,
+    so it is dropped when the task has none; a tiny model's positions grow to hold the task's episode budget
+    (``max_context_tokens``). Only the preset's values change: what the user sets still wins (and is checked)."""
+    from harness.registry import TASKS, RegistryError
+
+    try:
+        cls = TASKS.get(task)
+    except RegistryError:
+        return preset  # planning names the unknown task
+    field = getattr(cls, "Options", None) and cls.Options.model_fields.get("max_context_tokens")
+    budget = options.get("max_context_tokens", field.default if field is not None else None)
+    out = dict(preset)
+    for role in ("student", "teacher"):
+        spec = dict(out.get(role) or {})
+        if spec.get("sft_steps", 0) > 0 and not getattr(cls, "provides_references", False):
+            spec["sft_steps"] = 0
+        if "arch" in spec and isinstance(budget, int) and spec["arch"].get("max_positions", TinyArch.model_fields["max_positions"].default) < budget:
+            spec["arch"] = {**spec["arch"], "max_positions": budget}
+        if spec:
+            out[role] = spec
     return out
 
 
@@ -239,7 +263,7 @@ def build_config(*, preset: str | None = None, config_file: Path | None = None, 
     for item in overrides:
         user = deep_merge(user, parse_override(item))
     user = deep_merge(user, {k: v for k, v in (cli or {}).items() if v is not None})
-    data = deep_merge(retarget_preset(load_preset(preset), user.get("task")), user) if preset else user
+    data = deep_merge(retarget_preset(load_preset(preset), user.get("task"), user.get("task_args")), user) if preset else user
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:

@@ -75,7 +75,7 @@ def run_episodes(backend: Backend, task, problems: list, params: SamplingParams,
     ]
     with ThreadPoolExecutor(max_workers=max(1, env_workers), thread_name_prefix="env") as pool:
         try:
-            list(pool.map(lambda e: open_episode(e, task, tokenizer), episodes))
+            list(pool.map(lambda e: open_episode(e, task, tokenizer, limit), episodes))
             turn = 0
             while live := [e for e in episodes if e.live]:
                 generate_turn(backend, live, params, turn, limit, fit=budgeted)
@@ -93,14 +93,24 @@ def context_limit(backend: Backend, task) -> int | None:
     return min(known) if known else None
 
 
-def open_episode(episode: Episode, task, tokenizer) -> None:
-    """Create the environment and take its opening context; a failure ends the episode as an infrastructure error."""
+class ContextOverflow(ValueError):
+    """An episode's opening context leaves no room for the model's first token: the model was never asked."""
+
+
+def open_episode(episode: Episode, task, tokenizer, limit: int | None = None) -> None:
+    """Create the environment and take its opening context; a failure, or an opening context that does not fit the
+    budget, ends the episode as an ``error`` (not measured), never as the model's fail."""
     started = time.perf_counter()
     try:
         episode.env = task.env(episode.problem, tokenizer)
         prompt = episode.env.reset()
         episode.traj.prompt_text = prompt
         episode.traj.prompt_ids = encode(tokenizer, prompt)
+        if limit is not None and len(episode.traj.prompt_ids) >= limit:
+            raise ContextOverflow(
+                f"the opening context is {len(episode.traj.prompt_ids)} tokens, the context budget {limit} "
+                "(the smaller of the model's positions and the task's max_context_tokens); raise the model's context or shorten the prompt"
+            )
     except Exception as exc:  # noqa: BLE001 - one broken environment must not take the batch down
         episode.fail("reset", exc)
     add_time(episode.traj, "env_s", time.perf_counter() - started)

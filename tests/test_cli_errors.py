@@ -282,8 +282,8 @@ def test_a_dead_holder_does_not_block_and_the_lock_is_held_while_running(tmp_pat
     "overrides, expected",
     [
         (["method=sft", "student.sft_steps=0", "teacher.sft_steps=0"], "method 'sft' trains on reference solutions, which task 'dapo_math' does not provide"),
-        (["method=opd"], "student.sft_steps=10 and teacher.sft_steps=30 train on reference solutions, which task 'dapo_math' does not provide"),
-        (["method=opd", "student.sft_steps=0"], "teacher.sft_steps=30 trains on reference solutions"),
+        (["method=opd", "student.sft_steps=10", "teacher.sft_steps=30"], "student.sft_steps=10 and teacher.sft_steps=30 train on reference solutions, which task 'dapo_math' does not provide"),
+        (["method=opd", "teacher.sft_steps=30"], "teacher.sft_steps=30 trains on reference solutions"),
     ],
 )
 def test_reference_solutions_are_checked_when_the_run_is_planned(overrides, expected, tmp_path):

@@ -102,3 +102,21 @@ def test_a_preset_on_another_task_evaluates_that_task():
     cfg = build_config(preset="smoke", overrides=["task=arith_tool", "eval.tasks=[arith,arith_tool]", "task_args.arith.n_test=8"])
     assert cfg.eval.tasks == ["arith", "arith_tool"] and cfg.task_args["arith"]["n_test"] == 8  # what the user sets stays
     assert build_config(preset="smoke").task_args["arith"]["n_test"] == 16
+
+
+def test_a_preset_on_another_task_fits_its_models_to_that_task():
+    """The smoke preset's warm-ups need reference solutions and its tiny models hold 512 positions: on swebench (no
+    references, episodes of up to max_context_tokens) the preset's warm-ups go and the positions grow."""
+    from harness.config import build_config
+    from harness.plan import plan_run
+
+    smoke = build_config(preset="smoke")
+    cfg = build_config(preset="smoke", cli={"task": "swebench", "method": "f_opd"})
+    assert (cfg.student.sft_steps, cfg.teacher.sft_steps) == (0, 0)
+    assert cfg.student.arch.max_positions == cfg.teacher.arch.max_positions == 32768
+    assert cfg.student.arch.hidden == smoke.student.arch.hidden and cfg.teacher.arch.hidden == smoke.teacher.arch.hidden
+    plan_run(cfg)  # plans: nothing in it needs reference solutions
+    cfg = build_config(preset="smoke", overrides=["task=swebench", "task_args.swebench.max_context_tokens=8192", "student.arch.max_positions=9000"])
+    assert (cfg.student.arch.max_positions, cfg.teacher.arch.max_positions) == (9000, 8192)  # what the user sets wins
+    tool = build_config(preset="smoke", cli={"task": "arith_tool"})  # references and a budget below 512: unchanged
+    assert (tool.student.sft_steps, tool.student.arch.max_positions) == (smoke.student.sft_steps, smoke.student.arch.max_positions)

@@ -192,6 +192,14 @@ def test_context_budget_ends_the_episode_and_counts_an_unplaceable_observation(c
     assert episode["stop_reason"] == "context" and episode["context_overflows"] == 1 and episode["invalid_tool_calls"] == 1
 
 
+def test_an_opening_context_that_does_not_fit_is_an_error_not_a_fail(backend):
+    task = EchoTask(EchoOptions(turns=2, max_context_tokens=3))  # prompt "Q0:" = 3 tokens: no room for a first token
+    result = evaluate_task(backend, task, task.load(), k=1, sampling=SamplingParams(max_new_tokens=2, seed=0), n_resamples=100)
+    assert {s.status for s in result.samples} == {"error"}
+    assert all("opening context is 3 tokens, the context budget 3" in s.details for s in result.samples)
+    assert all(e.closed for e in task.envs)
+
+
 def test_max_turns_caps_the_episode():
     task = EchoTask(EchoOptions(turns=100))
     (traj,) = rollout(scripted(task, ["a#"] * 20), task, task.load()[:1], SamplingParams())

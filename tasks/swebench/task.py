@@ -31,6 +31,7 @@ DEFAULT_CACHE = Path(".cache/swebench")
 class SwebenchOptions(TaskOptions):
     k: int = 1
     max_new_tokens: int = 4096
+    max_context_tokens: int = Field(32768, ge=256, description="agent: context budget of an episode (prompt, replies and observations); a turn past it ends the episode")
     dataset: str = Field("auto", description="rows: auto (<data dir>/swebench/verified_mini_50.csv or verified_mini_hf/, else the hub), a local file/folder, or hf:<name>")
     instances: str = Field("", description="comma-separated instance ids (default: every instance with a snapshot, else every row)")
     repo_source: str = Field("", description="repository trees: a snapshot folder (<id>/repo.tar.xz; default <data dir>/swebench/instances), a folder of git mirrors, or github")
