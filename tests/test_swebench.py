@@ -95,6 +95,37 @@ def test_tiny_instance_grades(tiny):
     assert log.is_file() and "test_mean (tests.test_calc.CalcTest.test_mean) ... ok" in log.read_text()
 
 
+def test_a_folder_of_git_mirrors_is_a_repository_source(tiny, tmp_path):
+    """`swebench.repo_source=DIR` with `<owner>__<name>.git` mirrors (how other instances of a repository come without
+    snapshots): the tree at `base_commit` is archived, not the mirror's HEAD; the gold patch resolves on it; a commit
+    the mirror lacks is a clear DataNotFound."""
+    from tasks.base import DataNotFound
+    from tasks.swebench.data import repo_tarball
+
+    root, patches = tiny
+    work = tmp_path / "work"
+    git_diff(BASE, {}, work)  # one commit: the base tree
+    run = lambda *a: subprocess.run(["git", "-C", str(work), *a], check=True, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    base_commit = run("rev-parse", "HEAD")
+    (work / "calc.py").write_text("raise SystemExit('a later commit')\n")
+    run("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "later")
+    mirrors = tmp_path / "mirrors"
+    subprocess.run(["git", "clone", "-q", "--mirror", str(work), str(mirrors / f"{REPO.replace('/', '__')}.git")], check=True)
+    row = {**json.loads((root / "data" / "swebench" / "tiny.jsonl").read_text()), "base_commit": base_commit}
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps(row) + "\n")
+    task = SwebenchTask(SwebenchOptions(dataset=str(rows), repo_source=str(mirrors), instances=IID, cache_dir=str(tmp_path / "cache")))
+    tree = repo_tarball(mirrors, row, tmp_path / "cache")
+    with tarfile.open(tree) as tf:
+        assert {m.name: tf.extractfile(m).read().decode() for m in tf.getmembers() if m.isfile()} == BASE
+    (problem,) = task.load()
+    gold, empty = task.grade_many([problem, problem], [patches["gold"], ""])
+    assert gold.status == "pass", gold.details
+    assert empty.status == "fail"
+    with pytest.raises(DataNotFound, match=f"{IID}: git archive {'1' * 40} in .*failed"):
+        repo_tarball(mirrors, {**row, "base_commit": "1" * 40}, tmp_path / "cache")
+
+
 def test_image_is_cached_and_rebuilt_when_inputs_change(tiny):
     root, _ = tiny
     task = tiny_task(root)
