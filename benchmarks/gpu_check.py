@@ -36,6 +36,7 @@ import platform
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -257,6 +258,23 @@ def dry_sizes(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), **DRY_SIZES, "models": ["demo"]})
 
 
+def check_failures(report: dict, tolerance: float) -> list[str]:
+    """Every failed check, one line each: a pair that raised, log-probs off by more than ``tolerance``, failed vLLM tests."""
+    failures = []
+    for name, measured in report["models"].items():
+        if "error" in measured:
+            failures.append(f"{name}: raised {measured['error'].strip().splitlines()[-1]}")
+        elif not measured["logprob_check"]["ok"]:
+            failures.append(f"{name}: GPU vs CPU log-probs differ by {measured['logprob_check']['max_abs_diff']:.2e} > {tolerance}")
+    if report["vllm_tests"].get("ran") and not report["vllm_tests"].get("ok"):
+        failures.append(f"vLLM GPU tests failed: {report['vllm_tests']}")
+    return failures
+
+
+def write_report(report: dict, path: Path) -> None:
+    path.write_text(json.dumps(report, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cuda = torch.cuda.is_available() and not args.dry_run
@@ -272,18 +290,19 @@ def main(argv: list[str] | None = None) -> int:
     report: dict = {"mode": "gpu" if cuda else "dry", "device": device, "environment": environment(), "tolerance": args.tolerance, "tf32": False if cuda else None, "models": {}}
     report["sizes"] = {k: getattr(args, k) for k in ("prompts", "samples", "new_tokens", "steps", "reference_rows")}
     started = time.perf_counter()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.models:
         print(f"measuring {name} on {device} ...", flush=True)
-        report["models"][name] = measure_pair(name, args, device, tokenizer)
+        try:
+            report["models"][name] = measure_pair(name, args, device, tokenizer)
+        except Exception:  # one pair's failure must not lose the others' numbers
+            report["models"][name] = {"error": traceback.format_exc()}
         print(json.dumps({name: report["models"][name]}, indent=1), flush=True)
+        write_report(report, args.out)  # partial results survive a later crash or time-out
     report["vllm_tests"] = run_vllm_tests(vllm_skip_reason(device, args.skip_vllm))
     report["total_s"] = time.perf_counter() - started
-    failures = [f"{name}: GPU vs CPU log-probs differ by {m['logprob_check']['max_abs_diff']:.2e} > {args.tolerance}" for name, m in report["models"].items() if not m["logprob_check"]["ok"]]
-    if report["vllm_tests"].get("ran") and not report["vllm_tests"].get("ok"):
-        failures.append(f"vLLM GPU tests failed: {report['vllm_tests']}")
-    report["failures"] = failures
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    report["failures"] = failures = check_failures(report, args.tolerance)
+    write_report(report, args.out)
     print(f"wrote {args.out}; vLLM tests: {report['vllm_tests']}")
     for failure in failures:
         print(f"FAILED: {failure}")

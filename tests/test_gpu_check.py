@@ -42,3 +42,23 @@ def test_without_pydantic_or_wheels_it_stops_with_exit_2(tmp_path):
     done = run_script(["--out", str(tmp_path / "x.json")], PY=str(no_site), GPU_WHEELS=str(tmp_path / "empty"))
     assert done.returncode == 2
     assert "fetch-wheels" in done.stderr and not (tmp_path / "x.json").exists()
+
+
+def test_every_failed_check_is_reported():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    report = {
+        "models": {
+            "demo": {"error": "Traceback (most recent call last):\nRuntimeError: CUDA error"},
+            "wide": {"logprob_check": {"ok": False, "max_abs_diff": 3e-3}},
+            "fine": {"logprob_check": {"ok": True, "max_abs_diff": 1e-6}},
+        },
+        "vllm_tests": {"ran": True, "ok": False, "returncode": 1},
+    }
+    failures = gpu_check.check_failures(report, 1e-4)
+    assert failures[:2] == ["demo: raised RuntimeError: CUDA error", "wide: GPU vs CPU log-probs differ by 3.00e-03 > 0.0001"]
+    assert len(failures) == 3 and failures[2].startswith("vLLM GPU tests failed")
+    assert gpu_check.check_failures({"models": {"fine": report["models"]["fine"]}, "vllm_tests": {"ran": False}}, 1e-4) == []
