@@ -528,6 +528,6 @@ class VLLMBackend:
             self.weights_dir = Path(tempfile.mkdtemp(prefix="harness-vllm-weights-"))
         save_weights(state_dict, self.weights_dir)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self.weights_dir)})
-        if self.llm.reset_prefix_cache() is False:  # cached KV blocks were computed with the old weights
+        if not self.llm.reset_prefix_cache():  # cached KV blocks were computed with the old weights
             raise RuntimeError("vllm backend: reset_prefix_cache() failed after a weight update (requests still running?)")
         self.version = version
