@@ -10,7 +10,6 @@ import importlib.util
 import os
 import subprocess
 import sys
-import types
 from types import SimpleNamespace
 
 import pytest
@@ -19,10 +18,8 @@ import torch
 from harness.backends import Completion, SamplingParams
 from harness.backends.vllm_backend import (
     RAW_LOGPROBS,
-    WORKER_EXTENSION,
     VLLMBackend,
     check_score_request,
-    named_tensors,
     prompt_logprobs_to_tensor,
     request_to_completions,
     sampling_kwargs,
@@ -31,74 +28,7 @@ from harness.backends.vllm_backend import (
     topk_from_entry,
 )
 
-EOS = 1
-
-
-# ---------------------------------------------------------------------------- fakes shaped like vLLM's outputs
-
-
-def lp(value: float, rank: int | None = None):
-    """Like ``vllm.logprobs.Logprob``."""
-    return SimpleNamespace(logprob=value, rank=rank, decoded_token=None)
-
-
-def completion_output(token_ids, logprobs=None, finish="stop", index=0, text="", with_logprobs=True):
-    """Like ``vllm.outputs.CompletionOutput``: ``logprobs`` is one {token_id: Logprob} dict per token."""
-    if with_logprobs and logprobs is None:
-        logprobs = [-0.1 * (i + 1) for i in range(len(token_ids))]
-    entries = [{t: lp(v, 1), 99: lp(v - 5.0, 2)} for t, v in zip(token_ids, logprobs)] if with_logprobs else None
-    return SimpleNamespace(index=index, token_ids=list(token_ids), logprobs=entries, text=text, finish_reason=finish, stop_reason=None)
-
-
-def fake_vllm_module(llm_factory=None):
-    """A stand-in ``vllm`` module: ``SamplingParams(**kw)`` returns ``kw``; ``LLM`` is ``llm_factory``."""
-    module = types.ModuleType("vllm")
-    module.SamplingParams = lambda **kwargs: dict(kwargs)
-    module.LLM = llm_factory
-    return module
-
-
-class FakeTokenizer:
-    eos_token_id = EOS
-    pad_token_id = 0
-    padding_side = "right"
-
-
-class FakeLLM:
-    """Records calls; answers generate() for sampling (deterministic fake samples) and for scoring."""
-
-    def __init__(self, **kwargs):
-        self.kwargs = kwargs
-        self.calls = []
-        self.rpc = []
-        self.prefix_resets = 0
-
-    def get_tokenizer(self):
-        return FakeTokenizer()
-
-    def generate(self, prompts, sampling_params, use_tqdm=True):
-        self.calls.append((prompts, sampling_params))
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        outputs = []
-        for prompt, sp in zip(prompts, params):
-            ids = prompt["prompt_token_ids"]
-            if sp.get("prompt_logprobs") is not None:  # scoring: log-prob of token t is -t/10
-                k = sp["prompt_logprobs"]
-                entries = [None] + [{tok: lp(-tok / 10, 50), **{100 + j: lp(-0.01 * (j + 1), j + 1) for j in range(k)}} for tok in ids[1:]]
-                outputs.append(SimpleNamespace(prompt_logprobs=entries, outputs=[completion_output([5])]))
-                continue
-            # sampling: n outputs, returned in reverse index order to check the sorting
-            samples = [completion_output([ids[-1] + s, EOS], finish="stop", index=s, text=f"s{s}") for s in range(sp["n"])]
-            outputs.append(SimpleNamespace(prompt_logprobs=None, outputs=samples[::-1]))
-        return outputs
-
-    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        self.rpc.append((method, args))
-        return [len(args[0])]
-
-    def reset_prefix_cache(self):
-        self.prefix_resets += 1
-
+from fake_vllm import EOS, FakeLLM, FakeSamplingParams, VLLMValidationError, completion_output, fake_vllm_module, lp, utility_round_trip
 
 # ---------------------------------------------------------------------------- import hygiene and the missing-vllm error
 
@@ -122,7 +52,7 @@ def test_load_passes_engine_options_and_forces_raw_logprobs(monkeypatch):
     kw = backend.llm.kwargs
     assert kw["model"] == "/m" and kw["tensor_parallel_size"] == 2 and kw["gpu_memory_utilization"] == 0.3
     assert kw["dtype"] == "float32" and kw["max_model_len"] == 256 and kw["enforce_eager"] is True and kw["seed"] == 0
-    assert kw["logprobs_mode"] == RAW_LOGPROBS and kw["worker_extension_cls"] == WORKER_EXTENSION and kw["max_logprobs"] == 8
+    assert kw["logprobs_mode"] == RAW_LOGPROBS and kw["max_logprobs"] == 8
     assert backend.tokenizer.padding_side == "left" and backend.version == 0 and backend.eos_id == EOS
     with pytest.raises(ValueError, match="raw_logprobs"):
         VLLMBackend.load("/m", logprobs_mode="processed_logprobs")
@@ -151,7 +81,8 @@ def test_unseeded_and_greedy_mapping():
     kw = sampling_kwargs(SamplingParams(temperature=1.0), 0)
     assert "seed" not in kw and "stop" not in kw
     greedy = sampling_kwargs(SamplingParams(temperature=0.0, top_p=0.5, n=2, seed=1), 7)
-    assert greedy["temperature"] == 0.0 and greedy["top_p"] == 1.0 and greedy["n"] == 2 and "seed" in greedy
+    assert greedy["temperature"] == 0.0 and greedy["top_p"] == 1.0 and greedy["n"] == 1 and "seed" in greedy
+    FakeSamplingParams(**greedy)  # accepted by (the fake of) vLLM's validation
 
 
 def test_score_sampling_kwargs():
@@ -269,8 +200,9 @@ def test_unsupported_score_fields_are_refused_clearly():
 
 @pytest.fixture
 def fake_backend(monkeypatch):
+    """A backend started by ``load`` on the fake engine, so the engine sees exactly the options the backend gives it."""
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm_module(FakeLLM))
-    return VLLMBackend(FakeLLM(), max_logprobs=20)
+    return VLLMBackend.load("/m", max_logprobs=20)
 
 
 def test_generate_is_one_call_prompt_major_with_per_prompt_seeds(fake_backend):
@@ -293,7 +225,7 @@ def test_score_over_the_fake_engine(fake_backend):
     out = fake_backend.score(input_ids, mask, want=("logprobs", "topk"), top_k=2)
     sent_prompts, sent_params = fake_backend.llm.calls[-1]
     assert [p["prompt_token_ids"] for p in sent_prompts] == [[5, 6, 7], [8, 9]]  # unpadded, empty row skipped
-    assert sent_params["prompt_logprobs"] == 2 and sent_params["max_tokens"] == 1
+    assert all(sp["prompt_logprobs"] == 2 and sp["max_tokens"] == 1 and "allowed_token_ids" not in sp for sp in sent_params)
     torch.testing.assert_close(out["logprobs"], torch.tensor([[0.0, -0.6, -0.7], [0.0, -0.9, 0.0], [0.0, 0.0, 0.0]]))
     assert out["topk_ids"][0, 1].tolist() == [100, 101]
     with pytest.raises(NotImplementedError):
@@ -302,14 +234,87 @@ def test_score_over_the_fake_engine(fake_backend):
         fake_backend.score(input_ids, mask, grad=True)
 
 
-def test_load_weights_goes_through_collective_rpc_and_resets_the_prefix_cache(fake_backend):
-    state = {"model.embed_tokens.weight": torch.ones(3, 2), "lm_head.weight": torch.zeros(3, 2)}
+def test_the_fake_is_as_strict_as_vllm_sampling_params():
+    with pytest.raises(VLLMValidationError, match="n must be 1 when using greedy sampling"):
+        FakeSamplingParams(n=2, temperature=0.0)
+    with pytest.raises(VLLMValidationError, match=r"temperature must be in \[0, 2\]"):
+        FakeSamplingParams(temperature=2.5)
+    with pytest.raises(VLLMValidationError, match="empty string"):
+        FakeSamplingParams(stop=["\n", ""])
+    assert FakeSamplingParams(temperature=0.001)["temperature"] == 0.01  # vLLM's silent clamp
+
+
+def test_the_fake_rpc_boundary_turns_tensors_into_lists_as_vllm_does():
+    method, _, args, _ = utility_round_trip(["m", None, [[("w", torch.arange(6, dtype=torch.float32).reshape(3, 2))]], {}])
+    name, encoded = args[0][0]
+    assert method == "m" and name == "w" and isinstance(encoded, list) and encoded[:2] == ["float32", [3, 2]]
+    assert torch.equal(torch.frombuffer(bytearray(encoded[2]), dtype=torch.float32).reshape(3, 2), torch.arange(6, dtype=torch.float32).reshape(3, 2))
+    with pytest.raises(TypeError, match="not serializable"):
+        utility_round_trip(["m", None, [object()], {}])
+
+
+def test_load_weights_reaches_the_worker_model_through_the_rpc_boundary(fake_backend):
+    embed = torch.arange(6, dtype=torch.float32).reshape(3, 2)
+    state = {"model.embed_tokens.weight": embed, "lm_head.weight": embed, "model.norm.weight": torch.ones(2, dtype=torch.bfloat16)}  # tied, like tiny models
     fake_backend.load_weights(state, version=7)
-    method, args = fake_backend.llm.rpc[-1]
-    assert method == "harness_load_weights" and [name for name, _ in args[0]] == list(state)
-    assert all(t.device.type == "cpu" for _, t in args[0])
+    method, args, kwargs = fake_backend.llm.rpc[-1]
+    assert method == "reload_weights" and args == [] and set(kwargs) == {"weights_path"}  # only a path crosses the boundary
+    loaded = fake_backend.llm.worker.model_runner.get_model().loaded
+    assert set(loaded) == set(state) and all(torch.equal(loaded[k], v) and loaded[k].dtype == v.dtype for k, v in state.items())
     assert fake_backend.llm.prefix_resets == 1 and fake_backend.version == 7
-    assert [n for n, _ in named_tensors(state)] == list(state)
+    fake_backend.load_weights({k: v + 1 for k, v in state.items()}, version=8)  # the folder is reused, the file replaced
+    assert torch.equal(fake_backend.llm.worker.model_runner.get_model().loaded["lm_head.weight"], embed + 1)
+    assert sorted(p.name for p in fake_backend.weights_dir.iterdir()) == ["model.safetensors"]
+    folder = fake_backend.weights_dir
+    fake_backend.close()
+    assert not folder.exists() and fake_backend.weights_dir is None
+
+
+def test_a_failed_prefix_cache_reset_is_an_error(fake_backend):
+    fake_backend.llm.prefix_reset_result = False
+    with pytest.raises(RuntimeError, match="reset_prefix_cache"):
+        fake_backend.load_weights({"w": torch.ones(2)}, version=1)
+    assert fake_backend.version == 0
+
+
+def test_greedy_with_n_samples_sends_one_and_copies_it(fake_backend):
+    out = fake_backend.generate([[10, 11], [20]], SamplingParams(temperature=0.0, n=3, max_new_tokens=4))
+    _, sent = fake_backend.llm.calls[-1]
+    assert [sp["n"] for sp in sent] == [1, 1]
+    assert [(c.prompt_index, c.sample_index) for c in out] == [(p, s) for p in range(2) for s in range(3)]
+    assert [c.token_ids for c in out] == [[11, EOS]] * 3 + [[20, EOS]] * 3
+    out[0].token_ids.append(99)  # copies, not one shared list
+    assert out[1].token_ids == [11, EOS]
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        (SamplingParams(temperature=2.5), "above vLLM's limit of 2.0"),
+        (SamplingParams(temperature=0.005), "silently raises to 0.01"),
+        (SamplingParams(stop=("\n\n", "")), "empty stop string"),
+    ],
+)
+def test_what_vllm_refuses_is_refused_first_with_a_clear_error(fake_backend, params, message):
+    with pytest.raises(ValueError, match=message):
+        fake_backend.generate([[10, 11]], params)
+    assert fake_backend.llm.calls == []  # nothing was sent
+    assert len(fake_backend.generate([[10, 11]], SamplingParams(temperature=2.0, stop=("x",)))) == 1  # the limit itself is allowed
+
+
+def test_a_row_of_exactly_max_model_len_is_scored(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm_module(FakeLLM))
+    backend = VLLMBackend(FakeLLM(max_model_len=4), max_logprobs=20)
+    input_ids = torch.tensor([[5, 6, 7, 8], [8, 9, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    out = backend.score(input_ids, mask, want=("logprobs", "topk"), top_k=2)
+    sent_prompts, sent_params = backend.llm.calls[-1]
+    assert [p["prompt_token_ids"] for p in sent_prompts] == [[5, 6, 7], [8, 9]]
+    assert sent_params[0]["allowed_token_ids"] == [8] and sent_params[0]["logprobs"] == 2 and "allowed_token_ids" not in sent_params[1]
+    torch.testing.assert_close(out["logprobs"], torch.tensor([[0.0, -0.6, -0.7, -0.8], [0.0, -0.9, 0.0, 0.0]]))
+    assert out["topk_ids"][0, 3].tolist() == [100, 101]
+    with pytest.raises(ValueError, match="row 0 has 5 tokens, more than the engine's max_model_len=4"):
+        backend.score(torch.tensor([[5, 6, 7, 8, 9]]), torch.ones(1, 5, dtype=torch.long))
 
 
 # ---------------------------------------------------------------------------- GPU: the real engine against HF
@@ -446,6 +451,23 @@ def test_gpu_score_matches_hf_score(engines):
     assert torch.allclose(looked_up[valid], ours["topk_logprobs"][valid], atol=1e-2)
     with pytest.raises(NotImplementedError):
         vb.score(ids, mask, want=("entropy",))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+def test_gpu_a_row_of_exactly_max_model_len_matches_hf(engines):
+    vb, hf, tok = engines
+    limit = vb.max_model_len()
+    text = "Compute 12+7.\n12+7=19\n" * 40
+    seqs = [_encode(tok, text)[:limit], _encode(tok, "Hi there")]
+    assert len(seqs[0]) == limit
+    ids, mask = _right_pad(seqs, tok.pad_token_id)
+    ours = vb.score(ids, mask, want=("logprobs", "topk"), top_k=5)
+    theirs = {k: v.cpu() for k, v in hf.score(ids, mask, want=("logprobs", "topk"), top_k=5).items()}
+    valid = mask.bool().clone()
+    valid[:, 0] = False
+    assert torch.allclose(ours["logprobs"][valid], theirs["logprobs"][valid], atol=1e-2)
+    assert torch.allclose(ours["topk_logprobs"][0, limit - 1], theirs["topk_logprobs"][0, limit - 1], atol=1e-2)
 
 
 @pytest.mark.gpu

@@ -28,7 +28,13 @@ How our contract maps onto vLLM (evidence in the docstrings below and in the clo
   alike); vLLM gives the ``n`` children of a seeded request the seeds ``seed + i``
   (``vllm/v1/engine/parallel_sampling.py``), so the samples of one prompt differ, two prompts with
   the same text differ, and a run repeats exactly. Without ``params.seed`` sampling is unseeded.
-* **Greedy**: ``temperature == 0`` is sent as ``temperature=0.0`` (vLLM's greedy).
+* **Greedy**: ``temperature == 0`` is sent as ``temperature=0.0`` (vLLM's greedy). vLLM refuses
+  ``n > 1`` with greedy sampling ("n must be 1 when using greedy sampling",
+  ``SamplingParams._verify_greedy_sampling``), so a greedy request is sent with ``n=1`` and its one
+  completion is copied ``n`` times (greedy samples are identical, as with the HF backend).
+* **Checked before sending** (``check_sampling_params``): vLLM refuses ``temperature > 2`` and an
+  empty stop string, and silently raises ``0 < temperature < 0.01`` to 0.01; our
+  ``SamplingParams`` allows all three, so this backend refuses them with a ``ValueError`` first.
 * **Log-probs of sampled tokens**: ``SamplingParams(logprobs=0)`` returns, per generated token, a
   dict ``{token_id: Logprob}`` holding just the sampled token (vLLM always includes it). Which
   distribution those numbers come from is an *engine* setting in vLLM >= 0.10,
@@ -50,21 +56,33 @@ How our contract maps onto vLLM (evidence in the docstrings below and in the clo
   position (``Logprob.logprob``, ``Logprob.rank``). Prompt log-probs follow ``logprobs_mode`` too,
   so they are raw (untempered). Fields: ``logprobs`` and ``topk`` (``topk_logprobs``,
   ``topk_ids``); ``entropy`` and ``full`` raise ``NotImplementedError`` because vLLM returns
-  only top-k log-probs, never whole distributions.
-* **Weight updates** (``load_weights``): the engine is started with
-  ``worker_extension_cls="harness.backends.vllm_backend.WeightUpdateExtension"``; ``load_weights``
-  calls ``LLM.collective_rpc("harness_load_weights", args=(named_tensors,))``, and each worker runs
-  ``self.model_runner.model.load_weights(weights=...)`` (vLLM's model classes accept HF checkpoint
-  names and shard for tensor parallelism themselves), then the prefix cache is reset so no KV
-  computed with the old weights is reused. Tensors travel to the workers through vLLM's RPC
-  serialisation, fine for small models and not a high-bandwidth path (vLLM's RLHF examples use
-  NCCL/IPC for that). **This path has not been run here** (no GPU, no vllm on this machine).
+  only top-k log-probs, never whole distributions. vLLM refuses a prompt of exactly
+  ``max_model_len`` tokens (it would leave no room for the one output token,
+  ``InputProcessor._validate_prompt_len``), so such a row is sent without its last token and with
+  ``allowed_token_ids=[last token]``, ``logprobs=k``: the one generated token is then the row's last
+  token, and its log-prob entry (raw, computed before the allowed-token mask) is that position's
+  score. A row longer than ``max_model_len`` is a ``ValueError`` naming the row.
+* **Weight updates** (``load_weights``): the state dict (HF checkpoint names) is written to
+  ``model.safetensors`` in a folder this backend owns, then ``LLM.collective_rpc("reload_weights",
+  kwargs={"weights_path": folder})`` makes every worker reload in place from it (vLLM's own
+  ``Worker.reload_weights`` → ``model_loader.reload.reload_weights``: the model class maps HF names
+  and shards for tensor parallelism), and ``reset_prefix_cache()`` (which must return True) drops KV
+  computed with the old weights. Tensors are never sent through ``collective_rpc``: vLLM's engine
+  core decodes UTILITY arguments untyped, so a tensor would arrive as ``[dtype, shape, bytes]``
+  (``v1/serial_utils.py``, ``v1/engine/core.py``); only the folder's path crosses that boundary.
+  The folder must be visible to every worker (one machine). **Not run here** (no vllm on any
+  machine this project has used); the GPU tests cover it where vllm is installed.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import tempfile
 import time
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -79,8 +97,10 @@ VLLM_MISSING = (
     "environment on a GPU machine (`pip install -e '.[gpu]'`, vllm==0.33.0); see DEVELOPERS.md, 'GPU environment'"
 )
 RAW_LOGPROBS = "raw_logprobs"
-WORKER_EXTENSION = "harness.backends.vllm_backend.WeightUpdateExtension"
 UNSUPPORTED_SCORE_FIELDS = ("entropy", "full")
+MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams._verify_args: temperature must be in [0, 2]
+MIN_TEMPERATURE = 0.01  # vLLM's _MAX_TEMP: a smaller positive temperature is silently raised to it
+WEIGHTS_FILE = "model.safetensors"
 
 
 def import_vllm():
@@ -102,7 +122,7 @@ def sampling_kwargs(params: SamplingParams, prompt_index: int) -> dict[str, Any]
     own seed (vLLM then seeds the ``n`` samples ``seed + i``).
     """
     kwargs: dict[str, Any] = {
-        "n": params.n,
+        "n": 1 if params.greedy else params.n,  # vLLM refuses greedy n > 1; generate() copies the one completion
         "max_tokens": params.max_new_tokens,
         "logprobs": 0,
         "include_stop_str_in_output": True,
@@ -119,6 +139,19 @@ def sampling_kwargs(params: SamplingParams, prompt_index: int) -> dict[str, Any]
     return kwargs
 
 
+def check_sampling_params(params: SamplingParams) -> None:
+    """Refuse, with the reason, what vLLM would refuse or silently change (see the module docstring)."""
+    if params.temperature > MAX_TEMPERATURE:
+        raise ValueError(f"vllm backend: temperature={params.temperature} is above vLLM's limit of {MAX_TEMPERATURE}")
+    if 0.0 < params.temperature < MIN_TEMPERATURE:
+        raise ValueError(
+            f"vllm backend: temperature={params.temperature} is below {MIN_TEMPERATURE}, which vLLM silently raises to {MIN_TEMPERATURE}; "
+            "use 0 (greedy) or at least 0.01"
+        )
+    if any(stop == "" for stop in params.stop):
+        raise ValueError(f"vllm backend: an empty stop string is refused by vLLM; stop={list(params.stop)!r}")
+
+
 def score_sampling_kwargs(want: tuple[str, ...], top_k: int) -> dict[str, Any]:
     """``vllm.SamplingParams`` keyword arguments for scoring: one throw-away token, prompt log-probs."""
     return {
@@ -130,6 +163,29 @@ def score_sampling_kwargs(want: tuple[str, ...], top_k: int) -> dict[str, Any]:
         "prompt_logprobs": top_k if "topk" in want else 0,
         "detokenize": False,
     }
+
+
+def last_token_kwargs(want: tuple[str, ...], top_k: int, last_token: int) -> dict[str, Any]:
+    """Scoring kwargs for a row sent without its last token: the one output token is forced to be it.
+
+    ``allowed_token_ids`` masks the logits after vLLM computed the raw log-probs, so the returned
+    entry holds the last token's untempered log-prob and the ``k`` most likely tokens there.
+    """
+    kwargs = score_sampling_kwargs(want, top_k)
+    kwargs.update(allowed_token_ids=[int(last_token)], logprobs=kwargs["prompt_logprobs"])
+    return kwargs
+
+
+def check_row_lengths(lengths: list[int], max_model_len: int | None) -> None:
+    """A row longer than the engine's context cannot be scored: say which one and what to change."""
+    if max_model_len is None:
+        return
+    for row, length in enumerate(lengths):
+        if length > max_model_len:
+            raise ValueError(
+                f"vllm backend: score() row {row} has {length} tokens, more than the engine's max_model_len={max_model_len}; "
+                f"load the vllm backend with max_model_len={length} or more"
+            )
 
 
 def check_score_request(want: tuple[str, ...], top_k: int, max_logprobs: int | None = None) -> None:
@@ -214,6 +270,20 @@ def request_to_completions(request_output, prompt_index: int, n: int, eos_id: in
     return [to_completion(o, prompt_index, s, eos_id, timings) for s, o in enumerate(outputs)]
 
 
+def copies(completion: Completion, n: int) -> list[Completion]:
+    """``n`` copies of one greedy completion, numbered ``sample_index`` 0..n-1."""
+    return [replace(completion, sample_index=s, token_ids=list(completion.token_ids), logprobs=list(completion.logprobs), timings=dict(completion.timings)) for s in range(n)]
+
+
+def forced_last_entry(request_output, last_token: int, row: int) -> dict:
+    """The log-prob entry of the one generated token of a row sent without its last token (it must be that token)."""
+    outputs = list(request_output.outputs)
+    if len(outputs) != 1 or list(outputs[0].token_ids) != [last_token] or not outputs[0].logprobs:
+        got = [list(o.token_ids) for o in outputs]
+        raise RuntimeError(f"vllm backend: row {row}: the forced last token {last_token} was not generated (got {got})")
+    return outputs[0].logprobs[0]
+
+
 def unpadded_sequences(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[tuple[list[int], list[int]]]:
     """Per row: (the positions where the mask is 1, the tokens there), works for right or left padding."""
     rows = []
@@ -276,21 +346,29 @@ def prompt_logprobs_to_tensor(
     return out
 
 
-def named_tensors(state_dict: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    """``(name, CPU tensor)`` pairs for vLLM's ``model.load_weights`` (HF checkpoint names)."""
-    return [(name, tensor.detach().to("cpu").contiguous()) for name, tensor in state_dict.items()]
+def cpu_state(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached CPU copies, each with its own storage (safetensors refuses tied weights that share one)."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in state_dict.items():
+        cpu = tensor.detach().to("cpu").contiguous()
+        if cpu.untyped_storage().data_ptr() in seen:
+            cpu = cpu.clone()
+        seen.add(cpu.untyped_storage().data_ptr())
+        out[name] = cpu
+    return out
 
 
-class WeightUpdateExtension:
-    """Mixed into each vLLM worker (``LLM(worker_extension_cls=...)``); ``self`` is the worker there.
+def save_weights(state_dict: dict[str, torch.Tensor], folder: Path) -> Path:
+    """Write ``state_dict`` as ``folder/model.safetensors`` (atomically: a reader never sees half a file)."""
+    from safetensors.torch import save_file
 
-    Kept free of vllm imports so that importing this module stays cheap. Untested here (no GPU).
-    """
-
-    def harness_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
-        device = next(self.model_runner.model.parameters()).device
-        loaded = self.model_runner.model.load_weights(weights=[(name, t.to(device)) for name, t in weights])
-        return len(loaded) if loaded is not None else len(weights)
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / WEIGHTS_FILE
+    partial = folder / (WEIGHTS_FILE + ".partial")  # not *.safetensors: vLLM's loader ignores it
+    save_file(cpu_state(state_dict), str(partial), metadata={"format": "pt"})
+    os.replace(partial, target)
+    return target
 
 
 # ---------------------------------------------------------------------------- the backend
@@ -315,6 +393,7 @@ class VLLMBackend:
         self.max_logprobs = max_logprobs
         self.show_progress = show_progress
         self.version = 0
+        self.weights_dir: Path | None = None  # created by the first load_weights, removed by close()
 
     @classmethod
     def load(
@@ -335,8 +414,6 @@ class VLLMBackend:
         mode = engine_kwargs.pop("logprobs_mode", RAW_LOGPROBS)
         if mode != RAW_LOGPROBS:
             raise ValueError(f"vllm backend: logprobs_mode must be {RAW_LOGPROBS!r} (log-probs of the untempered model distribution), got {mode!r}")
-        if "worker_extension_cls" in engine_kwargs:
-            raise ValueError("vllm backend: worker_extension_cls is set by the backend (weight updates)")
         vllm = import_vllm()
         kwargs: dict[str, Any] = dict(
             model=str(model),
@@ -347,7 +424,6 @@ class VLLMBackend:
             enforce_eager=as_bool(enforce_eager),
             max_logprobs=int(max_logprobs),
             logprobs_mode=RAW_LOGPROBS,
-            worker_extension_cls=WORKER_EXTENSION,
             **engine_kwargs,
         )
         if max_model_len is not None:
@@ -375,6 +451,7 @@ class VLLMBackend:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """``params.n`` samples per prompt, prompt-major, from one ``LLM.generate`` call."""
+        check_sampling_params(params)
         if not prompts:
             return []
         started = time.perf_counter()
@@ -384,10 +461,17 @@ class VLLMBackend:
         if len(outputs) != len(prompts):
             raise RuntimeError(f"vllm backend: sent {len(prompts)} prompts, got {len(outputs)} outputs")
         timings = {"generate_s": (time.perf_counter() - started) / (len(prompts) * params.n)}
+        sent_n = 1 if params.greedy else params.n
         completions: list[Completion] = []
         for prompt_index, request_output in enumerate(outputs):
-            completions.extend(request_to_completions(request_output, prompt_index, params.n, self.eos_id, timings))
+            samples = request_to_completions(request_output, prompt_index, sent_n, self.eos_id, timings)
+            completions.extend(samples if sent_n == params.n else copies(samples[0], params.n))
         return completions
+
+    def max_model_len(self) -> int | None:
+        """The engine's context length (``LLM.model_config.max_model_len``), None when it cannot be read."""
+        value = getattr(getattr(self.llm, "model_config", None), "max_model_len", None)
+        return int(value) if value is not None else None
 
     def score(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, want: tuple[str, ...] = ("logprobs",), top_k: int = 0, grad: bool = False
@@ -396,32 +480,54 @@ class VLLMBackend:
 
         Position 0 of each sequence and padding positions are 0. ``entropy``/``full`` raise
         ``NotImplementedError``; ``grad=True`` is refused (an inference engine has no autograd).
+        A row of exactly ``max_model_len`` tokens is scored as described in the module docstring.
         """
         if grad:
             raise NotImplementedError("the vllm backend cannot score with gradients; use the hf backend for a trained model")
         check_score_request(want, top_k, self.max_logprobs)
         rows = unpadded_sequences(input_ids, attention_mask)
+        limit = self.max_model_len()
+        check_row_lengths([len(tokens) for _, tokens in rows], limit)
         live = [b for b, (_, tokens) in enumerate(rows) if tokens]
         per_row: list = [None] * len(rows)
         if live:
-            sampling = self._sampling_params(**score_sampling_kwargs(want, top_k))
-            outputs = self.llm.generate([self._tokens_prompt(rows[b][1]) for b in live], sampling, use_tqdm=self.show_progress)
-            for b, request_output in zip(live, outputs, strict=True):
-                per_row[b] = request_output.prompt_logprobs
+            full_rows = {b for b in live if limit is not None and len(rows[b][1]) == limit}
+            prompts, sampling = [], []
+            for b in live:
+                tokens = rows[b][1]
+                if b in full_rows:
+                    prompts.append(self._tokens_prompt(tokens[:-1]))
+                    sampling.append(self._sampling_params(**last_token_kwargs(want, top_k, tokens[-1])))
+                else:
+                    prompts.append(self._tokens_prompt(tokens))
+                    sampling.append(self._sampling_params(**score_sampling_kwargs(want, top_k)))
+            outputs = self.llm.generate(prompts, sampling, use_tqdm=self.show_progress)
+            if len(outputs) != len(live):
+                raise RuntimeError(f"vllm backend: sent {len(live)} rows to score, got {len(outputs)} outputs")
+            for b, request_output in zip(live, outputs):
+                entries = request_output.prompt_logprobs
+                if b in full_rows:
+                    entries = list(entries or []) + [forced_last_entry(request_output, rows[b][1][-1], b)]
+                per_row[b] = entries
         scores = prompt_logprobs_to_tensor(per_row, input_ids.cpu(), attention_mask.cpu(), want, top_k)
         return {k: v.to(input_ids.device) for k, v in scores.items()}
 
     def close(self) -> None:
-        """Best effort: stop the engine's background process now instead of at garbage collection."""
+        """Best effort: stop the engine's background process now instead of at garbage collection; drop the weights folder."""
         engine_core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         shutdown = getattr(engine_core, "shutdown", None)
         if shutdown is not None:
             shutdown()
+        if self.weights_dir is not None:
+            shutil.rmtree(self.weights_dir, ignore_errors=True)
+            self.weights_dir = None
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Push new weights (HF names) into every worker and record the policy version. Untested here."""
-        self.llm.collective_rpc("harness_load_weights", args=(named_tensors(state_dict),))
-        reset = getattr(self.llm, "reset_prefix_cache", None)
-        if reset is not None:
-            reset()  # cached KV blocks were computed with the old weights
+        """Reload every worker's weights from ``state_dict`` (HF names) through a safetensors folder; record ``version``."""
+        if self.weights_dir is None:
+            self.weights_dir = Path(tempfile.mkdtemp(prefix="harness-vllm-weights-"))
+        save_weights(state_dict, self.weights_dir)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self.weights_dir)})
+        if not self.llm.reset_prefix_cache():  # cached KV blocks were computed with the old weights
+            raise RuntimeError("vllm backend: reset_prefix_cache() failed after a weight update (requests still running?)")
         self.version = version

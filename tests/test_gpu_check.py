@@ -1,0 +1,64 @@
+"""benchmarks/gpu_check.sh in its CPU dry mode (what CI can run) and its refusal when pydantic cannot be provided."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+
+
+def run_script(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_dry_mode_runs_the_whole_check_on_the_cpu(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    done = run_script(["--dry-run", "--out", str(out)], PY=sys.executable, CUDA_VISIBLE_DEVICES="")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "DRY MODE (--dry-run): skipping every CUDA measurement" in done.stdout
+    report = json.loads(out.read_text())
+    assert report["mode"] == "dry" and report["device"] == "cpu" and report["failures"] == []
+    assert list(report["models"]) == ["demo"]  # the wide pair is GPU-only
+    demo = report["models"]["demo"]
+    assert demo["generation"]["sequences"] == 4 * 2 and 0 < demo["generation"]["tokens"] <= 4 * 2 * 8
+    assert demo["generation"]["tokens_per_s"] > 0 and demo["learner"]["step_s_mean"] > 0 and demo["teacher_score_s"] > 0
+    assert demo["logprob_check"]["ok"] and demo["logprob_check"]["max_abs_diff"] == 0.0  # CPU against CPU in dry mode
+    assert demo["student_parameters"] < demo["teacher_parameters"]
+    assert report["vllm_tests"] == {"ran": False, "reason": "no CUDA (dry mode)"}
+
+
+def test_without_pydantic_or_wheels_it_stops_with_exit_2(tmp_path):
+    no_site = tmp_path / "python-no-site"
+    no_site.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')  # -S: no site-packages, so pydantic does not import
+    no_site.chmod(0o755)
+    done = run_script(["--out", str(tmp_path / "x.json")], PY=str(no_site), GPU_WHEELS=str(tmp_path / "empty"))
+    assert done.returncode == 2
+    assert "fetch-wheels" in done.stderr and not (tmp_path / "x.json").exists()
+
+
+def test_every_failed_check_is_reported():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    report = {
+        "models": {
+            "demo": {"error": "Traceback (most recent call last):\nRuntimeError: CUDA error"},
+            "wide": {"logprob_check": {"ok": False, "max_abs_diff": 3e-3}},
+            "fine": {"logprob_check": {"ok": True, "max_abs_diff": 1e-6}},
+        },
+        "vllm_tests": {"ran": True, "ok": False, "returncode": 1},
+    }
+    failures = gpu_check.check_failures(report, 1e-4)
+    assert failures[:2] == ["demo: raised RuntimeError: CUDA error", "wide: GPU vs CPU log-probs differ by 3.00e-03 > 0.0001"]
+    assert len(failures) == 3 and failures[2].startswith("vLLM GPU tests failed")
+    assert gpu_check.check_failures({"models": {"fine": report["models"]["fine"]}, "vllm_tests": {"ran": False}}, 1e-4) == []
