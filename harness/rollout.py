@@ -73,6 +73,7 @@ def run_episodes(backend: Backend, task, problems: list, params: SamplingParams,
     episodes = [
         Episode(problem, Trajectory(task=task.name, problem_id=problem.id, sample_index=s, prompt_ids=[])) for problem in problems for s in range(params.n)
     ]
+    finished = False
     with ThreadPoolExecutor(max_workers=max(1, env_workers), thread_name_prefix="env") as pool:
         try:
             list(pool.map(lambda e: open_episode(e, task, tokenizer, limit), episodes))
@@ -81,8 +82,9 @@ def run_episodes(backend: Backend, task, problems: list, params: SamplingParams,
                 generate_turn(backend, live, params, turn, limit, fit=budgeted)
                 list(pool.map(lambda e: step_episode(e, tokenizer, use_template, limit), [e for e in live if e.live]))
                 turn += 1
-        finally:
-            list(pool.map(close_episode, episodes))
+            finished = True
+        finally:  # interrupted (Ctrl-C, SIGTERM, a failed generation): close at once, no outcomes to wait for
+            list(pool.map(lambda e: close_episode(e, collect=finished), episodes))
     return [e.traj for e in episodes]
 
 
@@ -204,9 +206,10 @@ def observation_segment(observation: Observation, tokenizer, use_template: bool)
     return Segment(kind="env", token_ids=encode(tokenizer, text), text=text)
 
 
-def close_episode(episode: Episode) -> None:
-    """Record the episode's counters and outcome, then close its environment. A failure to collect the outcome is
-    the episode's infrastructure error (graded ``error``); a failure to close is recorded; neither is raised."""
+def close_episode(episode: Episode, *, collect: bool = True) -> None:
+    """Record the episode's counters and (when ``collect``) its outcome, then close its environment. A failure to
+    collect the outcome is the episode's infrastructure error (graded ``error``); a failure to close is recorded;
+    neither is raised. An interrupted rollout does not collect: an outcome may wait on a command still running."""
     stats = episode.traj.metadata.setdefault("episode", {})
     stats["turns"] = episode.traj.num_steps
     stats.setdefault("stop_reason", "done" if not episode.live else "interrupted")
@@ -217,7 +220,8 @@ def close_episode(episode: Episode) -> None:
         return
     try:
         stats.update(episode.env.metrics())
-        episode.traj.metadata["outcome"] = episode.env.outcome()
+        if collect:
+            episode.traj.metadata["outcome"] = episode.env.outcome()
     except Exception as exc:  # noqa: BLE001 - e.g. the sandbox died before the agent's patch could be read
         episode.traj.metadata["env_error"] = f"outcome: {type(exc).__name__}: {exc}"
     finally:

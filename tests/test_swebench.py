@@ -202,6 +202,56 @@ def test_cli_sandbox_build_and_replay_eval(tiny, tmp_path, monkeypatch):
     assert (got["n_pass"], got["n_fail"], got["n_errors"]) == (1, 0, 0), got
 
 
+@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+def test_nothing_is_left_running_after_a_crash_mid_episode(how, tiny, tmp_path, docker_client):
+    """An agent is inside `sleep 300` in its instance container when `harness eval` is stopped: SIGTERM removes the
+    container before the exit; after SIGKILL the orphan is reaped by the next process that opens a sandbox."""
+    import os
+    import signal
+    import sys
+    import time
+
+    from sandbox.docker import LABEL, OWNER_LABEL
+
+    root, _ = tiny
+    data = root / "data"
+    turns = tmp_path / "turns.jsonl"
+    turns.write_text(json.dumps({"task": "swebench", "id": IID, "turns": ["```bash\nsleep 300\n```"]}) + "\n")
+    args = ["eval", "--task", "swebench", "--backend", "replay", "--model", str(turns), "--k", "1", "--out", str(tmp_path / "out"), "--data-dir", str(data),
+            "--task-arg", f"swebench.dataset={data / 'swebench' / 'tiny.jsonl'}", "--task-arg", f"swebench.cache_dir={root / 'cache'}"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    code = (f"from tasks.swebench import upstream; upstream.register_repo({REPO!r}, {{{VERSION!r}: {{'python': '3.9', 'test_cmd': 'python -m unittest -v'}}}}, "
+            "parser='django/django')\nfrom harness.cli import main; main()")  # the tiny repository's spec, as the fixture registers it
+    proc = subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def mine() -> list[str]:
+        found = docker_client.api.containers(all=True, filters={"label": f"{LABEL}=1"})
+        return [c["Id"] for c in found if (c.get("Labels") or {}).get(OWNER_LABEL, "").split(":")[-2:-1] == [str(proc.pid)]]
+
+    try:
+        deadline = time.monotonic() + 300
+        while not mine():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-3000:] if proc.poll() is not None else "no container"
+            time.sleep(0.2)
+        time.sleep(1.0)  # the command is running in it
+        proc.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
+        signalled = time.monotonic()
+        proc.wait(timeout=120)
+        if how == "sigterm":  # at once: not after the command's 60 s limit (no patch is read from an interrupted episode)
+            assert proc.returncode == 128 + signal.SIGTERM and mine() == []
+            assert time.monotonic() - signalled < 30, f"exit took {time.monotonic() - signalled:.0f} s after SIGTERM"
+        else:
+            assert len(mine()) == 1  # a killed process cleans nothing up itself
+            reaper = "import sandbox\nwith sandbox.open_sandbox('docker') as sb: sb.run(sandbox.ExecRequest(argv=['true']))"  # the next user reaps
+            subprocess.run([sys.executable, "-c", reaper], env=env, check=True, timeout=120)
+            assert mine() == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for cid in mine():
+            docker_client.api.remove_container(cid, force=True)
+
+
 def test_open_instance_session_runs_in_the_repository(tiny):
     from sandbox import ExecRequest
     from tasks.swebench.session import open_instance_session
