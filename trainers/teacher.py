@@ -6,6 +6,7 @@ never lets a step train on missing teacher log-probs (a failure is retried, then
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import torch
@@ -33,20 +34,28 @@ def open_remote_teacher(spec: TeacherSpec, tokenizer_path: str) -> Backend:
     options = dict(spec.backend_options)
     if spec.backend == "openai":
         options.setdefault("tokenizer", tokenizer_path)
-        return cls.load(spec.path or served_model(spec), base_url=spec.base_url, **options)
+        return cls.load(served_model(spec), base_url=spec.base_url, **options)
     return cls.load(spec.path, **options)
 
 
 def served_model(spec: TeacherSpec) -> str:
-    """The one model the teacher server lists at ``GET /v1/models`` (``teacher.path`` names it when there are several)."""
+    """``teacher.path``, or the one model the server lists, once ``GET /v1/models`` shows it is served there;
+    an unreachable server or an unserved model stops the run before training (:class:`TeacherFailed`)."""
     import openai
 
     options = spec.backend_options
-    client = openai.OpenAI(base_url=spec.base_url, api_key=options.get("api_key") or "EMPTY", timeout=float(options.get("timeout_s", 60)), max_retries=2)
-    models = [m.id for m in client.models.list()]
-    if len(models) != 1:
-        raise ValueError(f"teacher.base_url={spec.base_url} serves {models or 'no models'}; set teacher.path to the served model name")
-    return models[0]
+    client = openai.OpenAI(
+        base_url=spec.base_url, api_key=options.get("api_key") or os.environ.get("OPENAI_API_KEY") or "EMPTY", timeout=float(options.get("timeout_s", 60)), max_retries=2
+    )
+    try:
+        models = [m.id for m in client.models.list()]
+    except openai.OpenAIError as exc:
+        raise TeacherFailed(f"the teacher server at teacher.base_url={spec.base_url} did not answer GET /models ({type(exc).__name__}: {exc})") from exc
+    if spec.path is not None and spec.path not in models:
+        raise TeacherFailed(f"teacher.path={spec.path!r} is not served at teacher.base_url={spec.base_url} (it serves {models})")
+    if spec.path is None and len(models) != 1:
+        raise TeacherFailed(f"teacher.base_url={spec.base_url} serves {models or 'no models'}; set teacher.path to the served model name")
+    return spec.path or models[0]
 
 
 def teacher_label(spec: TeacherSpec, model_path: str | None) -> str:
