@@ -181,11 +181,9 @@ def post(url: str, path: str, body, *, method: str = "POST", raw: bytes | None =
 # ----------------------------------------------------------------------------- round trips
 
 
-def test_registered_and_scoring_refused(url, model_dir):
+def test_registered_and_scores_what_a_server_returns(url, model_dir):
     assert BACKENDS.get("openai") is OpenAIBackend
-    backend = make_backend(url, model_dir)
-    with pytest.raises(NotImplementedError, match="out of scope"):
-        backend.score(None, None)
+    assert OpenAIBackend.score_fields == ("logprobs", "topk")  # scoring itself: tests/test_openai_score.py
 
 
 def test_load_needs_a_server_address(monkeypatch, model_dir):
