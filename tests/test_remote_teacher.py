@@ -165,3 +165,60 @@ def test_method_json_says_the_full_estimator_uses_topk(tmp_path):
     assert record["notes"]["estimator"].startswith("top-5 reverse KL") and "NOT the full-vocabulary KL" in record["notes"]["estimator"]
     assert any("top-5" in w for w in record["warnings"])
     assert json.loads((store.run_dir(run_id) / "config.json").read_text())["method_args"]["opd"]["teacher_top_k"] == 5
+
+
+# ----------------------------------------------------------------------------- end to end against harness serve
+
+
+def harness_run(out, *overrides: str):
+    """``harness run --preset smoke`` in a subprocess (as a user runs it); training only, no evaluation rows to spare time."""
+    import subprocess
+    import sys
+
+    sets = ["eval.teacher=false", "eval.before_training=false", *overrides]
+    args = [sys.executable, "-m", "harness.cli", "run", "--preset", "smoke", "--out", str(out), *(a for s in sets for a in ("--set", s))]
+    return subprocess.run(args, capture_output=True, text=True, timeout=600)
+
+
+def train_runs(out) -> list[dict]:
+    from harness.store import Store
+
+    return [r for r in Store(out).runs() if r["kind"] == "train"]
+
+
+@pytest.mark.slow
+def test_smoke_run_with_a_served_teacher_trains_as_with_the_in_process_teacher(tmp_path):
+    from harness.backends.hf import HFBackend
+    from harness.models.tiny import load_model_and_tokenizer
+    from harness.serve import make_app
+    from harness.store import Store
+    from test_openai_backend import Probe, running
+
+    out = tmp_path / "results"
+    local = harness_run(out)
+    assert local.returncode == 0, local.stderr
+    (teacher_dir,) = (out / "cache" / "models").glob("teacher-*")  # the preset's tiny teacher, built and warmed up by that run
+    model, tokenizer = load_model_and_tokenizer(teacher_dir)
+    vocab = len(tokenizer)
+    probe = Probe(make_app(HFBackend(model, tokenizer), model_name="teacher", max_logprobs=-1))
+    with running(probe) as url:
+        served = harness_run(out, "teacher.backend=openai", f"teacher.base_url={url}", f"teacher.top_k={vocab}")
+        assert served.returncode == 0, served.stderr
+        assert probe.posts > 0 and all(b.get("echo") for b in probe.bodies)  # the steps were scored by the server
+        # the server fails every scoring request: the step is retried once, then the run stops, untrained
+        probe.reset()
+        probe.fail_next = [500] * 100
+        failed = harness_run(out, "teacher.backend=openai", f"teacher.base_url={url}", "teacher.backend_options.max_retries=0")
+    assert failed.returncode == 1
+    message = " ".join(failed.stderr.split())
+    assert "teacher scoring of step 1 failed after 2 attempt(s) (InternalServerError" in message and "the step was not trained" in message
+    store = Store(out)
+    first, second, third = (r["run_id"] for r in train_runs(out))
+    assert store.get_run(third)["status"] == "failed" and store.step_metrics(third) == {}
+    local_steps, served_steps = store.step_metrics(first), store.step_metrics(second)
+    assert sorted(served_steps) == sorted(local_steps) == [1, 2, 3, 4]
+    for step in local_steps:
+        for name in ("loss", "teacher_kl", "teacher_kl_full"):
+            assert served_steps[step][name] == pytest.approx(local_steps[step][name], abs=1e-4), (step, name)
+    notes = json.loads((store.run_dir(second) / "method.json").read_text())["notes"]["estimator"]
+    assert notes.startswith(f"top-{vocab} reverse KL")
