@@ -163,3 +163,34 @@ def test_lm_eval_loglikelihood_scoring_through_the_openai_backend(url, model_dir
     remote, local = score_continuations(backend, pairs), score_continuations(hf, pairs)
     for (r_logp, r_greedy, r_text), (l_logp, l_greedy, l_text) in zip(remote, local, strict=True):
         assert r_logp == pytest.approx(l_logp, abs=1e-4) and (r_greedy, r_text) == (l_greedy, l_text)
+
+
+def test_lm_eval_multiple_choice_through_harness_eval_equals_hf(url, model_dir, tmp_path, monkeypatch):
+    pytest.importorskip("lm_eval")
+    import json
+    import shutil
+    import sqlite3
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from harness.cli import app
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
+    data = Path(__file__).parent / "data" / "lm_eval"
+    include = tmp_path / "tasks"
+    include.mkdir()
+    for template in data.glob("*.yaml.tmpl"):
+        (include / template.name.removesuffix(".tmpl")).write_text(template.read_text().format(data_file=(data / "arith.jsonl").resolve()))
+    shutil.copy(data / "utils.py", include / "utils.py")
+    task = ["--task", "lm_eval:arith_mc", "--task-arg", f"lm_eval:arith_mc.include_path={include}", "--json"]
+    results = {}
+    for name, backend in (("hf", ["--model", str(model_dir)]), ("openai", ["--backend", "openai", "--model", MODEL, "--backend-option", f"base_url={url}", "--backend-option", f"tokenizer={model_dir}"])):
+        out = tmp_path / name
+        result = CliRunner().invoke(app, ["eval", *backend, *task, "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        summary = json.loads(result.stdout)["tasks"]["lm_eval:arith_mc"]
+        assert summary["n_samples"] == 6 and summary["n_errors"] == 0
+        with sqlite3.connect(out / "results.sqlite") as db:
+            results[name] = (summary["avg_at_k"], sorted(db.execute("SELECT problem_id, completion, status FROM samples").fetchall()))
+    assert results["openai"] == results["hf"]
