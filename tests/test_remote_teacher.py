@@ -220,5 +220,38 @@ def test_smoke_run_with_a_served_teacher_trains_as_with_the_in_process_teacher(t
     for step in local_steps:
         for name in ("loss", "teacher_kl", "teacher_kl_full"):
             assert served_steps[step][name] == pytest.approx(local_steps[step][name], abs=1e-4), (step, name)
+    print("served vs in-process teacher, max |Δloss| =", max(abs(served_steps[s]["loss"] - local_steps[s]["loss"]) for s in local_steps))
     notes = json.loads((store.run_dir(second) / "method.json").read_text())["notes"]["estimator"]
     assert notes.startswith(f"top-{vocab} reverse KL")
+
+
+def test_ray_teacher_actor_opens_the_served_teacher_itself(tmp_path):
+    """With ``--executor ray`` no teacher model is shipped: the actor connects to ``teacher.base_url`` and scores there."""
+    from harness.backends.hf import HFBackend
+    from harness.backends.openai_backend import OpenAIBackend
+    from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model, save_model_and_tokenizer
+    from harness.serve import make_app
+    from harness.trajectory import TensorBatch
+    from test_openai_backend import running
+    from trainers.ray_executor import TeacherActor
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(TinyArch(hidden=32, layers=1, heads=2, kv_heads=1, ffn=64), len(tok), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, seed=5)
+    save_model_and_tokenizer(model, tok, tmp_path / "teacher")
+    hf = HFBackend(model, tok)
+    ids = torch.tensor([tok("12+30=42", add_special_tokens=False)["input_ids"]])
+    mask = torch.ones_like(ids)
+    loss_mask = torch.zeros(ids.shape)
+    loss_mask[0, 6:] = 1
+    with running(make_app(hf, model_name="teacher", max_logprobs=-1)) as url:
+        cfg = build_config(preset="smoke", overrides=[*SERVED[:1], f"teacher.base_url={url}", "teacher.top_k=4"])
+        plan = plan_run(cfg)
+        cfg.method_args["opd"] = plan.hparams.model_dump()  # as create_train_run records it
+        actor = TeacherActor(cfg.model_dump(mode="json"), None, tok, str(tmp_path / "teacher"), torch.get_num_threads())
+        assert isinstance(actor.backend, OpenAIBackend) and actor.backend.model == "teacher"  # the server's only model
+        zeros = torch.zeros(ids.shape)
+        batch = TensorBatch(ids, mask, loss_mask, torch.zeros_like(ids), zeros, zeros.clone(), torch.full((1,), float("nan")), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+        batch, _ = actor.score(batch, {}, 1)
+    expected = hf.score(ids, mask, want=("logprobs", "topk"), top_k=4)
+    assert torch.allclose(batch.teacher_logprobs, expected["logprobs"] * loss_mask, atol=1e-4)
+    assert torch.allclose(batch.teacher_topk_logprobs[0, 1:], expected["topk_logprobs"][0, 1:], atol=1e-4) and batch.teacher_full is None
