@@ -123,7 +123,6 @@ class Engine:
         self.stats = EngineStats()
         self.tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to share across threads
         self._queue: queue.Queue[Sequence] = queue.Queue()
-        self._carry: list[Sequence] = []
         self._worker: threading.Thread | None = None
         self._start_lock = threading.Lock()
         accepted = inspect.signature(model.forward).parameters
@@ -156,38 +155,13 @@ class Engine:
         for seq in sequences:
             self._queue.put(seq)
 
-    def run(self, sequences: list[Sequence]) -> list[Sequence]:
-        """Submit and wait (for callers without an event loop, e.g. tests)."""
-        finished = threading.Semaphore(0)
-        for seq in sequences:
-            user = seq.on_event
-
-            def relay(s: Sequence, kind: str, delta: Delta | None, user=user) -> None:
-                if user:
-                    user(s, kind, delta)
-                if kind in ("done", "error"):
-                    finished.release()
-
-            seq.on_event = relay
-        self.submit(sequences)
-        for _ in sequences:
-            finished.acquire()
-        return sequences
-
     def _take_wave(self) -> list[Sequence]:
-        wave = self._carry[: self.max_batch]
-        self._carry = self._carry[self.max_batch :]
-        if not wave:
-            wave.append(self._queue.get())
-            deadline = time.monotonic() + self.batch_wait_s
-            while len(wave) < self.max_batch:
-                try:
-                    wave.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
-                except queue.Empty:
-                    break
+        """The next batch: block for one sequence, then take what arrives within ``batch_wait_s``."""
+        wave = [self._queue.get()]
+        deadline = time.monotonic() + self.batch_wait_s
         while len(wave) < self.max_batch:
             try:
-                wave.append(self._queue.get_nowait())
+                wave.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
             except queue.Empty:
                 break
         return [s for s in wave if not s.cancelled]
