@@ -305,6 +305,7 @@ class _Served:
                 include_stop=req.include_stop_str_in_output,
                 top_n=req.top_n() or 0,
                 prompt_logprobs=echo and req.top_n() is not None,
+                stream=bool(req.stream),
             )
             for prompt in prompts
             for s in range(n)

@@ -43,6 +43,7 @@ class Sequence:
     include_stop: bool = False  # keep a matched stop string in the text (vLLM's include_stop_str_in_output)
     top_n: int = 0  # alternatives per position
     prompt_logprobs: bool = False
+    stream: bool = False  # report text as it is decoded (otherwise only stop strings need the text before the end)
     on_event: Callable[["Sequence", str, "Delta | None"], None] | None = None  # from the engine thread: "step", "done", "error"
     # results
     tokens: list[int] = field(default_factory=list)
@@ -105,6 +106,15 @@ def first_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
     """The earliest stop string in ``text`` as (index, stop), or None."""
     found = [(text.find(s), s) for s in stops if s in text]
     return min(found, key=lambda f: f[0]) if found else None
+
+
+def safe_prefix(text: str, stops: tuple[str, ...]) -> str:
+    """The part of ``text`` that can be shown now: without a tail that may still grow into a stop string
+    (its longest stop minus one character) or an incomplete UTF-8 sequence."""
+    safe = len(text) - (max((len(s) for s in stops), default=1) - 1)
+    while safe > 0 and text[safe - 1] == "\ufffd":
+        safe -= 1
+    return text[: max(safe, 0)]
 
 
 class Engine:
@@ -255,22 +265,22 @@ class Engine:
         seq.prompt_tops = [None, *(top_list(row, seq.top_n) for row in logp)]
 
     def _step(self, seq: Sequence, state: "_TextState", token: int, logp: torch.Tensor) -> None:
+        """Record ``token``; finish on EOS, a stop string or ``max_tokens``, else report what is safe to show."""
         seq.tokens.append(token)
         seq.logprobs.append(float(logp[token]))
         seq.tops.append(top_list(logp, seq.top_n))
+        at_limit = len(seq.tokens) >= seq.max_tokens
         if token == self.eos_id:
-            return self._finish(seq, state, "stop")
-        text = self.decode(seq.tokens)
-        if seq.stop and (hit := first_stop(text, seq.stop)):
+            self._finish(seq, state, "stop")
+        elif not seq.stream and not seq.stop:  # nothing to look at in the text before the end
+            if at_limit:
+                self._finish(seq, state, "length")
+        elif hit := first_stop(text := self.decode(seq.tokens), seq.stop):
             at, stop = hit
-            return self._finish(seq, state, "stop", text[: at + len(stop)] if seq.include_stop else text[:at], strip=not seq.include_stop)
-        if len(seq.tokens) >= seq.max_tokens:
-            return self._finish(seq, state, "length", text)
-        hold = max((len(s) for s in seq.stop), default=1) - 1  # a stop string may still be forming at the end
-        safe = len(text) - hold
-        while safe > 0 and text[safe - 1] == "\ufffd":  # an incomplete UTF-8 sequence
-            safe -= 1
-        if (delta := state.advance(self, seq, text[: max(safe, 0)])) is not None:
+            self._finish(seq, state, "stop", text[: at + len(stop)] if seq.include_stop else text[:at], strip=not seq.include_stop)
+        elif at_limit:
+            self._finish(seq, state, "length", text)
+        elif (delta := state.advance(self, seq, safe_prefix(text, seq.stop))) is not None:
             self._emit(seq, "step", delta)
 
     def _finish(self, seq: Sequence, state: "_TextState", reason: str, text: str | None = None, *, strip: bool = False) -> None:

@@ -244,3 +244,33 @@ def test_seeded_samples_are_reproducible_and_distinct(url):
     assert texts == [c["text"] for c in second["choices"]]
     assert texts[0] == texts[2] and texts[1] == texts[3]  # sample s of each prompt uses seed + s, as vLLM
     assert texts[0] != texts[1]
+
+
+# ----------------------------------------------------------------------------- failures and helpers
+
+
+class Broken(torch.nn.Module):
+    def forward(self, **kwargs):
+        raise RuntimeError("the device fell over")
+
+
+def test_a_failing_model_is_a_500_and_the_server_keeps_serving(hf):
+    app = make_app(hf, model_name=MODEL)
+    engine = app.state.served.engine
+    with running(app) as base:
+        engine.model = Broken()
+        status, answer = post(base + "/v1", "/completions", {"model": MODEL, "prompt": "ab", "max_tokens": 2})
+        assert status == 500 and answer["error"]["type"] == "server_error" and "the device fell over" in answer["error"]["message"]
+        events = post_stream(base + "/v1", "/completions", {"model": MODEL, "prompt": "ab", "max_tokens": 2})
+        assert events[-1] == "[DONE]" and "the device fell over" in events[-2]["error"]["message"]
+        engine.model = hf.model
+        assert post(base + "/v1", "/completions", {"model": MODEL, "prompt": "ab", "max_tokens": 2})[0] == 200
+
+
+def test_safe_prefix_holds_back_what_may_become_a_stop_string():
+    from harness.serve_engine import first_stop, safe_prefix
+
+    assert safe_prefix("hello wor", ()) == "hello wor"
+    assert safe_prefix("hello wor", ("world", "x")) == "hello"  # "wor" may still become "world"
+    assert safe_prefix("ab\ufffd", ()) == "ab"  # an incomplete UTF-8 sequence waits for its next byte
+    assert first_stop("a\nQ: b", ("Q:", "\n")) == (1, "\n") and first_stop("abc", ("x",)) is None
