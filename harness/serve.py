@@ -313,30 +313,34 @@ class _Served:
 
     # -- formatting
 
-    def piece(self, token: int, as_ids: bool) -> str:
-        return f"token_id:{token}" if as_ids else self.engine.pieces([token])[0]
+    def names(self, tokens: list[int], as_ids: bool) -> dict[int, str]:
+        """How each of ``tokens`` is written in a response: its text, or ``token_id:<id>``."""
+        unique = list(dict.fromkeys(tokens))
+        return dict(zip(unique, [f"token_id:{t}" for t in unique] if as_ids else self.engine.pieces(unique), strict=True))
 
     def completion_logprobs(self, tokens: list[int], logprobs: list[float | None], tops: list[TopList | None], as_ids: bool, offset: int = 0) -> dict:
         """The completions ``logprobs`` object for ``tokens``; ``offset`` is where their text starts."""
         pieces = self.engine.pieces(tokens)
-        names = [f"token_id:{t}" for t in tokens] if as_ids else pieces
+        names = self.names(tokens + [t for top in tops for t, _ in top or []], as_ids)
         offsets, top_dicts = [], []
-        for token, piece, name, lp, top in zip(tokens, pieces, names, logprobs, tops, strict=True):
+        for token, piece, lp, top in zip(tokens, pieces, logprobs, tops, strict=True):
             offsets.append(offset)
             offset += 0 if token in self.special else len(piece)
             if lp is None:
                 top_dicts.append(None)
                 continue
-            entry = {self.piece(t, as_ids): _clamp(v) for t, v in top or []}
-            entry.setdefault(name, _clamp(lp))
+            entry = {names[t]: _clamp(v) for t, v in top or []}
+            entry.setdefault(names[token], _clamp(lp))
             top_dicts.append(entry)
-        return {"tokens": names, "token_logprobs": [_clamp(lp) for lp in logprobs], "top_logprobs": top_dicts, "text_offset": offsets}
+        return {"tokens": [names[t] for t in tokens], "token_logprobs": [_clamp(lp) for lp in logprobs], "top_logprobs": top_dicts, "text_offset": offsets}
 
     def chat_logprobs(self, tokens: list[int], logprobs: list[float], tops: list[TopList], as_ids: bool) -> dict:
+        """The chat ``logprobs`` object: per token its name, log-prob, UTF-8 bytes and the top N alternatives."""
+        every = tokens + [t for top in tops for t, _ in top]
+        names, texts = self.names(every, as_ids), self.names(every, False)
+
         def entry(token: int, lp: float) -> dict:
-            name = self.piece(token, as_ids)
-            text = self.engine.pieces([token])[0]
-            return {"token": name, "logprob": _clamp(lp), "bytes": list(text.encode("utf-8"))}
+            return {"token": names[token], "logprob": _clamp(lp), "bytes": list(texts[token].encode("utf-8"))}
 
         return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]} for t, lp, top in zip(tokens, logprobs, tops, strict=True)]}
 

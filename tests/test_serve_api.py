@@ -274,3 +274,19 @@ def test_safe_prefix_holds_back_what_may_become_a_stop_string():
     assert safe_prefix("hello wor", ("world", "x")) == "hello"  # "wor" may still become "world"
     assert safe_prefix("ab\ufffd", ()) == "ab"  # an incomplete UTF-8 sequence waits for its next byte
     assert first_stop("a\nQ: b", ("Q:", "\n")) == (1, "\n") and first_stop("abc", ("x",)) is None
+
+
+def test_tokens_as_ids_for_exact_scoring(hf, url):
+    """What a scoring client sends: token ids, echo, max_tokens 0, top-k, tokens named by id."""
+    ids = encode(hf, PROMPTS[0])
+    body = {"model": MODEL, "prompt": ids, "echo": True, "max_tokens": 0, "logprobs": 4, "return_tokens_as_token_ids": True}
+    status, answer = post(url, "/completions", body)
+    assert status == 200
+    lp = answer["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in ids]
+    reference = hf_scores(hf, ids, top_k=4)
+    for t in range(1, len(ids)):
+        top = lp["top_logprobs"][t]
+        assert list(top)[:4] == [f"token_id:{i}" for i in reference["topk_ids"][t].tolist()]
+        assert list(top.values())[:4] == pytest.approx(reference["topk_logprobs"][t].tolist(), abs=1e-4)
+        assert top[f"token_id:{ids[t]}"] == pytest.approx(reference["logprobs"][t].item(), abs=1e-4)
