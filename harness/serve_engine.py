@@ -120,19 +120,23 @@ def safe_prefix(text: str, stops: tuple[str, ...]) -> str:
 class Engine:
     """Decodes waves of sequences in one worker thread; ``submit`` is safe from any thread."""
 
-    def __init__(self, model, tokenizer, *, device: str, max_batch: int = 64, batch_wait_s: float = 0.002) -> None:
+    def __init__(self, model, tokenizer, *, device: str, max_batch: int = 64, max_batch_tokens: int | None = None, batch_wait_s: float = 0.002) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        if max_batch_tokens is not None and max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be at least 1, got {max_batch_tokens}")
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
         self.max_batch = max_batch
+        self.max_batch_tokens = max_batch_tokens
         self.batch_wait_s = batch_wait_s
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_id = tokenizer.eos_token_id
         self.stats = EngineStats()
         self.tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to share across threads
         self._queue: queue.Queue[Sequence] = queue.Queue()
+        self._held: Sequence | None = None  # taken from the queue but left for the next batch (token budget)
         self._worker: threading.Thread | None = None
         self._start_lock = threading.Lock()
         accepted = inspect.signature(model.forward).parameters
@@ -166,14 +170,20 @@ class Engine:
             self._queue.put(seq)
 
     def _take_wave(self) -> list[Sequence]:
-        """The next batch: block for one sequence, then take what arrives within ``batch_wait_s``."""
-        wave = [self._queue.get()]
+        """The next batch: block for one sequence, then take what arrives within ``batch_wait_s``, up to
+        ``max_batch`` sequences and ``max_batch_tokens`` padded positions (batch × longest prompt + max_tokens)."""
+        first, self._held = self._held or self._queue.get(), None
+        wave = [first]
         deadline = time.monotonic() + self.batch_wait_s
         while len(wave) < self.max_batch:
             try:
-                wave.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
+                seq = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
+            if self.max_batch_tokens is not None and (len(wave) + 1) * max(len(s.prompt) + s.max_tokens for s in [*wave, seq]) > self.max_batch_tokens:
+                self._held = seq
+                break
+            wave.append(seq)
         return [s for s in wave if not s.cancelled]
 
     def _loop(self) -> None:

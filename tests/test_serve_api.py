@@ -235,6 +235,12 @@ def test_max_batch_limits_a_batch(hf):
         assert status == 200 and len(body["choices"]) == 9
         stats = metrics(base)
     assert stats["harness_serve_batches_total"] == 3 and stats["harness_serve_batch_size_max"] == 4
+    # a token budget: 4 padded positions per sequence (2 prompt + 2 new), 10 per batch -> 2 sequences
+    with running(make_app(hf, model_name=MODEL, max_batch=16, max_batch_tokens=10, batch_wait_s=0.5)) as base:
+        status, body = post(base + "/v1", "/completions", {"model": MODEL, "prompt": ["ab", "cd", "ef"], "n": 2, "max_tokens": 2, "seed": 0})
+        assert status == 200 and len(body["choices"]) == 6
+        stats = metrics(base)
+    assert stats["harness_serve_batches_total"] == 3 and stats["harness_serve_batch_size_max"] == 2
 
 
 def test_seeded_samples_are_reproducible_and_distinct(url):
