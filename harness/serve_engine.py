@@ -249,20 +249,30 @@ class Engine:
                 self._finish(s, states[i], "length")
         logits = logits[:, -1]
         while not all(s.done or s.cancelled for s in wave):
-            logp = F.log_softmax(logits.float(), dim=-1)
+            live = [i for i, s in enumerate(wave) if not (s.done or s.cancelled)]
+            tokens = self._choose(wave, live, logits, generators)
+            logp = F.log_softmax(logits[live].float(), dim=-1)  # one device-to-host copy per step, not per row
+            chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None]).squeeze(-1).tolist()
+            k = min(max(wave[i].top_n for i in live), logp.shape[-1])
+            top_values, top_ids = logp.topk(k) if k else (logp[:, :0], logp[:, :0].long())
+            top_values, top_ids = top_values.tolist(), top_ids.tolist()
             next_ids = torch.full((len(wave),), self.pad_id, dtype=torch.long)
-            for i, s in enumerate(wave):
-                if s.done or s.cancelled:
-                    continue
-                token = sample_token(logits[i], s.temperature, s.top_p, generators[i])
-                next_ids[i] = token
-                self._step(s, states[i], token, logp[i])
+            for row, i in enumerate(live):
+                next_ids[i] = tokens[row]
+                top = list(zip(top_ids[row], top_values[row], strict=True))[: wave[i].top_n]
+                self._step(wave[i], states[i], tokens[row], chosen[row], top)
             if all(s.done or s.cancelled for s in wave):
                 break
             attn = torch.cat([attn, attn.new_ones((len(wave), 1))], dim=1)
             positions = positions[:, -1:] + 1
             logits, cache = self._forward(next_ids.to(self.device)[:, None], attn, positions, cache, False)
             logits = logits[:, -1]
+
+    @staticmethod
+    def _choose(wave: list[Sequence], live: list[int], logits: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
+        """The next token of each live sequence: greedy rows by one batched argmax, sampled rows by their own generator."""
+        greedy = logits[live].argmax(-1).tolist()
+        return [greedy[row] if wave[i].temperature == 0.0 else sample_token(logits[i], wave[i].temperature, wave[i].top_p, generators[i]) for row, i in enumerate(live)]
 
     def _seed(self, seq: Sequence) -> int:
         return random.SystemRandom().getrandbits(63) if seq.seed is None else seq.seed % 2**64
@@ -274,11 +284,11 @@ class Engine:
         seq.prompt_lps = [None, *logp.gather(-1, targets[:, None]).squeeze(-1).tolist()]
         seq.prompt_tops = [None, *(top_list(row, seq.top_n) for row in logp)]
 
-    def _step(self, seq: Sequence, state: "_TextState", token: int, logp: torch.Tensor) -> None:
+    def _step(self, seq: Sequence, state: "_TextState", token: int, logprob: float, top: TopList) -> None:
         """Record ``token``; finish on EOS, a stop string or ``max_tokens``, else report what is safe to show."""
         seq.tokens.append(token)
-        seq.logprobs.append(float(logp[token]))
-        seq.tops.append(top_list(logp, seq.top_n))
+        seq.logprobs.append(logprob)
+        seq.tops.append(top)
         at_limit = len(seq.tokens) >= seq.max_tokens
         if token == self.eos_id:
             self._finish(seq, state, "stop")
