@@ -30,7 +30,9 @@ Semantics worth knowing:
 
 * **Batching across requests.** Every request is split into sequences (prompt × sample) that go to
   one engine (``harness.serve_engine``): a worker thread decodes up to ``max_batch`` waiting
-  sequences together, from however many requests, in one prefill and one forward pass per token.
+  sequences together (and at most ``max_batch_tokens`` padded positions: batch size × (longest
+  prompt + max_tokens), which bounds the prompt-logits memory of ``echo``), from however many
+  requests, in one prefill and one forward pass per token.
   Sequences that arrive while a batch runs wait for the next one (no joining mid-batch).
 * **Seeds.** Each sequence samples with its own generator: sample ``s`` of a request with ``seed``
   uses seed ``seed + s`` (as vLLM does), whatever else is in the batch, so the same request with the
@@ -305,6 +307,7 @@ class _Served:
                 include_stop=req.include_stop_str_in_output,
                 top_n=req.top_n() or 0,
                 prompt_logprobs=echo and req.top_n() is not None,
+                stream=bool(req.stream),
             )
             for prompt in prompts
             for s in range(n)
@@ -312,30 +315,34 @@ class _Served:
 
     # -- formatting
 
-    def piece(self, token: int, as_ids: bool) -> str:
-        return f"token_id:{token}" if as_ids else self.engine.pieces([token])[0]
+    def names(self, tokens: list[int], as_ids: bool) -> dict[int, str]:
+        """How each of ``tokens`` is written in a response: its text, or ``token_id:<id>``."""
+        unique = list(dict.fromkeys(tokens))
+        return dict(zip(unique, [f"token_id:{t}" for t in unique] if as_ids else self.engine.pieces(unique), strict=True))
 
     def completion_logprobs(self, tokens: list[int], logprobs: list[float | None], tops: list[TopList | None], as_ids: bool, offset: int = 0) -> dict:
         """The completions ``logprobs`` object for ``tokens``; ``offset`` is where their text starts."""
         pieces = self.engine.pieces(tokens)
-        names = [f"token_id:{t}" for t in tokens] if as_ids else pieces
+        names = self.names(tokens + [t for top in tops for t, _ in top or []], as_ids)
         offsets, top_dicts = [], []
-        for token, piece, name, lp, top in zip(tokens, pieces, names, logprobs, tops, strict=True):
+        for token, piece, lp, top in zip(tokens, pieces, logprobs, tops, strict=True):
             offsets.append(offset)
             offset += 0 if token in self.special else len(piece)
             if lp is None:
                 top_dicts.append(None)
                 continue
-            entry = {self.piece(t, as_ids): _clamp(v) for t, v in top or []}
-            entry.setdefault(name, _clamp(lp))
+            entry = {names[t]: _clamp(v) for t, v in top or []}
+            entry.setdefault(names[token], _clamp(lp))
             top_dicts.append(entry)
-        return {"tokens": names, "token_logprobs": [_clamp(lp) for lp in logprobs], "top_logprobs": top_dicts, "text_offset": offsets}
+        return {"tokens": [names[t] for t in tokens], "token_logprobs": [_clamp(lp) for lp in logprobs], "top_logprobs": top_dicts, "text_offset": offsets}
 
     def chat_logprobs(self, tokens: list[int], logprobs: list[float], tops: list[TopList], as_ids: bool) -> dict:
+        """The chat ``logprobs`` object: per token its name, log-prob, UTF-8 bytes and the top N alternatives."""
+        every = tokens + [t for top in tops for t, _ in top]
+        names, texts = self.names(every, as_ids), self.names(every, False)
+
         def entry(token: int, lp: float) -> dict:
-            name = self.piece(token, as_ids)
-            text = self.engine.pieces([token])[0]
-            return {"token": name, "logprob": _clamp(lp), "bytes": list(text.encode("utf-8"))}
+            return {"token": names[token], "logprob": _clamp(lp), "bytes": list(texts[token].encode("utf-8"))}
 
         return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]} for t, lp, top in zip(tokens, logprobs, tops, strict=True)]}
 
@@ -395,12 +402,22 @@ class _Job:
             seq.cancelled = True
 
 
-def make_app(backend, model_name: str = "model", api_key: str | None = None, *, max_batch: int = 64, max_logprobs: int = MAX_LOGPROBS, batch_wait_s: float = 0.002) -> Starlette:
+def make_app(
+    backend,
+    model_name: str = "model",
+    api_key: str | None = None,
+    *,
+    max_batch: int = 64,
+    max_batch_tokens: int | None = None,
+    max_logprobs: int = MAX_LOGPROBS,
+    batch_wait_s: float = 0.002,
+) -> Starlette:
     """The ASGI app serving ``backend`` (anything with an HF causal LM as ``model``, its ``tokenizer`` and
     ``device``, e.g. ``HFBackend``) under ``model_name``; with ``api_key``, requests must send
-    ``Authorization: Bearer <api_key>``. Up to ``max_batch`` sequences are decoded together;
-    ``max_logprobs`` caps ``logprobs`` / ``top_logprobs`` (-1: no cap)."""
-    engine = Engine(backend.model, backend.tokenizer, device=str(getattr(backend, "device", "cpu")), max_batch=max_batch, batch_wait_s=batch_wait_s)
+    ``Authorization: Bearer <api_key>``. Up to ``max_batch`` sequences (and ``max_batch_tokens`` padded
+    positions) are decoded together; ``max_logprobs`` caps ``logprobs`` / ``top_logprobs`` (-1: no cap)."""
+    device = str(getattr(backend, "device", "cpu"))
+    engine = Engine(backend.model, backend.tokenizer, device=device, max_batch=max_batch, max_batch_tokens=max_batch_tokens, batch_wait_s=batch_wait_s)
     served = _Served(engine, model_name, api_key, max_logprobs)
 
     def check_auth(request: Request) -> None:
@@ -602,6 +619,7 @@ def serve(
     port: int = 8000,
     max_batch: int = 64,
     *,
+    max_batch_tokens: int | None = 32768,
     max_logprobs: int = MAX_LOGPROBS,
     device: str | None = None,
     model_name: str | None = None,
@@ -620,10 +638,12 @@ def serve(
 
     if max_batch < 1:
         raise ValueError(f"--max-batch must be at least 1, got {max_batch}")
+    if max_batch_tokens is not None and max_batch_tokens < 1:
+        raise ValueError(f"--max-batch-tokens must be at least 1, got {max_batch_tokens}")
     if max_logprobs < -1:
         raise ValueError(f"--max-logprobs must be -1 (no cap) or at least 0, got {max_logprobs}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     backend = HFBackend.load(model_path, device=device)
-    app = make_app(backend, model_name=model_name or model_path, api_key=api_key, max_batch=max_batch, max_logprobs=max_logprobs)
+    app = make_app(backend, model_name=model_name or model_path, api_key=api_key, max_batch=max_batch, max_batch_tokens=max_batch_tokens, max_logprobs=max_logprobs)
     log.info("serving %s on http://%s:%d/v1 (%s, up to %d sequences per batch)", model_name or model_path, host, port, device, max_batch)
     uvicorn.run(app, host=host, port=port, log_level=log_level)

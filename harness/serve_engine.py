@@ -43,6 +43,7 @@ class Sequence:
     include_stop: bool = False  # keep a matched stop string in the text (vLLM's include_stop_str_in_output)
     top_n: int = 0  # alternatives per position
     prompt_logprobs: bool = False
+    stream: bool = False  # report text as it is decoded (otherwise only stop strings need the text before the end)
     on_event: Callable[["Sequence", str, "Delta | None"], None] | None = None  # from the engine thread: "step", "done", "error"
     # results
     tokens: list[int] = field(default_factory=list)
@@ -107,23 +108,35 @@ def first_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
     return min(found, key=lambda f: f[0]) if found else None
 
 
+def safe_prefix(text: str, stops: tuple[str, ...]) -> str:
+    """The part of ``text`` that can be shown now: without a tail that may still grow into a stop string
+    (its longest stop minus one character) or an incomplete UTF-8 sequence."""
+    safe = len(text) - (max((len(s) for s in stops), default=1) - 1)
+    while safe > 0 and text[safe - 1] == "\ufffd":
+        safe -= 1
+    return text[: max(safe, 0)]
+
+
 class Engine:
     """Decodes waves of sequences in one worker thread; ``submit`` is safe from any thread."""
 
-    def __init__(self, model, tokenizer, *, device: str, max_batch: int = 64, batch_wait_s: float = 0.002) -> None:
+    def __init__(self, model, tokenizer, *, device: str, max_batch: int = 64, max_batch_tokens: int | None = None, batch_wait_s: float = 0.002) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        if max_batch_tokens is not None and max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be at least 1, got {max_batch_tokens}")
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
         self.max_batch = max_batch
+        self.max_batch_tokens = max_batch_tokens
         self.batch_wait_s = batch_wait_s
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_id = tokenizer.eos_token_id
         self.stats = EngineStats()
         self.tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to share across threads
         self._queue: queue.Queue[Sequence] = queue.Queue()
-        self._carry: list[Sequence] = []
+        self._held: Sequence | None = None  # taken from the queue but left for the next batch (token budget)
         self._worker: threading.Thread | None = None
         self._start_lock = threading.Lock()
         accepted = inspect.signature(model.forward).parameters
@@ -156,40 +169,21 @@ class Engine:
         for seq in sequences:
             self._queue.put(seq)
 
-    def run(self, sequences: list[Sequence]) -> list[Sequence]:
-        """Submit and wait (for callers without an event loop, e.g. tests)."""
-        finished = threading.Semaphore(0)
-        for seq in sequences:
-            user = seq.on_event
-
-            def relay(s: Sequence, kind: str, delta: Delta | None, user=user) -> None:
-                if user:
-                    user(s, kind, delta)
-                if kind in ("done", "error"):
-                    finished.release()
-
-            seq.on_event = relay
-        self.submit(sequences)
-        for _ in sequences:
-            finished.acquire()
-        return sequences
-
     def _take_wave(self) -> list[Sequence]:
-        wave = self._carry[: self.max_batch]
-        self._carry = self._carry[self.max_batch :]
-        if not wave:
-            wave.append(self._queue.get())
-            deadline = time.monotonic() + self.batch_wait_s
-            while len(wave) < self.max_batch:
-                try:
-                    wave.append(self._queue.get(timeout=max(0.0, deadline - time.monotonic())))
-                except queue.Empty:
-                    break
+        """The next batch: block for one sequence, then take what arrives within ``batch_wait_s``, up to
+        ``max_batch`` sequences and ``max_batch_tokens`` padded positions (batch × longest prompt + max_tokens)."""
+        first, self._held = self._held or self._queue.get(), None
+        wave = [first]
+        deadline = time.monotonic() + self.batch_wait_s
         while len(wave) < self.max_batch:
             try:
-                wave.append(self._queue.get_nowait())
+                seq = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
+            if self.max_batch_tokens is not None and (len(wave) + 1) * max(len(s.prompt) + s.max_tokens for s in [*wave, seq]) > self.max_batch_tokens:
+                self._held = seq
+                break
+            wave.append(seq)
         return [s for s in wave if not s.cancelled]
 
     def _loop(self) -> None:
@@ -255,20 +249,30 @@ class Engine:
                 self._finish(s, states[i], "length")
         logits = logits[:, -1]
         while not all(s.done or s.cancelled for s in wave):
-            logp = F.log_softmax(logits.float(), dim=-1)
+            live = [i for i, s in enumerate(wave) if not (s.done or s.cancelled)]
+            tokens = self._choose(wave, live, logits, generators)
+            logp = F.log_softmax(logits[live].float(), dim=-1)  # one device-to-host copy per step, not per row
+            chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None]).squeeze(-1).tolist()
+            k = min(max(wave[i].top_n for i in live), logp.shape[-1])
+            top_values, top_ids = logp.topk(k) if k else (logp[:, :0], logp[:, :0].long())
+            top_values, top_ids = top_values.tolist(), top_ids.tolist()
             next_ids = torch.full((len(wave),), self.pad_id, dtype=torch.long)
-            for i, s in enumerate(wave):
-                if s.done or s.cancelled:
-                    continue
-                token = sample_token(logits[i], s.temperature, s.top_p, generators[i])
-                next_ids[i] = token
-                self._step(s, states[i], token, logp[i])
+            for row, i in enumerate(live):
+                next_ids[i] = tokens[row]
+                top = list(zip(top_ids[row], top_values[row], strict=True))[: wave[i].top_n]
+                self._step(wave[i], states[i], tokens[row], chosen[row], top)
             if all(s.done or s.cancelled for s in wave):
                 break
             attn = torch.cat([attn, attn.new_ones((len(wave), 1))], dim=1)
             positions = positions[:, -1:] + 1
             logits, cache = self._forward(next_ids.to(self.device)[:, None], attn, positions, cache, False)
             logits = logits[:, -1]
+
+    @staticmethod
+    def _choose(wave: list[Sequence], live: list[int], logits: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
+        """The next token of each live sequence: greedy rows by one batched argmax, sampled rows by their own generator."""
+        greedy = logits[live].argmax(-1).tolist()
+        return [greedy[row] if wave[i].temperature == 0.0 else sample_token(logits[i], wave[i].temperature, wave[i].top_p, generators[i]) for row, i in enumerate(live)]
 
     def _seed(self, seq: Sequence) -> int:
         return random.SystemRandom().getrandbits(63) if seq.seed is None else seq.seed % 2**64
@@ -280,23 +284,23 @@ class Engine:
         seq.prompt_lps = [None, *logp.gather(-1, targets[:, None]).squeeze(-1).tolist()]
         seq.prompt_tops = [None, *(top_list(row, seq.top_n) for row in logp)]
 
-    def _step(self, seq: Sequence, state: "_TextState", token: int, logp: torch.Tensor) -> None:
+    def _step(self, seq: Sequence, state: "_TextState", token: int, logprob: float, top: TopList) -> None:
+        """Record ``token``; finish on EOS, a stop string or ``max_tokens``, else report what is safe to show."""
         seq.tokens.append(token)
-        seq.logprobs.append(float(logp[token]))
-        seq.tops.append(top_list(logp, seq.top_n))
+        seq.logprobs.append(logprob)
+        seq.tops.append(top)
+        at_limit = len(seq.tokens) >= seq.max_tokens
         if token == self.eos_id:
-            return self._finish(seq, state, "stop")
-        text = self.decode(seq.tokens)
-        if seq.stop and (hit := first_stop(text, seq.stop)):
+            self._finish(seq, state, "stop")
+        elif not seq.stream and not seq.stop:  # nothing to look at in the text before the end
+            if at_limit:
+                self._finish(seq, state, "length")
+        elif hit := first_stop(text := self.decode(seq.tokens), seq.stop):
             at, stop = hit
-            return self._finish(seq, state, "stop", text[: at + len(stop)] if seq.include_stop else text[:at], strip=not seq.include_stop)
-        if len(seq.tokens) >= seq.max_tokens:
-            return self._finish(seq, state, "length", text)
-        hold = max((len(s) for s in seq.stop), default=1) - 1  # a stop string may still be forming at the end
-        safe = len(text) - hold
-        while safe > 0 and text[safe - 1] == "\ufffd":  # an incomplete UTF-8 sequence
-            safe -= 1
-        if (delta := state.advance(self, seq, text[: max(safe, 0)])) is not None:
+            self._finish(seq, state, "stop", text[: at + len(stop)] if seq.include_stop else text[:at], strip=not seq.include_stop)
+        elif at_limit:
+            self._finish(seq, state, "length", text)
+        elif (delta := state.advance(self, seq, safe_prefix(text, seq.stop))) is not None:
             self._emit(seq, "step", delta)
 
     def _finish(self, seq: Sequence, state: "_TextState", reason: str, text: str | None = None, *, strip: bool = False) -> None:

@@ -235,6 +235,12 @@ def test_max_batch_limits_a_batch(hf):
         assert status == 200 and len(body["choices"]) == 9
         stats = metrics(base)
     assert stats["harness_serve_batches_total"] == 3 and stats["harness_serve_batch_size_max"] == 4
+    # a token budget: 4 padded positions per sequence (2 prompt + 2 new), 10 per batch -> 2 sequences
+    with running(make_app(hf, model_name=MODEL, max_batch=16, max_batch_tokens=10, batch_wait_s=0.5)) as base:
+        status, body = post(base + "/v1", "/completions", {"model": MODEL, "prompt": ["ab", "cd", "ef"], "n": 2, "max_tokens": 2, "seed": 0})
+        assert status == 200 and len(body["choices"]) == 6
+        stats = metrics(base)
+    assert stats["harness_serve_batches_total"] == 3 and stats["harness_serve_batch_size_max"] == 2
 
 
 def test_seeded_samples_are_reproducible_and_distinct(url):
@@ -244,3 +250,49 @@ def test_seeded_samples_are_reproducible_and_distinct(url):
     assert texts == [c["text"] for c in second["choices"]]
     assert texts[0] == texts[2] and texts[1] == texts[3]  # sample s of each prompt uses seed + s, as vLLM
     assert texts[0] != texts[1]
+
+
+# ----------------------------------------------------------------------------- failures and helpers
+
+
+class Broken(torch.nn.Module):
+    def forward(self, **kwargs):
+        raise RuntimeError("the device fell over")
+
+
+def test_a_failing_model_is_a_500_and_the_server_keeps_serving(hf):
+    app = make_app(hf, model_name=MODEL)
+    engine = app.state.served.engine
+    with running(app) as base:
+        engine.model = Broken()
+        status, answer = post(base + "/v1", "/completions", {"model": MODEL, "prompt": "ab", "max_tokens": 2})
+        assert status == 500 and answer["error"]["type"] == "server_error" and "the device fell over" in answer["error"]["message"]
+        events = post_stream(base + "/v1", "/completions", {"model": MODEL, "prompt": "ab", "max_tokens": 2})
+        assert events[-1] == "[DONE]" and "the device fell over" in events[-2]["error"]["message"]
+        engine.model = hf.model
+        assert post(base + "/v1", "/completions", {"model": MODEL, "prompt": "ab", "max_tokens": 2})[0] == 200
+
+
+def test_safe_prefix_holds_back_what_may_become_a_stop_string():
+    from harness.serve_engine import first_stop, safe_prefix
+
+    assert safe_prefix("hello wor", ()) == "hello wor"
+    assert safe_prefix("hello wor", ("world", "x")) == "hello"  # "wor" may still become "world"
+    assert safe_prefix("ab\ufffd", ()) == "ab"  # an incomplete UTF-8 sequence waits for its next byte
+    assert first_stop("a\nQ: b", ("Q:", "\n")) == (1, "\n") and first_stop("abc", ("x",)) is None
+
+
+def test_tokens_as_ids_for_exact_scoring(hf, url):
+    """What a scoring client sends: token ids, echo, max_tokens 0, top-k, tokens named by id."""
+    ids = encode(hf, PROMPTS[0])
+    body = {"model": MODEL, "prompt": ids, "echo": True, "max_tokens": 0, "logprobs": 4, "return_tokens_as_token_ids": True}
+    status, answer = post(url, "/completions", body)
+    assert status == 200
+    lp = answer["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in ids]
+    reference = hf_scores(hf, ids, top_k=4)
+    for t in range(1, len(ids)):
+        top = lp["top_logprobs"][t]
+        assert list(top)[:4] == [f"token_id:{i}" for i in reference["topk_ids"][t].tolist()]
+        assert list(top.values())[:4] == pytest.approx(reference["topk_logprobs"][t].tolist(), abs=1e-4)
+        assert top[f"token_id:{ids[t]}"] == pytest.approx(reference["logprobs"][t].item(), abs=1e-4)
