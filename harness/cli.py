@@ -283,17 +283,19 @@ def serve_(
     model: Annotated[str, typer.Option(help="local model directory (or hub id) to serve")],
     host: Annotated[str, typer.Option(help="interface to bind")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port")] = 8000,
-    batch_size: Annotated[int, typer.Option(help="sequences per generate batch")] = 64,
+    max_batch: Annotated[int, typer.Option(help="most sequences (prompt x sample, from any number of requests) decoded together")] = 64,
+    max_batch_tokens: Annotated[int, typer.Option(help="most padded positions per batch: sequences x (longest prompt + max_tokens)")] = 32768,
+    max_logprobs: Annotated[int, typer.Option(help="cap on logprobs / top_logprobs per request (-1: no cap)")] = 20,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available)")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="model name clients ask for (default: --model as given)")] = None,
     api_key: Annotated[str | None, typer.Option(envvar="HARNESS_SERVE_API_KEY", help="require Authorization: Bearer KEY")] = None,
 ) -> None:
-    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models)."""
+    """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /metrics)."""
     from harness.serve import serve as run_server
 
     _quiet_libraries()
     try:
-        run_server(model, host=host, port=port, batch_size=batch_size, device=device, model_name=served_model_name, api_key=api_key)
+        run_server(model, host=host, port=port, max_batch=max_batch, max_batch_tokens=max_batch_tokens, max_logprobs=max_logprobs, device=device, model_name=served_model_name, api_key=api_key)
     except (OSError, ValueError) as exc:
         raise _fail(str(exc)) from None
 

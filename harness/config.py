@@ -37,9 +37,73 @@ class ModelSpec(Strict):
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSpec":
-        if (self.path is None) == (self.arch is None):
-            raise ValueError("give exactly one of 'path' (a pretrained model) or 'arch' (a tiny model to build)")
+        check_one_source(self)
         return self
+
+
+def check_one_source(spec: ModelSpec) -> None:
+    """A model built or loaded here comes from exactly one of ``path`` and ``arch``."""
+    if (spec.path is None) == (spec.arch is None):
+        raise ValueError("give exactly one of 'path' (a pretrained model) or 'arch' (a tiny model to build)")
+
+
+class TeacherSpec(ModelSpec):
+    """The teacher: a model built or loaded here (``backend: hf``, the default) or any backend that can score,
+    e.g. a served teacher (``backend: openai``, ``base_url``) or a vLLM engine on this machine (``backend: vllm``)."""
+
+    backend: str = Field("hf", description="scoring backend of the teacher role: hf (in-process), vllm, or openai (a served teacher at base_url)")
+    base_url: str | None = Field(None, description="backend openai: the teacher server's address, e.g. http://HOST:PORT/v1")
+    backend_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="options for the teacher backend's load, e.g. openai: timeout_s, max_retries, connect_retries, retry_backoff_s, concurrency, api_key, tokenizer",
+    )
+    top_k: int = Field(20, ge=1, description="teacher log-probs per position asked of a backend without full distributions (openai, vllm) when a method needs them")
+    step_retries: int = Field(1, ge=0, description="re-score a step's batch this many times after a teacher failure (after the backend's own retries) before the run stops")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "TeacherSpec":
+        """hf: exactly one of path/arch. Another backend builds nothing here: no arch or warm-up; openai's path is the
+        served model name (optional: the server's only model), vllm's the model folder."""
+        from harness.registry import BACKENDS, RegistryError
+
+        try:
+            backend = BACKENDS.get(self.backend)
+        except RegistryError as exc:
+            raise ValueError(f"backend: {exc}") from None
+        if not getattr(backend, "score_fields", ()):
+            raise ValueError(f"backend: {self.backend!r} cannot score sequences, so it cannot be a teacher; choose hf, vllm or openai")
+        unknown = sorted(set(self.backend_options) - set(load_options(backend)))
+        if unknown:
+            raise ValueError(f"backend_options: {unknown} are not options of the {self.backend} backend (it takes {', '.join(load_options(backend))})")
+        if self.backend == "hf":
+            if self.base_url is not None:
+                raise ValueError("base_url is used only with teacher.backend=openai")
+            check_one_source(self)
+            return self
+        if self.arch is not None or self.sft_steps:
+            raise ValueError(f"arch and sft_steps describe a tiny teacher built here; a teacher on backend {self.backend!r} is not built here: set teacher.arch=null and teacher.sft_steps=0")
+        if self.backend == "openai" and not self.base_url:
+            raise ValueError("backend=openai needs the teacher server's address: set teacher.base_url=http://HOST:PORT/v1")
+        if self.backend != "openai" and self.base_url is not None:
+            raise ValueError("base_url is used only with teacher.backend=openai")
+        if self.backend != "openai" and self.path is None:
+            raise ValueError(f"backend={self.backend!r} loads the teacher's model folder: set teacher.path")
+        return self
+
+
+def load_options(backend: type) -> list[str]:
+    """The keyword options a backend's ``load`` takes (its constructor's when ``load`` forwards ``**options``)."""
+    import inspect
+
+    def keywords(fn, skip: int) -> tuple[list[str], bool]:
+        params = list(inspect.signature(fn).parameters.values())[skip:]
+        named = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        return named, any(p.kind is p.VAR_KEYWORD for p in params)
+
+    named, forwards = keywords(backend.load, 1)  # bound classmethod: (model, ...)
+    if forwards:
+        named += keywords(backend.__init__, 3)[0]  # (self, model, tokenizer, ...)
+    return sorted(set(named) - {"base_url"})
 
 
 class TrainerConfig(Strict):
@@ -127,7 +191,7 @@ class RunConfig(Strict):
     seed: int = 0
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: all cores in sync mode, 1 per role in async mode or with executor ray)")
     student: ModelSpec = Field(default_factory=lambda: ModelSpec(arch=TinyArch(hidden=128, layers=2), sft_steps=300, seed=1))
-    teacher: ModelSpec = Field(default_factory=lambda: ModelSpec(arch=TinyArch(hidden=192, layers=3, ffn=384), sft_steps=800))
+    teacher: TeacherSpec = Field(default_factory=lambda: TeacherSpec(arch=TinyArch(hidden=192, layers=3, ffn=384), sft_steps=800))
     method_args: dict[str, dict[str, Any]] = Field(default_factory=dict, description="hyper-parameters by method name")
     task_args: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per-task options, by task name")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
@@ -255,6 +319,16 @@ def fit_preset_models(preset: dict, task: str, options: dict) -> dict:
     return out
 
 
+def without_tiny_teacher(preset: dict, user: dict) -> dict:
+    """A preset whose tiny teacher (``arch``, warm-up) gives way when the user picks a teacher on another backend
+    (``--preset smoke --set teacher.backend=openai``): that teacher is served or loaded, never built here."""
+    backend = (user.get("teacher") or {}).get("backend")
+    if backend in (None, "hf") or "teacher" not in preset:
+        return preset
+    tiny = {"arch", "sft_steps", "sft_lr", "sft_batch_size", "seed"}
+    return {**preset, "teacher": {k: v for k, v in preset["teacher"].items() if k not in tiny}}
+
+
 def build_config(*, preset: str | None = None, config_file: Path | None = None, overrides: list[str] = (), cli: dict | None = None) -> RunConfig:
     """Merge the layers and validate; raises :class:`ConfigError` naming the bad key."""
     user: dict = {}
@@ -263,7 +337,7 @@ def build_config(*, preset: str | None = None, config_file: Path | None = None, 
     for item in overrides:
         user = deep_merge(user, parse_override(item))
     user = deep_merge(user, {k: v for k, v in (cli or {}).items() if v is not None})
-    data = deep_merge(retarget_preset(load_preset(preset), user.get("task"), user.get("task_args")), user) if preset else user
+    data = deep_merge(without_tiny_teacher(retarget_preset(load_preset(preset), user.get("task"), user.get("task_args")), user), user) if preset else user
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:

@@ -8,7 +8,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from harness.config import ConfigError, RunConfig, format_validation_error
-from harness.registry import METHODS, PIPELINES, TASKS, RegistryError
+from harness.registry import BACKENDS, METHODS, PIPELINES, TASKS, RegistryError
 from tasks.base import DataError
 
 
@@ -122,6 +122,7 @@ def plan_run(cfg: RunConfig) -> Plan:
             hparams = validated
     hparams = hparams if hparams is not None else method.hparams()
     apply_group_size(cfg, method, hparams)
+    hparams, teacher_warnings = fit_teacher_distribution(cfg, method, hparams)
     task = make_task(cfg.task, cfg.task_args)
     eval_tasks = [make_task(name, cfg.task_args) for name in cfg.eval.tasks]
     if cfg.trainer.mode not in method.modes:
@@ -134,7 +135,26 @@ def plan_run(cfg: RunConfig) -> Plan:
             f"{task.name!r} (it provides {sorted(provided)})"
         )
     check_references(cfg, method, hparams, task)
-    return Plan(cfg, method, hparams, task, eval_tasks, pipeline, warnings=list(pipeline.warnings(method, hparams, task)))
+    return Plan(cfg, method, hparams, task, eval_tasks, pipeline, warnings=[*teacher_warnings, *pipeline.warnings(method, hparams, task)])
+
+
+def fit_teacher_distribution(cfg: RunConfig, method, hparams) -> tuple[object, list[str]]:
+    """A teacher backend that returns no full distribution (a served teacher, vLLM): a method reading ``teacher_full``
+    takes the teacher's top-k log-probs instead when its hyper-parameters offer ``teacher_top_k`` (k = teacher.top_k,
+    recorded in the run's method_args); any other such method is refused, naming the flag."""
+    fields = getattr(BACKENDS.get(cfg.teacher.backend), "score_fields", ())
+    if "teacher_full" not in method.needs(hparams) or "full" in fields:
+        return hparams, []
+    if "teacher_top_k" in type(hparams).model_fields and "topk" in fields:
+        hparams = hparams.model_copy(update={"teacher_top_k": cfg.teacher.top_k})
+        return hparams, [
+            f"teacher.backend={cfg.teacher.backend} returns only top-k log-probs: method {method.name!r} uses the teacher's top-{cfg.teacher.top_k} "
+            f"(teacher.top_k) plus a tail bucket instead of its full distribution (method_args.{method.name}.teacher_top_k={cfg.teacher.top_k})"
+        ]
+    raise ConfigError(
+        f"teacher.backend={cfg.teacher.backend}: method {method.name!r} needs the teacher's full distribution (teacher_full), which that backend "
+        f"cannot return (it scores {list(fields)}); use teacher.backend=hf or a method that reads only teacher log-probs"
+    )
 
 
 def apply_group_size(cfg: RunConfig, method, hparams) -> None:

@@ -1,41 +1,55 @@
-"""A small OpenAI-compatible HTTP server over the HF backend (``harness serve``).
+"""A small OpenAI-compatible HTTP server over an HF causal LM (``harness serve``).
 
 Endpoints:
 
 * ``POST /v1/completions``: ``prompt`` is a string, a list of strings, a list of token ids or a list
-  of token-id lists; ``n``, ``max_tokens`` (default 16), ``temperature``, ``top_p``, ``seed``,
-  ``stop``, ``logprobs`` (an integer; the sampled tokens' log-probs in the completions format:
-  ``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``). Choices are prompt-major:
+  of token-id lists; ``n``, ``max_tokens`` (default 16; 0 with ``echo`` scores the prompt only),
+  ``temperature``, ``top_p``, ``seed``, ``stop``, ``echo``, ``logprobs`` (an integer N: per token
+  ``tokens``, ``token_logprobs``, ``top_logprobs`` — the N most likely tokens plus the chosen one —
+  and ``text_offset``), ``stream``, ``stream_options.include_usage``. Choices are prompt-major:
   choice ``p * n + s`` is sample ``s`` of prompt ``p``.
 * ``POST /v1/chat/completions``: ``messages`` are rendered with the tokenizer's chat template
   when it has one (``add_generation_prompt=True``); otherwise with a plain join, documented in
   ``render_chat``: one ``"{role}: {content}"`` line per message, then a final ``"assistant:"``.
   ``n``, ``max_tokens`` / ``max_completion_tokens`` (default: the rest of the context window),
-  ``temperature``, ``top_p``, ``seed``, ``stop``, ``logprobs`` / ``top_logprobs``.
-* ``GET /v1/models`` (the one served model) and ``GET /health``.
+  ``temperature``, ``top_p``, ``seed``, ``stop``, ``logprobs`` / ``top_logprobs`` (N entries per
+  token, most likely first), ``stream``, ``stream_options.include_usage``.
+* ``GET /v1/models`` (the one served model), ``GET /health`` and ``GET /metrics`` (Prometheus text:
+  batches, sequences, largest batch, forward passes, requests).
 
 Every response carries ``usage`` (prompt tokens counted once per prompt; completion tokens summed
-over all choices, a final EOS token included) and ``finish_reason`` ``"stop"`` (EOS or a stop
-string) or ``"length"``. Errors are OpenAI-shaped JSON, ``{"error": {"message", "type", "param",
-"code"}}``: 400 for bad input (malformed JSON, a field out of range, a prompt longer than the
-context window, an unsupported feature such as ``stream``), 401 for a missing/wrong API key when
-the server has one, 404 for an unknown model or route, 405 for a wrong method, 500 when generation
-itself fails. Unknown request fields are ignored, as OpenAI-compatible servers usually do.
+over all choices, a final EOS token included, echoed prompts not) and ``finish_reason`` ``"stop"``
+(EOS or a stop string) or ``"length"``. Errors are OpenAI-shaped JSON, ``{"error": {"message",
+"type", "param", "code"}}``: 400 for bad input (malformed JSON, a field out of range, a prompt longer
+than the context window, more log-probs than ``max_logprobs``, an unsupported feature), 401 for a
+missing/wrong API key when the server has one, 404 for an unknown model or route, 405 for a wrong
+method, 500 when generation itself fails (in a stream: a final ``data: {"error": ...}`` event).
+Unknown request fields are ignored, as OpenAI-compatible servers usually do.
 
 Semantics worth knowing:
 
-* **One model, one request at a time.** Requests are parsed concurrently, but every use of the
-  model and tokenizer runs in a worker thread under a single ``threading.Lock``, so generations
-  are serialised (a request waits its turn; the event loop stays free to answer ``/health`` and
-  ``/v1/models``). Batching happens *within* a request: all its prompts × ``n`` samples go to the
-  backend together, ``batch_size`` at a time. The lock is taken inside the worker thread, so a
-  request whose client went away can never overlap the next generation.
-* **Seeds.** With ``seed`` the whole request is reproducible (the HF backend seeds a forked torch
-  RNG); the same request with the same seed gives the same choices.
-* **Log-probs** are those of the model's untempered distribution (as the HF backend computes them).
-  Alternatives are not computed: each ``top_logprobs`` entry holds only the sampled token, whatever
-  ``logprobs`` / ``top_logprobs`` asks for. ``text_offset`` counts characters from the start of the
-  returned text. A final EOS token is listed (its logprob is part of the sample) but adds no text.
+* **Batching across requests.** Every request is split into sequences (prompt × sample) that go to
+  one engine (``harness.serve_engine``): a worker thread decodes up to ``max_batch`` waiting
+  sequences together (and at most ``max_batch_tokens`` padded positions: batch size × (longest
+  prompt + max_tokens), which bounds the prompt-logits memory of ``echo``), from however many
+  requests, in one prefill and one forward pass per token.
+  Sequences that arrive while a batch runs wait for the next one (no joining mid-batch).
+* **Seeds.** Each sequence samples with its own generator: sample ``s`` of a request with ``seed``
+  uses seed ``seed + s`` (as vLLM does), whatever else is in the batch, so the same request with the
+  same seed gives the same choices, alone or batched, streamed or not. Without a seed each sequence
+  draws a fresh one.
+* **Streaming** is incremental: each decode step sends what it adds (server-sent events, ``data:
+  {...}`` chunks, ``data: [DONE]`` last). Text that could still turn out to be the start of a stop
+  string is held back until it cannot, so the concatenated deltas equal the non-streamed text.
+  With ``echo`` the prompt is the first chunk. ``stream_options.include_usage`` adds a last chunk
+  with ``usage`` and no choices (other chunks carry ``"usage": null``).
+* **Log-probs** are those of the model's untempered distribution (as the HF backend computes
+  them). With ``echo`` the prompt's tokens come first; the first prompt token has no prefix, so its
+  ``token_logprobs`` and ``top_logprobs`` entries are ``null``. A completions ``top_logprobs``
+  entry maps token text to log-prob: the N most likely tokens, most likely first, then the chosen
+  token when it is not among them (tokens that decode to the same text share one key; use
+  ``return_tokens_as_token_ids`` for exact ids). ``text_offset`` counts characters from the start of
+  the returned text. A final EOS token is listed (its logprob is part of the sample) but adds no text.
 * **Stop strings** follow OpenAI: the returned text ends *before* the stop string. With the vLLM
   extension ``include_stop_str_in_output: true`` it is kept (as the harness's HF backend does).
   A stop string that ends inside a multi-character token keeps that token in the log-probs.
@@ -45,12 +59,12 @@ Semantics worth knowing:
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -58,17 +72,19 @@ from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from harness.backends import SamplingParams
+from harness.serve_engine import Delta, Engine, TopList
+from harness.serve_engine import Sequence as Seq
 
 log = logging.getLogger("harness.serve")
 
 MAX_N = 128
 MAX_STOP = 16
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # default of --max-logprobs, as vLLM's
 MAX_BODY_BYTES = 32 * 1024 * 1024
+MIN_LOGPROB = -9999.0  # what OpenAI and vLLM write for -inf
 
 
 class APIError(Exception):
@@ -78,12 +94,19 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status)
 
 
 # ----------------------------------------------------------------------------- request models
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
 
 
 class _Common(BaseModel):
@@ -98,6 +121,7 @@ class _Common(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = Field(None, validate_default=True)  # normalised to a list
     stream: bool | None = None
+    stream_options: StreamOptions | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -116,18 +140,27 @@ class _Common(BaseModel):
 
     def unsupported(self) -> None:
         """Refuse features this server does not implement rather than silently ignoring them."""
-        if self.stream:
-            raise APIError(400, "stream=true is not supported by this server; send stream=false", param="stream")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options can only be set when stream=true", param="stream_options")
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise APIError(400, f"{name} is not supported by this server (only 0)", param=name)
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
 
+    def top_n(self) -> int | None:
+        """Alternatives asked per position (``None``: no log-probs)."""
+        raise NotImplementedError
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
 
 class CompletionRequest(_Common):
     prompt: Any
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0)
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
@@ -154,12 +187,13 @@ class CompletionRequest(_Common):
 
     def unsupported(self) -> None:
         super().unsupported()
-        if self.echo:
-            raise APIError(400, "echo=true is not supported by this server", param="echo")
         if self.suffix:
             raise APIError(400, "suffix is not supported by this server", param="suffix")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise APIError(400, "best_of other than n is not supported by this server", param="best_of")
+
+    def top_n(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -184,7 +218,15 @@ class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(None, ge=0)
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.top_logprobs and not self.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+
+    def top_n(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def render_chat(tokenizer, messages: Sequence[dict[str, str]]) -> str:
@@ -203,29 +245,31 @@ def render_chat(tokenizer, messages: Sequence[dict[str, str]]) -> str:
 # ----------------------------------------------------------------------------- the app
 
 
-class _Served:
-    """The backend plus everything derived from it; all model/tokenizer use goes through ``run``."""
+def _clamp(logprob: float | None) -> float | None:
+    return None if logprob is None else max(logprob, MIN_LOGPROB)
 
-    def __init__(self, backend, model_name: str, api_key: str | None) -> None:
-        self.backend = backend
-        self.tokenizer = backend.tokenizer
+
+class _Served:
+    """The engine plus everything derived from the model; validation and response formatting."""
+
+    def __init__(self, engine: Engine, model_name: str, api_key: str | None, max_logprobs: int) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.api_key = api_key
+        self.max_logprobs = max_logprobs
         self.created = int(time.time())
-        self.lock = threading.Lock()
-        config = getattr(getattr(backend, "model", None), "config", None)
+        self.requests = 0
+        config = getattr(engine.model, "config", None)
         self.max_len: int | None = getattr(config, "max_position_embeddings", None)
         self.vocab_size: int = getattr(config, "vocab_size", None) or len(self.tokenizer)
-        self.eos_id = getattr(self.tokenizer, "eos_token_id", None)
+        self.special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
 
-    # -- run under the lock, in a worker thread
-
-    def run(self, fn, *args):
-        with self.lock:
-            return fn(*args)
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+    def check_logprobs(self, req: _Common) -> None:
+        n = req.top_n()
+        if n is not None and self.max_logprobs >= 0 and n > self.max_logprobs:
+            param = "logprobs" if isinstance(req, CompletionRequest) else "top_logprobs"
+            raise APIError(400, f"Requested sample logprobs of {n}, which is greater than max allowed: {self.max_logprobs}", param=param)
 
     def check_prompts(self, prompts: list[list[int]], max_tokens: int | None) -> int:
         """Validate token ids and length; return the max_tokens to use."""
@@ -249,66 +293,67 @@ class _Served:
             )
         return max_tokens
 
-    def generate(self, prompts: list[list[int]], req: _Common, max_tokens: int | None) -> tuple[list[dict], int]:
-        """Choices (prompt-major) as plain dicts with text, token ids, log-probs and finish reason."""
-        max_tokens = self.check_prompts(prompts, max_tokens)
-        params = SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            max_new_tokens=max_tokens,
-            n=req.n or 1,
-            stop=tuple(req.stop),
-            seed=req.seed,
-        )
-        completions = self.backend.generate(prompts, params)
-        choices = []
-        for c in completions:
-            tokens, logprobs, text = list(c.token_ids), list(c.logprobs), c.text
-            if c.finish_reason == "stop" and req.stop and not req.include_stop_str_in_output and not (tokens and tokens[-1] == self.eos_id):
-                tokens, logprobs, text = self._strip_stop(tokens, logprobs, text, req.stop)
-            choices.append({"text": text, "tokens": tokens, "logprobs": logprobs, "finish_reason": c.finish_reason})
-        return choices, max_tokens
+    def sequences(self, prompts: list[list[int]], req: _Common, max_tokens: int, *, echo: bool = False) -> list[Seq]:
+        """One engine sequence per prompt × sample, prompt-major; sample ``s`` is seeded ``seed + s``."""
+        n = req.n or 1
+        return [
+            Seq(
+                prompt=list(prompt),
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                seed=None if req.seed is None else req.seed + s,
+                stop=tuple(req.stop),
+                include_stop=req.include_stop_str_in_output,
+                top_n=req.top_n() or 0,
+                prompt_logprobs=echo and req.top_n() is not None,
+                stream=bool(req.stream),
+            )
+            for prompt in prompts
+            for s in range(n)
+        ]
 
-    def _strip_stop(self, tokens: list[int], logprobs: list[float], text: str, stops: list[str]):
-        matched = next((s for s in stops if text.endswith(s)), None)
-        if matched is None:
-            return tokens, logprobs, text
-        text = text[: len(text) - len(matched)]
-        keep = len(tokens)  # the shortest token prefix whose text still covers the kept text
-        while keep > 0 and len(self.tokenizer.decode(tokens[: keep - 1], skip_special_tokens=True)) >= len(text):
-            keep -= 1
-        return tokens[:keep], logprobs[:keep], text
+    # -- formatting
 
-    def pieces(self, tokens: list[int], as_ids: bool) -> list[str]:
-        if as_ids:
-            return [f"token_id:{t}" for t in tokens]
-        return self.tokenizer.batch_decode([[t] for t in tokens], skip_special_tokens=False)
+    def names(self, tokens: list[int], as_ids: bool) -> dict[int, str]:
+        """How each of ``tokens`` is written in a response: its text, or ``token_id:<id>``."""
+        unique = list(dict.fromkeys(tokens))
+        return dict(zip(unique, [f"token_id:{t}" for t in unique] if as_ids else self.engine.pieces(unique), strict=True))
 
-    def completion_logprobs(self, choice: dict, as_ids: bool) -> dict:
-        pieces = self.pieces(choice["tokens"], as_ids)
-        special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
-        offsets, at = [], 0
-        for token, piece in zip(choice["tokens"], self.pieces(choice["tokens"], False), strict=True):
-            offsets.append(at)
-            at += 0 if token in special else len(piece)
-        return {
-            "tokens": pieces,
-            "token_logprobs": choice["logprobs"],
-            "top_logprobs": [{p: lp} for p, lp in zip(pieces, choice["logprobs"], strict=True)],
-            "text_offset": offsets,
-        }
+    def completion_logprobs(self, tokens: list[int], logprobs: list[float | None], tops: list[TopList | None], as_ids: bool, offset: int = 0) -> dict:
+        """The completions ``logprobs`` object for ``tokens``; ``offset`` is where their text starts."""
+        pieces = self.engine.pieces(tokens)
+        names = self.names(tokens + [t for top in tops for t, _ in top or []], as_ids)
+        offsets, top_dicts = [], []
+        for token, piece, lp, top in zip(tokens, pieces, logprobs, tops, strict=True):
+            offsets.append(offset)
+            offset += 0 if token in self.special else len(piece)
+            if lp is None:
+                top_dicts.append(None)
+                continue
+            entry = {names[t]: _clamp(v) for t, v in top or []}
+            entry.setdefault(names[token], _clamp(lp))
+            top_dicts.append(entry)
+        return {"tokens": [names[t] for t in tokens], "token_logprobs": [_clamp(lp) for lp in logprobs], "top_logprobs": top_dicts, "text_offset": offsets}
 
-    def chat_logprobs(self, choice: dict, as_ids: bool, top: int) -> dict:
-        content = []
-        for piece, lp in zip(self.pieces(choice["tokens"], as_ids), choice["logprobs"], strict=True):
-            entry = {"token": piece, "logprob": lp, "bytes": list(piece.encode("utf-8"))}
-            content.append({**entry, "top_logprobs": [entry] if top else []})
-        return {"content": content}
+    def chat_logprobs(self, tokens: list[int], logprobs: list[float], tops: list[TopList], as_ids: bool) -> dict:
+        """The chat ``logprobs`` object: per token its name, log-prob, UTF-8 bytes and the top N alternatives."""
+        every = tokens + [t for top in tops for t, _ in top]
+        names, texts = self.names(every, as_ids), self.names(every, False)
+
+        def entry(token: int, lp: float) -> dict:
+            return {"token": names[token], "logprob": _clamp(lp), "bytes": list(texts[token].encode("utf-8"))}
+
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]} for t, lp, top in zip(tokens, logprobs, tops, strict=True)]}
+
+    def text_length(self, tokens: list[int]) -> int:
+        """Characters ``tokens`` add to the returned text (special tokens add none)."""
+        return sum(0 if t in self.special else len(p) for t, p in zip(tokens, self.engine.pieces(tokens), strict=True))
 
 
-def _usage(prompts: list[list[int]], choices: list[dict]) -> dict:
+def _usage(prompts: list[list[int]], seqs: list[Seq]) -> dict:
     prompt_tokens = sum(len(p) for p in prompts)
-    completion_tokens = sum(len(c["tokens"]) for c in choices)
+    completion_tokens = sum(len(s.tokens) for s in seqs)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
@@ -322,10 +367,58 @@ def _validation_error(exc: ValidationError) -> APIError:
     return APIError(400, "; ".join(parts), param=first)
 
 
-def make_app(backend, model_name: str = "model", api_key: str | None = None) -> Starlette:
-    """The ASGI app serving ``backend`` (anything with ``generate`` and ``tokenizer``, e.g. ``HFBackend``)
-    under ``model_name``; with ``api_key``, requests must send ``Authorization: Bearer <api_key>``."""
-    served = _Served(backend, model_name, api_key)
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, allow_nan=False)}\n\n"
+
+
+class _Job:
+    """A request's sequences in the engine, seen from the event loop: events arrive on a queue."""
+
+    def __init__(self, engine: Engine, seqs: list[Seq]) -> None:
+        self.seqs = seqs
+        self.events: asyncio.Queue[tuple[int, str, Delta | None]] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        for index, seq in enumerate(seqs):
+            seq.on_event = lambda s, kind, delta, index=index: loop.call_soon_threadsafe(self.events.put_nowait, (index, kind, delta))
+        engine.submit(seqs)
+
+    async def stream(self) -> AsyncIterator[tuple[int, str, Delta | None]]:
+        """Events until every sequence is done; an engine failure raises."""
+        remaining = len(self.seqs)
+        while remaining:
+            index, kind, delta = await self.events.get()
+            if kind == "error":
+                raise RuntimeError(f"generation failed: {type(self.seqs[index].error).__name__}: {self.seqs[index].error}")
+            if kind == "done":
+                remaining -= 1
+            yield index, kind, delta
+
+    async def wait(self) -> None:
+        async for _ in self.stream():
+            pass
+
+    def cancel(self) -> None:
+        for seq in self.seqs:
+            seq.cancelled = True
+
+
+def make_app(
+    backend,
+    model_name: str = "model",
+    api_key: str | None = None,
+    *,
+    max_batch: int = 64,
+    max_batch_tokens: int | None = None,
+    max_logprobs: int = MAX_LOGPROBS,
+    batch_wait_s: float = 0.002,
+) -> Starlette:
+    """The ASGI app serving ``backend`` (anything with an HF causal LM as ``model``, its ``tokenizer`` and
+    ``device``, e.g. ``HFBackend``) under ``model_name``; with ``api_key``, requests must send
+    ``Authorization: Bearer <api_key>``. Up to ``max_batch`` sequences (and ``max_batch_tokens`` padded
+    positions) are decoded together; ``max_logprobs`` caps ``logprobs`` / ``top_logprobs`` (-1: no cap)."""
+    device = str(getattr(backend, "device", "cpu"))
+    engine = Engine(backend.model, backend.tokenizer, device=device, max_batch=max_batch, max_batch_tokens=max_batch_tokens, batch_wait_s=batch_wait_s)
+    served = _Served(engine, model_name, api_key, max_logprobs)
 
     def check_auth(request: Request) -> None:
         if served.api_key is None:
@@ -348,9 +441,11 @@ def make_app(backend, model_name: str = "model", api_key: str | None = None) -> 
         if req.model != served.model_name:
             raise APIError(404, f"The model {req.model!r} does not exist; this server serves {served.model_name!r}", param="model", code="model_not_found")
         req.unsupported()
+        served.check_logprobs(req)
+        served.requests += 1
         return req
 
-    async def guarded(handler, request: Request) -> JSONResponse:
+    async def guarded(handler, request: Request) -> Response:
         try:
             return await handler(request)
         except APIError as exc:
@@ -359,43 +454,122 @@ def make_app(backend, model_name: str = "model", api_key: str | None = None) -> 
             log.exception("request failed")
             return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error").response()
 
-    async def completions(request: Request) -> JSONResponse:
+    def streamed(events: AsyncIterator[str], job: _Job) -> StreamingResponse:
+        async def body() -> AsyncIterator[str]:
+            try:
+                async for chunk in events:
+                    yield chunk
+            except Exception as exc:  # noqa: BLE001 - the status is sent already: report in the stream
+                log.exception("streamed request failed")
+                yield _sse(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error").body())
+            finally:
+                job.cancel()  # a client that went away stops its sequences
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
+    async def completions(request: Request) -> Response:
         req = await parse(request, CompletionRequest)
+        echo, top_n, as_ids = bool(req.echo), req.logprobs, req.return_tokens_as_token_ids
 
-        def work():
-            prompts = [served.encode(p) if isinstance(p, str) else p for p in req.prompt]
-            choices, _ = served.generate(prompts, req, 16 if req.max_tokens is None else req.max_tokens)
-            out = []
-            for index, choice in enumerate(choices):
-                logprobs = None if req.logprobs is None else served.completion_logprobs(choice, req.return_tokens_as_token_ids)
-                out.append({"index": index, "text": choice["text"], "logprobs": logprobs, "finish_reason": choice["finish_reason"]})
-            return out, _usage(prompts, choices)
+        def prepare():
+            prompts = [served.engine.encode(p) if isinstance(p, str) else p for p in req.prompt]
+            max_tokens = served.check_prompts(prompts, 16 if req.max_tokens is None else req.max_tokens)
+            texts = [p if isinstance(p, str) else served.engine.decode(p) for p in req.prompt] if echo else None
+            return prompts, texts, max_tokens
 
-        choices, usage = await run_in_threadpool(served.run, work)
-        body = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": served.model_name, "choices": choices, "usage": usage}
-        return JSONResponse(body)
+        prompts, prompt_texts, max_tokens = await run_in_threadpool(prepare)
+        seqs = served.sequences(prompts, req, max_tokens, echo=echo)
+        n = req.n or 1
+        job = _Job(served.engine, seqs)
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": served.model_name}
 
-    async def chat(request: Request) -> JSONResponse:
+        if not req.stream:
+            try:
+                await job.wait()
+            finally:
+                job.cancel()
+            choices = []
+            for index, seq in enumerate(seqs):
+                text, tokens, lps, tops = seq.text, seq.tokens, list(seq.logprobs), list(seq.tops)
+                if echo:
+                    text = prompt_texts[index // n] + text
+                    tokens, lps, tops = seq.prompt + tokens, seq.prompt_lps + lps, seq.prompt_tops + tops
+                logprobs = None if top_n is None else served.completion_logprobs(tokens, lps, tops, as_ids)
+                choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": seq.finish_reason})
+            return JSONResponse({**head, "choices": choices, "usage": _usage(prompts, seqs)})
+
+        async def events() -> AsyncIterator[str]:
+            offsets = [0] * len(seqs)
+
+            def chunk(index: int, text: str, tokens: list[int], lps: list, tops: list, finish: str | None) -> str:
+                logprobs = None
+                if top_n is not None:
+                    logprobs = served.completion_logprobs(tokens, lps, tops, as_ids, offsets[index])
+                offsets[index] += served.text_length(tokens) if top_n is not None else 0
+                return _sse({**head, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}], "usage": None})
+
+            echoed = [not echo] * len(seqs)  # with echo, a sequence's first chunk is its prompt (scored at prefill)
+            async for index, kind, delta in job.stream():
+                seq = seqs[index]
+                if not echoed[index]:
+                    echoed[index] = True
+                    yield chunk(index, prompt_texts[index // n], seq.prompt, seq.prompt_lps or [None] * len(seq.prompt), seq.prompt_tops or [None] * len(seq.prompt), None)
+                if delta is not None and (delta.text or delta.tokens or kind == "done"):
+                    yield chunk(index, delta.text, delta.tokens, delta.logprobs, delta.tops, seq.finish_reason if kind == "done" else None)
+            if req.include_usage:
+                yield _sse({**head, "choices": [], "usage": _usage(prompts, seqs)})
+
+        return streamed(events(), job)
+
+    async def chat(request: Request) -> Response:
         req = await parse(request, ChatRequest)
+        top_n, as_ids = req.top_n(), req.return_tokens_as_token_ids
 
-        def work():
+        def prepare():
             messages = [{"role": m.role, "content": m.content} for m in req.messages]
             try:
-                text = render_chat(served.tokenizer, messages)
+                with served.engine.tokenizer_lock:
+                    text = render_chat(served.tokenizer, messages)
             except Exception as exc:  # a template that rejects the conversation (e.g. role order)
                 raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages") from None
-            prompts = [served.encode(text)]
-            choices, _ = served.generate(prompts, req, req.max_completion_tokens or req.max_tokens)
-            out = []
-            for index, choice in enumerate(choices):
-                logprobs = served.chat_logprobs(choice, req.return_tokens_as_token_ids, req.top_logprobs or 0) if req.logprobs else None
-                message = {"role": "assistant", "content": choice["text"]}
-                out.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": choice["finish_reason"]})
-            return out, _usage(prompts, choices)
+            prompts = [served.engine.encode(text)]
+            return prompts, served.check_prompts(prompts, req.max_completion_tokens or req.max_tokens)
 
-        choices, usage = await run_in_threadpool(served.run, work)
-        body = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()), "model": served.model_name, "choices": choices, "usage": usage}
-        return JSONResponse(body)
+        prompts, max_tokens = await run_in_threadpool(prepare)
+        seqs = served.sequences(prompts, req, max_tokens)
+        job = _Job(served.engine, seqs)
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
+
+        if not req.stream:
+            try:
+                await job.wait()
+            finally:
+                job.cancel()
+            choices = []
+            for index, seq in enumerate(seqs):
+                logprobs = None if top_n is None else served.chat_logprobs(seq.tokens, seq.logprobs, seq.tops, as_ids)
+                message = {"role": "assistant", "content": seq.text}
+                choices.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": seq.finish_reason})
+            return JSONResponse({**head, "object": "chat.completion", "choices": choices, "usage": _usage(prompts, seqs)})
+
+        async def events() -> AsyncIterator[str]:
+            def chunk(index: int, delta: dict, logprobs: dict | None, finish: str | None) -> str:
+                choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+                return _sse({**head, "object": "chat.completion.chunk", "choices": [choice], "usage": None})
+
+            for index in range(len(seqs)):
+                yield chunk(index, {"role": "assistant", "content": ""}, None, None)
+            async for index, kind, delta in job.stream():
+                if delta is None:
+                    continue
+                logprobs = None if top_n is None or not delta.tokens else served.chat_logprobs(delta.tokens, delta.logprobs, delta.tops, as_ids)
+                if delta.text or delta.tokens or kind == "done":
+                    yield chunk(index, {"content": delta.text} if delta.text else {}, logprobs, seqs[index].finish_reason if kind == "done" else None)
+            if req.include_usage:
+                yield _sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": _usage(prompts, seqs)})
+
+        return streamed(events(), job)
 
     async def models(request: Request) -> JSONResponse:
         check_auth(request)
@@ -405,8 +579,20 @@ def make_app(backend, model_name: str = "model", api_key: str | None = None) -> 
     async def health(request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok"})
 
+    async def metrics(request: Request) -> PlainTextResponse:
+        stats = served.engine.stats
+        rows = [
+            ("harness_serve_requests_total", "counter", "completion and chat requests accepted", served.requests),
+            ("harness_serve_batches_total", "counter", "decode batches (one prefill and its decode steps)", stats.waves),
+            ("harness_serve_sequences_total", "counter", "sequences (prompt x sample) decoded", stats.sequences),
+            ("harness_serve_batch_size_max", "gauge", "most sequences decoded in one batch", stats.max_wave),
+            ("harness_serve_forward_passes_total", "counter", "model forward passes", stats.forward_passes),
+        ]
+        text = "".join(f"# HELP {name} {help_}\n# TYPE {name} {kind}\n{name} {value}\n" for name, kind, help_, value in rows)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
     def route(path: str, handler, methods: list[str]) -> Route:
-        async def endpoint(request: Request) -> JSONResponse:
+        async def endpoint(request: Request) -> Response:
             return await guarded(handler, request)
 
         return Route(path, endpoint, methods=methods)
@@ -420,6 +606,7 @@ def make_app(backend, model_name: str = "model", api_key: str | None = None) -> 
         route("/v1/chat/completions", chat, ["POST"]),
         route("/v1/models", models, ["GET"]),
         route("/health", health, ["GET"]),
+        route("/metrics", metrics, ["GET"]),
     ]
     app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, max_body_size=MAX_BODY_BYTES)
     app.state.served = served
@@ -430,8 +617,10 @@ def serve(
     model_path: str,
     host: str = "127.0.0.1",
     port: int = 8000,
-    batch_size: int = 64,
+    max_batch: int = 64,
     *,
+    max_batch_tokens: int | None = 32768,
+    max_logprobs: int = MAX_LOGPROBS,
     device: str | None = None,
     model_name: str | None = None,
     api_key: str | None = None,
@@ -447,8 +636,14 @@ def serve(
 
     from harness.backends.hf import HFBackend
 
+    if max_batch < 1:
+        raise ValueError(f"--max-batch must be at least 1, got {max_batch}")
+    if max_batch_tokens is not None and max_batch_tokens < 1:
+        raise ValueError(f"--max-batch-tokens must be at least 1, got {max_batch_tokens}")
+    if max_logprobs < -1:
+        raise ValueError(f"--max-logprobs must be -1 (no cap) or at least 0, got {max_logprobs}")
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    backend = HFBackend.load(model_path, batch_size=batch_size, device=device)
-    app = make_app(backend, model_name=model_name or model_path, api_key=api_key)
-    log.info("serving %s on http://%s:%d/v1 (%s)", model_name or model_path, host, port, device)
+    backend = HFBackend.load(model_path, device=device)
+    app = make_app(backend, model_name=model_name or model_path, api_key=api_key, max_batch=max_batch, max_batch_tokens=max_batch_tokens, max_logprobs=max_logprobs)
+    log.info("serving %s on http://%s:%d/v1 (%s, up to %d sequences per batch)", model_name or model_path, host, port, device, max_batch)
     uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -101,6 +101,8 @@ class TensorBatch:
     policy_version: torch.Tensor  # (B,) long, -1 where unknown
     group_ids: torch.Tensor  # (B,) long: trajectories of the same problem share an id
     teacher_full: torch.Tensor | None = None  # (B, T, V) teacher log-distribution, when a method needs it
+    teacher_topk_logprobs: torch.Tensor | None = None  # (B, T, k) the teacher's k most likely log-probs, descending (teacher_topk)
+    teacher_topk_ids: torch.Tensor | None = None  # (B, T, k) their token ids
     old_logprobs: torch.Tensor | None = None  # (B, T) trainer-recomputed π_old; None ⇒ the current student, detached
     teacher_fresh_logprobs: torch.Tensor | None = None  # (B, T) teacher re-scored at learner time (async)
     policy_lag: torch.Tensor | None = None  # (B,) learner version − behaviour version; None ⇒ 0 (sync)

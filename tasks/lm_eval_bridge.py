@@ -583,7 +583,7 @@ def score_continuations(backend, pairs: list[tuple[str, str]]) -> list[tuple[flo
         try:
             scores = backend.score(ids, mask, want=("logprobs", "topk"), top_k=1)
         except NotImplementedError as exc:
-            raise ValueError(f"scoring lm-eval continuations needs a backend that scores sequences (hf, vllm): {exc}") from None
+            raise ValueError(f"scoring lm-eval continuations needs a backend that scores sequences (hf, vllm, openai): {exc}") from None
         for row, (seq, n_cont) in enumerate(batch):
             span = slice(len(seq) - n_cont, len(seq))
             target = seq[span]

@@ -19,11 +19,12 @@ import urllib.request
 import httpx2
 import openai
 import pytest
+import torch
 import uvicorn
 
 from harness.backends import SamplingParams
 from harness.backends.hf import HFBackend
-from harness.backends.openai_backend import OpenAIBackend, derive_seed
+from harness.backends.openai_backend import OpenAIBackend
 from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model, save_model_and_tokenizer
 from harness.registry import BACKENDS
 from harness.rollout import encode
@@ -107,26 +108,6 @@ def running(app):
         sock.close()
 
 
-class CountingHF(HFBackend):
-    """Records how many generate calls overlap (the server promises one at a time)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.active = 0
-        self.max_active = 0
-        self._count_lock = threading.Lock()
-
-    def generate(self, prompts, params):
-        with self._count_lock:
-            self.active += 1
-            self.max_active = max(self.max_active, self.active)
-        try:
-            return super().generate(prompts, params)
-        finally:
-            with self._count_lock:
-                self.active -= 1
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     tok = build_char_tokenizer()
@@ -142,7 +123,7 @@ def hf(model_dir):
     from harness.models.tiny import load_model_and_tokenizer
 
     lm, tok = load_model_and_tokenizer(model_dir)
-    return CountingHF(lm, tok, batch_size=64)
+    return HFBackend(lm, tok, batch_size=64)
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +145,12 @@ def url(server):
     return server[0]
 
 
+def hf_token_logprobs(hf: HFBackend, prompt: list[int], tokens: list[int]) -> list[float]:
+    """The HF backend's log-probs of ``tokens`` following ``prompt``."""
+    ids = torch.tensor([prompt + tokens])
+    return hf.score(ids, torch.ones_like(ids))["logprobs"][0, len(prompt) :].tolist()
+
+
 def make_backend(url, model_dir, **options) -> OpenAIBackend:
     return OpenAIBackend.load(MODEL, base_url=url, tokenizer=str(model_dir), **options)
 
@@ -181,11 +168,9 @@ def post(url: str, path: str, body, *, method: str = "POST", raw: bytes | None =
 # ----------------------------------------------------------------------------- round trips
 
 
-def test_registered_and_scoring_refused(url, model_dir):
+def test_registered_and_scores_what_a_server_returns(url, model_dir):
     assert BACKENDS.get("openai") is OpenAIBackend
-    backend = make_backend(url, model_dir)
-    with pytest.raises(NotImplementedError, match="out of scope"):
-        backend.score(None, None)
+    assert OpenAIBackend.score_fields == ("logprobs", "topk")  # scoring itself: tests/test_openai_score.py
 
 
 def test_load_needs_a_server_address(monkeypatch, model_dir):
@@ -217,11 +202,12 @@ def test_completions_round_trip_matches_hf(url, model_dir, hf, probe):
     assert [c.token_ids for c in other] != [c.token_ids for c in out]
     # identical prompts get their own seeds (rollout sends k samples of a problem as k prompts)
     assert [c.token_ids for c in out[0:3]] != [c.token_ids for c in out[6:9]]
-    # the server is the HF backend: same tokens and log-probs as calling it directly with the derived seed
-    direct = hf.generate([prompts[1]], params.model_copy(update={"seed": derive_seed(7, 1)}))
-    assert [c.token_ids for c in direct] == [c.token_ids for c in out[3:6]]
-    for d, c in zip(direct, out[3:6], strict=True):
-        assert c.logprobs == pytest.approx(d.logprobs, abs=1e-5)
+    # the server is the HF model: its log-probs are the HF backend's scores of the sampled tokens,
+    # and greedy decoding gives the HF backend's tokens
+    for c in out[3:6]:
+        assert c.logprobs == pytest.approx(hf_token_logprobs(hf, prompts[1], c.token_ids), abs=1e-5)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    assert [c.token_ids for c in backend.generate(prompts, greedy)] == [c.token_ids for c in hf.generate(prompts, greedy)]
 
 
 def test_stop_strings(url, model_dir):
@@ -263,8 +249,8 @@ def test_chat_round_trip(url, model_dir, hf):
     # the server rendered the message with the plain join (the char tokenizer has no chat template)
     rendered = render_chat(tok, [{"role": "user", "content": "What is 2+2?"}])
     assert rendered == "user: What is 2+2?\nassistant:"
-    direct = hf.generate([encode(tok, rendered)], params.model_copy(update={"seed": derive_seed(3, 0)}))
-    assert [c.token_ids for c in direct] == [c.token_ids for c in out]
+    for c in out:
+        assert c.logprobs == pytest.approx(hf_token_logprobs(hf, encode(tok, rendered), c.token_ids), abs=1e-5)
 
 
 def test_render_chat_uses_the_template_when_there_is_one():
@@ -292,7 +278,7 @@ def test_raw_http_api(url):
     assert status == 200 and body["object"] == "chat.completion"
     assert body["choices"][0]["message"]["role"] == "assistant"
     assert body["usage"]["prompt_tokens"] == len("user: hi\nassistant:")
-    assert all(len(e["top_logprobs"]) == 1 for e in body["choices"][0]["logprobs"]["content"])
+    assert all(len(e["top_logprobs"]) == 2 for e in body["choices"][0]["logprobs"]["content"])
 
 
 @pytest.mark.parametrize(
@@ -305,7 +291,7 @@ def test_raw_http_api(url):
         ("/completions", {"model": MODEL, "prompt": [1, 2, 100000]}, 400, "prompt"),
         ("/completions", {"model": MODEL, "prompt": "ab", "max_tokens": 1000}, 400, "max_tokens"),
         ("/completions", {"model": MODEL, "prompt": "ab", "stop": [""]}, 400, "stop"),
-        ("/completions", {"model": MODEL, "prompt": "ab", "stream": True}, 400, "stream"),
+        ("/completions", {"model": MODEL, "prompt": "ab", "logprobs": 21}, 400, "logprobs"),
         ("/completions", {"prompt": "ab"}, 400, "model"),
         ("/completions", {"model": "other", "prompt": "ab"}, 404, "model"),
         ("/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
@@ -423,13 +409,11 @@ def test_token_prompt_fallback_to_text(url, model_dir, probe):
 
 
 @pytest.mark.parametrize("limit", [2, 4])
-def test_concurrency_limit(url, model_dir, probe, hf, limit):
+def test_concurrency_limit(url, model_dir, probe, limit):
     probe.delay_s = 0.2
-    hf.max_active = 0
     backend = make_backend(url, model_dir, concurrency=limit)
     prompts = [encode(backend.tokenizer, f"p{i}") for i in range(2 * limit + 1)]
     out = backend.generate(prompts, SamplingParams(max_new_tokens=2, n=2, seed=0))
     assert len(out) == 2 * len(prompts)
     assert probe.posts == len(prompts)
     assert probe.max_inflight == limit  # never more than the limit, and the limit is actually used
-    assert hf.max_active == 1  # the server ran one generation at a time

@@ -48,3 +48,14 @@ def test_serve_then_eval_with_openai_backend(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--max-batch", "0"), ("--max-batch-tokens", "0"), ("--max-logprobs", "-2")])
+def test_bad_serve_flags_exit_2_naming_the_flag(tmp_path, flag, value):
+    from typer.testing import CliRunner
+
+    from harness.cli import app
+
+    result = CliRunner().invoke(app, ["serve", "--model", str(tmp_path / "missing"), flag, value])
+    output = " ".join(result.output.split())
+    assert result.exit_code == 2 and f"{flag} must be" in output  # refused before the model is loaded

@@ -397,7 +397,7 @@ class Executor(Protocol):
         """The rollout and learner roles of ``session``, started (not necessarily ready) and stopped on exit."""
 
 
-BASE_INPUTS = frozenset({"behaviour_logprobs", "old_logprobs", "teacher_logprobs", "teacher_full", "student_full", "step_boundaries", "policy_lag"})
+BASE_INPUTS = frozenset({"behaviour_logprobs", "old_logprobs", "teacher_logprobs", "teacher_full", "teacher_topk", "student_full", "step_boundaries", "policy_lag"})
 
 
 def provided_inputs(task) -> frozenset[str]:

@@ -27,6 +27,7 @@ from harness.trajectory import TensorBatch, Trajectory, to_tensor_batch
 from trainers.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from trainers.guards import enforce_finite, enforce_grade_error_rate, grade_error_count
 from trainers.learner import train_step
+from trainers.teacher import open_remote_teacher, score_teacher, teacher_label, teacher_wants, wrap_hf_teacher
 from trainers.warmup import prepare_model
 
 TEACHER_SUFFIX = ".teacher"
@@ -42,10 +43,10 @@ def sample_problems(cfg, train_problems: list, step: int) -> list:
     return rng.sample(train_problems, min(cfg.trainer.prompts_per_step, len(train_problems)))
 
 
-def make_batch(plan, student: Backend, teacher: HFBackend, problems: list, step: int, metrics: dict) -> tuple[TensorBatch, list[Trajectory]]:
+def make_batch(plan, student: Backend, teacher: Backend, problems: list, step: int, metrics: dict) -> tuple[TensorBatch, list[Trajectory]]:
     """Roll out (or take references), grade when the method needs rewards, and score with the teacher."""
     batch, trajectories = generate_batch(plan, student, problems, step, metrics)
-    teacher_phase(plan, teacher, batch, metrics)
+    teacher_phase(plan, teacher, batch, metrics, step=step)
     return batch, trajectories
 
 
@@ -124,22 +125,17 @@ def close_rollout_backend(backend: Backend | None) -> None:
 
 def needs_teacher(plan) -> bool:
     """Whether the method reads teacher log-probs or distributions (otherwise the teacher never runs)."""
-    return bool(plan.method.needs(plan.hparams) & {"teacher_logprobs", "teacher_full"})
+    return bool(plan.method.needs(plan.hparams) & {"teacher_logprobs", "teacher_full", "teacher_topk"})
 
 
-def teacher_phase(plan, teacher: HFBackend, batch: TensorBatch, metrics: dict) -> None:
-    """The teacher role's half of :func:`make_batch`: score ``batch`` in place when the method needs it."""
+def teacher_phase(plan, teacher: Backend, batch: TensorBatch, metrics: dict, step: int | None = None) -> None:
+    """The teacher role's half of :func:`make_batch`: score ``batch`` in place when the method needs it (the top-k
+    size, when the method reads ``teacher_topk``, is its ``teacher_top_k``); a teacher failure stops the run (TeacherFailed)."""
     if needs_teacher(plan):
+        needs = plan.method.needs(plan.hparams)
         with timed("teacher", metrics):
-            score_teacher(teacher, batch, full="teacher_full" in plan.method.needs(plan.hparams))
-
-
-@torch.no_grad()
-def score_teacher(teacher: HFBackend, batch: TensorBatch, *, full: bool) -> None:
-    """Fill the teacher's log-probs (and full distribution when asked) into ``batch``."""
-    scores = teacher.score(batch.input_ids, batch.attention_mask, want=("logprobs", "full") if full else ("logprobs",))
-    batch.teacher_logprobs = scores["logprobs"] * batch.loss_mask
-    batch.teacher_full = scores.get("full")
+            top_k = getattr(plan.hparams, "teacher_top_k", 0) if "teacher_topk" in needs else 0
+            score_teacher(teacher, batch, want=teacher_wants(needs), top_k=top_k, retries=plan.config.teacher.step_retries, step=step)
 
 
 def learn(plan, model, optimizer, batch: TensorBatch, method_state, learner_version: int, metrics: dict) -> None:
@@ -187,7 +183,7 @@ class Session:
     run_id: str
     console: Console
     student: HFBackend
-    teacher: HFBackend
+    teacher: Backend  # HFBackend in-process, or teacher.backend's (a served teacher, vLLM)
     teacher_path: str
     student_path: str
     optimizer: torch.optim.Optimizer
@@ -204,9 +200,11 @@ class Session:
         torch.set_num_threads(threads or cfg.threads or os.cpu_count() or 1)
         if plan.train_problems is None:
             load_plan_data(plan)
-        teacher_model, tokenizer, teacher_path = prepare_model(cfg.teacher, "teacher", plan.task, plan.train_problems, store.root)
+        local_teacher = cfg.teacher.backend == "hf"
+        if local_teacher:
+            teacher_model, tokenizer, teacher_path = prepare_model(cfg.teacher, "teacher", plan.task, plan.train_problems, store.root)
         student_model, student_tok, student_path = prepare_model(cfg.student, "student", plan.task, plan.train_problems, store.root)
-        if student_tok.get_vocab() != tokenizer.get_vocab():
+        if local_teacher and student_tok.get_vocab() != tokenizer.get_vocab():
             raise ValueError("student and teacher tokenizers differ; per-token distillation needs a shared vocabulary")
         optimizer_factory, scheduler_factory = _optimizer_factory(cfg), _scheduler_factory(cfg)
         state = TrainState()
@@ -223,8 +221,10 @@ class Session:
         store.delete_steps_after(run_id, state.step)
         student = HFBackend(student_model, student_tok, batch_size=cfg.trainer.generate_batch_size)
         student.version = state.step
-        teacher = HFBackend(teacher_model, tokenizer, batch_size=cfg.trainer.generate_batch_size)
-        teacher_model.requires_grad_(False)
+        if local_teacher:
+            teacher = wrap_hf_teacher(teacher_model, tokenizer, cfg.trainer.generate_batch_size, cfg.teacher.backend_options)
+        else:  # served or loaded elsewhere; it shares the student's vocabulary (the student's tokenizer encodes for it)
+            teacher, teacher_path = open_remote_teacher(cfg.teacher, student_path), teacher_label(cfg.teacher, None)
         return cls(plan, store, run_id, console, student, teacher, teacher_path, student_path, optimizer, scheduler, state, method_state, plan.train_problems)
 
     def evaluate_start(self) -> None:

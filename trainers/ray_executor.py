@@ -45,6 +45,7 @@ from trainers.pipeline import (
     sample_problems,
     teacher_phase,
 )
+from trainers.teacher import open_remote_teacher, wrap_hf_teacher
 
 # environment.md §4: no token file in ~/.ray (auth on by default in Ray 2.60), no usage reporting.
 RAY_ENV_DEFAULTS = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -136,16 +137,20 @@ class RolloutActor(_Role):
 
 
 class TeacherActor(_Role):
-    """Teacher role: holds the teacher and fills its log-probs (or distributions) into batches."""
+    """Teacher role: holds the teacher (the shipped model for ``hf``, else ``teacher.backend``'s engine or client, opened
+    here) and fills its log-probs (or distributions) into batches."""
 
-    def __init__(self, config: dict, model: torch.nn.Module, tokenizer: Any, threads: int) -> None:
+    def __init__(self, config: dict, model: torch.nn.Module | None, tokenizer: Any, student_path: str, threads: int) -> None:
         _setup_actor(threads)
         self.plan = _plan(config)
-        model.requires_grad_(False)
-        self.backend = HFBackend(model, tokenizer, batch_size=self.plan.config.trainer.generate_batch_size)
+        spec = self.plan.config.teacher
+        if model is not None:
+            self.backend = wrap_hf_teacher(model, tokenizer, self.plan.config.trainer.generate_batch_size, spec.backend_options)
+        else:
+            self.backend = open_remote_teacher(spec, student_path)
 
-    def score(self, batch: TensorBatch, metrics: dict[str, float]) -> tuple[TensorBatch, dict[str, float]]:
-        teacher_phase(self.plan, self.backend, batch, metrics)
+    def score(self, batch: TensorBatch, metrics: dict[str, float], index: int | None = None) -> tuple[TensorBatch, dict[str, float]]:
+        teacher_phase(self.plan, self.backend, batch, metrics, step=index)
         return batch, metrics
 
 
@@ -189,7 +194,7 @@ class RayRollout:
     def make(self, index: int) -> tuple[Any, dict[str, float]]:
         batch, metrics = self.actor.generate.options(num_returns=2).remote(index)
         if self.score:
-            batch, metrics = self.teacher.score.options(num_returns=2).remote(batch, metrics)
+            batch, metrics = self.teacher.score.options(num_returns=2).remote(batch, metrics, index)
         return batch, self.ray.get(metrics)
 
 
@@ -225,7 +230,8 @@ def start_actors(ray: ModuleType, plan, session: Session, threads: int) -> tuple
     student, teacher = session.student, session.teacher
     remote = lambda cls: ray.remote(cls).options(max_concurrency=1)  # noqa: E731  one call at a time, in order
     rollout = remote(RolloutActor).remote(config, ray.put(student.model), student.tokenizer, session.student_path, ray.put(session.train_problems), threads)
-    scorer = remote(TeacherActor).remote(config, ray.put(teacher.model), teacher.tokenizer, threads)
+    shipped = ray.put(teacher.model) if isinstance(teacher, HFBackend) else None  # a remote teacher is reopened in the actor
+    scorer = remote(TeacherActor).remote(config, shipped, teacher.tokenizer, session.student_path, threads)
     parts = ray.put((student.model, session.optimizer, session.method_state))
     learner = remote(LearnerActor).remote(config, parts, threads)
     return rollout, scorer, learner

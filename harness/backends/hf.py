@@ -23,6 +23,7 @@ class HFBackend:
     """Wraps an in-memory causal LM; training code may update the model in place between calls."""
 
     name = "hf"
+    score_fields = SCORE_FIELDS  # ``score`` returns any of them
 
     def __init__(self, model, tokenizer, *, batch_size: int = 64, device: str = "cpu", show_progress: bool = False) -> None:
         self.model = model.to(device)

@@ -49,8 +49,19 @@ Seeds: with ``params.seed`` every prompt gets its own seed derived from (seed, p
 run is reproducible and two prompts with the same text (rollout sends the k samples of a problem as
 k prompts) still get different samples.
 
-``score()`` is not available: teacher scoring over HTTP (prompt log-probs) is out of scope here;
-use the ``hf`` (or ``vllm``) backend for teachers.
+Scoring (``score``, what a teacher and lm-eval's log-likelihood tasks need): each unpadded row is
+sent as one completions request with ``echo: true``, ``max_tokens: 0`` and ``logprobs: max(top_k, 1)``
+(vLLM's and ``harness serve``'s prompt log-probs: the prompt's tokens come back with their
+log-probs, the first one ``null``, and each position's ``top_logprobs`` holds the top-k plus the
+actual token). A server that refuses ``max_tokens: 0`` is asked for ``max_tokens: 1`` instead (the
+extra token is ignored; logged once). The prompt goes as token ids under ``prompt_format``
+``tokens``/``auto``, so no re-tokenisation can shift positions; as text (``prompt_format=text``, or
+``auto`` after a server refused ids) the server's returned tokens are checked against the local
+tokenizer's and a mismatch is a :class:`ScoringMismatch` naming the position. Top-k ids come from
+``token_id:<id>`` keys (``server_extensions``), else from the tokenizer's vocabulary. Only
+``logprobs`` and ``topk`` can be scored (``score_fields``): a server returns no full distribution
+or entropy. Position 0 of each row and padding score 0, as in the HF backend. Requests run
+``concurrency`` at a time with the same retries as generation; an error after them is raised.
 """
 
 from __future__ import annotations
@@ -64,7 +75,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from harness.backends import Completion, SamplingParams, as_bool
+import torch
+
+from harness.backends import SCORE_FIELDS, Completion, SamplingParams, as_bool
 from harness.registry import BACKENDS
 
 log = logging.getLogger("harness.backends.openai")
@@ -104,6 +117,7 @@ class OpenAIBackend:
     """Generates through an OpenAI-compatible server; see the module docstring for the options."""
 
     name = "openai"
+    score_fields = ("logprobs", "topk")  # what ``score`` can return: no full distribution over HTTP
 
     def __init__(
         self,
@@ -142,6 +156,8 @@ class OpenAIBackend:
         self.eos_id = tokenizer.eos_token_id
         self.sleep = time.sleep  # replaceable in tests
         self._format_lock = threading.Lock()
+        self._echo_max_tokens = 0  # 1 once a server refused echo without generation
+        self._piece_index: dict[str, list[int]] | None = None
 
     @classmethod
     def load(
@@ -310,8 +326,118 @@ class OpenAIBackend:
                 return token_ids + [self.eos_id], token_info[1]
         return token_ids, []
 
-    def score(self, *args, **kwargs):
-        raise NotImplementedError(
-            "the openai backend cannot score sequences: teacher scoring (prompt log-probs over given tokens) "
-            "over HTTP is out of scope; use the hf or vllm backend for a teacher"
+    # ------------------------------------------------------------------ scoring
+
+    def score(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, want: tuple[str, ...] = ("logprobs",), top_k: int = 0, grad: bool = False
+    ) -> dict[str, torch.Tensor]:
+        """Per-position ``logprobs`` (and ``topk_logprobs``/``topk_ids`` with ``"topk"``) from the server's prompt log-probs."""
+        from harness.backends.vllm_backend import prompt_logprobs_to_tensor, unpadded_sequences
+
+        check_score_request(want, top_k, grad)
+        k = top_k if "topk" in want else 0
+        rows = unpadded_sequences(input_ids.cpu(), attention_mask.cpu())
+        workers = max(1, min(self.concurrency, len(rows)))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="openai-score") as pool:
+            entries = list(pool.map(lambda item: self._prompt_logprobs(item[0], item[1][1], k) if item[1][1] else None, enumerate(rows)))
+        scores = prompt_logprobs_to_tensor(entries, input_ids.cpu(), attention_mask.cpu(), want, k)
+        return {name: value.to(input_ids.device) for name, value in scores.items()}
+
+    def _prompt_logprobs(self, row: int, tokens: list[int], top_k: int) -> list[dict[int, float] | None]:
+        """One row's prompt log-probs as vLLM-style entries: ``None`` first, then ``{token id: log-prob}`` per position."""
+        import openai
+
+        kwargs: dict = {"model": self.model, "echo": True, "logprobs": max(top_k, 1), "temperature": 1.0, "max_tokens": self._echo_max_tokens}
+        if self.server_extensions:
+            kwargs["extra_body"] = {"return_tokens_as_token_ids": True}
+        try:
+            response = self._complete(tokens, kwargs)
+        except (openai.BadRequestError, openai.UnprocessableEntityError) as exc:
+            if self._echo_max_tokens != 0:
+                raise
+            response = self._complete(tokens, {**kwargs, "max_tokens": 1})  # raises if this is refused too
+            log.warning("openai backend: the server refused echo with max_tokens=0 (%s); scoring with max_tokens=1 from now on", exc)
+            self._echo_max_tokens = 1
+        if not response.choices or response.choices[0].logprobs is None:
+            raise ScoringMismatch(f"openai backend: {self.model!r} returned no prompt log-probs for row {row} (does the server support echo with logprobs?)")
+        return self._entries(row, tokens, response.choices[0].logprobs, top_k)
+
+    def _entries(self, row: int, tokens: list[int], logprobs, top_k: int) -> list[dict[int, float] | None]:
+        """Check the echoed tokens are ``tokens`` and turn each position's log-probs into ``{id: log-prob}``."""
+        returned, values, tops = list(logprobs.tokens or []), list(logprobs.token_logprobs or []), list(logprobs.top_logprobs or [])
+        if len(returned) < len(tokens) or len(values) < len(tokens):
+            raise ScoringMismatch(f"openai backend: row {row}: sent {len(tokens)} prompt tokens, the server echoed {len(returned)} with {len(values)} log-probs")
+        entries: list[dict[int, float] | None] = [None]
+        for position, token in enumerate(tokens):
+            echoed = self._token_id(returned[position], token)
+            if echoed != token:
+                raise ScoringMismatch(
+                    f"openai backend: row {row}, position {position}: the server's token {returned[position]!r} is not the local token "
+                    f"{token} ({self.tokenizer.decode([token])!r}); the server tokenised the prompt differently "
+                    "(send token ids with prompt_format=tokens, or pass the served model's tokenizer=PATH)"
+                )
+            if position == 0:
+                continue
+            if values[position] is None:
+                raise ScoringMismatch(f"openai backend: row {row}, position {position}: the server returned no log-prob for a prompt token")
+            entry = {token: float(values[position])}
+            top = tops[position] if position < len(tops) else None
+            for key, value in (top or {}).items() if top_k else ():
+                entry.setdefault(self._token_id(key, None), float(value))
+            entries.append(entry)
+        return entries
+
+    def _token_id(self, piece: str, expected: int | None) -> int | None:
+        """A returned token as an id: ``token_id:<id>``; else the text of ``expected`` when it matches; else a vocabulary lookup."""
+        if piece.startswith("token_id:"):
+            try:
+                return int(piece.removeprefix("token_id:"))
+            except ValueError:
+                pass
+        if expected is not None and piece in self._pieces_of(expected):
+            return expected
+        ids = self._ids_of_piece().get(piece, [])
+        if len(ids) == 1:
+            return ids[0]
+        if expected is not None:
+            return None
+        raise ScoringMismatch(
+            f"openai backend: the server's top-k token {piece!r} maps to {len(ids)} local token ids; "
+            "top-k scoring needs token ids (server_extensions=true, vLLM's return_tokens_as_token_ids) or the served model's tokenizer"
         )
+
+    def _pieces_of(self, token: int) -> set[str]:
+        """The ways a server may write one token: its decoded text or its vocabulary entry."""
+        return {self.tokenizer.decode([token]), *self.tokenizer.convert_ids_to_tokens([token])}
+
+    def _ids_of_piece(self) -> dict[str, list[int]]:
+        """Vocabulary text → ids (decoded text and raw entry), built once."""
+        with self._format_lock:
+            if self._piece_index is None:
+                index: dict[str, list[int]] = {}
+                for token in range(len(self.tokenizer)):
+                    for piece in self._pieces_of(token):
+                        index.setdefault(piece, []).append(token)
+                self._piece_index = index
+            return self._piece_index
+
+
+class ScoringMismatch(RuntimeError):
+    """The server's prompt log-probs do not line up with the tokens sent (re-tokenised text, missing entries)."""
+
+
+def check_score_request(want: tuple[str, ...], top_k: int, grad: bool) -> None:
+    """Refuse what a server cannot score, with the reason."""
+    unknown = set(want) - set(SCORE_FIELDS)
+    if unknown:
+        raise ValueError(f"unknown score fields {sorted(unknown)}; allowed: {SCORE_FIELDS}")
+    unsupported = sorted(set(want) - set(OpenAIBackend.score_fields))
+    if unsupported:
+        raise NotImplementedError(
+            f"the openai backend cannot score {unsupported}: an OpenAI-compatible server returns only the top-k log-probs per position, "
+            "never the full distribution needed for entropy or full"
+        )
+    if grad:
+        raise NotImplementedError("the openai backend cannot score with gradients; use the hf backend for a trained model")
+    if "topk" in want and top_k < 1:
+        raise ValueError(f"score(want=('topk', ...)) needs top_k >= 1, got {top_k}")

@@ -379,6 +379,7 @@ class VLLMBackend:
     """Generates and scores with a ``vllm.LLM`` offline engine; see the module docstring."""
 
     name = "vllm"
+    score_fields = tuple(f for f in SCORE_FIELDS if f not in UNSUPPORTED_SCORE_FIELDS)  # what ``score`` can return
 
     def __init__(self, llm, tokenizer=None, *, max_logprobs: int | None = 20, show_progress: bool = False) -> None:
         self.llm = llm

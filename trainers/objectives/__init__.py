@@ -21,6 +21,7 @@ INPUTS = {
     "old_logprobs": "π_old: log-probs of the sampled tokens recomputed under the behaviour weights (PPO-style ratios; methods.md §0)",
     "teacher_logprobs": "teacher log-probs of the sampled tokens",
     "teacher_full": "full teacher distribution over the vocabulary at every position",
+    "teacher_topk": "the teacher's top-k log-probs and token ids at every position (k: the method's teacher_top_k)",
     "student_full": "full current-student distribution (with gradient)",
     "rewards": "a scalar outcome reward per trajectory (the task's grade)",
     "step_boundaries": "step index per token (multi-step trajectories)",

@@ -1,0 +1,342 @@
+"""The batching engine behind ``harness serve``: one decode loop over an HF causal LM, shared by requests.
+
+Requests are split into sequences (one per prompt × sample). A worker thread takes up to
+``max_batch`` waiting sequences at a time — from however many requests — and decodes them together
+(one left-padded prefill, then one forward pass per new token with the KV cache). Sequences report
+each step to their request, so streaming is truly incremental.
+
+Every sequence samples with its own ``torch.Generator`` seeded from its request's seed, so a
+request's tokens do not depend on what it was batched with (up to float rounding of batched matmuls,
+which only matters at exact ties). Log-probs are those of the untempered model distribution, as the
+HF backend computes them; prompt log-probs come from the same prefill.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("harness.serve")
+
+TopList = list[tuple[int, float]]  # (token id, log-prob), most likely first
+
+
+@dataclass
+class Sequence:
+    """One prompt × sample to decode, plus what decoding produced (filled in by the engine)."""
+
+    prompt: list[int]
+    max_tokens: int  # 0: score the prompt only
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    include_stop: bool = False  # keep a matched stop string in the text (vLLM's include_stop_str_in_output)
+    top_n: int = 0  # alternatives per position
+    prompt_logprobs: bool = False
+    stream: bool = False  # report text as it is decoded (otherwise only stop strings need the text before the end)
+    on_event: Callable[["Sequence", str, "Delta | None"], None] | None = None  # from the engine thread: "step", "done", "error"
+    # results
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    tops: list[TopList] = field(default_factory=list)
+    prompt_lps: list[float | None] = field(default_factory=list)
+    prompt_tops: list[TopList | None] = field(default_factory=list)
+    text: str = ""  # final text (stop string removed unless include_stop)
+    finish_reason: str | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What a step adds to a sequence's reported output: text, and the tokens that text completes."""
+
+    text: str
+    tokens: list[int]
+    logprobs: list[float]
+    tops: list[TopList]
+
+
+@dataclass
+class EngineStats:
+    """Counters exposed by ``/metrics``: how requests were batched."""
+
+    waves: int = 0  # backend decode calls (one prefill + its decode steps)
+    sequences: int = 0
+    max_wave: int = 0
+    forward_passes: int = 0
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    """Draw one token id from ``softmax(logits / temperature)`` cut to the ``top_p`` nucleus (greedy at 0)."""
+    if temperature == 0.0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly above each token
+        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+        return int(order[torch.multinomial(sorted_probs, 1, generator=generator)])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def top_list(logp: torch.Tensor, n: int) -> TopList:
+    """The ``n`` most likely (id, log-prob) pairs of one position, most likely first."""
+    if n <= 0:
+        return []
+    values, ids = logp.topk(min(n, logp.shape[-1]))
+    return list(zip(ids.tolist(), values.tolist(), strict=True))
+
+
+def first_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
+    """The earliest stop string in ``text`` as (index, stop), or None."""
+    found = [(text.find(s), s) for s in stops if s in text]
+    return min(found, key=lambda f: f[0]) if found else None
+
+
+def safe_prefix(text: str, stops: tuple[str, ...]) -> str:
+    """The part of ``text`` that can be shown now: without a tail that may still grow into a stop string
+    (its longest stop minus one character) or an incomplete UTF-8 sequence."""
+    safe = len(text) - (max((len(s) for s in stops), default=1) - 1)
+    while safe > 0 and text[safe - 1] == "\ufffd":
+        safe -= 1
+    return text[: max(safe, 0)]
+
+
+class Engine:
+    """Decodes waves of sequences in one worker thread; ``submit`` is safe from any thread."""
+
+    def __init__(self, model, tokenizer, *, device: str, max_batch: int = 64, max_batch_tokens: int | None = None, batch_wait_s: float = 0.002) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        if max_batch_tokens is not None and max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens must be at least 1, got {max_batch_tokens}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        self.max_batch = max_batch
+        self.max_batch_tokens = max_batch_tokens
+        self.batch_wait_s = batch_wait_s
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.eos_id = tokenizer.eos_token_id
+        self.stats = EngineStats()
+        self.tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to share across threads
+        self._queue: queue.Queue[Sequence] = queue.Queue()
+        self._held: Sequence | None = None  # taken from the queue but left for the next batch (token budget)
+        self._worker: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        accepted = inspect.signature(model.forward).parameters
+        self._keep_logits = "logits_to_keep" in accepted
+        self._cache_arg = "cache" if "cache" in accepted else "past_key_values"  # transformers 5 renamed it
+
+    # -- tokenizer access (any thread)
+
+    def encode(self, text: str) -> list[int]:
+        with self.tokenizer_lock:
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, tokens: list[int], *, skip_special: bool = True) -> str:
+        with self.tokenizer_lock:
+            return self.tokenizer.decode(tokens, skip_special_tokens=skip_special)
+
+    def pieces(self, tokens: list[int]) -> list[str]:
+        """Each token's own text (special tokens spelled out)."""
+        with self.tokenizer_lock:
+            return self.tokenizer.batch_decode([[t] for t in tokens], skip_special_tokens=False)
+
+    # -- submission
+
+    def submit(self, sequences: list[Sequence]) -> None:
+        """Queue ``sequences``; each reports through its ``on_event``."""
+        with self._start_lock:
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._loop, name="harness-serve-engine", daemon=True)
+                self._worker.start()
+        for seq in sequences:
+            self._queue.put(seq)
+
+    def _take_wave(self) -> list[Sequence]:
+        """The next batch: block for one sequence, then take what arrives within ``batch_wait_s``, up to
+        ``max_batch`` sequences and ``max_batch_tokens`` padded positions (batch × longest prompt + max_tokens)."""
+        first, self._held = self._held or self._queue.get(), None
+        wave = [first]
+        deadline = time.monotonic() + self.batch_wait_s
+        while len(wave) < self.max_batch:
+            try:
+                seq = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if self.max_batch_tokens is not None and (len(wave) + 1) * max(len(s.prompt) + s.max_tokens for s in [*wave, seq]) > self.max_batch_tokens:
+                self._held = seq
+                break
+            wave.append(seq)
+        return [s for s in wave if not s.cancelled]
+
+    def _loop(self) -> None:
+        while True:
+            wave = self._take_wave()
+            if not wave:
+                continue
+            try:
+                self.decode_wave(wave)
+            except Exception as exc:  # noqa: BLE001 - reported to every request of the wave
+                log.exception("decoding a batch of %d sequences failed", len(wave))
+                for seq in wave:
+                    if not seq.done:
+                        seq.error = exc
+                        self._emit(seq, "error")
+
+    def _emit(self, seq: Sequence, kind: str, delta: Delta | None = None) -> None:
+        if seq.on_event is not None:
+            try:
+                seq.on_event(seq, kind, delta)
+            except Exception:  # noqa: BLE001 - a callback must not take the engine down
+                log.exception("a request callback failed")
+
+    # -- decoding
+
+    def _forward(self, ids: torch.Tensor, attn: torch.Tensor, positions: torch.Tensor, cache, all_logits: bool):
+        self.stats.forward_passes += 1
+        kwargs = {} if all_logits or not self._keep_logits else {"logits_to_keep": 1}
+        kwargs[self._cache_arg] = cache
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True, **kwargs)
+        return out.logits, getattr(out, self._cache_arg)
+
+    @torch.no_grad()
+    def decode_wave(self, wave: list[Sequence]) -> None:
+        """Prefill ``wave`` together, record prompt log-probs where asked, then decode step by step."""
+        self.stats.waves += 1
+        self.stats.sequences += len(wave)
+        self.stats.max_wave = max(self.stats.max_wave, len(wave))
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            self._decode(wave)
+        finally:
+            self.model.train(was_training)
+
+    def _decode(self, wave: list[Sequence]) -> None:
+        width = max(len(s.prompt) for s in wave)
+        ids = torch.full((len(wave), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(wave), width), dtype=torch.long)
+        for i, s in enumerate(wave):
+            ids[i, width - len(s.prompt) :] = torch.tensor(s.prompt, dtype=torch.long)
+            attn[i, width - len(s.prompt) :] = 1
+        ids, attn = ids.to(self.device), attn.to(self.device)
+        positions = (attn.cumsum(-1) - 1).clamp(min=0)
+        generators = [torch.Generator(device=self.device).manual_seed(self._seed(s)) for s in wave]
+        logits, cache = self._forward(ids, attn, positions, None, any(s.prompt_logprobs for s in wave))
+        for i, s in enumerate(wave):
+            if s.prompt_logprobs:
+                self._record_prompt(s, logits[i, width - len(s.prompt) :])
+        states = [_TextState() for _ in wave]
+        for i, s in enumerate(wave):
+            if s.max_tokens == 0:
+                self._finish(s, states[i], "length")
+        logits = logits[:, -1]
+        while not all(s.done or s.cancelled for s in wave):
+            live = [i for i, s in enumerate(wave) if not (s.done or s.cancelled)]
+            tokens = self._choose(wave, live, logits, generators)
+            logp = F.log_softmax(logits[live].float(), dim=-1)  # one device-to-host copy per step, not per row
+            chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None]).squeeze(-1).tolist()
+            k = min(max(wave[i].top_n for i in live), logp.shape[-1])
+            top_values, top_ids = logp.topk(k) if k else (logp[:, :0], logp[:, :0].long())
+            top_values, top_ids = top_values.tolist(), top_ids.tolist()
+            next_ids = torch.full((len(wave),), self.pad_id, dtype=torch.long)
+            for row, i in enumerate(live):
+                next_ids[i] = tokens[row]
+                top = list(zip(top_ids[row], top_values[row], strict=True))[: wave[i].top_n]
+                self._step(wave[i], states[i], tokens[row], chosen[row], top)
+            if all(s.done or s.cancelled for s in wave):
+                break
+            attn = torch.cat([attn, attn.new_ones((len(wave), 1))], dim=1)
+            positions = positions[:, -1:] + 1
+            logits, cache = self._forward(next_ids.to(self.device)[:, None], attn, positions, cache, False)
+            logits = logits[:, -1]
+
+    @staticmethod
+    def _choose(wave: list[Sequence], live: list[int], logits: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
+        """The next token of each live sequence: greedy rows by one batched argmax, sampled rows by their own generator."""
+        greedy = logits[live].argmax(-1).tolist()
+        return [greedy[row] if wave[i].temperature == 0.0 else sample_token(logits[i], wave[i].temperature, wave[i].top_p, generators[i]) for row, i in enumerate(live)]
+
+    def _seed(self, seq: Sequence) -> int:
+        return random.SystemRandom().getrandbits(63) if seq.seed is None else seq.seed % 2**64
+
+    def _record_prompt(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Log-probs of prompt tokens 1..L-1 given their prefixes; token 0 has none (``None``)."""
+        logp = F.log_softmax(logits[:-1].float(), dim=-1)
+        targets = torch.tensor(seq.prompt[1:], dtype=torch.long, device=logp.device)
+        seq.prompt_lps = [None, *logp.gather(-1, targets[:, None]).squeeze(-1).tolist()]
+        seq.prompt_tops = [None, *(top_list(row, seq.top_n) for row in logp)]
+
+    def _step(self, seq: Sequence, state: "_TextState", token: int, logprob: float, top: TopList) -> None:
+        """Record ``token``; finish on EOS, a stop string or ``max_tokens``, else report what is safe to show."""
+        seq.tokens.append(token)
+        seq.logprobs.append(logprob)
+        seq.tops.append(top)
+        at_limit = len(seq.tokens) >= seq.max_tokens
+        if token == self.eos_id:
+            self._finish(seq, state, "stop")
+        elif not seq.stream and not seq.stop:  # nothing to look at in the text before the end
+            if at_limit:
+                self._finish(seq, state, "length")
+        elif hit := first_stop(text := self.decode(seq.tokens), seq.stop):
+            at, stop = hit
+            self._finish(seq, state, "stop", text[: at + len(stop)] if seq.include_stop else text[:at], strip=not seq.include_stop)
+        elif at_limit:
+            self._finish(seq, state, "length", text)
+        elif (delta := state.advance(self, seq, safe_prefix(text, seq.stop))) is not None:
+            self._emit(seq, "step", delta)
+
+    def _finish(self, seq: Sequence, state: "_TextState", reason: str, text: str | None = None, *, strip: bool = False) -> None:
+        seq.text = self.decode(seq.tokens) if text is None else text
+        if strip:  # keep the shortest token prefix whose text still covers the kept text
+            keep = len(seq.tokens)
+            while keep > 0 and len(self.decode(seq.tokens[: keep - 1])) >= len(seq.text):
+                keep -= 1
+            del seq.tokens[keep:], seq.logprobs[keep:], seq.tops[keep:]
+        delta = state.advance(self, seq, seq.text, final=True)
+        seq.finish_reason = reason
+        self._emit(seq, "done", delta)
+
+
+class _TextState:
+    """What of a sequence has been reported so far, for streaming: text and the tokens it covers."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.tokens = 0
+
+    def advance(self, engine: Engine, seq: Sequence, visible: str, *, final: bool = False) -> Delta | None:
+        """Report text up to ``visible`` and the tokens whose text it covers (all of them when ``final``)."""
+        if not visible.startswith(self.text):  # a detokeniser that rewrote earlier text: wait for the end
+            if not final:
+                return None
+            log.warning("streamed text is not a prefix of the final text; the stream differs from the response")
+            visible = self.text + visible[len(self.text) :]
+        end = self.tokens
+        if final:
+            end = len(seq.tokens)
+        else:
+            while end < len(seq.tokens) and len(engine.decode(seq.tokens[: end + 1])) <= len(visible):
+                end += 1
+        if visible == self.text and end == self.tokens and not final:
+            return None
+        delta = Delta(visible[len(self.text) :], seq.tokens[self.tokens : end], seq.logprobs[self.tokens : end], seq.tops[self.tokens : end])
+        self.text, self.tokens = visible, end
+        return delta

@@ -1,0 +1,257 @@
+"""A teacher on another backend (``teacher.backend``): config errors, top-k teacher distributions for the
+``full`` estimator, and teacher failures that stop a step instead of training on missing log-probs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from batches import make_batch
+from harness.cli import app
+from harness.config import build_config
+from harness.plan import plan_run
+from trainers.guards import TrainingAborted
+from trainers.objectives import StudentOutputs
+from trainers.objectives.opd import OPDParams, full_reverse_kl, opd_objective, topk_reverse_kl
+from trainers.teacher import TeacherFailed, score_teacher
+
+runner = CliRunner()
+SERVED = ["teacher.backend=openai", "teacher.base_url=http://127.0.0.1:9/v1"]
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize(
+    ("overrides", "says"),
+    [
+        (["teacher.backend=openai"], "backend=openai needs the teacher server's address: set teacher.base_url="),
+        (["teacher.backend=replay"], "backend: 'replay' cannot score sequences, so it cannot be a teacher"),
+        (["teacher.backend=nope"], "teacher: Value error, backend: unknown backends 'nope'"),
+        (["teacher.base_url=http://h/v1"], "base_url is used only with teacher.backend=openai"),
+        (["teacher.backend=vllm"], "backend='vllm' loads the teacher's model folder: set teacher.path"),
+        ([*SERVED, "teacher.backend_options.timeout=3"], "backend_options: ['timeout'] are not options of the openai backend"),
+        ([*SERVED, "teacher.top_k=0"], "teacher.top_k"),
+        ([*SERVED, "method=gkd"], "teacher.backend=openai: method 'gkd' needs the teacher's full distribution (teacher_full)"),
+    ],
+)  # fmt: skip
+def test_bad_teacher_config_exits_2_naming_the_flag_before_writing_anything(tmp_path, overrides, says):
+    out = tmp_path / "out"
+    args = [a for o in overrides if not o.startswith("method=") for a in ("--set", o)]
+    args += [a for o in overrides if o.startswith("method=") for a in ("--method", o.removeprefix("method="))]
+    result = runner.invoke(app, ["run", "--preset", "smoke", "--out", str(out), *args])
+    assert result.exit_code == 2, result.output
+    assert says in " ".join(result.output.split())
+    assert not out.exists()
+
+
+def test_a_preset_tiny_teacher_gives_way_to_a_served_one():
+    cfg = build_config(preset="smoke", overrides=SERVED)
+    assert (cfg.teacher.arch, cfg.teacher.sft_steps, cfg.teacher.backend) == (None, 0, "openai")
+    assert build_config(preset="smoke").teacher.arch is not None  # the in-process default is untouched
+
+
+def test_served_teacher_switches_full_estimator_to_topk_and_records_it():
+    plan = plan_run(build_config(preset="smoke", overrides=[*SERVED, "teacher.top_k=7"]))
+    assert plan.hparams.estimator == "full" and plan.hparams.teacher_top_k == 7
+    assert {"teacher_topk", "student_full"} <= plan.method.needs(plan.hparams) and "teacher_full" not in plan.method.needs(plan.hparams)
+    assert any("top-7" in w for w in plan.warnings)
+    local = plan_run(build_config(preset="smoke"))
+    assert local.hparams.teacher_top_k == 0 and "teacher_full" in local.method.needs(local.hparams)
+
+
+def test_teacher_top_k_needs_the_full_estimator():
+    with pytest.raises(ValueError, match="teacher_top_k=5 is used only with estimator=full"):
+        OPDParams(estimator="sampled", teacher_top_k=5)
+
+
+# ----------------------------------------------------------------------------- the top-k estimator
+
+
+def test_topk_reverse_kl_is_a_lower_bound_equal_to_the_full_kl_when_k_covers_the_vocabulary():
+    torch.manual_seed(0)
+    student = torch.log_softmax(torch.randn(2, 3, 10, dtype=torch.float64), -1).requires_grad_(True)
+    teacher = torch.log_softmax(2 * torch.randn(2, 3, 10, dtype=torch.float64), -1)
+    full = full_reverse_kl(student, teacher)
+    previous = torch.zeros_like(full)
+    for k in (1, 3, 6, 9, 10):
+        values, ids = teacher.topk(k, -1)
+        kl = topk_reverse_kl(student, ids, values)
+        (grad,) = torch.autograd.grad(kl.sum(), student)
+        assert torch.isfinite(grad).all()
+        assert (kl <= full + 1e-12).all() and (kl >= previous - 1e-12).all()  # coarser buckets lose information
+        previous = kl.detach()
+    assert torch.allclose(previous, full.detach(), atol=1e-12)
+
+
+def test_topk_reverse_kl_by_hand():
+    # teacher top-1 = token 0 (p 0.5); rest bucket 0.5. Student: 0.2 on token 0, 0.8 outside.
+    student = torch.tensor([[[0.2, 0.3, 0.5]]]).log()
+    kl = topk_reverse_kl(student, torch.tensor([[[0]]]), torch.tensor([[[math.log(0.5)]]]))
+    assert kl.item() == pytest.approx(0.2 * math.log(0.2 / 0.5) + 0.8 * math.log(0.8 / 0.5), abs=1e-6)
+
+
+def test_opd_full_estimator_reads_topk_when_teacher_top_k_is_set():
+    torch.manual_seed(1)
+    teacher = torch.log_softmax(torch.randn(1, 2, 6), -1)
+    logits = torch.randn(1, 2, 6, requires_grad=True)
+    student = torch.log_softmax(logits, -1)
+    batch = make_batch([[1, 1]], [[0.0, 0.0]], [[0.0, 0.0]], teacher_full=teacher)
+    exact, _ = opd_objective(batch, StudentOutputs(student[..., 0], full=student), OPDParams(estimator="full"))
+    batch.teacher_full = None  # only top-k, as a served teacher gives
+    batch.teacher_topk_logprobs, batch.teacher_topk_ids = teacher.topk(6, -1)
+    covered, _ = opd_objective(batch, StudentOutputs(student[..., 0], full=student), OPDParams(estimator="full", teacher_top_k=6))
+    assert covered.item() == pytest.approx(exact.item(), abs=1e-6)
+    batch.teacher_topk_logprobs, batch.teacher_topk_ids = teacher.topk(2, -1)
+    coarse, _ = opd_objective(batch, StudentOutputs(student[..., 0], full=student), OPDParams(estimator="full", teacher_top_k=2))
+    assert coarse.item() < exact.item()
+    with pytest.raises(ValueError, match="teacher's top-k log-probs"):
+        opd_objective(make_batch([[1]], [[0.0]], [[0.0]]), StudentOutputs(student[:, :1, 0], full=student[:, :1]), OPDParams(estimator="full", teacher_top_k=2))
+
+
+# ----------------------------------------------------------------------------- teacher failures
+
+
+class FlakyTeacher:
+    """Fails (or answers NaN) the first ``failures`` calls, then scores every token at -1."""
+
+    def __init__(self, failures: int, *, nan: bool = False) -> None:
+        self.failures, self.nan, self.calls = failures, nan, 0
+
+    def score(self, input_ids, attention_mask, want=("logprobs",), top_k=0):
+        self.calls += 1
+        if self.calls <= self.failures and not self.nan:
+            raise ConnectionError("teacher server went away")
+        value = float("nan") if self.calls <= self.failures else -1.0
+        return {"logprobs": torch.full(input_ids.shape, value)}
+
+
+@pytest.fixture
+def no_sleep(monkeypatch):
+    monkeypatch.setattr("trainers.teacher.time.sleep", lambda s: None)
+
+
+def test_a_failed_teacher_call_is_retried_and_then_fills_the_batch(no_sleep):
+    batch = make_batch([[1, 1, 0]], [[0.0] * 3], [[0.0] * 3])
+    teacher = FlakyTeacher(failures=1)
+    score_teacher(teacher, batch, want=("logprobs",), retries=1, step=3)
+    assert teacher.calls == 2 and batch.teacher_logprobs.tolist() == [[-1.0, -1.0, 0.0]]
+
+
+@pytest.mark.parametrize("nan", [False, True])
+def test_a_teacher_that_keeps_failing_stops_the_step_untrained(no_sleep, nan):
+    batch = make_batch([[1, 1]], [[0.0] * 2], [[0.0] * 2])
+    before = batch.teacher_logprobs.clone()
+    teacher = FlakyTeacher(failures=5, nan=nan)
+    with pytest.raises(TeacherFailed, match="teacher scoring of step 7 failed after 3 attempt") as info:
+        score_teacher(teacher, batch, want=("logprobs",), retries=2, step=7)
+    assert isinstance(info.value, TrainingAborted)  # harness run: status failed, exit 1, the message printed
+    assert teacher.calls == 3 and torch.equal(batch.teacher_logprobs, before)
+
+
+def test_method_json_says_the_full_estimator_uses_topk(tmp_path):
+    from harness.store import Store
+    from harness.sweep import create_train_run
+
+    plan = plan_run(build_config(preset="smoke", overrides=[*SERVED, "teacher.top_k=5"]))
+    store = Store(tmp_path)
+    run_id = create_train_run(store, plan.config, plan)
+    record = json.loads((store.run_dir(run_id) / "method.json").read_text())
+    assert record["hparams"]["teacher_top_k"] == 5 and "teacher_topk" in record["inputs"]
+    assert record["notes"]["estimator"].startswith("top-5 reverse KL") and "NOT the full-vocabulary KL" in record["notes"]["estimator"]
+    assert any("top-5" in w for w in record["warnings"])
+    assert json.loads((store.run_dir(run_id) / "config.json").read_text())["method_args"]["opd"]["teacher_top_k"] == 5
+
+
+# ----------------------------------------------------------------------------- end to end against harness serve
+
+
+def harness_run(out, *overrides: str):
+    """``harness run --preset smoke`` in a subprocess (as a user runs it); training only, no evaluation rows to spare time."""
+    import subprocess
+    import sys
+
+    sets = ["eval.teacher=false", "eval.before_training=false", *overrides]
+    args = [sys.executable, "-m", "harness.cli", "run", "--preset", "smoke", "--out", str(out), *(a for s in sets for a in ("--set", s))]
+    return subprocess.run(args, capture_output=True, text=True, timeout=600)
+
+
+def train_runs(out) -> list[dict]:
+    from harness.store import Store
+
+    return [r for r in Store(out).runs() if r["kind"] == "train"]
+
+
+@pytest.mark.slow
+def test_smoke_run_with_a_served_teacher_trains_as_with_the_in_process_teacher(tmp_path):
+    from harness.backends.hf import HFBackend
+    from harness.models.tiny import load_model_and_tokenizer
+    from harness.serve import make_app
+    from harness.store import Store
+    from test_openai_backend import Probe, running
+
+    out = tmp_path / "results"
+    local = harness_run(out)
+    assert local.returncode == 0, local.stderr
+    (teacher_dir,) = (out / "cache" / "models").glob("teacher-*")  # the preset's tiny teacher, built and warmed up by that run
+    model, tokenizer = load_model_and_tokenizer(teacher_dir)
+    vocab = len(tokenizer)
+    probe = Probe(make_app(HFBackend(model, tokenizer), model_name="teacher", max_logprobs=-1))
+    with running(probe) as url:
+        served = harness_run(out, "teacher.backend=openai", f"teacher.base_url={url}", f"teacher.top_k={vocab}")
+        assert served.returncode == 0, served.stderr
+        assert probe.posts > 0 and all(b.get("echo") for b in probe.bodies)  # the steps were scored by the server
+        # the server fails every scoring request: the step is retried once, then the run stops, untrained
+        probe.reset()
+        probe.fail_next = [500] * 100
+        failed = harness_run(out, "teacher.backend=openai", f"teacher.base_url={url}", "teacher.backend_options.max_retries=0")
+    assert failed.returncode == 1
+    message = " ".join(failed.stderr.split())
+    assert "teacher scoring of step 1 failed after 2 attempt(s) (InternalServerError" in message and "the step was not trained" in message
+    store = Store(out)
+    first, second, third = (r["run_id"] for r in train_runs(out))
+    assert store.get_run(third)["status"] == "failed" and store.step_metrics(third) == {}
+    local_steps, served_steps = store.step_metrics(first), store.step_metrics(second)
+    assert sorted(served_steps) == sorted(local_steps) == [1, 2, 3, 4]
+    for step in local_steps:
+        for name in ("loss", "teacher_kl", "teacher_kl_full"):
+            assert served_steps[step][name] == pytest.approx(local_steps[step][name], abs=1e-4), (step, name)
+    print("served vs in-process teacher, max |Δloss| =", max(abs(served_steps[s]["loss"] - local_steps[s]["loss"]) for s in local_steps))
+    notes = json.loads((store.run_dir(second) / "method.json").read_text())["notes"]["estimator"]
+    assert notes.startswith(f"top-{vocab} reverse KL")
+
+
+def test_ray_teacher_actor_opens_the_served_teacher_itself(tmp_path):
+    """With ``--executor ray`` no teacher model is shipped: the actor connects to ``teacher.base_url`` and scores there."""
+    from harness.backends.hf import HFBackend
+    from harness.backends.openai_backend import OpenAIBackend
+    from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model, save_model_and_tokenizer
+    from harness.serve import make_app
+    from harness.trajectory import TensorBatch
+    from test_openai_backend import running
+    from trainers.ray_executor import TeacherActor
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(TinyArch(hidden=32, layers=1, heads=2, kv_heads=1, ffn=64), len(tok), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, seed=5)
+    save_model_and_tokenizer(model, tok, tmp_path / "teacher")
+    hf = HFBackend(model, tok)
+    ids = torch.tensor([tok("12+30=42", add_special_tokens=False)["input_ids"]])
+    mask = torch.ones_like(ids)
+    loss_mask = torch.zeros(ids.shape)
+    loss_mask[0, 6:] = 1
+    with running(make_app(hf, model_name="teacher", max_logprobs=-1)) as url:
+        cfg = build_config(preset="smoke", overrides=[*SERVED[:1], f"teacher.base_url={url}", "teacher.top_k=4"])
+        plan = plan_run(cfg)
+        cfg.method_args["opd"] = plan.hparams.model_dump()  # as create_train_run records it
+        actor = TeacherActor(cfg.model_dump(mode="json"), None, tok, str(tmp_path / "teacher"), torch.get_num_threads())
+        assert isinstance(actor.backend, OpenAIBackend) and actor.backend.model == "teacher"  # the server's only model
+        zeros = torch.zeros(ids.shape)
+        batch = TensorBatch(ids, mask, loss_mask, torch.zeros_like(ids), zeros, zeros.clone(), torch.full((1,), float("nan")), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+        batch, _ = actor.score(batch, {}, 1)
+    expected = hf.score(ids, mask, want=("logprobs", "topk"), top_k=4)
+    assert torch.allclose(batch.teacher_logprobs, expected["logprobs"] * loss_mask, atol=1e-4)
+    assert torch.allclose(batch.teacher_topk_logprobs[0, 1:], expected["topk_logprobs"][0, 1:], atol=1e-4) and batch.teacher_full is None

@@ -1,0 +1,115 @@
+"""The teacher role's engine and its scoring: the in-process HF teacher, or any backend that can score
+(``teacher.backend``: a served teacher through ``openai``, a local ``vllm`` engine), and scoring that
+never lets a step train on missing teacher log-probs (a failure is retried, then stops the run).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from harness.backends import Backend
+from harness.backends.hf import HFBackend
+from harness.config import TeacherSpec
+from harness.registry import BACKENDS
+from harness.trajectory import TensorBatch
+from trainers.guards import TrainingAborted
+
+log = logging.getLogger("trainers.teacher")
+
+RETRY_BACKOFF_S = 2.0
+
+
+class TeacherFailed(TrainingAborted):
+    """Teacher scoring of a step failed after every retry (a server down, malformed answers): the run stops, the step is not trained."""
+
+
+def open_remote_teacher(spec: TeacherSpec, tokenizer_path: str) -> Backend:
+    """A teacher on ``spec.backend`` other than hf: loaded (vllm) or connected to (openai) with ``spec.backend_options``;
+    the openai teacher encodes with the student's tokenizer (``tokenizer_path``) unless ``backend_options.tokenizer`` says otherwise."""
+    cls = BACKENDS.get(spec.backend)
+    options = dict(spec.backend_options)
+    if spec.backend == "openai":
+        options.setdefault("tokenizer", tokenizer_path)
+        return cls.load(served_model(spec), base_url=spec.base_url, **options)
+    return cls.load(spec.path, **options)
+
+
+def served_model(spec: TeacherSpec) -> str:
+    """``teacher.path``, or the one model the server lists, once ``GET /v1/models`` shows it is served there;
+    an unreachable server or an unserved model stops the run before training (:class:`TeacherFailed`)."""
+    import openai
+
+    options = spec.backend_options
+    client = openai.OpenAI(
+        base_url=spec.base_url, api_key=options.get("api_key") or os.environ.get("OPENAI_API_KEY") or "EMPTY", timeout=float(options.get("timeout_s", 60)), max_retries=2
+    )
+    try:
+        models = [m.id for m in client.models.list()]
+    except openai.OpenAIError as exc:
+        raise TeacherFailed(f"the teacher server at teacher.base_url={spec.base_url} did not answer GET /models ({type(exc).__name__}: {exc})") from exc
+    if spec.path is not None and spec.path not in models:
+        raise TeacherFailed(f"teacher.path={spec.path!r} is not served at teacher.base_url={spec.base_url} (it serves {models})")
+    if spec.path is None and len(models) != 1:
+        raise TeacherFailed(f"teacher.base_url={spec.base_url} serves {models or 'no models'}; set teacher.path to the served model name")
+    return spec.path or models[0]
+
+
+def teacher_label(spec: TeacherSpec, model_path: str | None) -> str:
+    """What the teacher is, for the run's evaluation rows: its folder, or backend, address and served model."""
+    if spec.backend == "hf":
+        return str(model_path)
+    if spec.backend == "openai":
+        return f"openai:{spec.base_url}" + (f" ({spec.path})" if spec.path else "")
+    return f"{spec.backend}:{spec.path}"
+
+
+def teacher_wants(needs: frozenset[str]) -> tuple[str, ...]:
+    """The score fields a method's declared inputs ask of the teacher."""
+    return ("logprobs",) + (("full",) if "teacher_full" in needs else ()) + (("topk",) if "teacher_topk" in needs else ())
+
+
+@torch.no_grad()
+def score_teacher(teacher: Backend, batch: TensorBatch, *, want: tuple[str, ...], top_k: int = 0, retries: int = 0, step: int | None = None) -> None:
+    """Fill the teacher's log-probs (and full distribution or top-k when asked) into ``batch``; a failed or incomplete
+    scoring is tried ``retries`` more times, then raises :class:`TeacherFailed`, so no step trains without them."""
+    for attempt in range(retries + 1):
+        try:
+            scores = teacher.score(batch.input_ids, batch.attention_mask, want=want, top_k=top_k)
+            check_scores(scores, batch, want)
+            break
+        except Exception as exc:  # noqa: BLE001 - any failure of the teacher is an infrastructure error of this step
+            where = f"step {step}" if step is not None else "a step"
+            if attempt == retries:
+                raise TeacherFailed(
+                    f"teacher scoring of {where} failed after {retries + 1} attempt(s) ({type(exc).__name__}: {exc}); the step was not trained. "
+                    "Check the teacher (teacher.backend, teacher.base_url), then continue with harness run --resume"
+                ) from exc
+            log.warning("teacher scoring of %s failed (%s: %s); retry %d/%d", where, type(exc).__name__, exc, attempt + 1, retries)
+            time.sleep(RETRY_BACKOFF_S * 2**attempt)
+    batch.teacher_logprobs = scores["logprobs"].float().cpu() * batch.loss_mask
+    batch.teacher_full = scores.get("full")
+    if "topk" in want:
+        batch.teacher_topk_logprobs, batch.teacher_topk_ids = scores["topk_logprobs"].float().cpu(), scores["topk_ids"].cpu()
+
+
+def check_scores(scores: dict[str, torch.Tensor], batch: TensorBatch, want: tuple[str, ...]) -> None:
+    """Every asked field is there, shaped like the batch, with finite log-probs on the trained tokens."""
+    names = {"logprobs": ("logprobs",), "full": ("full",), "topk": ("topk_logprobs", "topk_ids")}
+    missing = [name for field in want for name in names[field] if name not in scores]
+    if missing:
+        raise RuntimeError(f"the teacher returned no {missing}")
+    if tuple(scores["logprobs"].shape) != tuple(batch.input_ids.shape):
+        raise RuntimeError(f"the teacher's log-probs have shape {tuple(scores['logprobs'].shape)}, the batch {tuple(batch.input_ids.shape)}")
+    trained = batch.loss_mask.to(scores["logprobs"].device) > 0
+    if torch.isnan(scores["logprobs"][trained]).any():
+        raise RuntimeError("the teacher's log-probs are missing (NaN) on trained tokens")
+
+
+def wrap_hf_teacher(model: torch.nn.Module, tokenizer, batch_size: int, options: dict) -> HFBackend:
+    """The in-process teacher around a built or loaded model, frozen."""
+    model.requires_grad_(False)
+    return HFBackend(model, tokenizer, **{"batch_size": batch_size, **options})
