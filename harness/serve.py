@@ -36,8 +36,9 @@ Semantics worth knowing:
   Sequences that arrive while a batch runs wait for the next one (no joining mid-batch).
 * **Seeds.** Each sequence samples with its own generator: sample ``s`` of a request with ``seed``
   uses seed ``seed + s`` (as vLLM does), whatever else is in the batch, so the same request with the
-  same seed gives the same choices, alone or batched, streamed or not. Without a seed each sequence
-  draws a fresh one.
+  same seed gives the same choices, alone or batched, streamed or not. A sequence draws as
+  transformers does, so sample 0 of a request seeded ``s`` is what ``HFBackend.generate`` samples
+  for that prompt with seed ``s``. Without a seed each sequence draws a fresh one.
 * **Streaming** is incremental: each decode step sends what it adds (server-sent events, ``data:
   {...}`` chunks, ``data: [DONE]`` last). Text that could still turn out to be the start of a stop
   string is held back until it cannot, so the concatenated deltas equal the non-streamed text.

@@ -82,15 +82,19 @@ class EngineStats:
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """Draw one token id from ``softmax(logits / temperature)`` cut to the ``top_p`` nucleus (greedy at 0)."""
+    """Draw one token id from ``softmax(logits / temperature)`` cut to the ``top_p`` nucleus (greedy at 0).
+
+    The same draw as transformers' sampling (temperature, then top-p, then ``torch.multinomial`` over
+    the vocabulary in id order), so one sequence seeded ``s`` samples what ``HFBackend.generate`` does
+    with seed ``s``.
+    """
     if temperature == 0.0:
         return int(logits.argmax())
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
-        before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly above each token
-        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
-        return int(order[torch.multinomial(sorted_probs, 1, generator=generator)])
+        outside = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p  # the mass above a token already reaches top_p
+        probs = probs.masked_fill(outside.scatter(-1, order, outside), 0.0)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 

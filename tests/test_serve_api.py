@@ -296,3 +296,15 @@ def test_tokens_as_ids_for_exact_scoring(hf, url):
         assert list(top)[:4] == [f"token_id:{i}" for i in reference["topk_ids"][t].tolist()]
         assert list(top.values())[:4] == pytest.approx(reference["topk_logprobs"][t].tolist(), abs=1e-4)
         assert top[f"token_id:{ids[t]}"] == pytest.approx(reference["logprobs"][t].item(), abs=1e-4)
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.8, 0.9)])
+def test_one_seeded_sample_is_the_hf_backends(hf, url, temperature, top_p):
+    from harness.backends import SamplingParams
+
+    for seed, text in enumerate(PROMPTS):
+        body = {"model": MODEL, "prompt": text, "max_tokens": 16, "seed": seed, "temperature": temperature, "top_p": top_p, "logprobs": 0, "return_tokens_as_token_ids": True}
+        served = post(url, "/completions", body)[1]["choices"][0]
+        direct = hf.generate([encode(hf, text)], SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=16, seed=seed))[0]
+        assert [int(t.removeprefix("token_id:")) for t in served["logprobs"]["tokens"]] == direct.token_ids
+        assert served["logprobs"]["token_logprobs"] == pytest.approx(direct.logprobs, abs=1e-5)
