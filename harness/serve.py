@@ -647,4 +647,7 @@ def serve(
     backend = HFBackend.load(model_path, device=device)
     app = make_app(backend, model_name=model_name or model_path, api_key=api_key, max_batch=max_batch, max_batch_tokens=max_batch_tokens, max_logprobs=max_logprobs)
     log.info("serving %s on http://%s:%d/v1 (%s, up to %d sequences per batch)", model_name or model_path, host, port, device, max_batch)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
+    finally:
+        app.state.served.engine.close()  # no decoding thread left running into interpreter shutdown

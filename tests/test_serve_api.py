@@ -7,7 +7,10 @@ here; requests are plain HTTP (urllib), as any client would send them.
 
 from __future__ import annotations
 
+import json
 import threading
+import time
+import urllib.request
 
 import pytest
 import torch
@@ -308,3 +311,47 @@ def test_one_seeded_sample_is_the_hf_backends(hf, url, temperature, top_p):
         direct = hf.generate([encode(hf, text)], SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=16, seed=seed))[0]
         assert [int(t.removeprefix("token_id:")) for t in served["logprobs"]["tokens"]] == direct.token_ids
         assert served["logprobs"]["token_logprobs"] == pytest.approx(direct.logprobs, abs=1e-5)
+
+
+class Slow(torch.nn.Module):
+    """The model, 20 ms slower per forward pass: time for a client to go away mid-stream."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, **kwargs):
+        time.sleep(0.02)
+        return self.inner(**kwargs)
+
+
+def test_a_stream_whose_client_goes_away_stops_decoding(hf):
+    app = make_app(hf, model_name=MODEL)
+    engine = app.state.served.engine
+    engine.model = Slow(hf.model)
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 100, "temperature": 0, "stream": True}
+    with running(app) as base:
+        request = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(), method="POST", headers={"content-type": "application/json"})
+        response = urllib.request.urlopen(request, timeout=30)
+        assert response.readline().startswith(b"data: ")  # decoding has started
+        response.close()
+        time.sleep(1.0)
+        passes = metrics(base)["harness_serve_forward_passes_total"]
+        time.sleep(0.5)
+        assert metrics(base)["harness_serve_forward_passes_total"] == passes < 60  # stopped, well before 100 tokens
+
+
+def test_closing_the_engine_ends_a_batch_in_progress(hf):
+    app = make_app(hf, model_name=MODEL)
+    engine = app.state.served.engine
+    engine.model = Slow(hf.model)
+    with running(app) as base:
+        result: list = []
+        sender = threading.Thread(target=lambda: result.append(post(base + "/v1", "/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 100, "temperature": 0})))
+        sender.start()
+        time.sleep(0.5)
+        engine.close()
+        sender.join(10)
+        assert not engine._worker.is_alive()
+        status, answer = result[0]
+        assert status == 500 and "shutting down" in answer["error"]["message"]
