@@ -84,6 +84,7 @@ log = logging.getLogger("harness.serve")
 MAX_N = 128
 MAX_STOP = 16
 MAX_LOGPROBS = 20  # default of --max-logprobs, as vLLM's
+MAX_BATCH_TOKENS = 32768  # default of --max-batch-tokens
 MAX_BODY_BYTES = 32 * 1024 * 1024
 MIN_LOGPROB = -9999.0  # what OpenAI and vLLM write for -inf
 
@@ -409,7 +410,7 @@ def make_app(
     api_key: str | None = None,
     *,
     max_batch: int = 64,
-    max_batch_tokens: int | None = None,
+    max_batch_tokens: int | None = MAX_BATCH_TOKENS,
     max_logprobs: int = MAX_LOGPROBS,
     batch_wait_s: float = 0.002,
 ) -> Starlette:
@@ -620,7 +621,7 @@ def serve(
     port: int = 8000,
     max_batch: int = 64,
     *,
-    max_batch_tokens: int | None = 32768,
+    max_batch_tokens: int | None = MAX_BATCH_TOKENS,
     max_logprobs: int = MAX_LOGPROBS,
     device: str | None = None,
     model_name: str | None = None,
