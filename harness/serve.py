@@ -36,8 +36,9 @@ Semantics worth knowing:
   Sequences that arrive while a batch runs wait for the next one (no joining mid-batch).
 * **Seeds.** Each sequence samples with its own generator: sample ``s`` of a request with ``seed``
   uses seed ``seed + s`` (as vLLM does), whatever else is in the batch, so the same request with the
-  same seed gives the same choices, alone or batched, streamed or not. Without a seed each sequence
-  draws a fresh one.
+  same seed gives the same choices, alone or batched, streamed or not. A sequence draws as
+  transformers does, so sample 0 of a request seeded ``s`` is what ``HFBackend.generate`` samples
+  for that prompt with seed ``s``. Without a seed each sequence draws a fresh one.
 * **Streaming** is incremental: each decode step sends what it adds (server-sent events, ``data:
   {...}`` chunks, ``data: [DONE]`` last). Text that could still turn out to be the start of a stop
   string is held back until it cannot, so the concatenated deltas equal the non-streamed text.
@@ -83,6 +84,7 @@ log = logging.getLogger("harness.serve")
 MAX_N = 128
 MAX_STOP = 16
 MAX_LOGPROBS = 20  # default of --max-logprobs, as vLLM's
+MAX_BATCH_TOKENS = 32768  # default of --max-batch-tokens
 MAX_BODY_BYTES = 32 * 1024 * 1024
 MIN_LOGPROB = -9999.0  # what OpenAI and vLLM write for -inf
 
@@ -408,7 +410,7 @@ def make_app(
     api_key: str | None = None,
     *,
     max_batch: int = 64,
-    max_batch_tokens: int | None = None,
+    max_batch_tokens: int | None = MAX_BATCH_TOKENS,
     max_logprobs: int = MAX_LOGPROBS,
     batch_wait_s: float = 0.002,
 ) -> Starlette:
@@ -619,7 +621,7 @@ def serve(
     port: int = 8000,
     max_batch: int = 64,
     *,
-    max_batch_tokens: int | None = 32768,
+    max_batch_tokens: int | None = MAX_BATCH_TOKENS,
     max_logprobs: int = MAX_LOGPROBS,
     device: str | None = None,
     model_name: str | None = None,
@@ -646,4 +648,7 @@ def serve(
     backend = HFBackend.load(model_path, device=device)
     app = make_app(backend, model_name=model_name or model_path, api_key=api_key, max_batch=max_batch, max_batch_tokens=max_batch_tokens, max_logprobs=max_logprobs)
     log.info("serving %s on http://%s:%d/v1 (%s, up to %d sequences per batch)", model_name or model_path, host, port, device, max_batch)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
+    finally:
+        app.state.served.engine.close()  # no decoding thread left running into interpreter shutdown

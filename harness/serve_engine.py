@@ -82,15 +82,19 @@ class EngineStats:
 
 
 def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """Draw one token id from ``softmax(logits / temperature)`` cut to the ``top_p`` nucleus (greedy at 0)."""
+    """Draw one token id from ``softmax(logits / temperature)`` cut to the ``top_p`` nucleus (greedy at 0).
+
+    The same draw as transformers' sampling (temperature, then top-p, then ``torch.multinomial`` over
+    the vocabulary in id order), so one sequence seeded ``s`` samples what ``HFBackend.generate`` does
+    with seed ``s``.
+    """
     if temperature == 0.0:
         return int(logits.argmax())
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
-        before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly above each token
-        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
-        return int(order[torch.multinomial(sorted_probs, 1, generator=generator)])
+        outside = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p  # the mass above a token already reaches top_p
+        probs = probs.masked_fill(outside.scatter(-1, order, outside), 0.0)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
@@ -135,7 +139,8 @@ class Engine:
         self.eos_id = tokenizer.eos_token_id
         self.stats = EngineStats()
         self.tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to share across threads
-        self._queue: queue.Queue[Sequence] = queue.Queue()
+        self._queue: queue.Queue[Sequence | None] = queue.Queue()
+        self._closed = False
         self._held: Sequence | None = None  # taken from the queue but left for the next batch (token budget)
         self._worker: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -173,6 +178,8 @@ class Engine:
         """The next batch: block for one sequence, then take what arrives within ``batch_wait_s``, up to
         ``max_batch`` sequences and ``max_batch_tokens`` padded positions (batch × longest prompt + max_tokens)."""
         first, self._held = self._held or self._queue.get(), None
+        if first is None:  # close() woke the worker up
+            return []
         wave = [first]
         deadline = time.monotonic() + self.batch_wait_s
         while len(wave) < self.max_batch:
@@ -180,21 +187,32 @@ class Engine:
                 seq = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 break
+            if seq is None:
+                break
             if self.max_batch_tokens is not None and (len(wave) + 1) * max(len(s.prompt) + s.max_tokens for s in [*wave, seq]) > self.max_batch_tokens:
                 self._held = seq
                 break
             wave.append(seq)
         return [s for s in wave if not s.cancelled]
 
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the worker: the batch in progress ends at its next step, queued sequences are dropped."""
+        self._closed = True
+        self._queue.put(None)
+        if self._worker is not None:
+            self._worker.join(timeout_s)
+
     def _loop(self) -> None:
-        while True:
+        while not self._closed:
             wave = self._take_wave()
-            if not wave:
-                continue
             try:
-                self.decode_wave(wave)
+                if wave:
+                    self.decode_wave(wave)
+                if self._closed:
+                    raise RuntimeError("the server is shutting down")
             except Exception as exc:  # noqa: BLE001 - reported to every request of the wave
-                log.exception("decoding a batch of %d sequences failed", len(wave))
+                if not self._closed:
+                    log.exception("decoding a batch of %d sequences failed", len(wave))
                 for seq in wave:
                     if not seq.done:
                         seq.error = exc
@@ -248,7 +266,7 @@ class Engine:
             if s.max_tokens == 0:
                 self._finish(s, states[i], "length")
         logits = logits[:, -1]
-        while not all(s.done or s.cancelled for s in wave):
+        while not self._closed and not all(s.done or s.cancelled for s in wave):
             live = [i for i, s in enumerate(wave) if not (s.done or s.cancelled)]
             tokens = self._choose(wave, live, logits, generators)
             logp = F.log_softmax(logits[live].float(), dim=-1)  # one device-to-host copy per step, not per row

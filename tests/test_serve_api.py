@@ -7,7 +7,10 @@ here; requests are plain HTTP (urllib), as any client would send them.
 
 from __future__ import annotations
 
+import json
 import threading
+import time
+import urllib.request
 
 import pytest
 import torch
@@ -296,3 +299,59 @@ def test_tokens_as_ids_for_exact_scoring(hf, url):
         assert list(top)[:4] == [f"token_id:{i}" for i in reference["topk_ids"][t].tolist()]
         assert list(top.values())[:4] == pytest.approx(reference["topk_logprobs"][t].tolist(), abs=1e-4)
         assert top[f"token_id:{ids[t]}"] == pytest.approx(reference["logprobs"][t].item(), abs=1e-4)
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.8, 0.9)])
+def test_one_seeded_sample_is_the_hf_backends(hf, url, temperature, top_p):
+    from harness.backends import SamplingParams
+
+    for seed, text in enumerate(PROMPTS):
+        body = {"model": MODEL, "prompt": text, "max_tokens": 16, "seed": seed, "temperature": temperature, "top_p": top_p, "logprobs": 0, "return_tokens_as_token_ids": True}
+        served = post(url, "/completions", body)[1]["choices"][0]
+        direct = hf.generate([encode(hf, text)], SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=16, seed=seed))[0]
+        assert [int(t.removeprefix("token_id:")) for t in served["logprobs"]["tokens"]] == direct.token_ids
+        assert served["logprobs"]["token_logprobs"] == pytest.approx(direct.logprobs, abs=1e-5)
+
+
+class Slow(torch.nn.Module):
+    """The model, 20 ms slower per forward pass: time for a client to go away mid-stream."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, **kwargs):
+        time.sleep(0.02)
+        return self.inner(**kwargs)
+
+
+def test_a_stream_whose_client_goes_away_stops_decoding(hf):
+    app = make_app(hf, model_name=MODEL)
+    engine = app.state.served.engine
+    engine.model = Slow(hf.model)
+    body = {"model": MODEL, "prompt": "abc", "max_tokens": 100, "temperature": 0, "stream": True}
+    with running(app) as base:
+        request = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(), method="POST", headers={"content-type": "application/json"})
+        response = urllib.request.urlopen(request, timeout=30)
+        assert response.readline().startswith(b"data: ")  # decoding has started
+        response.close()
+        time.sleep(1.0)
+        passes = metrics(base)["harness_serve_forward_passes_total"]
+        time.sleep(0.5)
+        assert metrics(base)["harness_serve_forward_passes_total"] == passes < 60  # stopped, well before 100 tokens
+
+
+def test_closing_the_engine_ends_a_batch_in_progress(hf):
+    app = make_app(hf, model_name=MODEL)
+    engine = app.state.served.engine
+    engine.model = Slow(hf.model)
+    with running(app) as base:
+        result: list = []
+        sender = threading.Thread(target=lambda: result.append(post(base + "/v1", "/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 100, "temperature": 0})))
+        sender.start()
+        time.sleep(0.5)
+        engine.close()
+        sender.join(10)
+        assert not engine._worker.is_alive()
+        status, answer = result[0]
+        assert status == 500 and "shutting down" in answer["error"]["message"]
