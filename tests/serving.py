@@ -1,7 +1,9 @@
-"""Test helpers for `harness serve`: run an app on a loopback port, send JSON and streamed requests, read /metrics."""
+"""Test helpers for `harness serve`: a tiny model folder, run an app on a loopback port (behind a probe that counts
+requests and injects failures), send JSON and streamed requests, read /metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import socket
@@ -9,8 +11,72 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import uvicorn
+
+from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model, save_model_and_tokenizer
+
+
+def saved_tiny_model(folder: Path, *, seed: int) -> Path:
+    """A tiny character-level model saved to ``folder/tiny`` (what `harness serve --model` loads)."""
+    tok = build_char_tokenizer()
+    arch = TinyArch(hidden=32, layers=1, heads=2, kv_heads=1, ffn=64, max_positions=128)
+    model = build_tiny_model(arch, len(tok), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, seed=seed)
+    save_model_and_tokenizer(model, tok, folder / "tiny")
+    return folder / "tiny"
+
+
+class Probe:
+    """ASGI wrapper: counts POSTs and concurrent in-flight POSTs; can fail or refuse the next ones."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.reset()
+
+    def reset(self) -> None:
+        self.posts = 0
+        self.inflight = 0
+        self.max_inflight = 0
+        self.fail_next: list[int] = []
+        self.delay_s = 0.0
+        self.refuse_token_prompts = False
+        self.bodies: list[dict] = []
+
+    async def _reply(self, send, status: int, message: str) -> None:
+        body = json.dumps({"error": {"message": message, "type": "test", "param": None, "code": None}}).encode()
+        headers = [(b"content-type", b"application/json"), (b"retry-after-ms", b"10")]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        self.posts += 1
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        raw = b"".join(chunks)
+        with contextlib.suppress(ValueError):
+            self.bodies.append(json.loads(raw))
+        if self.fail_next:
+            return await self._reply(send, self.fail_next.pop(0), "injected failure")
+        if self.refuse_token_prompts and self.bodies and isinstance(self.bodies[-1].get("prompt"), list):
+            return await self._reply(send, 400, "token-id prompts are not accepted here")
+
+        async def replay():
+            return {"type": "http.request", "body": raw, "more_body": False}
+
+        self.inflight += 1
+        self.max_inflight = max(self.max_inflight, self.inflight)
+        try:
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            await self.app(scope, replay, send)
+        finally:
+            self.inflight -= 1
 
 
 @contextlib.contextmanager

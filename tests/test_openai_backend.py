@@ -7,12 +7,8 @@ answer the next requests with injected errors (429/503) or refuse token-id promp
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import socket
-import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -20,102 +16,22 @@ import httpx2
 import openai
 import pytest
 import torch
-import uvicorn
 
 from harness.backends import SamplingParams
 from harness.backends.hf import HFBackend
 from harness.backends.openai_backend import OpenAIBackend
-from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model, save_model_and_tokenizer
+from harness.models.tiny import build_char_tokenizer
 from harness.registry import BACKENDS
 from harness.rollout import encode
 from harness.serve import make_app, render_chat
+from serving import Probe, running, saved_tiny_model
 
 MODEL = "tiny"
 
 
-class Probe:
-    """ASGI wrapper: counts POSTs and concurrent in-flight POSTs; can fail or refuse the next ones."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-        self.reset()
-
-    def reset(self) -> None:
-        self.posts = 0
-        self.inflight = 0
-        self.max_inflight = 0
-        self.fail_next: list[int] = []
-        self.delay_s = 0.0
-        self.refuse_token_prompts = False
-        self.bodies: list[dict] = []
-
-    async def _reply(self, send, status: int, message: str) -> None:
-        body = json.dumps({"error": {"message": message, "type": "test", "param": None, "code": None}}).encode()
-        headers = [(b"content-type", b"application/json"), (b"retry-after-ms", b"10")]
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["method"] != "POST":
-            return await self.app(scope, receive, send)
-        self.posts += 1
-        chunks, more = [], True
-        while more:
-            message = await receive()
-            chunks.append(message.get("body", b""))
-            more = message.get("more_body", False)
-        raw = b"".join(chunks)
-        with contextlib.suppress(ValueError):
-            self.bodies.append(json.loads(raw))
-        if self.fail_next:
-            return await self._reply(send, self.fail_next.pop(0), "injected failure")
-        if self.refuse_token_prompts and self.bodies and isinstance(self.bodies[-1].get("prompt"), list):
-            return await self._reply(send, 400, "token-id prompts are not accepted here")
-
-        async def replay():
-            return {"type": "http.request", "body": raw, "more_body": False}
-
-        self.inflight += 1
-        self.max_inflight = max(self.max_inflight, self.inflight)
-        try:
-            if self.delay_s:
-                await asyncio.sleep(self.delay_s)
-            await self.app(scope, replay, send)
-        finally:
-            self.inflight -= 1
-
-
-@contextlib.contextmanager
-def running(app):
-    """Serve ``app`` on a free loopback port in a background thread; yields the base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("test server did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    tok = build_char_tokenizer()
-    arch = TinyArch(hidden=32, layers=1, heads=2, kv_heads=1, ffn=64, max_positions=128)
-    model = build_tiny_model(arch, len(tok), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, seed=0)
-    path = tmp_path_factory.mktemp("served") / "tiny"
-    save_model_and_tokenizer(model, tok, path)
-    return path
+    return saved_tiny_model(tmp_path_factory.mktemp("served"), seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -129,8 +45,8 @@ def hf(model_dir):
 @pytest.fixture(scope="module")
 def server(hf):
     probe = Probe(make_app(hf, model_name=MODEL))
-    with running(probe) as url:
-        yield url, probe
+    with running(probe) as base:
+        yield base + "/v1", probe
 
 
 @pytest.fixture
@@ -324,7 +240,8 @@ def test_client_sees_bad_request(url, model_dir):
 
 
 def test_api_key(hf, model_dir):
-    with running(make_app(hf, model_name=MODEL, api_key="sekrit")) as url:
+    with running(make_app(hf, model_name=MODEL, api_key="sekrit")) as base:
+        url = base + "/v1"
         status, answer = post(url, "/completions", {"model": MODEL, "prompt": "ab"})
         assert status == 401 and answer["error"]["code"] == "invalid_api_key"
         backend = make_backend(url, model_dir, api_key="sekrit")

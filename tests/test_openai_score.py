@@ -8,9 +8,9 @@ import torch
 
 from harness.backends.hf import HFBackend
 from harness.backends.openai_backend import OpenAIBackend, ScoringMismatch
-from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model, load_model_and_tokenizer, save_model_and_tokenizer
+from harness.models.tiny import build_char_tokenizer, load_model_and_tokenizer
 from harness.serve import make_app
-from test_openai_backend import Probe, running
+from serving import Probe, running, saved_tiny_model
 
 MODEL = "tiny"
 TEXTS = ["12+3=15", "7*8=56 and more", "a", "(9-4)*2=10"]
@@ -18,12 +18,7 @@ TEXTS = ["12+3=15", "7*8=56 and more", "a", "(9-4)*2=10"]
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    tok = build_char_tokenizer()
-    arch = TinyArch(hidden=32, layers=1, heads=2, kv_heads=1, ffn=64, max_positions=128)
-    model = build_tiny_model(arch, len(tok), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, seed=3)
-    path = tmp_path_factory.mktemp("scored") / "tiny"
-    save_model_and_tokenizer(model, tok, path)
-    return path
+    return saved_tiny_model(tmp_path_factory.mktemp("scored"), seed=3)
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +30,8 @@ def hf(model_dir):
 @pytest.fixture(scope="module")
 def server(hf):
     probe = Probe(make_app(hf, model_name=MODEL, max_logprobs=-1))  # no cap: top-k up to the vocabulary
-    with running(probe) as url:
-        yield url, probe
+    with running(probe) as base:
+        yield base + "/v1", probe
 
 
 @pytest.fixture

@@ -192,7 +192,7 @@ def test_smoke_run_with_a_served_teacher_trains_as_with_the_in_process_teacher(t
     from harness.models.tiny import load_model_and_tokenizer
     from harness.serve import make_app
     from harness.store import Store
-    from test_openai_backend import Probe, running
+    from serving import Probe, running
 
     out = tmp_path / "results"
     local = harness_run(out)
@@ -201,7 +201,8 @@ def test_smoke_run_with_a_served_teacher_trains_as_with_the_in_process_teacher(t
     model, tokenizer = load_model_and_tokenizer(teacher_dir)
     vocab = len(tokenizer)
     probe = Probe(make_app(HFBackend(model, tokenizer), model_name="teacher", max_logprobs=-1))
-    with running(probe) as url:
+    with running(probe) as base:
+        url = base + "/v1"
         served = harness_run(out, "teacher.backend=openai", f"teacher.base_url={url}", f"teacher.top_k={vocab}")
         assert served.returncode == 0, served.stderr
         assert probe.posts > 0 and all(b.get("echo") for b in probe.bodies)  # the steps were scored by the server
@@ -232,7 +233,7 @@ def test_ray_teacher_actor_opens_the_served_teacher_itself(tmp_path):
     from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model, save_model_and_tokenizer
     from harness.serve import make_app
     from harness.trajectory import TensorBatch
-    from test_openai_backend import running
+    from serving import running
     from trainers.ray_executor import TeacherActor
 
     tok = build_char_tokenizer()
@@ -243,7 +244,8 @@ def test_ray_teacher_actor_opens_the_served_teacher_itself(tmp_path):
     mask = torch.ones_like(ids)
     loss_mask = torch.zeros(ids.shape)
     loss_mask[0, 6:] = 1
-    with running(make_app(hf, model_name="teacher", max_logprobs=-1)) as url:
+    with running(make_app(hf, model_name="teacher", max_logprobs=-1)) as base:
+        url = base + "/v1"
         cfg = build_config(preset="smoke", overrides=[*SERVED[:1], f"teacher.base_url={url}", "teacher.top_k=4"])
         plan = plan_run(cfg)
         cfg.method_args["opd"] = plan.hparams.model_dump()  # as create_train_run records it
