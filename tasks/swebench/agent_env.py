@@ -172,7 +172,7 @@ class ShellAgentEnv(Env):
     def metrics(self) -> dict[str, float]:
         """The counters, plus the tool-use view every agentic task shares: commands run are tool calls, format
         errors invalid calls, and commands that timed out tool errors."""
-        executed = len(self.commands) - self.counts["submitted"]
+        executed = sum(not is_submission(command) for command in self.commands)  # a diff submitted as the first reply is no command
         shared = {"tool_calls": executed + self.counts["format_errors"], "invalid_tool_calls": self.counts["format_errors"], "tool_errors": self.counts["command_timeouts"]}
         return {name: float(value) for name, value in {**self.counts, **shared}.items()}
 
