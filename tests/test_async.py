@@ -168,36 +168,3 @@ def test_fixed_lag_resume_ramps_lag_back_up_and_keeps_counters(tmp_path, monkeyp
     per_batch = sum(hist_before.values()) // 2
     assert hist_final == {"0": 2 * per_batch, "1": 2 * per_batch, "2": 2 * per_batch}
     assert json.loads(final)["learner_seconds"]["train"] > json.loads(before)["learner_seconds"]["train"]
-
-
-def test_in_process_async_run_uses_a_short_gil_switch_interval_and_restores_it():
-    """Overlapping in-process roles share the GIL: async shortens the switch interval for the run only."""
-    import sys
-    from types import SimpleNamespace
-
-    default = sys.getswitchinterval()
-    plan = lambda mode: SimpleNamespace(config=SimpleNamespace(trainer=SimpleNamespace(mode=mode)))  # noqa: E731
-    with ip.InProcessExecutor().runtime(plan("async"), console=None):
-        assert sys.getswitchinterval() == pytest.approx(ip.GIL_SWITCH_INTERVAL_S)
-    assert sys.getswitchinterval() == default
-    with ip.InProcessExecutor().runtime(plan("sync"), console=None):
-        assert sys.getswitchinterval() == default  # sync roles never overlap
-    with pytest.raises(RuntimeError), ip.InProcessExecutor().runtime(plan("async"), console=None):
-        raise RuntimeError("a failed run")
-    assert sys.getswitchinterval() == default
-
-
-@pytest.mark.slow
-def test_async_training_steps_run_under_the_short_gil_switch_interval(tmp_path, monkeypatch):
-    import sys
-
-    seen: list[float] = []
-    train = ip.LocalLearner.train
-
-    def recording_train(self, batch, version):
-        seen.append(sys.getswitchinterval())
-        return train(self, batch, version)
-
-    monkeypatch.setattr(ip.LocalLearner, "train", recording_train)
-    run(tmp_path, "--method", "opd", "--mode", "async", "--set", "trainer.steps=2", "--set", "trainer.checkpoint_every=2")
-    assert seen == [pytest.approx(ip.GIL_SWITCH_INTERVAL_S)] * 2

@@ -1,17 +1,10 @@
 """The in-process executor: the rollout role is a worker thread with its own inference backend (the
 run's ``trainer.rollout_backend``, weights pushed through ``load_weights``); the session's teacher
 scores its batches; the learner trains the session's own student in the calling thread.
-
-Both roles are threads of one process, so in async mode they share the GIL while they overlap. With
-CPython's default 5 ms switch interval a role that releases the GIL for every torch op (the learner's
-forward/backward) waits up to 5 ms to get it back from one that runs Python between its ops
-(``generate``'s decoding loop); an async run therefore uses a 0.5 ms interval
-(:data:`GIL_SWITCH_INTERVAL_S`, measured in ``benchmarks/async_throughput.py``).
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
@@ -66,26 +59,11 @@ class LocalLearner:
         pass
 
 
-GIL_SWITCH_INTERVAL_S = 0.0005  # async runs: 0.5 ms instead of CPython's 5 ms (see the module docstring)
-
-
-@contextmanager
-def gil_switch_interval(seconds: float) -> Iterator[None]:
-    """Run the body with ``sys.setswitchinterval(seconds)``; the previous interval is restored after."""
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(seconds)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(previous)
-
-
 class InProcessExecutor:
     """Roles as threads of this process: nothing to start up, nothing to wait for."""
 
     def runtime(self, plan, console: Console):
-        """A short GIL switch interval while async roles overlap; sync roles never overlap, so nothing changes."""
-        return gil_switch_interval(GIL_SWITCH_INTERVAL_S) if plan.config.trainer.mode == "async" else nullcontext()
+        return nullcontext()
 
     @contextmanager
     def roles(self, plan, session: Session, board: WeightBoard, console: Console) -> Iterator[Roles]:
