@@ -82,12 +82,12 @@ def main() -> None:
           f"mean lag {statistics.mean(m['lag_mean'] for m in async_opd.values()):.2f}")  # fmt: skip
     print(f"f-OPD async step {step_fopd * 1e3:.0f} ms vs plain async OPD with the same sampled-token loss {step_sampled * 1e3:.0f} ms: "
           f"overhead {step_fopd / step_sampled:.2f}x (learning)")  # fmt: skip
-    print(f"  f-OPD          step / generate / teacher / train {stages(async_fopd)}")
-    print(f"  plain sampled  step / generate / teacher / train {stages(async_sampled)}")
+    print(f"  f-OPD          {stages(async_fopd)}")
+    print(f"  plain sampled  {stages(async_sampled)}")
     frozen_ratio = median(frozen_fopd, "time_step_s") / median(frozen_sampled, "time_step_s")
     print(f"f-OPD async step on the same rollouts (lr 1e-9): overhead {frozen_ratio:.2f}x")
-    print(f"  f-OPD          step / generate / teacher / train {stages(frozen_fopd)}")
-    print(f"  plain sampled  step / generate / teacher / train {stages(frozen_sampled)}")
+    print(f"  f-OPD          {stages(frozen_fopd)}")
+    print(f"  plain sampled  {stages(frozen_sampled)}")
 
 
 if __name__ == "__main__":
