@@ -5,13 +5,21 @@ mode (rollout worker and learner one thread each; sync also gets one thread so t
 per-role fair), one after the other in this process. From the sync run's stage times it computes
 the ideal-overlap bound: a step can be no faster than max(rollout time, learner time), so
   ideal speed-up = (t_rollout + t_train) / max(t_rollout, t_train).
-Also measures f-OPD's overhead over plain async OPD with the sampled-token loss (same schedule).
+Also measures f-OPD's overhead over plain async OPD with the sampled-token loss (same schedule), twice:
+- learning (lr 1e-3): the two students learn differently and generate responses of different
+  lengths, so the step ratio mixes what f-OPD computes with what its student has learnt to generate;
+  the per-stage times and response lengths are printed beside it;
+- frozen (lr 1e-9, the student practically does not move): both runs generate, score and train on
+  the same rollouts, so the ratio is the cost of f-OPD's own machinery (freshness statistics, token
+  sets, anchor term, refresh check) per async step.
+The machine's load average is printed before and after: the overlap needs two free cores.
 Usage: ``python benchmarks/async_throughput.py [--steps 60] [--out /tmp/bench-async]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 from pathlib import Path
 
@@ -38,27 +46,48 @@ def median(metrics: dict[int, dict[str, float]], key: str, skip: int = 3) -> flo
     return statistics.median(m.get(key, 0.0) for s, m in metrics.items() if s > skip)
 
 
+def load() -> str:
+    """The 1/5/15-minute load averages (2 cores: above ~2 the roles do not get a core each)."""
+    return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def stages(metrics: dict[int, dict[str, float]]) -> str:
+    """Median per-stage milliseconds and response length of one run."""
+    parts = [f"{key} {median(metrics, f'time_{key}_s') * 1e3:.0f}" for key in ("step", "generate", "teacher", "train")]
+    return " / ".join(parts) + f" ms, response {median(metrics, 'response_length'):.1f} tokens"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-async"))
     args = parser.parse_args()
+    started_load = load()
     sync = run_once(args.out, args.steps, "trainer.mode=sync")
     async_opd = run_once(args.out, args.steps, "trainer.mode=async", "trainer.max_lag=1")
     async_sampled = run_once(args.out, args.steps, "trainer.mode=async", "trainer.max_lag=1", "method_args.opd.estimator=sampled")
     async_fopd = run_once(args.out, args.steps, "trainer.mode=async", "trainer.max_lag=1", "method=f_opd")
+    frozen = ("trainer.mode=async", "trainer.max_lag=1", "trainer.lr=1e-9")
+    frozen_sampled = run_once(args.out, args.steps, *frozen, "method_args.opd.estimator=sampled")
+    frozen_fopd = run_once(args.out, args.steps, *frozen, "method=f_opd")
     rollout = median(sync, "time_generate_s") + median(sync, "time_teacher_s")
     train = median(sync, "time_train_s")
     step_sync, step_async, step_sampled, step_fopd = (median(m, "time_step_s") for m in (sync, async_opd, async_sampled, async_fopd))
     ideal = (rollout + train) / max(rollout, train)
-    print(f"{args.steps} steps of 64 samples, 1 thread per role; medians over steps > 3")
+    print(f"{args.steps} steps of 64 samples, 1 thread per role; medians over steps > 3; {started_load} at the start, {load()} at the end")
     print(f"sync stage times: rollout (generate + teacher) {rollout * 1e3:.0f} ms, train {train * 1e3:.0f} ms, step {step_sync * 1e3:.0f} ms")
     print(f"async OPD step {step_async * 1e3:.0f} ms: speed-up {step_sync / step_async:.2f}x; ideal-overlap bound {ideal:.2f}x "
           f"({(step_sync / step_async - 1) / (ideal - 1) * 100 if ideal > 1 else 0:.0f}% of the possible gain)")  # fmt: skip
     print(f"async idle ratios: rollout {median(async_opd, 'idle_ratio_rollout'):.2f}, learner {median(async_opd, 'idle_ratio_learner'):.2f}; "
           f"mean lag {statistics.mean(m['lag_mean'] for m in async_opd.values()):.2f}")  # fmt: skip
     print(f"f-OPD async step {step_fopd * 1e3:.0f} ms vs plain async OPD with the same sampled-token loss {step_sampled * 1e3:.0f} ms: "
-          f"overhead {step_fopd / step_sampled:.2f}x")  # fmt: skip
+          f"overhead {step_fopd / step_sampled:.2f}x (learning)")  # fmt: skip
+    print(f"  f-OPD          {stages(async_fopd)}")
+    print(f"  plain sampled  {stages(async_sampled)}")
+    frozen_ratio = median(frozen_fopd, "time_step_s") / median(frozen_sampled, "time_step_s")
+    print(f"f-OPD async step on the same rollouts (lr 1e-9): overhead {frozen_ratio:.2f}x")
+    print(f"  f-OPD          {stages(frozen_fopd)}")
+    print(f"  plain sampled  {stages(frozen_sampled)}")
 
 
 if __name__ == "__main__":
