@@ -19,7 +19,8 @@ Wire format (stdout lines): first ``OPD-RUNNER-KEY <hex>``, then ``OPD-RUNNER-RE
 Modes (``job["mode"]``):
   ``evalplus_truth``   run the trusted canonical solution in this process; per input: its encoded output and runtime.
   ``evalplus_check``   a candidate in a child, phase by phase (evalplus's per-input limits); per input: the child's
-                       encoded output and the time measured here; a phase ends at the first exception, time-out or crash.
+                       encoded output (or, past ``digest_over`` bytes, its SHA-256) and the time measured here; a phase
+                       ends at the first exception, time-out or crash.
   ``lcb_functional``   the same for LiveCodeBench call-based tests.
   ``lcb_stdin``        one subprocess per test (``timeout`` each); per test: exit status and stdout (base64).
 """
@@ -244,14 +245,16 @@ class Child:
 
         A line that arrives after the deadline is a time-out too (this process may have been stopped meanwhile).
         """
+        scanned = 0  # bytes of buf already known to hold no newline (a 100 MB answer is not rescanned per chunk)
         while True:
-            at = self.buf.find(b"\n")
+            at = self.buf.find(b"\n", scanned)
             if at >= 0 and time.monotonic() > deadline:
                 return "timeout"
             if at >= 0:
                 line = bytes(self.buf[:at])
                 del self.buf[: at + 1]
                 return line
+            scanned = len(self.buf)
             if len(self.buf) > MAX_REPLY_BYTES:
                 return "too large"
             left = deadline - time.monotonic()
@@ -430,10 +433,12 @@ def run_calls(job, out, child, load):
     """Load the code in the child, then call it on each phase's inputs under the per-input limits and phase walls.
 
     Per input a record ``{phase, i, t}`` with the child's answer as payload, ``t`` being the call's time (until the
-    child's "=" line; evalplus times the call only); encoding and sending the result get the same limit again. Per
+    child's "=" line; evalplus times the call only); encoding and sending the result get the same limit again. An
+    answer longer than ``job["digest_over"]`` bytes (when set) is reported as ``{phase, i, t, sha256, n}`` without
+    payload: its SHA-256, computed here, so that 100+ MB outputs (HumanEval/15, /130) never cross the pipe. Per
     phase an end record ``{phase, end, error, at}`` (``end``: ok, load, exception, timeout, exited, protocol, too large).
     """
-    phases = job["phases"]
+    phases, digest_over = job["phases"], job.get("digest_over")
     deadline = time.monotonic() + phases[0]["wall"]  # evalplus counts loading inside the first phase's wall
     reply, elapsed = child.request(load, min(deadline, time.monotonic() + job.get("load_limit", math.inf)))
     if reply != b"+":
@@ -449,7 +454,11 @@ def run_calls(job, out, child, load):
             if reply == b"=":  # returned within the limit; the answer (encoded result) may take as long again
                 reply = child.read_line(min(time.monotonic() + limits[i], deadline))
             if isinstance(reply, bytes) and reply[:1] == b"+" and reply.isascii():
-                out.record({"phase": name, "i": i, "t": elapsed}, reply[1:].decode())
+                answer = memoryview(reply)[1:]
+                if digest_over is not None and len(answer) > digest_over:  # the host compares digests of large outputs
+                    out.record({"phase": name, "i": i, "t": elapsed, "sha256": hashlib.sha256(answer).hexdigest(), "n": len(answer)})
+                else:
+                    out.record({"phase": name, "i": i, "t": elapsed}, bytes(answer).decode())
                 continue
             end = "exception" if isinstance(reply, bytes) and reply[:1] == b"-" else reply if isinstance(reply, str) else "protocol"
             error, at = _failure(reply, child), i
