@@ -313,3 +313,21 @@ def test_lcb_stdin_and_functional_grading(lcb_dir, docker_sb):
     assert [s.status for s in scores] == ["pass", "fail", "fail", "pass", "fail", "fail", "fail"], details
     assert details[1]["failed_test"] == 2  # the private test with the large sum
     assert details[4]["failed_test"] == 1 and details[5]["result"] == "timeout"
+
+
+def test_flat_lists_encode_as_themselves_with_the_same_json():
+    """The runner's fast path for lists of plain scalars: same JSON as encoding each item, subclasses and huge ints excluded."""
+    from tasks.code import sandbox_runner as rt
+
+    class Int(int):
+        pass
+
+    def per_item(x):
+        return [per_item(v) for v in x] if type(x) is list else rt.encode(x)
+
+    flat = [[1, 2, 3], [1.5, "a", None, True, -0.0, float("nan")], [1, 2.0], [True, 1], []]
+    not_flat = [[2**20000, 1], [1.0, 2**20000], [Int(3)], ["x", Int(2)], [[1]], [(1, 2)], [{1: 2}]]
+    for x in flat + not_flat:
+        assert rt.dumps(x) == json.dumps(per_item(x), allow_nan=True, separators=(",", ":")), x
+    assert all(rt.encode(x) is x for x in flat)  # no per-item copy
+    assert not any(rt.encode(x) is x for x in not_flat)
