@@ -12,7 +12,7 @@ built from ``--data-dir``) and ``XDG_CACHE_HOME`` in a temporary directory, so i
 process exits up to 20 s after the evaluation (a non-daemon ``stucking_checker`` thread sleeps in 20 s steps), so
 both the ``evaluate()`` call (timestamps printed by the driver) and the whole process are reported.
 Needs ``pip install -e '.[bench]'`` (evalplus 0.3.1), Docker and the sandbox image.
-Usage: ``python benchmarks/evalplus_compare.py [--parallel 2] [--data-dir ../shared/data]``.
+Usage: ``python benchmarks/evalplus_compare.py [--parallel 2] [--data-dir ../shared/data] [--cached-only N --cache-dir DIR]``.
 """
 
 from __future__ import annotations
@@ -138,20 +138,47 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data")
     parser.add_argument("--parallel", type=int, default=2, help="evalplus --parallel and harness workers / pool size")
+    parser.add_argument("--cached-only", type=int, metavar="N", default=0,
+                        help="only the cached-ground-truth comparison, N times (evalplus then harness, alternating; "
+                             "ground truth is computed first, untimed, where --cache-dir lacks it)")
+    parser.add_argument("--cache-dir", type=Path, help="keep both ground-truth caches here between runs (default: a temporary folder)")
     args = parser.parse_args()
     n = args.parallel
     with tempfile.TemporaryDirectory(prefix="opd-evalplus-compare-") as tmp_s:
         tmp = Path(tmp_s)
+        cache = args.cache_dir or tmp
         dataset, samples = write_inputs(args.data_dir, tmp)
-        ep_cold = run_evalplus(dataset, samples, tmp / "xdg", n)
-        ep_warm = run_evalplus(dataset, samples, tmp / "xdg", n)
+        if args.cached_only:
+            cached_only(args, dataset, samples, cache)
+            return
+        ep_cold = run_evalplus(dataset, samples, cache / "xdg", n)
+        ep_warm = run_evalplus(dataset, samples, cache / "xdg", n)
         with sandbox.open_sandbox("docker", pool_size=n, prewarm=n) as sb:
-            warm_cold = run_harness(sb, args.data_dir, tmp / "harness", n)
-            warm_warm = run_harness(sb, args.data_dir, tmp / "harness", n)
-        cold_warm = run_harness(ColdDocker(n), args.data_dir, tmp / "harness", n)
+            warm_cold = run_harness(sb, args.data_dir, cache / "harness", n)
+            warm_warm = run_harness(sb, args.data_dir, cache / "harness", n)
+        cold_warm = run_harness(ColdDocker(n), args.data_dir, cache / "harness", n)
     report(n, ep_cold, ep_warm, warm_cold, warm_warm, cold_warm)
     print(json.dumps({"evalplus_cold": ep_cold, "evalplus_warm": ep_warm, "harness_warm_pool_cold_truth": warm_cold,
                       "harness_warm_pool": warm_warm, "harness_cold_containers": cold_warm}))
+
+
+def cached_only(args: argparse.Namespace, dataset: Path, samples: Path, cache: Path) -> None:
+    """Issue row: evalplus evaluate() seconds / harness seconds with both ground truths cached, ``--cached-only`` times."""
+    n = args.parallel
+    with sandbox.open_sandbox("docker", pool_size=n, prewarm=n) as sb:
+        if not any((cache / "xdg").glob("evalplus/*")):
+            run_evalplus(dataset, samples, cache / "xdg", n)  # computes and caches evalplus's ground truth
+        if not any((cache / "harness").glob("evalplus/*/*")):
+            run_harness(sb, args.data_dir, cache / "harness", n)
+        ratios = []
+        for k in range(args.cached_only):
+            ep = run_evalplus(dataset, samples, cache / "xdg", n)
+            ours = run_harness(sb, args.data_dir, cache / "harness", n)
+            ratios.append(ep["evaluate_s"] / ours["total_s"])
+            print(f"run {k + 1}: evalplus evaluate() {ep['evaluate_s']:.1f} s ({ep['base']}/{ep['plus']} pass), harness warm pool "
+                  f"{ours['total_s']:.1f} s (truth read {ours['truth_s']:.1f}; {ours['base']}/{ours['plus']} pass); "
+                  f"evalplus s / harness s = {ratios[-1]:.2f}", flush=True)
+    print(f"evalplus s / harness s over {len(ratios)} runs: {', '.join(f'{r:.2f}' for r in ratios)} (target >= 1.0)")
 
 
 if __name__ == "__main__":
