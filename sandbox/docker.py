@@ -94,7 +94,7 @@ _INIT = (
 )
 # Runs one program in a single `docker exec` (each exec costs ~50 ms here, put_archive as much):
 #   args: MARK WORKDIR STDIN TIMEOUT CLEAN NCHUNKS CHUNK... ARGV...
-#   1. small inputs arrive as base64 tar chunks in argv and are unpacked into /box (large ones were
+#   1. small inputs arrive as base64 tar chunks in argv and are piped into tar in /box (large ones were
 #      put_archive'd before); 2. stdin is opened from its staged file, which is unlinked before the
 #      program starts; 3. the program runs under `timeout -s KILL` (its own process group);
 #   4. with CLEAN=1 (pooled runs) every process of the sandbox user is killed (`kill -1` spares PID 1
@@ -104,10 +104,9 @@ _INIT = (
 _WRAP = r"""
 unset IFS; exec 4>&2 2>/dev/null  # fd 4: the program's stderr; the wrapper's own messages ("Killed") are dropped
 m=$1 d=$2 in=$3 t=$4 c=$5 n=$6; shift 6
-if [ "$n" -gt 0 ]; then
-  { while [ "$n" -gt 0 ]; do printf %s "$1"; shift; n=$((n-1)); done; } > /tmp/.opd-stage
-  /usr/bin/base64 -d /tmp/.opd-stage | /usr/bin/tar -x -f - -C /box 2>&4 || { printf '\n%s setup\n' "$m"; exit 0; }
-  /usr/bin/rm -f /tmp/.opd-stage
+if [ "$n" -gt 0 ]; then  # the chunks go through a pipe (a subshell: the shift below drops them here)
+  { while [ "$n" -gt 0 ]; do printf %s "$1"; shift; n=$((n-1)); done; } | /usr/bin/base64 -d | /usr/bin/tar -x -f - -C /box 2>&4 || { printf '\n%s setup\n' "$m"; exit 0; }
+  shift "$n"
 fi
 cd -- "$d" && exec 3<"$in" || { echo "sandbox: cannot enter $d or open stdin" >&4; printf '\n%s setup\n' "$m"; exit 0; }
 [ "$in" = /dev/null ] || /usr/bin/rm -f -- "$in"
@@ -129,11 +128,16 @@ clean() {
     i=$((i+1)); [ $i -ge 50 ] && return 1
   done
   cd /
-  /usr/bin/chmod -R u+rwx $w 2>/dev/null
-  for x in $w; do [ -d "$x" ] && /usr/bin/rm -rf "$x"/* "$x"/.[!.]* "$x"/..?* 2>/dev/null; done
+  empty || { /usr/bin/chmod -R u+rwx $w 2>/dev/null; empty; } || return 2  # chmod only for what rm could not remove
+  return 0
+}
+empty() {  # remove everything under $w with one rm (its own "$@": the program's argv is untouched); true when nothing is left
+  set --
+  for x in $w; do [ -d "$x" ] && set -- "$@" "$x"/* "$x"/.[!.]* "$x"/..?*; done
+  [ $# -eq 0 ] || /usr/bin/rm -rf -- "$@" 2>/dev/null
   for x in $w; do
     [ -d "$x" ] || continue
-    for f in "$x"/* "$x"/.[!.]* "$x"/..?*; do { [ -e "$f" ] || [ -L "$f" ]; } && return 2; done
+    for f in "$x"/* "$x"/.[!.]* "$x"/..?*; do { [ -e "$f" ] || [ -L "$f" ]; } && return 1; done
   done
   return 0
 }

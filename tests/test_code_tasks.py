@@ -197,6 +197,56 @@ def test_output_written_at_once_survives_a_slow_reader(docker_sb):
     assert not bad, bad
 
 
+BIG_ROWS = [  # outputs far over DIGEST_OVER (64 KiB) in the plus phase
+    {"task_id": "Big/0", "prompt": "def ones(n):\n", "entry_point": "ones", "canonical_solution": "    return '1' * n\n",
+     "base_input": [[10]], "plus_input": [[100_000], [200_000]], "atol": 0},
+    {"task_id": "Big/1", "prompt": "def tenths(n):\n", "entry_point": "tenths",
+     "canonical_solution": "    return [0.1 * i for i in range(n)]\n", "base_input": [[3]], "plus_input": [[20_000]], "atol": 0},
+]
+
+
+def test_large_outputs_compared_by_digest_keep_evalplus_rules(sb, tmp_path):
+    """Large outputs travel as the supervisor's SHA-256; a wrong one still fails and float tolerance still applies."""
+    from tasks.code.evalplus import DIGEST_OVER
+
+    (tmp_path / "humaneval_plus").mkdir()
+    (tmp_path / "humaneval_plus" / "big.jsonl").write_text("".join(json.dumps(r) + "\n" for r in BIG_ROWS))
+    runs: list[tuple[str, int]] = []  # (candidate code, bytes of stdout) per grading run
+
+    class Recording:
+        python, pool_size = sb.python, 2
+
+        def run(self, request):
+            result = sb.run(request)
+            job = json.loads(request.files["job.json"])
+            if job["mode"] == "evalplus_check":
+                runs.append((job["code"], len(result.stdout)))
+            return result
+
+    task = HumanEvalPlusTask(sandbox=Recording())
+    ones, tenths = task.load(data_dir=tmp_path)
+    cases = {
+        "canonical ones": (ones, ones.solution, "pass"),
+        "same length, last character wrong": (ones, "def ones(n):\n    return '1' * (n - 1) + ('2' if n > 50 else '1')\n", "fail"),
+        "canonical tenths": (tenths, tenths.solution, "pass"),
+        "other float rounding (i / 10)": (tenths, "def tenths(n):\n    return [i / 10 for i in range(n)]\n", "pass"),
+        "off by 1e-3 on large inputs": (tenths, "def tenths(n):\n    return [0.1 * i + (1e-3 if n > 50 else 0) for i in range(n)]\n", "fail"),
+    }
+    scores = task.grade_many([p for p, _, _ in cases.values()], [fenced(code) for _, code, _ in cases.values()])
+    got = {name: (s.status, json.loads(s.details)) for name, s in zip(cases, scores)}
+    assert {n: g[0] for n, g in got.items()} == {n: c[2] for n, c in cases.items()}, got
+    assert got["same length, last character wrong"][1]["plus"] == "fail" and got["same length, last character wrong"][1]["base"] == "pass"
+    shipped = {}
+    for code, size in runs:
+        shipped.setdefault(code, []).append(size)
+    canonical = shipped[ones.solution]
+    assert len(canonical) == 1 and canonical[0] < DIGEST_OVER < 200_000, canonical  # one run; the 200 KB output stayed inside
+    assert len(shipped[cases["same length, last character wrong"][1]]) == 2  # a differing digest: graded again in full
+    assert len(shipped[cases["other float rounding (i / 10)"][1]]) == 2
+    assert task.truth("Big/0")["plus_outputs"] == [None, None]  # the in-memory truth holds digests, not 200 KB texts
+    assert len(task.full_outputs("Big/0", "plus")[1]) == 200_002
+
+
 # ---------------------------------------------------------------- LiveCodeBench
 
 
@@ -263,3 +313,21 @@ def test_lcb_stdin_and_functional_grading(lcb_dir, docker_sb):
     assert [s.status for s in scores] == ["pass", "fail", "fail", "pass", "fail", "fail", "fail"], details
     assert details[1]["failed_test"] == 2  # the private test with the large sum
     assert details[4]["failed_test"] == 1 and details[5]["result"] == "timeout"
+
+
+def test_flat_lists_encode_as_themselves_with_the_same_json():
+    """The runner's fast path for lists of plain scalars: same JSON as encoding each item, subclasses and huge ints excluded."""
+    from tasks.code import sandbox_runner as rt
+
+    class Int(int):
+        pass
+
+    def per_item(x):
+        return [per_item(v) for v in x] if type(x) is list else rt.encode(x)
+
+    flat = [[1, 2, 3], [1.5, "a", None, True, -0.0, float("nan")], [1, 2.0], [True, 1], []]
+    not_flat = [[2**20000, 1], [1.0, 2**20000], [Int(3)], ["x", Int(2)], [[1]], [(1, 2)], [{1: 2}]]
+    for x in flat + not_flat:
+        assert rt.dumps(x) == json.dumps(per_item(x), allow_nan=True, separators=(",", ":")), x
+    assert all(rt.encode(x) is x for x in flat)  # no per-item copy
+    assert not any(rt.encode(x) is x for x in not_flat)

@@ -131,7 +131,7 @@ def test_docker_locked_down(docker_sb):
 @pytest.mark.docker
 def test_docker_pool_reuses_and_cleans(docker_client):
     with sandbox.open_sandbox("docker", image=IMAGE, pool_size=1) as sb:
-        dirty = "mkdir -p /box/d && touch /box/d/f /box/.hidden /tmp/t /dev/shm/s && chmod 000 /box/d && (setsid sleep 300 > /dev/null 2>&1 &) && echo done"
+        dirty = "mkdir -p /box/d && touch /box/d/f /box/.hidden '/box/a b' '/box/-x*' /tmp/t /dev/shm/s && chmod 000 /box/d && (setsid sleep 300 > /dev/null 2>&1 &) && echo done"
         assert sb.run(ExecRequest(argv=["sh", "-c", dirty])).stdout == "done\n"
         code = (
             "import os\n"

@@ -9,12 +9,18 @@ Grading follows evalplus 0.3 (``evalplus/eval/__init__.py``):
   - expected outputs and per-input reference runtimes come from running ``prompt + canonical_solution`` over the
     base and plus inputs IN THE SANDBOX; they are cached per dataset file hash under
     ``<cache>/evalplus/<task>-<sha256[:16]>-v<TRUTH_VERSION>/`` (cache: ``$HARNESS_CACHE_DIR``,
-    ``$XDG_CACHE_HOME/opd-harness`` or ``~/.cache/opd-harness``) and never sent into a sandbox again;
+    ``$XDG_CACHE_HOME/opd-harness`` or ``~/.cache/opd-harness``) and never sent into a sandbox again: per problem
+    ``<id>.json`` (outputs up to ``DIGEST_OVER`` = 64 KiB as text, larger ones as SHA-256 digests; kept in memory
+    once read) and ``<id>.outputs.json`` (every output in full, read only when a digest cannot decide);
   - the candidate runs in a child of the sandbox runner, which measures each input's time and kills it at the
     per-input limit ``max(min_time_limit, gt_time_limit_factor * ref_time)`` (defaults 4.0 s and 4.0x) or the phase
     wall ``min(60, sum(limits)) + 1``; a time-out is a failing test (status ``timeout`` in details);
-  - the runner reports the candidate's outputs (tagged JSON, HMAC-authenticated) and THE HARNESS compares them
-    (``checker.evalplus_match``): output ``==`` expected, else ``np.allclose(rtol=1e-7, atol)`` with atol 1e-6 forced
+  - the runner reports the candidate's outputs (tagged JSON, HMAC-authenticated) and THE HARNESS compares them;
+    an output over ``DIGEST_OVER`` bytes is reported as its SHA-256 (computed by the trusted supervisor, so 100+ MB
+    outputs such as HumanEval/15's and /130's never leave the sandbox): a digest equal to the expected text's is a
+    match where identical text means equal (no NaN, opaque value or special oracle); any other digest makes the
+    harness grade the sample again with every output shipped, compared as below (``checker.evalplus_match``):
+    output ``==`` expected, else ``np.allclose(rtol=1e-7, atol)`` with atol 1e-6 forced
     from the first float output on; the MBPP special oracles and input deserialisation (tuples, sets, complex) as
     evalplus; instances of other classes than builtins are equal to nothing;
   - fast check: a phase stops at its first failing input (exceptions and time-outs in the sandbox, wrong outputs
@@ -50,7 +56,8 @@ from tasks.code.sandbox_runner import phase_inputs
 DATA_DIR_ENV = "HARNESS_DATA_DIR"
 INSTRUCTION = "Please provide a self-contained Python script that solves the following problem in a markdown code block:"
 TRUTH_TIMEOUT_S = 300.0
-TRUTH_VERSION = 2  # bump when the cached ground truth's format changes
+TRUTH_VERSION = 3  # bump when the cached ground truth's format changes
+DIGEST_OVER = 64 << 10  # outputs longer than this (bytes of tagged JSON) are compared by SHA-256 first
 
 
 class DataNotFound(TaskDataNotFound):
@@ -108,6 +115,7 @@ class EvalPlusTask(SandboxedTask):
         self._hash: str | None = None
         self._truth_locks: dict[str, threading.Lock] = {}
         self._locks_lock = threading.Lock()
+        self._truths: dict[str, dict] = {}  # task_id -> truth() (small: large outputs only as digests)
 
     @property
     def grader(self) -> tuple[str, str]:
@@ -204,26 +212,62 @@ class EvalPlusTask(SandboxedTask):
         return cache_root() / "evalplus" / f"{self.name}-{self._hash[:16]}-v{TRUTH_VERSION}"
 
     def truth(self, task_id: str) -> dict:
-        """Expected outputs (tagged JSON texts), reference runtimes and first float-output index, per phase.
+        """Expected outputs, reference runtimes and first float-output index, per phase (kept in memory once read).
+
+        ``<phase>_outputs[i]`` is the tagged JSON text of an output up to ``DIGEST_OVER`` bytes, else None with
+        ``<phase>_digests[i]`` = ``{"sha256", "n", "same_ok"}`` (``same_ok``: identical text is a match); the full
+        texts are in a side file (:meth:`full_outputs`), read only when a digest cannot decide.
 
         Raises:
             RuntimeError: the canonical solution could not be run (sandbox failure or crash).
         """
-        path = self.truth_dir() / (task_id.replace("/", "_") + ".json")
+        if task_id in self._truths:
+            return self._truths[task_id]
+        path = self._truth_path(task_id, "")
         with self._locks_lock:
             lock = self._truth_locks.setdefault(task_id, threading.Lock())
         with lock:
-            if path.is_file():
-                try:
-                    return json.loads(path.read_text())
-                except (OSError, json.JSONDecodeError):
-                    pass
-            data = self._compute_truth(task_id)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
-            tmp.write_text(json.dumps(data))
-            tmp.replace(path)
-            return data
+            if task_id in self._truths:
+                return self._truths[task_id]
+            try:
+                summary = json.loads(path.read_text()) if path.is_file() and self._truth_path(task_id, ".outputs").is_file() else None
+            except (OSError, json.JSONDecodeError):
+                summary = None
+            if summary is None:
+                full = self._compute_truth(task_id)
+                summary = self._summarise(task_id, full)
+                self._write_json(self._truth_path(task_id, ".outputs"), {ph: full[f"{ph}_outputs"] for ph in ("base", "plus")})
+                self._write_json(path, summary)  # last: a summary on disk means its side file is complete
+            self._truths[task_id] = summary
+            return summary
+
+    def full_outputs(self, task_id: str, phase: str) -> list[str]:
+        """Every expected output text of a phase, large ones included (read from the side file each time)."""
+        return json.loads(self._truth_path(task_id, ".outputs").read_text())[phase]
+
+    def _truth_path(self, task_id: str, kind: str) -> Path:
+        return self.truth_dir() / (task_id.replace("/", "_") + kind + ".json")
+
+    def _summarise(self, task_id: str, full: dict) -> dict:
+        """The in-memory truth: small outputs as text, large ones as digests (see :meth:`truth`)."""
+        entry_point, summary = self._rows[task_id]["entry_point"], {}
+        for phase in ("base", "plus"):
+            texts = full[f"{phase}_outputs"]
+            small = [len(t) <= DIGEST_OVER for t in texts]
+            summary[f"{phase}_outputs"] = [t if ok else None for t, ok in zip(texts, small)]
+            summary[f"{phase}_digests"] = [None if ok else {"sha256": checker.digest(t), "n": len(t), "same_ok": checker.same_text_is_equal(entry_point, t)}
+                                           for t, ok in zip(texts, small)]
+            summary[f"{phase}_bytes"] = sum(len(t) for t in texts)
+            summary[f"{phase}_times"], summary[f"{phase}_float_from"] = full[f"{phase}_times"], full[f"{phase}_float_from"]
+        return summary
+
+    @staticmethod
+    def _write_json(path: Path, data: Any) -> None:
+        """Write ``data`` to ``path`` atomically (a reader sees the old file or the whole new one)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}.{threading.get_ident()}")
+        tmp.write_text(json.dumps(data))
+        tmp.replace(path)
 
     def _compute_truth(self, task_id: str) -> dict:
         """Run the canonical solution over every input in the sandbox (evalplus get_groundtruth)."""
@@ -273,12 +317,19 @@ class EvalPlusTask(SandboxedTask):
             limits = [max(opts.min_time_limit, opts.gt_time_limit_factor * t) for t in truth[f"{phase}_times"]]
             phases.append({"name": phase, "inputs": row[f"{phase}_input"], "limits": limits, "wall": min(60.0, sum(limits)) + 1.0})
         job = {"mode": "evalplus_check", "dataset": self.dataset, "task_id": problem.id, "code": code,
-               "entry_point": row["entry_point"], "phases": phases}
-        expected_bytes = sum(len(t) for phase in names for t in truth[f"{phase}_outputs"])
-        outcome = self.run_job(job, 5.0 + sum(p["wall"] for p in phases), max_output_bytes=max(64 << 20, 8 * expected_bytes + (1 << 20)))
+               "entry_point": row["entry_point"], "phases": phases, "digest_over": DIGEST_OVER}
+        expected_bytes = sum(truth[f"{phase}_bytes"] for phase in names)
+        timeout_s, max_bytes = 5.0 + sum(p["wall"] for p in phases), max(64 << 20, 8 * expected_bytes + (1 << 20))
+        outcome = self.run_job(job, timeout_s, max_output_bytes=max_bytes)
         if outcome.error:
             return error(code, reason=f"sandbox: {outcome.error}")
-        verdicts = {phase: self.check_phase(problem.id, phase, truth, outcome) for phase in names}
+        try:
+            verdicts = {phase: self.check_phase(problem.id, phase, truth, outcome) for phase in names}
+        except checker.NeedOutputs:  # a large output is not byte-identical to the expected one: grade again, outputs shipped
+            outcome = self.run_job({k: v for k, v in job.items() if k != "digest_over"}, timeout_s, max_output_bytes=max_bytes)
+            if outcome.error:
+                return error(code, reason=f"sandbox: {outcome.error}")
+            verdicts = {phase: self.check_phase(problem.id, phase, truth, outcome) for phase in names}
         base = verdicts["base"].status
         details: dict[str, Any] = {"base": base, "graded": opts.grade}
         if opts.base_only:
@@ -297,23 +348,31 @@ class EvalPlusTask(SandboxedTask):
     def check_phase(self, task_id: str, phase: str, truth: dict, outcome) -> checker.PhaseVerdict:
         """evalplus's verdict of one phase from the candidate's reported outputs and the ground truth."""
         row = self._rows[task_id]
-        entry_point, expected = row["entry_point"], truth[f"{phase}_outputs"]
+        entry_point, digests = row["entry_point"], truth[f"{phase}_digests"]
+        expected = list(truth[f"{phase}_outputs"])  # a copy: large outputs read below are not kept in memory
         float_from = truth[f"{phase}_float_from"]
         inputs: list = []
+        got, end = checker.phase_records(outcome.report, phase)
 
         def inp(i: int):
             if not inputs:
                 inputs.extend(phase_inputs(self.dataset, task_id, row[f"{phase}_input"]))
             return inputs[i]
 
-        def match(i: int, text: str) -> None:
+        def match(i: int, text: str | None) -> None:
+            if text is None:  # a digest record: only byte-identical text (where that means equal) decides here
+                want = digests[i]
+                if want is not None and want["same_ok"] and got[i].header["sha256"] == want["sha256"]:
+                    return
+                raise checker.NeedOutputs(f"{task_id} {phase} input {i}")
+            if expected[i] is None:  # a large expected output, needed in full
+                expected[:] = self.full_outputs(task_id, phase)
             if text == expected[i] and checker.same_text_is_equal(entry_point, text):
                 return
             # evalplus's atol before input i: the row's, or 1e-6 once an earlier expected output was float (not find_zero)
             atol = row["atol"] or (1e-6 if float_from is not None and i > float_from and entry_point != "find_zero" else 0.0)
             checker.evalplus_match(self.dataset, entry_point, lambda: inp(i), checker.decode(text), checker.decode(expected[i]), atol)
 
-        got, end = checker.phase_records(outcome.report, phase)
         return checker.check_outputs(len(expected), got, end, match, outcome.result.status)
 
 

@@ -19,13 +19,14 @@ Wire format (stdout lines): first ``OPD-RUNNER-KEY <hex>``, then ``OPD-RUNNER-RE
 Modes (``job["mode"]``):
   ``evalplus_truth``   run the trusted canonical solution in this process; per input: its encoded output and runtime.
   ``evalplus_check``   a candidate in a child, phase by phase (evalplus's per-input limits); per input: the child's
-                       encoded output and the time measured here; a phase ends at the first exception, time-out or crash.
+                       encoded output (or, past ``digest_over`` bytes, its SHA-256) and the time measured here; a phase
+                       ends at the first exception, time-out or crash.
   ``lcb_functional``   the same for LiveCodeBench call-based tests.
   ``lcb_stdin``        one subprocess per test (``timeout`` each); per test: exit status and stdout (base64).
 """
 
-import base64
 import copy
+import fcntl
 import hashlib
 import hmac
 import io
@@ -34,7 +35,6 @@ import math
 import os
 import select
 import signal
-import subprocess
 import sys
 import time
 
@@ -45,6 +45,7 @@ BIG_INT_BITS = 10_000  # larger ints travel as hex: the host's int/str digit lim
 MAX_REPLY_BYTES = 256 << 20  # one answer of the child
 MAX_STDOUT_BYTES = 16 << 20  # one stdin test's stdout
 DRAIN_TIMEOUT_S = 10.0
+F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ (Python 3.10+; spelled out for older interpreters)
 
 # ----------------------------------------------------------------- value encoding (tagged JSON)
 
@@ -77,7 +78,7 @@ def encode(x):
     if t is int:
         return x if x.bit_length() <= BIG_INT_BITS else {"__t": "int", "v": format(x, "x")}
     if t is list:
-        return [encode(v) for v in x]
+        return x if _plain_scalars(x) else [encode(v) for v in x]
     if t is tuple:
         return {"__t": "tuple", "v": [encode(v) for v in x]}
     if t is dict:
@@ -95,6 +96,21 @@ def encode(x):
         if issubclass(t, base):  # issubclass on the type: a fake __class__ does not count
             return encode(read(x))
     return {"__t": "opaque", "v": f"{t.__module__}.{t.__qualname__}"}
+
+
+_PLAIN = frozenset((str, float, bool, type(None), int))
+
+
+def _plain_scalars(items):
+    """Whether every item is a str, float, bool, None or int of at most BIG_INT_BITS bits (exact types): such a list
+    encodes as itself, so a million-element result is checked by C-level loops instead of one encode() call each."""
+    kinds = set(map(type, items))
+    if not kinds <= _PLAIN:
+        return False
+    if int not in kinds:
+        return True
+    ints = items if len(kinds) == 1 else [v for v in items if type(v) is int]
+    return max(map(int.bit_length, ints)) <= BIG_INT_BITS
 
 
 def dumps(value):
@@ -206,6 +222,10 @@ class Child:
     def __init__(self):
         cmd_r, cmd_w = os.pipe()
         rep_r, rep_w = os.pipe()
+        try:  # 1 MiB instead of 64 KiB: a 100 MB answer then costs 100 wake-ups of this process, not 1600
+            fcntl.fcntl(rep_r, F_SETPIPE_SZ, 1 << 20)
+        except OSError:
+            pass
         self.pid = os.fork()
         if self.pid == 0:  # pragma: no cover - runs in the child
             for fd in os.listdir("/proc/self/fd"):
@@ -244,14 +264,16 @@ class Child:
 
         A line that arrives after the deadline is a time-out too (this process may have been stopped meanwhile).
         """
+        scanned = 0  # bytes of buf already known to hold no newline (a 100 MB answer is not rescanned per chunk)
         while True:
-            at = self.buf.find(b"\n")
+            at = self.buf.find(b"\n", scanned)
             if at >= 0 and time.monotonic() > deadline:
                 return "timeout"
             if at >= 0:
                 line = bytes(self.buf[:at])
                 del self.buf[: at + 1]
                 return line
+            scanned = len(self.buf)
             if len(self.buf) > MAX_REPLY_BYTES:
                 return "too large"
             left = deadline - time.monotonic()
@@ -430,10 +452,12 @@ def run_calls(job, out, child, load):
     """Load the code in the child, then call it on each phase's inputs under the per-input limits and phase walls.
 
     Per input a record ``{phase, i, t}`` with the child's answer as payload, ``t`` being the call's time (until the
-    child's "=" line; evalplus times the call only); encoding and sending the result get the same limit again. Per
+    child's "=" line; evalplus times the call only); encoding and sending the result get the same limit again. An
+    answer longer than ``job["digest_over"]`` bytes (when set) is reported as ``{phase, i, t, sha256, n}`` without
+    payload: its SHA-256, computed here, so that 100+ MB outputs (HumanEval/15, /130) never cross the pipe. Per
     phase an end record ``{phase, end, error, at}`` (``end``: ok, load, exception, timeout, exited, protocol, too large).
     """
-    phases = job["phases"]
+    phases, digest_over = job["phases"], job.get("digest_over")
     deadline = time.monotonic() + phases[0]["wall"]  # evalplus counts loading inside the first phase's wall
     reply, elapsed = child.request(load, min(deadline, time.monotonic() + job.get("load_limit", math.inf)))
     if reply != b"+":
@@ -449,7 +473,11 @@ def run_calls(job, out, child, load):
             if reply == b"=":  # returned within the limit; the answer (encoded result) may take as long again
                 reply = child.read_line(min(time.monotonic() + limits[i], deadline))
             if isinstance(reply, bytes) and reply[:1] == b"+" and reply.isascii():
-                out.record({"phase": name, "i": i, "t": elapsed}, reply[1:].decode())
+                answer = memoryview(reply)[1:]
+                if digest_over is not None and len(answer) > digest_over:  # the host compares digests of large outputs
+                    out.record({"phase": name, "i": i, "t": elapsed, "sha256": hashlib.sha256(answer).hexdigest(), "n": len(answer)})
+                else:
+                    out.record({"phase": name, "i": i, "t": elapsed}, bytes(answer).decode())
                 continue
             end = "exception" if isinstance(reply, bytes) and reply[:1] == b"-" else reply if isinstance(reply, str) else "protocol"
             error, at = _failure(reply, child), i
@@ -494,6 +522,8 @@ def lcb_functional(job, out, child):
 
 def lcb_stdin(job, out, child=None):
     """Run ``solution.py`` once per test; report exit status and stdout, stop at the first crash or time-out."""
+    import base64  # imported by this mode only: every run pays the runner's start-up
+
     with open("solution.py", "w") as f:
         f.write(job["code"])
     for i, inp in enumerate(job["inputs"]):
@@ -506,6 +536,8 @@ def lcb_stdin(job, out, child=None):
 
 def _run_program(stdin, timeout):
     """(status, stdout bytes, error, seconds) of one run of solution.py in its own session."""
+    import subprocess  # see lcb_stdin
+
     started = time.monotonic()
     try:
         proc = subprocess.Popen([sys.executable, "solution.py"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,

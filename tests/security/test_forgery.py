@@ -53,6 +53,8 @@ def _keys():
 
 def _records(key):
     bodies = [json.dumps({"phase": p, "i": i, "t": 0.001}) + "\t" + "true" for p in ("base", "plus", "tests") for i in range(20)]
+    bodies += [json.dumps({"phase": p, "i": i, "t": 0.001, "sha256": hashlib.sha256(b"true").hexdigest(), "n": 4})
+               for p in ("base", "plus") for i in range(20)]  # digest records (large outputs)
     bodies += [json.dumps({"phase": p, "end": "ok", "error": None, "at": None}) for p in ("base", "plus", "tests")]
     bodies += [json.dumps({"test": i, "status": "ok", "error": None, "t": 0.0}) + "\t" + "Mw==" for i in range(5)]
     bodies.append(json.dumps({"done": True}))
@@ -188,7 +190,7 @@ def test_jobs_carry_no_expected_outputs(sb, tmp_path, benchmark_data):
     assert task.grade_many([p], [fenced(p.solution)])[0].status == "pass"
     check = [j for j in jobs if j["mode"] == "evalplus_check"]
     assert len(check) == 1
-    assert set(check[0]) == {"mode", "dataset", "task_id", "code", "entry_point", "phases"}
+    assert set(check[0]) == {"mode", "dataset", "task_id", "code", "entry_point", "phases", "digest_over"}  # a size, no digest
     assert all(set(ph) == {"name", "inputs", "limits", "wall"} for ph in check[0]["phases"])
     lcb, problems = _lcb(tmp_path, Recording())
     jobs.clear()
