@@ -8,7 +8,6 @@ results equal the in-process ``hf`` backend's on the same tasks.
 from __future__ import annotations
 
 import json
-import shutil
 import sqlite3
 from pathlib import Path
 
@@ -24,24 +23,9 @@ from harness.serve import make_app
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("tenacity", reason="lm-eval's API models need tenacity (the lmeval extra pins it)")
+from test_lm_eval import _datasets_cache, include  # noqa: E402,F401 - the same task folder and datasets cache
 
 DATA = Path(__file__).parent / "data" / "lm_eval"
-
-
-@pytest.fixture(autouse=True)
-def _datasets_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.getbasetemp() / "hf_datasets"))
-
-
-@pytest.fixture
-def include(tmp_path) -> Path:
-    """The test task YAMLs with the absolute path of arith.jsonl filled in (as tests/test_lm_eval.py does)."""
-    folder = tmp_path / "lm_eval_tasks"
-    folder.mkdir()
-    for template in DATA.glob("*.yaml.tmpl"):
-        (folder / template.name.removesuffix(".tmpl")).write_text(template.read_text().format(data_file=(DATA / "arith.jsonl").resolve()))
-    shutil.copy(DATA / "utils.py", folder / "utils.py")
-    return folder
 
 
 @pytest.fixture
