@@ -88,6 +88,15 @@ def _raise_terminated(signum: int, frame) -> None:
     raise Terminated(f"terminated by signal {signum}")
 
 
+def use_data_dir(data_dir: Path | None) -> None:
+    """``--data-dir``: every task of this process reads its data there (overriding ``HARNESS_DATA_DIR``)."""
+    if data_dir is None:
+        return
+    if not data_dir.is_dir():
+        raise ConfigError(f"--data-dir {data_dir}: no such directory (it holds one folder per task: DIR/<task>/...)")
+    os.environ["HARNESS_DATA_DIR"] = str(data_dir)
+
+
 @app.command()
 @_closes_tasks
 def run(
@@ -102,6 +111,7 @@ def run(
     set_: Annotated[list[str] | None, typer.Option("--set", help="dotted override KEY=VALUE, repeatable (e.g. trainer.lr=1e-5)")] = None,
     out: Annotated[Path, typer.Option(help="results root")] = Path("results"),
     resume: Annotated[str | None, typer.Option(help="resume RUN_ID from its last checkpoint")] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="local data root laid out as DIR/<task>/... (default: $HARNESS_DATA_DIR)")] = None,
 ) -> None:
     """Train a student with METHOD on TASK, evaluating every checkpoint (Avg@k) into the store.
 
@@ -115,6 +125,7 @@ def run(
     _quiet_libraries()
     store = None
     try:
+        use_data_dir(data_dir)
         if resume:
             if any(v is not None for v in (method, task, mode, executor, preset, config)) or set_:
                 raise ConfigError("--resume continues a run with its stored config; drop the other options")
@@ -214,10 +225,7 @@ def eval_(
     _quiet_libraries()
     names = [t.strip() for t in task.split(",") if t.strip()]
     try:
-        if data_dir is not None:
-            if not data_dir.is_dir():
-                raise ConfigError(f"--data-dir {data_dir}: no such directory (it holds one folder per task: DIR/<task>/...)")
-            os.environ["HARNESS_DATA_DIR"] = str(data_dir)
+        use_data_dir(data_dir)
         task_args: dict = {}
         for item in task_arg or []:
             task_args = deep_merge(task_args, parse_override(item))

@@ -170,6 +170,18 @@ def test_run_with_missing_eval_data_exits_2_and_creates_nothing(tmp_path, monkey
     assert not out.exists()
 
 
+def test_run_reads_data_from_data_dir_and_refuses_a_missing_one(tmp_path, monkeypatch):
+    empty, out = tmp_path / "data", tmp_path / "out"
+    empty.mkdir()
+    monkeypatch.setenv("HARNESS_DATA_DIR", str(tmp_path / "elsewhere"))  # --data-dir wins (and is restored after the test)
+    args = ["run", "--preset", "smoke", "--set", "eval.tasks=[arith,aime25]", "--set", "task_args.aime25.source=local", "--out", str(out)]
+    result = runner.invoke(app, [*args, "--data-dir", str(empty)])
+    assert result.exit_code == 2 and str(empty / "aime25" / "test.jsonl") in flat(result.output), result.output
+    result = runner.invoke(app, [*args, "--data-dir", str(tmp_path / "missing")])
+    assert result.exit_code == 2 and f"--data-dir {tmp_path / 'missing'}: no such directory" in flat(result.output)
+    assert not out.exists()
+
+
 def test_run_config_error_and_resume_without_a_store_create_nothing(tmp_path):
     out = tmp_path / "out"
     assert runner.invoke(app, ["run", "--set", "trainer.lrr=1", "--out", str(out)]).exit_code == 2
