@@ -396,8 +396,12 @@ class _Job:
             yield index, kind, delta
 
     async def wait(self) -> None:
-        async for _ in self.stream():
-            pass
+        """Until every sequence is done; a request abandoned meanwhile (or a failure) stops its sequences."""
+        try:
+            async for _ in self.stream():
+                pass
+        finally:
+            self.cancel()
 
     def cancel(self) -> None:
         for seq in self.seqs:
@@ -487,10 +491,7 @@ def make_app(
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": served.model_name}
 
         if not req.stream:
-            try:
-                await job.wait()
-            finally:
-                job.cancel()
+            await job.wait()
             choices = []
             for index, seq in enumerate(seqs):
                 text, tokens, lps, tops = seq.text, seq.tokens, list(seq.logprobs), list(seq.tops)
@@ -544,10 +545,7 @@ def make_app(
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
 
         if not req.stream:
-            try:
-                await job.wait()
-            finally:
-                job.cancel()
+            await job.wait()
             choices = []
             for index, seq in enumerate(seqs):
                 logprobs = None if top_n is None else served.chat_logprobs(seq.tokens, seq.logprobs, seq.tops, as_ids)
