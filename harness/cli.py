@@ -431,10 +431,11 @@ def gate(
                 options[key.strip()] = yaml.safe_load(value) if value else value
         except ConfigError as exc:
             raise _fail(str(exc)) from None
-        if data_dir is not None and paths:
-            if not data_dir.is_dir():
-                raise _fail(f"--data-dir {data_dir}: no such directory (it holds one folder per task: DIR/<task>/...)")
-            os.environ["HARNESS_DATA_DIR"] = str(data_dir)
+        if paths:
+            try:
+                use_data_dir(data_dir)
+            except ConfigError as exc:
+                raise _fail(str(exc)) from None
         spec = EvalSpec(tuple(tasks), k=k, limit=limit, temperature=temperature, top_p=top_p, seed=seed, task_args=task_args, backend=backend, backend_options=options, data_dir=data_dir)
     with Store(out) as store:
         try:
