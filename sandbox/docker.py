@@ -9,7 +9,8 @@ Each container (``DockerSandbox`` options in brackets):
     (RLIMIT_FSIZE: the write fails with EFBIG, or SIGXFSZ kills the program: status ``killed``);
   - user 65534:65534, all capabilities dropped, ``no-new-privileges``;
   - cgroup limits from the request: memory (swap off), CPU quota, pids (every process and thread
-    in the container, including the sandbox's own 3: init, wrapper, `timeout`);
+    in the container, including the sandbox's own: the exec server (PID 1), and in a session's run
+    the wrapper and `timeout`);
   - labels ``opd-harness.sandbox=1`` and ``opd-harness.sandbox.owner=<host>:<pid>:<start time>``:
     containers whose owner process is gone (a crashed run) are removed when the next process first
     connects, and every container of this process is removed by ``close()`` (idle, busy and session
@@ -19,19 +20,24 @@ Each container (``DockerSandbox`` options in brackets):
     (``SandboxUnavailable`` naming the command that fixes it).
 
 Runs:
-  - The timeout is enforced inside the container (``timeout -s KILL``, which kills the program's
-    process group) and by an outer wall-clock guard at ``timeout_s + grace_s`` [``grace_s``, 2] that
+  - The timeout is enforced inside the container (the program's process group is killed with
+    SIGKILL) and by an outer wall-clock guard at ``timeout_s + grace_s`` [``grace_s``, 2] that
     kills the whole container.
   - ``oom`` is read from the container's cgroup OOM-kill counter when the host exposes it,
     otherwise from exit status 137 before the timeout.
-  - One run is one ``docker exec`` (inputs under 768 KiB travel in its argv; larger ones by
-    ``put_archive``), because each Docker API round trip costs ~50 ms.
+  - Each Docker API round trip costs ~50-100 ms, so every container's PID 1 is an exec server
+    (``exec_server.py``; non-dumpable, so programs can neither read its memory nor write into its
+    reply stream; as PID 1 it gets no signal from them but SIGCHLD) and a pooled run is one request
+    on its attach stream (opened once per container): inputs and the program's output travel there.
+    A session's run is one ``docker exec`` of a shell wrapper (inputs under 768 KiB travel in its
+    argv; larger ones by ``put_archive``).
   - A warm pool holds at most ``pool_size`` [4] containers and runs at most ``pool_size`` programs
     at once (``run`` blocks for a free slot; safe from many threads). After each run every process
     of the sandbox user is killed and ``/box``, ``/tmp``, ``/dev/shm`` and ``/dev/mqueue`` are
     emptied; a container that cannot be cleaned, hit the outer guard, or failed is thrown away.
-    A program that kills the wrapper (``kill -1``) gets status ``killed`` and its container is
-    thrown away. ``prewarm`` [0] containers are started when the sandbox opens.
+    A program cannot kill the exec server (``kill -1`` spares PID 1); should it die anyway (the OOM
+    killer), the run is ``killed`` and the container thrown away. ``prewarm`` [0] containers are
+    started when the sandbox opens.
   - Infrastructure failures (daemon unreachable, create/exec errors) are retried ``retries`` [2]
     times with a growing delay [``retry_delay_s``, 0.5], then returned as status ``error``.
   - Sessions get their own container (not counted in the pool), removed by ``Session.close``.
@@ -43,6 +49,7 @@ from __future__ import annotations
 import atexit
 import base64
 import io
+import json
 import os
 import socket
 import struct
@@ -58,7 +65,7 @@ from pathlib import Path
 import docker
 import docker.errors
 import requests
-from docker.types import Mount, Ulimit
+from docker.types import LogConfig, Mount, Ulimit
 
 from sandbox import (
     MAX_READ_FILE_BYTES,
@@ -80,30 +87,17 @@ WORKDIR = "/box"
 UID = GID = 65534
 _ENV = {"HOME": "/tmp", "LANG": "C.UTF-8", "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
 
-# PID 1 of every container: idles and reaps orphans (the image's `sleep` would leave zombies that
-# eat the pids limit, and tini would exit when its child is killed by the cleanup's `kill -1`).
-_INIT = (
-    "import os, signal\n"
-    "def reap(*_):\n"
-    "    try:\n"
-    "        while os.waitpid(-1, os.WNOHANG)[0] > 0: pass\n"
-    "    except ChildProcessError: pass\n"
-    "signal.signal(signal.SIGCHLD, reap)\n"
-    "signal.signal(signal.SIGTERM, lambda *_: os._exit(0))\n"
-    "while True: signal.pause()\n"
-)
-# Runs one program in a single `docker exec` (each exec costs ~50 ms here, put_archive as much):
-#   args: MARK WORKDIR STDIN TIMEOUT CLEAN NCHUNKS CHUNK... ARGV...
+# A session's run is one `docker exec` of this wrapper (each exec costs ~50-100 ms here, put_archive as much):
+#   args: MARK WORKDIR STDIN TIMEOUT NCHUNKS CHUNK... ARGV...
 #   1. small inputs arrive as base64 tar chunks in argv and are piped into tar in /box (large ones were
 #      put_archive'd before); 2. stdin is opened from its staged file, which is unlinked before the
 #      program starts; 3. the program runs under `timeout -s KILL` (its own process group);
-#   4. with CLEAN=1 (pooled runs) every process of the sandbox user is killed (`kill -1` spares PID 1
-#      and the caller) and /box, /tmp, /dev/shm, /dev/mqueue are emptied;
-#   5. a trailer line "\nMARK <exit code> <nanoseconds> <clean status>" ends stdout (or "MARK setup").
+#   4. a trailer line "\nMARK <exit code> <nanoseconds>" ends stdout (or "MARK setup").
 # Tools are called by absolute path and IFS is reset, so request.env (PATH, IFS) cannot break it.
+# Pooled runs go to the container's resident exec server instead (exec_server.py), which also cleans up.
 _WRAP = r"""
 unset IFS; exec 4>&2 2>/dev/null  # fd 4: the program's stderr; the wrapper's own messages ("Killed") are dropped
-m=$1 d=$2 in=$3 t=$4 c=$5 n=$6; shift 6
+m=$1 d=$2 in=$3 t=$4 n=$5; shift 5
 if [ "$n" -gt 0 ]; then  # the chunks go through a pipe (a subshell: the shift below drops them here)
   { while [ "$n" -gt 0 ]; do printf %s "$1"; shift; n=$((n-1)); done; } | /usr/bin/base64 -d | /usr/bin/tar -x -f - -C /box 2>&4 || { printf '\n%s setup\n' "$m"; exit 0; }
   shift "$n"
@@ -114,36 +108,9 @@ s0=$(/usr/bin/date +%s%N)
 /bin/sh -c 'exec 2>&4 4>&- 3<&-; exec /usr/bin/timeout -s KILL "$0" "$@"' "$t" "$@" <&3  # (a `2>&4` here would make sh print "Killed" into it)
 rc=$?
 s1=$(/usr/bin/date +%s%N)
-exec 3<&-
-clean() {
-  w="/box /tmp /dev/shm /dev/mqueue"; i=0
-  while :; do
-    kill -9 -1 2>/dev/null; k=0
-    for p in /proc/[0-9]*; do
-      case ${p#/proc/} in 1|$$) continue;; esac
-      s=; read -r s < "$p/stat" 2>/dev/null || continue
-      case "$s" in *") Z "*) ;; *) k=$((k+1));; esac
-    done
-    [ $k -eq 0 ] && break
-    i=$((i+1)); [ $i -ge 50 ] && return 1
-  done
-  cd /
-  empty || { /usr/bin/chmod -R u+rwx $w 2>/dev/null; empty; } || return 2  # chmod only for what rm could not remove
-  return 0
-}
-empty() {  # remove everything under $w with one rm (its own "$@": the program's argv is untouched); true when nothing is left
-  set --
-  for x in $w; do [ -d "$x" ] && set -- "$@" "$x"/* "$x"/.[!.]* "$x"/..?*; done
-  [ $# -eq 0 ] || /usr/bin/rm -rf -- "$@" 2>/dev/null
-  for x in $w; do
-    [ -d "$x" ] || continue
-    for f in "$x"/* "$x"/.[!.]* "$x"/..?*; do { [ -e "$f" ] || [ -L "$f" ]; } && return 1; done
-  done
-  return 0
-}
-r=0; [ "$c" = 1 ] && { clean; r=$?; }
-printf '\n%s %s %s %s\n' "$m" "$rc" "$((s1-s0))" "$r"
+printf '\n%s %s %s\n' "$m" "$rc" "$((s1-s0))"
 """
+_SERVER = (Path(__file__).with_name("exec_server.py")).read_text()
 _KILL_ALL = "kill -9 -1 2>/dev/null; kill -9 -1 2>/dev/null; exit 0"
 _CHUNK = 120_000  # base64 characters per argv string (Linux caps one at 128 KiB)
 _ARGV_PAYLOAD_MAX = 768 << 10  # larger inputs go through put_archive
@@ -299,6 +266,7 @@ class _Box:
         self.container = container
         self.limits = limits
         self.oom_path = _oom_counter_path(container.id)
+        self.server: _ServerStream | None = None  # a pooled container's resident exec server, once started
 
 
 @register_provider("docker")
@@ -396,7 +364,9 @@ class DockerSandbox(Sandbox):
     def _create(self, limits: _Limits) -> _Box:
         client = self._client()
         kwargs = dict(
-            command=["python3", "-I", "-S", "-c", _INIT],
+            command=["python3", "-I", "-S", "-c", _SERVER],  # PID 1: reaps orphans; serves a pooled container's runs
+            stdin_open=True,  # the server's request stream (it waits on it for ever where nobody attaches)
+            log_config=LogConfig(type=LogConfig.types.NONE),  # replies travel by attach only, never into a log file
             labels={LABEL: "1", OWNER_LABEL: _OWNER},
             user=f"{UID}:{GID}",
             working_dir=WORKDIR,
@@ -434,6 +404,8 @@ class DockerSandbox(Sandbox):
             box.container.remove(force=True, v=True)
         except Exception:  # noqa: BLE001 - already gone, or the daemon is down: reaped later
             pass
+        if box.server is not None:
+            box.server.close()
 
     def _exec_plain(self, box: _Box, argv: list[str]) -> int | None:
         """Run a short command in the container; its exit code (None when it could not be run)."""
@@ -612,14 +584,15 @@ class DockerSandbox(Sandbox):
 
 
 def _execute(sb: DockerSandbox, box: _Box, request: ExecRequest, cwd: str, pooled: bool) -> tuple[ExecResult, bool]:
-    """Stage inputs, run the program (and, if ``pooled``, clean up) in one exec; classify.
+    """Stage inputs, run the program (and, if ``pooled``, clean up); classify.
+
+    A pooled run is one request to the container's resident exec server; a session's run is one exec of the wrapper.
 
     Returns:
         (result, whether the container may be used again).
     Raises:
         _Infra: a Docker call or the in-container setup failed.
     """
-    api = sb._client().api
     workdir = resolve_path(WORKDIR, cwd, request.cwd) if request.cwd else cwd
     staged = {posixpath_rel(resolve_path(WORKDIR, workdir, p)): d for p, d in request.files.items()}
     stdin_path = "/dev/null"
@@ -627,6 +600,87 @@ def _execute(sb: DockerSandbox, box: _Box, request: ExecRequest, cwd: str, poole
         name = f".opd-stdin-{uuid.uuid4().hex}"
         staged[name] = bytes(request.stdin)
         stdin_path = f"{WORKDIR}/{name}"
+    if pooled:
+        return _execute_served(sb, box, request, workdir, staged, stdin_path)
+    return _execute_wrapped(sb, box, request, workdir, staged, stdin_path), True
+
+
+def _execute_served(sb: DockerSandbox, box: _Box, request: ExecRequest, workdir: str, staged: dict[str, bytes],
+                    stdin_path: str) -> tuple[ExecResult, bool]:
+    """One run through the container's exec server (attached on the container's first run)."""
+    guard_fired = threading.Event()
+
+    def guard() -> None:
+        guard_fired.set()
+        try:
+            box.container.kill()
+        except Exception:  # noqa: BLE001
+            pass
+
+    cap = request.max_output_bytes
+    out, err = OutputBuffer(cap), OutputBuffer(cap)
+    header = {"argv": request.argv, "cwd": workdir, "stdin": stdin_path, "timeout": request.timeout_s, "env": request.env}
+    t0 = time.perf_counter()
+    try:
+        if box.server is None:
+            box.server = _ServerStream(sb._client().api, box.container.id)
+        oom_before = _read_oom_kills(box.oom_path)
+        timer = threading.Timer(request.timeout_s + sb.grace_s, guard)
+        timer.daemon = True
+        t0 = time.perf_counter()
+        timer.start()
+        try:
+            box.server.send(_server_request(header, _tar(staged) if staged else b""))
+            end = None
+            while end is None:
+                frame = box.server.frame()
+                if frame is None:
+                    break
+                kind, data = frame
+                if kind == b"O":
+                    out.add(data)
+                elif kind == b"E":
+                    err.add(data)
+                elif kind in (b"X", b"S"):
+                    end = frame
+                else:
+                    raise _Infra(f"exec server: unexpected frame {kind!r}")
+        finally:
+            timer.cancel()
+        wall = time.perf_counter() - t0
+        oom_after = _read_oom_kills(box.oom_path)
+    except (docker.errors.DockerException, OSError) as exc:
+        if guard_fired.is_set():  # the guard's kill broke the stream: a timeout, not a failure
+            return ExecResult(status="timeout", duration_s=time.perf_counter() - t0, error="killed by the outer guard"), False
+        raise _Infra(f"{type(exc).__name__}: {exc}") from exc
+    if end is not None and end[0] == b"S":
+        raise _Infra(f"staging inputs failed in the container: {end[1].decode(errors='replace')[-500:]}")
+    result = ExecResult(status="ok", stdout=out.text(), stderr=err.text(), stdout_truncated=out.truncated,
+                        stderr_truncated=err.truncated, duration_s=wall)
+    if guard_fired.is_set():
+        result.status, result.error = "timeout", f"killed by the outer guard at {request.timeout_s + sb.grace_s:.1f}s"
+        return result, False
+    if end is None and sb._closed:  # close() removed the container under the run
+        raise _Infra("the sandbox was closed during the run")
+    if end is None:  # the server died (it ignores programs' signals: the OOM killer, or a crash)
+        why = box.server.stderr.text()[-300:]
+        result.status, result.error = "killed", f"the sandbox's exec server died during the run{': ' + why if why else ''}"
+        return result, False
+    exit_code, nanos, clean = json.loads(end[1])
+    _classify(result, request, int(exit_code), int(nanos), oom_before, oom_after)
+    return result, clean == 0
+
+
+def _server_request(header: dict, tar: bytes) -> bytes:
+    """One request on the exec server's stdin (see ``exec_server.py``)."""
+    head = json.dumps(header).encode()
+    return struct.pack(">I", len(head)) + head + struct.pack(">Q", len(tar)) + tar
+
+
+def _execute_wrapped(sb: DockerSandbox, box: _Box, request: ExecRequest, workdir: str, staged: dict[str, bytes],
+                     stdin_path: str) -> ExecResult:
+    """One exec of the wrapper (a session's run: no clean-up, the container is kept)."""
+    api = sb._client().api
     payload = base64.b64encode(_tar(staged)).decode() if staged else ""
     chunks = [payload[i : i + _CHUNK] for i in range(0, len(payload), _CHUNK)]
     mark = f"OPD-SANDBOX-{uuid.uuid4().hex}"
@@ -635,13 +689,7 @@ def _execute(sb: DockerSandbox, box: _Box, request: ExecRequest, cwd: str, poole
 
     def guard() -> None:
         guard_fired.set()
-        try:
-            if pooled:
-                box.container.kill()
-            else:
-                sb._exec_plain(box, ["sh", "-c", _KILL_ALL])
-        except Exception:  # noqa: BLE001
-            pass
+        sb._exec_plain(box, ["sh", "-c", _KILL_ALL])
 
     cap = request.max_output_bytes
     out, err, tail = OutputBuffer(cap), OutputBuffer(cap), bytearray()
@@ -651,7 +699,7 @@ def _execute(sb: DockerSandbox, box: _Box, request: ExecRequest, cwd: str, poole
                 raise _Infra("put_archive returned False")
             chunks = []
         oom_before = _read_oom_kills(box.oom_path)
-        argv = ["/bin/sh", "-c", _WRAP, "sh", mark, workdir, stdin_path, f"{request.timeout_s:.3f}", "1" if pooled else "0", str(len(chunks))]
+        argv = ["/bin/sh", "-c", _WRAP, "sh", mark, workdir, stdin_path, f"{request.timeout_s:.3f}", str(len(chunks))]
         exec_id = api.exec_create(box.container.id, [*argv, *chunks, *request.argv], user=f"{UID}:{GID}", environment=request.env or None)["Id"]
         timer = threading.Timer(request.timeout_s + sb.grace_s, guard)
         timer.daemon = True
@@ -671,7 +719,7 @@ def _execute(sb: DockerSandbox, box: _Box, request: ExecRequest, cwd: str, poole
         oom_after = _read_oom_kills(box.oom_path)
     except (docker.errors.DockerException, OSError) as exc:
         if guard_fired.is_set():  # the guard's kill broke the stream: a timeout, not a failure
-            return ExecResult(status="timeout", duration_s=time.perf_counter() - t0, error="killed by the outer guard"), not pooled
+            return ExecResult(status="timeout", duration_s=time.perf_counter() - t0, error="killed by the outer guard")
         raise _Infra(f"{type(exc).__name__}: {exc}") from exc
 
     key = b"\n" + mark.encode() + b" "
@@ -690,13 +738,19 @@ def _execute(sb: DockerSandbox, box: _Box, request: ExecRequest, cwd: str, poole
     )
     if guard_fired.is_set():
         result.status, result.error = "timeout", f"killed by the outer guard at {request.timeout_s + sb.grace_s:.1f}s"
-        return result, not pooled
-    if len(fields) != 3 and sb._closed:  # close() removed the container under the run
+        return result
+    if len(fields) != 2 and sb._closed:  # close() removed the container under the run
         raise _Infra("the sandbox was closed during the run")
-    if len(fields) != 3:  # the wrapper itself was killed (the program signalled every process it could)
+    if len(fields) != 2:  # the wrapper itself was killed (the program signalled every process it could)
         result.status, result.error = "killed", "the sandbox wrapper was killed by the program"
-        return result, False
-    exit_code, nanos, clean = int(fields[0]), int(fields[1]), int(fields[2])
+        return result
+    _classify(result, request, int(fields[0]), int(fields[1]), oom_before, oom_after)
+    return result
+
+
+def _classify(result: ExecResult, request: ExecRequest, exit_code: int, nanos: int, oom_before: int | None,
+              oom_after: int | None) -> None:
+    """Set the exit code, the program's own wall time and the status (timeout, oom, killed or ok)."""
     result.exit_code, result.duration_s = exit_code, nanos / 1e9
     oom_known = oom_before is not None and oom_after is not None
     if exit_code == 137 and result.duration_s >= request.timeout_s:
@@ -707,7 +761,62 @@ def _execute(sb: DockerSandbox, box: _Box, request: ExecRequest, cwd: str, poole
         result.status, result.error = "oom", "SIGKILL before the timeout: read as the OOM killer (no cgroup counter on this host)"
     else:
         result.status = signal_status(exit_code)
-    return result, clean == 0
+
+
+class _ServerStream:
+    """The stdin and stdout of a pooled container's exec server (its PID 1, ``exec_server.py``), attached once."""
+
+    def __init__(self, api, container_id: str) -> None:
+        self._res = api._post(api._url("/containers/{0}/attach", container_id), headers={"Connection": "Upgrade", "Upgrade": "tcp"},
+                              params={"stdin": 1, "stdout": 1, "stderr": 1, "stream": 1}, stream=True)
+        try:
+            api._raise_for_status(self._res)
+            sock = api._get_raw_response_socket(self._res)
+            api._disable_socket_timeout(sock)
+            self._sock = getattr(sock, "_sock", sock)
+            self._reader = self._res.raw._fp.fp  # see _exec_frames: frames are read through http.client's buffer
+        except BaseException:
+            self.close()
+            raise
+        self._buf = bytearray()
+        self.stderr = OutputBuffer(4096)  # what the server itself wrote there (a traceback if it crashed)
+
+    def send(self, data: bytes) -> None:
+        self._sock.sendall(data)
+
+    def frame(self) -> tuple[bytes, bytes] | None:
+        """The server's next reply frame (kind, data), or None when its stream ended."""
+        while True:
+            if len(self._buf) >= 5:
+                size = struct.unpack(">I", self._buf[1:5])[0]
+                if len(self._buf) >= 5 + size:
+                    kind, data = bytes(self._buf[:1]), bytes(self._buf[5 : 5 + size])
+                    del self._buf[: 5 + size]
+                    return kind, data
+            header = self._reader.read(8)
+            if len(header) < 8:
+                return None
+            stream, size = struct.unpack(">BxxxL", header)
+            if stream not in (1, 2):
+                raise _Infra(f"docker attach stream out of frame alignment (stream id {stream})")
+            data = self._reader.read(size)
+            if len(data) < size:
+                return None
+            if stream == 1:
+                self._buf += data
+            else:
+                self.stderr.add(data)
+
+    def close(self) -> None:
+        """Shut the connection down (a run blocked reading it wakes up) and close it."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        try:
+            self._res.close()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def _exec_frames(api, exec_id: str) -> Iterator[tuple[int, bytes]]:

@@ -139,7 +139,7 @@ def test_docker_pool_reuses_and_cleans(docker_client):
             "print(sorted(open(f'/proc/{p}/comm').read().strip() for p in os.listdir('/proc') if p.isdigit()))"
         )
         r = sb.run(py(sb, code))
-        assert r.stdout.splitlines() == ["[] [] []", "['python3', 'python3', 'sh', 'timeout']"], r  # init, program, wrapper, timeout: no sleep
+        assert r.stdout.splitlines() == ["[] [] []", "['python3', 'python3']"], r  # exec server (PID 1), program: no sleep
         assert sb.stats["created"] == 1 and sb.stats["reused"] == 1 and sb.stats["discarded"] == 0
 
 
@@ -225,7 +225,9 @@ def test_docker_outer_guard_kills_container(docker_client, monkeypatch):
     import sandbox.docker as sd
 
     # Simulate a broken in-container timeout: only the outer guard (timeout_s + grace_s) is left.
-    monkeypatch.setattr(sd, "_WRAP", sd._WRAP.replace('/usr/bin/timeout -s KILL "$0" ', ""))
+    broken = sd._SERVER.replace("            kill_group(pid)\n", "            pass\n")
+    assert broken != sd._SERVER
+    monkeypatch.setattr(sd, "_SERVER", broken)
     with sandbox.open_sandbox("docker", image=IMAGE, pool_size=1, grace_s=0.5) as sb:
         t0 = time.perf_counter()
         r = sb.run(ExecRequest(argv=["sleep", "30"], timeout_s=1.0))

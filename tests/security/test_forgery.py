@@ -171,8 +171,9 @@ def test_evalplus_forgeries_fail(sb, benchmark_data):
     details = {n: json.loads(s.details) for n, s in zip(names, scores[1:])}
     for n in ("correct but slow, alarms off", "correct but slow, supervisor stopped meanwhile"):  # the clock is outside
         assert details[n]["base"] == "timeout", (n, details[n])
-    if getattr(sb, "name", "") == "docker":  # the fake lines reached the harness through the wrapper's stdout and were refused
-        assert details["fake lines to stdout only, wrong answer"].get("rejected_records", 0) > 0, details
+    if getattr(sb, "name", "") == "docker":  # the fake lines never reach the harness: every holder of the reply stream
+        # (the runner's supervisor, the exec server as PID 1) is non-dumpable, so /proc/<pid>/fd/1 cannot be opened
+        assert details["fake lines to stdout only, wrong answer"].get("rejected_records", 0) == 0, details
 
 
 def test_jobs_carry_no_expected_outputs(sb, tmp_path, benchmark_data):
