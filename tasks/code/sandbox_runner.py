@@ -45,6 +45,7 @@ BIG_INT_BITS = 10_000  # larger ints travel as hex: the host's int/str digit lim
 MAX_REPLY_BYTES = 256 << 20  # one answer of the child
 MAX_STDOUT_BYTES = 16 << 20  # one stdin test's stdout
 DRAIN_TIMEOUT_S = 10.0
+FLUSH_BYTES = 1 << 20  # pending record bytes written at once
 F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ (Python 3.10+; spelled out for older interpreters)
 
 # ----------------------------------------------------------------- value encoding (tagged JSON)
@@ -259,10 +260,11 @@ class Child:
                 return True
         return True
 
-    def read_line(self, deadline):
+    def read_line(self, deadline, before_wait=None):
         """The child's next reply line (bytes, no newline); "timeout", "exited" or "too large".
 
         A line that arrives after the deadline is a time-out too (this process may have been stopped meanwhile).
+        ``before_wait`` is called before this process waits for the child (the reporter writes its pending records).
         """
         scanned = 0  # bytes of buf already known to hold no newline (a 100 MB answer is not rescanned per chunk)
         while True:
@@ -276,6 +278,8 @@ class Child:
             scanned = len(self.buf)
             if len(self.buf) > MAX_REPLY_BYTES:
                 return "too large"
+            if before_wait is not None:
+                before_wait()
             left = deadline - time.monotonic()
             if left <= 0:
                 return "timeout"
@@ -336,26 +340,43 @@ def _child_main(cmd_fd, rep_fd):  # pragma: no cover - runs in the child
 
     for raw in reader:
         cmd = json.loads(raw)
-        try:
-            if cmd["op"] == "load":
-                state["fn"] = _load(cmd)
-                state.update(_parsers(cmd))
-                text = "+"
-            else:
-                args = state["parse"](cmd["arg"]) if "parse" in state else cmd["arg"]
-                with swallow_io():
-                    out = state["fn"](*args)
-                reply("=")  # the call returned: its time stops here, encoding the result gets its own allowance
-                if state.get("tuple_as_list") and isinstance(out, tuple):  # lcb_runner: a tuple result compares as a list
-                    out = list(tuple.__iter__(out))
-                text = "+" + dumps(out)
-        except BaseException as exc:  # noqa: BLE001 - model code may raise anything, SystemExit included
-            try:
-                text = "-" + json.dumps(f"{type(exc).__name__}: {exc}"[:500])
-            except BaseException:  # noqa: BLE001 - a str() that raises
-                text = "-" + json.dumps(type(exc).__name__)
-        reply(text)
+        if cmd["op"] == "load":
+            reply(_answer(lambda: _loaded(cmd, state)))
+            continue
+        for arg in cmd["args"]:  # one phase: call after call, up to the first exception
+            text = _answer(lambda: _call(state, arg, reply))
+            reply(text)
+            if text[:1] == "-":
+                break
     os._exit(0)
+
+
+def _answer(work):  # pragma: no cover - runs in the child
+    """``work()`` (a reply text) or, when model code raised anything, ``-`` and the error as JSON."""
+    try:
+        return work()
+    except BaseException as exc:  # noqa: BLE001 - model code may raise anything, SystemExit included
+        try:
+            return "-" + json.dumps(f"{type(exc).__name__}: {exc}"[:500])
+        except BaseException:  # noqa: BLE001 - a str() that raises
+            return "-" + json.dumps(type(exc).__name__)
+
+
+def _loaded(cmd, state):  # pragma: no cover - runs in the child
+    state["fn"] = _load(cmd)
+    state.update(_parsers(cmd))
+    return "+"
+
+
+def _call(state, arg, reply):  # pragma: no cover - runs in the child
+    """One call of the loaded function: ``=`` as soon as it returns (its time stops there), then ``+`` and its answer."""
+    args = state["parse"](arg) if "parse" in state else arg
+    with swallow_io():
+        out = state["fn"](*args)
+    reply("=")  # encoding the result gets its own allowance
+    if state.get("tuple_as_list") and isinstance(out, tuple):  # lcb_runner: a tuple result compares as a list
+        out = list(tuple.__iter__(out))
+    return "+" + dumps(out)
 
 
 def _load(cmd):  # pragma: no cover - runs in the child
@@ -391,6 +412,7 @@ class Reporter:
         os.dup2(null, 0)
         sys.stdin = io.StringIO("")
         self.key = None
+        self.pending, self.pending_bytes = [], 0  # records not yet written (one write for many small records)
 
     def start(self):
         """Make this process non-dumpable, send a fresh key and wait until the reader has taken it."""
@@ -421,7 +443,16 @@ class Reporter:
             body += SEPARATOR + payload
         data = body.encode("ascii", "backslashreplace")
         mac = hmac.new(self.key, data, hashlib.sha256).hexdigest().encode()
-        self._write(RECORD_PREFIX + mac + b" " + data + b"\n")
+        self.pending.append(RECORD_PREFIX + mac + b" " + data + b"\n")
+        self.pending_bytes += len(data)
+        if self.pending_bytes > FLUSH_BYTES:
+            self.flush()
+
+    def flush(self):
+        """Write the pending records (before waiting on the child, and at the end)."""
+        if self.pending:
+            self._write(b"".join(self.pending))
+            self.pending, self.pending_bytes = [], 0
 
     def _write(self, data):
         view = memoryview(data)
@@ -451,11 +482,14 @@ def evalplus_truth(job, out, child=None):
 def run_calls(job, out, child, load):
     """Load the code in the child, then call it on each phase's inputs under the per-input limits and phase walls.
 
-    Per input a record ``{phase, i, t}`` with the child's answer as payload, ``t`` being the call's time (until the
-    child's "=" line; evalplus times the call only); encoding and sending the result get the same limit again. An
-    answer longer than ``job["digest_over"]`` bytes (when set) is reported as ``{phase, i, t, sha256, n}`` without
-    payload: its SHA-256, computed here, so that 100+ MB outputs (HumanEval/15, /130) never cross the pipe. Per
-    phase an end record ``{phase, end, error, at}`` (``end``: ok, load, exception, timeout, exited, protocol, too large).
+    A phase's inputs go to the child in one command and it calls the function on them one after the other (no round
+    trip per input), answering ``=`` when a call returns and then the encoded result. The clock is this process's:
+    input i's time runs from reading answer i-1 (or sending the phase) until its ``=`` line; the answer gets the same
+    limit again; past either the child is killed. Per input a record ``{phase, i, t}`` with the child's answer as
+    payload. An answer longer than ``job["digest_over"]`` bytes (when set) is reported as ``{phase, i, t, sha256, n}``
+    without payload: its SHA-256, computed here, so that 100+ MB outputs (HumanEval/15, /130) never cross the pipe.
+    Per phase an end record ``{phase, end, error, at}`` (``end``: ok, load, exception, timeout, exited, protocol, too
+    large). Model code sees a phase's later inputs early; they are not secret (the expected outputs never come here).
     """
     phases, digest_over = job["phases"], job.get("digest_over")
     deadline = time.monotonic() + phases[0]["wall"]  # evalplus counts loading inside the first phase's wall
@@ -468,10 +502,14 @@ def run_calls(job, out, child, load):
         if k:
             deadline = time.monotonic() + phase["wall"]
         end, error, at = "ok", None, None
-        for i, arg in enumerate(phase["inputs"]):
-            reply, elapsed = child.request({"op": "call", "arg": arg}, min(time.monotonic() + limits[i], deadline))
+        sent = not phase["inputs"] or child.send({"op": "calls", "args": phase["inputs"]}, deadline)
+        mark = time.monotonic()
+        for i in range(len(phase["inputs"])):
+            reply = child.read_line(min(mark + limits[i], deadline), out.flush) if sent else "timeout"
+            elapsed = time.monotonic() - mark
             if reply == b"=":  # returned within the limit; the answer (encoded result) may take as long again
-                reply = child.read_line(min(time.monotonic() + limits[i], deadline))
+                reply = child.read_line(min(time.monotonic() + limits[i], deadline), out.flush)
+            mark = time.monotonic()
             if isinstance(reply, bytes) and reply[:1] == b"+" and reply.isascii():
                 answer = memoryview(reply)[1:]
                 if digest_over is not None and len(answer) > digest_over:  # the host compares digests of large outputs
@@ -588,7 +626,9 @@ def main():
     finally:
         if child is not None:
             child.kill()
+        out.flush()
     out.record({"done": True})
+    out.flush()
     os._exit(0)
 
 
