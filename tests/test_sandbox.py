@@ -144,6 +144,20 @@ def test_docker_pool_reuses_and_cleans(docker_client):
 
 
 @pytest.mark.docker
+def test_docker_exec_server_ignores_the_programs_signals(docker_client):
+    """The pooled container's exec server is PID 1: a program's kill -9 -1, SIGKILL or SIGSTOP to it change nothing."""
+    code = ("import os, signal; print('bye', flush=True)\n"
+            "for target, sig in ((-1, signal.SIGKILL), (1, signal.SIGKILL), (1, signal.SIGSTOP), (1, signal.SIGINT)):\n"
+            "    try:\n        os.kill(target, sig)\n    except ProcessLookupError:\n        pass  # kill(-1) finds nobody else\n"
+            "print('still here')")  # fmt: skip
+    with sandbox.open_sandbox("docker", image=IMAGE, pool_size=1) as sb:
+        r = sb.run(py(sb, code))
+        assert (r.status, r.exit_code, r.stdout) == ("ok", 0, "bye\nstill here\n"), r
+        assert sb.run(ExecRequest(argv=["echo", "next"], timeout_s=5)).stdout == "next\n"
+        assert sb.stats["created"] == 1 and sb.stats["discarded"] == 0, sb.stats
+
+
+@pytest.mark.docker
 def test_docker_parallel_runs_bounded_by_pool(docker_client):
     code = "import time; t = time.time(); time.sleep(0.6); print(t, time.time())"
     with sandbox.open_sandbox("docker", image=IMAGE, pool_size=2) as sb:
