@@ -109,9 +109,7 @@ def load_options(backend: type) -> list[str]:
 class TrainerConfig(Strict):
     mode: Literal["sync", "async"] = Field("sync", description="pipeline: sync, or async (rollout worker + learner overlap)")
     executor: str = Field(
-        "inprocess",
-        description="where the roles run: inprocess (threads in this process), process (the rollout role in a child process: "
-        "async overlap without the roles sharing one interpreter lock) or ray (rollout, teacher and learner actors); see harness.registry.EXECUTORS",
+        "inprocess", description="where the roles run: inprocess (threads in this process) or ray (rollout, teacher and learner actors); see harness.registry.EXECUTORS"
     )
     rollout_backend: str = Field("hf", description="inference backend of the rollout role (e.g. vllm on a GPU); it receives the learner's weights through load_weights")
     rollout_backend_options: dict[str, Any] = Field(default_factory=dict, description="options passed to the rollout backend's load (e.g. gpu_memory_utilization)")

@@ -206,4 +206,4 @@ METHODS: Registry = Registry("methods")  # built-ins: [project.entry-points."opd
 BACKENDS: Registry = Registry("backends", ("harness.backends.hf", "harness.backends.replay", "harness.backends.openai_backend", "harness.backends.vllm_backend"))
 SANDBOXES: Registry = Registry("sandboxes")  # built-ins: [project.entry-points."opd_harness.sandboxes"]
 PIPELINES: Registry = Registry("pipelines", ("trainers.loop",))
-EXECUTORS: Registry = Registry("executors", ("trainers.inprocess", "trainers.process_executor", "trainers.ray_executor"))
+EXECUTORS: Registry = Registry("executors", ("trainers.inprocess", "trainers.ray_executor"))

@@ -121,10 +121,9 @@ def test_actors_release_their_tasks_and_engines_before_they_are_killed(monkeypat
     from types import SimpleNamespace
 
     import trainers.ray_executor as rx
-    import trainers.roles as roles_module
 
     log: list[str] = []
-    role = roles_module._Role()
+    role = rx._Role()
     role.plan = SimpleNamespace(task=_Recorder(log, "train task"), eval_tasks=[_Recorder(log, "eval task")])
     role.backend = _Recorder(log, "engine")
     role.close()

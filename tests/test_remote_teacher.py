@@ -234,7 +234,7 @@ def test_ray_teacher_actor_opens_the_served_teacher_itself(tmp_path):
     from harness.serve import make_app
     from harness.trajectory import TensorBatch
     from serving import running
-    from trainers.roles import TeacherActor
+    from trainers.ray_executor import TeacherActor
 
     tok = build_char_tokenizer()
     model = build_tiny_model(TinyArch(hidden=32, layers=1, heads=2, kv_heads=1, ffn=64), len(tok), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, seed=5)

@@ -16,9 +16,8 @@ generate → train loop exactly.
 The loop is written against two small role interfaces, a rollout (``version``, ``load``, ``make``)
 and a learner (``train``, ``snapshot``, ``pull``). An *executor* is a factory of those roles,
 registered in ``harness.registry.EXECUTORS``: ``inprocess`` (``trainers.inprocess``: a worker
-thread with its own rollout backend, the learner in the calling thread), ``process``
-(``trainers.process_executor``: the rollout role in a child process) and ``ray``
-(``trainers.ray_executor``: actors). This module imports none of them; it looks them up by name.
+thread with its own rollout backend, the learner in the calling thread) and ``ray``
+(``trainers.ray_executor``: actors). This module imports neither; it looks them up by name.
 """
 
 from __future__ import annotations
