@@ -605,69 +605,112 @@ def _execute(sb: DockerSandbox, box: _Box, request: ExecRequest, cwd: str, poole
     return _execute_wrapped(sb, box, request, workdir, staged, stdin_path), True
 
 
-def _execute_served(sb: DockerSandbox, box: _Box, request: ExecRequest, workdir: str, staged: dict[str, bytes],
-                    stdin_path: str) -> tuple[ExecResult, bool]:
-    """One run through the container's exec server (attached on the container's first run)."""
-    guard_fired = threading.Event()
+@dataclass
+class _Watched:
+    """What :func:`_under_guard` saw of a program's run."""
+
+    wall: float  # seconds the output stream was read
+    oom_before: int | None
+    oom_after: int | None
+    guard_fired: bool
+
+
+class _GuardKilled(Exception):
+    """The outer guard's kill broke the output stream: a time-out, not an infrastructure failure."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"killed by the outer guard after {seconds:.1f}s")
+        self.seconds = seconds
+
+
+def _under_guard(sb: DockerSandbox, box: _Box, request: ExecRequest, kill, read) -> _Watched:
+    """Run ``read()`` (consuming the program's output) under the outer wall-clock guard, which calls ``kill()`` at
+    ``timeout_s + grace_s``; the OOM-kill counter is read around it.
+
+    Raises:
+        _GuardKilled: the guard's kill broke the stream.
+        _Infra: a Docker call failed.
+    """
+    fired = threading.Event()
 
     def guard() -> None:
-        guard_fired.set()
+        fired.set()
         try:
-            box.container.kill()
+            kill()
         except Exception:  # noqa: BLE001
             pass
 
+    oom_before = _read_oom_kills(box.oom_path)
+    timer = threading.Timer(request.timeout_s + sb.grace_s, guard)
+    timer.daemon = True
+    t0 = time.perf_counter()
+    timer.start()
+    try:
+        read()
+    except (docker.errors.DockerException, OSError) as exc:
+        if fired.is_set():
+            raise _GuardKilled(time.perf_counter() - t0) from exc
+        raise _Infra(f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        timer.cancel()
+    return _Watched(time.perf_counter() - t0, oom_before, _read_oom_kills(box.oom_path), fired.is_set())
+
+
+def _docker_call(call):
+    """``call()``, with a Docker or socket failure raised as ``_Infra`` (worth a retry)."""
+    try:
+        return call()
+    except (docker.errors.DockerException, OSError) as exc:
+        raise _Infra(f"{type(exc).__name__}: {exc}") from exc
+
+
+def _execute_served(sb: DockerSandbox, box: _Box, request: ExecRequest, workdir: str, staged: dict[str, bytes],
+                    stdin_path: str) -> tuple[ExecResult, bool]:
+    """One run through the container's exec server (attached on the container's first run)."""
     cap = request.max_output_bytes
     out, err = OutputBuffer(cap), OutputBuffer(cap)
     header = {"argv": request.argv, "cwd": workdir, "stdin": stdin_path, "timeout": request.timeout_s, "env": request.env}
-    t0 = time.perf_counter()
+    ends: list[tuple[bytes, bytes]] = []
+    if box.server is None:
+        box.server = _docker_call(lambda: _ServerStream(sb._client().api, box.container.id))
+    server = box.server
+
+    def read() -> None:
+        server.send(_server_request(header, _tar(staged) if staged else b""))
+        while not ends:
+            frame = server.frame()
+            if frame is None:
+                return
+            kind, data = frame
+            if kind == b"O":
+                out.add(data)
+            elif kind == b"E":
+                err.add(data)
+            elif kind in (b"X", b"S"):
+                ends.append(frame)
+            else:
+                raise _Infra(f"exec server: unexpected frame {kind!r}")
+
     try:
-        if box.server is None:
-            box.server = _ServerStream(sb._client().api, box.container.id)
-        oom_before = _read_oom_kills(box.oom_path)
-        timer = threading.Timer(request.timeout_s + sb.grace_s, guard)
-        timer.daemon = True
-        t0 = time.perf_counter()
-        timer.start()
-        try:
-            box.server.send(_server_request(header, _tar(staged) if staged else b""))
-            end = None
-            while end is None:
-                frame = box.server.frame()
-                if frame is None:
-                    break
-                kind, data = frame
-                if kind == b"O":
-                    out.add(data)
-                elif kind == b"E":
-                    err.add(data)
-                elif kind in (b"X", b"S"):
-                    end = frame
-                else:
-                    raise _Infra(f"exec server: unexpected frame {kind!r}")
-        finally:
-            timer.cancel()
-        wall = time.perf_counter() - t0
-        oom_after = _read_oom_kills(box.oom_path)
-    except (docker.errors.DockerException, OSError) as exc:
-        if guard_fired.is_set():  # the guard's kill broke the stream: a timeout, not a failure
-            return ExecResult(status="timeout", duration_s=time.perf_counter() - t0, error="killed by the outer guard"), False
-        raise _Infra(f"{type(exc).__name__}: {exc}") from exc
+        seen = _under_guard(sb, box, request, box.container.kill, read)
+    except _GuardKilled as exc:
+        return ExecResult(status="timeout", duration_s=exc.seconds, error="killed by the outer guard"), False
+    end = ends[0] if ends else None
     if end is not None and end[0] == b"S":
         raise _Infra(f"staging inputs failed in the container: {end[1].decode(errors='replace')[-500:]}")
     result = ExecResult(status="ok", stdout=out.text(), stderr=err.text(), stdout_truncated=out.truncated,
-                        stderr_truncated=err.truncated, duration_s=wall)
-    if guard_fired.is_set():
+                        stderr_truncated=err.truncated, duration_s=seen.wall)
+    if seen.guard_fired:
         result.status, result.error = "timeout", f"killed by the outer guard at {request.timeout_s + sb.grace_s:.1f}s"
         return result, False
     if end is None and sb._closed:  # close() removed the container under the run
         raise _Infra("the sandbox was closed during the run")
     if end is None:  # the server died (it ignores programs' signals: the OOM killer, or a crash)
-        why = box.server.stderr.text()[-300:]
+        why = server.stderr.text()[-300:]
         result.status, result.error = "killed", f"the sandbox's exec server died during the run{': ' + why if why else ''}"
         return result, False
     exit_code, nanos, clean = json.loads(end[1])
-    _classify(result, request, int(exit_code), int(nanos), oom_before, oom_after)
+    _classify(result, request, int(exit_code), int(nanos), seen.oom_before, seen.oom_after)
     return result, clean == 0
 
 
@@ -684,44 +727,30 @@ def _execute_wrapped(sb: DockerSandbox, box: _Box, request: ExecRequest, workdir
     payload = base64.b64encode(_tar(staged)).decode() if staged else ""
     chunks = [payload[i : i + _CHUNK] for i in range(0, len(payload), _CHUNK)]
     mark = f"OPD-SANDBOX-{uuid.uuid4().hex}"
-    guard_fired = threading.Event()
-    t0 = time.perf_counter()
-
-    def guard() -> None:
-        guard_fired.set()
-        sb._exec_plain(box, ["sh", "-c", _KILL_ALL])
-
     cap = request.max_output_bytes
     out, err, tail = OutputBuffer(cap), OutputBuffer(cap), bytearray()
-    try:
-        if len(payload) > _ARGV_PAYLOAD_MAX:
-            if not box.container.put_archive(WORKDIR, _tar(staged)):
-                raise _Infra("put_archive returned False")
-            chunks = []
-        oom_before = _read_oom_kills(box.oom_path)
-        argv = ["/bin/sh", "-c", _WRAP, "sh", mark, workdir, stdin_path, f"{request.timeout_s:.3f}", str(len(chunks))]
-        exec_id = api.exec_create(box.container.id, [*argv, *chunks, *request.argv], user=f"{UID}:{GID}", environment=request.env or None)["Id"]
-        timer = threading.Timer(request.timeout_s + sb.grace_s, guard)
-        timer.daemon = True
-        t0 = time.perf_counter()
-        timer.start()
-        try:
-            for stream, data in _exec_frames(api, exec_id):
-                if stream == 1:
-                    out.add(data)
-                    tail += data
-                    del tail[:-512]
-                else:
-                    err.add(data)
-        finally:
-            timer.cancel()
-        wall = time.perf_counter() - t0
-        oom_after = _read_oom_kills(box.oom_path)
-    except (docker.errors.DockerException, OSError) as exc:
-        if guard_fired.is_set():  # the guard's kill broke the stream: a timeout, not a failure
-            return ExecResult(status="timeout", duration_s=time.perf_counter() - t0, error="killed by the outer guard")
-        raise _Infra(f"{type(exc).__name__}: {exc}") from exc
+    if len(payload) > _ARGV_PAYLOAD_MAX:
+        if not _docker_call(lambda: box.container.put_archive(WORKDIR, _tar(staged))):
+            raise _Infra("put_archive returned False")
+        chunks = []
+    argv = ["/bin/sh", "-c", _WRAP, "sh", mark, workdir, stdin_path, f"{request.timeout_s:.3f}", str(len(chunks))]
+    exec_id = _docker_call(lambda: api.exec_create(box.container.id, [*argv, *chunks, *request.argv], user=f"{UID}:{GID}",
+                                                   environment=request.env or None)["Id"])  # fmt: skip
 
+    def read() -> None:
+        nonlocal tail
+        for stream, data in _exec_frames(api, exec_id):
+            if stream == 1:
+                out.add(data)
+                tail += data
+                del tail[:-512]
+            else:
+                err.add(data)
+
+    try:
+        seen = _under_guard(sb, box, request, lambda: sb._exec_plain(box, ["sh", "-c", _KILL_ALL]), read)
+    except _GuardKilled as exc:
+        return ExecResult(status="timeout", duration_s=exc.seconds, error="killed by the outer guard")
     key = b"\n" + mark.encode() + b" "
     at = tail.rfind(key)
     fields = tail[at + len(key) : -1].decode().split() if at >= 0 and tail.endswith(b"\n") else []
@@ -734,9 +763,9 @@ def _execute_wrapped(sb: DockerSandbox, box: _Box, request: ExecRequest, workdir
         stderr=err.text(),
         stdout_truncated=program_len > cap,
         stderr_truncated=err.truncated,
-        duration_s=wall,
+        duration_s=seen.wall,
     )
-    if guard_fired.is_set():
+    if seen.guard_fired:
         result.status, result.error = "timeout", f"killed by the outer guard at {request.timeout_s + sb.grace_s:.1f}s"
         return result
     if len(fields) != 2 and sb._closed:  # close() removed the container under the run
@@ -744,7 +773,7 @@ def _execute_wrapped(sb: DockerSandbox, box: _Box, request: ExecRequest, workdir
     if len(fields) != 2:  # the wrapper itself was killed (the program signalled every process it could)
         result.status, result.error = "killed", "the sandbox wrapper was killed by the program"
         return result
-    _classify(result, request, int(fields[0]), int(fields[1]), oom_before, oom_after)
+    _classify(result, request, int(fields[0]), int(fields[1]), seen.oom_before, seen.oom_after)
     return result
 
 
