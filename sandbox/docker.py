@@ -803,10 +803,10 @@ class _ServerStream:
             sock = api._get_raw_response_socket(self._res)
             api._disable_socket_timeout(sock)
             self._sock = getattr(sock, "_sock", sock)
-            self._reader = self._res.raw._fp.fp  # see _exec_frames: frames are read through http.client's buffer
         except BaseException:
             self.close()
             raise
+        self._frames = _demux(self._res)
         self._buf = bytearray()
         self.stderr = OutputBuffer(4096)  # what the server itself wrote there (a traceback if it crashed)
 
@@ -822,14 +822,8 @@ class _ServerStream:
                     kind, data = bytes(self._buf[:1]), bytes(self._buf[5 : 5 + size])
                     del self._buf[: 5 + size]
                     return kind, data
-            header = self._reader.read(8)
-            if len(header) < 8:
-                return None
-            stream, size = struct.unpack(">BxxxL", header)
-            if stream not in (1, 2):
-                raise _Infra(f"docker attach stream out of frame alignment (stream id {stream})")
-            data = self._reader.read(size)
-            if len(data) < size:
+            stream, data = next(self._frames, (0, b""))
+            if stream == 0:
                 return None
             if stream == 1:
                 self._buf += data
@@ -849,7 +843,19 @@ class _ServerStream:
 
 
 def _exec_frames(api, exec_id: str) -> Iterator[tuple[int, bytes]]:
-    """Start an exec and yield its (stream, data) frames (1 stdout, 2 stderr) until it ends.
+    """Start an exec and yield its (stream, data) frames (1 stdout, 2 stderr) until it ends (see :func:`_demux`)."""
+    res = api._post_json(api._url("/exec/{0}/start", exec_id), headers={"Connection": "Upgrade", "Upgrade": "tcp"},
+                         data={"Tty": False, "Detach": False}, stream=True)
+    try:
+        api._raise_for_status(res)
+        api._disable_socket_timeout(api._get_raw_response_socket(res))
+        yield from _demux(res)
+    finally:
+        res.close()
+
+
+def _demux(res) -> Iterator[tuple[int, bytes]]:
+    """The (stream, data) frames (1 stdout, 2 stderr) of an upgraded exec or attach response, until it ends.
 
     docker-py's own demultiplexer (``exec_start(stream=True, demux=True)``) reads the raw socket underneath
     http.client's buffered reader, so output that arrived together with the response headers is skipped and the
@@ -859,26 +865,19 @@ def _exec_frames(api, exec_id: str) -> Iterator[tuple[int, bytes]]:
     Raises:
         _Infra: the stream is not a valid multiplexed stream.
     """
-    res = api._post_json(api._url("/exec/{0}/start", exec_id), headers={"Connection": "Upgrade", "Upgrade": "tcp"},
-                         data={"Tty": False, "Detach": False}, stream=True)
-    try:
-        api._raise_for_status(res)
-        api._disable_socket_timeout(api._get_raw_response_socket(res))
-        reader = res.raw._fp.fp  # the buffered reader http.client parsed the headers with
-        while True:
-            header = reader.read(8)
-            if len(header) < 8:
-                return
-            stream, size = struct.unpack(">BxxxL", header)
-            if stream not in (1, 2):
-                raise _Infra(f"docker exec stream out of frame alignment (stream id {stream})")
-            data = reader.read(size)
-            if data:
-                yield stream, data
-            if len(data) < size:
-                return
-    finally:
-        res.close()
+    reader = res.raw._fp.fp  # the buffered reader http.client parsed the headers with
+    while True:
+        header = reader.read(8)
+        if len(header) < 8:
+            return
+        stream, size = struct.unpack(">BxxxL", header)
+        if stream not in (1, 2):
+            raise _Infra(f"docker stream out of frame alignment (stream id {stream})")
+        data = reader.read(size)
+        if data:
+            yield stream, data
+        if len(data) < size:
+            return
 
 
 def posixpath_rel(abs_path: str) -> str:
