@@ -194,8 +194,10 @@ class Sandbox(ABC):
         """Run one program in a fresh (or cleaned) sandbox. Never raises for the program's behaviour."""
 
     @abstractmethod
-    def session(self, memory_mb: int = 512, cpus: float = 1.0, pids: int = 64, network: bool = False) -> Session:
-        """Open a persistent session with these limits.
+    def session(self, memory_mb: int = 512, cpus: float = 1.0, pids: int = 64, network: bool = False,
+                disk_mb: int | None = None) -> Session:
+        """Open a persistent session with these limits (``disk_mb``: the most its work root may hold, None for no
+        limit of its own; each provider says how, or whether, it enforces it).
 
         Raises:
             SandboxUnavailable: the sandbox could not be created (after retries).

@@ -4,9 +4,12 @@ Each container (``DockerSandbox`` options in brackets):
   - image ``opd-sandbox:bookworm`` [``image``], built by ``python -m sandbox.build`` (never pulled);
   - no network (``network_mode=none``; only ``lo`` exists) unless a request sets ``network=True``;
   - read-only root file system; a writable anonymous volume at ``/box`` (the work root, removed
-    with the container) and a tmpfs at ``/tmp`` [``tmpfs_mb``, default 64]. ``/box`` lives on the
-    daemon's disk with no total quota; each file written is capped at ``max_file_mb`` [64]
-    (RLIMIT_FSIZE: the write fails with EFBIG, or SIGXFSZ kills the program: status ``killed``);
+    with the container) and a tmpfs at ``/tmp`` [``tmpfs_mb``, default 64]; ``/dev/shm`` is
+    Docker's (64 MiB). ``/box`` lives on the daemon's disk with no total quota, except in a session
+    opened with ``disk_mb``: there it is a tmpfs-backed volume of that size (a write past it fails
+    with ENOSPC; tmpfs pages count against the container's memory limit). Each file written is
+    capped at ``max_file_mb`` [64] (RLIMIT_FSIZE: the write fails with EFBIG, or SIGXFSZ kills the
+    program: status ``killed``);
   - user 65534:65534, all capabilities dropped, ``no-new-privileges``;
   - cgroup limits from the request: memory (swap off), CPU quota, pids (every process and thread
     in the container, including the sandbox's own: the exec server (PID 1), and in a session's run
@@ -65,7 +68,7 @@ from pathlib import Path
 import docker
 import docker.errors
 import requests
-from docker.types import LogConfig, Mount, Ulimit
+from docker.types import DriverConfig, LogConfig, Mount, Ulimit
 
 from sandbox import (
     MAX_READ_FILE_BYTES,
@@ -122,6 +125,7 @@ class _Limits:
     cpus: float
     pids: int
     network: bool
+    disk_mb: int | None = None  # sessions only: the work root is then a tmpfs volume of this size
 
     @classmethod
     def of(cls, r: ExecRequest) -> _Limits:
@@ -232,6 +236,15 @@ def _tar(files: Mapping[str, bytes]) -> bytes:
             ti.mode = 0o755 if data[:2] == b"#!" else 0o644
             tf.addfile(ti, io.BytesIO(bytes(data)))
     return buf.getvalue()
+
+
+def _work_mount(disk_mb: int | None) -> Mount:
+    """The work root: an anonymous volume on the daemon's disk, or with ``disk_mb`` one backed by a tmpfs of that size
+    (a full one fails writes with ENOSPC; unlike a plain tmpfs mount, ``put_archive`` / ``get_archive`` reach it)."""
+    if disk_mb is None:
+        return Mount(target=WORKDIR, source=None, type="volume")
+    options = {"type": "tmpfs", "device": "tmpfs", "o": f"size={disk_mb}m,uid={UID},gid={GID},mode=0755,nosuid,nodev"}
+    return Mount(target=WORKDIR, source=None, type="volume", driver_config=DriverConfig("local", options))
 
 
 def _oom_counter_path(container_id: str) -> Path | None:
@@ -372,7 +385,7 @@ class DockerSandbox(Sandbox):
             working_dir=WORKDIR,
             environment=_ENV,
             read_only=True,
-            mounts=[Mount(target=WORKDIR, source=None, type="volume")],
+            mounts=[_work_mount(limits.disk_mb)],
             tmpfs={"/tmp": f"rw,exec,nosuid,nodev,size={self.tmpfs_mb}m,mode=1777"},
             cap_drop=["ALL"],
             security_opt=["no-new-privileges"],
@@ -532,15 +545,20 @@ class DockerSandbox(Sandbox):
         finally:
             self._checkin(box, reusable)
 
-    def session(self, memory_mb: int = 512, cpus: float = 1.0, pids: int = 64, network: bool = False) -> DockerSession:
-        """A dedicated container for several commands (not part of the pool).
+    def session(self, memory_mb: int = 512, cpus: float = 1.0, pids: int = 64, network: bool = False,
+                disk_mb: int | None = None) -> DockerSession:
+        """A dedicated container for several commands (not part of the pool); with ``disk_mb`` its work root is a tmpfs
+        volume of that size (held in memory: its files count against ``memory_mb``).
 
         Raises:
             SandboxUnavailable: the container could not be created after the retries.
+            ValueError: ``disk_mb`` is not a positive number of MiB.
         """
         if self._closed:
             raise RuntimeError("sandbox is closed")
-        limits = _Limits(memory_mb, cpus, pids, network)
+        if disk_mb is not None and (isinstance(disk_mb, bool) or not isinstance(disk_mb, int) or disk_mb < 1):
+            raise ValueError(f"disk_mb must be a positive int (MiB) or None, got {disk_mb!r}")
+        limits = _Limits(memory_mb, cpus, pids, network, disk_mb)
         errors = []
         for i in range(self.retries + 1):
             if i:

@@ -8,16 +8,20 @@
 
 Variables, imports and functions defined by one cell are visible to the next, like a Jupyter kernel.
 
-Inside the session (network off; memory / CPU / process limits from the constructor) two processes run:
+Inside the session (network off; memory / CPU / process / disk limits from the constructor) two processes run:
   - the *supervisor* (stdlib only, never runs model code): receives a cell, hands it to the worker,
-    reads the worker's output, enforces the timeout, and restarts the worker when it dies;
+    reads the worker's output, enforces the timeout, restarts the worker when it dies, and after
+    every cell ends every other process below it (it is their child subreaper, so orphans stay below it);
   - the *worker*: a Python process whose ``__main__`` namespace lives across cells. Its stdout and
     stderr are one pipe (one line-buffered stream, restored before every cell), so the output keeps
     the order it was written in. Each cell runs in a process group of its own, led by the worker;
-    when the cell ends the worker steps out of it and SIGKILLs it, so whatever the cell started (a
-    subprocess, a fork bomb) ends with the cell unless it left the group (``setsid``).
+    when the cell ends the worker steps out of it and SIGKILLs it (a subprocess, a fork bomb), then
+    the supervisor SIGKILLs whatever is left below it but the worker (what left the group: ``setsid``,
+    ``setpgid``, a double fork), until nothing is.
 
-How a cell reaches the supervisor (the *transport*), found out once per sandbox object:
+How a cell reaches the supervisor (the *transport*), found out once per sandbox object, from the first
+request of a session where no cell has run yet (so no cell can change it: once an ``exec`` supervisor
+has answered in a sandbox, one found missing later is that interpreter's ``crash``, never a switch):
   - ``exec``: the supervisor runs detached (``setsid``) and listens on an abstract Unix socket (no
     file a cell could delete); each cell is one ``Session.run`` of a tiny client that hands the cell
     over and prints the reply. Used where a background process outlives the run that started it
@@ -47,8 +51,16 @@ Cell semantics:
   - anything that breaks the sandbox itself (daemon down, session cannot be opened) → status ``error``
     with ``error`` set; ``run_cell`` never raises for it. The session is then discarded (state lost)
     and the next cell opens a fresh one.
-  - processes a cell leaves running are killed when the cell ends (see above); output that background
-    threads print between cells is discarded.
+  - processes a cell leaves running are killed when the cell ends (see above); threads it starts in the
+    worker live on, and output they print between cells is discarded.
+  - a cell that kills the supervisor (say from such a thread) → that interpreter's next cell is a
+    ``crash`` with ``state_lost=True`` (not run); the one after gets a fresh session. Other interpreters
+    of the sandbox are not affected.
+  - disk: the work root holds at most ``disk_mb`` (Docker: a tmpfs volume of that size, so its files
+    count against ``memory_mb`` too; the local provider does not enforce it); past it writes fail with
+    ``OSError`` (ENOSPC) inside the cell, and the state is kept. On Docker ``/tmp`` and ``/dev/shm`` are
+    separate tmpfs mounts of 64 MiB each; each file is capped at the provider's ``max_file_mb`` (64 MiB).
+    (No request travels through the work root: a huge cell is handed over in parts of the client's argv.)
   - cells run in the session's work root (the files transport keeps ``.opd-interp/`` there); files
     persist across cells as they do in any session.
 
@@ -79,7 +91,9 @@ _INTERRUPT_GRACE_S = 2.0  # after the timeout: how long the worker has to stop b
 _SLACK_S = 15.0  # host-side wait beyond timeout_s + grace: worker restart, process start, transport
 _START_TIMEOUT_S = 30.0
 _SERVE_TIMEOUT_S = 7 * 24 * 3600.0  # files transport: the supervisor's run lasts the session
-_ARGV_PAYLOAD_MAX = 100_000  # exec transport: larger requests go through stdin
+_ARGV_CHUNK = 100_000  # exec transport: a request travels in argv strings of this size (Linux caps one at 128 KiB)...
+_ARGV_PAYLOAD_MAX = 1_000_000  # ...in one run up to this size (ARG_MAX is ~2 MB); larger ones are sent in parts first
+_PART_CHARS = 400_000  # characters of a large request per part (escaped once more in the part's JSON)
 _TRANSPORTS: weakref.WeakKeyDictionary[Sandbox, str] = weakref.WeakKeyDictionary()  # what worked per sandbox
 _TRANSPORTS_LOCK = threading.Lock()
 
@@ -170,6 +184,7 @@ while True:
     reap()
     n = struct.unpack(">I", read_exact(4))[0]
     msg = json.loads(read_exact(n))
+    reap()  # processes the supervisor swept after the last cell: no zombies left counting against the process limit
     count += 1
     name = f"<cell {count}>"
     src = msg["code"]
@@ -229,15 +244,73 @@ while True:
 # on the abstract socket "\0KEY", print "READY <pid>" once it does, exit. MODE "serve": stay in the
 # foreground and take requests from files KEY/<n>.json (+ KEY/<n>.go), answering in KEY/<n>.out.
 _SUPERVISOR = r'''
-import codecs, json, os, select, signal, socket, struct, subprocess, sys, time
+import codecs, ctypes, json, os, select, signal, socket, struct, subprocess, sys, time
 MODE, KEY, WORKER = sys.argv[1], sys.argv[2], sys.argv[3]
 GRACE = float(sys.argv[4])
+SWEEP_ROUNDS = 500  # ~1 ms apart: a process forking while it is swept is caught in a later round
 
 def killpg(pgid, sig):
     try:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+def become_subreaper():
+    """Orphans below us (a cell's double-forked or setsid process) become our children, not PID 1's: the sweep finds them."""
+    if ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+
+def proc_status(entry):
+    """(pids as /proc numbers them, ppid there, state) of one /proc entry, None when it is gone."""
+    try:
+        with open(f"/proc/{entry}/status", "rb") as f:
+            fields = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+        return [int(n) for n in fields[b"NSpid"].split()], int(fields[b"PPid"]), fields[b"State"].strip()[:1]
+    except (OSError, KeyError, ValueError):
+        return None
+
+def descendants():
+    """Every process below this one: [(pid, whether it is our child, whether it is a zombie)], pids in our own namespace.
+
+    /proc may belong to an outer PID namespace (the local provider's runs): the tree is walked in its numbers and
+    each pid translated through NSpid (the entry at our namespace's depth)."""
+    me = proc_status("self")
+    if me is None:
+        return []
+    depth, root = len(me[0]) - 1, me[0][0]
+    kids = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = proc_status(name)
+            if st is not None and len(st[0]) > depth:
+                kids.setdefault(st[1], []).append(st)
+    found, stack = [], [root]
+    while stack:
+        for nspids, ppid, state in kids.get(stack.pop(), ()):
+            found.append((nspids[depth], ppid == root, state in (b"Z", b"X")))
+            stack.append(nspids[0])
+    return found
+
+def sweep(keep):
+    """SIGKILL every process below us but the worker ``keep`` (what the cell started, in its process group or not),
+    reaping those that became our children; False when some were still alive after every round."""
+    for _ in range(SWEEP_ROUNDS):
+        found = [d for d in descendants() if d[0] != keep]
+        for pid, ours, zombie in found:
+            if not zombie:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            if ours:
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+        if not any(not zombie for _, _, zombie in found):
+            return True
+        time.sleep(0.001)
+    return False
 
 class Worker:
     def __init__(self):
@@ -338,6 +411,7 @@ def run_cell(req):
             worker.kill()
             notes.append(f"the Python process had died between cells ({describe(code)}); variables from earlier cells are lost")
         worker = None
+        sweep(None)
         fresh_worker()
     w = worker
     w.drain(None)  # stray output of background threads between cells
@@ -390,6 +464,8 @@ def run_cell(req):
             w.kill()
             break
     duration = time.monotonic() - t0
+    if not sweep(w.proc.pid if done is not None else None):
+        notes.append("some processes the cell started could not be ended")
     if done is not None:
         w.drain(out)
         raised = bool(done.get("raised"))
@@ -409,10 +485,18 @@ def run_cell(req):
     return {"status": status, "raised": raised, "output": out.finish(), "total_chars": out.total, "state_lost": lost,
             "notes": notes, "duration_s": duration}
 
+parts = []  # a large request, sent in pieces ("part") before the request that runs it ("parts")
+
 def handle(raw):
     req = json.loads(raw)
     if req.get("op") == "ping":
         return {"status": "pong"}
+    if req.get("op") == "part":
+        parts.append(req["data"])
+        return {"status": "part"}
+    if req.get("op") == "parts":
+        req = json.loads("".join(parts))
+        parts.clear()
     return run_cell(req)
 
 def serve_socket(srv):
@@ -498,6 +582,7 @@ if MODE == "daemon":
         sys.exit(0 if msg.startswith("READY") else 1)
     os.close(r)
     os.setsid()
+    become_subreaper()
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind("\0" + KEY)
     srv.listen(8)
@@ -517,6 +602,7 @@ else:
         os.setsid()  # the workers' session: a worker steps back into our process group between cells
     except OSError:
         pass
+    become_subreaper()
     fresh_worker()
     try:
         serve_files(os.path.abspath(KEY))  # absolute: a cell may delete and the host recreate the work dir
@@ -525,7 +611,7 @@ else:
             worker.kill()
 '''
 
-# The exec transport's client: argv = [KEY] or [KEY, REQUEST] (else the request is on stdin).
+# The exec transport's client: argv = [KEY, REQUEST CHUNK...] (the request is their concatenation).
 _CLIENT = r'''
 import socket, sys
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -534,7 +620,7 @@ try:
 except OSError:
     sys.stdout.write("NOSERVER")
     sys.exit(3)
-data = sys.argv[2].encode() if len(sys.argv) > 2 else sys.stdin.buffer.read()
+data = "".join(sys.argv[2:]).encode()
 s.sendall(len(data).to_bytes(4, "big") + data)
 out = []
 while True:
@@ -581,6 +667,7 @@ class _Connection:
         self.sandbox, self.session, self.transport = sandbox, session, transport
         self.key = f"opd-interp-{uuid.uuid4().hex}"
         self.seq = 0
+        self.answered = 0  # requests the supervisor answered: before the first, no cell has run in this session
         self.server_thread: threading.Thread | None = None
         self.server_result = None
         self.closed = False
@@ -644,26 +731,12 @@ class _Connection:
         """Send one request; the supervisor's reply. Raises ``_Dead`` / ``_Infra`` / ``_NoDaemon``."""
         payload = json.dumps(req)
         if self.transport == "exec":
-            small = len(payload) <= _ARGV_PAYLOAD_MAX
-            argv = [self.sandbox.python, "-I", "-S", "-c", _CLIENT, self.key, *([payload] if small else [])]
-            try:
-                stdin = b"" if small else payload.encode()
-                reply_max = 8 * int(req.get("cap", 0)) + (1 << 16)  # JSON escapes: up to 6 bytes a character
-                r = self.session.run(ExecRequest(argv=argv, stdin=stdin, timeout_s=wait_s, max_output_bytes=max(reply_max, 1 << 20)))
-            except Exception as exc:  # noqa: BLE001 - a closed session or sandbox, a refused timeout
-                raise _Infra(f"{type(exc).__name__}: {exc}") from exc
-            if r.status == "ok" and r.exit_code == 3 and r.stdout == "NOSERVER":
-                raise _NoDaemon()
-            if r.exit_code == 0:  # (Docker reads the worker's OOM kill during the cell as status "oom" of this run)
-                try:
-                    return json.loads(r.stdout)
-                except ValueError:
-                    pass
-            if r.status == "error":
-                raise _Infra(r.error or "the sandbox failed")
-            if r.status == "timeout":
-                raise _Dead("timeout", "the interpreter did not answer in time")
-            raise _Dead("crash", f"the interpreter's connection broke ({r.status}, exit {r.exit_code}: {(r.error or r.stderr)[-300:]})")
+            reply_max = max(8 * int(req.get("cap", 0)) + (1 << 16), 1 << 20)  # JSON escapes: up to 6 bytes a character
+            if len(payload) <= _ARGV_PAYLOAD_MAX:
+                return self._exec_request(payload, wait_s, reply_max)
+            for i in range(0, len(payload), _PART_CHARS):  # (never through a file: the cell may have filled the disk)
+                self._exec_request(json.dumps({"op": "part", "data": payload[i : i + _PART_CHARS]}), _START_TIMEOUT_S, 4096)
+            return self._exec_request(json.dumps({"op": "parts"}), wait_s, reply_max)
         self.seq += 1
         files = {f"{CONTROL_DIR}/req.json": payload.encode(), f"{CONTROL_DIR}/go": str(self.seq).encode()}
         for attempt in range(3):
@@ -682,6 +755,34 @@ class _Connection:
                 raise _Dead("crash", f"the interpreter's supervisor ended: {self._server_story()}")
             raise _Dead("timeout", "the interpreter did not answer in time")
         return json.loads(raw)
+
+    def _exec_request(self, payload: str, wait_s: float, reply_max: int) -> dict:
+        """One request on the exec transport: a run of the client with ``payload`` (ASCII JSON) in its argv."""
+        chunks = [payload[i : i + _ARGV_CHUNK] for i in range(0, len(payload), _ARGV_CHUNK)]
+        argv = [self.sandbox.python, "-I", "-S", "-c", _CLIENT, self.key, *chunks]
+        try:
+            r = self.session.run(ExecRequest(argv=argv, timeout_s=wait_s, max_output_bytes=reply_max))
+        except Exception as exc:  # noqa: BLE001 - a closed session or sandbox, a refused timeout
+            raise _Infra(f"{type(exc).__name__}: {exc}") from exc
+        if r.status == "ok" and r.exit_code == 3 and r.stdout == "NOSERVER":
+            if self.answered == 0 and not _exec_confirmed(self.sandbox):
+                raise _NoDaemon()  # no cell ever ran here: the provider ended the detached supervisor
+            # A cell of this session killed it (e.g. from a thread, between cells): this episode's crash, nobody else's.
+            raise _Dead("crash", "the interpreter's supervisor was gone (killed by an earlier cell?)")
+        if r.exit_code == 0:  # (Docker reads the worker's OOM kill during the cell as status "oom" of this run)
+            try:
+                reply = json.loads(r.stdout)
+            except ValueError:
+                pass
+            else:
+                self.answered += 1
+                _confirm_exec(self.sandbox)
+                return reply
+        if r.status == "error":
+            raise _Infra(r.error or "the sandbox failed")
+        if r.status == "timeout":
+            raise _Dead("timeout", "the interpreter did not answer in time")
+        raise _Dead("crash", f"the interpreter's connection broke ({r.status}, exit {r.exit_code}: {(r.error or r.stderr)[-300:]})")
 
     def _check_session(self) -> None:
         """Raise ``_Infra`` when the session itself is gone (closed, its sandbox closed, the provider failing)."""
@@ -721,6 +822,18 @@ class _NoDaemon(Exception):
     """A process detached in one run did not survive it: this provider needs the files transport."""
 
 
+def _exec_confirmed(sandbox: Sandbox) -> bool:
+    """Whether a supervisor on the exec transport has answered in this sandbox (so its detached processes live on)."""
+    with _TRANSPORTS_LOCK:
+        return _TRANSPORTS.get(sandbox) == "exec"
+
+
+def _confirm_exec(sandbox: Sandbox) -> None:
+    """Record that the exec transport works here: from now on a missing supervisor is a crash, never a switch to files."""
+    with _TRANSPORTS_LOCK:
+        _TRANSPORTS.setdefault(sandbox, "exec")
+
+
 class _Holder:
     """The current connection, reachable from the finalizer without keeping the interpreter alive."""
 
@@ -739,6 +852,8 @@ class PythonInterpreter:
     Args:
         sandbox: an open provider (``sandbox.open_sandbox(...)``); the session opens on the first cell.
         memory_mb, cpus, pids: the session's limits (the supervisor and the worker share them).
+        disk_mb: the most the episode's work dir may hold (Docker: a tmpfs of that size, counted against
+            ``memory_mb``; past it writes fail with ENOSPC); not enforced by the local provider.
         max_output_chars: most characters of output kept per cell.
         display_last_expr: print the repr of a final expression statement, as Jupyter does.
     """
@@ -750,14 +865,17 @@ class PythonInterpreter:
         memory_mb: int = 512,
         cpus: float = 1.0,
         pids: int = 64,
+        disk_mb: int = 256,
         max_output_chars: int = 4096,
         display_last_expr: bool = False,
     ) -> None:
         if max_output_chars < 1:
             raise ValueError(f"max_output_chars must be >= 1, got {max_output_chars}")
+        if isinstance(disk_mb, bool) or not isinstance(disk_mb, int) or disk_mb < 1:
+            raise ValueError(f"disk_mb must be a positive int (MiB), got {disk_mb!r}")
         ExecRequest(argv=["true"], memory_mb=memory_mb, cpus=cpus, pids=pids)  # validates the limits
         self.sandbox = sandbox
-        self.memory_mb, self.cpus, self.pids = memory_mb, cpus, pids
+        self.memory_mb, self.cpus, self.pids, self.disk_mb = memory_mb, cpus, pids, disk_mb
         self.max_output_chars, self.display_last_expr = max_output_chars, display_last_expr
         self._lock = threading.Lock()
         self._holder = _Holder()
@@ -809,7 +927,7 @@ class PythonInterpreter:
             except _NoDaemon:  # detached processes die with their run here: use the files transport
                 self._drop()
                 with _TRANSPORTS_LOCK:
-                    _TRANSPORTS[self.sandbox] = "files"
+                    _TRANSPORTS.setdefault(self.sandbox, "files")  # (unless another interpreter's supervisor answered meanwhile)
                 reply = self._connect().request(req, wait_s)
         except _Infra as exc:
             self._drop()
@@ -848,7 +966,7 @@ class PythonInterpreter:
         with _TRANSPORTS_LOCK:
             transport = _TRANSPORTS.get(self.sandbox, "exec")
         try:
-            session = self.sandbox.session(memory_mb=self.memory_mb, cpus=self.cpus, pids=self.pids, network=False)
+            session = self.sandbox.session(memory_mb=self.memory_mb, cpus=self.cpus, pids=self.pids, network=False, disk_mb=self.disk_mb)
         except Exception as exc:  # noqa: BLE001 - SandboxUnavailable, a closed sandbox, a daemon error...
             raise _Infra(f"could not open a sandbox session: {type(exc).__name__}: {exc}") from exc
         if self._closed:  # close() ran meanwhile: this session must not outlive it

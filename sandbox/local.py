@@ -21,7 +21,8 @@ almost trust. What it does:
     ``pid_isolated`` are False and a warning says the network is reachable.
 What it does not do: hide the host file system (the program reads every world-readable file, and
 paths in results are host paths; ``/proc`` lists the host's processes), limit CPU share (``cpus``
-is ignored), or bound resident memory the way a cgroup does (address space is not RSS; programs
+is ignored), bound a session's disk use (``disk_mb`` is ignored; only each file is capped, at
+``max_file_mb``), or bound resident memory the way a cgroup does (address space is not RSS; programs
 that reserve much virtual memory fail early). Not started as root and without namespaces, it
 cannot drop privileges, and a program can signal every process of the user running the harness. ``python`` is this interpreter (``sys.executable``, so the venv's packages are
 importable) when the run's uid can execute it, else the system ``python3``.
@@ -281,8 +282,10 @@ class LocalSandbox(Sandbox):
             result.status = signal_status(exit_code)
         return result
 
-    def session(self, memory_mb: int = 512, cpus: float = 1.0, pids: int = 64, network: bool = False) -> LocalSession:
-        """A temporary directory (and, as root, a uid) kept until ``close``; commands run one at a time."""
+    def session(self, memory_mb: int = 512, cpus: float = 1.0, pids: int = 64, network: bool = False,
+                disk_mb: int | None = None) -> LocalSession:
+        """A temporary directory (and, as root, a uid) kept until ``close``; commands run one at a time (``disk_mb`` is
+        not enforced: the directory is on the host's disk)."""
         if self._closed:
             raise RuntimeError("sandbox is closed")
         limits = ExecRequest(argv=["true"], memory_mb=memory_mb, cpus=cpus, pids=pids, network=network)

@@ -74,8 +74,10 @@ def test_output_interleaves_streams_and_is_truncated_with_a_marker(sb):
 
 def test_large_cells_and_large_outputs_travel_whole(sb):
     with PythonInterpreter(sb, max_output_chars=300_000) as py:
-        big = "s = '" + "ab" * 100_000 + "'\nprint(len(s))"  # over the transport's argv size: handed over through stdin
+        big = "s = '" + "ab" * 100_000 + "'\nprint(len(s))"  # over one argv string: handed over in several
         assert ok(py.run_cell(big)) == "200000\n"
+        huge = "s = '" + "ab" * 600_000 + "'\nprint(len(s))"  # over the transport's argv size: handed over in parts
+        assert ok(py.run_cell(huge)) == "1200000\n"
         r = py.run_cell("print('\\u00e9' * 250_000)")  # escaped in the reply: over the default 1 MiB cap of a run's stdout
         assert ok(r) == "é" * 250_000 + "\n" and not r.truncated
 
@@ -113,6 +115,113 @@ def test_killing_every_process_it_can_reach_is_a_crash(py):
     r = py.run_cell("import os, signal\nos.kill(-1, signal.SIGKILL)")
     assert (r.status, r.state_lost) == ("crash", True), r
     assert ok(py.run_cell("print(2)")) == "2\n"
+
+
+# Kills the supervisor (the worker's parent) from a thread of the worker, after the cell has ended.
+KILL_SUPERVISOR_LATER = (
+    "import os, signal, threading, time\nsup = os.getppid()\n"
+    "threading.Thread(target=lambda: (time.sleep(0.3), os.kill(sup, signal.SIGKILL)), daemon=True).start()\nx = 1"
+)
+
+
+def test_a_cell_that_kills_the_supervisor_between_cells_is_a_crash_of_its_own_interpreter_only(sb):
+    """Issue 22 #12: the next cell was the whole sandbox's switch to the files transport (on Docker: ``error``, for
+    this interpreter and every later one); it is this interpreter's crash, with a fresh one for the cell after."""
+    with PythonInterpreter(sb) as py, PythonInterpreter(sb) as other:
+        ok(other.run_cell("y = 2"))
+        for _ in range(2):  # twice: the fresh interpreter is as breakable, and recovers the same way
+            ok(py.run_cell(KILL_SUPERVISOR_LATER))
+            time.sleep(1.0)
+            r = py.run_cell("print(x)")
+            assert (r.status, r.state_lost, r.error) == ("crash", True, None) and "lost" in r.output, r
+            assert ok(py.run_cell("print('fresh')")) == "fresh\n"
+            assert "NameError" in py.run_cell("x").output
+        transport = py.transport
+        assert ok(other.run_cell("print(y)")) == "2\n"  # another episode's interpreter kept its state and its transport
+        assert other.transport == transport
+    with PythonInterpreter(sb) as later:  # and a later episode on the same sandbox starts as before
+        assert ok(later.run_cell("print(3)")) == "3\n" and later.transport == transport
+
+
+# A cell leaving heartbeat writers that escape its process group in three ways; each writes "<pid> <count>" to its file.
+BEAT = 'i=0; while :; do i=$((i+1)); echo "$$ $i" > {name}.tmp && mv {name}.tmp {name}.beat; sleep 0.05; done'  # (atomic)
+ESCAPE = (
+    "import os, subprocess, time\n"
+    "subprocess.Popen(['setsid', 'sh', '-c', BEAT.format(name='setsid')])\n"
+    "subprocess.Popen(['sh', '-c', BEAT.format(name='setpgid')], preexec_fn=lambda: os.setpgid(0, 0))\n"
+    "if os.fork() == 0:  # double fork: the grandchild is orphaned, in a session of its own\n"
+    "    os.setsid()\n"
+    "    if os.fork() == 0:\n"
+    "        os.execvp('sh', ['sh', '-c', BEAT.format(name='double')])\n"
+    "    os._exit(0)\n"
+    "os.wait()\n"
+    "names = ('setsid', 'setpgid', 'double')\n"
+    "def beats():\n"
+    "    out = {}\n"
+    "    for n in names:\n"
+    "        try:\n"
+    "            pid, count = open(n + '.beat').read().split()\n"
+    "            out[n] = (int(pid), int(count))\n"
+    "        except (OSError, ValueError):\n"
+    "            pass\n"
+    "    return out\n"
+    "deadline = time.monotonic() + 5\n"
+    "while time.monotonic() < deadline and not all(c >= 2 for _, c in beats().values()) or len(beats()) < 3:\n"
+    "    time.sleep(0.05)\n"
+    "print(sorted(beats()))"
+)
+CHECK = (
+    "def alive(pid):  # (a zombie would count: the next cell must find them reaped too)\n"
+    "    try:\n"
+    "        os.kill(pid, 0)\n"
+    "        return True\n"
+    "    except ProcessLookupError:\n"
+    "        return False\n"
+    "before = beats()\n"
+    "time.sleep(0.4)\n"
+    "after = beats()\n"
+    "print([(n, after[n] == before[n], alive(before[n][0])) for n in names])\n"
+    "for n in names:\n"
+    "    os.remove(n + '.beat')\n"
+    "    if os.path.exists(n + '.tmp'):\n"
+    "        os.remove(n + '.tmp')"
+)
+
+
+def test_processes_a_cell_starts_end_with_it_even_outside_its_process_group(sb):
+    """Issue 22 #13: setsid, setpgid and double-forked processes kept running into the next cell."""
+    with PythonInterpreter(sb) as py:
+        ok(py.run_cell(f"BEAT = {BEAT!r}"))
+        for _ in range(3):  # a few times, to catch races with the sweep
+            assert ok(py.run_cell(ESCAPE)) == "['double', 'setpgid', 'setsid']\n"  # all three were running
+            assert ok(py.run_cell(CHECK)) == "[('setsid', True, False), ('setpgid', True, False), ('double', True, False)]\n"
+        # The attack of #12 through a detached helper: the helper ends with its cell, so the supervisor lives on.
+        helper = "import os, subprocess\nsubprocess.Popen(['setsid', 'sh', '-c', f'sleep 0.5; kill -9 {os.getppid()}'])\nz = 5"
+        ok(py.run_cell(helper))
+        time.sleep(1.5)
+        assert ok(py.run_cell("print(z)")) == "5\n"
+
+
+@pytest.mark.docker
+def test_a_cell_cannot_fill_the_episodes_disk_past_its_limit(docker_sb):
+    """Issue 22 #14: the work dir had no total limit (only 64 MiB per file). Past ``disk_mb`` a write fails with
+    ENOSPC, as in any Python program; the state is kept and freeing space makes room again."""
+    fill = (
+        "import errno, os\nwritten = 0\ntry:\n    for i in range(64):\n        with open(f'f{i}', 'wb') as f:\n"
+        "            f.write(b'x' * (16 << 20))\n        written += 16\nexcept OSError as exc:\n"
+        "    print(errno.errorcode[exc.errno], written)"
+    )
+    with PythonInterpreter(docker_sb) as py:  # the default limit (256 MiB), where the old code wrote 1 GiB
+        code, mb = ok(py.run_cell(fill, timeout_s=30)).split()
+        assert code == "ENOSPC" and 200 <= int(mb) <= 256, (code, mb)
+    with PythonInterpreter(docker_sb, disk_mb=32) as py:
+        ok(py.run_cell("x = 7"))
+        code, mb = ok(py.run_cell(fill.replace("16 << 20", "4 << 20").replace("+= 16", "+= 4"), timeout_s=30)).split()
+        assert code == "ENOSPC" and 24 <= int(mb) <= 32, (code, mb)
+        assert ok(py.run_cell("print(x, len(os.listdir('.')) > 5)")) == "7 True\n"  # a full disk: cells still run,
+        assert ok(py.run_cell("s = '" + "ab" * 600_000 + "'\nprint(len(s))")) == "1200000\n"  # huge ones too
+        free = "for name in os.listdir('.'):\n    os.remove(name)\nopen('again', 'wb').write(b'y' * (16 << 20))\nprint(x)"
+        assert ok(py.run_cell(free)) == "7\n"
 
 
 def test_deleting_the_work_dir_does_not_break_it(py):
@@ -274,6 +383,8 @@ def test_bad_arguments_are_refused(local_sb):
         PythonInterpreter(local_sb, memory_mb=1)
     with pytest.raises(ValueError):
         PythonInterpreter(local_sb, max_output_chars=0)
+    with pytest.raises(ValueError, match="disk_mb"):
+        PythonInterpreter(local_sb, disk_mb=0)
     with PythonInterpreter(local_sb) as py:
         with pytest.raises(TypeError):
             py.run_cell(b"print(1)")

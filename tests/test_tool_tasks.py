@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -86,6 +87,38 @@ def test_interpreter_state_persists_and_errors_are_observations(provider):
     assert metrics["tool_calls"] == 5 and metrics["tool_errors"] == 2 and metrics["invalid_tool_calls"] == 0
     assert result.samples[0].status == "fail"  # 42 is not this problem's answer; the episode itself is fine
     assert result.summary["tool_error_rate"] == pytest.approx(2 / 5)
+
+
+class PausingReplay(ReplayBackend):
+    """Replay that waits a second before each episode's second turn (so that what a cell left behind acts between cells)."""
+
+    def generate(self, prompts, params, keys=None):
+        if any(len(k) > 3 and k[3] == 1 for k in keys or ()):
+            time.sleep(1.0)
+        return super().generate(prompts, params, keys)
+
+
+def test_a_cell_that_breaks_the_interpreter_is_its_episodes_observation_never_an_error(provider):
+    """Issue 22 #12: a thread of the first cell kills the interpreter's supervisor between cells. The episode reads a
+    crash (state lost) and is graded on its (wrong) answer; later episodes of the same task are unaffected. Before,
+    on Docker, that episode and every later one were ``error``."""
+    kill_later = (
+        "import os, signal, threading, time\nsup = os.getppid()\n"
+        "threading.Thread(target=lambda: (time.sleep(0.3), os.kill(sup, signal.SIGKILL)), daemon=True).start()"
+    )
+    with make_task(provider) as task:
+        problems = task.load("test")[:3]
+        exprs = [p.question.removeprefix("Compute ").strip().rstrip(".") for p in problems]
+        attack = [code(f"x = {exprs[0]}\n{kill_later}"), code("print(x)"), answer(int(problems[0].answer) + 1)]
+        replay = PausingReplay({(task.name, problems[0].id): [attack]})
+        result = evaluate_task(replay, task, problems[:1], k=1, sampling=SamplingParams(), n_resamples=100)
+        assert [s.status for s in result.samples] == ["fail"]
+        observation = [s.text for s in result.trajectories[0].segments if s.kind == "env"][1]
+        assert "variables from earlier cells are lost" in observation and result.samples[0].metrics["tool_errors"] == 1
+        turns = {(task.name, p.id): [[code(f"x = {e}"), code("print(x)"), answer(p.answer)]] for p, e in zip(problems, exprs)}
+        later = ReplayBackend(turns)
+        result = evaluate_task(later, task, problems[1:], k=1, sampling=SamplingParams(), n_resamples=100)
+    assert [s.status for s in result.samples] == ["pass", "pass"]
 
 
 @pytest.mark.parametrize(

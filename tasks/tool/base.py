@@ -31,6 +31,7 @@ class ToolOptions(TaskOptions):
     max_context_tokens: int = Field(16384, ge=16, description="context budget of an episode (prompt, model and tool tokens)")
     tool_timeout_s: float = Field(10.0, gt=0, description="wall-clock limit of one tool call")
     memory_mb: int = Field(1024, ge=64, description="memory limit of an episode's interpreter")
+    disk_mb: int = Field(256, ge=1, description="most an episode's work dir may hold (Docker: in memory, within memory_mb)")
     max_output_chars: int = Field(2048, ge=64, description="tool output kept per call (the rest is cut with a marker)")
     sandbox: str = Field("docker", description="sandbox provider (docker; local isolates much less)")
     sandbox_options: dict[str, Any] = Field(default_factory=dict, description="options for sandbox.open_sandbox")
@@ -85,11 +86,11 @@ class ToolTask(MathVerifyGraded, SandboxedTask):
         )
 
     def open_interpreter(self):
-        """A fresh persistent interpreter in this task's sandbox (no network; the task's memory limit)."""
+        """A fresh persistent interpreter in this task's sandbox (no network; the task's memory and disk limits)."""
         from sandbox.interpreter import PythonInterpreter
 
         opts: ToolOptions = self.options  # type: ignore[assignment]
-        return PythonInterpreter(self.sandbox, memory_mb=opts.memory_mb, max_output_chars=opts.max_output_chars)
+        return PythonInterpreter(self.sandbox, memory_mb=opts.memory_mb, disk_mb=opts.disk_mb, max_output_chars=opts.max_output_chars)
 
     def grade_trajectories(self, problems: list[Problem], trajectories: list) -> list[Score]:
         """math-verify on each episode's final answer; whether an ``<answer>`` block was given is a per-episode metric."""
