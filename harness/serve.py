@@ -20,11 +20,19 @@ Endpoints:
 Every response carries ``usage`` (prompt tokens counted once per prompt; completion tokens summed
 over all choices, a final EOS token included, echoed prompts not) and ``finish_reason`` ``"stop"``
 (EOS or a stop string) or ``"length"``. Errors are OpenAI-shaped JSON, ``{"error": {"message",
-"type", "param", "code"}}``: 400 for bad input (malformed JSON, a field out of range, a prompt longer
-than the context window, more log-probs than ``max_logprobs``, an unsupported feature), 401 for a
-missing/wrong API key when the server has one, 404 for an unknown model or route, 405 for a wrong
-method, 500 when generation itself fails (in a stream: a final ``data: {"error": ...}`` event).
+"type", "param", "code"}}``: 400 for bad input (malformed JSON, a field of the wrong type — fields are
+strict, as vLLM's: no ``"yes"`` for true, no ``true`` for 1 — or out of range, a prompt longer than the
+context window, a request over its limits, more log-probs than ``max_logprobs``, an unsupported feature),
+401 for a missing/wrong API key when the server has one, 404 for an unknown model or route, 405 for a
+wrong method, 413 for a body over ``Limits.max_body_bytes``, 503 (with ``Retry-After``) when the queue
+is full, 500 when generation itself fails (in a stream: a final ``data: {"error": ...}`` event).
 Unknown request fields are ignored, as OpenAI-compatible servers usually do.
+
+Hostile clients (``Limits``): a request is refused before any decoding when it has too many sequences
+(prompts × n), too many tokens (per sequence against the context window, and in total), a body too large
+(refused before it is read) or when too many sequences are queued; a client that disconnects, streamed
+or not, stops its sequences; a sequence whose sampling fails fails alone, and a batch whose forward pass
+fails is decoded again one sequence at a time, so one request cannot fail another.
 
 Semantics worth knowing:
 
@@ -65,7 +73,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -76,7 +85,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from harness.serve_engine import Delta, Engine, TopList
+from harness.serve_engine import Delta, Engine, Overloaded, TopList
 from harness.serve_engine import Sequence as Seq
 
 log = logging.getLogger("harness.serve")
@@ -85,40 +94,76 @@ MAX_N = 128
 MAX_STOP = 16
 MAX_LOGPROBS = 20  # default of --max-logprobs, as vLLM's
 MAX_BATCH_TOKENS = 32768  # default of --max-batch-tokens
-MAX_BODY_BYTES = 32 * 1024 * 1024
 MIN_LOGPROB = -9999.0  # what OpenAI and vLLM write for -inf
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 2.0  # as the vllm backend refuses: a smaller positive temperature overflows logits
+DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still connected
+RETRY_AFTER_S = 1  # what a 503 (server busy) tells clients to wait
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request, and all requests together, may ask of the server (the ``harness serve`` flags of the same names)."""
+
+    max_model_len: int | None = None  # context window: prompt + max_tokens per sequence (None: the model's max_position_embeddings)
+    max_request_sequences: int = 1024  # prompts x n per request
+    max_request_tokens: int = 1 << 20  # sum over a request's sequences of prompt tokens + max_tokens
+    max_queued_sequences: int = 4096  # sequences waiting or decoding, all requests together (more: 503)
+    max_body_bytes: int = 16 << 20  # request body (more: 413, refused before it is read)
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the flag of a value out of range."""
+        for name in ("max_model_len", "max_request_sequences", "max_request_tokens", "max_queued_sequences", "max_body_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if self.max_queued_sequences < self.max_request_sequences:
+            raise ValueError(
+                f"--max-queued-sequences must be at least --max-request-sequences ({self.max_request_sequences}), got {self.max_queued_sequences}"
+            )
+
+
+DEFAULT_LIMITS = Limits()
 
 
 class APIError(Exception):
     """An error answered as OpenAI-shaped JSON with an HTTP status."""
 
-    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, *, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.status, self.message, self.type, self.param, self.code, self.headers = status, message, type_, param, code, headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class ClientDisconnected(Exception):
+    """The client of a request went away before its answer was ready."""
 
 
 # ----------------------------------------------------------------------------- request models
 
 
+STRICT = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)  # no "yes" for true, no true for 1, no NaN: 400, as vLLM
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     include_usage: bool = False
 
 
 class _Common(BaseModel):
     """Fields shared by both endpoints; ``None`` means "the default" (clients send explicit nulls)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     model: str
     n: int | None = Field(None, ge=1, le=MAX_N)
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = Field(None, validate_default=True)  # normalised to a list
@@ -129,6 +174,13 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None
     include_stop_str_in_output: bool = False  # vLLM extension
     return_tokens_as_token_ids: bool = False  # vLLM extension
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature(cls, value: float | None) -> float | None:
+        if value is not None and 0.0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {value}")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -199,7 +251,7 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[dict[str, Any]] | None = None
 
@@ -254,18 +306,45 @@ def _clamp(logprob: float | None) -> float | None:
 class _Served:
     """The engine plus everything derived from the model; validation and response formatting."""
 
-    def __init__(self, engine: Engine, model_name: str, api_key: str | None, max_logprobs: int) -> None:
+    def __init__(self, engine: Engine, model_name: str, api_key: str | None, max_logprobs: int, limits: Limits) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.api_key = api_key
         self.max_logprobs = max_logprobs
+        self.limits = limits
         self.created = int(time.time())
         self.requests = 0
         config = getattr(engine.model, "config", None)
-        self.max_len: int | None = getattr(config, "max_position_embeddings", None)
+        self.max_len: int = context_window(getattr(config, "max_position_embeddings", None), limits.max_model_len)
         self.vocab_size: int = getattr(config, "vocab_size", None) or len(self.tokenizer)
         self.special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
+        self.token_chars = longest_token(self.tokenizer)
+
+    def check_size(self, n_prompts: int, n: int) -> None:
+        """Refuse a request of more than ``max_request_sequences`` sequences before any work is done for it."""
+        if n_prompts * n > self.limits.max_request_sequences:
+            raise APIError(
+                400,
+                f"this request asks for {n_prompts * n} sequences ({n_prompts} prompts x n={n}); this server decodes at most "
+                f"{self.limits.max_request_sequences} per request",
+                param="n" if n > 1 else "prompt",
+            )
+
+    def check_text(self, texts: list[str], n: int) -> None:
+        """Refuse text that cannot fit, before tokenising it: one token covers at most ``token_chars`` characters
+        (after the tokenizer's normaliser), so longer text has more tokens than the context window or the request budget."""
+        sizes = [normalized_length(self.tokenizer, t) for t in texts]
+        for p, size in enumerate(sizes):
+            if size > self.max_len * self.token_chars:
+                raise APIError(
+                    400,
+                    f"prompt {p} has {size} characters, more than fit in this model's maximum context length of {self.max_len} tokens",
+                    param="prompt",
+                    code="context_length_exceeded",
+                )
+        if n * sum(sizes) > self.limits.max_request_tokens * self.token_chars:
+            raise APIError(400, f"this request's prompts ({sum(sizes)} characters, x n={n}) exceed {self.limits.max_request_tokens} tokens per request", param="prompt")
 
     def check_logprobs(self, req: _Common) -> None:
         n = req.top_n()
@@ -273,18 +352,16 @@ class _Served:
             param = "logprobs" if isinstance(req, CompletionRequest) else "top_logprobs"
             raise APIError(400, f"Requested sample logprobs of {n}, which is greater than max allowed: {self.max_logprobs}", param=param)
 
-    def check_prompts(self, prompts: list[list[int]], max_tokens: int | None) -> int:
-        """Validate token ids and length; return the max_tokens to use."""
+    def check_prompts(self, prompts: list[list[int]], max_tokens: int | None, n: int) -> int:
+        """Validate token ids, each sequence's length against the context window and the request's total tokens
+        (``n`` samples per prompt); return the max_tokens to use."""
         for p, ids in enumerate(prompts):
             if not ids:
                 raise APIError(400, f"prompt {p} is empty after tokenisation", param="prompt")
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise APIError(400, f"prompt {p}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
         longest = max(len(ids) for ids in prompts)
         if max_tokens is None:
-            max_tokens = max(1, self.max_len - longest) if self.max_len else 256
-        if self.max_len and longest + max_tokens > self.max_len:
+            max_tokens = max(1, self.max_len - longest)
+        if longest + max_tokens > self.max_len:
             raise APIError(
                 400,
                 f"This model's maximum context length is {self.max_len} tokens. However, you requested "
@@ -293,6 +370,18 @@ class _Served:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
+        total = n * sum(len(ids) + max_tokens for ids in prompts)
+        if total > self.limits.max_request_tokens:
+            raise APIError(
+                400,
+                f"this request asks for {total} tokens (prompt + max_tokens, summed over its {n * len(prompts)} sequences); "
+                f"this server accepts at most {self.limits.max_request_tokens} per request",
+                param="max_tokens",
+            )
+        for p, ids in enumerate(prompts):
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise APIError(400, f"prompt {p}: token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
         return max_tokens
 
     def sequences(self, prompts: list[list[int]], req: _Common, max_tokens: int, *, echo: bool = False) -> list[Seq]:
@@ -353,10 +442,68 @@ class _Served:
         return sum(0 if t in self.special else len(p) for t, p in zip(tokens, self.engine.pieces(tokens), strict=True))
 
 
+def context_window(model_len: int | None, max_model_len: int | None) -> int:
+    """The context window served: ``max_model_len`` when given (at most the model's), else the model's."""
+    if max_model_len is not None and model_len is not None and max_model_len > model_len:
+        raise ValueError(f"--max-model-len {max_model_len} is longer than the model's context window ({model_len} positions)")
+    if max_model_len is None and model_len is None:
+        raise ValueError("the model's config has no max_position_embeddings: pass --max-model-len")
+    return max_model_len or model_len
+
+
+def longest_token(tokenizer) -> int:
+    """The most characters one token's text can cover (its piece's length: byte-level pieces spell one character per byte)."""
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max([len(p) for p in pieces if p] + [1])
+
+
+def normalized_length(tokenizer, text: str) -> int:
+    """The length of ``text`` after the tokenizer's normaliser (which may compose characters, e.g. NFC)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    normalizer = getattr(backend, "normalizer", None)
+    return len(normalizer.normalize_str(text)) if normalizer is not None else len(text)
+
+
 def _usage(prompts: list[list[int]], seqs: list[Seq]) -> dict:
     prompt_tokens = sum(len(p) for p in prompts)
     completion_tokens = sum(len(s.tokens) for s in seqs)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused (413) once it is known to be over ``limit`` bytes: by its ``Content-Length``
+    before any of it is read, else as soon as what arrived passes the limit."""
+
+    def too_large(size: str) -> APIError:
+        return APIError(413, f"the request body ({size}) is larger than this server accepts ({limit} bytes)", code="request_too_large")
+
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(f"{declared} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large(f"over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _validate(raw: bytes, model: type[_Common]) -> _Common:
+    """Parse and validate a request body; anything malformed (bad JSON, nesting too deep, an integer of more
+    digits than Python converts, a value of the wrong type or out of range) is a 400."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError and the int digit limit are ValueErrors
+        raise APIError(400, f"request body is not valid JSON: {type(exc).__name__}: {str(exc)[:200]}") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    except RecursionError:
+        raise APIError(400, "request body is nested too deeply") from None
 
 
 def _validation_error(exc: ValidationError) -> APIError:
@@ -374,21 +521,37 @@ def _sse(payload: dict) -> str:
 
 
 class _Job:
-    """A request's sequences in the engine, seen from the event loop: events arrive on a queue."""
+    """A request's sequences in the engine, seen from the event loop: events arrive on a queue. While it waits
+    for them it checks, every ``DISCONNECT_POLL_S``, that the client is still there (``client_gone``); a client
+    gone, streamed or not, stops the job's sequences."""
 
-    def __init__(self, engine: Engine, seqs: list[Seq]) -> None:
+    def __init__(self, engine: Engine, seqs: list[Seq], client_gone: Callable[[], Awaitable[bool]], max_load: int) -> None:
+        self.engine = engine
         self.seqs = seqs
+        self.client_gone = client_gone
         self.events: asyncio.Queue[tuple[int, str, Delta | None]] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         for index, seq in enumerate(seqs):
             seq.on_event = lambda s, kind, delta, index=index: loop.call_soon_threadsafe(self.events.put_nowait, (index, kind, delta))
-        engine.submit(seqs)
+        try:
+            engine.submit(seqs, max_load=max_load)
+        except Overloaded as exc:
+            raise APIError(503, f"the server is busy ({exc}); retry later", type_="server_error", code="server_busy", headers={"retry-after": str(RETRY_AFTER_S)}) from None
+
+    async def next_event(self) -> tuple[int, str, Delta | None]:
+        """The next event; raises ``ClientDisconnected`` if the client goes away first."""
+        while True:
+            try:
+                return await asyncio.wait_for(self.events.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                if await self.client_gone():
+                    raise ClientDisconnected from None
 
     async def stream(self) -> AsyncIterator[tuple[int, str, Delta | None]]:
         """Events until every sequence is done; an engine failure raises."""
         remaining = len(self.seqs)
         while remaining:
-            index, kind, delta = await self.events.get()
+            index, kind, delta = await self.next_event()
             if kind == "error":
                 raise RuntimeError(f"generation failed: {type(self.seqs[index].error).__name__}: {self.seqs[index].error}")
             if kind == "done":
@@ -404,8 +567,7 @@ class _Job:
             self.cancel()
 
     def cancel(self) -> None:
-        for seq in self.seqs:
-            seq.cancelled = True
+        self.engine.cancel(self.seqs)
 
 
 def make_app(
@@ -417,14 +579,17 @@ def make_app(
     max_batch_tokens: int | None = MAX_BATCH_TOKENS,
     max_logprobs: int = MAX_LOGPROBS,
     batch_wait_s: float = 0.002,
+    limits: Limits = DEFAULT_LIMITS,
 ) -> Starlette:
     """The ASGI app serving ``backend`` (anything with an HF causal LM as ``model``, its ``tokenizer`` and
     ``device``, e.g. ``HFBackend``) under ``model_name``; with ``api_key``, requests must send
     ``Authorization: Bearer <api_key>``. Up to ``max_batch`` sequences (and ``max_batch_tokens`` padded
-    positions) are decoded together; ``max_logprobs`` caps ``logprobs`` / ``top_logprobs`` (-1: no cap)."""
+    positions) are decoded together; ``max_logprobs`` caps ``logprobs`` / ``top_logprobs`` (-1: no cap);
+    ``limits`` bounds what requests may ask."""
+    limits.check()
     device = str(getattr(backend, "device", "cpu"))
     engine = Engine(backend.model, backend.tokenizer, device=device, max_batch=max_batch, max_batch_tokens=max_batch_tokens, batch_wait_s=batch_wait_s)
-    served = _Served(engine, model_name, api_key, max_logprobs)
+    served = _Served(engine, model_name, api_key, max_logprobs, limits)
 
     def check_auth(request: Request) -> None:
         if served.api_key is None:
@@ -434,16 +599,8 @@ def make_app(
 
     async def parse(request: Request, model: type[_Common]) -> _Common:
         check_auth(request)
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise APIError(400, "request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "request body must be a JSON object")
-        try:
-            req = model.model_validate(body)
-        except ValidationError as exc:
-            raise _validation_error(exc) from None
+        raw = await read_body(request, served.limits.max_body_bytes)
+        req = await run_in_threadpool(_validate, raw, model)  # a large body does not stall the event loop
         if req.model != served.model_name:
             raise APIError(404, f"The model {req.model!r} does not exist; this server serves {served.model_name!r}", param="model", code="model_not_found")
         req.unsupported()
@@ -456,6 +613,9 @@ def make_app(
             return await handler(request)
         except APIError as exc:
             return exc.response()
+        except ClientDisconnected:
+            log.info("%s %s: the client went away; its sequences were stopped", request.method, request.url.path)
+            return Response(status_code=499)  # nobody reads it
         except Exception as exc:  # generation failed: answer JSON, keep serving
             log.exception("request failed")
             return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error").response()
@@ -465,6 +625,9 @@ def make_app(
             try:
                 async for chunk in events:
                     yield chunk
+            except ClientDisconnected:
+                log.info("a streamed request's client went away; its sequences were stopped")
+                return
             except Exception as exc:  # noqa: BLE001 - the status is sent already: report in the stream
                 log.exception("streamed request failed")
                 yield _sse(APIError(500, f"internal error: {type(exc).__name__}: {exc}", type_="server_error").body())
@@ -476,18 +639,20 @@ def make_app(
 
     async def completions(request: Request) -> Response:
         req = await parse(request, CompletionRequest)
-        echo, top_n, as_ids = bool(req.echo), req.logprobs, req.return_tokens_as_token_ids
+        echo, top_n, as_ids, n = bool(req.echo), req.logprobs, req.return_tokens_as_token_ids, req.n or 1
+        served.check_size(len(req.prompt), n)
 
         def prepare():
+            with served.engine.tokenizer_lock:
+                served.check_text([p for p in req.prompt if isinstance(p, str)], n)
             prompts = [served.engine.encode(p) if isinstance(p, str) else p for p in req.prompt]
-            max_tokens = served.check_prompts(prompts, 16 if req.max_tokens is None else req.max_tokens)
+            max_tokens = served.check_prompts(prompts, 16 if req.max_tokens is None else req.max_tokens, n)
             texts = [p if isinstance(p, str) else served.engine.decode(p) for p in req.prompt] if echo else None
             return prompts, texts, max_tokens
 
         prompts, prompt_texts, max_tokens = await run_in_threadpool(prepare)
         seqs = served.sequences(prompts, req, max_tokens, echo=echo)
-        n = req.n or 1
-        job = _Job(served.engine, seqs)
+        job = _Job(served.engine, seqs, request.is_disconnected, served.limits.max_queued_sequences)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()), "model": served.model_name}
 
         if not req.stream:
@@ -527,21 +692,23 @@ def make_app(
 
     async def chat(request: Request) -> Response:
         req = await parse(request, ChatRequest)
-        top_n, as_ids = req.top_n(), req.return_tokens_as_token_ids
+        top_n, as_ids, n = req.top_n(), req.return_tokens_as_token_ids, req.n or 1
+        served.check_size(1, n)
 
         def prepare():
             messages = [{"role": m.role, "content": m.content} for m in req.messages]
-            try:
-                with served.engine.tokenizer_lock:
+            with served.engine.tokenizer_lock:
+                served.check_text(["".join(m["content"] for m in messages)], n)  # a template only adds text
+                try:
                     text = render_chat(served.tokenizer, messages)
-            except Exception as exc:  # a template that rejects the conversation (e.g. role order)
-                raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages") from None
+                except Exception as exc:  # a template that rejects the conversation (e.g. role order)
+                    raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages") from None
             prompts = [served.engine.encode(text)]
-            return prompts, served.check_prompts(prompts, req.max_completion_tokens or req.max_tokens)
+            return prompts, served.check_prompts(prompts, req.max_completion_tokens or req.max_tokens, n)
 
         prompts, max_tokens = await run_in_threadpool(prepare)
         seqs = served.sequences(prompts, req, max_tokens)
-        job = _Job(served.engine, seqs)
+        job = _Job(served.engine, seqs, request.is_disconnected, served.limits.max_queued_sequences)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": served.model_name}
 
         if not req.stream:
@@ -608,7 +775,7 @@ def make_app(
         route("/health", health, ["GET"]),
         route("/metrics", metrics, ["GET"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error}, max_body_size=MAX_BODY_BYTES)
+    app = Starlette(routes=routes, exception_handlers={HTTPException: http_error})
     app.state.served = served
     return app
 
@@ -625,11 +792,13 @@ def serve(
     model_name: str | None = None,
     api_key: str | None = None,
     log_level: str = "info",
+    limits: Limits = DEFAULT_LIMITS,
 ) -> None:
     """Load ``model_path`` with the HF backend and serve it until interrupted (blocks).
 
     The served model name is ``model_name``, by default ``model_path`` as given (as vLLM does);
-    ``device`` defaults to CUDA when available.
+    ``device`` defaults to CUDA when available. Bad flag values raise ``ValueError`` before the model is loaded
+    (``--max-model-len`` longer than the model's context: once it is).
     """
     import torch
     import uvicorn
@@ -642,9 +811,10 @@ def serve(
         raise ValueError(f"--max-batch-tokens must be at least 1, got {max_batch_tokens}")
     if max_logprobs < -1:
         raise ValueError(f"--max-logprobs must be -1 (no cap) or at least 0, got {max_logprobs}")
+    limits.check()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     backend = HFBackend.load(model_path, device=device)
-    app = make_app(backend, model_name=model_name or model_path, api_key=api_key, max_batch=max_batch, max_batch_tokens=max_batch_tokens, max_logprobs=max_logprobs)
+    app = make_app(backend, model_name=model_name or model_path, api_key=api_key, max_batch=max_batch, max_batch_tokens=max_batch_tokens, max_logprobs=max_logprobs, limits=limits)
     log.info("serving %s on http://%s:%d/v1 (%s, up to %d sequences per batch)", model_name or model_path, host, port, device, max_batch)
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level)

@@ -55,10 +55,17 @@ class Sequence:
     finish_reason: str | None = None
     error: BaseException | None = None
     cancelled: bool = False
+    streamed_out: bool = False  # a streamed step was reported: decoding it again would repeat text
+    released: bool = False  # no longer counted in the engine's load
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None or self.error is not None
+
+    def reset(self) -> None:
+        """Forget what a failed decode produced, so the sequence can be decoded again from its prompt."""
+        self.tokens, self.logprobs, self.tops, self.prompt_lps, self.prompt_tops = [], [], [], [], []
+        self.text, self.finish_reason, self.error = "", None, None
 
 
 @dataclass(frozen=True)
@@ -121,8 +128,17 @@ def safe_prefix(text: str, stops: tuple[str, ...]) -> str:
     return text[: max(safe, 0)]
 
 
+class Overloaded(Exception):
+    """``submit`` refused: the sequences would take the engine's load past the caller's limit."""
+
+
 class Engine:
-    """Decodes waves of sequences in one worker thread; ``submit`` is safe from any thread."""
+    """Decodes waves of sequences in one worker thread; ``submit`` and ``cancel`` are safe from any thread.
+
+    A wave whose decoding fails is decoded again one sequence at a time (those not streamed yet), so
+    only the sequences that fail alone get the error; a sequence whose sampling fails (e.g. a
+    temperature that overflows its logits) fails alone without stopping the rest of its wave.
+    """
 
     def __init__(self, model, tokenizer, *, device: str, max_batch: int = 64, max_batch_tokens: int | None = None, batch_wait_s: float = 0.002) -> None:
         if max_batch < 1:
@@ -140,6 +156,8 @@ class Engine:
         self.stats = EngineStats()
         self.tokenizer_lock = threading.Lock()  # fast tokenizers are not safe to share across threads
         self._queue: queue.Queue[Sequence | None] = queue.Queue()
+        self._load = 0  # sequences submitted and not yet finished, failed or cancelled
+        self._load_lock = threading.Lock()
         self._closed = False
         self._held: Sequence | None = None  # taken from the queue but left for the next batch (token budget)
         self._worker: threading.Thread | None = None
@@ -165,14 +183,36 @@ class Engine:
 
     # -- submission
 
-    def submit(self, sequences: list[Sequence]) -> None:
-        """Queue ``sequences``; each reports through its ``on_event``."""
+    @property
+    def load(self) -> int:
+        """Sequences waiting or being decoded (cancelled ones no longer count)."""
+        return self._load
+
+    def submit(self, sequences: list[Sequence], *, max_load: int | None = None) -> None:
+        """Queue ``sequences``; each reports through its ``on_event``. Raises ``Overloaded`` (queueing
+        nothing) when they would take ``load`` above ``max_load``."""
         with self._start_lock:
             if self._worker is None:
                 self._worker = threading.Thread(target=self._loop, name="harness-serve-engine", daemon=True)
                 self._worker.start()
+        with self._load_lock:
+            if max_load is not None and self._load + len(sequences) > max_load:
+                raise Overloaded(f"{self._load} sequences are waiting or decoding; {len(sequences)} more would exceed {max_load}")
+            self._load += len(sequences)
         for seq in sequences:
             self._queue.put(seq)
+
+    def cancel(self, sequences: list[Sequence]) -> None:
+        """Stop ``sequences``: queued ones are skipped, a batch decoding them ends once all its sequences are stopped."""
+        for seq in sequences:
+            seq.cancelled = True
+            self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        with self._load_lock:
+            if not seq.released:
+                seq.released = True
+                self._load -= 1
 
     def _take_wave(self) -> list[Sequence]:
         """The next batch: block for one sequence, then take what arrives within ``batch_wait_s``, up to
@@ -193,6 +233,9 @@ class Engine:
                 self._held = seq
                 break
             wave.append(seq)
+        for seq in wave:
+            if seq.cancelled:
+                self._release(seq)
         return [s for s in wave if not s.cancelled]
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -206,17 +249,33 @@ class Engine:
         while not self._closed:
             wave = self._take_wave()
             try:
-                if wave:
-                    self.decode_wave(wave)
-                if self._closed:
-                    raise RuntimeError("the server is shutting down")
-            except Exception as exc:  # noqa: BLE001 - reported to every request of the wave
-                if not self._closed:
-                    log.exception("decoding a batch of %d sequences failed", len(wave))
+                self._run(wave)
+            finally:
                 for seq in wave:
-                    if not seq.done:
-                        seq.error = exc
-                        self._emit(seq, "error")
+                    self._release(seq)
+
+    def _run(self, wave: list[Sequence]) -> None:
+        """Decode ``wave``; if that fails, decode again alone each sequence that can be (see the class docstring)."""
+        try:
+            if wave:
+                self.decode_wave(wave)
+            if self._closed:
+                raise RuntimeError("the server is shutting down")
+        except Exception as exc:  # noqa: BLE001 - reported to the sequences it concerns
+            if not self._closed:
+                log.exception("decoding a batch of %d sequences failed", len(wave))
+            unfinished = [s for s in wave if not (s.done or s.cancelled)]
+            retry = [s for s in unfinished if not s.streamed_out] if len(wave) > 1 and not self._closed else []
+            for seq in unfinished:
+                if not any(seq is r for r in retry):
+                    self._fail(seq, exc)
+            for seq in retry:
+                seq.reset()
+                self._run([seq])
+
+    def _fail(self, seq: Sequence, exc: BaseException) -> None:
+        seq.error = exc
+        self._emit(seq, "error")
 
     def _emit(self, seq: Sequence, kind: str, delta: Delta | None = None) -> None:
         if seq.on_event is not None:
@@ -267,8 +326,10 @@ class Engine:
                 self._finish(s, states[i], "length")
         logits = logits[:, -1]
         while not self._closed and not all(s.done or s.cancelled for s in wave):
-            live = [i for i, s in enumerate(wave) if not (s.done or s.cancelled)]
-            tokens = self._choose(wave, live, logits, generators)
+            chosen_by_row = self._choose(wave, [i for i, s in enumerate(wave) if not (s.done or s.cancelled)], logits, generators)
+            live, tokens = list(chosen_by_row), list(chosen_by_row.values())
+            if not live:
+                break
             logp = F.log_softmax(logits[live].float(), dim=-1)  # one device-to-host copy per step, not per row
             chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None]).squeeze(-1).tolist()
             k = min(max(wave[i].top_n for i in live), logp.shape[-1])
@@ -286,11 +347,19 @@ class Engine:
             logits, cache = self._forward(next_ids.to(self.device)[:, None], attn, positions, cache, False)
             logits = logits[:, -1]
 
-    @staticmethod
-    def _choose(wave: list[Sequence], live: list[int], logits: torch.Tensor, generators: list[torch.Generator]) -> list[int]:
-        """The next token of each live sequence: greedy rows by one batched argmax, sampled rows by their own generator."""
+    def _choose(self, wave: list[Sequence], live: list[int], logits: torch.Tensor, generators: list[torch.Generator]) -> dict[int, int]:
+        """The next token of each live sequence, by wave index: greedy rows by one batched argmax, sampled rows by their
+        own generator. A row whose sampling fails fails its sequence alone and is left out."""
         greedy = logits[live].argmax(-1).tolist()
-        return [greedy[row] if wave[i].temperature == 0.0 else sample_token(logits[i], wave[i].temperature, wave[i].top_p, generators[i]) for row, i in enumerate(live)]
+        chosen = {}
+        for row, i in enumerate(live):
+            seq = wave[i]
+            try:
+                chosen[i] = greedy[row] if seq.temperature == 0.0 else sample_token(logits[i], seq.temperature, seq.top_p, generators[i])
+            except RuntimeError as exc:  # e.g. "probability tensor contains either inf, nan or element < 0"
+                log.warning("sampling one sequence failed: %s", exc)
+                self._fail(seq, exc)
+        return chosen
 
     def _seed(self, seq: Sequence) -> int:
         return random.SystemRandom().getrandbits(63) if seq.seed is None else seq.seed % 2**64
@@ -319,6 +388,7 @@ class Engine:
         elif at_limit:
             self._finish(seq, state, "length", text)
         elif (delta := state.advance(self, seq, safe_prefix(text, seq.stop))) is not None:
+            seq.streamed_out = seq.streamed_out or seq.stream
             self._emit(seq, "step", delta)
 
     def _finish(self, seq: Sequence, state: "_TextState", reason: str, text: str | None = None, *, strip: bool = False) -> None:

@@ -100,13 +100,19 @@ def running(app):
         sock.close()
 
 
-def post(url: str, path: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST", headers={"content-type": "application/json"})
+def post(url: str, path: str, body: dict, *, timeout: float = 60) -> tuple[int, dict]:
+    status, answer, _ = post_raw(url, path, json.dumps(body).encode(), timeout=timeout)
+    return status, answer
+
+
+def post_raw(url: str, path: str, data: bytes, *, timeout: float = 60) -> tuple[int, dict, dict[str, str]]:
+    """POST ``data`` as it is: the status, the parsed JSON answer and the response headers (lower-case names)."""
+    request = urllib.request.Request(url + path, data=data, method="POST", headers={"content-type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, json.loads(response.read()), {k.lower(): v for k, v in response.headers.items()}
     except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+        return exc.code, json.loads(exc.read()), {k.lower(): v for k, v in exc.headers.items()}
 
 
 def post_stream(url: str, path: str, body: dict) -> list[dict | str]:

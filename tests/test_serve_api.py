@@ -7,18 +7,23 @@ here; requests are plain HTTP (urllib), as any client would send them.
 
 from __future__ import annotations
 
+import http.client
 import json
 import threading
 import time
+import urllib.parse
 import urllib.request
+from collections.abc import Callable
 
 import pytest
 import torch
-from serving import metrics, post, post_stream, running
+from serving import metrics, post, post_raw, post_stream, running
 
 from harness.backends.hf import HFBackend
 from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
-from harness.serve import make_app
+from harness.serve import Limits, make_app
+from harness.serve_engine import Engine
+from harness.serve_engine import Sequence as Seq
 
 MODEL = "tiny"
 PROMPTS = ["Q: What is 2+3?\nA:", "hello world"]
@@ -197,11 +202,12 @@ def test_stream_errors(url):
 # ----------------------------------------------------------------------------- batching across requests
 
 
-def concurrently(url: str, bodies: list[dict]) -> list[dict]:
-    results: list[dict | None] = [None] * len(bodies)
+def concurrently_with_status(url: str, bodies: list[dict]) -> list[tuple[int, dict] | None]:
+    """POST ``bodies`` to /completions at once; (status, answer) per body (None: no answer within 60 s)."""
+    results: list[tuple[int, dict] | None] = [None] * len(bodies)
 
     def send(i: int) -> None:
-        results[i] = post(url, "/completions", bodies[i])[1]
+        results[i] = post(url, "/completions", bodies[i])
 
     threads = [threading.Thread(target=send, args=(i,)) for i in range(len(bodies))]
     for t in threads:
@@ -209,6 +215,10 @@ def concurrently(url: str, bodies: list[dict]) -> list[dict]:
     for t in threads:
         t.join(60)
     return results
+
+
+def concurrently(url: str, bodies: list[dict]) -> list[dict]:
+    return [result[1] for result in concurrently_with_status(url, bodies)]
 
 
 def test_concurrent_requests_are_batched_and_answer_as_alone(hf):
@@ -314,14 +324,14 @@ def test_one_seeded_sample_is_the_hf_backends(hf, url, temperature, top_p):
 
 
 class Slow(torch.nn.Module):
-    """The model, 20 ms slower per forward pass: time for a client to go away mid-stream."""
+    """The model, ``delay_s`` (20 ms) slower per forward pass: time for a client to go away mid-stream."""
 
-    def __init__(self, inner: torch.nn.Module) -> None:
+    def __init__(self, inner: torch.nn.Module, delay_s: float = 0.02) -> None:
         super().__init__()
-        self.inner = inner
+        self.inner, self.delay_s = inner, delay_s
 
     def forward(self, **kwargs):
-        time.sleep(0.02)
+        time.sleep(self.delay_s)
         return self.inner(**kwargs)
 
 
@@ -355,3 +365,262 @@ def test_closing_the_engine_ends_a_batch_in_progress(hf):
         assert not engine._worker.is_alive()
         status, answer = result[0]
         assert status == 500 and "shutting down" in answer["error"]["message"]
+
+
+# ----------------------------------------------------------------------------- hostile clients: bounded work per request
+
+
+def answered_fast(base: str, send: Callable[[], tuple], within_s: float = 3.0) -> tuple:
+    """``send()``'s result, which must arrive within ``within_s`` while ``/health`` answers every probe within 1 s."""
+    result: list = []
+    sender = threading.Thread(target=lambda: result.append(send()), daemon=True)
+    start = time.monotonic()
+    sender.start()
+    probes = []
+    while sender.is_alive() and time.monotonic() - start < within_s:
+        began = time.monotonic()
+        with urllib.request.urlopen(base + "/health", timeout=5) as response:
+            assert response.status == 200
+        probes.append(time.monotonic() - began)
+        time.sleep(0.05)
+    sender.join(max(0.0, start + within_s - time.monotonic()))
+    assert result, f"no answer within {within_s} s"
+    assert max(probes, default=0.0) < 1.0, f"/health took {max(probes):.2f} s meanwhile"
+    return result[0]
+
+
+def test_too_many_sequences_in_one_request_are_refused_at_once(url):
+    """The issue's request: 20 KB, 4,000 prompts x n = 128 (512,000 sequences); the default cap is 1,024."""
+    base = url.removesuffix("/v1")
+    body = {"model": MODEL, "prompt": ["ab"] * 4000, "n": 128, "max_tokens": 1}
+    status, answer, _ = answered_fast(base, lambda: post_raw(url, "/completions", json.dumps(body).encode(), timeout=30))
+    assert status == 400 and "512000 sequences" in answer["error"]["message"] and answer["error"]["param"] == "n"
+    assert post(url, "/completions", {**body, "prompt": ["ab"] * 8})[0] == 200  # 1,024 sequences
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_tokenising(url):
+    """1 MB of text cannot fit in 128 positions: refused without tokenising it (6 s for this tokenizer)."""
+    base = url.removesuffix("/v1")
+    body = json.dumps({"model": MODEL, "prompt": "a" * 1_000_000, "max_tokens": 1}).encode()
+    status, answer, _ = answered_fast(base, lambda: post_raw(url, "/completions", body, timeout=30), within_s=2.0)
+    assert status == 400 and answer["error"]["code"] == "context_length_exceeded"
+    chat = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "a" * 1_000_000}], "max_tokens": 1}).encode()
+    status, answer, _ = answered_fast(base, lambda: post_raw(url, "/chat/completions", chat, timeout=30), within_s=2.0)
+    assert status == 400 and answer["error"]["code"] == "context_length_exceeded"
+
+
+def test_total_tokens_per_request_are_bounded(hf):
+    with running(make_app(hf, model_name=MODEL, limits=Limits(max_request_tokens=100))) as base:
+        body = {"model": MODEL, "prompt": ["abc", "def"], "n": 4, "max_tokens": 10}  # 8 sequences x (3 + 10) = 104 tokens
+        status, answer = post(base + "/v1", "/completions", body)
+        assert status == 400 and "104 tokens" in answer["error"]["message"] and "at most 100" in answer["error"]["message"]
+        assert post(base + "/v1", "/completions", {**body, "max_tokens": 9})[0] == 200  # 96 tokens
+        status, answer = post(base + "/v1", "/completions", {**body, "prompt": ["a" * 126, "b"], "max_tokens": 1})  # 4 x 127 characters > 100 x 5
+        assert status == 400 and "tokens per request" in answer["error"]["message"]
+
+
+def test_max_model_len_shortens_the_context(hf):
+    with running(make_app(hf, model_name=MODEL, limits=Limits(max_model_len=10))) as base:
+        status, answer = post(base + "/v1", "/completions", {"model": MODEL, "prompt": "abcd", "max_tokens": 7})
+        assert status == 400 and answer["error"]["code"] == "context_length_exceeded" and "maximum context length is 10" in answer["error"]["message"]
+        assert post(base + "/v1", "/completions", {"model": MODEL, "prompt": "abcd", "max_tokens": 6})[0] == 200
+    with pytest.raises(ValueError, match="--max-model-len 129 is longer than the model's context window"):
+        make_app(hf, model_name=MODEL, limits=Limits(max_model_len=129))
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(hf):
+    with running(make_app(hf, model_name=MODEL, limits=Limits(max_body_bytes=1000))) as base:
+        where = urllib.parse.urlsplit(base)
+        conn = http.client.HTTPConnection(where.hostname, where.port, timeout=5)
+        conn.putrequest("POST", "/v1/completions")
+        conn.putheader("content-type", "application/json")
+        conn.putheader("content-length", str(17 << 20))  # declared, never sent
+        conn.endheaders()
+        response = conn.getresponse()
+        assert response.status == 413 and json.loads(response.read())["error"]["code"] == "request_too_large"
+        conn.close()
+        conn = http.client.HTTPConnection(where.hostname, where.port, timeout=5)  # no length: refused once 1,000 bytes have come
+        conn.request("POST", "/v1/completions", body=iter([b" " * 600] * 3), headers={"content-type": "application/json"}, encode_chunked=True)
+        response = conn.getresponse()
+        assert response.status == 413 and "larger than this server accepts (1000 bytes)" in json.loads(response.read())["error"]["message"]
+        conn.close()
+        assert post(base + "/v1", "/completions", {"model": MODEL, "prompt": "ab", "max_tokens": 1})[0] == 200
+
+
+def test_the_default_body_limit_is_16_mib(url):
+    where = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=5)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("content-length", str((16 << 20) + 1))
+    conn.endheaders()
+    assert conn.getresponse().status == 413
+    conn.close()
+
+
+def test_queued_work_is_bounded_with_a_503_and_retry_after(hf):
+    app = make_app(hf, model_name=MODEL, max_batch=2, limits=Limits(max_request_sequences=4, max_queued_sequences=4))
+    engine = app.state.served.engine
+    engine.model = Slow(hf.model)
+    with running(app) as base:
+        url = base + "/v1"
+        holder = threading.Thread(target=post, args=(url, "/completions", {"model": MODEL, "prompt": "abc", "n": 4, "max_tokens": 60, "temperature": 0}))
+        holder.start()
+        deadline = time.monotonic() + 10
+        while engine.load < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        small = json.dumps({"model": MODEL, "prompt": "ab", "max_tokens": 1}).encode()
+        status, answer, headers = answered_fast(base, lambda: post_raw(url, "/completions", small, timeout=30), within_s=2.0)
+        assert status == 503 and answer["error"]["code"] == "server_busy" and headers["retry-after"] == "1"
+        holder.join(30)
+        assert engine.load == 0 and post_raw(url, "/completions", small)[0] == 200
+
+
+# ----------------------------------------------------------------------------- hostile clients: abandoned requests
+
+
+def test_abandoned_requests_stop_decoding(hf):
+    """Clients that leave (three waiting for a whole answer, one for a stream) stop their sequences: a new small request
+    is answered at once rather than after their 2 x 120 decode steps."""
+    app = make_app(hf, model_name=MODEL, max_batch=2)
+    engine = app.state.served.engine
+    engine.model = Slow(hf.model, delay_s=0.05)
+    with running(app) as base:
+        where = urllib.parse.urlsplit(base)
+        clients = []
+        for i in range(4):
+            conn = http.client.HTTPConnection(where.hostname, where.port, timeout=5)
+            body = {"model": MODEL, "prompt": "abc", "max_tokens": 120, "temperature": 0, "stream": i == 3}
+            conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"})
+            clients.append(conn)
+        deadline = time.monotonic() + 10
+        while metrics(base)["harness_serve_forward_passes_total"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)  # decoding has started
+        for conn in clients:
+            conn.close()
+        start = time.monotonic()
+        status, _ = post(base + "/v1", "/completions", {"model": MODEL, "prompt": "ab", "max_tokens": 2, "temperature": 0}, timeout=30)
+        assert status == 200 and time.monotonic() - start < 3.0
+        assert engine.load == 0
+        passes = metrics(base)["harness_serve_forward_passes_total"]
+        time.sleep(0.3)
+        assert metrics(base)["harness_serve_forward_passes_total"] == passes < 100  # nothing left decoding
+
+
+# ----------------------------------------------------------------------------- hostile clients: one request cannot fail its batch
+
+
+def run_engine(engine: Engine, seqs: list[Seq]) -> None:
+    """Submit ``seqs`` together and wait until each has finished or failed."""
+    left, finished = [len(seqs)], threading.Event()
+
+    def on_event(seq: Seq, kind: str, delta) -> None:
+        if kind in ("done", "error"):
+            left[0] -= 1
+            if not left[0]:
+                finished.set()
+
+    for seq in seqs:
+        seq.on_event = on_event
+    engine.submit(seqs)
+    assert finished.wait(30)
+
+
+def test_a_sequence_whose_sampling_fails_fails_alone(hf):
+    engine = Engine(hf.model, hf.tokenizer, device="cpu", batch_wait_s=0.5)
+    try:
+
+        def benign() -> Seq:
+            return Seq(prompt=encode(hf, "ab"), max_tokens=8, temperature=1.0, seed=3)
+
+        alone = benign()
+        run_engine(engine, [alone])
+        hostile, mate = Seq(prompt=encode(hf, "cd"), max_tokens=8, temperature=1e-45, seed=1), benign()  # logits / 1e-45 overflow
+        run_engine(engine, [hostile, mate])
+        assert engine.stats.waves == 2 and engine.stats.max_wave == 2  # decoded together
+        assert "inf" in str(hostile.error) and mate.error is None
+        assert mate.tokens == alone.tokens and mate.finish_reason == alone.finish_reason
+    finally:
+        engine.close()
+
+
+class Poisoned(torch.nn.Module):
+    """The model, failing every prefill whose prompts hold token ``poison``: a request that breaks the batch it is in."""
+
+    def __init__(self, inner: torch.nn.Module, poison: int) -> None:
+        super().__init__()
+        self.inner, self.poison = inner, poison
+
+    def forward(self, **kwargs):
+        if kwargs["input_ids"].shape[1] > 1 and (kwargs["input_ids"] == self.poison).any():
+            raise RuntimeError("poisoned batch")
+        return self.inner(**kwargs)
+
+
+def test_a_batch_that_fails_is_retried_one_sequence_at_a_time(hf):
+    benign = {"model": MODEL, "prompt": "ab", "max_tokens": 6, "seed": 5, "temperature": 1.0}
+    app = make_app(hf, model_name=MODEL, max_batch=8, batch_wait_s=1.0)
+    engine = app.state.served.engine
+    with running(app) as base:
+        url = base + "/v1"
+        alone = post(url, "/completions", benign)[1]["choices"][0]["text"]
+        engine.model = Poisoned(hf.model, hf.tokenizer.convert_tokens_to_ids("z"))
+        results = concurrently_with_status(url, [benign, {**benign, "prompt": "az"}])
+    assert None not in results
+    (benign_status, benign_answer), (poisoned_status, poisoned_answer) = results
+    assert benign_status == 200 and benign_answer["choices"][0]["text"] == alone
+    assert poisoned_status == 500 and "poisoned batch" in poisoned_answer["error"]["message"]
+
+
+def test_an_out_of_range_temperature_is_refused_and_its_batch_mate_answered(hf):
+    """The issue's case: temperature 1e-45 beside a benign request in one batch made both 500."""
+    benign = {"model": MODEL, "prompt": "ab", "max_tokens": 4, "seed": 1}
+    with running(make_app(hf, model_name=MODEL, batch_wait_s=1.0)) as base:
+        results = concurrently_with_status(base + "/v1", [benign, {**benign, "temperature": 1e-45}])
+    assert None not in results
+    (status, _), (hostile_status, hostile) = results
+    assert status == 200 and hostile_status == 400 and hostile["error"]["param"] == "temperature"
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 0.009, 2.01, -0.1])
+def test_temperatures_outside_0_or_0_01_to_2_are_400(url, temperature):
+    status, answer = post(url, "/completions", {"model": MODEL, "prompt": "ab", "max_tokens": 1, "temperature": temperature})
+    assert status == 400 and answer["error"]["param"] == "temperature"
+
+
+@pytest.mark.parametrize("temperature", [0, 0.01, 2])
+def test_temperatures_0_and_0_01_to_2_are_accepted(url, temperature):
+    assert post(url, "/completions", {"model": MODEL, "prompt": "ab", "max_tokens": 1, "temperature": temperature})[0] == 200
+
+
+# ----------------------------------------------------------------------------- hostile clients: malformed and mistyped requests
+
+
+def _body(**fields) -> bytes:
+    return json.dumps({"model": MODEL, "prompt": "ab", "max_tokens": 1, **fields}).encode()
+
+
+MALFORMED = {
+    "deeply nested JSON": b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    "a 5,000-digit integer": _body()[:-1] + b', "seed": ' + b"7" * 5000 + b"}",
+    "NaN temperature": _body()[:-1] + b', "temperature": NaN}',
+    "stream: 'yes'": _body(stream="yes"),
+    "logprobs: true on completions": _body(logprobs=True),
+    "echo: 'no'": _body(echo="no"),
+    "n: 2.0": _body(n=2.0),
+    "max_tokens: '5'": _body(max_tokens="5"),
+    "include_usage: 1": _body(stream=True, stream_options={"include_usage": 1}),
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_malformed_or_mistyped_requests_are_400(url, case):
+    status, answer, _ = post_raw(url, "/completions", MALFORMED[case])
+    assert status == 400 and answer["error"]["type"] == "invalid_request_error", answer
+
+
+def test_chat_fields_are_strictly_typed(url):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    assert post(url, "/chat/completions", chat)[0] == 200
+    for field, value in [("logprobs", "true"), ("logprobs", 1), ("top_logprobs", True), ("stream", 1)]:
+        status, answer = post(url, "/chat/completions", {**chat, "logprobs": True, field: value})
+        assert status == 400 and answer["error"]["param"] == field, (field, value, answer)

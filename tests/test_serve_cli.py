@@ -50,7 +50,19 @@ def test_serve_then_eval_with_openai_backend(tmp_path):
         server.wait(timeout=10)
 
 
-@pytest.mark.parametrize(("flag", "value"), [("--max-batch", "0"), ("--max-batch-tokens", "0"), ("--max-logprobs", "-2")])
+BAD_FLAGS = [
+    ("--max-batch", "0"),
+    ("--max-batch-tokens", "0"),
+    ("--max-logprobs", "-2"),
+    ("--max-model-len", "0"),
+    ("--max-request-sequences", "0"),
+    ("--max-request-tokens", "0"),
+    ("--max-queued-sequences", "1000"),  # fewer than --max-request-sequences (1024)
+    ("--max-body-bytes", "0"),
+]
+
+
+@pytest.mark.parametrize(("flag", "value"), BAD_FLAGS)
 def test_bad_serve_flags_exit_2_naming_the_flag(tmp_path, flag, value):
     from typer.testing import CliRunner
 
