@@ -452,6 +452,7 @@ def test_patches_that_steer_the_test_run_are_refused(tiny, tiny_pytest, tmp_path
     strip = SwebenchTask(pytest_task.options.model_copy(update={"test_tampering": "strip"}))
     stripped = grade_all(strip, {"attack": attacks["reports_passed"], "gold": (pytest_row, gold_with_conftest), "plain_gold": (pytest_row, patches["gold"])})
     assert stripped["attack"].status == "fail" and "RESOLVED_NO" in stripped["attack"].reason  # graded without its conftest
+    assert stripped["attack"].metrics["patch_applied"] == 0.0  # nothing of it was left to apply
     assert stripped["gold"].status == "pass" and stripped["gold"].metrics["stripped_files"] == 1.0
     assert stripped["plain_gold"].status == "pass", stripped["plain_gold"].reason
 
@@ -629,3 +630,17 @@ def test_a_52_mb_replayed_patch_fails_quickly_in_bounded_memory(tiny, tmp_path):
     assert "patch_too_large" in sample["details"] and not (tmp_path / "cache" / "logs").exists()  # refused before any grading
     base_kb, peak_kb = (int(x) for x in proc.stderr.rsplit("RSS_KB", 1)[1].split())
     assert (peak_kb - base_kb) < 1_000_000 and seconds < 120, (peak_kb - base_kb, seconds)
+
+
+@pytest.mark.parametrize(("rebuild", "code"), [("true", ""), ("false", "install_failed"), ("echo 'collect_ignore = []' > conftest.py", "test_tampering")])
+def test_a_rebuild_runs_before_the_tests_and_cannot_plant_test_infrastructure(rebuild, code, tiny, monkeypatch):
+    """Where a rebuild runs (code of the patched repository, before the tests), a failed one fails the patch and a
+    steering file it writes is found by the hash check that follows it."""
+    from tasks.swebench import grading
+
+    root, patches = tiny
+    task = tiny_task(root)
+    row = task.load()[0].meta
+    monkeypatch.setattr(grading, "rebuild_command", lambda spec, files, policy: rebuild)
+    outcome = task.grade_patch(row, patches["gold"])
+    assert (outcome.status, outcome.code) == (("pass", "") if not code else ("fail", code)), outcome.reason

@@ -6,7 +6,7 @@ iff every FAIL_TO_PASS and PASS_TO_PASS test passes.
 What the patch causes is ``fail`` with a code (``FAIL_CODES``, also a ``fail_<code>`` metric), never ``error``:
 over ``max_patch_bytes``; a path outside the repository or in ``.git`` (refused before anything runs);
 test-run tampering (:func:`prepare`); a patch that does not apply; a test patch that no longer applies after it;
-a failed re-install; a run past ``grade_timeout_s``, out of memory or killed once the patch is applied. Only what
+a failed rebuild; a run past ``grade_timeout_s``, out of memory or killed once the patch is applied. Only what
 the harness or Docker causes is ``error``. The grader's git commands run with hooks and fsmonitor off; the script
 is ``bash -c``'s argument (no file the repository's code could rewrite), and the test patch is applied before any
 code of the repository runs (after every path it touches is restored to the base commit, or removed where the
@@ -142,7 +142,7 @@ def eval_script(row: Mapping, spec: Mapping, *, sectioned: list[str] = (), tampe
     instance's code could rewrite). Order: unpack the inputs, check that the test patch applies to the base, apply
     the model patch, compare the test sections of ``sectioned`` files (fail or restore them, by ``tampering``),
     restore every path of the test patch to the base commit (removed where the base lacks it), apply the test
-    patch -- all before any code of the repository runs -- then the spec's environment, the re-install (if any;
+    patch -- all before any code of the repository runs -- then the spec's environment, the rebuild (if any;
     the test-run files are hashed before it and checked after it), and the tests."""
     test_paths = patches.touched(patches.parse_patch(row["test_patch"]))
     test_cmd = " ".join([spec["test_cmd"], *upstream.test_directives(row)])
@@ -279,11 +279,11 @@ def prepare(patch: str, spec: Mapping, test_patch: str, *, tampering: str = "fai
     return Prepared(patch, patches.fuzz_patch(files), tuple(files), sectioned, tuple(steering))
 
 
-def classify(row: Mapping, result, log: str, timeout_s: float, metrics: dict, log_path: str) -> Outcome:
+def classify(row: Mapping, result, log: str, timeout_s: float, metrics: dict, log_path: str, *, applies: bool = True) -> Outcome:
     """The outcome of one grading run from its status and the marker lines of its log. Markers count only where the
     grader prints them: the ones meaning an infrastructure failure only before the model patch is applied (nothing of
     the patch has run then); after that, whatever stops the run (time-out, OOM, a kill, a test patch that no longer
-    applies, a failed re-install) is the patch's doing: ``fail`` with its code."""
+    applies, a failed rebuild) is the patch's doing: ``fail`` with its code. ``applies``: the run had a model patch to apply."""
     if result.status == "error":
         return Outcome("error", f"sandbox error: {result.error}", log_path, metrics)
     lines = result.stdout.splitlines()
@@ -293,7 +293,7 @@ def classify(row: Mapping, result, log: str, timeout_s: float, metrics: dict, lo
     if APPLIED not in lines:
         why = "the instance's test patch does not apply to its base commit" if TEST_PATCH_BROKEN in lines else "setup failed"
         return Outcome("error", f"grading stopped before the patch was applied: {why} ({result.status}, exit {result.exit_code})", log_path, metrics)
-    metrics["patch_applied"] = float(bool(metrics.get("patch_bytes")))
+    metrics["patch_applied"] = float(applies)
     after = lines[lines.index(APPLIED) + 1 :]
     tampered = next((line for line in after if line.startswith(TAMPERED)), None)
     if tampered is not None:
@@ -363,4 +363,4 @@ def grade_patch(row: Mapping, patch: str, image: str, log_dir: Path, *, timeout_
     metrics["container_s"] = time.perf_counter() - started  # this grading container, from start to log
     stripped = "".join(f"# stripped (tampering policy strip): {p}\n" for p in prepared.stripped)
     log_path.write_text(f"# image {image}\n# status {result.status} exit {result.exit_code} ({result.duration_s:.1f}s)\n{stripped}{log}", encoding="utf-8")
-    return classify(row, result, log, timeout_s, metrics, str(log_path))
+    return classify(row, result, log, timeout_s, metrics, str(log_path), applies=bool(prepared.patch.strip()))

@@ -277,7 +277,8 @@ class SwebenchTask(Task):
         for score, traj, outcome, patch in zip(scores, trajectories, outcomes, patches, strict=True):
             episode = traj.metadata.get("episode", {})
             agent_ran = bool(outcome.get("commands"))
-            premature = not patch.strip() or (agent_ran and episode.get("submitted") and not episode.get("ran_tests"))
+            empty = not patch.strip() and not outcome.get("patch_too_large")
+            premature = empty or (agent_ran and episode.get("submitted") and not episode.get("ran_tests"))
             applied = score.metrics.get("patch_applied")
             flags = {"premature_stop": float(bool(premature)), "patch_apply_failure": float(applied == 0.0 and bool(patch.strip()))}
             out.append(dataclasses.replace(score, metrics={**score.metrics, **flags}))
