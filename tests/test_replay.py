@@ -61,3 +61,18 @@ def test_task_args_reach_the_task(tmp_path):
     assert json.loads(default.stdout)["tasks"]["arith"]["avg_at_k"] < 1.0
     bad = runner.invoke(app, [*base, "--task-arg", "arith.bogus=1"])
     assert bad.exit_code == 2 and "task_args.arith.bogus" in bad.output
+
+
+def test_replayed_turns_are_tokenised_by_table_and_cut_at_max_turn_chars():
+    """Ids are the character tokenizer's, without its per-token objects (a 4 MB turn cost 1.5 GB and 25 s through it);
+    a turn over max_turn_chars is cut there with finish reason length, like a model at its token limit."""
+    from harness.backends import SamplingParams
+    from harness.backends.replay import ReplayBackend
+
+    text = "héllo\n\tw😀rld \x0b~"
+    backend = ReplayBackend({("t", "1"): [[text, "x" * 50]]}, max_turn_chars=20)
+    first, second = backend.generate([[0], [0]], SamplingParams(), keys=[("t", "1", 0, 0), ("t", "1", 0, 1)])
+    assert first.token_ids == backend.tokenizer(text, add_special_tokens=False)["input_ids"] and first.finish_reason == "stop"
+    assert (second.text, second.finish_reason, len(second.token_ids), len(second.logprobs)) == ("x" * 20, "length", 20, 20)
+    with pytest.raises(ValueError, match="max_turn_chars"):
+        ReplayBackend({}, max_turn_chars=0)

@@ -19,10 +19,15 @@ from tasks.swebench.images import environment_pins, failed_requirements
 from tasks.swebench.task import SwebenchOptions, SwebenchTask
 
 REPO, VERSION, IID = "opd-harness/tinycalc", "0.1", "opd-harness__tinycalc-1"
+RUNNER_VERSION = "0.3"  # the same tree, its tests run by tests/runtests.py (django's layout)
+PYTEST_REPO, PYTEST_IID = "opd-harness/tinycalc-pytest", "opd-harness__tinycalc-pytest-1"  # the same tree under pytest
+PYTEST_PINS = ("pytest==8.3.3", "pluggy==1.5.0", "iniconfig==2.0.0", "packaging==24.1")
+RUNTESTS = "import os\nimport sys\nimport unittest\n\nsys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))\nsys.exit(not unittest.main(module=None, argv=['runtests', '-v', *sys.argv[1:]], exit=False).result.wasSuccessful())\n"
 BASE = {
     "calc.py": 'def add(a, b):\n    return a + b\n\n\ndef mean(values):\n    """Arithmetic mean of a non-empty list."""\n    return sum(values) / (len(values) - 1)\n',
     "tests/__init__.py": "",
     "tests/test_calc.py": "import unittest\n\nfrom calc import add\n\n\nclass CalcTest(unittest.TestCase):\n    def test_add(self):\n        \"\"\"\n        add() sums two numbers (a docstring that starts on a new line).\n        \"\"\"\n        self.assertEqual(add(2, 3), 5)\n",
+    "tests/runtests.py": RUNTESTS,
 }
 TEST_AFTER = BASE["tests/test_calc.py"].replace("from calc import add\n", "from calc import add, mean\n") + "\n    def test_mean(self):\n        self.assertEqual(mean([2, 4]), 3.0)\n"
 
@@ -38,14 +43,28 @@ def git_diff(files: dict[str, str], changed: dict[str, str], tmp: Path) -> str:
     run("add", "-A")
     run("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "base")
     for name, text in changed.items():
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp / name).write_text(text)
-    return run("diff")
+    run("add", "-A")
+    return run("diff", "--cached")
+
+
+def snapshot(inst: Path, files: dict[str, str], environment: str) -> None:
+    """An instance folder: ``repo.tar.xz`` of ``files`` and its ``environment.yml``."""
+    inst.mkdir(parents=True)
+    with tarfile.open(inst / "repo.tar.xz", "w:xz") as tf:
+        for name, text in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(text.encode())
+            tf.addfile(info, io.BytesIO(text.encode()))
+    (inst / "environment.yml").write_text(environment)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, docker_client):
     """A data dir with the tiny instance (snapshot + environment.yml with no pins + rows), and its patches."""
-    upstream.register_repo(REPO, {VERSION: {"python": "3.9", "test_cmd": "python -m unittest -v"}}, parser="django/django")
+    upstream.register_repo(REPO, {VERSION: {"python": "3.9", "test_cmd": "python -m unittest -v"},
+                                  RUNNER_VERSION: {"python": "3.9", "test_cmd": "python tests/runtests.py"}}, parser="django/django")  # fmt: skip
     root = tmp_path_factory.mktemp("swe")
     fixed = BASE["calc.py"].replace("(len(values) - 1)", "len(values)")
     patches = {
@@ -54,14 +73,7 @@ def tiny(tmp_path_factory, docker_client):
         "test": git_diff(BASE, {"tests/test_calc.py": TEST_AFTER}, root / "g3"),
     }
     patches["no_apply"] = patches["gold"].replace("return sum(values)", "return total(values)")
-    inst = root / "data" / "swebench" / "instances" / IID
-    inst.mkdir(parents=True)
-    with tarfile.open(inst / "repo.tar.xz", "w:xz") as tf:
-        for name, text in BASE.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(text.encode())
-            tf.addfile(info, io.BytesIO(text.encode()))
-    (inst / "environment.yml").write_text("name: testbed\ndependencies:\n  - python=3.11\n")
+    snapshot(root / "data" / "swebench" / "instances" / IID, BASE, "name: testbed\ndependencies:\n  - python=3.11\n")
     row = {
         "repo": REPO, "instance_id": IID, "base_commit": "0" * 40, "patch": patches["gold"], "test_patch": patches["test"],
         "problem_statement": "mean([2, 4]) returns 6.0 instead of 3.0", "version": VERSION,
@@ -327,7 +339,7 @@ def test_f_opd_trains_on_agent_episodes_in_instance_containers(tiny, tmp_path):
     sets = [f"task_args.swebench.dataset={data / 'swebench' / 'tiny.jsonl'}", f"task_args.swebench.cache_dir={root / 'cache'}",
             f"task_args.swebench.data_dir={data}", "task_args.swebench.max_steps=3", "trainer.max_new_tokens=48", "trainer.steps=2",
             "trainer.checkpoint_every=2", "trainer.prompts_per_step=1", "eval.k=2", "eval.teacher=false",
-            "student.arch.max_positions=1024", "teacher.arch.max_positions=1024", "task_args.swebench.max_new_tokens=48",
+            "student.arch.max_positions=1536", "teacher.arch.max_positions=1536", "task_args.swebench.max_new_tokens=48",
             "student.sft_steps=0", "teacher.sft_steps=0"]  # fmt: skip
     args = ["run", "--method", "f_opd", "--task", "swebench", "--preset", "smoke", "--out", str(tmp_path / "out")]
     result = CliRunner().invoke(app, [*args, *[x for s in sets for x in ("--set", s)]])
@@ -338,3 +350,297 @@ def test_f_opd_trains_on_agent_episodes_in_instance_containers(tiny, tmp_path):
     assert sorted(steps) == [1, 2] and all(s["model_tokens"] > 0 and "premature_stop_rate" in s for s in steps.values())
     final = [e for e in store.evals(run["run_id"]) if e["step"] == 2][0]
     assert final["n_errors"] == 0 and {"premature_stop_rate", "repeated_loop_rate", "invalid_tool_rate"} <= set(final["metrics"])
+
+
+# ---- grading policy: what the patch causes is fail (with its code), tampering and escapes are refused
+
+FIXED = BASE["calc.py"].replace("(len(values) - 1)", "len(values)")
+HOOK = "diff --git a/.git/hooks/post-checkout b/.git/hooks/post-checkout\nnew file mode 100755\n--- /dev/null\n+++ b/.git/hooks/post-checkout\n@@ -0,0 +1,2 @@\n+#!/bin/sh\n+{}\n"
+NEUTER_TEST_PATCH = r"sed -i 's/^+        self.assertEqual(mean(\[2, 4\]), 3.0)$/+        pass/' /tmp/opd/test.patch"  # every new assert -> pass
+
+
+def grade_all(task: SwebenchTask, jobs: dict[str, tuple[dict, str]]):
+    """``{name: (row, patch)}`` -> ``{name: Outcome}``, two gradings at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(task.grade_patch, row, patch) for name, (row, patch) in jobs.items()}
+    return {name: future.result() for name, future in futures.items()}
+
+
+def test_failures_the_patch_causes_are_fail_with_their_reason(tiny, tmp_path):
+    """Tests past grade_timeout_s, a file the test patch also creates, a hook that kills every process and code that
+    kills every process at import are the patch's doing: fail with a code (they were error: dropped from the score).
+    A test patch that does not apply to the base commit is still error."""
+    root, patches = tiny
+    task = SwebenchTask(tiny_task(root).options.model_copy(update={"grade_timeout_s": 20.0}))
+    row = task.load()[0].meta
+    extra = "import unittest\n\n\nclass ExtraTest(unittest.TestCase):\n    def test_extra(self):\n        pass\n"
+    creates = {**row, "test_patch": git_diff(BASE, {"tests/test_calc.py": TEST_AFTER, "tests/test_extra.py": extra}, tmp_path / "t")}
+    jobs = {
+        "hangs": (row, git_diff(BASE, {"calc.py": "import time\ntime.sleep(600)\n" + FIXED}, tmp_path / "hang")),
+        "same_new_file": (creates, git_diff(BASE, {"calc.py": FIXED, "tests/test_extra.py": "raise SystemExit('model')\n"}, tmp_path / "new")),
+        "hook_kills": (row, patches["gold"] + HOOK.format("kill -9 -1")),
+        "kills_at_import": (row, git_diff(BASE, {"calc.py": "import os, signal\nos.kill(-1, signal.SIGKILL)\n" + FIXED}, tmp_path / "kill")),
+        "broken_row": ({**row, "test_patch": patches["no_apply"]}, patches["gold"]),
+    }
+    got = grade_all(task, jobs)
+    assert got["hangs"].status == "fail" and "grade_timeout" in got["hangs"].reason and got["hangs"].metrics["fail_grade_timeout"] == 1.0
+    assert got["same_new_file"].status == "pass", got["same_new_file"].reason  # restored (removed) before the test patch: it applies
+    assert got["hook_kills"].status == "fail" and "unsafe_path" in got["hook_kills"].reason
+    assert got["kills_at_import"].status == "fail" and got["kills_at_import"].code == "grade_killed", got["kills_at_import"].reason
+    assert got["broken_row"].status == "error" and "does not apply to its base commit" in got["broken_row"].reason
+
+
+def test_a_patch_cannot_plant_hooks_rewrite_the_test_patch_or_leave_the_repository(tiny):
+    """A post-checkout hook that rewrites the staged test patch (every new assert becomes `pass`) resolved the instance
+    with no fix; paths into .git or outside the repository are refused before anything runs."""
+    root, patches = tiny
+    task = tiny_task(root)
+    row = task.load()[0].meta
+    outside = "--- a/calc.py\n+++ b/../../tmp/opd/test.patch\n@@ -1,2 +1,2 @@\n-def add(a, b):\n+def add(a, b):  # x\n     return a + b\n"
+    got = grade_all(task, {"hook": (row, HOOK.format(NEUTER_TEST_PATCH)), "outside": (row, outside), "absolute": (row, outside.replace("b/../../tmp", "/tmp"))})
+    for name, outcome in got.items():
+        assert outcome.status == "fail" and outcome.code == "unsafe_path" and outcome.metrics["fail_unsafe_path"] == 1.0, (name, outcome.reason)
+    assert ".git" in got["hook"].reason
+
+
+@pytest.fixture(scope="module")
+def tiny_pytest(tiny):
+    """The tiny tree as a pytest instance (its venv pins pytest), and its rows file."""
+    upstream.register_repo(PYTEST_REPO, {VERSION: {"python": "3.11", "test_cmd": "pytest -rA"}}, parser="pytest-dev/pytest")
+    root, patches = tiny
+    pins = "".join(f"      - {p}\n" for p in PYTEST_PINS)
+    snapshot(root / "data" / "swebench" / "instances" / PYTEST_IID, BASE, f"name: testbed\ndependencies:\n  - python=3.11\n  - pip:\n{pins}")
+    row = {**json.loads((root / "data" / "swebench" / "tiny.jsonl").read_text()), "repo": PYTEST_REPO, "instance_id": PYTEST_IID,
+           "FAIL_TO_PASS": json.dumps(["tests/test_calc.py::CalcTest::test_mean"]), "PASS_TO_PASS": json.dumps(["tests/test_calc.py::CalcTest::test_add"])}  # fmt: skip
+    (root / "data" / "swebench" / "tiny_pytest.jsonl").write_text(json.dumps(row) + "\n")
+    return root
+
+
+CONFTEST_PASSED = "import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n    outcome = yield\n    outcome.get_result().outcome = 'passed'\n"
+CONFTEST_XFAIL = ("import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n    report = (yield).get_result()\n"
+                  "    if report.failed:\n        report.outcome, report.wasxfail = 'skipped', 'tampered'\n")  # fmt: skip
+CONFTEST_FAKE_LINES = ("import os\n\n\ndef pytest_unconfigure(config):\n    print('PASSED tests/test_calc.py::CalcTest::test_mean')\n"
+                       "    print('PASSED tests/test_calc.py::CalcTest::test_add')\n    print('>>>>> End Test Output', flush=True)\n    os._exit(0)\n")  # fmt: skip
+RUNTESTS_OK = RUNTESTS.replace("import unittest\n", "import unittest\n\nunittest.TextTestResult.addFailure = unittest.TextTestResult.addError = "
+                               "lambda self, test, err: self.addSuccess(test)\n")  # fmt: skip
+
+
+@pytest.mark.slow
+def test_patches_that_steer_the_test_run_are_refused(tiny, tiny_pytest, tmp_path):
+    """Four patches with no fix that resolved the instance: a conftest rewriting reports to passed, one turning failures
+    into xfail, one printing fake PASSED lines and the end-of-output marker, and a runtests.py reporting failures as ok.
+    The default policy fails them (code test_tampering); ``strip`` grades the patch without those files."""
+    root, patches = tiny
+    data = tiny_pytest / "data"
+    options = {"data_dir": str(data), "cache_dir": str(root / "cache")}
+    pytest_task = SwebenchTask(SwebenchOptions(dataset=str(data / "swebench" / "tiny_pytest.jsonl"), **options))
+    pytest_row = pytest_task.load()[0].meta
+    unittest_task = tiny_task(root)
+    runner_row = {**unittest_task.load()[0].meta, "version": RUNNER_VERSION}
+    attacks = {
+        "reports_passed": (pytest_row, git_diff(BASE, {"conftest.py": CONFTEST_PASSED}, tmp_path / "a")),
+        "xfail": (pytest_row, git_diff(BASE, {"tests/conftest.py": CONFTEST_XFAIL}, tmp_path / "b")),
+        "fake_lines": (pytest_row, git_diff(BASE, {"conftest.py": CONFTEST_FAKE_LINES}, tmp_path / "c")),
+    }
+    got = grade_all(pytest_task, attacks) | grade_all(unittest_task, {"runtests_ok": (runner_row, git_diff(BASE, {"tests/runtests.py": RUNTESTS_OK}, tmp_path / "d"))})
+    for name, outcome in got.items():
+        assert outcome.status == "fail" and outcome.code == "test_tampering", (name, outcome.status, outcome.reason)
+    assert unittest_task.grade_patch(runner_row, patches["gold"]).status == "pass"  # the runner works: the attack is what resolved
+    gold_with_conftest = git_diff(BASE, {"calc.py": FIXED, "conftest.py": CONFTEST_PASSED}, tmp_path / "e")
+    strip = SwebenchTask(pytest_task.options.model_copy(update={"test_tampering": "strip"}))
+    stripped = grade_all(strip, {"attack": attacks["reports_passed"], "gold": (pytest_row, gold_with_conftest), "plain_gold": (pytest_row, patches["gold"])})
+    assert stripped["attack"].status == "fail" and "RESOLVED_NO" in stripped["attack"].reason  # graded without its conftest
+    assert stripped["attack"].metrics["patch_applied"] == 0.0  # nothing of it was left to apply
+    assert stripped["gold"].status == "pass" and stripped["gold"].metrics["stripped_files"] == 1.0
+    assert stripped["plain_gold"].status == "pass", stripped["plain_gold"].reason
+
+
+def test_patch_paths_are_read_as_git_and_patch_read_them():
+    from tasks.swebench.patches import fuzz_patch, parse_patch, unsafe_paths
+
+    patch = (
+        "diff --git a/calc.py b/calc.py\n--- a/calc.py\n+++ b/calc.py\n@@ -1,2 +1,2 @@\n def add(a, b):\n---- a/x\n++++ b/y\n"
+        'diff --git "a/caf\\303\\251.py" "b/caf\\303\\251.py"\nnew file mode 100644\n--- /dev/null\n+++ "b/caf\\303\\251.py"\n@@ -0,0 +1 @@\n+x\n'
+        "diff --git a/old.py b/new.py\nsimilarity index 100%\nrename from old.py\nrename to new.py\n"
+        "diff --git a/link b/link\nnew file mode 120000\n--- /dev/null\n+++ b/link\n@@ -0,0 +1 @@\n+../../tmp\n\\ No newline at end of file\n"
+    )
+    files = parse_patch(patch)
+    assert [(f.old, f.new) for f in files] == [("calc.py", "calc.py"), (None, "café.py"), ("old.py", "new.py"), (None, "link")]
+    assert [len(f.hunks) for f in files] == [1, 1, 0, 1]  # `---- a/x` is a removed line of the hunk, not a file header
+    assert unsafe_paths(files) == ["link -> ../../tmp: a link to a path with '..' or '.' components"]
+    assert "Index:" not in fuzz_patch(files) and "+++ b/café.py" in fuzz_patch(files)
+    for bad in ("/etc/passwd", "../x", "a/../../x", ".git/hooks/pre-commit", "sub/.GIT/config", '"b/x\\n>>>>> Applied Patch"'):
+        named = bad if bad.startswith('"') else f"b/{bad}"
+        assert unsafe_paths(parse_patch(f"--- a/calc.py\n+++ {named}\n@@ -1 +1 @@\n-a\n+b\n")), bad
+    assert unsafe_paths(parse_patch("--- a/src/calc.py\n+++ b/src/calc.py\n@@ -1 +1 @@\n-a\n+b\n")) == []
+
+
+def test_tampering_policy_fails_strips_or_keeps_the_files_that_steer_the_test_run():
+    from tasks.swebench.grading import prepare
+
+    def diff(*paths: str) -> str:
+        return "".join(f"diff --git a/{p} b/{p}\n--- a/{p}\n+++ b/{p}\n@@ -1 +1 @@\n-a\n+b\n" for p in paths)
+
+    spec = {"test_cmd": "./tests/runtests.py --verbosity 2 --settings=test_sqlite --parallel 1"}
+    test_patch = diff("tests/test_calc.py")
+    for path in ("conftest.py", "pkg/tests/conftest.py", "pytest.ini", "tox.ini", "sitecustomize.py", "lib/usercustomize.py",
+                 "evil.pth", "tests/runtests.py", "tests/test_sqlite.py"):  # fmt: skip
+        refused = prepare(diff("calc.py", path), spec, test_patch).refused
+        assert refused is not None and refused.code == "test_tampering" and path in refused.reason, path
+        stripped = prepare(diff("calc.py", path), spec, test_patch, tampering="strip")
+        assert stripped.refused is None and stripped.stripped == (path,) and path not in stripped.patch and "calc.py" in stripped.patch
+        assert prepare(diff("calc.py", path), spec, test_patch, tampering="off").patch == diff("calc.py", path)
+    kept = prepare(diff("calc.py", "tests/test_calc.py", "setup.cfg"), spec, test_patch)
+    assert kept.refused is None and kept.sectioned == ("setup.cfg",)  # the test patch's own files are restored, not refused
+    assert prepare("x" * 101, spec, test_patch, max_bytes=100).refused.code == "patch_too_large"
+
+
+def test_test_sections_of_setup_cfg_and_pyproject_are_compared():
+    from tasks.swebench.steering import changed
+
+    cfg = "[metadata]\nname = x\n\n[tool:pytest]\naddopts = -q\n"
+    assert not changed("setup.cfg", cfg, cfg.replace("name = x", "name = y"))
+    assert changed("setup.cfg", cfg, cfg.replace("-q", "-p evil"))
+    assert changed("sub/setup.cfg", None, "[tool:pytest]\naddopts = -p evil\n")
+    assert changed("setup.cfg", cfg, cfg + "[options.entry_points]\npytest11 =\n    evil = evil\n")
+    toml = '[project]\nname = "x"\n\n[tool.pytest.ini_options]\naddopts = "-q"\n'
+    assert not changed("pyproject.toml", toml, toml.replace('"x"', '"y"'))
+    assert changed("pyproject.toml", toml, toml.replace('"-q"', '"-p evil"'))
+    assert changed("pyproject.toml", toml, toml + "[[broken")  # unparsable: changed
+
+
+def test_markers_count_only_where_the_grader_prints_them():
+    from types import SimpleNamespace
+
+    from tasks.swebench.grading import APPLIED, SETUP_FAILED, START, TEST_PATCH_BROKEN, TEST_PATCH_FAILED, classify, test_section
+
+    row = json.loads(json.dumps({"repo": REPO, "version": VERSION, "FAIL_TO_PASS": ["t"], "PASS_TO_PASS": []}))
+    upstream.register_repo(REPO, {VERSION: {"python": "3.9", "test_cmd": "python -m unittest -v"}}, parser="django/django")
+
+    def outcome(status: str, *lines: str):
+        result = SimpleNamespace(status=status, error="", exit_code=0, stdout="\n".join(lines) + "\n")
+        return classify(row, result, result.stdout, 20.0, {"patch_bytes": 10.0}, "log")
+
+    assert outcome("ok", TEST_PATCH_BROKEN).status == "error"
+    assert outcome("killed").status == "error"  # nothing of the patch had run
+    faked = outcome("timeout", APPLIED, SETUP_FAILED, TEST_PATCH_BROKEN)  # printed by the patch's code: no error
+    assert faked.status == "fail" and faked.code == "grade_timeout"
+    assert outcome("ok", APPLIED, TEST_PATCH_FAILED).code == "test_patch_conflict"
+    assert outcome("oom", APPLIED, START).code == "grade_oom"
+    assert test_section(f"{START}\nfake\n>>>>> End Test Output\n{START}\nreal\n") == "real\n"  # the grader's start marker is the last
+
+
+def test_rebuild_runs_where_compiled_sources_change_and_the_spec_builds_in_place():
+    from tasks.swebench.grading import REBUILD, rebuild_command
+    from tasks.swebench.patches import parse_patch
+
+    pyx = parse_patch("--- a/sklearn/tree/_tree.pyx\n+++ b/sklearn/tree/_tree.pyx\n@@ -1 +1 @@\n-a\n+b\n")
+    py = parse_patch("--- a/sklearn/tree/tree.py\n+++ b/sklearn/tree/tree.py\n@@ -1 +1 @@\n-a\n+b\n")
+    sklearn = {"install": "python -m pip install -v --no-use-pep517 --no-build-isolation -e ."}
+    astropy = {"install": "python -m pip install -e .[test] --verbose"}
+    assert rebuild_command(sklearn, pyx, "auto") == REBUILD and rebuild_command(sklearn, py, "auto") is None
+    assert rebuild_command(sklearn, py, "always") == REBUILD and rebuild_command(sklearn, pyx, "never") is None
+    assert rebuild_command(astropy, pyx, "auto") is None  # an isolated build cannot run offline
+
+
+def test_a_scripted_training_step_runs_its_commands_in_the_instance_container(tiny):
+    """One f-OPD step on a scripted episode: its commands run in the instance container (the observation holds the
+    image's commit and user, which the host has not), env tokens are masked out, and the step trains."""
+    import torch
+
+    from harness.backends import SamplingParams
+    from harness.backends.hf import HFBackend
+    from harness.backends.replay import ReplayBackend
+    from harness.models.tiny import TinyArch, build_tiny_model
+    from harness.registry import METHODS
+    from harness.rollout import rollout
+    from harness.trajectory import to_tensor_batch
+    from tasks.swebench.agent_env import SUBMIT
+    from trainers.learner import train_step
+    from trainers.pipeline import behaviour_logprobs
+    from trainers.teacher import score_teacher, teacher_wants
+
+    root, _ = tiny
+    task = tiny_task(root)
+    (problem,) = task.load()
+    turns = [f"```bash\ngit log -1 --format='%an/%s' && id -u && sed -i 's/(len(values) - 1)/len(values)/' calc.py\n```", f"```bash\necho {SUBMIT}\n```"]
+    scripted = ReplayBackend({(task.name, problem.id): [turns]})
+    (traj,) = rollout(scripted, task, [problem], SamplingParams())
+    env_segments = [s for s in traj.segments if s.kind == "env"]
+    assert len(env_segments) == 1 and "SWE-bench/base\n65534\n" in env_segments[0].text  # the image's commit, the sandbox user
+    assert "+    return sum(values) / len(values)" in traj.metadata["outcome"]["patch"]  # the command changed the container's tree
+    tok = scripted.tokenizer
+    arch = TinyArch(hidden=32, layers=1, heads=2, kv_heads=1, ffn=64, max_positions=4096)
+    student, teacher = (build_tiny_model(arch, len(tok), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, seed=s) for s in (0, 1))
+    batch = to_tensor_batch([traj], tok.pad_token_id)
+    method = METHODS.get("f_opd")
+    hparams = method.hparams()
+    needs = method.needs(hparams)
+    if "old_logprobs" in needs:
+        batch.old_logprobs = behaviour_logprobs(HFBackend(student, tok, batch_size=1), batch)
+    score_teacher(HFBackend(teacher.requires_grad_(False), tok, batch_size=1), batch, want=teacher_wants(needs))
+    prompt = len(traj.prompt_ids)
+    offsets, at = {}, prompt
+    for seg in traj.segments:
+        offsets.setdefault(seg.kind, []).append((at, at + len(seg.token_ids)))
+        at += len(seg.token_ids)
+    mask = batch.loss_mask[0]
+    assert all(mask[a:b].sum() == 0 for a, b in offsets["env"]) and mask[:prompt].sum() == 0
+    assert all(bool((mask[a:b] == 1).all()) for a, b in offsets["model"])
+    before = [p.detach().clone() for p in student.parameters()]
+    optimizer = torch.optim.AdamW(student.parameters(), lr=1e-3)
+    state = method.make_state(hparams) if method.make_state else None
+    stats = train_step(student, optimizer, batch, method, hparams, state)
+    assert torch.isfinite(torch.tensor(stats["loss"])) and stats["grad_norm"] > 0 and stats["skipped"] == 0.0
+    assert any(not torch.equal(a, b) for a, b in zip(before, student.parameters(), strict=True))
+
+
+def test_a_52_mb_replayed_patch_fails_quickly_in_bounded_memory(tiny, tmp_path):
+    """A replay row with a 52 MB patch (it took `harness eval` past 17 GB RSS, tokenised character by character) fails
+    with code patch_too_large, in seconds and a few hundred MB over the process's baseline, before any image is built."""
+    import os
+    import sys
+    import time
+
+    root, patches = tiny
+    data = root / "data"
+    big = patches["gold"] + "".join(f"+# padding line {i:07d} {'x' * 40}\n" for i in range(52_000_000 // 64))
+    model = tmp_path / "big.jsonl"
+    model.write_text(json.dumps({"task": "swebench", "id": IID, "completion": big}) + "\n")
+    code = (f"from tasks.swebench import upstream; upstream.register_repo({REPO!r}, {{{VERSION!r}: {{'python': '3.9', 'test_cmd': 'python -m unittest -v'}}}}, "
+            "parser='django/django')\nimport atexit, resource, sys\nfrom harness.cli import main\nimport harness.evaluation, tasks.swebench.task\n"
+            "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+            "atexit.register(lambda: print('RSS_KB', base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr))\nmain()")  # fmt: skip
+    args = ["eval", "--task", "swebench", "--backend", "replay", "--model", str(model), "--k", "1", "--out", str(tmp_path / "out"), "--json", "--data-dir", str(data),
+            "--task-arg", f"swebench.dataset={data / 'swebench' / 'tiny.jsonl'}", "--task-arg", f"swebench.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=600)
+    seconds = time.monotonic() - started
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout[proc.stdout.index("{") :])["tasks"]["swebench"]
+    assert (got["n_pass"], got["n_fail"], got["n_errors"]) == (0, 1, 0), got
+    from harness.store import Store
+
+    store = Store(tmp_path / "out")
+    (run,) = store.runs()
+    (sample,) = store.samples(run["run_id"], 0, "swebench")
+    assert "patch_too_large" in sample["details"] and not (tmp_path / "cache" / "logs").exists()  # refused before any grading
+    base_kb, peak_kb = (int(x) for x in proc.stderr.rsplit("RSS_KB", 1)[1].split())
+    assert (peak_kb - base_kb) < 1_000_000 and seconds < 120, (peak_kb - base_kb, seconds)
+
+
+@pytest.mark.parametrize(("rebuild", "code"), [("true", ""), ("false", "install_failed"), ("echo 'collect_ignore = []' > conftest.py", "test_tampering")])
+def test_a_rebuild_runs_before_the_tests_and_cannot_plant_test_infrastructure(rebuild, code, tiny, monkeypatch):
+    """Where a rebuild runs (code of the patched repository, before the tests), a failed one fails the patch and a
+    steering file it writes is found by the hash check that follows it."""
+    from tasks.swebench import grading
+
+    root, patches = tiny
+    task = tiny_task(root)
+    row = task.load()[0].meta
+    monkeypatch.setattr(grading, "rebuild_command", lambda spec, files, policy: rebuild)
+    outcome = task.grade_patch(row, patches["gold"])
+    assert (outcome.status, outcome.code) == (("pass", "") if not code else ("fail", code)), outcome.reason

@@ -44,11 +44,26 @@ def test_shell_state_persists_and_the_patch_is_the_diff(make_env):
     assert first.observation.content == "<returncode>0</returncode>\n<output>\nready\n</output>" and not first.done
     second = env.step(bash('echo "$PWD $FLAVOUR"'))
     assert second.observation.content.endswith("/repo/sub mint\n</output>")
-    env.step(bash("cd .. && sed -i 's/a - b/a + b/' calc.py && echo new > NOTES && python3 -m pytest -q 2>&1 | tail -1; false"))
+    env.step(bash("cd .. && sed -i 's/a - b/a + b/' calc.py && echo new > NOTES && git add NOTES && python3 -m pytest -q 2>&1 | tail -1; false"))
     assert env.step(bash(f"echo {SUBMIT}")).done
     patch = env.outcome()["patch"]
     assert "-    return a - b\n+    return a + b" in patch and "+++ b/NOTES" in patch and ".agent-" not in patch
     assert env.metrics()["submitted"] == 1 and env.metrics()["ran_tests"] == 1 and env.metrics()["steps"] == 4
+
+
+def test_the_patch_is_against_the_base_commit_and_leaves_untracked_files_out(make_env):
+    """Commits and stashes move HEAD, not the base; files the agent staged are shipped, scratch files it never added
+    are not; a patch over max_patch_bytes is not read."""
+    env = make_env()
+    env.step(bash("sed -i 's/a - b/a + b/' calc.py && git -c user.email=a@b -c user.name=a commit -qam fix"))  # HEAD moves to the fix
+    env.step(bash("echo wip >> calc.py && git stash -q"))  # the work tree is back at the fix commit
+    env.step(bash("echo staged > ADDED && git add ADDED && git rm -q README && echo 'print(1)' > reproduce.py"))
+    patch = env.outcome()["patch"]
+    assert "-    return a - b\n+    return a + b" in patch and "wip" not in patch
+    assert "+++ b/ADDED" in patch and "--- a/README\n+++ /dev/null" in patch and "reproduce.py" not in patch
+    env = make_env(max_patch_bytes=200)
+    env.step(bash("seq 1 1000 > big.txt && git add big.txt"))
+    assert env.outcome() == {"patch": "", "commands": ["seq 1 1000 > big.txt && git add big.txt"], "patch_too_large": True}
 
 
 def test_format_errors_and_limits_end_the_episode(make_env):

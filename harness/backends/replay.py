@@ -6,6 +6,11 @@ while the task's environment runs live, so tool calls really execute). Several r
 are several samples, in file order, unless a row gives ``"sample_index"``. A sample that runs out of turns
 before its environment is done answers the next turns with empty text. Use it as
 ``harness eval --backend replay --model FILE``.
+
+A stored turn is served up to ``max_turn_chars`` characters (``--backend-option max_turn_chars=N``, default 8 MiB);
+a longer one is cut there with finish reason ``length``, as a model's turn at its token limit (a task's own bound,
+such as swebench's ``max_patch_bytes``, then fails it). Token ids are one per character, looked up in a table
+(linear time, about 16 bytes a character; the tokenizer's own per-token objects cost ~400 bytes a character).
 """
 
 from __future__ import annotations
@@ -13,11 +18,28 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from harness.backends import Completion, SamplingParams
 from harness.models.tiny import build_char_tokenizer
 from harness.registry import BACKENDS
 
 Sample = list[str]  # the model turns of one episode
+MAX_TURN_CHARS = 8 << 20  # a longer stored turn is cut here (finish reason "length")
+
+
+def char_id_table(tokenizer) -> np.ndarray:
+    """Code point -> token id of a character-level tokenizer (its unknown token for characters it lacks)."""
+    table = np.full(0x110000, tokenizer.unk_token_id, dtype=np.int32)
+    for token, index in tokenizer.get_vocab().items():
+        if len(token) == 1:
+            table[ord(token)] = index
+    return table
+
+
+def char_ids(table: np.ndarray, text: str) -> list[int]:
+    """The character tokenizer's ids of ``text``, without building its per-token encoding objects."""
+    return table[np.frombuffer(text.encode("utf-32-le", errors="surrogatepass"), dtype=np.uint32)].tolist() if text else []
 
 
 def row_error(path: Path, line: int, field: str, problem: str) -> ValueError:
@@ -77,19 +99,23 @@ class ReplayBackend:
     needs_episode_keys = True
     counts_tokens = False  # its token ids are characters, not the recorded model's tokens: token budgets do not apply
 
-    def __init__(self, samples: dict[tuple[str, str], list[Sample | None]], source: str = "") -> None:
+    def __init__(self, samples: dict[tuple[str, str], list[Sample | None]], source: str = "", max_turn_chars: int = MAX_TURN_CHARS) -> None:
+        if int(max_turn_chars) < 1:
+            raise ValueError(f"--backend-option max_turn_chars must be at least 1, got {max_turn_chars!r}")
         self.samples = samples
         self.source = source
+        self.max_turn_chars = int(max_turn_chars)
         self.tokenizer = build_char_tokenizer()  # trajectories still carry token ids; characters suffice
+        self._ids = char_id_table(self.tokenizer)
         self.version = 0
         self.pad_id = self.tokenizer.pad_token_id
 
     @classmethod
-    def load(cls, model: str, **options) -> "ReplayBackend":
+    def load(cls, model: str, max_turn_chars: int = MAX_TURN_CHARS, **options) -> "ReplayBackend":
         path = Path(model)
         if not path.is_file():
             raise FileNotFoundError(f"--model {model!r}: the replay backend needs a JSONL file of completions")
-        return cls(read_replay_file(path), source=str(path))
+        return cls(read_replay_file(path), source=str(path), max_turn_chars=max_turn_chars)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, keys: list[tuple] | None = None) -> list[Completion]:
         """The stored turn for each (task, id, sample index[, turn]) key; a missing sample is an error."""
@@ -102,8 +128,10 @@ class ReplayBackend:
             for s in range(params.n):
                 turns = self.sample_turns(task, problem_id, sample + s)
                 text = turns[turn] if turn < len(turns) else ""
-                ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-                out.append(Completion(ids, [0.0] * len(ids), text, "stop", index, s))
+                finish = "length" if len(text) > self.max_turn_chars else "stop"
+                text = text[: self.max_turn_chars]
+                ids = char_ids(self._ids, text)
+                out.append(Completion(ids, [0.0] * len(ids), text, finish, index, s))
         return out
 
     def sample_turns(self, task: str, problem_id: str, sample: int) -> Sample:

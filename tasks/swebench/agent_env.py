@@ -8,7 +8,10 @@ message, is ``<returncode>N</returncode>`` and ``<output>…</output>``, head an
 exceeds ``max_output_chars`` (10,000). A reply with no command or several is a format error (the model is told
 why); ``max_format_errors`` in a row end the episode. The agent submits with
 ``echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``; the step and wall-time limits also end the episode. However it
-ends, its patch is ``git diff`` of the repository (new files included), collected before the container goes.
+ends, its patch (:func:`patch_script`) is the diff against the base commit (recorded when the session opens, so
+``git commit``/``git stash``/``git reset`` cannot move it) of every file git tracks (edited, deleted, committed)
+and every new file the agent staged with ``git add``; new files left untracked (a reproduction script) are not in
+it. It is collected before the container goes; one over ``max_patch_bytes`` is not read (``patch_too_large``).
 A first reply that is itself a unified diff is taken as the submitted patch (SWE-bench's prediction format), so
 stored predictions and agents go through the same episodes.
 
@@ -46,7 +49,9 @@ Consider the following PR description:
 
 The repository is at {workdir}. Make changes to non-test files so that the issue in the PR description is resolved.
 Recommended workflow: find the relevant code, write a script that reproduces the issue, edit the source, verify the fix
-(run the reproduction and the relevant tests), then submit with: echo {submit}"""
+(run the reproduction and the relevant tests), then submit with: echo {submit}
+Your patch is the diff against the original commit of the files git tracks (edited, deleted or committed) and of the new
+files you `git add`; new files you do not `git add` (such as a reproduction script) are left out."""
 
 BLOCK_NAMES = {"fenced": "bash code block (```bash ... ```)", "tagged": "<command>...</command> block"}
 
@@ -60,6 +65,7 @@ class AgentLimits:
     command_timeout_s: float = 60.0
     max_format_errors: int = 3
     max_output_chars: int = 10_000
+    max_patch_bytes: int = 2 << 20  # a larger patch is not collected: the episode fails with code patch_too_large
 
 
 def parse_command(reply: str, action_format: str) -> tuple[str | None, str | None]:
@@ -92,6 +98,28 @@ def is_submission(command: str) -> bool:
     return first.startswith("echo") and SUBMIT in first
 
 
+GIT = "git -c core.hooksPath=/dev/null -c core.fsmonitor=false -c core.quotepath=false --no-replace-objects"
+
+
+def patch_script(workdir: str, base: str, max_bytes: int) -> str:
+    """A bash script printing the episode's patch: a scratch index (outside the repository) holding the base tree,
+    updated from the work tree for every path the base, ``HEAD`` or the agent's index knows, diffed against the base.
+    Untracked files the agent never added are in none of them. Exit 3: the base commit is gone."""
+    index = f"/tmp/.opd-patch-index-{uuid.uuid4().hex[:12]}"
+    return (
+        f"cd {shlex.quote(workdir)} || exit 2\n"
+        f"{GIT} cat-file -e {base}^{{commit}} 2>/dev/null || exit 3\n"
+        f"{{ {GIT} ls-tree -r -z --name-only {base}; {GIT} ls-tree -r -z --name-only HEAD 2>/dev/null; {GIT} ls-files -z 2>/dev/null; }}"
+        f" | sort -zu > {index}.paths\n"
+        f"export GIT_INDEX_FILE={index}\n"
+        f"{GIT} read-tree {base} || exit 2\n"
+        f"{GIT} update-index -q --add --remove --ignore-submodules -z --stdin < {index}.paths >/dev/null 2>&1\n"
+        f"{GIT} diff --cached --no-color --no-ext-diff --no-textconv --binary {base} | head -c {max_bytes + 1}\n"
+        f"rc=${{PIPESTATUS[0]}}; rm -f {index} {index}.paths\n"
+        "[ $rc = 0 ] || [ $rc = 141 ]  # 141: cut by head at the limit (SIGPIPE)\n"
+    )
+
+
 def persistent(command: str, workdir: str, state: str) -> str:
     """A bash script running ``command`` in the directory and with the exports the previous command left behind."""
     return (
@@ -118,6 +146,7 @@ class ShellAgentEnv(Env):
         self.counts = {"steps": 0, "format_errors": 0, "command_timeouts": 0, "submitted": 0, "ran_tests": 0, "repeated_loop": 0}
         self._consecutive_format_errors = 0
         self.submitted_patch: str | None = None
+        self.base_commit: str | None = None  # HEAD when the session opened: what the patch is diffed against
 
     def reset(self) -> str:
         return self.prompt
@@ -165,8 +194,15 @@ class ShellAgentEnv(Env):
         return Observation(content=text, role="user", raw=f"\n{text}\n")
 
     def session(self):
+        """The episode's session, opened on first use; the repository's commit then is the base of the patch."""
         if self._session is None:
+            from sandbox import ExecRequest
+
             self._session = self._open_session()
+            head = self._session.run(ExecRequest(argv=["bash", "-c", f"cd {shlex.quote(self.workdir)} && {GIT} rev-parse HEAD"], timeout_s=60))
+            if head.status != "ok" or head.exit_code != 0 or not re.fullmatch(r"[0-9a-f]{40,64}", head.stdout.strip()):
+                raise RuntimeError(f"the repository in the session has no commit to diff against ({head.status}): {(head.stderr or head.error or '')[-300:]}")
+            self.base_commit = head.stdout.strip()
         return self._session
 
     def metrics(self) -> dict[str, float]:
@@ -177,17 +213,23 @@ class ShellAgentEnv(Env):
         return {name: float(value) for name, value in {**self.counts, **shared}.items()}
 
     def outcome(self) -> dict:
-        """The episode's patch: ``git diff`` of the repository against its base commit, new files included."""
+        """The episode's patch (:func:`patch_script`); ``patch_too_large`` when it is over ``max_patch_bytes``, and
+        ``patch_note`` when the agent removed the base commit (an empty patch: the agent's doing, graded fail)."""
         from sandbox import ExecRequest
 
         if self.submitted_patch is not None:
             return {"patch": self.submitted_patch, "commands": []}
         if self._session is None:  # no command ever ran: the repository is untouched
             return {"patch": "", "commands": list(self.commands)}
-        script = f"cd {shlex.quote(self.workdir)} && git add -A >/dev/null 2>&1; git -c core.quotepath=false diff --cached --no-color --binary HEAD"
-        result = self.session().run(ExecRequest(argv=["bash", "-c", script], timeout_s=120, max_output_bytes=16 << 20))
+        limit = self.limits.max_patch_bytes
+        script = patch_script(self.workdir, self.base_commit or "HEAD", limit)
+        result = self.session().run(ExecRequest(argv=["bash", "-c", script], timeout_s=120, max_output_bytes=limit + 1))
+        if result.status == "ok" and result.exit_code == 3:
+            return {"patch": "", "commands": list(self.commands), "patch_note": "the base commit is gone from the repository (the agent rewrote .git)"}
         if result.status != "ok" or result.exit_code != 0:
             raise RuntimeError(f"could not read the patch ({result.status}, exit {result.exit_code}): {(result.stderr or result.error or '')[-500:]}")
+        if len(result.stdout.encode(errors="surrogateescape")) > limit or result.stdout_truncated:
+            return {"patch": "", "commands": list(self.commands), "patch_too_large": True}
         return {"patch": result.stdout, "commands": list(self.commands)}
 
     def close(self) -> None:

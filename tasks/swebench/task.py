@@ -19,7 +19,7 @@ from pydantic import Field
 from tasks.base import DataError, DataNotFound, Problem, Score, Task, TaskNotReady, TaskOptions
 from tasks.swebench import data, upstream
 from tasks.swebench.agent_env import BLOCK_NAMES, INSTANCE_PROMPT, SUBMIT, SYSTEM_PROMPT, AgentLimits, ShellAgentEnv
-from tasks.swebench.grading import Outcome, grade_patch
+from tasks.swebench.grading import MAX_PATCH_BYTES, Outcome, failed, grade_patch, too_large
 from tasks.swebench.session import open_session_on
 from tasks.swebench.images import BuildInputs, BuildResult, ImageBuildError, base_image_id, build_instance_image, environment_pins, requirement_lines, sha256_file
 
@@ -36,7 +36,14 @@ class SwebenchOptions(TaskOptions):
     instances: str = Field("", description="comma-separated instance ids (default: every instance with a snapshot, else every row)")
     repo_source: str = Field("", description="repository trees: a snapshot folder (<id>/repo.tar.xz; default <data dir>/swebench/instances), a folder of git mirrors, or github")
     cache_dir: str = Field(str(DEFAULT_CACHE), description="image build logs, pip cache, grading logs")
-    grade_timeout_s: float = Field(1800.0, gt=0, description="wall-clock limit of one grading run (past it: error)")
+    grade_timeout_s: float = Field(1800.0, gt=0, description="wall-clock limit of one grading run (past it: fail, code grade_timeout)")
+    test_tampering: Literal["fail", "strip", "off"] = Field(
+        "fail", description="a patch that changes files steering the test run (conftest.py, pytest.ini, tox.ini, ...): fail (code test_tampering), "
+        "strip (those files are left out), or off (graded as given, as SWE-bench does)")
+    max_patch_bytes: int = Field(MAX_PATCH_BYTES, ge=1, description="largest model patch graded (bytes); a larger one fails (code patch_too_large)")
+    rebuild: Literal["auto", "always", "never"] = Field(
+        "auto", description="rebuild compiled extensions in place after the patch (setup.py build_ext --inplace, for specs that build them with "
+        "the venv's tools): auto (when the patch changes .pyx/C sources), always, never")
     grade_workers: int = Field(2, ge=1, description="instances graded at once")
     memory_mb: int = Field(4096, ge=256, description="memory of a grading or agent container")
     max_steps: int = Field(30, ge=1, description="agent: model turns (one bash command each) per episode")
@@ -207,11 +214,16 @@ class SwebenchTask(Task):
         An empty patch is unresolved without running anything (as in SWE-bench, where it is never evaluated)."""
         if not patch.strip():
             return Outcome("fail", "empty patch (nothing to evaluate)", metrics={"empty_patch": 1.0, "patch_applied": 0.0})
+        oversized = too_large(patch, self.opts.max_patch_bytes)  # before any image is built
+        if oversized is not None:
+            return oversized
         try:
             image = self.ensure_image(row).tag
         except (ImageBuildError, DataNotFound, KeyError, OSError) as exc:
             return Outcome("error", f"instance image: {exc}")
-        return grade_patch(row, patch, image, self.cache_dir / "logs", timeout_s=self.opts.grade_timeout_s, memory_mb=self.opts.memory_mb)
+        opts = self.opts
+        return grade_patch(row, patch, image, self.cache_dir / "logs", timeout_s=opts.grade_timeout_s, memory_mb=opts.memory_mb,
+                           tampering=opts.test_tampering, max_patch_bytes=opts.max_patch_bytes, rebuild=opts.rebuild)  # fmt: skip
 
     def grade_many(self, problems: list[Problem], completions: list[str]) -> list[Score]:
         rows = [self._rows.get(p.id) or p.meta for p in problems]
@@ -244,7 +256,7 @@ class SwebenchTask(Task):
         """An agent episode on the instance; its container (and, if missing, its image) is made on the first command."""
         opts = self.opts
         row = self._rows.get(problem.id) or problem.meta
-        limits = AgentLimits(opts.max_steps, opts.wall_time_s, opts.command_timeout_s, opts.max_format_errors, opts.max_output_chars)
+        limits = AgentLimits(opts.max_steps, opts.wall_time_s, opts.command_timeout_s, opts.max_format_errors, opts.max_output_chars, opts.max_patch_bytes)
         return ShellAgentEnv(self.format_prompt(problem, tokenizer), lambda: self.open_session(row), workdir=AGENT_WORKDIR, limits=limits, action_format=opts.action_format)
 
     def open_session(self, row: dict):
@@ -257,11 +269,16 @@ class SwebenchTask(Task):
         outcomes = [t.metadata.get("outcome", {}) for t in trajectories]
         patches = [o.get("patch", "") for o in outcomes]
         scores = self.grade_many(problems, patches)
+        limit = self.opts.max_patch_bytes
+        scores = [outcome_score(failed("patch_too_large", f"the agent's diff is over the {limit:,}-byte limit (task option max_patch_bytes)",
+                                       metrics={"patch_applied": 0.0}), "") if o.get("patch_too_large") else s
+                  for s, o in zip(scores, outcomes, strict=True)]  # fmt: skip
         out = []
         for score, traj, outcome, patch in zip(scores, trajectories, outcomes, patches, strict=True):
             episode = traj.metadata.get("episode", {})
             agent_ran = bool(outcome.get("commands"))
-            premature = not patch.strip() or (agent_ran and episode.get("submitted") and not episode.get("ran_tests"))
+            empty = not patch.strip() and not outcome.get("patch_too_large")
+            premature = empty or (agent_ran and episode.get("submitted") and not episode.get("ran_tests"))
             applied = score.metrics.get("patch_applied")
             flags = {"premature_stop": float(bool(premature)), "patch_apply_failure": float(applied == 0.0 and bool(patch.strip()))}
             out.append(dataclasses.replace(score, metrics={**score.metrics, **flags}))
