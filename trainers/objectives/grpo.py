@@ -114,7 +114,9 @@ METHODS.add(
         group_size=GRPO_GROUP_SIZE,
         notes={
             "samples_per_prompt": "default 8 per prompt (the GRPO config of the SAF-OPD paper); 1 is refused unless allow_single_sample",
-            "ratio": "ρ = exp(s − o) against o recomputed by the rollout role under the behaviour weights (π_old); 1 at lag 0, off 1 in async runs with policy lag",
+            "ratio": "ρ = exp(s − o) against o recomputed by the trainer's model under the behaviour weights (π_old; "
+            "trainer.behaviour_logprobs=recompute, the default); 1 at lag 0, off 1 in async runs with policy lag; with =engine, o is the "
+            "rollout engine's scores and ρ is off 1 at lag 0 by the engine/trainer mismatch",
             "dual_clip": DUAL_CLIP_NOTE,
         },
     ),
