@@ -103,10 +103,10 @@ def behaviour_mismatch(engine_logp: torch.Tensor, trainer_logp: torch.Tensor, ma
     """How far the engine's sampling-time log-probs q are from the trainer's recomputed o on the trained tokens:
     ``behaviour_mismatch_kl``, the k3 estimate of KL(π_engine ‖ π_trainer) on the engine's samples (verl's and
     AReaL's training/inference mismatch metric; ≥ 0, 0 when they agree), and the largest |q − o|."""
-    trained = mask > 0
-    gap = torch.where(trained, (engine_logp.float() - trainer_logp.float()).abs(), torch.zeros_like(mask, dtype=torch.float32))
+    engine_logp, trainer_logp = engine_logp.float(), trainer_logp.float()
+    gap = torch.where(mask > 0, (engine_logp - trainer_logp).abs(), 0.0)
     return {
-        "behaviour_mismatch_kl": float(masked_mean(k3(engine_logp.float(), trainer_logp.float()), mask)),
+        "behaviour_mismatch_kl": float(masked_mean(k3(engine_logp, trainer_logp), mask)),
         "behaviour_mismatch_max": float(gap.max()) if gap.numel() else 0.0,
     }
 
