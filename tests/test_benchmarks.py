@@ -37,7 +37,8 @@ def test_episode_throughput_warms_up_both_ways_then_alternates_their_order(monke
 
 
 def fake_metrics(steps: int = 6) -> dict[int, dict[str, float]]:
-    keys = ("time_step_s", "time_generate_s", "time_teacher_s", "time_train_s", "response_length", "idle_ratio_rollout", "idle_ratio_learner")
+    keys = ("time_step_s", "time_generate_s", "time_teacher_s", "time_train_s", "response_length")
+    keys += ("idle_ratio_rollout", "idle_ratio_learner")
     return {s: {**{k: 0.5 for k in keys}, "lag_mean": 1.0, "refreshes": 0.0} for s in range(1, steps + 1)}
 
 
