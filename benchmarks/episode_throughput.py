@@ -1,11 +1,14 @@
 """Agentic rollout throughput: all live episodes batched per turn with concurrent tool calls, vs one episode at a time.
 
-Two workloads, each measured both ways side by side in one run (episodes per second and their ratio):
+Two workloads, each measured both ways side by side in one run (episodes per second and their ratio). Both ways
+are warmed up first (imports, the sandbox image and interpreters, the model's first forward passes), untimed, and
+then measured ``--rounds`` times in alternating order (one at a time first in odd rounds, batched first in even
+ones), so neither side absorbs the warm-up or always runs on a cooler machine; the ratio is of the mean rates:
   - ``retool:math500`` with replayed completions (a scripted agent: two tool calls that compute something, then
     the answer), so only the environment (sandbox) cost is measured;
   - ``arith_tool`` with a tiny model warmed up on tool traces (generation and tool calls both count).
 
-Usage: ``python benchmarks/episode_throughput.py [--problems 32] [--sandbox docker|local] [--data-dir DIR]``
+Usage: ``python benchmarks/episode_throughput.py [--problems 32] [--rounds 2] [--sandbox docker|local] [--data-dir DIR]``
 (``retool:math500`` needs ``math500/test.jsonl`` in the data folder, ``$HARNESS_DATA_DIR`` by default; the
 warmed-up model is cached under ``--cache``). Docker needs a running daemon and the sandbox image.
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -43,11 +47,23 @@ def rollout_rate(backend, task, problems: list, params: SamplingParams, *, one_a
     return len(episodes) / elapsed
 
 
-def compare(label: str, backend, task, problems: list, params: SamplingParams) -> None:
-    """Both ways, sequential first (it also warms up imports and the sandbox image cache), then the ratio."""
-    sequential = rollout_rate(backend, task, problems, params, one_at_a_time=True)
-    batched = rollout_rate(backend, task, problems, params, one_at_a_time=False)
-    print(f"{label:<34} one at a time {sequential:7.2f} ep/s   batched+concurrent {batched:7.2f} ep/s   ratio {batched / sequential:5.2f}x")
+WARMUP_PROBLEMS = 16  # enough for the batched side to start all 16 concurrent tool workers once
+
+
+def compare(label: str, backend, task, problems: list, params: SamplingParams, rounds: int) -> None:
+    """Warm both ways up (untimed), then measure them ``rounds`` times in alternating order; print the rates and their ratio."""
+    warmup = problems[:WARMUP_PROBLEMS]
+    for one_at_a_time in (True, False):
+        rollout_rate(backend, task, warmup, params, one_at_a_time=one_at_a_time)
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    for round_index in range(rounds):
+        order = (True, False) if round_index % 2 == 0 else (False, True)
+        for one_at_a_time in order:
+            rates[one_at_a_time].append(rollout_rate(backend, task, problems, params, one_at_a_time=one_at_a_time))
+    sequential, batched = statistics.mean(rates[True]), statistics.mean(rates[False])
+    per_round = ", ".join(f"{b / s:.2f}x" for s, b in zip(rates[True], rates[False]))
+    print(f"{label:<34} one at a time {sequential:7.2f} ep/s   batched+concurrent {batched:7.2f} ep/s   ratio {batched / sequential:5.2f}x"
+          f"   (per round, alternating order: {per_round})")  # fmt: skip
 
 
 def replay_workload(args) -> None:
@@ -57,7 +73,7 @@ def replay_workload(args) -> None:
         fmt = task.tool_format
         turns = [fmt.call_text(WORK), fmt.call_text("print(x % 97)"), "<answer>\\boxed{0}</answer>"]
         replay = ReplayBackend({(task.name, p.id): [turns] for p in problems})
-        compare(f"retool:math500 replay ({len(problems)} ep)", replay, task, problems, SamplingParams())
+        compare(f"retool:math500 replay ({len(problems)} ep)", replay, task, problems, SamplingParams(), args.rounds)
 
 
 def model_workload(args) -> None:
@@ -68,12 +84,13 @@ def model_workload(args) -> None:
         backend = HFBackend(model, tokenizer, batch_size=64)
         problems = task.load("test")
         params = SamplingParams(temperature=0.0, max_new_tokens=task.options.max_new_tokens, seed=0)
-        compare(f"arith_tool tiny model ({len(problems)} ep)", backend, task, problems, params)
+        compare(f"arith_tool tiny model ({len(problems)} ep)", backend, task, problems, params, args.rounds)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--problems", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=2, help="measurements of each way after the warm-up, in alternating order")
     parser.add_argument("--sandbox", default="docker", choices=["docker", "local"])
     parser.add_argument("--data-dir", type=Path, default=None, help="benchmark data folder (default: $HARNESS_DATA_DIR)")
     parser.add_argument("--cache", default=os.path.expanduser("~/.cache/opd-harness/bench"), help="where the warmed-up tiny model is cached")

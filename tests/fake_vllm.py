@@ -252,3 +252,77 @@ def fake_vllm_module(llm_factory=None):
     module.SamplingParams = FakeSamplingParams
     module.LLM = llm_factory
     return module
+
+
+# ---------------------------------------------------------------------------- an engine over a real model, off the trainer's numbers
+
+ENGINE_LOGPROB_SCALE = 1.1  # the engine reports 1.1 × the trainer's log-probs: another precision or kernel, a known mismatch
+
+
+class HFWorker:
+    """The worker of :class:`HFEngineLLM`: vLLM's ``reload_weights(weights_path=...)`` into the HF model."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.reloads = 0
+
+    def reload_weights(self, weights_path=None, **_):
+        from safetensors.torch import load_file
+
+        files = sorted(Path(weights_path).glob("*.safetensors"))
+        if not files:
+            raise RuntimeError(f"Cannot find any model weights with `{weights_path}`")
+        self.model.load_state_dict({k: v for f in files for k, v in load_file(str(f)).items()})
+        self.reloads += 1
+
+
+class HFEngineLLM(FakeLLM):
+    """``vllm.LLM(model=folder)`` that samples and scores with the folder's HF model (so a training run can use it as its
+    rollout engine on CPU), but reports every log-prob ``ENGINE_LOGPROB_SCALE`` times the model's, as a real engine's
+    differ from the trainer's. Its context is the model's positions; ``prompt_logprobs`` > 0 (top-k) is not supported."""
+
+    def __init__(self, model: str, max_logprobs: int = 20, **kwargs):
+        from harness.backends.hf import HFBackend
+
+        self.hf = HFBackend.load(model)
+        super().__init__(max_model_len=self.hf.max_context, max_logprobs=max_logprobs, model=model, **kwargs)
+        self.worker = HFWorker(self.hf.model)
+
+    def get_tokenizer(self):
+        return self.hf.tokenizer
+
+    def _scored(self, ids: list[int]) -> list[float]:
+        tensor = torch.tensor([ids])
+        return (self.hf.score(tensor, torch.ones_like(tensor))["logprobs"][0] * ENGINE_LOGPROB_SCALE).tolist()
+
+    def _score_output(self, ids: list[int], sp: FakeSamplingParams):
+        if sp["prompt_logprobs"]:
+            raise NotImplementedError("HFEngineLLM scores the actual tokens only (prompt_logprobs=0)")
+        values = self._scored(ids)
+        entries = [None] + [{tok: lp(v, 1)} for tok, v in zip(ids[1:], values[1:])]
+        forced = sp.get("allowed_token_ids")
+        token = forced[0] if forced else ids[-1]
+        sampled = [{token: lp(self._scored(ids + [token])[-1], 1)}] if sp.get("logprobs") is not None else None
+        out = SimpleNamespace(index=0, token_ids=[token], logprobs=sampled, text="", finish_reason="length")
+        return SimpleNamespace(prompt_logprobs=entries, outputs=[out])
+
+    def _sample_output(self, ids: list[int], sp: FakeSamplingParams):
+        from harness.backends import SamplingParams
+
+        params = SamplingParams(
+            temperature=sp["temperature"], top_p=sp["top_p"], max_new_tokens=sp["max_tokens"], n=sp["n"], seed=sp.get("seed"),
+            stop=tuple(sp["stop"]),
+        )  # fmt: skip
+        samples = [
+            completion_output(c.token_ids, [v * ENGINE_LOGPROB_SCALE for v in c.logprobs], finish=c.finish_reason, index=i, text=c.text)
+            for i, c in enumerate(self.hf.generate([ids], params))
+        ]
+        return SimpleNamespace(prompt_logprobs=None, outputs=samples)
+
+    def generate(self, prompts, sampling_params, use_tqdm=True):
+        self.calls.append((prompts, sampling_params))
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        for prompt, sp in zip(prompts, params, strict=True):
+            self._validate(prompt["prompt_token_ids"], sp)
+        handlers = [self._score_output if sp.get("prompt_logprobs") is not None else self._sample_output for sp in params]
+        return [handle(p["prompt_token_ids"], sp) for handle, p, sp in zip(handlers, prompts, params)]

@@ -47,6 +47,8 @@ def test_unknown_key_names_key_and_allowed():
         (["--set", "task_args.math500.k=1"], "task_args has options for ['math500']"),
         (["--set", "student.path=x", "--set", "student.arch.hidden=64"], "exactly one of 'path'"),
         (["--mode", "turbo"], "trainer.mode"),
+        (["--set", "trainer.behaviour_logprobs=vllm"], "trainer.behaviour_logprobs"),
+        (["--method", "grpo", "--set", "method_args.grpo.dual_clip=0.5"], "method_args.grpo.dual_clip"),
         (["--config", "/nonexistent.yaml"], "no such file"),
     ],
 )

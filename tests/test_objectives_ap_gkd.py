@@ -198,6 +198,17 @@ def test_ap_opd_ppo_clip_option():
     assert loss.item() == pytest.approx(-1.28 * 0.5, abs=TOL) and s.grad.item() == 0.0 and diag["clip_fraction"] == 1.0
 
 
+def test_ap_opd_ppo_clip_bounds_a_negative_advantage_by_the_dual_clip():
+    # A = T − o = −0.5 and ρ = e^5 (a stale batch): the PPO clip alone leaves −ρA = 74; the dual clip makes it c·|A| with no gradient
+    batch = make_batch([[1.0]], [[-1.0]], [[-1.5]], old=[[-1.0]])
+    for hp, expected in ((APOPDParams(clip=True), 3.0 * 0.5), (APOPDParams(clip=True, dual_clip=None), math.exp(5.0) * 0.5)):
+        s = torch.tensor([[4.0]], requires_grad=True)
+        loss, diag = ap_opd_objective(batch, StudentOutputs(s), hp)
+        loss.backward()
+        assert loss.item() == pytest.approx(expected, rel=1e-5)
+        assert (s.grad.item() == 0.0) == bool(hp.dual_clip) and diag["dual_clip_fraction"] == float(bool(hp.dual_clip))
+
+
 # ---------------------------------------------------------------------------------------------------
 # IW-OPD stand-in
 

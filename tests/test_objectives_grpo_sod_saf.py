@@ -112,6 +112,57 @@ def test_grpo_clip_is_asymmetric():
     assert diag["clip_fraction"] == pytest.approx(0.5)
 
 
+def dual_clip_case(advantage_sign: float, log_ratios: list[float]) -> tuple[TensorBatch, torch.Tensor, float]:
+    """One sequence of tokens whose ratios are exp(log_ratios), with A^grpo of ``advantage_sign`` (a group [1, 0]
+    gives the first sample A = +1/(√0.5 + 1e-6), the second the negative of it); (batch, s, |A|)."""
+    n = len(log_ratios)
+    old = torch.full((2, n), -1.0)
+    batch = make_batch(torch.stack([torch.ones(n), torch.zeros(n)] if advantage_sign > 0 else [torch.zeros(n), torch.ones(n)]),
+                       old, torch.zeros(2, n), rewards=[1.0, 0.0], groups=[0, 0])  # fmt: skip
+    magnitude = float(grpo_sequence_advantages(batch)[0])
+    s = old + t([log_ratios, log_ratios])
+    return batch, s, magnitude
+
+
+@pytest.mark.parametrize(
+    ("objective", "hp"), [(grpo_objective, GRPOParams()), (sod_objective, SODParams(c_opd=0.0)), (saf_objective, SAFParams(opd_coef=0.0))]
+)
+def test_dual_clip_bounds_a_negative_advantage_with_a_huge_ratio(objective, hp):
+    # A < 0 and ρ = e^5 ≈ 148 (a stale batch): without the bound the loss would be ρ·|A|, growing with ρ, and so would its gradient
+    batch, s, magnitude = dual_clip_case(-1.0, [5.0])
+    state = hp_state(objective, hp)
+    loss, grad, diag = run(objective, batch, s, hp, state)
+    assert hp.dual_clip == 3.0
+    assert loss.item() == pytest.approx(3.0 * magnitude, abs=TOL)  # c·|A|, one token in the mean
+    assert torch.all(grad == 0)
+    assert diag["dual_clip_fraction"] == 1.0
+    off = hp.model_copy(update={"dual_clip": None})
+    loss_off, grad_off, _ = run(objective, batch, s, off, hp_state(objective, off))
+    assert loss_off.item() == pytest.approx(math.exp(5.0) * magnitude, rel=1e-9)  # what the bound removes
+    assert grad_off[1, 0].item() == pytest.approx(math.exp(5.0) * magnitude, rel=1e-9)
+
+
+def hp_state(objective, hp):
+    """A fresh schedule for SAF-OPD (its objective needs one), None for the others."""
+    return METHODS.get("saf_opd").make_state(hp) if objective is saf_objective else None
+
+
+@pytest.mark.parametrize(("sign", "log_ratios"), [(1.0, [5.0, 0.1, -0.5]), (-1.0, [0.1, -0.5, math.log(2.9)])])
+def test_dual_clip_leaves_positive_advantages_and_ratios_below_c_unchanged(sign, log_ratios):
+    batch, s, _ = dual_clip_case(sign, log_ratios)
+    loss_on, grad_on, diag = run(grpo_objective, batch, s, GRPOParams())
+    loss_off, grad_off, _ = run(grpo_objective, batch, s, GRPOParams(dual_clip=0))
+    assert loss_on.item() == loss_off.item() and torch.equal(grad_on, grad_off)
+    assert diag["dual_clip_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("value", [0.5, 1.0, -3.0])
+def test_dual_clip_must_be_above_one_or_off(value):
+    with pytest.raises(ValueError, match="dual_clip must be null or 0"):
+        GRPOParams(dual_clip=value)
+    assert GRPOParams(dual_clip=0).dual_clip == 0 and GRPOParams(dual_clip=None).dual_clip is None
+
+
 # ----------------------------------------------------------------------------------- SOD (§2.7)
 
 SOD_M = [[1, 1, 1, 0, 0, 1, 1, 1, 0, 1, 1, 1]]

@@ -28,7 +28,18 @@ from harness.backends.vllm_backend import (
     topk_from_entry,
 )
 
-from fake_vllm import EOS, FakeLLM, FakeSamplingParams, VLLMValidationError, completion_output, fake_vllm_module, lp, utility_round_trip
+from fake_vllm import (
+    ENGINE_LOGPROB_SCALE,
+    EOS,
+    FakeLLM,
+    FakeSamplingParams,
+    HFEngineLLM,
+    VLLMValidationError,
+    completion_output,
+    fake_vllm_module,
+    lp,
+    utility_round_trip,
+)
 
 # ---------------------------------------------------------------------------- import hygiene and the missing-vllm error
 
@@ -315,6 +326,30 @@ def test_a_row_of_exactly_max_model_len_is_scored(monkeypatch):
     assert out["topk_ids"][0, 3].tolist() == [100, 101]
     with pytest.raises(ValueError, match="row 0 has 5 tokens, more than the engine's max_model_len=4"):
         backend.score(torch.tensor([[5, 6, 7, 8, 9]]), torch.ones(1, 5, dtype=torch.long))
+
+
+def test_the_mismatched_stand_in_engine_scores_and_samples_off_the_trainer_and_takes_weights(monkeypatch, tmp_path):
+    """The stand-in engine of the π_old tests (test_importance_ratios.py): log-probs 1.1 × the trainer's, weights through load_weights."""
+    from harness.backends.hf import HFBackend
+    from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model, save_model_and_tokenizer
+
+    tok = build_char_tokenizer()
+    arch = TinyArch(hidden=32, layers=1, heads=2, kv_heads=1, ffn=64)
+    models = [build_tiny_model(arch, len(tok), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, seed=seed) for seed in (0, 1)]
+    save_model_and_tokenizer(models[0], tok, tmp_path / "m")
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm_module(HFEngineLLM))
+    engine = VLLMBackend.load(str(tmp_path / "m"))
+    ids = torch.tensor([tok("12+7=19", add_special_tokens=False)["input_ids"]])
+    for model, version in zip(models, (0, 3)):
+        if version:
+            engine.load_weights(models[1].state_dict(), version)
+        trainer = HFBackend(model, tok).score(ids, torch.ones_like(ids))["logprobs"]
+        torch.testing.assert_close(engine.score(ids, torch.ones_like(ids))["logprobs"], trainer * ENGINE_LOGPROB_SCALE)
+    sample = engine.generate([ids[0].tolist()], SamplingParams(temperature=1.0, max_new_tokens=4, seed=0))[0]
+    full = torch.tensor([ids[0].tolist() + sample.token_ids])
+    rescored = HFBackend(models[1], tok).score(full, torch.ones_like(full))["logprobs"][0, ids.shape[1] :]
+    assert sample.logprobs == pytest.approx((rescored * ENGINE_LOGPROB_SCALE).tolist(), abs=1e-4)
+    engine.close()
 
 
 # ---------------------------------------------------------------------------- GPU: the real engine against HF

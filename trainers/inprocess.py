@@ -14,27 +14,39 @@ from rich.console import Console
 from harness.registry import EXECUTORS
 from harness.trajectory import TensorBatch
 from trainers.loop import LearnResult, Roles, WeightBoard, state_snapshot
-from trainers.pipeline import Session, close_rollout_backend, learn, make_batch, open_rollout_backend, response_lengths, sample_problems
+from trainers.pipeline import (
+    Session,
+    close_rollout_backend,
+    learn,
+    load_rollout_weights,
+    make_batch,
+    open_behaviour_scorer,
+    open_rollout_backend,
+    response_lengths,
+    sample_problems,
+)
 
 
 class LocalRollout:
-    """In-process rollout: a private inference backend (loaded from the student's folder) fed weights from the board."""
+    """In-process rollout: a private inference backend (loaded from the student's folder) fed weights from the board,
+    with the trainer's model beside it when π_old is recomputed for a non-hf engine (:func:`open_behaviour_scorer`)."""
 
     def __init__(self, plan, session: Session, board: WeightBoard) -> None:
         self.plan, self.session, self.board = plan, session, board
         self.backend = open_rollout_backend(plan, session.student_path)
+        self.scorer = open_behaviour_scorer(plan, self.backend, session.student_path)
 
     @property
     def version(self) -> int:
         return self.backend.version
 
     def load(self, version: int) -> None:
-        self.backend.load_weights(self.board.get(version), version)
+        load_rollout_weights(self.backend, self.scorer, self.board.get(version), version)
 
     def make(self, index: int) -> tuple[TensorBatch, dict[str, float]]:
         metrics: dict[str, float] = {}
         problems = sample_problems(self.plan.config, self.session.train_problems, index)
-        batch, _ = make_batch(self.plan, self.backend, self.session.teacher, problems, index, metrics)
+        batch, _ = make_batch(self.plan, self.backend, self.session.teacher, problems, index, metrics, self.scorer)
         return batch, metrics
 
     def close(self) -> None:

@@ -27,6 +27,8 @@ from harness.trajectory import TensorBatch, Trajectory, to_tensor_batch
 from trainers.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from trainers.guards import enforce_finite, enforce_grade_error_rate, grade_error_count
 from trainers.learner import train_step
+from trainers.objectives import masked_mean
+from trainers.objectives.common import k3
 from trainers.teacher import open_remote_teacher, score_teacher, teacher_label, teacher_wants, wrap_hf_teacher
 from trainers.warmup import prepare_model
 
@@ -43,16 +45,24 @@ def sample_problems(cfg, train_problems: list, step: int) -> list:
     return rng.sample(train_problems, min(cfg.trainer.prompts_per_step, len(train_problems)))
 
 
-def make_batch(plan, student: Backend, teacher: Backend, problems: list, step: int, metrics: dict) -> tuple[TensorBatch, list[Trajectory]]:
+def make_batch(
+    plan, student: Backend, teacher: Backend, problems: list, step: int, metrics: dict, scorer: HFBackend | None = None
+) -> tuple[TensorBatch, list[Trajectory]]:
     """Roll out (or take references), grade when the method needs rewards, and score with the teacher."""
-    batch, trajectories = generate_batch(plan, student, problems, step, metrics)
+    batch, trajectories = generate_batch(plan, student, problems, step, metrics, scorer)
     teacher_phase(plan, teacher, batch, metrics, step=step)
     return batch, trajectories
 
 
-def generate_batch(plan, student: Backend, problems: list, step: int, metrics: dict) -> tuple[TensorBatch, list[Trajectory]]:
+def generate_batch(
+    plan, student: Backend, problems: list, step: int, metrics: dict, scorer: HFBackend | None = None
+) -> tuple[TensorBatch, list[Trajectory]]:
     """The rollout role's half of :func:`make_batch`: sample (or take references), grade, and (when the
-    method reads π_old) score the sampled tokens under the behaviour weights; no teacher."""
+    method reads π_old) score the sampled tokens under the behaviour weights; no teacher.
+
+    π_old is scored by ``scorer`` (:func:`open_behaviour_scorer`: the trainer's model holding the behaviour
+    weights) when there is one, else by the engine ``student`` itself.
+    """
     cfg, task, method, hparams = plan.config, plan.task, plan.method, plan.hparams
     needs = method.needs(hparams)
     with timed("generate", metrics):
@@ -80,9 +90,59 @@ def generate_batch(plan, student: Backend, problems: list, step: int, metrics: d
     metrics.update(episode_step_metrics(task, trajectories))
     batch = to_tensor_batch(trajectories, student.pad_id)
     if "old_logprobs" in needs and method.on_policy:
+        if scorer is not None and scorer.version != student.version:
+            raise RuntimeError(f"the behaviour scorer holds weights version {scorer.version}, the rollout engine {student.version}")
         with timed("old_logprobs", metrics):
-            batch.old_logprobs = behaviour_logprobs(student, batch)
+            batch.old_logprobs = behaviour_logprobs(scorer or student, batch)
+        if cfg.trainer.behaviour_logprobs == "recompute":
+            metrics.update(behaviour_mismatch(batch.behaviour_logprobs, batch.old_logprobs, batch.loss_mask))
     return batch, trajectories
+
+
+def behaviour_mismatch(engine_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the engine's sampling-time log-probs q are from the trainer's recomputed o on the trained tokens:
+    ``behaviour_mismatch_kl``, the k3 estimate of KL(π_engine ‖ π_trainer) on the engine's samples (verl's and
+    AReaL's training/inference mismatch metric; ≥ 0, 0 when they agree), and the largest |q − o|."""
+    engine_logp, trainer_logp = engine_logp.float(), trainer_logp.float()
+    gap = torch.where(mask > 0, (engine_logp - trainer_logp).abs(), 0.0)
+    return {
+        "behaviour_mismatch_kl": float(masked_mean(k3(engine_logp, trainer_logp), mask)),
+        "behaviour_mismatch_max": float(gap.max()) if gap.numel() else 0.0,
+    }
+
+
+def needs_behaviour_scorer(plan, engine: Backend) -> bool:
+    """Whether the rollout role needs the trainer's model beside its engine to recompute π_old: the method reads
+    π_old, ``trainer.behaviour_logprobs`` is ``recompute`` and the engine is not the trainer's own model class (hf)."""
+    needs_old = plan.method.on_policy and "old_logprobs" in plan.method.needs(plan.hparams)
+    return needs_old and plan.config.trainer.behaviour_logprobs == "recompute" and not isinstance(engine, HFBackend)
+
+
+def open_behaviour_scorer(
+    plan, engine: Backend, student_path: str, *, model: torch.nn.Module | None = None, tokenizer=None
+) -> HFBackend | None:
+    """The trainer's model beside a non-hf engine, fed the same weight versions, that recomputes π_old (methods.md's
+    ``o``) under the behaviour weights; None when the engine's own scores are used (:func:`needs_behaviour_scorer`).
+
+    It wraps ``model`` when one is given (the student copy shipped to a Ray actor), else is loaded from the
+    student's folder; like the engine it holds no weights version yet (-1) until the loop pushes one.
+    """
+    if not needs_behaviour_scorer(plan, engine):
+        return None
+    batch_size = plan.config.trainer.generate_batch_size
+    if model is not None:
+        scorer = HFBackend(model, tokenizer, batch_size=batch_size)
+    else:
+        scorer = HFBackend.load(student_path, batch_size=batch_size)
+    scorer.version = -1
+    return scorer
+
+
+def load_rollout_weights(engine: Backend, scorer: HFBackend | None, weights: dict[str, torch.Tensor], version: int) -> None:
+    """Push weights ``version`` to the rollout engine and to its behaviour scorer, if it has one."""
+    engine.load_weights(weights, version)
+    if scorer is not None:
+        scorer.load_weights(weights, version)
 
 
 def episode_step_metrics(task, trajectories: list[Trajectory]) -> dict[str, float]:
@@ -93,8 +153,10 @@ def episode_step_metrics(task, trajectories: list[Trajectory]) -> dict[str, floa
 
 @torch.no_grad()
 def behaviour_logprobs(backend: Backend, batch: TensorBatch) -> torch.Tensor:
-    """o_t (methods.md §0): log-probs of the sampled tokens recomputed under the weights that generated them,
-    on exactly the padded layout the learner scores, so that the importance ratio exp(s − o) is 1 at lag 0."""
+    """o_t (methods.md §0): log-probs of the sampled tokens scored by ``backend`` under the weights that generated
+    them, on exactly the padded layout the learner scores. With the trainer's model (an hf engine, or the behaviour
+    scorer beside another engine) the importance ratio exp(s − o) is exactly 1 at lag 0; with another engine's
+    scores (``trainer.behaviour_logprobs=engine``) it is off 1 by the engine/trainer mismatch."""
     scores = backend.score(batch.input_ids, batch.attention_mask, want=("logprobs",))
     return scores["logprobs"].float().cpu() * batch.loss_mask
 

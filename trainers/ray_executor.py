@@ -39,7 +39,9 @@ from trainers.pipeline import (
     close_rollout_backend,
     generate_batch,
     learn,
+    load_rollout_weights,
     needs_teacher,
+    open_behaviour_scorer,
     open_rollout_backend,
     response_lengths,
     sample_problems,
@@ -117,22 +119,24 @@ class _Role:
 
 class RolloutActor(_Role):
     """Rollout role: the run's rollout backend (the shipped student copy for ``hf``, else loaded from the
-    student's folder, which the actor's node must see); generates (and grades) batch b with weights r."""
+    student's folder, which the actor's node must see); generates (and grades) batch b with weights r. Beside
+    a non-hf engine the shipped copy recomputes π_old (``trainer.behaviour_logprobs=recompute``)."""
 
     def __init__(self, config: dict, model: torch.nn.Module, tokenizer: Any, student_path: str, train_problems: list, threads: int) -> None:
         _setup_actor(threads)
         self.plan = _plan(config)
         self.backend = open_rollout_backend(self.plan, student_path, model=model, tokenizer=tokenizer)
+        self.scorer = open_behaviour_scorer(self.plan, self.backend, student_path, model=model, tokenizer=tokenizer)
         self.train_problems = train_problems
 
     def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        self.backend.load_weights(weights, version)
+        load_rollout_weights(self.backend, self.scorer, weights, version)
 
     def generate(self, index: int) -> tuple[TensorBatch, dict[str, float]]:
         """Batch ``index`` from the loaded weights; sampling is seeded by (seed, index) only."""
         metrics: dict[str, float] = {}
         problems = sample_problems(self.plan.config, self.train_problems, index)
-        batch, _ = generate_batch(self.plan, self.backend, problems, index, metrics)
+        batch, _ = generate_batch(self.plan, self.backend, problems, index, metrics, self.scorer)
         return batch, metrics
 
 

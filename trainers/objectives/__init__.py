@@ -18,7 +18,8 @@ from harness.trajectory import TensorBatch
 # Inputs a method may declare; the pipeline provides each or refuses the run up front.
 INPUTS = {
     "behaviour_logprobs": "student log-probs of sampled tokens at generation time",
-    "old_logprobs": "π_old: log-probs of the sampled tokens recomputed under the behaviour weights (PPO-style ratios; methods.md §0)",
+    "old_logprobs": "π_old: log-probs of the sampled tokens under the behaviour weights, recomputed by the trainer's model "
+    "(trainer.behaviour_logprobs=recompute) or the rollout engine's (engine); PPO-style ratios, methods.md §0",
     "teacher_logprobs": "teacher log-probs of the sampled tokens",
     "teacher_full": "full teacher distribution over the vocabulary at every position",
     "teacher_topk": "the teacher's top-k log-probs and token ids at every position (k: the method's teacher_top_k)",

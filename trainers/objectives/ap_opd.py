@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from harness.registry import METHODS
 from harness.trajectory import TensorBatch
 from trainers.objectives import HParams, MethodSpec, StudentOutputs, masked_mean, masked_sum
-from trainers.objectives.common import old_logprobs
+from trainers.objectives.common import dual_clipped, old_logprobs, ppo_clip_per_token
+from trainers.objectives.grpo import DUAL_CLIP, check_dual_clip
 
 Detector = Literal["z", "topk", "z_and_topk"]
 CountsAs = Literal["blocks", "boundaries"]
@@ -250,7 +251,15 @@ class SurrogateParams(HParams):
     clip: bool = Field(False, description="PPO-clip the ratio (off for the paper's vanilla OPD)")
     clip_low: float = Field(0.2, ge=0, description="ε_lo when clip is on")
     clip_high: float = Field(0.28, ge=0, description="ε_hi when clip is on")
+    dual_clip: float | None = Field(
+        DUAL_CLIP, description="c when clip is on: for A < 0 the token loss is at most c·|A| (as grpo's); null or 0 disables it"
+    )
     aggregation: Aggregation = Field("token-mean", description="token-mean (paper default) or seq-mean (RECONSTRUCTED alternative, §9.9)")
+
+    @field_validator("dual_clip")
+    @classmethod
+    def _dual_clip_above_one(cls, value: float | None) -> float | None:
+        return check_dual_clip(value)
 
 
 def opd_advantage_signed(log_ratio: torch.Tensor, mask: torch.Tensor, sign: AdvantageSign = "signed") -> torch.Tensor:
@@ -260,12 +269,11 @@ def opd_advantage_signed(log_ratio: torch.Tensor, mask: torch.Tensor, sign: Adva
 
 
 def surrogate_per_token(student_logp: torch.Tensor, old_logp: torch.Tensor, advantage: torch.Tensor, hp: SurrogateParams) -> torch.Tensor:
-    """ℓ_t = −ρ_t·A_t with ρ_t = exp(s_t − o_t), or the PPO-clip form −min(ρA, clip(ρ)A)."""
+    """ℓ_t = −ρ_t·A_t with ρ_t = exp(s_t − o_t), or the PPO-clip form −min(ρA, clip(ρ)A) with its dual clip for A < 0."""
     ratio = torch.exp(student_logp - old_logp.detach())
     if not hp.clip:
         return -ratio * advantage
-    clipped = torch.clamp(ratio, 1.0 - hp.clip_low, 1.0 + hp.clip_high) * advantage
-    return -torch.minimum(ratio * advantage, clipped)
+    return ppo_clip_per_token(ratio, advantage, clip_low=hp.clip_low, clip_high=hp.clip_high, dual_clip=hp.dual_clip)
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: Aggregation) -> torch.Tensor:
@@ -303,6 +311,7 @@ def weighted_opd_loss(
         ratio = torch.exp(student.logprobs.detach() - old_logp.detach())
         outside = (ratio < 1.0 - hp.clip_low) | (ratio > 1.0 + hp.clip_high)
         diagnostics["clip_fraction"] = float(masked_mean(outside.to(mask.dtype), mask))
+        diagnostics["dual_clip_fraction"] = float(masked_mean(dual_clipped(ratio, weights * advantage, hp.dual_clip).to(mask.dtype), mask))
     return loss, diagnostics
 
 
@@ -384,6 +393,8 @@ _COMMON_NOTES = {
     "C": "C = number of blocks in the response (all runs); counts_as='boundaries' uses within-run boundaries",
     "top_alpha": "K = min(⌈α·C⌉, #{Δ>0}) per response over all within-run boundaries; ties go to the lower index",
     "objective": "token-mean −w·ρ·A, A = T − o (signed), ρ = exp(s − o); PPO clip off; seq-mean and −[r]_+ advantage are options (§9.9)",
+    "clip": "off by default (the paper's vanilla OPD), so ρ is unbounded for either sign of A under policy lag; clip=true bounds it "
+    "(ε_lo, ε_hi) and adds the dual clip c = dual_clip (3.0) for A < 0, as grpo",
     "diagnostics": "jumps/capped blocks per non-empty sequence, mean weight over valid tokens, removed penalty mass q",
 }
 

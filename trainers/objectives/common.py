@@ -53,6 +53,29 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float =
     return out
 
 
+def ppo_clip_per_token(
+    ratio: torch.Tensor, advantages: torch.Tensor, *, clip_low: float, clip_high: float, dual_clip: float | None = None
+) -> torch.Tensor:
+    """ℓ_t = −min(ρA, clip(ρ, 1−ε_lo, 1+ε_hi)A), and for A < 0 at most c·|A| when ``dual_clip`` c is set (Ye et al. 2020).
+
+    Without the dual clip a negative advantage with a huge ratio (a stale batch, an engine/trainer mismatch)
+    has an unbounded loss and gradient; with it the token's loss is the constant c·|A| beyond ρ = c (verl's
+    ``clip_ratio_c``). ``dual_clip`` None or 0 disables it.
+    """
+    clipped = -torch.minimum(ratio * advantages, torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages)
+    if not dual_clip:
+        return clipped
+    bounded = torch.minimum(clipped, -dual_clip * advantages)
+    return torch.where(advantages < 0, bounded, clipped)
+
+
+def dual_clipped(ratio: torch.Tensor, advantages: torch.Tensor, dual_clip: float | None) -> torch.Tensor:
+    """(B, T) bool: the tokens the dual clip bounds (A < 0 and ρ > c); all False when it is off."""
+    if not dual_clip:
+        return torch.zeros_like(ratio, dtype=torch.bool)
+    return (advantages < 0) & (ratio > dual_clip)
+
+
 def clipped_surrogate(
     student_logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -61,17 +84,24 @@ def clipped_surrogate(
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.28,
+    dual_clip: float | None = None,
     aggregation: Aggregation = "token-mean",
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO-clip loss ℓ_t = −min(ρA, clip(ρ, 1−ε_lo, 1+ε_hi)A), ρ = exp(s − o); token-mean by default."""
+    """PPO-clip loss (:func:`ppo_clip_per_token`, ρ = exp(s − o)), token-mean by default, with its diagnostics."""
     ratio = torch.exp(student_logp - old_logp.detach())
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
-    per_token = -torch.minimum(unclipped, clipped)
+    per_token = ppo_clip_per_token(ratio, advantages, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
     loss = masked_sum(per_token, mask) if aggregation == "sum" else masked_mean(per_token, mask)
     clip_frac = masked_mean((unclipped != clipped).float(), mask)
+    dual_frac = masked_mean(dual_clipped(ratio.detach(), advantages, dual_clip).float(), mask)
     deviation = torch.where(mask > 0, (ratio.detach() - 1.0).abs(), torch.zeros_like(ratio))
-    return loss, {"clip_fraction": float(clip_frac), "ratio_mean": float(masked_mean(ratio.detach(), mask)), "ratio_max_dev": float(deviation.max()) if deviation.numel() else 0.0}
+    return loss, {
+        "clip_fraction": float(clip_frac),
+        "dual_clip_fraction": float(dual_frac),
+        "ratio_mean": float(masked_mean(ratio.detach(), mask)),
+        "ratio_max_dev": float(deviation.max()) if deviation.numel() else 0.0,
+    }
 
 
 def k3(log_p_model: torch.Tensor, log_p_ref: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ clip hyper-parameters live here and are imported by them.
 from __future__ import annotations
 
 import torch
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from harness.registry import METHODS
 from harness.trajectory import TensorBatch
@@ -16,11 +16,29 @@ from trainers.objectives import HParams, MethodSpec, StudentOutputs, masked_mean
 from trainers.objectives.common import clipped_surrogate, graded, graded_reward_mean, grpo_advantages, old_logprobs
 
 
+DUAL_CLIP = 3.0  # verl's clip_ratio_c default (Ye et al. 2020)
+
+
+def check_dual_clip(value: float | None) -> float | None:
+    """The dual-clip bound c: None or 0 (off), else above 1 (below 1 it would cut into the ordinary clip range)."""
+    if value is not None and value != 0 and value <= 1.0:
+        raise ValueError(f"dual_clip must be null or 0 (off) or greater than 1, got {value}")
+    return value
+
+
 class ClipParams(HParams):
-    """PPO-clip ratios shared by GRPO, SOD and SAF-OPD (verl's asymmetric clip)."""
+    """PPO-clip ratios shared by GRPO, SOD and SAF-OPD (verl's asymmetric clip and its dual clip)."""
 
     clip_low: float = Field(0.2, ge=0, lt=1, description="ε_lo: ratio clipped below at 1 − ε_lo")
     clip_high: float = Field(0.28, ge=0, description="ε_hi: ratio clipped above at 1 + ε_hi")
+    dual_clip: float | None = Field(
+        DUAL_CLIP, description="c: for A < 0 the token loss is at most c·|A| (verl's clip_ratio_c, Ye et al. 2020); null or 0 disables it"
+    )
+
+    @field_validator("dual_clip")
+    @classmethod
+    def _dual_clip_above_one(cls, value: float | None) -> float | None:
+        return check_dual_clip(value)
 
 
 class GroupParams(HParams):
@@ -34,6 +52,12 @@ class GroupParams(HParams):
 class GRPOParams(ClipParams, GroupParams):
     pass
 
+
+DUAL_CLIP_NOTE = (
+    "dual_clip c = 3.0 (verl's clip_ratio_c): for A < 0 the token loss is min(PPO-clip loss, c·|A|), so a stale or "
+    "mismatched batch (ρ ≫ 1 under policy lag or an engine's log-probs) cannot give an unbounded loss or gradient; at lag 0 "
+    "with recomputed π_old ρ = 1 and it never acts; null or 0 disables it"
+)
 
 GRPO_GROUP_SIZE = 8  # methods.md §3.6: the GRPO training config of SAF-OPD's paper, n = 8 rollouts per prompt
 
@@ -61,7 +85,9 @@ def grpo_objective(batch: TensorBatch, student: StudentOutputs, hp: GRPOParams, 
     old = old_logprobs(batch, student)
     per_sequence = grpo_sequence_advantages(batch)
     advantages = grpo_token_advantages(batch).to(old.dtype)
-    loss, diagnostics = clipped_surrogate(student.logprobs, old, advantages, mask, clip_low=hp.clip_low, clip_high=hp.clip_high)
+    loss, diagnostics = clipped_surrogate(
+        student.logprobs, old, advantages, mask, clip_low=hp.clip_low, clip_high=hp.clip_high, dual_clip=hp.dual_clip
+    )
     scored = per_sequence[has_reward] if has_reward.any() else per_sequence.new_zeros(1)
     diagnostics.update(
         reward_mean=graded_reward_mean(batch.rewards),
@@ -88,8 +114,10 @@ METHODS.add(
         group_size=GRPO_GROUP_SIZE,
         notes={
             "samples_per_prompt": "default 8 per prompt (the GRPO config of the SAF-OPD paper); 1 is refused unless allow_single_sample",
-            "ratio": "ρ = exp(s − o) against o recomputed by the rollout role under the behaviour weights (π_old); 1 at lag 0, off 1 in async runs with policy lag",
-            "dual_clip": "verl's vanilla loss also dual-clips negative advantages at ρ = 3.0; not applied here (one update per batch)",
+            "ratio": "ρ = exp(s − o) against o recomputed by the trainer's model under the behaviour weights (π_old; "
+            "trainer.behaviour_logprobs=recompute, the default); 1 at lag 0, off 1 in async runs with policy lag; with =engine, o is the "
+            "rollout engine's scores and ρ is off 1 at lag 0 by the engine/trainer mismatch",
+            "dual_clip": DUAL_CLIP_NOTE,
         },
     ),
 )

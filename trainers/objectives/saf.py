@@ -24,7 +24,7 @@ from harness.registry import METHODS
 from harness.trajectory import TensorBatch
 from trainers.objectives import MethodSpec, StudentOutputs, masked_mean
 from trainers.objectives.common import clipped_surrogate, graded_reward_mean, k3, old_logprobs, opd_advantage
-from trainers.objectives.grpo import ClipParams, GroupParams, grpo_sequence_advantages
+from trainers.objectives.grpo import DUAL_CLIP_NOTE, ClipParams, GroupParams, grpo_sequence_advantages
 
 
 class SAFParams(ClipParams, GroupParams):
@@ -217,7 +217,9 @@ def saf_objective(batch: TensorBatch, student: StudentOutputs, hp: SAFParams, st
     warmup_scale, anneal_coef = state.advance()
     opd_adv, keep = saf_opd_advantage(old, batch.teacher_logprobs, mask, hp)
     advantages = saf_advantages(grpo_adv, opd_adv, mask, warmup_scale=warmup_scale, anneal_coef=anneal_coef, opd_coef=hp.opd_coef)
-    loss, diagnostics = clipped_surrogate(student.logprobs, old, advantages, mask, clip_low=hp.clip_low, clip_high=hp.clip_high)
+    loss, diagnostics = clipped_surrogate(
+        student.logprobs, old, advantages, mask, clip_low=hp.clip_low, clip_high=hp.clip_high, dual_clip=hp.dual_clip
+    )
     # K_s: token-mean k3 KL(π_θ ‖ π_T) on the sampled tokens, monitored only (no gradient)
     kl = float(masked_mean(k3(student.logprobs.detach(), batch.teacher_logprobs), mask)) if mask.sum() > 0 else None
     state.record_kl(kl)
@@ -254,6 +256,7 @@ METHODS.add(
         make_state=Schedule.from_params,  # type: ignore[arg-type]
         group_size=8,  # methods.md §3.6: GRPO with n = 8 rollouts per prompt
         notes={
+            "dual_clip": DUAL_CLIP_NOTE,
             "samples_per_prompt": "default 8 per prompt (the paper's training config); with grpo_coef ≠ 0, 1 needs allow_single_sample",
             "tanh_form": "c·tanh(a) as in the code and README (not c·tanh(a/c)): slope c near 0, saturates at ±c only for |a| ≳ 2",
             "anneal_without_warmup": "code anneals from step 1 when N = 0 (default True); the README says N = 0 disables Stage 4 (False)",

@@ -24,7 +24,7 @@ from harness.registry import METHODS
 from harness.trajectory import TensorBatch
 from trainers.objectives import MethodSpec, StudentOutputs, masked_mean
 from trainers.objectives.common import clipped_surrogate, graded_reward_mean, old_logprobs, opd_advantage
-from trainers.objectives.grpo import ClipParams, GroupParams, grpo_sequence_advantages
+from trainers.objectives.grpo import DUAL_CLIP_NOTE, ClipParams, GroupParams, grpo_sequence_advantages
 
 WeightRule = Literal["telescoped", "recursive"]
 StepSource = Literal["mask_runs", "step_index"]
@@ -171,7 +171,9 @@ def sod_objective(batch: TensorBatch, student: StudentOutputs, hp: SODParams, st
     )
     d, present, _ = step_divergences(old, batch.teacher_logprobs, mask, step_index)
     opd = opd_advantage(old, batch.teacher_logprobs, mask)
-    loss, diagnostics = clipped_surrogate(student.logprobs, old, advantages, mask, clip_low=hp.clip_low, clip_high=hp.clip_high)
+    loss, diagnostics = clipped_surrogate(
+        student.logprobs, old, advantages, mask, clip_low=hp.clip_low, clip_high=hp.clip_high, dual_clip=hp.dual_clip
+    )
     diagnostics.update(sod_diagnostics(d, present, weights_from_divergences(d, present, hp.eps, hp.delta, hp.weight_rule)))
     diagnostics.update(
         opd_advantage_mean=float(masked_mean(opd, mask)),
@@ -198,6 +200,7 @@ METHODS.add(
         needs=sod_needs,  # type: ignore[arg-type]
         group_size=16,  # methods.md §2.5: 16 rollouts per prompt (run_sod.sh)
         notes={
+            "dual_clip": DUAL_CLIP_NOTE,
             "samples_per_prompt": "default 16 per prompt (official run script); with grpo_coef ≠ 0, 1 needs allow_single_sample",
             "delta": "δ = 0.2 from the official run script; the fork's config dataclass default is 0.5",
             "weight_rule": "official code clips only the output of the unclipped running product (= (d_1+ε)/(d_k+ε)); 'recursive' clips the carried product, a possible paper reading",

@@ -1,0 +1,68 @@
+"""What the throughput benchmarks compare and in which order (the project standard: a benchmark warms up both
+sides and alternates their order, and compares like with like), with their runs replaced by recorders."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def load_benchmark(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_episode_throughput_warms_up_both_ways_then_alternates_their_order(monkeypatch, capsys):
+    bench = load_benchmark("episode_throughput")
+    calls = []
+    rates = {True: iter([1.0, 2.0, 4.0]), False: iter([1.0, 10.0, 30.0])}  # per way: the warm-up, then the measurements
+
+    def fake_rate(backend, task, problems, params, *, one_at_a_time):
+        calls.append((len(problems), one_at_a_time))
+        return next(rates[one_at_a_time])
+
+    monkeypatch.setattr(bench, "rollout_rate", fake_rate)
+    bench.compare("w", None, None, list(range(40)), None, rounds=2)
+    warmup = bench.WARMUP_PROBLEMS
+    assert calls == [(warmup, True), (warmup, False), (40, True), (40, False), (40, False), (40, True)]
+    out = capsys.readouterr().out
+    assert "ratio  6.67x" in out  # mean 20 ep/s batched over mean 3 ep/s one at a time
+    assert "5.00x, 7.50x" in out  # each round's ratio
+
+
+def fake_metrics(steps: int = 6) -> dict[int, dict[str, float]]:
+    keys = ("time_step_s", "time_generate_s", "time_teacher_s", "time_train_s", "response_length")
+    keys += ("idle_ratio_rollout", "idle_ratio_learner")
+    return {s: {**{k: 0.5 for k in keys}, "lag_mean": 1.0, "refreshes": 0.0} for s in range(1, steps + 1)}
+
+
+def test_async_throughput_compares_f_opd_with_opd_async_in_alternating_order(monkeypatch, capsys):
+    bench = load_benchmark("async_throughput")
+    runs: list[tuple[str, ...]] = []
+    monkeypatch.setattr(bench, "run_once", lambda out, steps, *overrides: runs.append(overrides) or fake_metrics())
+    monkeypatch.setattr(sys, "argv", ["async_throughput.py", "--steps", "6"])
+    bench.main()
+    assert not any("estimator=sampled" in o for run in runs for o in run)  # opd's Tinker loss is not f-OPD's
+    f_opd = [i for i, run in enumerate(runs) if "method=f_opd" in run]
+    base = [i for i, run in enumerate(runs) if "method=opd_async" in run]
+    assert len(f_opd) == len(base) == 2
+    for i, j in zip(f_opd, base):  # each f-OPD run has its like-for-like run, with the same schedule and learning rate
+        assert set(runs[i]) - {"method=f_opd"} == set(runs[j]) - {"method=opd_async"}
+    assert [f_opd[0] < base[0], f_opd[1] < base[1]] == [True, False]  # the order alternates
+    out = capsys.readouterr().out
+    assert out.count("vs opd_async") == 2 and "plain async OPD with the same sampled-token loss" not in out
+
+
+def test_async_throughput_pairs_alternate_which_side_runs_first(monkeypatch):
+    bench = load_benchmark("async_throughput")
+    runs: list[str] = []
+    monkeypatch.setattr(bench, "run_once", lambda out, steps, *overrides: runs.append(overrides[0]) or fake_metrics())
+    monkeypatch.setattr(sys, "argv", ["async_throughput.py", "--steps", "6", "--pairs", "2"])
+    bench.main()
+    assert runs == ["trainer.mode=sync", "trainer.mode=async", "trainer.mode=async", "trainer.mode=sync"]
