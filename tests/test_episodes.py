@@ -31,6 +31,7 @@ class EchoOptions(TaskOptions):
     fail_at: int | None = None  # a step that raises (infrastructure failure)
     max_context_tokens: int | None = None
     outcome_fails: bool = False  # collecting the episode's outcome raises (infrastructure failure)
+    done_observation: str | None = None  # the observation returned with done (none by default)
 
 
 class EchoEnv(Env):
@@ -42,6 +43,7 @@ class EchoEnv(Env):
         self.task, self.prompt, self.n = task, prompt, 0
         self.max_turns = 10
         self.closed = False
+        self.done_seen, self.steps_after_done = False, 0
         task.envs.append(self)
 
     def reset(self) -> str:
@@ -54,11 +56,15 @@ class EchoEnv(Env):
             self.task.peak = max(self.task.peak, self.task.active)
         try:
             time.sleep(opts.step_sleep_s)
+            self.steps_after_done += self.done_seen  # a rollout must never step an environment that said done
             self.n += 1
             if opts.fail_at == self.n:
                 raise RuntimeError("tool backend down")
             done = self.n >= opts.turns
-            return StepResult(None if done else Observation(f"[obs {self.n}]", role=opts.role), done)
+            if done:
+                self.done_seen = True
+                return StepResult(None if opts.done_observation is None else Observation(opts.done_observation, role=opts.role), True)
+            return StepResult(Observation(f"[obs {self.n}]", role=opts.role), False)
         finally:
             with self.task.lock:
                 self.task.active -= 1
@@ -190,6 +196,20 @@ def test_context_budget_ends_the_episode_and_counts_an_unplaceable_observation(c
     assert len(traj.prompt_ids) + len(traj.response_ids) <= 12
     episode = traj.metadata["episode"]
     assert episode["stop_reason"] == "context" and episode["context_overflows"] == 1 and episode["invalid_tool_calls"] == 1
+
+
+def test_done_with_an_observation_that_does_not_fit_ends_the_episode(char_tokenizer):
+    """An environment that ends the episode (budget, format-error limit) with a final observation too big for the
+    context: the episode is over, the environment is never stepped again and nothing is counted as an overflow."""
+    task = EchoTask(EchoOptions(turns=2, max_context_tokens=40, done_observation="x" * 200))
+    replay = scripted(task, ["ab#"] * 10)
+    replay.counts_tokens = True
+    (traj,) = rollout(replay, task, task.load()[:1], SamplingParams())
+    (env,) = task.envs
+    assert env.n == 2 and env.steps_after_done == 0
+    episode = traj.metadata["episode"]
+    assert episode["stop_reason"] == "done" and episode["turns"] == 2 and "context_overflows" not in episode
+    assert [s.kind for s in traj.segments] == ["model", "env", "model"]  # the observation that does not fit is not appended
 
 
 def test_an_opening_context_that_does_not_fit_is_an_error_not_a_fail(backend):
