@@ -272,6 +272,49 @@ def test_old_logprobs_equal_the_behaviour_policy_on_multi_turn_contexts(backend)
     assert (teacher[batch.loss_mask == 0] == 0).all() and (teacher[mask] != 0).all()  # teacher covers model tokens of the interleaved context
 
 
+@pytest.fixture
+def eos_padded_backend(tiny_model_factory):
+    """An HF backend whose tokenizer has no pad token of its own (as most chat models'): it pads with EOS."""
+    from harness.models.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.pad_token = tokenizer.eos_token
+    backend = HFBackend(tiny_model_factory(seed=3), tokenizer, batch_size=64)
+    assert backend.pad_id == backend.eos_id
+    return backend
+
+
+def test_no_unsampled_token_is_trained_on_when_padding_is_eos(eos_padded_backend):
+    """Rows that stop on a stop string while others still generate are padded with EOS; only what was sampled, up to the
+    first stop, enters the trajectory (with its log-prob and loss mask 1). The oracle: the raw generated rows, cut here at
+    the first EOS or stop character (one character is one token)."""
+    backend, tokenizer = eos_padded_backend, eos_padded_backend.tokenizer
+    stops = tuple("bcfghijlmqrtvwxyz")  # no character of <pad>, <eos>, <unk>: transformers matches stop strings inside a token
+    raw: list[tuple[torch.Tensor, int]] = []
+    generate = backend.model.generate
+
+    def recording(**kwargs):
+        result = generate(**kwargs)
+        raw.append((result.sequences[:, kwargs["input_ids"].shape[1] :].cpu(), kwargs["input_ids"].shape[1]))
+        return result
+
+    backend.model.generate = recording
+    task = EchoTask(EchoOptions(turns=1))
+    trajs = rollout(backend, task, task.load(), SamplingParams(max_new_tokens=12, n=8, stop=stops, seed=0))
+    ((rows, _),) = raw
+    enders = {tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids([*stops, *EchoEnv.stop])}
+    ends = [next((i + 1 for i, t in enumerate(row) if t in enders), None) for row in rows.tolist()]  # None: ran to the limit
+    sampled = [rows.shape[1] if n is None else n for n in ends]
+    segments = [t.model_segments[0] for t in trajs]
+    assert [s.token_ids for s in segments] == [row[:n] for row, n in zip(rows.tolist(), sampled, strict=True)]
+    padded = [s for s, n in zip(segments, sampled, strict=True) if n < rows.shape[1] and s.text[-1:] in stops + EchoEnv.stop]
+    assert len(padded) >= 5  # the case under test happened: rows that stopped on a stop string and were then padded with EOS
+    batch = to_tensor_batch(trajs, backend.pad_id)
+    assert batch.loss_mask.sum(-1).tolist() == [float(n) for n in sampled]
+    assert [len(s.behaviour_logprobs) for s in segments] == sampled
+    assert [s.finish_reason for s in segments] == ["length" if n is None else "stop" for n in ends]
+
+
 def test_sod_steps_are_the_model_turns(char_tokenizer):
     """SOD's steps (maximal runs of trained tokens) are exactly the episode's model turns."""
     from trainers.objectives.sod import step_ids
