@@ -255,21 +255,38 @@ def test_evaluation_and_training_roll_out_the_same_trajectories(backend):
     assert [[s.behaviour_logprobs for s in t.model_segments] for t in trained] == [[s.behaviour_logprobs for s in t.model_segments] for t in evaluated]
 
 
-def test_old_logprobs_equal_the_behaviour_policy_on_multi_turn_contexts(backend):
-    """π_old is the behaviour policy's log-prob of each sampled token in the interleaved context: ratio 1 at lag 0."""
-    from harness.trajectory import to_tensor_batch
+def next_token_logprobs_by_hand(model, ids: list[int]) -> list[float]:
+    """log p(ids[t] | ids[:t]) for t >= 1 from one unpadded forward pass: log_softmax of the logits, gathered here."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    logp = torch.log_softmax(logits[:-1], dim=-1)
+    return [float(logp[t - 1, ids[t]]) for t in range(1, len(ids))]
+
+
+def test_old_and_teacher_logprobs_are_scored_on_the_interleaved_context(backend, tiny_model_factory):
+    """π_old (the trainer's re-scoring) and the teacher's log-probs (``score_teacher``) of every sampled token, on the
+    padded batch, equal a forward pass of each model over that episode's own interleaved context (prompt, model and
+    environment tokens) computed here; π_old also equals the generation-time log-probs (ratio 1 at lag 0). Environment
+    tokens, the prompt and padding carry no teacher log-prob."""
     from trainers.pipeline import behaviour_logprobs
+    from trainers.teacher import score_teacher
 
     task = EchoTask(EchoOptions(turns=3))
     trajs = rollout(backend, task, task.load(), SamplingParams(max_new_tokens=4, n=2, seed=1))
+    assert all([s.kind for s in t.segments] == ["model", "env", "model", "env", "model"] for t in trajs)
     batch = to_tensor_batch(trajs, backend.pad_id)
+    teacher_model = tiny_model_factory(seed=11, hidden=48)
+    score_teacher(HFBackend(teacher_model, backend.tokenizer), batch, want=("logprobs",))
     old = behaviour_logprobs(backend, batch)
     mask = batch.loss_mask > 0
-    assert torch.allclose(old[mask], batch.behaviour_logprobs[mask], atol=1e-4)  # generation-time log-probs
-    current = backend.score(batch.input_ids, batch.attention_mask)["logprobs"]
-    assert torch.allclose(torch.exp(current[mask] - old[mask]), torch.ones(int(mask.sum())), atol=1e-5)
-    teacher = backend.score(batch.input_ids, batch.attention_mask)["logprobs"] * batch.loss_mask
-    assert (teacher[batch.loss_mask == 0] == 0).all() and (teacher[mask] != 0).all()  # teacher covers model tokens of the interleaved context
+    for row, traj in enumerate(trajs):
+        ids = traj.prompt_ids + traj.response_ids
+        trained = [t for t in range(1, len(ids)) if mask[row, t]]
+        by_hand = {"student": next_token_logprobs_by_hand(backend.model, ids), "teacher": next_token_logprobs_by_hand(teacher_model, ids)}
+        assert old[row, trained].tolist() == pytest.approx([by_hand["student"][t - 1] for t in trained], abs=1e-4)
+        assert batch.teacher_logprobs[row, trained].tolist() == pytest.approx([by_hand["teacher"][t - 1] for t in trained], abs=1e-4)
+    assert old[mask].tolist() == pytest.approx(batch.behaviour_logprobs[mask].tolist(), abs=1e-4)  # generation-time log-probs
+    assert (batch.teacher_logprobs[~mask] == 0).all()
 
 
 @pytest.fixture
