@@ -149,7 +149,7 @@ def generate_turn(backend: Backend, live: list[Episode], params: SamplingParams,
                     text=completion.text,
                     step=turn,
                     policy_version=backend.version,
-                    behaviour_logprobs=completion.logprobs,
+                    behaviour_logprobs=completion.logprobs or None,  # a backend asked for none returns []: unknown, not wrong
                     finish_reason=completion.finish_reason,
                 )
             )
