@@ -99,19 +99,20 @@ def episode_metrics(traj: Trajectory, score) -> dict:
 
 def summarize_episodes(metrics: list[dict], flags: tuple[str, ...] = ()) -> dict:
     """Agentic aggregates over episodes (only when the task reports tool calls): invalid tool rate (share of
-    episodes with at least one invalid call), mean tool calls and turns, tool-error rate (errored / all calls),
-    and ``<flag>_rate`` (share of episodes where the flag is set) for each per-episode flag the task declares."""
+    episodes with at least one invalid call), mean tool calls (valid and invalid: what the budget counts) and turns,
+    tool-error rate (errored / executed calls: an invalid call ran nothing, so it is no denominator), and
+    ``<flag>_rate`` (share of episodes where the flag is set) for each per-episode flag the task declares."""
     rates = {f"{flag}_rate": float(np.mean([bool(m.get(flag)) for m in metrics])) for flag in flags} if metrics else {}
     if not any("tool_calls" in m for m in metrics):  # single-turn tasks: nothing agentic to report
         turns = {"mean_turns": float(np.mean([m.get("turns", 1) for m in metrics]))} if any(m.get("turns", 1) > 1 for m in metrics) else {}
         return {**turns, **rates}
-    calls = sum(m.get("tool_calls", 0) for m in metrics)
+    executed = sum(m.get("executed_tool_calls", 0) for m in metrics)
     return {
         **rates,
         "mean_turns": float(np.mean([m.get("turns", 0) for m in metrics])),
         "mean_tool_calls": float(np.mean([m.get("tool_calls", 0) for m in metrics])),
         "invalid_tool_rate": float(np.mean([m.get("invalid_tool_calls", 0) > 0 for m in metrics])),
-        "tool_error_rate": sum(m.get("tool_errors", 0) for m in metrics) / calls if calls else 0.0,
+        "tool_error_rate": sum(m.get("tool_errors", 0) for m in metrics) / executed if executed else 0.0,
     }
 
 

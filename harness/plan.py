@@ -85,6 +85,25 @@ def check_references(cfg: RunConfig, method, hparams, task) -> None:
         )
 
 
+def check_behaviour_logprobs(cfg: RunConfig, method, hparams) -> None:
+    """Refuse a rollout engine told not to return the sampled tokens' log-probs when the method trains on them
+    (``behaviour_logprobs``); only an evaluation may go without them."""
+    from harness.backends import as_bool
+
+    option = cfg.trainer.rollout_backend_options.get("logprobs")
+    if option is None or not method.on_policy or "behaviour_logprobs" not in method.needs(hparams):
+        return
+    try:
+        wanted = as_bool(option)
+    except ValueError as exc:
+        raise ConfigError(f"trainer.rollout_backend_options.logprobs: {exc}") from None
+    if not wanted:
+        raise ConfigError(
+            f"trainer.rollout_backend_options.logprobs={option!r}: method {method.name!r} trains on the behaviour policy's log-probs "
+            "of the sampled tokens (behaviour_logprobs), so the rollout engine must return them; remove the option"
+        )
+
+
 def make_task(name: str, task_args: dict[str, dict]) -> object:
     """Instantiate a registered task with its options from ``task_args[name]``."""
     try:
@@ -135,6 +154,7 @@ def plan_run(cfg: RunConfig) -> Plan:
             f"{task.name!r} (it provides {sorted(provided)})"
         )
     check_references(cfg, method, hparams, task)
+    check_behaviour_logprobs(cfg, method, hparams)
     return Plan(cfg, method, hparams, task, eval_tasks, pipeline, warnings=[*teacher_warnings, *pipeline.warnings(method, hparams, task)])
 
 

@@ -149,7 +149,7 @@ def generate_turn(backend: Backend, live: list[Episode], params: SamplingParams,
                     text=completion.text,
                     step=turn,
                     policy_version=backend.version,
-                    behaviour_logprobs=completion.logprobs,
+                    behaviour_logprobs=completion.logprobs or None,  # a backend asked for none returns []: unknown, not wrong
                     finish_reason=completion.finish_reason,
                 )
             )
@@ -179,7 +179,9 @@ def step_episode(episode: Episode, tokenizer, use_template: bool, limit: int | N
     """Hand the episode's last model turn to its environment and append the observation as environment tokens.
 
     An observation that does not fit the context budget with room for another token cannot be put back into
-    the context: it counts as an invalid tool call and ends the episode (``stop_reason`` ``context``)."""
+    the context: it counts as an invalid tool call and ends the episode (``stop_reason`` ``context``). An
+    environment that says ``done`` ends the episode whatever its last observation (``done``; one that does not
+    fit is left out, and is no overflow: the model would never have read it)."""
     started = time.perf_counter()
     try:
         result = episode.env.step(episode.traj.segments[-1].text)
@@ -189,15 +191,14 @@ def step_episode(episode: Episode, tokenizer, use_template: bool, limit: int | N
         return
     finally:
         add_time(episode.traj, "env_s", time.perf_counter() - started)
-    if observation is not None:
-        if limit is not None and len(episode.context) + len(observation.token_ids) >= limit:
-            if not result.done:
-                episode.counters["context_overflows"] = episode.counters.get("context_overflows", 0) + 1
-                episode.end("context")
-            return
+    fits = observation is None or limit is None or len(episode.context) + len(observation.token_ids) < limit
+    if observation is not None and fits:
         episode.traj.segments.append(observation)
     if result.done:
         episode.end("done")
+    elif not fits:
+        episode.counters["context_overflows"] = episode.counters.get("context_overflows", 0) + 1
+        episode.end("context")
 
 
 def observation_segment(observation: Observation, tokenizer, use_template: bool) -> Segment:

@@ -31,6 +31,7 @@ class EchoOptions(TaskOptions):
     fail_at: int | None = None  # a step that raises (infrastructure failure)
     max_context_tokens: int | None = None
     outcome_fails: bool = False  # collecting the episode's outcome raises (infrastructure failure)
+    done_observation: str | None = None  # the observation returned with done (none by default)
 
 
 class EchoEnv(Env):
@@ -42,6 +43,7 @@ class EchoEnv(Env):
         self.task, self.prompt, self.n = task, prompt, 0
         self.max_turns = 10
         self.closed = False
+        self.done_seen, self.steps_after_done = False, 0
         task.envs.append(self)
 
     def reset(self) -> str:
@@ -54,11 +56,15 @@ class EchoEnv(Env):
             self.task.peak = max(self.task.peak, self.task.active)
         try:
             time.sleep(opts.step_sleep_s)
+            self.steps_after_done += self.done_seen  # a rollout must never step an environment that said done
             self.n += 1
             if opts.fail_at == self.n:
                 raise RuntimeError("tool backend down")
             done = self.n >= opts.turns
-            return StepResult(None if done else Observation(f"[obs {self.n}]", role=opts.role), done)
+            if done:
+                self.done_seen = True
+                return StepResult(None if opts.done_observation is None else Observation(opts.done_observation, role=opts.role), True)
+            return StepResult(Observation(f"[obs {self.n}]", role=opts.role), False)
         finally:
             with self.task.lock:
                 self.task.active -= 1
@@ -192,6 +198,20 @@ def test_context_budget_ends_the_episode_and_counts_an_unplaceable_observation(c
     assert episode["stop_reason"] == "context" and episode["context_overflows"] == 1 and episode["invalid_tool_calls"] == 1
 
 
+def test_done_with_an_observation_that_does_not_fit_ends_the_episode(char_tokenizer):
+    """An environment that ends the episode (budget, format-error limit) with a final observation too big for the
+    context: the episode is over, the environment is never stepped again and nothing is counted as an overflow."""
+    task = EchoTask(EchoOptions(turns=2, max_context_tokens=40, done_observation="x" * 200))
+    replay = scripted(task, ["ab#"] * 10)
+    replay.counts_tokens = True
+    (traj,) = rollout(replay, task, task.load()[:1], SamplingParams())
+    (env,) = task.envs
+    assert env.n == 2 and env.steps_after_done == 0
+    episode = traj.metadata["episode"]
+    assert episode["stop_reason"] == "done" and episode["turns"] == 2 and "context_overflows" not in episode
+    assert [s.kind for s in traj.segments] == ["model", "env", "model"]  # the observation that does not fit is not appended
+
+
 def test_an_opening_context_that_does_not_fit_is_an_error_not_a_fail(backend):
     task = EchoTask(EchoOptions(turns=2, max_context_tokens=3))  # prompt "Q0:" = 3 tokens: no room for a first token
     result = evaluate_task(backend, task, task.load(), k=1, sampling=SamplingParams(max_new_tokens=2, seed=0), n_resamples=100)
@@ -235,21 +255,81 @@ def test_evaluation_and_training_roll_out_the_same_trajectories(backend):
     assert [[s.behaviour_logprobs for s in t.model_segments] for t in trained] == [[s.behaviour_logprobs for s in t.model_segments] for t in evaluated]
 
 
-def test_old_logprobs_equal_the_behaviour_policy_on_multi_turn_contexts(backend):
-    """π_old is the behaviour policy's log-prob of each sampled token in the interleaved context: ratio 1 at lag 0."""
-    from harness.trajectory import to_tensor_batch
+def next_token_logprobs_by_hand(model, ids: list[int]) -> list[float]:
+    """log p(ids[t] | ids[:t]) for t >= 1 from one unpadded forward pass: log_softmax of the logits, gathered here."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    logp = torch.log_softmax(logits[:-1], dim=-1)
+    return [float(logp[t - 1, ids[t]]) for t in range(1, len(ids))]
+
+
+def test_old_and_teacher_logprobs_are_scored_on_the_interleaved_context(backend, tiny_model_factory):
+    """π_old (the trainer's re-scoring) and the teacher's log-probs (``score_teacher``) of every sampled token, on the
+    padded batch, equal a forward pass of each model over that episode's own interleaved context (prompt, model and
+    environment tokens) computed here; π_old also equals the generation-time log-probs (ratio 1 at lag 0). Environment
+    tokens, the prompt and padding carry no teacher log-prob."""
     from trainers.pipeline import behaviour_logprobs
+    from trainers.teacher import score_teacher
 
     task = EchoTask(EchoOptions(turns=3))
     trajs = rollout(backend, task, task.load(), SamplingParams(max_new_tokens=4, n=2, seed=1))
+    assert all([s.kind for s in t.segments] == ["model", "env", "model", "env", "model"] for t in trajs)
     batch = to_tensor_batch(trajs, backend.pad_id)
+    teacher_model = tiny_model_factory(seed=11, hidden=48)
+    score_teacher(HFBackend(teacher_model, backend.tokenizer), batch, want=("logprobs",))
     old = behaviour_logprobs(backend, batch)
     mask = batch.loss_mask > 0
-    assert torch.allclose(old[mask], batch.behaviour_logprobs[mask], atol=1e-4)  # generation-time log-probs
-    current = backend.score(batch.input_ids, batch.attention_mask)["logprobs"]
-    assert torch.allclose(torch.exp(current[mask] - old[mask]), torch.ones(int(mask.sum())), atol=1e-5)
-    teacher = backend.score(batch.input_ids, batch.attention_mask)["logprobs"] * batch.loss_mask
-    assert (teacher[batch.loss_mask == 0] == 0).all() and (teacher[mask] != 0).all()  # teacher covers model tokens of the interleaved context
+    for row, traj in enumerate(trajs):
+        ids = traj.prompt_ids + traj.response_ids
+        trained = [t for t in range(1, len(ids)) if mask[row, t]]
+        by_hand = {"student": next_token_logprobs_by_hand(backend.model, ids), "teacher": next_token_logprobs_by_hand(teacher_model, ids)}
+        assert old[row, trained].tolist() == pytest.approx([by_hand["student"][t - 1] for t in trained], abs=1e-4)
+        assert batch.teacher_logprobs[row, trained].tolist() == pytest.approx([by_hand["teacher"][t - 1] for t in trained], abs=1e-4)
+    assert old[mask].tolist() == pytest.approx(batch.behaviour_logprobs[mask].tolist(), abs=1e-4)  # generation-time log-probs
+    assert (batch.teacher_logprobs[~mask] == 0).all()
+
+
+@pytest.fixture
+def eos_padded_backend(tiny_model_factory):
+    """An HF backend whose tokenizer has no pad token of its own (as most chat models'): it pads with EOS."""
+    from harness.models.tiny import build_char_tokenizer
+
+    tokenizer = build_char_tokenizer()
+    tokenizer.pad_token = tokenizer.eos_token
+    backend = HFBackend(tiny_model_factory(seed=3), tokenizer, batch_size=64)
+    assert backend.pad_id == backend.eos_id
+    return backend
+
+
+def test_no_unsampled_token_is_trained_on_when_padding_is_eos(eos_padded_backend):
+    """Rows that stop on a stop string while others still generate are padded with EOS; only what was sampled, up to the
+    first stop, enters the trajectory (with its log-prob and loss mask 1). The oracle: the raw generated rows, cut here at
+    the first EOS or stop character (one character is one token)."""
+    backend, tokenizer = eos_padded_backend, eos_padded_backend.tokenizer
+    stops = tuple("bcfghijlmqrtvwxyz")  # no character of <pad>, <eos>, <unk>: transformers matches stop strings inside a token
+    raw: list[tuple[torch.Tensor, int]] = []
+    generate = backend.model.generate
+
+    def recording(**kwargs):
+        result = generate(**kwargs)
+        raw.append((result.sequences[:, kwargs["input_ids"].shape[1] :].cpu(), kwargs["input_ids"].shape[1]))
+        return result
+
+    backend.model.generate = recording
+    task = EchoTask(EchoOptions(turns=1))
+    trajs = rollout(backend, task, task.load(), SamplingParams(max_new_tokens=12, n=8, stop=stops, seed=0))
+    ((rows, _),) = raw
+    enders = {tokenizer.eos_token_id, *tokenizer.convert_tokens_to_ids([*stops, *EchoEnv.stop])}
+    ends = [next((i + 1 for i, t in enumerate(row) if t in enders), None) for row in rows.tolist()]  # None: ran to the limit
+    sampled = [rows.shape[1] if n is None else n for n in ends]
+    segments = [t.model_segments[0] for t in trajs]
+    assert [s.token_ids for s in segments] == [row[:n] for row, n in zip(rows.tolist(), sampled, strict=True)]
+    padded = [s for s, n in zip(segments, sampled, strict=True) if n < rows.shape[1] and s.text[-1:] in stops + EchoEnv.stop]
+    assert len(padded) >= 5  # the case under test happened: rows that stopped on a stop string and were then padded with EOS
+    batch = to_tensor_batch(trajs, backend.pad_id)
+    assert batch.loss_mask.sum(-1).tolist() == [float(n) for n in sampled]
+    assert [len(s.behaviour_logprobs) for s in segments] == sampled
+    assert [s.finish_reason for s in segments] == ["length" if n is None else "stop" for n in ends]
 
 
 def test_sod_steps_are_the_model_turns(char_tokenizer):

@@ -152,6 +152,30 @@ def test_stop_strings(url, model_dir):
     assert len(stripped.logprobs) == len(stripped.token_ids) == cut
 
 
+def test_evaluation_without_logprobs(url, model_dir, probe, tmp_path):
+    """``logprobs=false``: the server is asked for none and nothing in an evaluation reads them, so episodes hold no
+    behaviour log-probs (unknown, not zeros claimed as values) and ``harness eval`` runs (it crashed every rollout)."""
+    from typer.testing import CliRunner
+
+    from harness.cli import app
+    from harness.registry import TASKS
+    from harness.rollout import rollout
+    from harness.trajectory import to_tensor_batch
+
+    task = TASKS.get("arith")()
+    trajs = rollout(make_backend(url, model_dir, logprobs="false"), task, task.load()[:2], SamplingParams(max_new_tokens=6, n=2, seed=0))
+    segments = [s for t in trajs for s in t.model_segments]
+    assert len(segments) == 4 and all(s.token_ids and s.behaviour_logprobs is None for s in segments)
+    assert probe.bodies and not any("logprobs" in body for body in probe.bodies)
+    assert to_tensor_batch(trajs, 0).behaviour_logprobs.abs().sum() == 0
+    options = [f"base_url={url}", f"tokenizer={model_dir}", "logprobs=false"]
+    args = ["eval", "--backend", "openai", "--model", MODEL, "--task", "arith", "--k", "2", "--limit", "3", "--json", "--out", str(tmp_path)]
+    result = CliRunner().invoke(app, [*args, *(x for option in options for x in ("--backend-option", option))])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)["tasks"]["arith"]
+    assert summary["n_samples"] == 6 and summary["n_errors"] == 0
+
+
 def test_chat_round_trip(url, model_dir, hf):
     backend = make_backend(url, model_dir, mode="chat")
     tok = backend.tokenizer

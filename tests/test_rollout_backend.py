@@ -61,3 +61,16 @@ def test_a_registered_engine_is_the_rollout_role_and_matches_the_default(tmp_pat
     assert len(RecordingEngine.loads) == 1 and "student" in RecordingEngine.loads[0]  # built from the student's folder
     assert RecordingEngine.pushed == [0, 1, 2]  # fixed lag 1: batches 1..4 from versions 0, 0, 1, 2
     assert losses(tmp_path / "plugged") == pytest.approx(losses(tmp_path / "default"), abs=1e-6)
+
+
+def test_training_refuses_a_rollout_engine_told_to_return_no_logprobs(tmp_path):
+    """Training reads the behaviour log-probs of the sampled tokens: an engine told not to return them is a config error
+    naming the option (exit 2) before anything is built; an evaluation runs without them (tests/test_openai_backend.py)."""
+    from harness.plan import plan_run
+
+    with pytest.raises(ConfigError, match=r"trainer\.rollout_backend_options\.logprobs=False: method 'opd' trains on .*behaviour_logprobs"):
+        plan_run(build_config(preset="smoke", overrides=["trainer.rollout_backend_options.logprobs=false"]))
+    assert plan_run(build_config(preset="smoke", overrides=["trainer.rollout_backend_options.logprobs=true"])).method.name == "opd"
+    result = runner.invoke(app, ["run", "--preset", "smoke", "--set", "trainer.rollout_backend_options.logprobs=no", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "trainer.rollout_backend_options.logprobs=False: method 'opd'" in result.output
+    assert not (tmp_path / "results.sqlite").exists()

@@ -163,6 +163,41 @@ def test_tool_call_and_turn_limits():
     assert "Tool call limit reached (2 calls)" in traj.segments[-1].text
 
 
+def test_invalid_calls_use_the_budget_but_are_no_tool_error_denominator():
+    """f-OPD App. B.1's six calls count every call, valid or not (an invalid one is refused a run, not a turn of the
+    budget); the tool-error rate is over the calls that ran code, since an invalid call cannot raise."""
+    with make_task("local", max_tool_calls=3) as task:
+        bad = "<code>\nprint(1)\n</code>"
+        result, _ = play(task, [[bad, code("1 / 0"), code("print(2)"), code("print(3)"), answer(2)]])
+    metrics = result.samples[0].metrics
+    assert metrics["tool_errors"] == 1 and result.summary["tool_error_rate"] == pytest.approx(1 / 2)  # not 1/3
+    assert (metrics["tool_calls"], metrics["invalid_tool_calls"], metrics["executed_tool_calls"]) == (3, 1, 2)
+    assert metrics["refused_tool_calls"] == 1 and "Tool call limit reached (3 calls)" in result.trajectories[0].segments[-2].text
+    assert result.summary["invalid_tool_rate"] == 1.0
+
+
+def test_the_swebench_agent_reports_the_same_tool_use_view(local_sb):
+    """The shell agent's commands are tool calls as the interpreter's are: a format error is an invalid call that ran
+    nothing, a timed-out command an executed call with a tool error."""
+    from harness.evaluation import summarize_episodes
+    from tasks.swebench.agent_env import AgentLimits, ShellAgentEnv
+
+    def open_session():
+        session = local_sb.session()
+        session.write_files({"repo/README": b"x\n"})
+        return session
+
+    env = ShellAgentEnv("task", open_session, workdir="repo", limits=AgentLimits(command_timeout_s=1.0))
+    try:
+        for reply in ("no command here", "```bash\nsleep 5\n```", "```bash\necho hi\n```"):
+            env.step(reply)
+        metrics = env.metrics()
+    finally:
+        env.close()
+    assert summarize_episodes([{**metrics, "turns": 3}])["tool_error_rate"] == pytest.approx(1 / 2)  # not 1/3
+    assert (metrics["tool_calls"], metrics["invalid_tool_calls"], metrics["executed_tool_calls"], metrics["tool_errors"]) == (3, 1, 2, 1)
+
+
 def test_reference_episodes_render_like_live_ones():
     """The SFT traces of arith_tool are token-for-token what a live episode with the same turns produces."""
     with make_task("local") as task:

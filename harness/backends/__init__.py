@@ -49,7 +49,7 @@ class Completion:
     """One sampled continuation; ``token_ids`` include the EOS token when generation stopped on it."""
 
     token_ids: list[int]
-    logprobs: list[float]  # log π(token) under the model's untempered distribution
+    logprobs: list[float]  # log π(token) under the model's untempered distribution; [] when the backend gave none
     text: str
     finish_reason: str  # "stop" or "length"
     prompt_index: int

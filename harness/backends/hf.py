@@ -8,6 +8,7 @@ import time
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
+from transformers import EosTokenCriteria, StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
 from harness.backends import SCORE_FIELDS, Completion, SamplingParams
 from harness.registry import BACKENDS
@@ -70,32 +71,35 @@ class HFBackend:
     def _generate_chunk(self, prompts: list[list[int]], chunk: list[tuple[int, int]], params: SamplingParams) -> list[Completion]:
         started = time.perf_counter()
         ids, attn = left_pad([prompts[p] for p, _ in chunk], self.pad_id)
+        stops = SampledLengths(self.stop_criteria(params.stop), prompt_width=ids.shape[1])
         kwargs = dict(
             max_new_tokens=params.max_new_tokens,
             do_sample=not params.greedy,
             pad_token_id=self.pad_id,
             eos_token_id=self.eos_id,
+            stopping_criteria=StoppingCriteriaList([stops]),
             return_dict_in_generate=True,
             output_logits=True,
         )
         if not params.greedy:
             kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
-        if params.stop:
-            kwargs.update(stop_strings=list(params.stop), tokenizer=self.tokenizer)
         result = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
         new_tokens = result.sequences[:, ids.shape[1] :].cpu()
         logits = torch.stack(result.logits, dim=1).float().cpu()  # (b, new, V) raw logits
         logprobs = F.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        lengths = stops.lengths(len(chunk))
         elapsed = time.perf_counter() - started
         completions = []
         for row, (p, s) in enumerate(chunk):
-            tokens, finish = self._truncate(new_tokens[row].tolist(), params.stop)
+            stopped = lengths[row] is not None
+            n = lengths[row] if stopped else new_tokens.shape[1]
+            tokens = new_tokens[row, :n].tolist()
             completions.append(
                 Completion(
                     token_ids=tokens,
-                    logprobs=logprobs[row, : len(tokens)].tolist(),
+                    logprobs=logprobs[row, :n].tolist(),
                     text=self._decode(tokens),
-                    finish_reason=finish,
+                    finish_reason="stop" if stopped else "length",
                     prompt_index=p,
                     sample_index=s,
                     timings={"generate_s": elapsed / len(chunk)},
@@ -103,15 +107,12 @@ class HFBackend:
             )
         return completions
 
-    def _truncate(self, tokens: list[int], stop: tuple[str, ...]) -> tuple[list[int], str]:
-        """Cut at the first EOS (kept, so the loss covers it) or at the end of the first stop string."""
-        if self.eos_id in tokens:
-            return tokens[: tokens.index(self.eos_id) + 1], "stop"
-        for cut in range(1, len(tokens) + 1) if stop else ():
-            text = self.tokenizer.decode(tokens[:cut])
-            if any(text.endswith(s) for s in stop):
-                return tokens[:cut], "stop"
-        return tokens, "length"
+    def stop_criteria(self, stop: tuple[str, ...]) -> StoppingCriteriaList:
+        """What ends a row: its EOS (kept, so the loss covers it) or a completed stop string (as transformers matches it)."""
+        criteria = StoppingCriteriaList([EosTokenCriteria(self.eos_id)] if self.eos_id is not None else [])
+        if stop:
+            criteria.append(StopStringCriteria(self.tokenizer, list(stop)))
+        return criteria
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -130,6 +131,30 @@ class HFBackend:
         with torch.set_grad_enabled(grad):
             logits = self.model(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)).logits
             return scores_from_logits(logits.float(), input_ids.to(self.device), want, top_k)
+
+
+class SampledLengths(StoppingCriteria):
+    """Stops rows by ``criteria`` and records how many tokens each row sampled before it stopped: generate pads a
+    stopped row with the pad token, which may be EOS itself, so the sampled length cannot be read from token values."""
+
+    def __init__(self, criteria: StoppingCriteriaList, *, prompt_width: int) -> None:
+        self.criteria = criteria
+        self.prompt_width = prompt_width
+        self._stopped_at: torch.Tensor | None = None  # (b,) new tokens when the row stopped; -1 while it runs
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        done = self.criteria(input_ids, scores, **kwargs)
+        if self._stopped_at is None:
+            self._stopped_at = torch.full(done.shape, -1, dtype=torch.long, device=done.device)
+        first = done & (self._stopped_at < 0)
+        self._stopped_at = torch.where(first, input_ids.shape[1] - self.prompt_width, self._stopped_at)
+        return done
+
+    def lengths(self, rows: int) -> list[int | None]:
+        """Per row the tokens sampled up to and including the one that stopped it; None for a row cut at the token limit."""
+        if self._stopped_at is None:
+            return [None] * rows
+        return [n if n >= 0 else None for n in self._stopped_at.cpu().tolist()]
 
 
 def scores_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, want: tuple[str, ...], top_k: int = 0) -> dict[str, torch.Tensor]:

@@ -36,7 +36,9 @@ command line passes them):
   keeps a matched stop string, as the HF backend does). Our server and vLLM accept them; set it
   false for servers that reject unknown fields (then stop strings are cut from the text, OpenAI's
   semantics, and token ids are re-encoded from the text).
-* ``logprobs`` (default true): ask for the sampled tokens' log-probs.
+* ``logprobs`` (default true): ask for the sampled tokens' log-probs. ``false`` suits servers that cannot return
+  them: an evaluation reads none (its episodes then hold no behaviour log-probs), while training, which does, refuses
+  an engine told so (``trainer.rollout_backend_options.logprobs=false`` exits 2).
 
 What comes back per sample: ``token_ids`` are exact when the server returns ``token_id:<id>``
 tokens (then a final EOS is included, as with the HF backend), else the text re-encoded with the

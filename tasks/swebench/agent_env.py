@@ -206,10 +206,16 @@ class ShellAgentEnv(Env):
         return self._session
 
     def metrics(self) -> dict[str, float]:
-        """The counters, plus the tool-use view every agentic task shares: commands run are tool calls, format
-        errors invalid calls, and commands that timed out tool errors."""
+        """The counters, plus the tool-use view every agentic task shares (``harness.evaluation.summarize_episodes``): tool
+        calls are commands run and format errors, invalid calls the format errors, executed calls the commands run, and
+        tool errors the commands that timed out."""
         executed = sum(not is_submission(command) for command in self.commands)  # a diff submitted as the first reply is no command
-        shared = {"tool_calls": executed + self.counts["format_errors"], "invalid_tool_calls": self.counts["format_errors"], "tool_errors": self.counts["command_timeouts"]}
+        shared = {
+            "tool_calls": executed + self.counts["format_errors"],
+            "invalid_tool_calls": self.counts["format_errors"],
+            "executed_tool_calls": executed,
+            "tool_errors": self.counts["command_timeouts"],
+        }
         return {name: float(value) for name, value in {**self.counts, **shared}.items()}
 
     def outcome(self) -> dict:

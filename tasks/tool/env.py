@@ -5,6 +5,12 @@ output comes back as an observation) or makes no call, which ends the episode. A
 crash of the code is an observation the model sees, never a harness error; a failure of the sandbox itself
 raises :class:`ToolInfrastructureError` (the rollout grades that episode ``error``). Limits: ``max_tool_calls``
 calls (a call past it is refused without running, and the model is told so) and ``max_turns`` assistant turns.
+
+Counting (f-OPD App. B.1: "at most six tool calls" per episode, an invalid tool call being a malformed block, an
+unparsable payload or an unsupported invocation): every call the model makes within the budget is a tool call,
+valid or invalid, so an invalid call uses up one of the six, as each tool round does in ReTool's rollout loop. Only
+calls that ran code are ``executed_tool_calls``, the denominator of the tool-error rate (``tool_errors``: executed
+calls that raised, timed out or crashed); invalid calls are measured by the invalid tool rate instead.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ class ToolEnv(Env):
         self.timeout_s = timeout_s
         self._open_interpreter = open_interpreter
         self._interpreter = None
-        self.counts = {"tool_calls": 0, "invalid_tool_calls": 0, "tool_errors": 0, "refused_tool_calls": 0}
+        self.counts = {"tool_calls": 0, "invalid_tool_calls": 0, "executed_tool_calls": 0, "tool_errors": 0, "refused_tool_calls": 0}
 
     def reset(self) -> str:
         return self.prompt
@@ -74,6 +80,7 @@ class ToolEnv(Env):
         result = self._interpreter.run_cell(call.code, timeout_s=self.timeout_s)
         if result.status == "error":
             raise ToolInfrastructureError(f"sandbox failed while running a tool call: {result.error}")
+        self.counts["executed_tool_calls"] += 1
         if result.status != "ok" or result.raised:
             self.counts["tool_errors"] += 1
         return cell_output(result, self.timeout_s)
