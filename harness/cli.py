@@ -297,9 +297,13 @@ def serve_(
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available)")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="model name clients ask for (default: --model as given)")] = None,
     api_key: Annotated[str | None, typer.Option(envvar="HARNESS_SERVE_API_KEY", help="require Authorization: Bearer KEY")] = None,
-    max_model_len: Annotated[int | None, typer.Option(help="context window: prompt + max_tokens per sequence (default: the model's)")] = None,
+    max_model_len: Annotated[
+        int | None, typer.Option(help="context window: prompt + max_tokens per sequence (default: the model's)")
+    ] = None,
     max_request_sequences: Annotated[int, typer.Option(help="most sequences (prompts x n) in one request (more: 400)")] = 1024,
-    max_request_tokens: Annotated[int, typer.Option(help="most tokens (prompt + max_tokens, over all its sequences) in one request (more: 400)")] = 1 << 20,
+    max_request_tokens: Annotated[
+        int, typer.Option(help="most tokens (prompt + max_tokens, over all its sequences) in one request (more: 400)")
+    ] = 1 << 20,
     max_queued_sequences: Annotated[int, typer.Option(help="most sequences waiting or decoding, all requests together (more: 503)")] = 4096,
     max_body_bytes: Annotated[int, typer.Option(help="largest request body (more: 413, refused before it is read)")] = 16 << 20,
 ) -> None:
@@ -310,8 +314,8 @@ def serve_(
     _quiet_libraries()
     limits = Limits(max_model_len, max_request_sequences, max_request_tokens, max_queued_sequences, max_body_bytes)
     try:
-        run_server(model, host=host, port=port, max_batch=max_batch, max_batch_tokens=max_batch_tokens, max_logprobs=max_logprobs, device=device,
-                   model_name=served_model_name, api_key=api_key, limits=limits)  # fmt: skip
+        run_server(model, host=host, port=port, max_batch=max_batch, max_batch_tokens=max_batch_tokens, max_logprobs=max_logprobs,
+                   device=device, model_name=served_model_name, api_key=api_key, limits=limits)  # fmt: skip
     except (OSError, ValueError) as exc:
         raise _fail(str(exc)) from None
 

@@ -118,7 +118,8 @@ class Limits:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
         if self.max_queued_sequences < self.max_request_sequences:
             raise ValueError(
-                f"--max-queued-sequences must be at least --max-request-sequences ({self.max_request_sequences}), got {self.max_queued_sequences}"
+                f"--max-queued-sequences must be at least --max-request-sequences ({self.max_request_sequences}), "
+                f"got {self.max_queued_sequences}"
             )
 
 
@@ -129,7 +130,14 @@ class APIError(Exception):
     """An error answered as OpenAI-shaped JSON with an HTTP status."""
 
     def __init__(
-        self, status: int, message: str, *, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code, self.headers = status, message, type_, param, code, headers
@@ -344,7 +352,11 @@ class _Served:
                     code="context_length_exceeded",
                 )
         if n * sum(sizes) > self.limits.max_request_tokens * self.token_chars:
-            raise APIError(400, f"this request's prompts ({sum(sizes)} characters, x n={n}) exceed {self.limits.max_request_tokens} tokens per request", param="prompt")
+            raise APIError(
+                400,
+                f"this request's prompts ({sum(sizes)} characters, x n={n}) exceed {self.limits.max_request_tokens} tokens per request",
+                param="prompt",
+            )
 
     def check_logprobs(self, req: _Common) -> None:
         n = req.top_n()
@@ -536,7 +548,13 @@ class _Job:
         try:
             engine.submit(seqs, max_load=max_load)
         except Overloaded as exc:
-            raise APIError(503, f"the server is busy ({exc}); retry later", type_="server_error", code="server_busy", headers={"retry-after": str(RETRY_AFTER_S)}) from None
+            raise APIError(
+                503,
+                f"the server is busy ({exc}); retry later",
+                type_="server_error",
+                code="server_busy",
+                headers={"retry-after": str(RETRY_AFTER_S)},
+            ) from None
 
     async def next_event(self) -> tuple[int, str, Delta | None]:
         """The next event; raises ``ClientDisconnected`` if the client goes away first."""
@@ -814,7 +832,15 @@ def serve(
     limits.check()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     backend = HFBackend.load(model_path, device=device)
-    app = make_app(backend, model_name=model_name or model_path, api_key=api_key, max_batch=max_batch, max_batch_tokens=max_batch_tokens, max_logprobs=max_logprobs, limits=limits)
+    app = make_app(
+        backend,
+        model_name=model_name or model_path,
+        api_key=api_key,
+        max_batch=max_batch,
+        max_batch_tokens=max_batch_tokens,
+        max_logprobs=max_logprobs,
+        limits=limits,
+    )
     log.info("serving %s on http://%s:%d/v1 (%s, up to %d sequences per batch)", model_name or model_path, host, port, device, max_batch)
     try:
         uvicorn.run(app, host=host, port=port, log_level=log_level)

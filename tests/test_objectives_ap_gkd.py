@@ -199,7 +199,8 @@ def test_ap_opd_ppo_clip_option():
 
 
 def test_ap_opd_ppo_clip_bounds_a_negative_advantage_by_the_dual_clip():
-    # A = T − o = −0.5 and ρ = e^5 (a stale batch): the PPO clip alone leaves −ρA = 74; the dual clip makes it c·|A| with no gradient
+    # A = T − o = −0.5 and ρ = e^5 (a stale batch): the PPO clip alone leaves −ρA = 74;
+    # the dual clip makes it c·|A| with no gradient
     batch = make_batch([[1.0]], [[-1.0]], [[-1.5]], old=[[-1.0]])
     for hp, expected in ((APOPDParams(clip=True), 3.0 * 0.5), (APOPDParams(clip=True, dual_clip=None), math.exp(5.0) * 0.5)):
         s = torch.tensor([[4.0]], requires_grad=True)

@@ -169,7 +169,9 @@ def test_evaluation_without_logprobs(url, model_dir, probe, tmp_path):
     assert probe.bodies and not any("logprobs" in body for body in probe.bodies)
     assert to_tensor_batch(trajs, 0).behaviour_logprobs.abs().sum() == 0
     options = [f"base_url={url}", f"tokenizer={model_dir}", "logprobs=false"]
-    args = ["eval", "--backend", "openai", "--model", MODEL, "--task", "arith", "--k", "2", "--limit", "3", "--json", "--out", str(tmp_path)]
+    args = [
+        "eval", "--backend", "openai", "--model", MODEL, "--task", "arith", "--k", "2", "--limit", "3", "--json", "--out", str(tmp_path)
+    ]
     result = CliRunner().invoke(app, [*args, *(x for option in options for x in ("--backend-option", option))])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)["tasks"]["arith"]

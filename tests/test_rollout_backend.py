@@ -71,6 +71,8 @@ def test_training_refuses_a_rollout_engine_told_to_return_no_logprobs(tmp_path):
     with pytest.raises(ConfigError, match=r"trainer\.rollout_backend_options\.logprobs=False: method 'opd' trains on .*behaviour_logprobs"):
         plan_run(build_config(preset="smoke", overrides=["trainer.rollout_backend_options.logprobs=false"]))
     assert plan_run(build_config(preset="smoke", overrides=["trainer.rollout_backend_options.logprobs=true"])).method.name == "opd"
-    result = runner.invoke(app, ["run", "--preset", "smoke", "--set", "trainer.rollout_backend_options.logprobs=no", "--out", str(tmp_path)])
+    result = runner.invoke(
+        app, ["run", "--preset", "smoke", "--set", "trainer.rollout_backend_options.logprobs=no", "--out", str(tmp_path)]
+    )
     assert result.exit_code == 2 and "trainer.rollout_backend_options.logprobs=False: method 'opd'" in result.output
     assert not (tmp_path / "results.sqlite").exists()

@@ -415,14 +415,19 @@ def test_total_tokens_per_request_are_bounded(hf):
         status, answer = post(base + "/v1", "/completions", body)
         assert status == 400 and "104 tokens" in answer["error"]["message"] and "at most 100" in answer["error"]["message"]
         assert post(base + "/v1", "/completions", {**body, "max_tokens": 9})[0] == 200  # 96 tokens
-        status, answer = post(base + "/v1", "/completions", {**body, "prompt": ["a" * 126, "b"], "max_tokens": 1})  # 4 x 127 characters > 100 x 5
+        # 4 x 127 characters > 100 x 5
+        status, answer = post(base + "/v1", "/completions", {**body, "prompt": ["a" * 126, "b"], "max_tokens": 1})
         assert status == 400 and "tokens per request" in answer["error"]["message"]
 
 
 def test_max_model_len_shortens_the_context(hf):
     with running(make_app(hf, model_name=MODEL, limits=Limits(max_model_len=10))) as base:
         status, answer = post(base + "/v1", "/completions", {"model": MODEL, "prompt": "abcd", "max_tokens": 7})
-        assert status == 400 and answer["error"]["code"] == "context_length_exceeded" and "maximum context length is 10" in answer["error"]["message"]
+        assert (
+            status == 400
+            and answer["error"]["code"] == "context_length_exceeded"
+            and "maximum context length is 10" in answer["error"]["message"]
+        )
         assert post(base + "/v1", "/completions", {"model": MODEL, "prompt": "abcd", "max_tokens": 6})[0] == 200
     with pytest.raises(ValueError, match="--max-model-len 129 is longer than the model's context window"):
         make_app(hf, model_name=MODEL, limits=Limits(max_model_len=129))
@@ -440,7 +445,9 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(hf):
         assert response.status == 413 and json.loads(response.read())["error"]["code"] == "request_too_large"
         conn.close()
         conn = http.client.HTTPConnection(where.hostname, where.port, timeout=5)  # no length: refused once 1,000 bytes have come
-        conn.request("POST", "/v1/completions", body=iter([b" " * 600] * 3), headers={"content-type": "application/json"}, encode_chunked=True)
+        conn.request(
+            "POST", "/v1/completions", body=iter([b" " * 600] * 3), headers={"content-type": "application/json"}, encode_chunked=True
+        )
         response = conn.getresponse()
         assert response.status == 413 and "larger than this server accepts (1000 bytes)" in json.loads(response.read())["error"]["message"]
         conn.close()
@@ -463,7 +470,9 @@ def test_queued_work_is_bounded_with_a_503_and_retry_after(hf):
     engine.model = Slow(hf.model)
     with running(app) as base:
         url = base + "/v1"
-        holder = threading.Thread(target=post, args=(url, "/completions", {"model": MODEL, "prompt": "abc", "n": 4, "max_tokens": 60, "temperature": 0}))
+        holder = threading.Thread(
+            target=post, args=(url, "/completions", {"model": MODEL, "prompt": "abc", "n": 4, "max_tokens": 60, "temperature": 0})
+        )
         holder.start()
         deadline = time.monotonic() + 10
         while engine.load < 4 and time.monotonic() < deadline:

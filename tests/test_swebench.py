@@ -22,7 +22,10 @@ REPO, VERSION, IID = "opd-harness/tinycalc", "0.1", "opd-harness__tinycalc-1"
 RUNNER_VERSION = "0.3"  # the same tree, its tests run by tests/runtests.py (django's layout)
 PYTEST_REPO, PYTEST_IID = "opd-harness/tinycalc-pytest", "opd-harness__tinycalc-pytest-1"  # the same tree under pytest
 PYTEST_PINS = ("pytest==8.3.3", "pluggy==1.5.0", "iniconfig==2.0.0", "packaging==24.1")
-RUNTESTS = "import os\nimport sys\nimport unittest\n\nsys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))\nsys.exit(not unittest.main(module=None, argv=['runtests', '-v', *sys.argv[1:]], exit=False).result.wasSuccessful())\n"
+RUNTESTS = (
+    "import os\nimport sys\nimport unittest\n\nsys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))\n"
+    "sys.exit(not unittest.main(module=None, argv=['runtests', '-v', *sys.argv[1:]], exit=False).result.wasSuccessful())\n"
+)
 BASE = {
     "calc.py": 'def add(a, b):\n    return a + b\n\n\ndef mean(values):\n    """Arithmetic mean of a non-empty list."""\n    return sum(values) / (len(values) - 1)\n',
     "tests/__init__.py": "",
@@ -64,7 +67,8 @@ def snapshot(inst: Path, files: dict[str, str], environment: str) -> None:
 def tiny(tmp_path_factory, docker_client):
     """A data dir with the tiny instance (snapshot + environment.yml with no pins + rows), and its patches."""
     upstream.register_repo(REPO, {VERSION: {"python": "3.9", "test_cmd": "python -m unittest -v"},
-                                  RUNNER_VERSION: {"python": "3.9", "test_cmd": "python tests/runtests.py"}}, parser="django/django")  # fmt: skip
+                                  RUNNER_VERSION: {"python": "3.9", "test_cmd": "python tests/runtests.py"}},
+                           parser="django/django")  # fmt: skip
     root = tmp_path_factory.mktemp("swe")
     fixed = BASE["calc.py"].replace("(len(values) - 1)", "len(values)")
     patches = {
@@ -355,8 +359,12 @@ def test_f_opd_trains_on_agent_episodes_in_instance_containers(tiny, tmp_path):
 # ---- grading policy: what the patch causes is fail (with its code), tampering and escapes are refused
 
 FIXED = BASE["calc.py"].replace("(len(values) - 1)", "len(values)")
-HOOK = "diff --git a/.git/hooks/post-checkout b/.git/hooks/post-checkout\nnew file mode 100755\n--- /dev/null\n+++ b/.git/hooks/post-checkout\n@@ -0,0 +1,2 @@\n+#!/bin/sh\n+{}\n"
-NEUTER_TEST_PATCH = r"sed -i 's/^+        self.assertEqual(mean(\[2, 4\]), 3.0)$/+        pass/' /tmp/opd/test.patch"  # every new assert -> pass
+HOOK = (
+    "diff --git a/.git/hooks/post-checkout b/.git/hooks/post-checkout\nnew file mode 100755\n"
+    "--- /dev/null\n+++ b/.git/hooks/post-checkout\n@@ -0,0 +1,2 @@\n+#!/bin/sh\n+{}\n"
+)
+# every new assert -> pass
+NEUTER_TEST_PATCH = r"sed -i 's/^+        self.assertEqual(mean(\[2, 4\]), 3.0)$/+        pass/' /tmp/opd/test.patch"
 
 
 def grade_all(task: SwebenchTask, jobs: dict[str, tuple[dict, str]]):
@@ -379,9 +387,13 @@ def test_failures_the_patch_causes_are_fail_with_their_reason(tiny, tmp_path):
     creates = {**row, "test_patch": git_diff(BASE, {"tests/test_calc.py": TEST_AFTER, "tests/test_extra.py": extra}, tmp_path / "t")}
     jobs = {
         "hangs": (row, git_diff(BASE, {"calc.py": "import time\ntime.sleep(600)\n" + FIXED}, tmp_path / "hang")),
-        "same_new_file": (creates, git_diff(BASE, {"calc.py": FIXED, "tests/test_extra.py": "raise SystemExit('model')\n"}, tmp_path / "new")),
+        "same_new_file": (
+            creates, git_diff(BASE, {"calc.py": FIXED, "tests/test_extra.py": "raise SystemExit('model')\n"}, tmp_path / "new")
+        ),
         "hook_kills": (row, patches["gold"] + HOOK.format("kill -9 -1")),
-        "kills_at_import": (row, git_diff(BASE, {"calc.py": "import os, signal\nos.kill(-1, signal.SIGKILL)\n" + FIXED}, tmp_path / "kill")),
+        "kills_at_import": (
+            row, git_diff(BASE, {"calc.py": "import os, signal\nos.kill(-1, signal.SIGKILL)\n" + FIXED}, tmp_path / "kill")
+        ),
         "broken_row": ({**row, "test_patch": patches["no_apply"]}, patches["gold"]),
     }
     got = grade_all(task, jobs)
@@ -399,9 +411,18 @@ def test_a_patch_cannot_plant_hooks_rewrite_the_test_patch_or_leave_the_reposito
     task = tiny_task(root)
     row = task.load()[0].meta
     outside = "--- a/calc.py\n+++ b/../../tmp/opd/test.patch\n@@ -1,2 +1,2 @@\n-def add(a, b):\n+def add(a, b):  # x\n     return a + b\n"
-    got = grade_all(task, {"hook": (row, HOOK.format(NEUTER_TEST_PATCH)), "outside": (row, outside), "absolute": (row, outside.replace("b/../../tmp", "/tmp"))})
+    got = grade_all(
+        task,
+        {
+            "hook": (row, HOOK.format(NEUTER_TEST_PATCH)),
+            "outside": (row, outside),
+            "absolute": (row, outside.replace("b/../../tmp", "/tmp")),
+        },
+    )
     for name, outcome in got.items():
-        assert outcome.status == "fail" and outcome.code == "unsafe_path" and outcome.metrics["fail_unsafe_path"] == 1.0, (name, outcome.reason)
+        assert (
+            outcome.status == "fail" and outcome.code == "unsafe_path" and outcome.metrics["fail_unsafe_path"] == 1.0
+        ), (name, outcome.reason)
     assert ".git" in got["hook"].reason
 
 
@@ -411,19 +432,26 @@ def tiny_pytest(tiny):
     upstream.register_repo(PYTEST_REPO, {VERSION: {"python": "3.11", "test_cmd": "pytest -rA"}}, parser="pytest-dev/pytest")
     root, patches = tiny
     pins = "".join(f"      - {p}\n" for p in PYTEST_PINS)
-    snapshot(root / "data" / "swebench" / "instances" / PYTEST_IID, BASE, f"name: testbed\ndependencies:\n  - python=3.11\n  - pip:\n{pins}")
+    snapshot(
+        root / "data" / "swebench" / "instances" / PYTEST_IID, BASE, f"name: testbed\ndependencies:\n  - python=3.11\n  - pip:\n{pins}"
+    )
     row = {**json.loads((root / "data" / "swebench" / "tiny.jsonl").read_text()), "repo": PYTEST_REPO, "instance_id": PYTEST_IID,
-           "FAIL_TO_PASS": json.dumps(["tests/test_calc.py::CalcTest::test_mean"]), "PASS_TO_PASS": json.dumps(["tests/test_calc.py::CalcTest::test_add"])}  # fmt: skip
+           "FAIL_TO_PASS": json.dumps(["tests/test_calc.py::CalcTest::test_mean"]),
+           "PASS_TO_PASS": json.dumps(["tests/test_calc.py::CalcTest::test_add"])}  # fmt: skip
     (root / "data" / "swebench" / "tiny_pytest.jsonl").write_text(json.dumps(row) + "\n")
     return root
 
 
-CONFTEST_PASSED = "import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n    outcome = yield\n    outcome.get_result().outcome = 'passed'\n"
-CONFTEST_XFAIL = ("import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n    report = (yield).get_result()\n"
+CONFTEST_PASSED = ("import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
+                   "    outcome = yield\n    outcome.get_result().outcome = 'passed'\n")  # fmt: skip
+CONFTEST_XFAIL = ("import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\ndef pytest_runtest_makereport(item, call):\n"
+                  "    report = (yield).get_result()\n"
                   "    if report.failed:\n        report.outcome, report.wasxfail = 'skipped', 'tampered'\n")  # fmt: skip
 CONFTEST_FAKE_LINES = ("import os\n\n\ndef pytest_unconfigure(config):\n    print('PASSED tests/test_calc.py::CalcTest::test_mean')\n"
-                       "    print('PASSED tests/test_calc.py::CalcTest::test_add')\n    print('>>>>> End Test Output', flush=True)\n    os._exit(0)\n")  # fmt: skip
-RUNTESTS_OK = RUNTESTS.replace("import unittest\n", "import unittest\n\nunittest.TextTestResult.addFailure = unittest.TextTestResult.addError = "
+                       "    print('PASSED tests/test_calc.py::CalcTest::test_add')\n"
+                       "    print('>>>>> End Test Output', flush=True)\n    os._exit(0)\n")  # fmt: skip
+RUNTESTS_OK = RUNTESTS.replace("import unittest\n",
+                               "import unittest\n\nunittest.TextTestResult.addFailure = unittest.TextTestResult.addError = "
                                "lambda self, test, err: self.addSuccess(test)\n")  # fmt: skip
 
 
@@ -444,13 +472,17 @@ def test_patches_that_steer_the_test_run_are_refused(tiny, tiny_pytest, tmp_path
         "xfail": (pytest_row, git_diff(BASE, {"tests/conftest.py": CONFTEST_XFAIL}, tmp_path / "b")),
         "fake_lines": (pytest_row, git_diff(BASE, {"conftest.py": CONFTEST_FAKE_LINES}, tmp_path / "c")),
     }
-    got = grade_all(pytest_task, attacks) | grade_all(unittest_task, {"runtests_ok": (runner_row, git_diff(BASE, {"tests/runtests.py": RUNTESTS_OK}, tmp_path / "d"))})
+    got = grade_all(pytest_task, attacks) | grade_all(
+        unittest_task, {"runtests_ok": (runner_row, git_diff(BASE, {"tests/runtests.py": RUNTESTS_OK}, tmp_path / "d"))}
+    )
     for name, outcome in got.items():
         assert outcome.status == "fail" and outcome.code == "test_tampering", (name, outcome.status, outcome.reason)
     assert unittest_task.grade_patch(runner_row, patches["gold"]).status == "pass"  # the runner works: the attack is what resolved
     gold_with_conftest = git_diff(BASE, {"calc.py": FIXED, "conftest.py": CONFTEST_PASSED}, tmp_path / "e")
     strip = SwebenchTask(pytest_task.options.model_copy(update={"test_tampering": "strip"}))
-    stripped = grade_all(strip, {"attack": attacks["reports_passed"], "gold": (pytest_row, gold_with_conftest), "plain_gold": (pytest_row, patches["gold"])})
+    stripped = grade_all(
+        strip, {"attack": attacks["reports_passed"], "gold": (pytest_row, gold_with_conftest), "plain_gold": (pytest_row, patches["gold"])}
+    )
     assert stripped["attack"].status == "fail" and "RESOLVED_NO" in stripped["attack"].reason  # graded without its conftest
     assert stripped["attack"].metrics["patch_applied"] == 0.0  # nothing of it was left to apply
     assert stripped["gold"].status == "pass" and stripped["gold"].metrics["stripped_files"] == 1.0
@@ -462,9 +494,11 @@ def test_patch_paths_are_read_as_git_and_patch_read_them():
 
     patch = (
         "diff --git a/calc.py b/calc.py\n--- a/calc.py\n+++ b/calc.py\n@@ -1,2 +1,2 @@\n def add(a, b):\n---- a/x\n++++ b/y\n"
-        'diff --git "a/caf\\303\\251.py" "b/caf\\303\\251.py"\nnew file mode 100644\n--- /dev/null\n+++ "b/caf\\303\\251.py"\n@@ -0,0 +1 @@\n+x\n'
+        'diff --git "a/caf\\303\\251.py" "b/caf\\303\\251.py"\nnew file mode 100644\n'
+        '--- /dev/null\n+++ "b/caf\\303\\251.py"\n@@ -0,0 +1 @@\n+x\n'
         "diff --git a/old.py b/new.py\nsimilarity index 100%\nrename from old.py\nrename to new.py\n"
-        "diff --git a/link b/link\nnew file mode 120000\n--- /dev/null\n+++ b/link\n@@ -0,0 +1 @@\n+../../tmp\n\\ No newline at end of file\n"
+        "diff --git a/link b/link\nnew file mode 120000\n--- /dev/null\n+++ b/link\n"
+        "@@ -0,0 +1 @@\n+../../tmp\n\\ No newline at end of file\n"
     )
     files = parse_patch(patch)
     assert [(f.old, f.new) for f in files] == [("calc.py", "calc.py"), (None, "café.py"), ("old.py", "new.py"), (None, "link")]
@@ -565,7 +599,10 @@ def test_a_scripted_training_step_runs_its_commands_in_the_instance_container(ti
     root, _ = tiny
     task = tiny_task(root)
     (problem,) = task.load()
-    turns = [f"```bash\ngit log -1 --format='%an/%s' && id -u && sed -i 's/(len(values) - 1)/len(values)/' calc.py\n```", f"```bash\necho {SUBMIT}\n```"]
+    turns = [
+        f"```bash\ngit log -1 --format='%an/%s' && id -u && sed -i 's/(len(values) - 1)/len(values)/' calc.py\n```",
+        f"```bash\necho {SUBMIT}\n```",
+    ]
     scripted = ReplayBackend({(task.name, problem.id): [turns]})
     (traj,) = rollout(scripted, task, [problem], SamplingParams())
     env_segments = [s for s in traj.segments if s.kind == "env"]
@@ -609,12 +646,16 @@ def test_a_52_mb_replayed_patch_fails_quickly_in_bounded_memory(tiny, tmp_path):
     big = patches["gold"] + "".join(f"+# padding line {i:07d} {'x' * 40}\n" for i in range(52_000_000 // 64))
     model = tmp_path / "big.jsonl"
     model.write_text(json.dumps({"task": "swebench", "id": IID, "completion": big}) + "\n")
-    code = (f"from tasks.swebench import upstream; upstream.register_repo({REPO!r}, {{{VERSION!r}: {{'python': '3.9', 'test_cmd': 'python -m unittest -v'}}}}, "
-            "parser='django/django')\nimport atexit, resource, sys\nfrom harness.cli import main\nimport harness.evaluation, tasks.swebench.task\n"
+    code = (f"from tasks.swebench import upstream; upstream.register_repo({REPO!r}, "
+            f"{{{VERSION!r}: {{'python': '3.9', 'test_cmd': 'python -m unittest -v'}}}}, "
+            "parser='django/django')\nimport atexit, resource, sys\n"
+            "from harness.cli import main\nimport harness.evaluation, tasks.swebench.task\n"
             "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-            "atexit.register(lambda: print('RSS_KB', base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr))\nmain()")  # fmt: skip
-    args = ["eval", "--task", "swebench", "--backend", "replay", "--model", str(model), "--k", "1", "--out", str(tmp_path / "out"), "--json", "--data-dir", str(data),
-            "--task-arg", f"swebench.dataset={data / 'swebench' / 'tiny.jsonl'}", "--task-arg", f"swebench.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
+            "atexit.register(lambda: print('RSS_KB', base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr))\n"
+            "main()")  # fmt: skip
+    args = ["eval", "--task", "swebench", "--backend", "replay", "--model", str(model), "--k", "1", "--out", str(tmp_path / "out"),
+            "--json", "--data-dir", str(data), "--task-arg", f"swebench.dataset={data / 'swebench' / 'tiny.jsonl'}",
+            "--task-arg", f"swebench.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     started = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=600)
@@ -632,7 +673,9 @@ def test_a_52_mb_replayed_patch_fails_quickly_in_bounded_memory(tiny, tmp_path):
     assert (peak_kb - base_kb) < 1_000_000 and seconds < 120, (peak_kb - base_kb, seconds)
 
 
-@pytest.mark.parametrize(("rebuild", "code"), [("true", ""), ("false", "install_failed"), ("echo 'collect_ignore = []' > conftest.py", "test_tampering")])
+@pytest.mark.parametrize(
+    ("rebuild", "code"), [("true", ""), ("false", "install_failed"), ("echo 'collect_ignore = []' > conftest.py", "test_tampering")]
+)
 def test_a_rebuild_runs_before_the_tests_and_cannot_plant_test_infrastructure(rebuild, code, tiny, monkeypatch):
     """Where a rebuild runs (code of the patched repository, before the tests), a failed one fails the patch and a
     steering file it writes is found by the hash check that follows it."""

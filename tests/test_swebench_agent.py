@@ -44,7 +44,9 @@ def test_shell_state_persists_and_the_patch_is_the_diff(make_env):
     assert first.observation.content == "<returncode>0</returncode>\n<output>\nready\n</output>" and not first.done
     second = env.step(bash('echo "$PWD $FLAVOUR"'))
     assert second.observation.content.endswith("/repo/sub mint\n</output>")
-    env.step(bash("cd .. && sed -i 's/a - b/a + b/' calc.py && echo new > NOTES && git add NOTES && python3 -m pytest -q 2>&1 | tail -1; false"))
+    env.step(
+        bash("cd .. && sed -i 's/a - b/a + b/' calc.py && echo new > NOTES && git add NOTES && python3 -m pytest -q 2>&1 | tail -1; false")
+    )
     assert env.step(bash(f"echo {SUBMIT}")).done
     patch = env.outcome()["patch"]
     assert "-    return a - b\n+    return a + b" in patch and "+++ b/NOTES" in patch and ".agent-" not in patch

@@ -199,9 +199,14 @@ class ShellAgentEnv(Env):
             from sandbox import ExecRequest
 
             self._session = self._open_session()
-            head = self._session.run(ExecRequest(argv=["bash", "-c", f"cd {shlex.quote(self.workdir)} && {GIT} rev-parse HEAD"], timeout_s=60))
+            head = self._session.run(
+                ExecRequest(argv=["bash", "-c", f"cd {shlex.quote(self.workdir)} && {GIT} rev-parse HEAD"], timeout_s=60)
+            )
             if head.status != "ok" or head.exit_code != 0 or not re.fullmatch(r"[0-9a-f]{40,64}", head.stdout.strip()):
-                raise RuntimeError(f"the repository in the session has no commit to diff against ({head.status}): {(head.stderr or head.error or '')[-300:]}")
+                raise RuntimeError(
+                    f"the repository in the session has no commit to diff against ({head.status}): "
+                    f"{(head.stderr or head.error or '')[-300:]}"
+                )
             self.base_commit = head.stdout.strip()
         return self._session
 
@@ -231,7 +236,11 @@ class ShellAgentEnv(Env):
         script = patch_script(self.workdir, self.base_commit or "HEAD", limit)
         result = self.session().run(ExecRequest(argv=["bash", "-c", script], timeout_s=120, max_output_bytes=limit + 1))
         if result.status == "ok" and result.exit_code == 3:
-            return {"patch": "", "commands": list(self.commands), "patch_note": "the base commit is gone from the repository (the agent rewrote .git)"}
+            return {
+                "patch": "",
+                "commands": list(self.commands),
+                "patch_note": "the base commit is gone from the repository (the agent rewrote .git)",
+            }
         if result.status != "ok" or result.exit_code != 0:
             raise RuntimeError(f"could not read the patch ({result.status}, exit {result.exit_code}): {(result.stderr or result.error or '')[-500:]}")
         if len(result.stdout.encode(errors="surrogateescape")) > limit or result.stdout_truncated:

@@ -14,7 +14,8 @@ base lacks it).
 
 Differences from SWE-bench's own eval script, all forced by the offline Python 3.11 images: no conda; the
 spec's ``install`` is not re-run (the editable install of the image already sees the patched tree; compiled
-extensions are rebuilt in place where the patch changes their sources and the spec can, :func:`rebuild_command`); the ``locale-gen`` step of ``eval_commands`` cannot run (read-only root, not root) and is skipped, and
+extensions are rebuilt in place where the patch changes their sources and the spec can, :func:`rebuild_command`); the \
+``locale-gen`` step of ``eval_commands`` cannot run (read-only root, not root) and is skipped, and
 the locale it would make is replaced by ``C.UTF-8``. For instances whose spec asks for a Python older than 3.11
 (their test lists were recorded with it), unittest's output is made to read as it did there: test names
 ``name (module.Class.name)`` are mapped back to ``name (module.Class)``, and a ``sitecustomize`` restores the old
@@ -148,7 +149,8 @@ def eval_script(row: Mapping, spec: Mapping, *, sectioned: list[str] = (), tampe
     test_cmd = " ".join([spec["test_cmd"], *upstream.test_directives(row)])
     git = "git -c core.hooksPath=/dev/null -c core.fsmonitor=false -c core.quotepath=false"
     guarded = " -o ".join(f"-name {shlex.quote(n)}" for n in (*sorted(patches.STEERING_NAMES | patches.SECTIONED_NAMES), "*.pth"))
-    manifest = (f"{{ find . -path ./.git -prune -o \\( -type f -o -type l \\) \\( {guarded} \\) -print0 | LC_ALL=C sort -z | xargs -0 -r sha256sum;"
+    manifest = (f"{{ find . -path ./.git -prune -o \\( -type f -o -type l \\) \\( {guarded} \\) -print0"
+                " | LC_ALL=C sort -z | xargs -0 -r sha256sum;"
                 f" sha256sum -- {quoted(test_paths + patches.settings_files(spec['test_cmd']))}; }} 2>&1")  # fmt: skip
     lines = [
         "set -uo pipefail",
@@ -241,7 +243,8 @@ def too_large(patch: str, max_bytes: int) -> Outcome | None:
     size = len(patch) if len(patch) > max_bytes else len(patch.encode(errors="surrogateescape"))  # a character is at least a byte
     if size <= max_bytes:
         return None
-    return failed("patch_too_large", f"the patch is {size:,} bytes or more, over the {max_bytes:,}-byte limit (task option max_patch_bytes)",
+    return failed("patch_too_large",
+                  f"the patch is {size:,} bytes or more, over the {max_bytes:,}-byte limit (task option max_patch_bytes)",
                   metrics={"patch_applied": 0.0})  # fmt: skip
 
 
@@ -292,12 +295,16 @@ def classify(row: Mapping, result, log: str, timeout_s: float, metrics: dict, lo
         return failed("patch_does_not_apply", "the patch does not apply (git apply and patch --fuzz=5 both failed)", log_path, metrics)
     if APPLIED not in lines:
         why = "the instance's test patch does not apply to its base commit" if TEST_PATCH_BROKEN in lines else "setup failed"
-        return Outcome("error", f"grading stopped before the patch was applied: {why} ({result.status}, exit {result.exit_code})", log_path, metrics)
+        return Outcome(
+            "error", f"grading stopped before the patch was applied: {why} ({result.status}, exit {result.exit_code})", log_path, metrics
+        )
     metrics["patch_applied"] = float(applies)
     after = lines[lines.index(APPLIED) + 1 :]
     tampered = next((line for line in after if line.startswith(TAMPERED)), None)
     if tampered is not None:
-        return failed("test_tampering", f"the patch changes what steers the test run: {tampered[len(TAMPERED):].strip()}", log_path, metrics)
+        return failed(
+            "test_tampering", f"the patch changes what steers the test run: {tampered[len(TAMPERED):].strip()}", log_path, metrics
+        )
     if TEST_PATCH_FAILED in after:
         return failed("test_patch_conflict", "the test patch no longer applies after the model patch", log_path, metrics)
     if INSTALL_FAILED in after:
@@ -305,7 +312,12 @@ def classify(row: Mapping, result, log: str, timeout_s: float, metrics: dict, lo
     if result.status == "timeout":
         return failed("grade_timeout", f"the grading run went past {timeout_s:g}s (task option grade_timeout_s)", log_path, metrics)
     if result.status in ("oom", "killed"):
-        return failed(f"grade_{result.status}", f"the grading run was {result.status} ({result.error or 'after the patch was applied'})", log_path, metrics)
+        return failed(
+            f"grade_{result.status}",
+            f"the grading run was {result.status} ({result.error or 'after the patch was applied'})",
+            log_path,
+            metrics,
+        )
     status, reason, report = decide(row, log)
     if status == "fail" and test_section(log) is None:
         return failed("tests_did_not_run", reason, log_path, metrics)
@@ -333,7 +345,9 @@ def grade_patch(row: Mapping, patch: str, image: str, log_dir: Path, *, timeout_
     if prepared.refused is not None:
         log_path.write_text(f"refused before grading: {prepared.refused.reason}\n")
         refused = prepared.refused
-        return Outcome(refused.status, refused.reason, str(log_path), {**metrics, "patch_applied": 0.0, **refused.metrics}, code=refused.code)
+        return Outcome(
+            refused.status, refused.reason, str(log_path), {**metrics, "patch_applied": 0.0, **refused.metrics}, code=refused.code
+        )
     if prepared.stripped:
         metrics["stripped_files"] = float(len(prepared.stripped))
     install = rebuild_command(spec, list(prepared.files), rebuild) if prepared.patch.strip() else None
@@ -354,13 +368,16 @@ def grade_patch(row: Mapping, patch: str, image: str, log_dir: Path, *, timeout_
             log_path.write_text(f"sandbox unavailable: {exc}\n")
             return Outcome("error", f"sandbox unavailable: {exc}", str(log_path), metrics)
         with session:
-            request = sandbox.ExecRequest(argv=["bash", "-c", script], stdin=stdin_bundle(files), timeout_s=timeout_s, memory_mb=memory_mb, cpus=cpus,
-                                          pids=1024, max_output_bytes=32 << 20, env={"HOME": "/tmp", "PIP_NO_INDEX": "1"})  # fmt: skip
+            request = sandbox.ExecRequest(argv=["bash", "-c", script], stdin=stdin_bundle(files), timeout_s=timeout_s,
+                                          memory_mb=memory_mb, cpus=cpus, pids=1024, max_output_bytes=32 << 20,
+                                          env={"HOME": "/tmp", "PIP_NO_INDEX": "1"})  # fmt: skip
             result = session.run(request)
     finally:
         sb.close()
     log = result.stdout + ("\n--- stderr ---\n" + result.stderr if result.stderr else "")
     metrics["container_s"] = time.perf_counter() - started  # this grading container, from start to log
     stripped = "".join(f"# stripped (tampering policy strip): {p}\n" for p in prepared.stripped)
-    log_path.write_text(f"# image {image}\n# status {result.status} exit {result.exit_code} ({result.duration_s:.1f}s)\n{stripped}{log}", encoding="utf-8")
+    log_path.write_text(
+        f"# image {image}\n# status {result.status} exit {result.exit_code} ({result.duration_s:.1f}s)\n{stripped}{log}", encoding="utf-8"
+    )
     return classify(row, result, log, timeout_s, metrics, str(log_path), applies=bool(prepared.patch.strip()))

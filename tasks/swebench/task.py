@@ -38,12 +38,18 @@ class SwebenchOptions(TaskOptions):
     cache_dir: str = Field(str(DEFAULT_CACHE), description="image build logs, pip cache, grading logs")
     grade_timeout_s: float = Field(1800.0, gt=0, description="wall-clock limit of one grading run (past it: fail, code grade_timeout)")
     test_tampering: Literal["fail", "strip", "off"] = Field(
-        "fail", description="a patch that changes files steering the test run (conftest.py, pytest.ini, tox.ini, ...): fail (code test_tampering), "
-        "strip (those files are left out), or off (graded as given, as SWE-bench does)")
-    max_patch_bytes: int = Field(MAX_PATCH_BYTES, ge=1, description="largest model patch graded (bytes); a larger one fails (code patch_too_large)")
+        "fail",
+        description="a patch that changes files steering the test run (conftest.py, pytest.ini, tox.ini, ...): fail (code test_tampering), "
+        "strip (those files are left out), or off (graded as given, as SWE-bench does)",
+    )
+    max_patch_bytes: int = Field(
+        MAX_PATCH_BYTES, ge=1, description="largest model patch graded (bytes); a larger one fails (code patch_too_large)"
+    )
     rebuild: Literal["auto", "always", "never"] = Field(
-        "auto", description="rebuild compiled extensions in place after the patch (setup.py build_ext --inplace, for specs that build them with "
-        "the venv's tools): auto (when the patch changes .pyx/C sources), always, never")
+        "auto",
+        description="rebuild compiled extensions in place after the patch (setup.py build_ext --inplace, for specs that build them with "
+        "the venv's tools): auto (when the patch changes .pyx/C sources), always, never",
+    )
     grade_workers: int = Field(2, ge=1, description="instances graded at once")
     memory_mb: int = Field(4096, ge=256, description="memory of a grading or agent container")
     max_steps: int = Field(30, ge=1, description="agent: model turns (one bash command each) per episode")
@@ -256,7 +262,9 @@ class SwebenchTask(Task):
         """An agent episode on the instance; its container (and, if missing, its image) is made on the first command."""
         opts = self.opts
         row = self._rows.get(problem.id) or problem.meta
-        limits = AgentLimits(opts.max_steps, opts.wall_time_s, opts.command_timeout_s, opts.max_format_errors, opts.max_output_chars, opts.max_patch_bytes)
+        limits = AgentLimits(
+            opts.max_steps, opts.wall_time_s, opts.command_timeout_s, opts.max_format_errors, opts.max_output_chars, opts.max_patch_bytes
+        )
         return ShellAgentEnv(self.format_prompt(problem, tokenizer), lambda: self.open_session(row), workdir=AGENT_WORKDIR, limits=limits, action_format=opts.action_format)
 
     def open_session(self, row: dict):
@@ -270,7 +278,8 @@ class SwebenchTask(Task):
         patches = [o.get("patch", "") for o in outcomes]
         scores = self.grade_many(problems, patches)
         limit = self.opts.max_patch_bytes
-        scores = [outcome_score(failed("patch_too_large", f"the agent's diff is over the {limit:,}-byte limit (task option max_patch_bytes)",
+        scores = [outcome_score(failed("patch_too_large",
+                                       f"the agent's diff is over the {limit:,}-byte limit (task option max_patch_bytes)",
                                        metrics={"patch_applied": 0.0}), "") if o.get("patch_too_large") else s
                   for s, o in zip(scores, outcomes, strict=True)]  # fmt: skip
         out = []

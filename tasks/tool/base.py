@@ -26,7 +26,9 @@ class ToolOptions(TaskOptions):
 
     format: Literal["retool", "hermes"] = Field("retool", description="tool-call format: retool (<code> blocks) or hermes (<tool_call> JSON)")
     prompt: Literal["instruction", "bare"] = Field("instruction", description="instruction: explain the tool and answer format; bare: the question only")
-    max_tool_calls: int = Field(6, ge=0, description="tool calls per episode, invalid ones included; later calls are refused without running")
+    max_tool_calls: int = Field(
+        6, ge=0, description="tool calls per episode, invalid ones included; later calls are refused without running"
+    )
     max_turns: int = Field(10, ge=1, description="assistant turns per episode")
     max_context_tokens: int = Field(16384, ge=16, description="context budget of an episode (prompt, model and tool tokens)")
     tool_timeout_s: float = Field(10.0, gt=0, description="wall-clock limit of one tool call")
