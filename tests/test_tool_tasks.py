@@ -180,11 +180,14 @@ def test_the_swebench_agent_reports_the_same_tool_use_view(local_sb):
     """The shell agent's commands are tool calls as the interpreter's are: a format error is an invalid call that ran
     nothing, a timed-out command an executed call with a tool error."""
     from harness.evaluation import summarize_episodes
+    from sandbox import ExecRequest
     from tasks.swebench.agent_env import AgentLimits, ShellAgentEnv
 
-    def open_session():
+    def open_session():  # a one-commit repository: the agent diffs against its base commit
         session = local_sb.session()
         session.write_files({"repo/README": b"x\n"})
+        commit = "cd repo && git init -q && git add -A && git -c user.name=t -c user.email=t@t commit -qm base"
+        assert session.run(ExecRequest(argv=["bash", "-c", commit], timeout_s=60)).exit_code == 0
         return session
 
     env = ShellAgentEnv("task", open_session, workdir="repo", limits=AgentLimits(command_timeout_s=1.0))
