@@ -548,7 +548,7 @@ def test_test_sections_of_setup_cfg_and_pyproject_are_compared():
 def test_markers_count_only_where_the_grader_prints_them():
     from types import SimpleNamespace
 
-    from tasks.swebench.grading import APPLIED, SETUP_FAILED, START, TEST_PATCH_BROKEN, TEST_PATCH_FAILED, classify, test_section
+    from tasks.swebench.grading import APPLIED, APPLY_FAILED, SETUP_FAILED, START, TEST_PATCH_BROKEN, TEST_PATCH_FAILED, classify, test_section
 
     row = json.loads(json.dumps({"repo": REPO, "version": VERSION, "FAIL_TO_PASS": ["t"], "PASS_TO_PASS": []}))
     upstream.register_repo(REPO, {VERSION: {"python": "3.9", "test_cmd": "python -m unittest -v"}}, parser="django/django")
@@ -562,6 +562,7 @@ def test_markers_count_only_where_the_grader_prints_them():
     faked = outcome("timeout", APPLIED, SETUP_FAILED, TEST_PATCH_BROKEN)  # printed by the patch's code: no error
     assert faked.status == "fail" and faked.code == "grade_timeout"
     assert outcome("ok", APPLIED, TEST_PATCH_FAILED).code == "test_patch_conflict"
+    assert outcome("ok", APPLIED, APPLY_FAILED).code == "tests_did_not_run"  # the patch's code printed it: not its apply
     assert outcome("oom", APPLIED, START).code == "grade_oom"
     assert test_section(f"{START}\nfake\n>>>>> End Test Output\n{START}\nreal\n") == "real\n"  # the grader's start marker is the last
 

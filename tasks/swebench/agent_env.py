@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from harness.episode import Env, Observation, StepResult
+from tasks.swebench import patches
 
 SUBMIT = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 FENCED_BASH = re.compile(r"```(?:bash|sh|shell)?[ \t]*\n(.*?)```", re.DOTALL)
@@ -98,7 +99,7 @@ def is_submission(command: str) -> bool:
     return first.startswith("echo") and SUBMIT in first
 
 
-GIT = "git -c core.hooksPath=/dev/null -c core.fsmonitor=false -c core.quotepath=false --no-replace-objects"
+GIT = f"{patches.GIT} --no-replace-objects"
 
 
 def patch_script(workdir: str, base: str, max_bytes: int) -> str:

@@ -147,7 +147,7 @@ def eval_script(row: Mapping, spec: Mapping, *, sectioned: list[str] = (), tampe
     the test-run files are hashed before it and checked after it), and the tests."""
     test_paths = patches.touched(patches.parse_patch(row["test_patch"]))
     test_cmd = " ".join([spec["test_cmd"], *upstream.test_directives(row)])
-    git = "git -c core.hooksPath=/dev/null -c core.fsmonitor=false -c core.quotepath=false"
+    git = patches.GIT
     guarded = " -o ".join(f"-name {shlex.quote(n)}" for n in (*sorted(patches.STEERING_NAMES | patches.SECTIONED_NAMES), "*.pth"))
     manifest = (f"{{ find . -path ./.git -prune -o \\( -type f -o -type l \\) \\( {guarded} \\) -print0"
                 " | LC_ALL=C sort -z | xargs -0 -r sha256sum;"
@@ -290,7 +290,8 @@ def classify(row: Mapping, result, log: str, timeout_s: float, metrics: dict, lo
     if result.status == "error":
         return Outcome("error", f"sandbox error: {result.error}", log_path, metrics)
     lines = result.stdout.splitlines()
-    if APPLY_FAILED in lines:
+    before = lines[: lines.index(APPLIED)] if APPLIED in lines else lines  # printed by the grader, not the patch's code
+    if APPLY_FAILED in before:
         metrics["patch_applied"] = 0.0
         return failed("patch_does_not_apply", "the patch does not apply (git apply and patch --fuzz=5 both failed)", log_path, metrics)
     if APPLIED not in lines:

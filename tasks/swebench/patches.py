@@ -22,6 +22,8 @@ STEERING_SUFFIXES = (".pth",)
 # Files where only some sections steer the test run (``[tool:pytest]``, ``[tool.pytest.ini_options]``, pytest11
 # entry points): compared section by section in the container (tasks/swebench/steering.py).
 SECTIONED_NAMES = frozenset({"setup.cfg", "pyproject.toml"})
+# git as the grader and the agent's patch collection run it: no hooks, no fsmonitor, paths printed as they are
+GIT = "git -c core.hooksPath=/dev/null -c core.fsmonitor=false -c core.quotepath=false"
 COMPILED_SUFFIXES = (".pyx", ".pxd", ".pxi", ".c", ".h", ".cc", ".cpp", ".cxx", ".hpp", ".f", ".f90", ".pyf")
 
 
