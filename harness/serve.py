@@ -85,6 +85,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from harness.backends import MAX_TEMPERATURE, MIN_TEMPERATURE
 from harness.serve_engine import Delta, Engine, Overloaded, TopList
 from harness.serve_engine import Sequence as Seq
 
@@ -95,7 +96,6 @@ MAX_STOP = 16
 MAX_LOGPROBS = 20  # default of --max-logprobs, as vLLM's
 MAX_BATCH_TOKENS = 32768  # default of --max-batch-tokens
 MIN_LOGPROB = -9999.0  # what OpenAI and vLLM write for -inf
-MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 2.0  # as the vllm backend refuses: a smaller positive temperature overflows logits
 DISCONNECT_POLL_S = 0.25  # how often a waiting request checks that its client is still connected
 RETRY_AFTER_S = 1  # what a 503 (server busy) tells clients to wait
 

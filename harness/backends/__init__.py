@@ -28,6 +28,12 @@ def as_bool(value) -> bool:
     return bool(value)
 
 
+# temperature bounds that engines share: vLLM refuses above 2 (SamplingParams._verify_args) and silently raises a
+# positive value below 0.01 to it; a smaller positive temperature also overflows the logits of a plain softmax
+MAX_TEMPERATURE = 2.0
+MIN_TEMPERATURE = 0.01
+
+
 class SamplingParams(BaseModel):
     """Sampling settings, normalised once for every backend."""
 

@@ -87,7 +87,7 @@ from typing import Any
 
 import torch
 
-from harness.backends import SCORE_FIELDS, Completion, SamplingParams, as_bool
+from harness.backends import MAX_TEMPERATURE, MIN_TEMPERATURE, SCORE_FIELDS, Completion, SamplingParams, as_bool
 from harness.backends.openai_backend import derive_seed
 from harness.registry import BACKENDS
 
@@ -98,8 +98,6 @@ VLLM_MISSING = (
 )
 RAW_LOGPROBS = "raw_logprobs"
 UNSUPPORTED_SCORE_FIELDS = ("entropy", "full")
-MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams._verify_args: temperature must be in [0, 2]
-MIN_TEMPERATURE = 0.01  # vLLM's _MAX_TEMP: a smaller positive temperature is silently raised to it
 WEIGHTS_FILE = "model.safetensors"
 
 
