@@ -53,7 +53,7 @@ def _closes_tasks(command: Callable) -> Callable:
         try:
             return command(*args, **kwargs)
         finally:
-            from tasks.base import close_tasks
+            from harness.task import close_tasks
 
             tasks, _tasks_to_close[:] = list(_tasks_to_close), []
             close_tasks(tasks)
@@ -64,7 +64,7 @@ def _closes_tasks(command: Callable) -> Callable:
 def _prepare_tasks(tasks: list) -> None:
     """Have ``tasks`` closed when the command ends, and check each can run here (e.g. its sandbox image is built):
     exit 2 with what to do, before any run row or output exists."""
-    from tasks.base import TaskNotReady
+    from harness.task import TaskNotReady
 
     _tasks_to_close.extend(tasks)
     try:

@@ -67,7 +67,7 @@ def summarize_samples(samples: list[SampleRow], k: int, *, n_resamples: int = 10
 def grade_episodes(task, problems: list, trajectories: list[Trajectory], *, chunk: int = GRADE_CHUNK, show_progress: bool | None = None) -> list:
     """``task.grade_trajectories`` in chunks with a tqdm bar on stderr (terminals only by default); an episode whose
     environment failed is graded ``error`` without asking the task. Each trajectory's ``grade_s`` is its share."""
-    from tasks.base import Score
+    from harness.task import Score
 
     if len(problems) != len(trajectories):
         raise ValueError(f"{len(problems)} problems but {len(trajectories)} trajectories to grade")

@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from harness.config import ConfigError, RunConfig, format_validation_error
 from harness.registry import BACKENDS, METHODS, PIPELINES, TASKS, RegistryError
-from tasks.base import DataError
+from harness.task import DataError
 
 
 @dataclass
@@ -19,7 +19,7 @@ class Plan:
     config: RunConfig
     method: object  # trainers.objectives.MethodSpec
     hparams: object
-    task: object  # tasks.base.Task
+    task: object  # harness.task.Task
     eval_tasks: list = field(default_factory=list)
     pipeline: object = None
     warnings: list[str] = field(default_factory=list)

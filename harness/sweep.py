@@ -48,7 +48,7 @@ from rich.console import Console
 from harness.config import ConfigError, RunConfig, build_config, format_validation_error
 from harness.registry import RegistryError
 from harness.store import Store
-from tasks.base import close_tasks
+from harness.task import close_tasks
 
 _ID = re.compile(r"^[A-Za-z0-9._-]+$")
 

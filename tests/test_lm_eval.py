@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from harness.cli import app
 from harness.registry import TASKS, Registry, RegistryError
-from tasks.base import Problem, Score
+from harness.task import Problem, Score
 
 pytest.importorskip("lm_eval")
 

@@ -32,7 +32,7 @@ from rich.console import Console
 from harness.backends.hf import HFBackend
 from harness.registry import EXECUTORS
 from harness.trajectory import TensorBatch
-from tasks.base import close_tasks
+from harness.task import close_tasks
 from trainers.loop import LearnResult, Roles, WeightBoard, state_snapshot
 from trainers.pipeline import (
     Session,

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from tasks.base import DataError, DataNotFound, Problem, Score, Task, TaskNotReady, TaskOptions
+from harness.task import DataError, DataNotFound, Problem, Score, Task, TaskNotReady, TaskOptions
 from tasks.swebench import data, upstream
 from tasks.swebench.agent_env import BLOCK_NAMES, INSTANCE_PROMPT, SUBMIT, SYSTEM_PROMPT, AgentLimits, ShellAgentEnv
 from tasks.swebench.grading import MAX_PATCH_BYTES, Outcome, failed, grade_patch, too_large

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.registry import TASKS, RegistryError
-from tasks.base import Problem
+from harness.task import Problem
 from tasks.math_grading import MathVerifyGraded
 from tasks.tool.base import ToolOptions, ToolTask
 

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from harness.episode import Env, SingleTurnEnv  # noqa: F401 - re-exported: tasks build their environments from here
+from harness.episode import Env, SingleTurnEnv
 
 Status = Literal["pass", "fail", "error"]
 
