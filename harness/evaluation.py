@@ -13,6 +13,7 @@ from harness.backends import Backend, SamplingParams
 from harness.metrics import bootstrap_ci, pass_at_k
 from harness.rollout import rollout
 from harness.store import SampleRow, Store
+from harness.task import Score
 from harness.trajectory import Trajectory
 
 GRADE_CHUNK = 64  # completions per grade_many call, so the grading progress bar moves
@@ -67,8 +68,6 @@ def summarize_samples(samples: list[SampleRow], k: int, *, n_resamples: int = 10
 def grade_episodes(task, problems: list, trajectories: list[Trajectory], *, chunk: int = GRADE_CHUNK, show_progress: bool | None = None) -> list:
     """``task.grade_trajectories`` in chunks with a tqdm bar on stderr (terminals only by default); an episode whose
     environment failed is graded ``error`` without asking the task. Each trajectory's ``grade_s`` is its share."""
-    from harness.task import Score
-
     if len(problems) != len(trajectories):
         raise ValueError(f"{len(problems)} problems but {len(trajectories)} trajectories to grade")
     scores: list = [Score("error", details=t.metadata["env_error"]) if "env_error" in t.metadata else None for t in trajectories]

@@ -34,6 +34,7 @@ import numpy as np
 from harness.leaderboard import sample_scores
 from harness.metrics import _resampled_means
 from harness.store import Store
+from harness.task import TaskNotReady, close_tasks
 
 EXIT_CODES = {"pass": 0, "regression": 1, "inconclusive": 3}
 
@@ -297,7 +298,6 @@ def evaluate_model(store: Store, model: str, spec: EvalSpec) -> str:
     from harness.plan import load_problems, make_task
     from harness.registry import BACKENDS, RegistryError
     from harness.sweep import new_run_id
-    from harness.task import TaskNotReady, close_tasks
 
     tasks = []
     try:
