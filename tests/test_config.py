@@ -6,7 +6,7 @@ from harness.config import ConfigError, build_config, parse_override
 from harness.plan import plan_run
 from harness.registry import METHODS, TASKS
 from harness.task import Score, Task
-from trainers.objectives import HParams, MethodSpec
+from harness.method import HParams, MethodSpec
 
 runner = CliRunner()
 
