@@ -559,7 +559,7 @@ def _build_task_images(name: str, data_dir: Path | None, task_arg: list[str], fo
         task = make_task(name, task_args)
     except ConfigError as exc:
         raise _fail(str(exc)) from None
-    if not callable(getattr(task, "build_images", None)):
+    if type(task).build_images is Task.build_images:  # the default builds nothing
         raise _fail(f"task {name!r} builds no images of its own (only the sandbox base image: `harness sandbox build`)")
     failed = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=stdout) as bar:

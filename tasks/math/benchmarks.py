@@ -70,9 +70,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field as OptionField
 
-from harness.data import DataNeed, hub_dataset_rows, write_rows
+from harness.data import hub_dataset_rows, write_rows
 from harness.registry import TASKS
-from harness.task import DataError, Problem, Task, TaskOptions, read_jsonl
+from harness.task import DataError, DataNeed, Problem, Task, TaskOptions, read_jsonl
 from harness.task import DataNotFound as TaskDataNotFound
 from tasks.math_grading import MathVerifyGraded, extract_boxed
 

@@ -32,8 +32,7 @@ class RetoolTask(ToolTask):
 
     @classmethod
     def data_needs(cls):
-        needs = getattr(cls.inner, "data_needs", None)
-        return needs() if needs else ()
+        return cls.inner.data_needs()
 
 
 def make_retool_task(name: str) -> type[RetoolTask]:
