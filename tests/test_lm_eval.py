@@ -26,7 +26,7 @@ runner = CliRunner()
 
 
 @pytest.fixture(autouse=True)
-def _datasets_cache(tmp_path_factory, monkeypatch):
+def datasets_cache(tmp_path_factory, monkeypatch):
     """Keep the datasets cache of the local json tasks out of the home directory."""
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.getbasetemp() / "hf_datasets"))
 
