@@ -78,7 +78,6 @@ from sandbox import (
     Sandbox,
     SandboxUnavailable,
     Session,
-    register_provider,
     resolve_path,
     signal_status,
 )
@@ -282,7 +281,6 @@ class _Box:
         self.server: _ServerStream | None = None  # a pooled container's resident exec server, once started
 
 
-@register_provider("docker")
 class DockerSandbox(Sandbox):
     """Docker provider (see the module docstring for the isolation and the limits).
 

@@ -53,7 +53,6 @@ from sandbox import (
     OutputBuffer,
     Sandbox,
     Session,
-    register_provider,
     resolve_path,
     signal_status,
 )
@@ -110,7 +109,6 @@ def _probe_unshare(root: bool) -> tuple[list[str], bool, bool]:
     return [], False, False
 
 
-@register_provider("local")
 class LocalSandbox(Sandbox):
     """Local provider (see the module docstring; weaker isolation than Docker).
 
