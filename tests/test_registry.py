@@ -109,7 +109,8 @@ def test_sandbox_provider_declared_by_an_entry_point_is_found(monkeypatch):
     monkeypatch.setitem(globals(), "FakeProvider", fake)
     ep = importlib.metadata.EntryPoint(name="_fake_ep", value=f"{__name__}:FakeProvider", group=sandbox.ENTRY_POINT_GROUP)
     real = sandbox.entry_points
-    monkeypatch.setattr(sandbox, "entry_points", lambda group: [*real(group=group), ep] if group == sandbox.ENTRY_POINT_GROUP else real(group=group))
+    with_fake = lambda group: [*real(group=group), ep] if group == sandbox.ENTRY_POINT_GROUP else real(group=group)  # noqa: E731
+    monkeypatch.setattr(sandbox, "entry_points", with_fake)
     monkeypatch.setattr(sandbox, "_providers", dict(sandbox._providers))  # what this test loads is forgotten after it
     assert "_fake_ep" in sandbox.provider_names()
     with sandbox.open_sandbox("_fake_ep") as sb:
