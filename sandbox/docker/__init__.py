@@ -112,7 +112,7 @@ rc=$?
 s1=$(/usr/bin/date +%s%N)
 printf '\n%s %s %s\n' "$m" "$rc" "$((s1-s0))"
 """
-_SERVER = (Path(__file__).with_name("exec_server.py")).read_text()
+_SERVER = (Path(__file__).parent.parent / "exec_server.py").read_text()
 _KILL_ALL = "kill -9 -1 2>/dev/null; kill -9 -1 2>/dev/null; exit 0"
 _CHUNK = 120_000  # base64 characters per argv string (Linux caps one at 128 KiB)
 _ARGV_PAYLOAD_MAX = 768 << 10  # larger inputs go through put_archive
