@@ -15,9 +15,9 @@ import requests
 from docker.types import DriverConfig, LogConfig, Mount, Ulimit
 
 from sandbox import ExecRequest, ExecResult, Sandbox, SandboxUnavailable
-from sandbox.docker import cleanup
+
 from sandbox.docker.box import GID, UID, WORKDIR, Infra, Limits, NoRetry
-from sandbox.docker.cleanup import LABEL, OWNER, OWNER_LABEL, make_client
+from sandbox.docker.cleanup import LABEL, OWNER, OWNER_LABEL, hold_until_closed, make_client, reap_once, release
 from sandbox.docker.session import DockerSession
 from sandbox.docker.transport import Box, execute
 
@@ -88,7 +88,7 @@ class DockerSandbox(Sandbox):
         self._closed = False
         self._stats_lock = threading.Lock()
         self.stats = {"created": 0, "reused": 0, "discarded": 0, "retries": 0}
-        cleanup.hold_until_closed(self)
+        hold_until_closed(self)
         if prewarm:
             self.prewarm(prewarm)
 
@@ -110,7 +110,7 @@ class DockerSandbox(Sandbox):
                         raise Infra(f"Docker daemon unreachable: {exc}") from exc
                     key = self.base_url or os.environ.get("DOCKER_HOST", "default")
                     if self.reap:
-                        cleanup.reap_once(client, key)
+                        reap_once(client, key)
                     self._client_obj = client
         return self._client_obj
 
@@ -361,4 +361,4 @@ class DockerSandbox(Sandbox):
         except RuntimeError:  # at interpreter exit new threads are refused: remove one by one
             for job in jobs:
                 job()
-        cleanup.release(self)
+        release(self)
