@@ -15,7 +15,6 @@ import requests
 from docker.types import DriverConfig, LogConfig, Mount, Ulimit
 
 from sandbox import ExecRequest, ExecResult, Sandbox, SandboxUnavailable
-
 from sandbox.docker.box import GID, UID, WORKDIR, Infra, Limits, NoRetry
 from sandbox.docker.cleanup import LABEL, OWNER, OWNER_LABEL, hold_until_closed, make_client, reap_once, release
 from sandbox.docker.session import DockerSession
