@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from concurrent.futures import ThreadPoolExecutor
-from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
