@@ -66,7 +66,7 @@ def replay(name: str, sb, data_dir: Path, limit: int | None) -> dict:
 
 def _truth(task: EvalPlusTask, problem_id: str):
     """Compute (or read) one problem's ground truth; a failure comes back as an ``error`` Score."""
-    from tasks.base import Score
+    from harness.task import Score
 
     try:
         task.truth(problem_id)

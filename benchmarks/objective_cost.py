@@ -19,7 +19,7 @@ from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
 from harness.registry import METHODS
 from harness.trajectory import TensorBatch
 from trainers.learner import train_step
-from trainers.objectives import StudentOutputs
+from harness.method import StudentOutputs
 
 
 def synthetic_batch(batch: int, length: int, vocab: int, seed: int = 0) -> tuple[TensorBatch, torch.Tensor]:

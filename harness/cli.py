@@ -17,8 +17,10 @@ from rich.console import Console
 from rich.markup import escape
 
 from harness.config import ConfigError, build_config, deep_merge, parse_override
+from harness.errors import TrainingAborted
 from harness.jsonout import to_json
 from harness.registry import METHODS, TASKS, RegistryError
+from harness.task import Task, TaskNotReady, close_tasks
 
 app = typer.Typer(help="Benchmark harness for on-policy distillation of language models.", no_args_is_help=True, add_completion=False)
 console = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, width=160)
@@ -42,7 +44,7 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
 # ---- task lifecycle and clean shutdown (readiness before anything is written; sandboxes closed however a command ends)
 
 
-_tasks_to_close: list = []  # tasks of the running command, closed when it ends (see ``_closes_tasks``)
+_tasks_to_close: list[Task] = []  # tasks of the running command, closed when it ends (see ``_closes_tasks``)
 
 
 def _closes_tasks(command: Callable) -> Callable:
@@ -53,19 +55,15 @@ def _closes_tasks(command: Callable) -> Callable:
         try:
             return command(*args, **kwargs)
         finally:
-            from tasks.base import close_tasks
-
             tasks, _tasks_to_close[:] = list(_tasks_to_close), []
             close_tasks(tasks)
 
     return wrapper
 
 
-def _prepare_tasks(tasks: list) -> None:
+def _prepare_tasks(tasks: list[Task]) -> None:
     """Have ``tasks`` closed when the command ends, and check each can run here (e.g. its sandbox image is built):
     exit 2 with what to do, before any run row or output exists."""
-    from tasks.base import TaskNotReady
-
     _tasks_to_close.extend(tasks)
     try:
         for task in tasks:
@@ -120,7 +118,6 @@ def run(
     from harness.plan import load_plan_data, plan_run
     from harness.store import Store
     from harness.runs import RunLocked, create_train_run, execute_run, plan_resume
-    from trainers.guards import TrainingAborted
 
     _quiet_libraries()
     store = None
@@ -562,7 +559,7 @@ def _build_task_images(name: str, data_dir: Path | None, task_arg: list[str], fo
         task = make_task(name, task_args)
     except ConfigError as exc:
         raise _fail(str(exc)) from None
-    if not callable(getattr(task, "build_images", None)):
+    if type(task).build_images is Task.build_images:  # the default builds nothing
         raise _fail(f"task {name!r} builds no images of its own (only the sandbox base image: `harness sandbox build`)")
     failed = []
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=stdout) as bar:

@@ -310,12 +310,12 @@ def fit_preset_models(preset: dict, task: str, options: dict) -> dict:
         cls = TASKS.get(task)
     except RegistryError:
         return preset  # planning names the unknown task
-    field = getattr(cls, "Options", None) and cls.Options.model_fields.get("max_context_tokens")
+    field = cls.Options.model_fields.get("max_context_tokens")
     budget = options.get("max_context_tokens", field.default if field is not None else None)
     out = dict(preset)
     for role in ("student", "teacher"):
         spec = dict(out.get(role) or {})
-        if spec.get("sft_steps", 0) > 0 and not getattr(cls, "provides_references", False):
+        if spec.get("sft_steps", 0) > 0 and not cls.provides_references:
             spec["sft_steps"] = 0
         if "arch" in spec and isinstance(budget, int) and spec["arch"].get("max_positions", TinyArch.model_fields["max_positions"].default) < budget:
             spec["arch"] = {**spec["arch"], "max_positions": budget}

@@ -2,7 +2,7 @@
 validates a data folder.
 
 A task that reads files declares them in its own module with a classmethod ``data_needs()`` returning one
-:class:`DataNeed` per split: the files under the data folder, where they come from, the function that downloads
+:class:`harness.task.DataNeed` per split: the files under the data folder, where they come from, the function that downloads
 them, the task's own loader and the problem counts of the known good copies. This module names no benchmark; it
 runs those declarations. ``fetch`` downloads each split into a staging folder inside the data folder, validates it
 with the task's loader and only then moves the files into place, so a failed or bad download leaves nothing
@@ -19,7 +19,7 @@ import shutil
 import sys
 import tempfile
 import urllib.request
-from collections.abc import Callable, Iterable, Mapping, Sized
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import Path
@@ -31,6 +31,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from harness.registry import TASKS, RegistryError
+from harness.task import DataNeed
 
 Status = Literal["ok", "missing", "invalid", "error"]  # error: the download itself failed (network, hub), not the data
 
@@ -41,19 +42,6 @@ class DataFetchError(RuntimeError):
     def __init__(self, message: str, status: Status) -> None:
         super().__init__(message)
         self.status = status
-
-
-@dataclass(frozen=True)
-class DataNeed:
-    """One split of one task: which files it reads under the data folder and how ``harness data fetch`` makes them."""
-
-    task: str
-    split: str
-    files: tuple[str, ...]  # glob patterns relative to the data folder, e.g. "math500/test.jsonl", "livecodebench/test*.jsonl"
-    source: str  # where fetch downloads from, for messages ("hf:HuggingFaceH4/MATH-500[test]", a URL)
-    fetch: Callable[[Path], None]  # downloads the split into a folder, in the same layout (<task>/<file>)
-    load: Callable[[Path], Sized]  # the task's loader, local files only; raises (DataError ...) on a bad row or id
-    rows: tuple[int, ...] = ()  # problem counts of the known good copies; () accepts any count
 
 
 @dataclass(frozen=True)
@@ -72,8 +60,7 @@ class CheckResult:
 
 def needs_of(task_name: str) -> tuple[DataNeed, ...]:
     """The data needs a registered task declares (() for tasks that read no files, e.g. generated ones)."""
-    declare = getattr(TASKS.get(task_name), "data_needs", None)
-    return tuple(declare()) if callable(declare) else ()
+    return tuple(TASKS.get(task_name).data_needs())
 
 
 def all_needs() -> dict[str, tuple[DataNeed, ...]]:

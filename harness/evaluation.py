@@ -13,6 +13,7 @@ from harness.backends import Backend, SamplingParams
 from harness.metrics import bootstrap_ci, pass_at_k
 from harness.rollout import rollout
 from harness.store import SampleRow, Store
+from harness.task import Problem, Score, Task
 from harness.trajectory import Trajectory
 
 GRADE_CHUNK = 64  # completions per grade_many call, so the grading progress bar moves
@@ -64,11 +65,11 @@ def summarize_samples(samples: list[SampleRow], k: int, *, n_resamples: int = 10
     return summary
 
 
-def grade_episodes(task, problems: list, trajectories: list[Trajectory], *, chunk: int = GRADE_CHUNK, show_progress: bool | None = None) -> list:
+def grade_episodes(
+    task: Task, problems: list[Problem], trajectories: list[Trajectory], *, chunk: int = GRADE_CHUNK, show_progress: bool | None = None
+) -> list[Score]:
     """``task.grade_trajectories`` in chunks with a tqdm bar on stderr (terminals only by default); an episode whose
     environment failed is graded ``error`` without asking the task. Each trajectory's ``grade_s`` is its share."""
-    from tasks.base import Score
-
     if len(problems) != len(trajectories):
         raise ValueError(f"{len(problems)} problems but {len(trajectories)} trajectories to grade")
     scores: list = [Score("error", details=t.metadata["env_error"]) if "env_error" in t.metadata else None for t in trajectories]
@@ -127,7 +128,8 @@ def describe_episodes(summary: dict) -> str:
 
 
 def evaluate_task(
-    backend: Backend, task, problems: list, *, k: int, sampling: SamplingParams, n_resamples: int = 10_000, show_progress: bool | None = None
+    backend: Backend, task: Task, problems: list[Problem], *, k: int, sampling: SamplingParams, n_resamples: int = 10_000,
+    show_progress: bool | None = None,
 ) -> EvalResult:
     """k episodes per problem through the one rollout path, graded by the task; returns the summary and per-sample rows."""
     started = time.perf_counter()
@@ -153,7 +155,7 @@ def evaluate_task(
             )
         )
     summary = summarize_samples(samples, k, n_resamples=n_resamples)
-    summary.update(summarize_episodes(per_episode, getattr(task, "episode_flags", ())))
+    summary.update(summarize_episodes(per_episode, task.episode_flags))
     summary["seconds"] = time.perf_counter() - started
     return EvalResult(task.name, summary, samples, trajectories, task.grader)
 

@@ -32,8 +32,9 @@ from pathlib import Path
 import numpy as np
 
 from harness.leaderboard import sample_scores
-from harness.metrics import _resampled_means
+from harness.metrics import resampled_means
 from harness.store import Store
+from harness.task import TaskNotReady, close_tasks
 
 EXIT_CODES = {"pass": 0, "regression": 1, "inconclusive": 3}
 
@@ -56,7 +57,7 @@ def mcnemar_exact_p(worse: int, better: int) -> float:
 
 def bootstrap_deltas(diffs: list[np.ndarray], n_resamples: int, seed: int) -> np.ndarray:
     """Resampled macro-average deltas: each task's problems resampled on their own (stratified), tasks averaged."""
-    return np.mean([_resampled_means(d, n_resamples, seed + i) for i, d in enumerate(diffs)], axis=0)
+    return np.mean([resampled_means(d, n_resamples, seed + i) for i, d in enumerate(diffs)], axis=0)
 
 
 @dataclass(frozen=True)
@@ -297,7 +298,6 @@ def evaluate_model(store: Store, model: str, spec: EvalSpec) -> str:
     from harness.plan import load_problems, make_task
     from harness.registry import BACKENDS, RegistryError
     from harness.runs import new_run_id
-    from tasks.base import TaskNotReady, close_tasks
 
     tasks = []
     try:

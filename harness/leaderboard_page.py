@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.report import _match_key, dotted_get, plot_lag_curve, run_curve, summarize_run, sweep_report
+from harness.report import match_key, dotted_get, plot_lag_curve, run_curve, summarize_run, sweep_report
 from harness.evaluation import GENERIC_SUMMARY_KEYS
 from harness.store import Store
 
@@ -116,7 +116,7 @@ def _relative_throughput(rows: list[dict], baseline_method: str) -> None:
         if row["kind"] != "train" or not row["samples_per_hour"]:
             continue
         pool = [r for r in rows if r["kind"] == "train" and r["method"] == baseline_method and r["mode"] == "sync" and r["task"] == row["task"] and r["samples_per_hour"]]
-        same = [r for r in pool if _match_key(r["config"], drop_method=True) == _match_key(row["config"], drop_method=True)]
+        same = [r for r in pool if match_key(r["config"], drop_method=True) == match_key(row["config"], drop_method=True)]
         base = same or pool
         if base:
             row["relative_throughput"] = row["samples_per_hour"] / float(np.mean([r["samples_per_hour"] for r in base]))

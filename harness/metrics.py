@@ -98,7 +98,7 @@ def maj_at_k(
     return float(total / len(answers_per_problem))
 
 
-def _resampled_means(values: np.ndarray, n_resamples: int, seed: int) -> np.ndarray:
+def resampled_means(values: np.ndarray, n_resamples: int, seed: int) -> np.ndarray:
     """Means of n_resamples bootstrap resamples of values, built in bounded-memory chunks."""
     if n_resamples < 1:
         raise ValueError(f"n_resamples must be >= 1, got {n_resamples}")
@@ -133,7 +133,7 @@ def bootstrap_ci(
     tail = _check_confidence(confidence)
     if vals.size == 1:
         return float(vals[0]), float(vals[0])
-    lo, hi = np.quantile(_resampled_means(vals, n_resamples, seed), [tail, 1.0 - tail])
+    lo, hi = np.quantile(resampled_means(vals, n_resamples, seed), [tail, 1.0 - tail])
     return float(lo), float(hi)
 
 
@@ -170,7 +170,7 @@ def paired_bootstrap(
         raise ValueError("no problems given")
     tail = _check_confidence(confidence)
     diffs = vb - va
-    deltas = _resampled_means(diffs, n_resamples, seed)
+    deltas = resampled_means(diffs, n_resamples, seed)
     lo, hi = np.quantile(deltas, [tail, 1.0 - tail])
     p = min(1.0, 2.0 * min(np.mean(deltas <= 0), np.mean(deltas >= 0)))
     return PairedResult(

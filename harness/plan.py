@@ -4,12 +4,31 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from pydantic import ValidationError
+from rich.console import Console
 
 from harness.config import ConfigError, RunConfig, format_validation_error
+from harness.method import HParams, MethodSpec
 from harness.registry import BACKENDS, METHODS, PIPELINES, TASKS, RegistryError
-from tasks.base import DataError
+from harness.store import Store
+from harness.task import DataError, Problem, Task
+
+
+class Pipeline(Protocol):
+    """A registered training pipeline (``trainer.mode``): what it gives a method, and the run itself."""
+
+    name: str
+
+    def provides(self, task: Task) -> frozenset[str]:
+        """The method inputs this pipeline can provide when training on ``task``."""
+
+    def warnings(self, method: MethodSpec, hparams: HParams, task: Task) -> list[str]:
+        """What to tell the user about this combination before the run starts."""
+
+    def run(self, plan: Plan, store: Store, run_id: str, *, resume: bool = False, console: Console | None = None) -> None:
+        """Train ``plan.method`` on ``plan.task``, checkpointing and evaluating into ``store``."""
 
 
 @dataclass
@@ -17,14 +36,14 @@ class Plan:
     """Everything a pipeline needs, looked up and validated."""
 
     config: RunConfig
-    method: object  # trainers.objectives.MethodSpec
-    hparams: object
-    task: object  # tasks.base.Task
-    eval_tasks: list = field(default_factory=list)
-    pipeline: object = None
+    method: MethodSpec
+    hparams: HParams
+    task: Task
+    eval_tasks: list[Task] = field(default_factory=list)
+    pipeline: Pipeline | None = None
     warnings: list[str] = field(default_factory=list)
-    train_problems: list | None = None  # the training split, once load_plan_data has validated it
-    eval_problems: dict[str, list] = field(default_factory=dict)  # eval task name -> its evaluated test problems
+    train_problems: list[Problem] | None = None  # the training split, once load_plan_data has validated it
+    eval_problems: dict[str, list[Problem]] = field(default_factory=dict)  # eval task name -> its evaluated test problems
 
 
 class DataUnavailable(ConfigError):
@@ -39,7 +58,7 @@ def data_hint(task_name: str) -> str:
     )
 
 
-def load_problems(task, split: str, *, data_dir: Path | None = None, limit: int | None = None) -> list:
+def load_problems(task: Task, split: str, *, data_dir: Path | None = None, limit: int | None = None) -> list[Problem]:
     """The validated problems of ``task``'s ``split`` (the first ``limit``); missing data or a bad row is DataUnavailable."""
     try:
         problems = task.load(split, data_dir)
@@ -64,13 +83,13 @@ def load_plan_data(plan: Plan) -> Plan:
     return plan
 
 
-def reference_users(cfg: RunConfig, method, hparams) -> list[str]:
+def reference_users(cfg: RunConfig, method: MethodSpec, hparams: HParams) -> list[str]:
     """What in this run trains on the task's reference solutions: a method off-policy or declaring them, SFT warm-ups."""
     users = [f"method {method.name!r}"] if not method.on_policy or "reference_responses" in method.needs(hparams) else []
     return users + [f"{role}.sft_steps={getattr(cfg, role).sft_steps}" for role in ("student", "teacher") if getattr(cfg, role).sft_steps > 0]
 
 
-def check_references(cfg: RunConfig, method, hparams, task) -> None:
+def check_references(cfg: RunConfig, method: MethodSpec, hparams: HParams, task: Task) -> None:
     """Refuse a run whose method or warm-up needs reference solutions the training task does not declare."""
     for role in ("student", "teacher"):
         spec = getattr(cfg, role)
@@ -85,7 +104,7 @@ def check_references(cfg: RunConfig, method, hparams, task) -> None:
         )
 
 
-def check_behaviour_logprobs(cfg: RunConfig, method, hparams) -> None:
+def check_behaviour_logprobs(cfg: RunConfig, method: MethodSpec, hparams: HParams) -> None:
     """Refuse a rollout engine told not to return the sampled tokens' log-probs when the method trains on them
     (``behaviour_logprobs``); only an evaluation may go without them."""
     from harness.backends import as_bool
@@ -104,7 +123,7 @@ def check_behaviour_logprobs(cfg: RunConfig, method, hparams) -> None:
         )
 
 
-def make_task(name: str, task_args: dict[str, dict]) -> object:
+def make_task(name: str, task_args: dict[str, dict]) -> Task:
     """Instantiate a registered task with its options from ``task_args[name]``."""
     try:
         cls = TASKS.get(name)
@@ -158,7 +177,7 @@ def plan_run(cfg: RunConfig) -> Plan:
     return Plan(cfg, method, hparams, task, eval_tasks, pipeline, warnings=[*teacher_warnings, *pipeline.warnings(method, hparams, task)])
 
 
-def fit_teacher_distribution(cfg: RunConfig, method, hparams) -> tuple[object, list[str]]:
+def fit_teacher_distribution(cfg: RunConfig, method: MethodSpec, hparams: HParams) -> tuple[HParams, list[str]]:
     """A teacher backend that returns no full distribution (a served teacher, vLLM): a method reading ``teacher_full``
     takes the teacher's top-k log-probs instead when its hyper-parameters offer ``teacher_top_k`` (k = teacher.top_k,
     recorded in the run's method_args); any other such method is refused, naming the flag."""
@@ -177,7 +196,7 @@ def fit_teacher_distribution(cfg: RunConfig, method, hparams) -> tuple[object, l
     )
 
 
-def apply_group_size(cfg: RunConfig, method, hparams) -> None:
+def apply_group_size(cfg: RunConfig, method: MethodSpec, hparams: HParams) -> None:
     """Give a group-baseline method (GRPO family) its default samples per prompt when no layer set one,
     and refuse 1 sample per prompt, where its advantage would be the raw reward, unless explicitly allowed."""
     trainer = cfg.trainer

@@ -51,7 +51,7 @@ def dotted_get(config: dict, key: str, default: Any = None) -> Any:
     return value
 
 
-def _match_key(config: dict, *, drop_method: bool = False) -> str:
+def match_key(config: dict, *, drop_method: bool = False) -> str:
     """Canonical config minus what a throughput baseline may differ in."""
     cfg = json.loads(json.dumps(config))
     cfg.pop("seed", None)
@@ -157,12 +157,12 @@ def sweep_report(store: Store, record: dict, *, task: str | None = None, collaps
         lags = [r["lag_mean"] for r in ok if r["lag_mean"] is not None]
         rel, baseline = None, None
         if ok and tps:
-            same = _match_key(ok[0]["config"])
-            base = [r["samples_per_hour"] for r in sync_done if _match_key(r["config"]) == same]
+            same = match_key(ok[0]["config"])
+            base = [r["samples_per_hour"] for r in sync_done if match_key(r["config"]) == same]
             baseline = "same config, sync"
             if not base:
-                loose = _match_key(ok[0]["config"], drop_method=True)
-                base = [r["samples_per_hour"] for r in sync_done if r["config"]["method"] == baseline_method and _match_key(r["config"], drop_method=True) == loose]
+                loose = match_key(ok[0]["config"], drop_method=True)
+                base = [r["samples_per_hour"] for r in sync_done if r["config"]["method"] == baseline_method and match_key(r["config"], drop_method=True) == loose]
                 baseline = f"sync {baseline_method}"
             if base and np.mean(base) > 0:
                 rel = float(np.mean(tps) / np.mean(base))
@@ -213,11 +213,11 @@ def lag_curve(done_runs: list[dict], keys: list[str], n_resamples: int = 10_000)
         if lag is None:
             continue
         key = _row_key(r["coords"], drop)
-        line = lines.setdefault(key, {"line": {k: json.loads(v) for k, v in key}, "finals": {}, "match": _match_key(r["config"])})
+        line = lines.setdefault(key, {"line": {k: json.loads(v) for k, v in key}, "finals": {}, "match": match_key(r["config"])})
         line["finals"].setdefault(int(lag), []).append(r["summary"]["final"])
     out = []
     for line in lines.values():
-        sync = [r["summary"]["final"] for r in done_runs if r["mode"] == "sync" and _match_key(r["config"]) == line["match"]]
+        sync = [r["summary"]["final"] for r in done_runs if r["mode"] == "sync" and match_key(r["config"]) == line["match"]]
         points = []
         for lag in sorted(line["finals"]):
             finals = line["finals"][lag]

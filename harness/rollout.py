@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from harness.backends import Backend, Completion, SamplingParams
 from harness.episode import Env, Observation, render_observation
+from harness.task import Problem, Task
 from harness.trajectory import Segment, Trajectory
 
 DEFAULT_ENV_WORKERS = 16  # concurrent environment steps (tool calls) across the live episodes
@@ -34,7 +35,7 @@ def encode(tokenizer, text: str) -> list[int]:
 class Episode:
     """A live episode: its environment, its trajectory so far, and the rollout's own counters."""
 
-    problem: object
+    problem: Problem
     traj: Trajectory
     env: Env | None = None
     live: bool = True
@@ -53,21 +54,23 @@ class Episode:
         self.end("env_error")
 
 
-def rollout(backend: Backend, task, problems: list, params: SamplingParams, *, env_workers: int = DEFAULT_ENV_WORKERS) -> list[Trajectory]:
+def rollout(
+    backend: Backend, task: Task, problems: list[Problem], params: SamplingParams, *, env_workers: int = DEFAULT_ENV_WORKERS
+) -> list[Trajectory]:
     """``params.n`` episodes per problem, ordered problem-major; returns ungraded trajectories.
 
     The single entry point of evaluation and training. A task that answers by scoring instead of generating
-    (lm-eval's multiple-choice tasks) provides ``rollout(backend, problems, params)`` and is routed to it here."""
-    own = getattr(task, "rollout", None)
-    if callable(own):
-        return own(backend, problems, params)
-    return run_episodes(backend, task, problems, params, env_workers=env_workers)
+    (lm-eval's multiple-choice tasks) overrides ``Task.rollout(backend, problems, params)`` and is routed to it here."""
+    own = task.rollout(backend, problems, params)
+    return own if own is not None else run_episodes(backend, task, problems, params, env_workers=env_workers)
 
 
-def run_episodes(backend: Backend, task, problems: list, params: SamplingParams, *, env_workers: int = DEFAULT_ENV_WORKERS) -> list[Trajectory]:
+def run_episodes(
+    backend: Backend, task: Task, problems: list[Problem], params: SamplingParams, *, env_workers: int = DEFAULT_ENV_WORKERS
+) -> list[Trajectory]:
     """The turn loop: open every episode, then generate for all live ones and step their environments, until none is live."""
     tokenizer = backend.tokenizer
-    use_template = getattr(task.options, "use_chat_template", True)
+    use_template = task.options.use_chat_template
     budgeted = getattr(backend, "counts_tokens", True)  # replayed turns are characters, not the model's tokens: no token budgets
     limit = context_limit(backend, task) if budgeted else None
     episodes = [
@@ -88,7 +91,7 @@ def run_episodes(backend: Backend, task, problems: list, params: SamplingParams,
     return [e.traj for e in episodes]
 
 
-def context_limit(backend: Backend, task) -> int | None:
+def context_limit(backend: Backend, task: Task) -> int | None:
     """The most tokens a context may hold: the task's ``max_context_tokens`` and the model's own limit, whichever is smaller."""
     limits = [getattr(task.options, "max_context_tokens", None), getattr(backend, "max_context", None)]
     known = [int(x) for x in limits if x]
@@ -99,7 +102,7 @@ class ContextOverflow(ValueError):
     """An episode's opening context leaves no room for the model's first token: the model was never asked."""
 
 
-def open_episode(episode: Episode, task, tokenizer, limit: int | None = None) -> None:
+def open_episode(episode: Episode, task: Task, tokenizer, limit: int | None = None) -> None:
     """Create the environment and take its opening context; a failure, or an opening context that does not fit the
     budget, ends the episode as an ``error`` (not measured), never as the model's fail."""
     started = time.perf_counter()
@@ -238,13 +241,13 @@ def add_time(traj: Trajectory, name: str, seconds: float) -> None:
     traj.timings[name] = traj.timings.get(name, 0.0) + seconds
 
 
-def reference_trajectories(task, problems: list, tokenizer) -> list[Trajectory]:
+def reference_trajectories(task: Task, problems: list[Problem], tokenizer) -> list[Trajectory]:
     """Teacher-forced trajectories from each problem's reference (for SFT).
 
     A multi-turn reference (``problem.meta["reference_turns"]``: ``[{"model": text, "observation": {"content",
     "role", "raw"} or null}, ...]``) becomes model segments (one step each) interleaved with the observations,
     rendered exactly as a live episode would render them; otherwise ``problem.solution`` is one model turn."""
-    use_template = getattr(task.options, "use_chat_template", True)
+    use_template = task.options.use_chat_template
     out = []
     for problem in problems:
         turns = problem.meta.get("reference_turns") or ([{"model": problem.solution}] if problem.solution is not None else None)

@@ -22,7 +22,7 @@ from rich.console import Console
 
 from harness.config import ConfigError, RunConfig
 from harness.store import Store
-from tasks.base import close_tasks
+from harness.task import close_tasks
 
 
 def new_run_id(method: str, task: str) -> str:

@@ -232,7 +232,7 @@ class LocalSandbox(Sandbox):
         if not run_dir.is_dir():
             return ExecResult(status="ok", exit_code=125, stderr=f"sandbox: no directory {workdir}\n")
         cpu = math.ceil(request.timeout_s) + 1
-        nproc = limits.pids if uid is not None else limits.pids + _uid_tasks(os.getuid())[1]
+        nproc = limits.pids if uid is not None else limits.pids + uid_tasks(os.getuid())[1]
         cfg = {
             "uid": uid,
             "gid": uid,
@@ -320,7 +320,7 @@ def _rmtree(path: Path) -> None:
     shutil.rmtree(path, onerror=fix)
 
 
-def _uid_tasks(uid: int) -> tuple[list[int], int]:
+def uid_tasks(uid: int) -> tuple[list[int], int]:
     """(pids of ``uid``'s live processes, its tasks (threads, zombies included) as RLIMIT_NPROC counts them)."""
     live, total = [], 0
     for entry in os.scandir("/proc"):
@@ -343,7 +343,7 @@ def _kill_uid(uid: int, wait_s: float = 2.0) -> None:
     """SIGKILL every process of ``uid`` (a per-run uid) until none is alive, for at most ``wait_s``."""
     end = time.monotonic() + wait_s
     while True:
-        live, _ = _uid_tasks(uid)
+        live, _ = uid_tasks(uid)
         if not live or time.monotonic() > end:
             return
         for pid in live:

@@ -46,8 +46,9 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
+from harness.episode import SingleTurnEnv
 from harness.registry import TASKS
-from tasks.base import Problem, Score, SingleTurnEnv, Task, TaskOptions
+from harness.task import Problem, Score, Task, TaskOptions
 
 PREFIX = "lm_eval"
 INCLUDE_ENV = "HARNESS_LM_EVAL_INCLUDE"

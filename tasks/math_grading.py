@@ -404,7 +404,7 @@ class MathVerifyGraded:
     """Task mixin: completions are graded against ``Problem.answer`` by the shared math-verify pool."""
 
     def grade_many(self, problems, completions):
-        from tasks.base import Score
+        from harness.task import Score
 
         grades = default_grader().grade_many([(c, p.answer) for p, c in zip(problems, completions, strict=True)])
         return [Score(g.status, g.extracted, g.detail) for g in grades]

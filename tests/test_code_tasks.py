@@ -15,7 +15,7 @@ import zlib
 import pytest
 
 import sandbox
-from tasks.base import DataError
+from harness.task import DataError
 from tasks.code.common import last_fenced_block
 from tasks.code.evalplus import HumanEvalPlusTask, MbppPlusTask
 from tasks.code.livecodebench import LiveCodeBenchTask, decode_pickled_str, decode_private_tests

@@ -5,8 +5,8 @@ from harness.cli import app
 from harness.config import ConfigError, build_config, parse_override
 from harness.plan import plan_run
 from harness.registry import METHODS, TASKS
-from tasks.base import Score, Task
-from trainers.objectives import HParams, MethodSpec
+from harness.task import Score, Task
+from harness.method import HParams, MethodSpec
 
 runner = CliRunner()
 

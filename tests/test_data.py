@@ -21,7 +21,7 @@ from fake_hub import FakeHub
 
 from harness.data import DataFetchError, download_url, fetch_need, needs_of
 from harness.registry import TASKS
-from tasks.base import DataError
+from harness.task import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,7 @@ from harness.episode import Env, Observation, StepResult, render_observation
 from harness.evaluation import evaluate_task
 from harness.rollout import reference_trajectories, rollout
 from harness.trajectory import to_tensor_batch
-from tasks.base import Problem, Score, Task, TaskOptions
+from harness.task import Problem, Score, Task, TaskOptions
 
 CHATML = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"

@@ -10,7 +10,7 @@ import torch
 from harness.backends.hf import HFBackend
 from harness.config import build_config
 from harness.plan import plan_run
-from tasks.base import Score
+from harness.task import Score
 from tasks.synthetic.arith import ArithTask
 from trainers.guards import GradingErrors
 from trainers.pipeline import generate_batch, sample_problems

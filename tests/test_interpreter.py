@@ -298,9 +298,9 @@ def _session_gone(sb, session) -> bool:
         except docker.errors.NotFound:
             return True
         return False
-    from sandbox.local import _uid_tasks
+    from sandbox.local import uid_tasks
 
-    return not session.host_path.exists() and (session._uid is None or not _uid_tasks(session._uid)[0])
+    return not session.host_path.exists() and (session._uid is None or not uid_tasks(session._uid)[0])
 
 
 def test_close_and_garbage_collection_leave_nothing_behind(sb):
@@ -341,13 +341,13 @@ def test_exiting_without_close_leaves_nothing_behind(sb):
     else:
         from pathlib import Path
 
-        from sandbox.local import _uid_tasks
+        from sandbox.local import uid_tasks
 
         path, uid = out.stdout.split()
         deadline = time.monotonic() + 3  # the supervisor notices its host is gone within ~1 s
-        while uid != "None" and _uid_tasks(int(uid))[0] and time.monotonic() < deadline:
+        while uid != "None" and uid_tasks(int(uid))[0] and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not Path(path).exists() and (uid == "None" or not _uid_tasks(int(uid))[0])
+        assert not Path(path).exists() and (uid == "None" or not uid_tasks(int(uid))[0])
 
 
 def test_sandbox_failures_are_error_results_not_exceptions():

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from harness.cli import app
 from harness.registry import TASKS, Registry, RegistryError
-from tasks.base import Problem, Score
+from harness.task import Problem, Score
 
 pytest.importorskip("lm_eval")
 
@@ -26,7 +26,7 @@ runner = CliRunner()
 
 
 @pytest.fixture(autouse=True)
-def _datasets_cache(tmp_path_factory, monkeypatch):
+def datasets_cache(tmp_path_factory, monkeypatch):
     """Keep the datasets cache of the local json tasks out of the home directory."""
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.getbasetemp() / "hf_datasets"))
 

@@ -13,7 +13,7 @@ from typing import Callable, Iterator
 import pytest
 
 from harness.registry import TASKS
-from tasks.base import DataError, Problem
+from harness.task import DataError, Problem
 from tasks.math.benchmarks import (
     BOXED_INSTRUCTION,
     DATA_DIR_ENV,

@@ -17,7 +17,8 @@ from harness.trajectory import TensorBatch
 from batches import make_batch
 from trainers.guards import NonFiniteLoss, enforce_finite
 from trainers.learner import train_step
-from trainers.objectives import HParams, MethodSpec, StudentOutputs, masked_mean
+from harness.method import HParams, MethodSpec, StudentOutputs
+from trainers.objectives import masked_mean
 
 runner = CliRunner()
 METHOD = "_nan_at_step"  # test-only: names starting with "_" are not run by test_every_method

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from harness.registry import METHODS
 from batches import make_batch
-from trainers.objectives import StudentOutputs
+from harness.method import StudentOutputs
 from trainers.objectives.ap_opd import (
     APOPDParams,
     FixedWeightParams,

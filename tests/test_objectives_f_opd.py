@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from harness.registry import METHODS
 from batches import make_batch
 from harness.trajectory import TensorBatch
-from trainers.objectives import StudentOutputs
+from harness.method import StudentOutputs
 from trainers.objectives.f_opd import (
     ClippedIWParams,
     FOPDParams,

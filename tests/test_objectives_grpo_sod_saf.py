@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from harness.registry import METHODS
 from harness.trajectory import TensorBatch
-from trainers.objectives import StudentOutputs
+from harness.method import StudentOutputs
 from trainers.objectives.common import grpo_advantages, opd_advantage
 from trainers.objectives.grpo import GRPOParams, grpo_needs, grpo_objective, grpo_sequence_advantages
 from trainers.objectives.saf import (

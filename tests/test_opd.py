@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from batches import make_batch
-from trainers.objectives import StudentOutputs
+from harness.method import StudentOutputs
 from trainers.objectives.opd import OPDParams, opd_needs, opd_objective
 
 

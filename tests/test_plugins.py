@@ -22,7 +22,8 @@ import torch
 
 from sandbox.local import LocalSandbox
 from tasks.synthetic.arith import ArithTask
-from trainers.objectives import HParams, MethodSpec, masked_mean
+from harness.method import HParams, MethodSpec
+from trainers.objectives import masked_mean
 
 
 class PluginArith(ArithTask):

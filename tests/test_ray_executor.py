@@ -123,7 +123,7 @@ def test_actors_release_their_tasks_and_engines_before_they_are_killed(monkeypat
     import trainers.ray_executor as rx
 
     log: list[str] = []
-    role = rx._Role()
+    role = rx.ActorRole()
     role.plan = SimpleNamespace(task=_Recorder(log, "train task"), eval_tasks=[_Recorder(log, "eval task")])
     role.backend = _Recorder(log, "engine")
     role.close()

@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 from batches import make_batch
 from harness.cli import app
 from harness.config import build_config
+from harness.errors import TrainingAborted
+from harness.method import StudentOutputs
 from harness.plan import plan_run
-from trainers.guards import TrainingAborted
-from trainers.objectives import StudentOutputs
 from trainers.objectives.opd import OPDParams, full_reverse_kl, opd_objective, topk_reverse_kl
 from trainers.teacher import TeacherFailed, score_teacher
 

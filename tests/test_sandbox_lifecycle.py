@@ -157,7 +157,7 @@ def run_rows(out: Path) -> list[tuple]:
 def test_unreachable_daemon_is_reported_before_any_run():
     """No daemon listens on port 9: the readiness check says so instead of grading every sample as `error`."""
     pytest.importorskip("docker")
-    from tasks.base import TaskNotReady
+    from harness.task import TaskNotReady
     from tasks.code.evalplus import EvalPlusOptions, HumanEvalPlusTask
 
     task = HumanEvalPlusTask(EvalPlusOptions(sandbox_options={"base_url": "tcp://127.0.0.1:9"}))
@@ -170,7 +170,7 @@ def test_unreachable_daemon_is_reported_before_any_run():
 
 def test_bad_sandbox_options_are_not_ready():
     pytest.importorskip("docker")
-    from tasks.base import TaskNotReady
+    from harness.task import TaskNotReady
     from tasks.code.evalplus import EvalPlusOptions, HumanEvalPlusTask
 
     with pytest.raises(TaskNotReady, match="humaneval_plus: task option sandbox / sandbox_options: .*no_such_option"):
@@ -179,7 +179,7 @@ def test_bad_sandbox_options_are_not_ready():
 
 @pytest.mark.docker
 def test_missing_image_names_the_build_command(docker_client):
-    from tasks.base import TaskNotReady
+    from harness.task import TaskNotReady
     from tasks.code.evalplus import EvalPlusOptions, HumanEvalPlusTask
 
     with HumanEvalPlusTask(EvalPlusOptions(sandbox_options={"image": MISSING_IMAGE})) as task:

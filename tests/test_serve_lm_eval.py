@@ -23,7 +23,7 @@ from harness.serve import make_app
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("tenacity", reason="lm-eval's API models need tenacity (the lmeval extra pins it)")
-from test_lm_eval import _datasets_cache, include  # noqa: E402,F401 - the same task folder and datasets cache
+from test_lm_eval import datasets_cache, include  # noqa: E402,F401 - the same task folder and datasets cache
 
 DATA = Path(__file__).parent / "data" / "lm_eval"
 

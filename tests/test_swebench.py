@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tasks.base import DataError
+from harness.task import DataError
 from tasks.swebench import upstream
 from tasks.swebench.data import load_rows, validate_row
 from tasks.swebench.grading import map_unittest_names
@@ -115,7 +115,7 @@ def test_a_folder_of_git_mirrors_is_a_repository_source(tiny, tmp_path):
     """`swebench.repo_source=DIR` with `<owner>__<name>.git` mirrors (how other instances of a repository come without
     snapshots): the tree at `base_commit` is archived, not the mirror's HEAD; the gold patch resolves on it; a commit
     the mirror lacks is a clear DataNotFound."""
-    from tasks.base import DataNotFound
+    from harness.task import DataNotFound
     from tasks.swebench.data import repo_tarball
 
     root, patches = tiny

@@ -20,13 +20,12 @@ from harness.backends.vllm_backend import (
     RAW_LOGPROBS,
     VLLMBackend,
     check_score_request,
-    prompt_logprobs_to_tensor,
     request_to_completions,
     sampling_kwargs,
     score_sampling_kwargs,
     to_completion,
-    topk_from_entry,
 )
+from harness.backends.prompt_logprobs import prompt_logprobs_to_tensor, topk_from_entry
 
 from fake_vllm import (
     ENGINE_LOGPROB_SCALE,

@@ -1,5 +1,5 @@
 """Checks that stop a training run instead of letting it record something false: a non-finite loss or
-gradient norm, and a step whose share of grading errors is too high. Both raise :class:`TrainingAborted`.
+gradient norm, and a step whose share of grading errors is too high. Both raise a :class:`harness.errors.TrainingAborted`.
 """
 
 from __future__ import annotations
@@ -7,9 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-
-class TrainingAborted(RuntimeError):
-    """A training run stopped on purpose; the message says why, the run's status ends ``failed``."""
+from harness.errors import TrainingAborted
 
 
 class NonFiniteLoss(TrainingAborted):

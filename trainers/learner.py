@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from harness.backends.hf import scores_from_logits
+from harness.method import HParams, MethodSpec, StudentOutputs
 from harness.trajectory import TensorBatch
-from trainers.objectives import HParams, MethodSpec, StudentOutputs, masked_mean
+from trainers.objectives import masked_mean
 
 
 def student_outputs(model: torch.nn.Module, batch: TensorBatch, full: bool) -> tuple[StudentOutputs, torch.Tensor]:

@@ -148,7 +148,7 @@ def load_rollout_weights(engine: Backend, scorer: HFBackend | None, weights: dic
 def episode_step_metrics(task, trajectories: list[Trajectory]) -> dict[str, float]:
     """Agentic measurements of a step's episodes (turns, tool calls, invalid tool rate, the task's episode flags
     when it has them), with the same definitions as evaluation's."""
-    return summarize_episodes([t.metadata.get("episode", {}) for t in trajectories], getattr(task, "episode_flags", ()))
+    return summarize_episodes([t.metadata.get("episode", {}) for t in trajectories], task.episode_flags)
 
 
 @torch.no_grad()

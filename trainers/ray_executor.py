@@ -32,7 +32,7 @@ from rich.console import Console
 from harness.backends.hf import HFBackend
 from harness.registry import EXECUTORS
 from harness.trajectory import TensorBatch
-from tasks.base import close_tasks
+from harness.task import close_tasks
 from trainers.loop import LearnResult, Roles, WeightBoard, state_snapshot
 from trainers.pipeline import (
     Session,
@@ -103,7 +103,7 @@ def _plan(config: dict) -> Any:
     return plan_run(RunConfig.model_validate(config))
 
 
-class _Role:
+class ActorRole:
     """What every actor answers: ``ready`` returns once the constructor (imports, plan, models) is done;
     ``close`` releases what the actor's own plan holds (task sandboxes, an inference engine) before it is killed."""
 
@@ -117,7 +117,7 @@ class _Role:
         close_rollout_backend(getattr(self, "backend", None))
 
 
-class RolloutActor(_Role):
+class RolloutActor(ActorRole):
     """Rollout role: the run's rollout backend (the shipped student copy for ``hf``, else loaded from the
     student's folder, which the actor's node must see); generates (and grades) batch b with weights r. Beside
     a non-hf engine the shipped copy recomputes π_old (``trainer.behaviour_logprobs=recompute``)."""
@@ -140,7 +140,7 @@ class RolloutActor(_Role):
         return batch, metrics
 
 
-class TeacherActor(_Role):
+class TeacherActor(ActorRole):
     """Teacher role: holds the teacher (the shipped model for ``hf``, else ``teacher.backend``'s engine or client, opened
     here) and fills its log-probs (or distributions) into batches."""
 
@@ -158,7 +158,7 @@ class TeacherActor(_Role):
         return batch, metrics
 
 
-class LearnerActor(_Role):
+class LearnerActor(ActorRole):
     """Learner role: student, optimizer and method state; one optimizer step per batch at the driver's learning rates."""
 
     def __init__(self, config: dict, parts: tuple, threads: int) -> None:

@@ -14,9 +14,9 @@ import torch
 from harness.backends import Backend
 from harness.backends.hf import HFBackend
 from harness.config import TeacherSpec
+from harness.errors import TrainingAborted
 from harness.registry import BACKENDS
 from harness.trajectory import TensorBatch
-from trainers.guards import TrainingAborted
 
 log = logging.getLogger("trainers.teacher")
 

@@ -7,6 +7,7 @@ log-probs, optionally entropy, top-k and full distributions). Concrete backends 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -26,6 +27,12 @@ def as_bool(value) -> bool:
             return False
         raise ValueError(f"expected a boolean, got {value!r}")
     return bool(value)
+
+
+def derive_seed(seed: int, prompt_index: int) -> int:
+    """A 31-bit seed per (seed, prompt) pair; stable across runs and platforms."""
+    digest = hashlib.blake2b(f"{seed}:{prompt_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2**31 - 1)
 
 
 # temperature bounds that engines share: vLLM refuses above 2 (SamplingParams._verify_args) and silently raises a

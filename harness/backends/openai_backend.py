@@ -68,7 +68,6 @@ or entropy. Position 0 of each row and padding score 0, as in the HF backend. Re
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import random
@@ -79,7 +78,8 @@ from pathlib import Path
 
 import torch
 
-from harness.backends import SCORE_FIELDS, Completion, SamplingParams, as_bool
+from harness.backends import SCORE_FIELDS, Completion, SamplingParams, as_bool, derive_seed
+from harness.backends.prompt_logprobs import prompt_logprobs_to_tensor, unpadded_sequences
 from harness.registry import BACKENDS
 
 log = logging.getLogger("harness.backends.openai")
@@ -87,12 +87,6 @@ log = logging.getLogger("harness.backends.openai")
 MODES = ("completions", "chat")
 PROMPT_FORMATS = ("auto", "tokens", "text")
 MAX_BACKOFF_S = 30.0
-
-
-def derive_seed(seed: int, prompt_index: int) -> int:
-    """A 31-bit seed per (seed, prompt) pair; stable across runs and platforms."""
-    digest = hashlib.blake2b(f"{seed}:{prompt_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") % (2**31 - 1)
 
 
 def load_tokenizer(path: str | None, model: str):
@@ -334,8 +328,6 @@ class OpenAIBackend:
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, want: tuple[str, ...] = ("logprobs",), top_k: int = 0, grad: bool = False
     ) -> dict[str, torch.Tensor]:
         """Per-position ``logprobs`` (and ``topk_logprobs``/``topk_ids`` with ``"topk"``) from the server's prompt log-probs."""
-        from harness.backends.vllm_backend import prompt_logprobs_to_tensor, unpadded_sequences
-
         check_score_request(want, top_k, grad)
         k = top_k if "topk" in want else 0
         rows = unpadded_sequences(input_ids.cpu(), attention_mask.cpu())

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from tasks.base import Problem, Score, Task, TaskNotReady, TaskOptions
+from harness.task import Problem, Score, Task, TaskNotReady, TaskOptions
 from tasks.code.checker import Report, parse_report
 
 RUNNER = (Path(__file__).with_name("sandbox_runner.py")).read_bytes()

@@ -45,10 +45,10 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from harness.data import DataNeed, download_url
+from harness.data import download_url
 from harness.registry import TASKS
-from tasks.base import DataError, Problem, Score, read_jsonl
-from tasks.base import DataNotFound as TaskDataNotFound
+from harness.task import DataError, DataNeed, Problem, Score, read_jsonl
+from harness.task import DataNotFound as TaskDataNotFound
 from tasks.code import checker
 from tasks.code.common import CodeOptions, SandboxedTask, aligned, cache_root, defines, error, fail, last_fenced_block, syntax_error
 from tasks.code.sandbox_runner import phase_inputs

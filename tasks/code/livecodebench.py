@@ -39,9 +39,9 @@ from typing import Any
 
 from pydantic import Field
 
-from harness.data import DataNeed, download_hub_files
+from harness.data import download_hub_files
 from harness.registry import TASKS
-from tasks.base import DataError, DataNotFound, Problem, Score, read_jsonl
+from harness.task import DataError, DataNeed, DataNotFound, Problem, Score, read_jsonl
 from tasks.code import checker
 from tasks.code.common import CodeOptions, SandboxedTask, aligned, error, fail, last_fenced_block, syntax_error
 

@@ -4,7 +4,7 @@ Every task reads one file layout (``DIR/<task name>/<file>``, what ``harness dat
 back to the Hugging Face hub when no local file exists. ``harness data fetch`` rewrites hub rows in the local
 layout (``hub_to_local``: AIME24, AMC23 and Minerva's hub copies use other field names; Minerva's has no
 worked solution, so its gold is stored as ``\boxed{answer}``). Rows are validated one by one: a bad row raises
-:class:`tasks.base.DataError` naming the file, the 1-based line (row number for Parquet and hub rows) and
+:class:`harness.task.DataError` naming the file, the 1-based line (row number for Parquet and hub rows) and
 the field. Duplicate ids are an error. Grading is math-verify (:mod:`tasks.math_grading`) on the last
 ``\boxed{}`` of a completion against the gold below.
 
@@ -70,10 +70,10 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field as OptionField
 
-from harness.data import DataNeed, hub_dataset_rows, write_rows
+from harness.data import hub_dataset_rows, write_rows
 from harness.registry import TASKS
-from tasks.base import DataError, Problem, Task, TaskOptions, read_jsonl
-from tasks.base import DataNotFound as TaskDataNotFound
+from harness.task import DataError, DataNeed, Problem, Task, TaskOptions, read_jsonl
+from harness.task import DataNotFound as TaskDataNotFound
 from tasks.math_grading import MathVerifyGraded, extract_boxed
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from tasks.base import DataError, DataNotFound, Problem, Score, Task, TaskNotReady, TaskOptions
+from harness.task import DataError, DataNeed, DataNotFound, Problem, Score, Task, TaskNotReady, TaskOptions
 from tasks.swebench import data, upstream
 from tasks.swebench.agent_env import BLOCK_NAMES, INSTANCE_PROMPT, SUBMIT, SYSTEM_PROMPT, AgentLimits, ShellAgentEnv
 from tasks.swebench.grading import MAX_PATCH_BYTES, Outcome, failed, grade_patch, too_large
@@ -144,8 +144,6 @@ class SwebenchTask(Task):
     @classmethod
     def data_needs(cls):
         """``harness data fetch/check swebench``: the rows file (the repository snapshots are staged separately)."""
-        from harness.data import DataNeed
-
         return (DataNeed(task=cls.name, split="test", files=("swebench/verified*",), source=f"hf:{data.HUB_DATASET}[test]", fetch=data.fetch_hub, load=data.load_local),)
 
     # ---- images

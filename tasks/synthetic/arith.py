@@ -16,7 +16,7 @@ from typing import TypeVar
 from pydantic import Field
 
 from harness.registry import TASKS
-from tasks.base import Problem, Task, TaskOptions
+from harness.task import Problem, Task, TaskOptions
 from tasks.math_grading import MathVerifyGraded
 
 

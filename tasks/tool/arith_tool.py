@@ -17,7 +17,7 @@ from typing import Literal
 from pydantic import Field
 
 from harness.registry import TASKS
-from tasks.base import Problem
+from harness.task import Problem
 from tasks.synthetic.arith import draw_distinct_splits
 from tasks.tool.base import ToolOptions, ToolTask
 

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from tasks.base import Problem, Score, TaskOptions
+from harness.task import Problem, Score, TaskOptions
 from tasks.code.common import SandboxedTask
 from tasks.math_grading import MathVerifyGraded
 from tasks.tool.env import ToolEnv

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from harness.registry import TASKS, RegistryError
-from tasks.base import Problem
+from harness.task import Problem
 from tasks.math_grading import MathVerifyGraded
 from tasks.tool.base import ToolOptions, ToolTask
 
@@ -32,8 +32,7 @@ class RetoolTask(ToolTask):
 
     @classmethod
     def data_needs(cls):
-        needs = getattr(cls.inner, "data_needs", None)
-        return needs() if needs else ()
+        return cls.inner.data_needs()
 
 
 def make_retool_task(name: str) -> type[RetoolTask]:

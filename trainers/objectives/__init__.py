@@ -1,100 +1,11 @@
 """OPD objectives: pure functions of a :class:`~harness.trajectory.TensorBatch` and the current
-student's log-probs, returning ``(loss, diagnostics)``. Each method registers a :class:`MethodSpec`
-in ``harness.registry.METHODS`` that declares the inputs it needs, so a run that cannot provide
-them fails at config validation.
+student's log-probs, returning ``(loss, diagnostics)``. Each method registers a :class:`harness.method.MethodSpec`
+in ``harness.registry.METHODS`` that declares the inputs it needs; this package holds the helpers objectives share.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
-
 import torch
-from pydantic import BaseModel, ConfigDict
-
-from harness.trajectory import TensorBatch
-
-# Inputs a method may declare; the pipeline provides each or refuses the run up front.
-INPUTS = {
-    "behaviour_logprobs": "student log-probs of sampled tokens at generation time",
-    "old_logprobs": "π_old: log-probs of the sampled tokens under the behaviour weights, recomputed by the trainer's model "
-    "(trainer.behaviour_logprobs=recompute) or the rollout engine's (engine); PPO-style ratios, methods.md §0",
-    "teacher_logprobs": "teacher log-probs of the sampled tokens",
-    "teacher_full": "full teacher distribution over the vocabulary at every position",
-    "teacher_topk": "the teacher's top-k log-probs and token ids at every position (k: the method's teacher_top_k)",
-    "student_full": "full current-student distribution (with gradient)",
-    "rewards": "a scalar outcome reward per trajectory (the task's grade)",
-    "step_boundaries": "step index per token (multi-step trajectories)",
-    "reference_responses": "dataset/teacher responses instead of student samples",
-    "policy_lag": "learner version minus behaviour version per sample (async mode)",
-    "teacher_fresh_logprobs": "teacher log-probs re-scored at learner time (supervision drift; optional)",
-}
-
-
-class HParams(BaseModel):
-    """Base of every method's hyper-parameters; unknown keys are errors."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
-@dataclass
-class StudentOutputs:
-    """Current-student quantities computed by the learner with gradient enabled."""
-
-    logprobs: torch.Tensor  # (B, T) log π_θ(token t | prefix)
-    full: torch.Tensor | None = None  # (B, T, V) log π_θ(· | prefix), when the method needs it
-
-
-class MethodState(Protocol):
-    """Mutable per-run state of a method with a schedule; saved in every checkpoint."""
-
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, state: dict) -> None: ...
-
-
-Objective = Callable[[TensorBatch, StudentOutputs, HParams, object], tuple[torch.Tensor, dict[str, float]]]
-
-
-@dataclass(frozen=True)
-class MethodSpec:
-    """A registered training method: its objective, hyper-parameters and declared inputs."""
-
-    name: str
-    description: str
-    objective: Objective
-    hparams: type[HParams]
-    needs: Callable[[HParams], frozenset[str]]
-    on_policy: bool = True  # False: trains on reference responses, no student sampling
-    modes: tuple[str, ...] = ("sync", "async")
-    make_state: Callable[[HParams], "MethodState"] | None = None  # schedules (SAF warm-up/anneal, f-OPD refresh)
-    notes: dict[str, str] = field(default_factory=dict)
-    run_notes: Callable[[HParams], dict[str, str]] | None = None  # notes that depend on a run's hyper-parameters
-    # Methods with a group-centred reward advantage (GRPO family): samples per prompt when the config sets none.
-    # Their baseline needs ≥ 2 samples per prompt; config validation refuses 1 unless hparams.allow_single_sample.
-    group_size: int | None = None
-
-    def group_baseline(self, hparams: HParams) -> bool:
-        """Whether this method, with these hyper-parameters, centres rewards on a per-prompt group mean."""
-        return self.group_size is not None and "rewards" in self.needs(hparams)
-
-    def describe(self, hparams: HParams | None = None) -> dict:
-        """Name, description, defaults, declared inputs and notes, for ``harness methods --json``; given a
-        run's ``hparams`` (``method.json``), the inputs and notes are that run's."""
-        defaults = self.hparams()
-        chosen = defaults if hparams is None else hparams
-        return {
-            "name": self.name,
-            "description": self.description,
-            "defaults": defaults.model_dump(),
-            "inputs": sorted(self.needs(chosen)),
-            "on_policy": self.on_policy,
-            "modes": list(self.modes),
-            "stateful": self.make_state is not None,
-            "samples_per_prompt": self.group_size,
-            "notes": {**self.notes, **(self.run_notes(chosen) if self.run_notes else {})},
-        }
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -21,9 +21,10 @@ from typing import Literal
 import torch
 from pydantic import Field, field_validator
 
+from harness.method import HParams, MethodSpec, StudentOutputs
 from harness.registry import METHODS
 from harness.trajectory import TensorBatch
-from trainers.objectives import HParams, MethodSpec, StudentOutputs, masked_mean, masked_sum
+from trainers.objectives import masked_mean, masked_sum
 from trainers.objectives.common import dual_clipped, old_logprobs, ppo_clip_per_token
 from trainers.objectives.grpo import DUAL_CLIP, check_dual_clip
 

@@ -8,8 +8,9 @@ from typing import Literal
 
 import torch
 
+from harness.method import StudentOutputs
 from harness.trajectory import TensorBatch
-from trainers.objectives import StudentOutputs, masked_mean, masked_sum
+from trainers.objectives import masked_mean, masked_sum
 
 Aggregation = Literal["token-mean", "sum"]
 

@@ -20,9 +20,10 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from harness.method import HParams, MethodSpec, StudentOutputs
 from harness.registry import METHODS
 from harness.trajectory import TensorBatch
-from trainers.objectives import HParams, MethodSpec, StudentOutputs, masked_mean, masked_sum
+from trainers.objectives import masked_mean, masked_sum
 from trainers.objectives.common import old_logprobs
 from trainers.objectives.gkd import entropy, kl, require_full, teacher_top_k
 

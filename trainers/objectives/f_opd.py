@@ -25,9 +25,9 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from harness.method import HParams, MethodSpec, StudentOutputs
 from harness.registry import METHODS
 from harness.trajectory import TensorBatch
-from trainers.objectives import HParams, MethodSpec, StudentOutputs
 from trainers.objectives.common import k3
 from trainers.objectives.opd import exact_reverse_kl
 

@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
+from harness.method import HParams, MethodSpec, StudentOutputs
 from harness.registry import METHODS
 from harness.trajectory import TensorBatch
-from trainers.objectives import HParams, MethodSpec, StudentOutputs, masked_sum
+from trainers.objectives import masked_sum
 
 
 class GKDParams(HParams):

@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 from pydantic import Field, field_validator
 
+from harness.method import HParams, MethodSpec, StudentOutputs
 from harness.registry import METHODS
 from harness.trajectory import TensorBatch
-from trainers.objectives import HParams, MethodSpec, StudentOutputs, masked_mean
+from trainers.objectives import masked_mean
 from trainers.objectives.common import clipped_surrogate, graded, graded_reward_mean, grpo_advantages, old_logprobs
-
 
 DUAL_CLIP = 3.0  # verl's clip_ratio_c default (Ye et al. 2020)
 

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
+from harness.method import MethodSpec, StudentOutputs
 from harness.registry import METHODS
 from harness.trajectory import TensorBatch
-from trainers.objectives import MethodSpec, StudentOutputs
 from trainers.objectives.ap_opd import SurrogateParams, ap_opd_needs, penalty, sampled_log_ratio, weighted_opd_loss
 
 

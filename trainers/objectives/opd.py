@@ -19,9 +19,10 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
+from harness.method import HParams, MethodSpec, StudentOutputs
 from harness.registry import METHODS
 from harness.trajectory import TensorBatch
-from trainers.objectives import HParams, MethodSpec, StudentOutputs, masked_mean, masked_sum
+from trainers.objectives import masked_mean, masked_sum
 
 
 class OPDParams(HParams):

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 import torch
 from pydantic import Field
 
+from harness.method import MethodSpec, StudentOutputs
 from harness.registry import METHODS
 from harness.trajectory import TensorBatch
-from trainers.objectives import MethodSpec, StudentOutputs, masked_mean
+from trainers.objectives import masked_mean
 from trainers.objectives.common import clipped_surrogate, graded_reward_mean, k3, old_logprobs, opd_advantage
 from trainers.objectives.grpo import DUAL_CLIP_NOTE, ClipParams, GroupParams, grpo_sequence_advantages
 

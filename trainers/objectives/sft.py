@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from harness.method import HParams, MethodSpec, StudentOutputs
 from harness.registry import METHODS
 from harness.trajectory import TensorBatch
-from trainers.objectives import HParams, MethodSpec, StudentOutputs, masked_mean
+from trainers.objectives import masked_mean
 
 
 class SFTParams(HParams):

@@ -6,14 +6,16 @@ import gzip
 import json
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from harness.episode import Env, SingleTurnEnv  # noqa: F401 - re-exported: tasks build their environments from here
+from harness.backends import Backend, SamplingParams
+from harness.episode import Env, SingleTurnEnv
+from harness.trajectory import Trajectory
 
 Status = Literal["pass", "fail", "error"]
 
@@ -88,7 +90,8 @@ class Task(ABC):
 
     def provided_inputs(self) -> frozenset[str]:
         """Method inputs this task's data gives (``rewards``, ``reference_responses``), checked when a run is planned."""
-        return frozenset({"rewards"} if self.provides_reward else ()) | frozenset({"reference_responses"} if self.provides_references else ())
+        rewards = frozenset({"rewards"} if self.provides_reward else ())
+        return rewards | frozenset({"reference_responses"} if self.provides_references else ())
 
     def format_prompt(self, problem: Problem, tokenizer) -> str:
         """The model's chat template with the question when it has one, else the plain question."""
@@ -123,6 +126,21 @@ class Task(ABC):
     def check_ready(self) -> None:
         """Raise ``TaskNotReady`` saying what to do when this task cannot run here (e.g. its sandbox image is not
         built); the CLI calls it before it writes anything. Default: ready."""
+
+    def rollout(self, backend: Backend, problems: list[Problem], params: SamplingParams) -> list[Trajectory] | None:
+        """This task's own episodes (e.g. lm-eval's scored multiple choice); default None: :func:`harness.rollout.rollout` runs them."""
+        return None
+
+    def build_images(
+        self, force: bool = False, on_start: Callable[[str], None] | None = None, on_done: Callable[[str, Any], None] | None = None
+    ) -> list:
+        """Build the sandbox images this task needs beyond the base image (``harness sandbox build --task``); default: none."""
+        return []
+
+    @classmethod
+    def data_needs(cls) -> tuple[DataNeed, ...]:
+        """The files this task reads under the data folder, one :class:`DataNeed` per split (``harness data``); default: none."""
+        return ()
 
     def close(self) -> None:
         """Release what the task holds (e.g. its sandbox's containers); idempotent, and the task may be used again."""
@@ -185,3 +203,16 @@ def read_jsonl(path: Path) -> Iterator[tuple[int, Any]]:
                 yield line_no, json.loads(line)
             except json.JSONDecodeError as exc:
                 raise DataError(path, line_no, "<line>", f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+
+
+@dataclass(frozen=True)
+class DataNeed:
+    """One split of one task: which files it reads under the data folder and how ``harness data fetch`` makes them."""
+
+    task: str
+    split: str
+    files: tuple[str, ...]  # glob patterns relative to the data folder, e.g. "math500/test.jsonl", "livecodebench/test*.jsonl"
+    source: str  # where fetch downloads from, for messages ("hf:HuggingFaceH4/MATH-500[test]", a URL)
+    fetch: Callable[[Path], None]  # downloads the split into a folder, in the same layout (<task>/<file>)
+    load: Callable[[Path], Sized]  # the task's loader, local files only; raises (DataError ...) on a bad row or id
+    rows: tuple[int, ...] = ()  # problem counts of the known good copies; () accepts any count
