@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from concurrent.futures import ThreadPoolExecutor
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -264,7 +264,7 @@ class SwebenchTask(Task):
             opts.max_steps, opts.wall_time_s, opts.command_timeout_s, opts.max_format_errors, opts.max_output_chars, opts.max_patch_bytes
         )
         prompt = self.format_prompt(problem, tokenizer)
-        return SwebenchAgentEnv(prompt, lambda: self.open_session(row), workdir=AGENT_WORKDIR, limits=limits, action_format=opts.action_format)
+        return SwebenchAgentEnv(prompt, partial(self.open_session, row), workdir=AGENT_WORKDIR, limits=limits, action_format=opts.action_format)
 
     def open_session(self, row: dict):
         """A session in a fresh container of the instance image (network off), closed with the episode."""
