@@ -37,7 +37,7 @@ from rich.console import Console
 from harness.config import build_config
 from harness.plan import plan_run
 from harness.store import Store
-from harness.sweep import create_train_run, execute_run
+from harness.runs import create_train_run, execute_run
 
 
 def run_once(out: Path, steps: int, *overrides: str) -> dict[int, dict[str, float]]:

@@ -119,7 +119,7 @@ def run(
     """
     from harness.plan import load_plan_data, plan_run
     from harness.store import Store
-    from harness.sweep import RunLocked, create_train_run, execute_run, plan_resume
+    from harness.runs import RunLocked, create_train_run, execute_run, plan_resume
     from trainers.guards import TrainingAborted
 
     _quiet_libraries()
@@ -220,7 +220,7 @@ def eval_(
     from harness.plan import load_problems, make_task
     from harness.registry import BACKENDS
     from harness.store import Store
-    from harness.sweep import new_run_id
+    from harness.runs import new_run_id
 
     _quiet_libraries()
     names = [t.strip() for t in task.split(",") if t.strip()]

@@ -296,7 +296,7 @@ def evaluate_model(store: Store, model: str, spec: EvalSpec) -> str:
     from harness.evaluation import evaluate_task, store_eval
     from harness.plan import load_problems, make_task
     from harness.registry import BACKENDS, RegistryError
-    from harness.sweep import new_run_id
+    from harness.runs import new_run_id
     from tasks.base import TaskNotReady, close_tasks
 
     tasks = []

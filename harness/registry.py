@@ -1,6 +1,6 @@
-"""One registry mechanism for tasks, methods, backends, sandboxes and pipelines.
+"""One registry mechanism for tasks, methods, backends and pipelines (sandbox providers: ``sandbox``'s own registry).
 
-Tasks, methods and sandboxes are declared as entry points in the groups ``opd_harness.<kind>``, the
+Tasks and methods are declared as entry points in the groups ``opd_harness.<kind>``, the
 built-ins in this project's pyproject.toml like any plug-in package's. An entry is either
 ``name = "module:object"`` (the object is registered under ``name``) or ``name = "module"`` (importing the
 module registers ``name``, e.g. with ``@TASKS.register``; for a module that registers several names, each
@@ -204,6 +204,5 @@ def unique_entry_points(group: str) -> list[EntryPoint]:
 TASKS: Registry = Registry("tasks")  # built-ins: [project.entry-points."opd_harness.tasks"] in pyproject.toml
 METHODS: Registry = Registry("methods")  # built-ins: [project.entry-points."opd_harness.methods"]
 BACKENDS: Registry = Registry("backends", ("harness.backends.hf", "harness.backends.replay", "harness.backends.openai_backend", "harness.backends.vllm_backend"))
-SANDBOXES: Registry = Registry("sandboxes")  # built-ins: [project.entry-points."opd_harness.sandboxes"]
 PIPELINES: Registry = Registry("pipelines", ("trainers.loop",))
 EXECUTORS: Registry = Registry("executors", ("trainers.inprocess", "trainers.ray_executor"))

@@ -21,7 +21,7 @@ resolved configs are identical are run once. Re-running a sweep skips points who
 ``done``, resumes runs left ``running`` / ``interrupted`` / ``failed`` from their last checkpoint,
 and starts the rest. Do not run the same sweep twice at the same time (a lock file refuses it); a run
 being executed (by a sweep or ``harness run``) holds ``runs/<run_id>/run.lock``, so no second process
-resumes it at the same time (:func:`run_lock`).
+resumes it at the same time (:func:`harness.runs.run_lock`).
 """
 
 from __future__ import annotations
@@ -32,11 +32,7 @@ import itertools
 import json
 import os
 import re
-import secrets
-import socket
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,8 +43,8 @@ from rich.console import Console
 
 from harness.config import ConfigError, RunConfig, build_config, format_validation_error
 from harness.registry import RegistryError
+from harness.runs import create_train_run, execute_run, plan_resume
 from harness.store import Store
-from tasks.base import close_tasks
 
 _ID = re.compile(r"^[A-Za-z0-9._-]+$")
 
@@ -213,86 +209,6 @@ def expand(spec: SweepSpec) -> list[SweepPoint]:
     if errors:
         raise SweepError(f"sweep {spec.id!r}: {len(errors)} of {n} grid points are invalid; nothing was run\n" + "\n".join(errors))
     return points
-
-
-# ---- the run helpers `harness run` shares -------------------------------------------------------
-
-
-def new_run_id(method: str, task: str) -> str:
-    return f"{method}-{task}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
-
-
-def create_train_run(store: Store, cfg: RunConfig, plan) -> str:
-    """Record a new training run exactly as ``harness run`` does: every hyper-parameter (defaults
-    included) in the config, the ``runs`` row, ``config.json`` and ``method.json``. Returns the run id."""
-    cfg.method_args[cfg.method] = plan.hparams.model_dump()
-    run_id = new_run_id(cfg.method, cfg.task)
-    store.create_run(run_id, kind="train", config=cfg.model_dump(), method=cfg.method, task=cfg.task)
-    (store.run_dir(run_id) / "config.json").write_text(json.dumps(cfg.model_dump(), indent=2))
-    method_record = {**plan.method.describe(plan.hparams), "hparams": plan.hparams.model_dump(), "warnings": plan.warnings}
-    (store.run_dir(run_id) / "method.json").write_text(json.dumps(method_record, indent=2))
-    return run_id
-
-
-def plan_resume(store: Store, run_id: str):
-    """The plan of a stored training run, for ``--resume``; raises ConfigError if there is none."""
-    from harness.plan import plan_run
-
-    stored = store.get_run(run_id)
-    if stored is None or stored["kind"] != "train":
-        raise ConfigError(f"--resume: no training run {run_id!r} in {store.path}")
-    return plan_run(RunConfig.model_validate(stored["config"]))
-
-
-class RunLocked(ConfigError):
-    """Another live process is executing this run; the CLI prints it and exits with code 2."""
-
-
-LOCK_FILE = "run.lock"
-
-
-@contextmanager
-def run_lock(run_dir: Path, run_id: str) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``<run_dir>/run.lock`` for the block; refuse with RunLocked if another process holds it.
-
-    The kernel drops the lock when its holder exits, however it exits, so a dead process never blocks a resume.
-    """
-    handle = open(Path(run_dir) / LOCK_FILE, "a+")  # noqa: SIM115 - held for the block; "a+" never truncates a holder's note
-    try:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            raise RunLocked(f"run {run_id} is already being executed by {holder} (lock {handle.name}); wait for it to end or stop it first") from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        handle.flush()
-        yield
-    finally:
-        handle.close()  # closing the descriptor releases the lock
-
-
-def execute_run(plan, store: Store, run_id: str, *, resume: bool, console: Console) -> None:
-    """Run a planned training run under its run lock; the store's status ends done, interrupted (Ctrl-C) or failed.
-
-    Raises RunLocked, leaving the run untouched, when another process is executing it.
-    """
-    try:
-        with run_lock(store.run_dir(run_id), run_id):
-            if resume:
-                store.set_status(run_id, "running")
-            try:
-                plan.pipeline.run(plan, store, run_id, resume=resume, console=console)
-            except KeyboardInterrupt:
-                store.set_status(run_id, "interrupted")
-                raise
-            except Exception:
-                store.set_status(run_id, "failed")
-                raise
-    finally:  # the tasks' sandbox containers go with the run, however it ends
-        close_tasks([plan.task, *plan.eval_tasks])
 
 
 # ---- sweeps ------------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ Model-written code never runs on the host directly: it runs through a sandbox pr
             s.write_files({"a.txt": b"x"})
             s.run(sandbox.ExecRequest(argv=["cat", "a.txt"]))
 
-Providers (``PROVIDERS``, extended with ``@register_provider(name)``):
+Providers are declared as entry points of the group ``opd_harness.sandboxes`` (the entry-point key is the name), the
+built-ins in this project's pyproject.toml like any plug-in package's; ``provider_names()`` lists them, ``provider(name)``
+loads one, ``@register_provider(name)`` adds one from code:
   - ``docker`` (:mod:`sandbox.docker`): containers from the locally built ``opd-sandbox:bookworm``
     image (``python -m sandbox.build``); network off, read-only root, non-root, all capabilities
     dropped, memory/CPU/process limits, a warm pool of containers. Use this one.
@@ -38,24 +40,29 @@ Contract shared by every provider (limits are part of it):
 
 from __future__ import annotations
 
-import importlib
 import posixpath
+import threading
+import tomllib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from importlib.metadata import EntryPoint, entry_points
+from pathlib import Path
 from typing import ClassVar, TypeVar
 
 __all__ = [
     "MAX_OUTPUT_BYTES",
     "MAX_READ_FILE_BYTES",
-    "PROVIDERS",
+    "ENTRY_POINT_GROUP",
     "STATUSES",
     "SandboxUnavailable",
     "ExecRequest",
     "ExecResult",
     "Sandbox",
     "Session",
+    "declared_providers",
     "open_sandbox",
+    "provider",
     "provider_names",
     "register_provider",
 ]
@@ -186,7 +193,7 @@ class Sandbox(ABC):
     (also at interpreter exit). ``python`` is the interpreter to put in ``argv`` for Python code.
     """
 
-    name: ClassVar[str] = ""
+    name: ClassVar[str] = ""  # set by the registry: the provider's entry-point key (or register_provider's name)
     python: str = "python3"
 
     @abstractmethod
@@ -224,35 +231,101 @@ class SandboxUnavailable(RuntimeError):
 
 # ---------------------------------------------------------------- registry
 
+ENTRY_POINT_GROUP = "opd_harness.sandboxes"  # where providers are declared; the built-ins in this project's pyproject.toml
+PROJECT = "opd-harness"  # this project's distribution name (its source checkout's pyproject.toml is read directly)
 S = TypeVar("S", bound=type[Sandbox])
-PROVIDERS: dict[str, type[Sandbox]] = {}
-_BUILTIN = {"docker": "sandbox.docker", "local": "sandbox.local"}
+_providers: dict[str, type[Sandbox]] = {}  # loaded from an entry point or added by register_provider
+_providers_lock = threading.RLock()
+
+
+def _source_tree_entry_points(pyproject: Path = Path(__file__).resolve().parent.parent / "pyproject.toml") -> list[EntryPoint] | None:
+    """The providers this project's pyproject.toml declares when the code runs from a source checkout; None otherwise."""
+    if not pyproject.is_file():
+        return None
+    project = tomllib.loads(pyproject.read_text()).get("project", {})
+    if project.get("name") != PROJECT:
+        return None
+    declared = project.get("entry-points", {}).get(ENTRY_POINT_GROUP, {})
+    return [EntryPoint(name=name, value=value, group=ENTRY_POINT_GROUP) for name, value in declared.items()]
+
+
+def _of_this_project(ep: EntryPoint) -> bool:
+    dist = getattr(ep, "dist", None)
+    return dist is not None and (dist.name or "").lower().replace("_", "-") == PROJECT
+
+
+def _origin(ep: EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return f"{ep.name} = {ep.value} (from {dist.name} {dist.version})" if dist is not None else f"{ep.name} = {ep.value} (from {PROJECT})"
+
+
+def declared_providers() -> dict[str, EntryPoint]:
+    """Every provider declared in the entry-point group ``opd_harness.sandboxes``, by name: this project's (from its
+    source checkout's pyproject.toml when there is one, so a stale install cannot hide a built-in) and every other
+    installed package's.
+
+    Raises:
+        KeyError: one name declared twice with different values (the message names both).
+    """
+    installed = list(entry_points(group=ENTRY_POINT_GROUP))
+    source = _source_tree_entry_points()
+    if source is not None:
+        installed = source + [ep for ep in installed if not _of_this_project(ep)]
+    declared: dict[str, EntryPoint] = {}
+    for ep in installed:
+        first = declared.setdefault(ep.name, ep)
+        if first.value != ep.value:
+            raise KeyError(f"duplicate sandbox provider {ep.name!r}: {_origin(first)} and {_origin(ep)}")
+    return declared
+
+
+def _add(name: str, cls: type[Sandbox]) -> None:
+    """Record ``cls`` as provider ``name`` and set its ``name``; a different class under a taken name is refused."""
+    with _providers_lock:
+        existing = _providers.get(name)
+        if existing is not None and existing is not cls:
+            raise KeyError(f"duplicate sandbox provider {name!r}: already {existing.__module__}.{existing.__qualname__}")
+        own = cls.__dict__.get("name")
+        if own and own != name:
+            raise KeyError(f"sandbox provider {cls.__module__}.{cls.__qualname__} says its name is {own!r}, registered as {name!r}")
+        cls.name = name
+        _providers[name] = cls
 
 
 def register_provider(name: str) -> Callable[[S], S]:
-    """Class decorator: register a ``Sandbox`` subclass as provider ``name``; a duplicate name is refused."""
+    """Class decorator: register a ``Sandbox`` subclass as provider ``name`` from code (plug-in packages declare an
+    entry point instead); a name already taken, or declared by an entry point for another class, is refused."""
 
     def decorate(cls: S) -> S:
-        existing = PROVIDERS.get(name)
-        if existing is not None and existing is not cls:
-            raise KeyError(f"duplicate sandbox provider {name!r}: already {existing.__module__}.{existing.__qualname__}")
-        cls.name = name
-        PROVIDERS[name] = cls
+        ep = declared_providers().get(name)
+        if ep is not None and ep.value != f"{cls.__module__}:{cls.__qualname__}":
+            raise KeyError(f"duplicate sandbox provider {name!r}: declared as {_origin(ep)}")
+        _add(name, cls)
         return cls
 
     return decorate
 
 
-def _load_builtin(name: str) -> None:
-    if name not in PROVIDERS and name in _BUILTIN:
-        importlib.import_module(_BUILTIN[name])
-
-
 def provider_names() -> list[str]:
-    """Every registered provider name (built-ins included)."""
-    for name in _BUILTIN:
-        _load_builtin(name)
-    return sorted(PROVIDERS)
+    """Every provider name: declared by an entry point (the built-ins among them) or registered from code."""
+    with _providers_lock:
+        return sorted(set(declared_providers()) | set(_providers))
+
+
+def provider(name: str) -> type[Sandbox]:
+    """The provider class called ``name``, its entry point loaded on first use.
+
+    Raises:
+        KeyError: unknown provider (the message lists the valid ones).
+    """
+    with _providers_lock:
+        if name in _providers:
+            return _providers[name]
+        ep = declared_providers().get(name)
+        if ep is None:
+            raise KeyError(f"unknown sandbox provider {name!r}; valid: {', '.join(provider_names())}")
+        _add(name, ep.load())
+        return _providers[name]
 
 
 def open_sandbox(name: str = "docker", **options) -> Sandbox:
@@ -264,15 +337,7 @@ def open_sandbox(name: str = "docker", **options) -> Sandbox:
     Raises:
         KeyError: unknown provider (the message lists the valid ones).
     """
-    _load_builtin(name)
-    if name in PROVIDERS:
-        return PROVIDERS[name](**options)
-    from harness.registry import SANDBOXES  # entry points "opd_harness.sandboxes": plug-in providers
-
-    if name not in SANDBOXES:
-        valid = sorted(set(provider_names()) | set(SANDBOXES.names()))
-        raise KeyError(f"unknown sandbox provider {name!r}; valid: {', '.join(valid)}")
-    return SANDBOXES.get(name)(**options)
+    return provider(name)(**options)
 
 
 # ---------------------------------------------------------------- helpers shared by providers

@@ -3,7 +3,7 @@
 One ``docker exec`` costs ~100 ms of daemon and runc work on this machine, more than many graded programs take. So a
 pooled container's runs are requests on this process's stdin / stdout (the container's attach stream, opened once)
 instead of one exec each. In a session's container it only reaps orphans (nobody attaches; runs there are execs).
-Per run it does what the one-exec shell wrapper of ``sandbox/docker.py`` does for a session:
+Per run it does what the one-exec shell wrapper of ``sandbox/docker/transport.py`` does for a session:
   1. unpack the request's tar into the work root; open stdin from its staged file and unlink that file;
   2. fork the program in its own process group (stdin, stdout and stderr its only open descriptors; out of memory, the
      kernel kills it first) and stream its stdout / stderr back as they arrive; kill the group at the time limit;

@@ -24,8 +24,9 @@ paths in results are host paths; ``/proc`` lists the host's processes), limit CP
 is ignored), bound a session's disk use (``disk_mb`` is ignored; only each file is capped, at
 ``max_file_mb``), or bound resident memory the way a cgroup does (address space is not RSS; programs
 that reserve much virtual memory fail early). Not started as root and without namespaces, it
-cannot drop privileges, and a program can signal every process of the user running the harness. ``python`` is this interpreter (``sys.executable``, so the venv's packages are
-importable) when the run's uid can execute it, else the system ``python3``.
+cannot drop privileges, and a program can signal every process of the user running the harness.
+``python`` is this interpreter (``sys.executable``, so the venv's packages are importable) when the
+run's uid can execute it, else the system ``python3``.
 """
 
 from __future__ import annotations
@@ -53,7 +54,6 @@ from sandbox import (
     OutputBuffer,
     Sandbox,
     Session,
-    register_provider,
     resolve_path,
     signal_status,
 )
@@ -110,7 +110,6 @@ def _probe_unshare(root: bool) -> tuple[list[str], bool, bool]:
     return [], False, False
 
 
-@register_provider("local")
 class LocalSandbox(Sandbox):
     """Local provider (see the module docstring; weaker isolation than Docker).
 
@@ -253,7 +252,8 @@ class LocalSandbox(Sandbox):
         t0 = time.perf_counter()
         try:
             proc = subprocess.Popen(
-                argv, cwd=run_dir, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True, close_fds=True
+                argv, cwd=run_dir, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                start_new_session=True, close_fds=True,
             )
         except OSError as exc:
             return ExecResult.failed(f"could not start the process: {exc}")

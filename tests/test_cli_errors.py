@@ -230,7 +230,7 @@ def test_leaderboard_and_report_json_renderers_write_null_for_non_finite_values(
 def _stored_run(out: Path) -> str:
     """A stored smoke training run (no training), status 'interrupted'."""
     from harness.store import Store
-    from harness.sweep import create_train_run
+    from harness.runs import create_train_run
 
     plan = plan_run(build_config(preset="smoke"))
     with Store(out) as store:
@@ -268,7 +268,7 @@ def test_a_second_process_resuming_a_run_in_progress_is_refused(tmp_path):
 
 
 def test_a_dead_holder_does_not_block_and_the_lock_is_held_while_running(tmp_path):
-    from harness.sweep import RunLocked, run_lock
+    from harness.runs import RunLocked, run_lock
 
     folder = tmp_path / "run"
     folder.mkdir()

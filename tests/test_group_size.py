@@ -12,7 +12,7 @@ from harness.config import ConfigError, build_config
 from harness.plan import plan_run
 from harness.registry import METHODS
 from harness.store import Store
-from harness.sweep import create_train_run
+from harness.runs import create_train_run
 
 GROUP_METHODS = {"grpo": 8, "sod": 16, "saf_opd": 8}  # methods.md §2.5 (SOD 16), §3.6 (SAF-OPD and its GRPO config: 8)
 

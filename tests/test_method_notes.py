@@ -9,7 +9,7 @@ from harness.config import build_config
 from harness.plan import plan_run
 from harness.registry import METHODS
 from harness.store import Store
-from harness.sweep import create_train_run
+from harness.runs import create_train_run
 
 
 def method_record(tmp_path, *overrides: str) -> dict:

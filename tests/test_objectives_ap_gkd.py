@@ -288,7 +288,9 @@ def test_gkd_batchmean_over_kept_positions_only():
 def test_gkd_temperature_and_top_k():
     batch, _, student_full = gkd_batch([P_S], [P_T], [1.0])
     loss, _ = gkd_objective(batch, StudentOutputs(student_full[..., 0], full=student_full), GKDParams(beta=1.0, temperature=2.0))
-    soft = lambda p: [x / sum(math.sqrt(y) for y in p) for x in (math.sqrt(y) for y in p)]  # softmax(log p / 2)
+    def soft(p: list[float]) -> list[float]:  # softmax(log p / 2)
+        return [x / sum(math.sqrt(y) for y in p) for x in (math.sqrt(y) for y in p)]
+
     assert loss.item() == pytest.approx(kl_hand(soft(P_S), soft(P_T)), abs=TOL)
     loss, _ = gkd_objective(batch, StudentOutputs(student_full[..., 0], full=student_full), GKDParams(beta=0.0, top_k=2))
     assert loss.item() == pytest.approx(kl_hand([5 / 9, 4 / 9], [7 / 9, 2 / 9]), abs=TOL)  # teacher's top-2 = tokens 0, 1

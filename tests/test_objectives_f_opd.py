@@ -285,9 +285,9 @@ def test_opd_kl_anchor_on_all_tokens_without_weights():
     batch = make_batch([[1, 1]], [[-1.0, -1.0]], [[-0.5, -2.0]], lag=[5])
     s = torch.tensor([[-0.2, -1.9]], requires_grad=True)  # |s − q| = 0.8, 0.9: f-OPD would trust neither
     loss, diag = opd_kl_objective(batch, StudentOutputs(s), OPDKLParams(anchor_coef=0.1))
-    l = ((-0.2 + 0.5) * -0.2 + (-1.9 + 2.0) * -1.9) / 2
+    kl = ((-0.2 + 0.5) * -0.2 + (-1.9 + 2.0) * -1.9) / 2
     r = sum(math.exp(x) - x - 1 for x in (-1.0 + 0.2, -1.0 + 1.9)) / 2
-    assert loss.item() == pytest.approx(l + 0.1 * r, abs=1e-6)
+    assert loss.item() == pytest.approx(kl + 0.1 * r, abs=1e-6)
     assert diag["anchor"] == pytest.approx(r, abs=1e-6) and diag["weight_mean"] == 1.0
 
 

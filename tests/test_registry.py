@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.registry import METHODS, PIPELINES, SANDBOXES, TASKS, Registry, RegistryError, source_tree_entry_points
+from harness.registry import METHODS, PIPELINES, TASKS, Registry, RegistryError, source_tree_entry_points
 
 
 def test_duplicate_name_rejected():
@@ -93,8 +93,30 @@ def test_every_builtin_name_is_declared_as_an_entry_point(registry):
 def test_sandbox_entry_points_name_the_builtin_providers():
     import sandbox
 
-    assert set(SANDBOXES.names()) == {"docker", "local"}
-    assert SANDBOXES.get("local") is sandbox.PROVIDERS["local"]
+    assert set(sandbox.declared_providers()) == {"docker", "local"}
+    assert sandbox.provider("local") is sandbox.declared_providers()["local"].load()
+    assert sandbox.provider("local").name == "local"  # the name comes from the entry-point key
+
+
+def test_sandbox_provider_declared_by_an_entry_point_is_found(monkeypatch):
+    """A provider another package declares in ``opd_harness.sandboxes`` is listed, loaded and opened by its key."""
+    import importlib.metadata
+
+    import sandbox
+    from sandbox.local import LocalSandbox
+
+    fake = type("FakeProvider", (LocalSandbox,), {"__module__": __name__})
+    monkeypatch.setitem(globals(), "FakeProvider", fake)
+    ep = importlib.metadata.EntryPoint(name="_fake_ep", value=f"{__name__}:FakeProvider", group=sandbox.ENTRY_POINT_GROUP)
+    real = sandbox.entry_points
+    with_fake = lambda group: [*real(group=group), ep] if group == sandbox.ENTRY_POINT_GROUP else real(group=group)  # noqa: E731
+    monkeypatch.setattr(sandbox, "entry_points", with_fake)
+    monkeypatch.setattr(sandbox, "_providers", dict(sandbox._providers))  # what this test loads is forgotten after it
+    assert "_fake_ep" in sandbox.provider_names()
+    with sandbox.open_sandbox("_fake_ep") as sb:
+        assert type(sb) is fake and fake.name == "_fake_ep"
+    with pytest.raises(KeyError, match="valid: .*_fake_ep"):
+        sandbox.open_sandbox("_fake_epx")
 
 
 def _plugin_dist(root: Path, name: str, entry_points: str, module: str | None = None, code: str = "") -> None:
@@ -190,10 +212,11 @@ def test_installed_metadata_alone_serves_every_builtin():
         pytest.skip("the installed opd-harness predates its task/method entry points: run `pip install --no-deps -e .`")
     assert installed == {kind: _declared(group) for kind, group in groups.items()}
     code = (  # a fresh interpreter, so that the modules register on import into the real registries
-        "import json, harness.registry as r\n"
+        "import json, harness.registry as r, sandbox as s\n"
         "r.source_tree_entry_points = lambda group, pyproject=None: None\n"
+        "s._source_tree_entry_points = lambda: None\n"
         "print(json.dumps({k: sorted(g.names() + [p + ':*' for p in g.prefixes()]) for k, g in "
-        "(('tasks', r.TASKS), ('methods', r.METHODS), ('sandboxes', r.SANDBOXES))}))"
+        "(('tasks', r.TASKS), ('methods', r.METHODS))} | {'sandboxes': s.provider_names()}))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
     assert json.loads(result.stdout) == {kind: sorted(names) for kind, names in installed.items()}

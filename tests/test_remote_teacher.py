@@ -155,7 +155,7 @@ def test_a_teacher_that_keeps_failing_stops_the_step_untrained(no_sleep, nan):
 
 def test_method_json_says_the_full_estimator_uses_topk(tmp_path):
     from harness.store import Store
-    from harness.sweep import create_train_run
+    from harness.runs import create_train_run
 
     plan = plan_run(build_config(preset="smoke", overrides=[*SERVED, "teacher.top_k=5"]))
     store = Store(tmp_path)

@@ -173,12 +173,12 @@ def test_docker_parallel_runs_bounded_by_pool(docker_client):
 
 @pytest.mark.docker
 def test_docker_reaps_leftovers_of_dead_owners(docker_client):
-    from sandbox.docker import _OWNER, LABEL, OWNER_LABEL, reap_leftovers
+    from sandbox.docker import LABEL, OWNER, OWNER_LABEL, reap_leftovers
 
     dead = subprocess.Popen(["true"])
     dead.wait()
     labels_dead = {LABEL: "1", OWNER_LABEL: f"{socket.gethostname()}:{dead.pid}:0"}
-    labels_live = {LABEL: "1", OWNER_LABEL: _OWNER}
+    labels_live = {LABEL: "1", OWNER_LABEL: OWNER}
     c_dead = docker_client.containers.create(IMAGE, ["true"], labels=labels_dead, network_disabled=True)
     c_live = docker_client.containers.create(IMAGE, ["true"], labels=labels_live, network_disabled=True)
     try:
@@ -217,10 +217,10 @@ def test_docker_crashed_run_is_reaped_by_the_next_process(docker_client):
 
 @pytest.mark.docker
 def test_docker_close_removes_containers_and_missing_image_is_error(docker_client):
-    from sandbox.docker import OWNER_LABEL, _OWNER
+    from sandbox.docker import OWNER, OWNER_LABEL
 
     def ours() -> set[str]:
-        return {c.id for c in docker_client.containers.list(all=True, filters={"label": f"{OWNER_LABEL}={_OWNER}"})}
+        return {c.id for c in docker_client.containers.list(all=True, filters={"label": f"{OWNER_LABEL}={OWNER}"})}
 
     before = ours()
     sb = sandbox.open_sandbox("docker", image=IMAGE, pool_size=2, prewarm=2)
@@ -236,7 +236,7 @@ def test_docker_close_removes_containers_and_missing_image_is_error(docker_clien
 
 @pytest.mark.docker
 def test_docker_outer_guard_kills_container(docker_client, monkeypatch):
-    import sandbox.docker as sd
+    import sandbox.docker.provider as sd
 
     # Simulate a broken in-container timeout: only the outer guard (timeout_s + grace_s) is left.
     broken = sd._SERVER.replace("            kill_group(pid)\n", "            pass\n")

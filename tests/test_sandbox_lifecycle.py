@@ -239,10 +239,10 @@ def test_a_sandbox_dropped_without_close_is_still_removed_at_exit(docker_client)
 
 @pytest.mark.docker
 def test_close_removes_busy_containers_and_their_runs_end_as_error(docker_client):
-    from sandbox.docker import OWNER_LABEL, _OWNER
+    from sandbox.docker import OWNER, OWNER_LABEL
 
     def ours() -> set[str]:  # plain listing: no per-container inspect racing with removals
-        return {c["Id"] for c in docker_client.api.containers(all=True, filters={"label": f"{OWNER_LABEL}={_OWNER}"})}
+        return {c["Id"] for c in docker_client.api.containers(all=True, filters={"label": f"{OWNER_LABEL}={OWNER}"})}
 
     before = ours()
     sb = sandbox.open_sandbox("docker", image=SANDBOX_IMAGE, pool_size=1, retries=2)

@@ -22,8 +22,8 @@ from serving import metrics, post, post_raw, post_stream, running
 from harness.backends.hf import HFBackend
 from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
 from harness.serve import Limits, make_app
-from harness.serve_engine import Engine
-from harness.serve_engine import Sequence as Seq
+from harness.serve.engine import Engine
+from harness.serve.engine import Sequence as Seq
 
 MODEL = "tiny"
 PROMPTS = ["Q: What is 2+3?\nA:", "hello world"]
@@ -287,7 +287,7 @@ def test_a_failing_model_is_a_500_and_the_server_keeps_serving(hf):
 
 
 def test_safe_prefix_holds_back_what_may_become_a_stop_string():
-    from harness.serve_engine import first_stop, safe_prefix
+    from harness.serve.engine import first_stop, safe_prefix
 
     assert safe_prefix("hello wor", ()) == "hello wor"
     assert safe_prefix("hello wor", ("world", "x")) == "hello"  # "wor" may still become "world"

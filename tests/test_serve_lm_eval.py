@@ -35,9 +35,9 @@ def model_dir(tmp_path, char_tokenizer, tiny_model_factory) -> Path:
     return path
 
 
-def in_process(model_dir: Path, include: Path, task: str, out: Path) -> tuple[dict, dict[str, str]]:
+def in_process(model_dir: Path, include_path: Path, task: str, out: Path) -> tuple[dict, dict[str, str]]:
     """``harness eval`` with the in-process hf backend: the task summary and each doc's completion."""
-    args = ["eval", "--model", str(model_dir), "--task", f"lm_eval:{task}", "--task-arg", f"lm_eval:{task}.include_path={include}", "--temperature", "0", "--out", str(out), "--json"]
+    args = ["eval", "--model", str(model_dir), "--task", f"lm_eval:{task}", "--task-arg", f"lm_eval:{task}.include_path={include_path}", "--temperature", "0", "--out", str(out), "--json"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     with sqlite3.connect(out / "results.sqlite") as db:
@@ -46,7 +46,7 @@ def in_process(model_dir: Path, include: Path, task: str, out: Path) -> tuple[di
 
 
 @pytest.mark.slow
-def test_lm_eval_local_completions_against_harness_serve(model_dir, include, tmp_path):
+def test_lm_eval_local_completions_against_harness_serve(model_dir, include, tmp_path):  # noqa: F811 - the fixture imported above
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 

@@ -601,7 +601,7 @@ def test_a_scripted_training_step_runs_its_commands_in_the_instance_container(ti
     task = tiny_task(root)
     (problem,) = task.load()
     turns = [
-        f"```bash\ngit log -1 --format='%an/%s' && id -u && sed -i 's/(len(values) - 1)/len(values)/' calc.py\n```",
+        "```bash\ngit log -1 --format='%an/%s' && id -u && sed -i 's/(len(values) - 1)/len(values)/' calc.py\n```",
         f"```bash\necho {SUBMIT}\n```",
     ]
     scripted = ReplayBackend({(task.name, problem.id): [turns]})

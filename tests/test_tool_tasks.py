@@ -215,9 +215,9 @@ def test_reference_episodes_render_like_live_ones():
 
 
 def leftover_containers(docker_client) -> list[str]:
-    from sandbox.docker import LABEL, OWNER_LABEL, _OWNER
+    from sandbox.docker import LABEL, OWNER, OWNER_LABEL
 
-    return [c["Id"] for c in docker_client.api.containers(all=True, filters={"label": [f"{LABEL}=1", f"{OWNER_LABEL}={_OWNER}"]})]
+    return [c["Id"] for c in docker_client.api.containers(all=True, filters={"label": [f"{LABEL}=1", f"{OWNER_LABEL}={OWNER}"]})]
 
 
 @pytest.mark.docker

@@ -212,9 +212,9 @@ class _Builder:
                 env[var] = os.environ[var]
         envs = [a for k, v in env.items() for a in ("-e", f"{k}={v}")]
         # the sandbox's ownership labels: a build container left by a crashed process is reaped like any sandbox container
-        from sandbox.docker import _OWNER, LABEL as SANDBOX_LABEL, OWNER_LABEL
+        from sandbox.docker import LABEL as SANDBOX_LABEL, OWNER, OWNER_LABEL
 
-        labels = ["--label", f"{SANDBOX_LABEL}=1", "--label", f"{OWNER_LABEL}={_OWNER}"]
+        labels = ["--label", f"{SANDBOX_LABEL}=1", "--label", f"{OWNER_LABEL}={OWNER}"]
         proc = _docker("run", "-d", "--name", self.name, *labels, "--user", "0:0", "--workdir", "/", *mounts, *envs, BASE_IMAGE, "sleep", "infinity", timeout=300)
         if proc.returncode != 0:
             raise ImageBuildError(f"could not start the build container: {proc.stderr.decode(errors='replace')[-1000:]}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from concurrent.futures import ThreadPoolExecutor
-from functools import cached_property, partial
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 

@@ -37,7 +37,7 @@ fails is decoded again one sequence at a time, so one request cannot fail anothe
 Semantics worth knowing:
 
 * **Batching across requests.** Every request is split into sequences (prompt × sample) that go to
-  one engine (``harness.serve_engine``): a worker thread decodes up to ``max_batch`` waiting
+  one engine (``harness.serve.engine``): a worker thread decodes up to ``max_batch`` waiting
   sequences together (and at most ``max_batch_tokens`` padded positions: batch size × (longest
   prompt + max_tokens), which bounds the prompt-logits memory of ``echo``), from however many
   requests, in one prefill and one forward pass per token.
@@ -86,8 +86,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from harness.backends import MAX_TEMPERATURE, MIN_TEMPERATURE
-from harness.serve_engine import Delta, Engine, Overloaded, TopList
-from harness.serve_engine import Sequence as Seq
+from harness.serve.engine import Delta, Engine, Overloaded, TopList
+from harness.serve.engine import Sequence as Seq
 
 log = logging.getLogger("harness.serve")
 
@@ -423,7 +423,9 @@ class _Served:
         unique = list(dict.fromkeys(tokens))
         return dict(zip(unique, [f"token_id:{t}" for t in unique] if as_ids else self.engine.pieces(unique), strict=True))
 
-    def completion_logprobs(self, tokens: list[int], logprobs: list[float | None], tops: list[TopList | None], as_ids: bool, offset: int = 0) -> dict:
+    def completion_logprobs(
+        self, tokens: list[int], logprobs: list[float | None], tops: list[TopList | None], as_ids: bool, offset: int = 0
+    ) -> dict:
         """The completions ``logprobs`` object for ``tokens``; ``offset`` is where their text starts."""
         pieces = self.engine.pieces(tokens)
         names = self.names(tokens + [t for top in tops for t, _ in top or []], as_ids)
@@ -437,7 +439,8 @@ class _Served:
             entry = {names[t]: _clamp(v) for t, v in top or []}
             entry.setdefault(names[token], _clamp(lp))
             top_dicts.append(entry)
-        return {"tokens": [names[t] for t in tokens], "token_logprobs": [_clamp(lp) for lp in logprobs], "top_logprobs": top_dicts, "text_offset": offsets}
+        token_logprobs = [_clamp(lp) for lp in logprobs]
+        return {"tokens": [names[t] for t in tokens], "token_logprobs": token_logprobs, "top_logprobs": top_dicts, "text_offset": offsets}
 
     def chat_logprobs(self, tokens: list[int], logprobs: list[float], tops: list[TopList], as_ids: bool) -> dict:
         """The chat ``logprobs`` object: per token its name, log-prob, UTF-8 bytes and the top N alternatives."""
@@ -447,7 +450,8 @@ class _Served:
         def entry(token: int, lp: float) -> dict:
             return {"token": names[token], "logprob": _clamp(lp), "bytes": list(texts[token].encode("utf-8"))}
 
-        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]} for t, lp, top in zip(tokens, logprobs, tops, strict=True)]}
+        triples = zip(tokens, logprobs, tops, strict=True)
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(a, v) for a, v in top]} for t, lp, top in triples]}
 
     def text_length(self, tokens: list[int]) -> int:
         """Characters ``tokens`` add to the returned text (special tokens add none)."""
@@ -606,7 +610,9 @@ def make_app(
     ``limits`` bounds what requests may ask."""
     limits.check()
     device = str(getattr(backend, "device", "cpu"))
-    engine = Engine(backend.model, backend.tokenizer, device=device, max_batch=max_batch, max_batch_tokens=max_batch_tokens, batch_wait_s=batch_wait_s)
+    engine = Engine(
+        backend.model, backend.tokenizer, device=device, max_batch=max_batch, max_batch_tokens=max_batch_tokens, batch_wait_s=batch_wait_s
+    )
     served = _Served(engine, model_name, api_key, max_logprobs, limits)
 
     def check_auth(request: Request) -> None:
@@ -620,7 +626,8 @@ def make_app(
         raw = await read_body(request, served.limits.max_body_bytes)
         req = await run_in_threadpool(_validate, raw, model)  # a large body does not stall the event loop
         if req.model != served.model_name:
-            raise APIError(404, f"The model {req.model!r} does not exist; this server serves {served.model_name!r}", param="model", code="model_not_found")
+            message = f"The model {req.model!r} does not exist; this server serves {served.model_name!r}"
+            raise APIError(404, message, param="model", code="model_not_found")
         req.unsupported()
         served.check_logprobs(req)
         served.requests += 1
@@ -693,14 +700,16 @@ def make_app(
                 if top_n is not None:
                     logprobs = served.completion_logprobs(tokens, lps, tops, as_ids, offsets[index])
                 offsets[index] += served.text_length(tokens) if top_n is not None else 0
-                return _sse({**head, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}], "usage": None})
+                choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+                return _sse({**head, "choices": [choice], "usage": None})
 
             echoed = [not echo] * len(seqs)  # with echo, a sequence's first chunk is its prompt (scored at prefill)
             async for index, kind, delta in job.stream():
                 seq = seqs[index]
                 if not echoed[index]:
                     echoed[index] = True
-                    yield chunk(index, prompt_texts[index // n], seq.prompt, seq.prompt_lps or [None] * len(seq.prompt), seq.prompt_tops or [None] * len(seq.prompt), None)
+                    unscored = [None] * len(seq.prompt)
+                    yield chunk(index, prompt_texts[index // n], seq.prompt, seq.prompt_lps or unscored, seq.prompt_tops or unscored, None)
                 if delta is not None and (delta.text or delta.tokens or kind == "done"):
                     yield chunk(index, delta.text, delta.tokens, delta.logprobs, delta.tops, seq.finish_reason if kind == "done" else None)
             if req.include_usage:
@@ -748,9 +757,12 @@ def make_app(
             async for index, kind, delta in job.stream():
                 if delta is None:
                     continue
-                logprobs = None if top_n is None or not delta.tokens else served.chat_logprobs(delta.tokens, delta.logprobs, delta.tops, as_ids)
+                logprobs = None
+                if top_n is not None and delta.tokens:
+                    logprobs = served.chat_logprobs(delta.tokens, delta.logprobs, delta.tops, as_ids)
                 if delta.text or delta.tokens or kind == "done":
-                    yield chunk(index, {"content": delta.text} if delta.text else {}, logprobs, seqs[index].finish_reason if kind == "done" else None)
+                    finish = seqs[index].finish_reason if kind == "done" else None
+                    yield chunk(index, {"content": delta.text} if delta.text else {}, logprobs, finish)
             if req.include_usage:
                 yield _sse({**head, "object": "chat.completion.chunk", "choices": [], "usage": _usage(prompts, seqs)})
 
@@ -758,7 +770,13 @@ def make_app(
 
     async def models(request: Request) -> JSONResponse:
         check_auth(request)
-        card = {"id": served.model_name, "object": "model", "created": served.created, "owned_by": "opd-harness", "max_model_len": served.max_len}
+        card = {
+            "id": served.model_name,
+            "object": "model",
+            "created": served.created,
+            "owned_by": "opd-harness",
+            "max_model_len": served.max_len,
+        }
         return JSONResponse({"object": "list", "data": [card]})
 
     async def health(request: Request) -> JSONResponse:

@@ -140,7 +140,9 @@ class Engine:
     temperature that overflows its logits) fails alone without stopping the rest of its wave.
     """
 
-    def __init__(self, model, tokenizer, *, device: str, max_batch: int = 64, max_batch_tokens: int | None = None, batch_wait_s: float = 0.002) -> None:
+    def __init__(
+        self, model, tokenizer, *, device: str, max_batch: int = 64, max_batch_tokens: int | None = None, batch_wait_s: float = 0.002
+    ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
         if max_batch_tokens is not None and max_batch_tokens < 1:
@@ -229,7 +231,8 @@ class Engine:
                 break
             if seq is None:
                 break
-            if self.max_batch_tokens is not None and (len(wave) + 1) * max(len(s.prompt) + s.max_tokens for s in [*wave, seq]) > self.max_batch_tokens:
+            limit = self.max_batch_tokens
+            if limit is not None and (len(wave) + 1) * max(len(s.prompt) + s.max_tokens for s in [*wave, seq]) > limit:
                 self._held = seq
                 break
             wave.append(seq)
@@ -425,6 +428,7 @@ class _TextState:
                 end += 1
         if visible == self.text and end == self.tokens and not final:
             return None
-        delta = Delta(visible[len(self.text) :], seq.tokens[self.tokens : end], seq.logprobs[self.tokens : end], seq.tops[self.tokens : end])
+        new = slice(self.tokens, end)
+        delta = Delta(visible[len(self.text) :], seq.tokens[new], seq.logprobs[new], seq.tops[new])
         self.text, self.tokens = visible, end
         return delta

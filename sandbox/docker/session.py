@@ -1,0 +1,88 @@
+"""A session: a dedicated container where commands run in turn (each one a ``docker exec`` of the wrapper)."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import threading
+from collections.abc import Mapping
+from typing import Protocol
+
+import docker.errors
+
+from sandbox import MAX_READ_FILE_BYTES, ExecRequest, ExecResult, SandboxUnavailable, Session, resolve_path
+from sandbox.docker.box import WORKDIR, Infra, posixpath_rel, tar_files
+from sandbox.docker.transport import Box, Host, execute
+
+
+class SessionHost(Host, Protocol):
+    """What a session needs of its provider (a ``DockerSandbox``)."""
+
+    def check_timeout(self, request: ExecRequest) -> None: ...
+
+    def remove_box(self, box: Box) -> None: ...
+
+    def forget_session(self, session: DockerSession) -> None: ...
+
+
+class DockerSession(Session):
+    """A dedicated container; see ``Session``. Commands run one at a time (a lock serialises them)."""
+
+    def __init__(self, sb: SessionHost, box: Box) -> None:
+        super().__init__(WORKDIR)
+        self._sb, self._box = sb, box
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def container_id(self) -> str:
+        return self._box.container.id
+
+    def _is_dir(self, path: str) -> bool:
+        return self._sb.exec_plain(self._box, ["test", "-d", path]) == 0
+
+    def run(self, request: ExecRequest) -> ExecResult:
+        self._sb.check_timeout(request)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("session is closed")
+            try:
+                result, _ = execute(self._sb, self._box, request, self._cwd, pooled=False)
+                return result
+            except Infra as exc:
+                return ExecResult.failed(str(exc))
+
+    def write_files(self, files: Mapping[str, bytes]) -> None:
+        staged = {posixpath_rel(resolve_path(WORKDIR, self._cwd, p)): d for p, d in files.items()}
+        if not staged:
+            return
+        try:
+            ok = self._box.container.put_archive(WORKDIR, tar_files(staged))
+        except docker.errors.DockerException as exc:
+            raise SandboxUnavailable(f"write_files failed: {exc}") from exc
+        if not ok:
+            raise SandboxUnavailable("write_files failed: put_archive returned False")
+
+    def read_file(self, path: str, max_bytes: int = MAX_READ_FILE_BYTES) -> bytes:
+        full = resolve_path(WORKDIR, self._cwd, path)
+        try:
+            stream, stat = self._box.container.get_archive(full)
+        except docker.errors.NotFound as exc:
+            raise FileNotFoundError(full) from exc
+        except docker.errors.DockerException as exc:
+            raise SandboxUnavailable(f"read_file failed: {exc}") from exc
+        if stat.get("size", 0) > max_bytes:
+            raise ValueError(f"{full} is {stat['size']} bytes, over the {max_bytes}-byte limit")
+        if stat.get("mode", 0) & (1 << 31):  # Go's os.ModeDir
+            raise IsADirectoryError(full)
+        with tarfile.open(fileobj=io.BytesIO(b"".join(stream)), mode="r") as tf:
+            member = tf.next()
+            if member is None or not member.isfile():
+                raise FileNotFoundError(f"{full} is not a regular file")
+            return tf.extractfile(member).read()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._sb.remove_box(self._box)
+        self._sb.forget_session(self)
