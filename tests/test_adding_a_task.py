@@ -76,9 +76,11 @@ def test_the_readme_example_runs_scripted_agents_end_to_end(task_class, tmp_path
     opts = task_class.Options(sandbox="local", sandbox_options={"network_isolation": "auto"}, command_timeout_s=20)
     with task_class(opts) as task:
         problems = task.load("test", data_dir=tmp_path / "data")
+        done = task.submit_word
+        # the fix changes calc.py's size: same size in the same second, Python would reuse the first run's stale .pyc
         scripts = [
-            [bash("python3 check.py"), bash("sed -i 's/a - b/a + b/' calc.py && python3 check.py"), bash(f"echo {task.submit_word}")],
-            [bash("printf 'print(1)\\n' > check.py && python3 check.py"), bash(f"echo {task.submit_word}")],  # edits the checker
+            [bash("python3 check.py"), bash("sed -i 's/a - b/a + b  # fixed/' calc.py && python3 check.py"), bash(f"echo {done}")],
+            [bash("printf 'print(1)\\n' > check.py && python3 check.py"), bash(f"echo {done}")],  # edits the checker
             ["I cannot do this."] * 3,  # no command: three format errors end it, and the untouched script fails its check
         ]
         replay = ReplayBackend({(task.name, p.id): [turns] for p, turns in zip(problems, scripts, strict=True)})
