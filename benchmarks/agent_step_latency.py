@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 from harness.plan import load_problems
-from tasks.swebench.agent_env import AgentLimits, ShellAgentEnv
+from tasks.agentic.shell_env import AgentLimits
+from tasks.swebench.agent import SwebenchAgentEnv
 from tasks.swebench.task import AGENT_WORKDIR, SwebenchOptions, SwebenchTask
 
 # What agents typically run on a SWE-bench repository: look around, read, search, run Python, diff.
@@ -49,7 +50,7 @@ def measure(task: SwebenchTask, problem, rounds: int) -> dict:
     """Open an episode's container, then time each command ``rounds`` times both ways, interleaved."""
     row = problem.meta
     image = task.ensure_image(row).tag
-    env = ShellAgentEnv("", lambda: task.open_session(row), workdir=AGENT_WORKDIR, limits=AgentLimits(1000, 3600.0, 60.0, 3, 10_000))
+    env = SwebenchAgentEnv("", lambda: task.open_session(row), workdir=AGENT_WORKDIR, limits=AgentLimits(1000, 3600.0, 60.0, 3, 10_000))
     try:
         start_s = timed(lambda: env.execute("true"))  # the first command opens the container
         container_id = env.session()._inner.container_id

@@ -270,7 +270,7 @@ def test_nothing_is_left_running_after_a_crash_mid_episode(how, tiny, tmp_path, 
 
 def test_open_instance_session_runs_in_the_repository(tiny):
     from sandbox import ExecRequest
-    from tasks.swebench.session import open_instance_session
+    from tasks.swebench.task import open_instance_session
 
     root, _ = tiny
     data = root / "data"
@@ -302,7 +302,7 @@ def test_scripted_agent_episodes_resolve_and_premature_stops_are_flagged(tiny, t
     from harness.backends import SamplingParams
     from harness.backends.replay import ReplayBackend
     from harness.evaluation import evaluate_task
-    from tasks.swebench.agent_env import SUBMIT
+    from tasks.swebench.agent import SUBMIT
 
     def bash(command: str) -> str:
         return f"THOUGHT: next.\n\n```bash\n{command}\n```"
@@ -592,7 +592,7 @@ def test_a_scripted_training_step_runs_its_commands_in_the_instance_container(ti
     from harness.registry import METHODS
     from harness.rollout import rollout
     from harness.trajectory import to_tensor_batch
-    from tasks.swebench.agent_env import SUBMIT
+    from tasks.swebench.agent import SUBMIT
     from trainers.learner import train_step
     from trainers.pipeline import behaviour_logprobs
     from trainers.teacher import score_teacher, teacher_wants

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.swebench.agent_env import SUBMIT, AgentLimits, ShellAgentEnv, head_tail, parse_command
+from tasks.agentic.shell_env import AgentLimits, head_tail, parse_command
+from tasks.swebench.agent import SUBMIT, SwebenchAgentEnv
 
 REPO = {"repo/calc.py": b"def add(a, b):\n    return a - b\n", "repo/README": b"calc\n"}
 
@@ -29,7 +30,7 @@ def make_env(sb):
         return session
 
     def make(**limits):
-        env = ShellAgentEnv("fix add", open_session, workdir="repo", limits=AgentLimits(**limits))
+        env = SwebenchAgentEnv("fix add", open_session, workdir="repo", limits=AgentLimits(**limits))
         envs.append(env)
         return env
 

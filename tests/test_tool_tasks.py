@@ -14,7 +14,7 @@ from harness.backends.replay import ReplayBackend
 from harness.evaluation import evaluate_task
 from harness.registry import TASKS
 from harness.rollout import reference_trajectories, rollout
-from tasks.tool.formats import HermesFormat, RetoolFormat
+from tasks.agentic.tool_formats import HermesFormat, RetoolFormat
 
 RT = RetoolFormat()
 HERMES = HermesFormat()
@@ -181,7 +181,8 @@ def test_the_swebench_agent_reports_the_same_tool_use_view(local_sb):
     nothing, a timed-out command an executed call with a tool error."""
     from harness.evaluation import summarize_episodes
     from sandbox import ExecRequest
-    from tasks.swebench.agent_env import AgentLimits, ShellAgentEnv
+    from tasks.agentic.shell_env import AgentLimits
+    from tasks.swebench.agent import SwebenchAgentEnv
 
     def open_session():  # a one-commit repository: the agent diffs against its base commit
         session = local_sb.session()
@@ -190,7 +191,7 @@ def test_the_swebench_agent_reports_the_same_tool_use_view(local_sb):
         assert session.run(ExecRequest(argv=["bash", "-c", commit], timeout_s=60)).exit_code == 0
         return session
 
-    env = ShellAgentEnv("task", open_session, workdir="repo", limits=AgentLimits(command_timeout_s=1.0))
+    env = SwebenchAgentEnv("task", open_session, workdir="repo", limits=AgentLimits(command_timeout_s=1.0))
     try:
         for reply in ("no command here", "```bash\nsleep 5\n```", "```bash\necho hi\n```"):
             env.step(reply)

@@ -1,4 +1,4 @@
-"""Shared pieces of the code tasks: code extraction, the sandbox job runner, the sandbox-owning base class.
+"""Shared pieces of the code tasks: code extraction, the sandbox job runner, the code tasks' base class.
 
 Model-written code never runs in the harness process: the host only parses it (``ast.parse``) and ships it, with
 the test inputs (never the expected outputs), to ``sandbox_runner.py`` inside the sandbox (one sandbox run per
@@ -16,11 +16,12 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field
 
-from harness.task import Problem, Score, Task, TaskNotReady, TaskOptions
+from harness.task import Problem, Score
+from tasks.agentic.sandboxed import SandboxedTask, SandboxOptions
 from tasks.code.checker import Report, parse_report
 
 RUNNER = (Path(__file__).with_name("sandbox_runner.py")).read_bytes()
@@ -76,11 +77,9 @@ def cache_root() -> Path:
     return Path(base).expanduser() / "opd-harness"
 
 
-class CodeOptions(TaskOptions):
+class CodeOptions(SandboxOptions):
     k: int = 1
     max_new_tokens: int = 1024
-    sandbox: str = Field("docker", description="sandbox provider (docker; local isolates much less)")
-    sandbox_options: dict[str, Any] = Field(default_factory=dict, description="options for sandbox.open_sandbox")
     workers: int | None = Field(None, ge=1, description="samples graded at once (default: the sandbox pool size)")
     memory_mb: int = Field(2048, ge=64, description="memory limit of one sample's sandbox run")
     source: Literal["auto", "local", "hub"] = "auto"
@@ -97,55 +96,10 @@ class RunOutcome:
         return self.report.done
 
 
-class SandboxedTask(Task):
-    """A task graded by running code in a sandbox it opens lazily (or one given with :meth:`use_sandbox`)."""
+class SandboxedCodeTask(SandboxedTask):
+    """A code task: programs run by ``sandbox_runner.py`` in the task's sandbox, many samples graded at once."""
 
-    needs_sandbox = True
     Options = CodeOptions
-
-    def __init__(self, options: TaskOptions | None = None, sandbox=None) -> None:
-        super().__init__(options)
-        self._sandbox = sandbox
-        self._owns_sandbox = False
-        self._sb_lock = threading.Lock()
-
-    # ---- sandbox lifecycle
-
-    def use_sandbox(self, sb) -> None:
-        """Grade through ``sb`` (not closed by this task)."""
-        self._sandbox, self._owns_sandbox = sb, False
-
-    @property
-    def sandbox(self):
-        with self._sb_lock:
-            if self._sandbox is None:
-                import sandbox as sandbox_pkg
-
-                opts: CodeOptions = self.options  # type: ignore[assignment]
-                self._sandbox = sandbox_pkg.open_sandbox(opts.sandbox, **opts.sandbox_options)
-                self._owns_sandbox = True
-            return self._sandbox
-
-    def close(self) -> None:
-        """Close the sandbox if this task opened it (removing its containers); the next grading opens a new one."""
-        with self._sb_lock:
-            sb, owned = self._sandbox, self._owns_sandbox
-            self._sandbox, self._owns_sandbox = None, False
-        if sb is not None and owned:
-            sb.close()
-
-    def check_ready(self) -> None:
-        """Raise ``TaskNotReady`` when the sandbox cannot run here (bad options, Docker daemon down, image not built)."""
-        import sandbox as sandbox_pkg
-
-        try:
-            sb = self.sandbox
-        except (KeyError, TypeError, ValueError) as exc:  # unknown provider or option, bad option value
-            raise TaskNotReady(f"{self.name}: task option sandbox / sandbox_options: {exc}") from None
-        try:
-            sb.check_ready()
-        except sandbox_pkg.SandboxUnavailable as exc:
-            raise TaskNotReady(f"{self.name}: {exc}") from None
 
     @property
     def workers(self) -> int:

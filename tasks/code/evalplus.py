@@ -50,7 +50,7 @@ from harness.registry import TASKS
 from harness.task import DataError, DataNeed, Problem, Score, read_jsonl
 from harness.task import DataNotFound as TaskDataNotFound
 from tasks.code import checker
-from tasks.code.common import CodeOptions, SandboxedTask, aligned, cache_root, defines, error, fail, last_fenced_block, syntax_error
+from tasks.code.common import CodeOptions, SandboxedCodeTask, aligned, cache_root, defines, error, fail, last_fenced_block, syntax_error
 from tasks.code.sandbox_runner import phase_inputs
 
 DATA_DIR_ENV = "HARNESS_DATA_DIR"
@@ -100,7 +100,7 @@ def validate_row(row: Any, path: Path, line: int) -> dict:
     return row
 
 
-class EvalPlusTask(SandboxedTask):
+class EvalPlusTask(SandboxedCodeTask):
     Options = EvalPlusOptions
     provides_references = True  # prompt + canonical_solution of every row
     dataset: ClassVar[str]  # "humaneval" | "mbpp"

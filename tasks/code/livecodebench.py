@@ -43,7 +43,7 @@ from harness.data import download_hub_files
 from harness.registry import TASKS
 from harness.task import DataError, DataNeed, DataNotFound, Problem, Score, read_jsonl
 from tasks.code import checker
-from tasks.code.common import CodeOptions, SandboxedTask, aligned, error, fail, last_fenced_block, syntax_error
+from tasks.code.common import CodeOptions, SandboxedCodeTask, aligned, error, fail, last_fenced_block, syntax_error
 
 DATA_DIR_ENV = "HARNESS_DATA_DIR"
 HUB_ID = "livecodebench/code_generation_lite"
@@ -153,7 +153,7 @@ def select_files(folder: Path, release_version: str | None) -> list[Path]:
 
 
 @TASKS.register("livecodebench")
-class LiveCodeBenchTask(SandboxedTask):
+class LiveCodeBenchTask(SandboxedCodeTask):
     name = "livecodebench"
     description = "LiveCodeBench code generation (stdin and LeetCode-style functional tests) graded in the sandbox"
     Options = LiveCodeBenchOptions

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import sandbox
 from sandbox import ExecRequest, ExecResult, Session
@@ -43,27 +42,6 @@ class InstanceSession(Session):
             self._inner.close()
         finally:
             self._sb.close()
-
-
-def open_instance_session(
-    instance: dict | str,
-    options: dict[str, Any] | None = None,
-    *,
-    memory_mb: int = 4096,
-    cpus: float = 2.0,
-    pids: int = 1024,
-    tmpfs_mb: int = 1024,
-    max_command_s: float = 1800.0,
-) -> InstanceSession:
-    """Open a session on ``instance`` (a SWE-bench row, or an instance id loaded with ``options``, the task options
-    such as ``data_dir``/``repo_source``/``cache_dir``), building its image first if it is missing.
-
-    Raises:
-        ImageBuildError: the image could not be built. SandboxUnavailable: the container could not start."""
-    from tasks.swebench.task import task_for
-
-    task, row = task_for(instance, options)
-    return open_session_on(task.ensure_image(row).tag, memory_mb=memory_mb, cpus=cpus, pids=pids, tmpfs_mb=tmpfs_mb, max_command_s=max_command_s)
 
 
 def open_session_on(image: str, *, memory_mb: int = 4096, cpus: float = 2.0, pids: int = 1024, tmpfs_mb: int = 1024, max_command_s: float = 1800.0) -> InstanceSession:

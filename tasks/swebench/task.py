@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,9 +18,11 @@ from pydantic import Field
 
 from harness.task import DataError, DataNeed, DataNotFound, Problem, Score, Task, TaskNotReady, TaskOptions
 from tasks.swebench import data, upstream
-from tasks.swebench.agent_env import BLOCK_NAMES, INSTANCE_PROMPT, SUBMIT, SYSTEM_PROMPT, AgentLimits, ShellAgentEnv
+from tasks.agentic.shell_env import AgentLimits, system_prompt
+from tasks.agentic.shell_task import chat_prompt
+from tasks.swebench.agent import INSTANCE_PROMPT, SUBMIT, SwebenchAgentEnv
 from tasks.swebench.grading import MAX_PATCH_BYTES, Outcome, failed, grade_patch, too_large
-from tasks.swebench.session import open_session_on
+from tasks.swebench.session import InstanceSession, open_session_on
 from tasks.swebench.images import BuildInputs, BuildResult, ImageBuildError, base_image_id, build_instance_image, environment_pins, requirement_lines, sha256_file
 
 DATA_DIR_ENV = "HARNESS_DATA_DIR"
@@ -247,22 +250,19 @@ class SwebenchTask(Task):
 
     def format_prompt(self, problem: Problem, tokenizer) -> str:
         """mini-swe-agent's system and instance messages, through the model's chat template when it has one."""
-        block = BLOCK_NAMES[self.opts.action_format]
-        system = SYSTEM_PROMPT.format(block=block, submit=SUBMIT)
+        system = system_prompt(self.opts.action_format, SUBMIT)
         instance = INSTANCE_PROMPT.format(problem=problem.question, workdir=AGENT_WORKDIR, submit=SUBMIT)
-        if self.opts.use_chat_template and getattr(tokenizer, "chat_template", None):
-            messages = [{"role": "system", "content": system}, {"role": "user", "content": instance}]
-            return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return f"{system}\n\n{instance}\n\n"
+        return chat_prompt(system, instance, tokenizer, self.opts.use_chat_template)
 
-    def env(self, problem: Problem, tokenizer) -> ShellAgentEnv:
+    def env(self, problem: Problem, tokenizer) -> SwebenchAgentEnv:
         """An agent episode on the instance; its container (and, if missing, its image) is made on the first command."""
         opts = self.opts
         row = self._rows.get(problem.id) or problem.meta
         limits = AgentLimits(
             opts.max_steps, opts.wall_time_s, opts.command_timeout_s, opts.max_format_errors, opts.max_output_chars, opts.max_patch_bytes
         )
-        return ShellAgentEnv(self.format_prompt(problem, tokenizer), lambda: self.open_session(row), workdir=AGENT_WORKDIR, limits=limits, action_format=opts.action_format)
+        prompt = self.format_prompt(problem, tokenizer)
+        return SwebenchAgentEnv(prompt, partial(self.open_session, row), workdir=AGENT_WORKDIR, limits=limits, action_format=opts.action_format)
 
     def open_session(self, row: dict):
         """A session in a fresh container of the instance image (network off), closed with the episode."""
@@ -312,3 +312,23 @@ def grade_instance_patch(instance: dict | str, patch: str, options: dict[str, An
     """Grade one patch (e.g. an agent's final ``git diff``) on one instance; builds the image if it is missing."""
     task, row = task_for(instance, options)
     return outcome_score(task.grade_patch(row, patch), patch)
+
+
+def open_instance_session(
+    instance: dict | str,
+    options: dict[str, Any] | None = None,
+    *,
+    memory_mb: int = 4096,
+    cpus: float = 2.0,
+    pids: int = 1024,
+    tmpfs_mb: int = 1024,
+    max_command_s: float = 1800.0,
+) -> InstanceSession:
+    """Open a session on ``instance`` (a SWE-bench row, or an instance id loaded with ``options``, the task options
+    such as ``data_dir``/``repo_source``/``cache_dir``), building its image first if it is missing.
+
+    Raises:
+        ImageBuildError: the image could not be built. SandboxUnavailable: the container could not start."""
+    task, row = task_for(instance, options)
+    image = task.ensure_image(row).tag
+    return open_session_on(image, memory_mb=memory_mb, cpus=cpus, pids=pids, tmpfs_mb=tmpfs_mb, max_command_s=max_command_s)

@@ -10,18 +10,18 @@ with math-verify against the problem's answer.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field
 
-from harness.task import Problem, Score, TaskOptions
-from tasks.code.common import SandboxedTask
+from harness.task import Problem, Score
+from tasks.agentic.sandboxed import SandboxedTask, SandboxOptions
 from tasks.math_grading import MathVerifyGraded
-from tasks.tool.env import ToolEnv
-from tasks.tool.formats import CODE_INTERPRETER_SCHEMA, FORMATS, ToolFormat
+from tasks.agentic.tool_env import ToolEnv
+from tasks.agentic.tool_formats import CODE_INTERPRETER_SCHEMA, FORMATS, ToolFormat
 
 
-class ToolOptions(TaskOptions):
+class ToolOptions(SandboxOptions):
     """Options of every tool-use task (limits default to the f-OPD paper's: 6 tool calls, 10 assistant turns)."""
 
     format: Literal["retool", "hermes"] = Field("retool", description="tool-call format: retool (<code> blocks) or hermes (<tool_call> JSON)")
@@ -35,8 +35,6 @@ class ToolOptions(TaskOptions):
     memory_mb: int = Field(1024, ge=64, description="memory limit of an episode's interpreter")
     disk_mb: int = Field(256, ge=1, description="most an episode's work dir may hold (Docker: in memory, within memory_mb)")
     max_output_chars: int = Field(2048, ge=64, description="tool output kept per call (the rest is cut with a marker)")
-    sandbox: str = Field("docker", description="sandbox provider (docker; local isolates much less)")
-    sandbox_options: dict[str, Any] = Field(default_factory=dict, description="options for sandbox.open_sandbox")
 
 
 def model_text(trajectory) -> str:

@@ -30,7 +30,11 @@ CODE_INTERPRETER_SCHEMA = {
     "function": {
         "name": TOOL_NAME,
         "description": "Run Python code in a persistent interpreter (state is kept between calls) and return what it prints.",
-        "parameters": {"type": "object", "properties": {"code": {"type": "string", "description": "Python code to run"}}, "required": ["code"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"code": {"type": "string", "description": "Python code to run"}},
+            "required": ["code"],
+        },
     },
 }
 
@@ -145,7 +149,8 @@ class HermesFormat(ToolFormat):
     def instruction(self) -> str:
         return (
             "Solve the following problem step by step. You may call the tool code_interpreter, which runs Python code "
-            'and returns what it prints, by writing\n<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "..."}}\n</tool_call>\n'
+            "and returns what it prints, by writing\n"
+            '<tool_call>\n{"name": "code_interpreter", "arguments": {"code": "..."}}\n</tool_call>\n'
             "End with the final answer in the format\n<answer>\n\\boxed{answer}\n</answer>\n\n"
         )
 

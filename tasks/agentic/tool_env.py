@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from harness.episode import Env, StepResult
-from tasks.tool.formats import InvalidCall, ToolCall, ToolFormat
+from tasks.agentic.tool_formats import InvalidCall, ToolCall, ToolFormat
 
 
 class ToolInfrastructureError(RuntimeError):
