@@ -88,13 +88,10 @@ def _raise_terminated(signum: int, frame) -> None:
     raise Terminated(f"terminated by signal {signum}")
 
 
-def use_data_dir(data_dir: Path | None) -> None:
-    """``--data-dir``: every task of this process reads its data there (overriding ``HARNESS_DATA_DIR``)."""
-    if data_dir is None:
-        return
-    if not data_dir.is_dir():
+def check_data_dir(data_dir: Path | None) -> None:
+    """``--data-dir`` names an existing folder; the command hands it to every task's ``load`` (ahead of ``HARNESS_DATA_DIR``)."""
+    if data_dir is not None and not data_dir.is_dir():
         raise ConfigError(f"--data-dir {data_dir}: no such directory (it holds one folder per task: DIR/<task>/...)")
-    os.environ["HARNESS_DATA_DIR"] = str(data_dir)
 
 
 @app.command()
@@ -125,7 +122,7 @@ def run(
     _quiet_libraries()
     store = None
     try:
-        use_data_dir(data_dir)
+        check_data_dir(data_dir)
         if resume:
             if any(v is not None for v in (method, task, mode, executor, preset, config)) or set_:
                 raise ConfigError("--resume continues a run with its stored config; drop the other options")
@@ -137,6 +134,7 @@ def run(
             trainer = {key: value for key, value in (("mode", mode), ("executor", executor)) if value is not None}
             cli = {"method": method, "task": task, "trainer": trainer or None}
             plan = plan_run(build_config(preset=preset, config_file=config, overrides=set_ or [], cli=cli))
+        plan.data_dir = data_dir
         load_plan_data(plan)
     except (ConfigError, RegistryError) as exc:  # DataUnavailable included: missing data or a bad row, nothing created
         raise _fail(str(exc)) from None
@@ -225,7 +223,7 @@ def eval_(
     _quiet_libraries()
     names = [t.strip() for t in task.split(",") if t.strip()]
     try:
-        use_data_dir(data_dir)
+        check_data_dir(data_dir)
         task_args: dict = {}
         for item in task_arg or []:
             task_args = deep_merge(task_args, parse_override(item))
@@ -445,7 +443,7 @@ def gate(
             raise _fail(str(exc)) from None
         if paths:
             try:
-                use_data_dir(data_dir)
+                check_data_dir(data_dir)
             except ConfigError as exc:
                 raise _fail(str(exc)) from None
         spec = EvalSpec(tuple(tasks), k=k, limit=limit, temperature=temperature, top_p=top_p, seed=seed, task_args=task_args, backend=backend, backend_options=options, data_dir=data_dir)

@@ -46,7 +46,6 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from harness.registry import TASKS
 from tasks.base import Problem, Score, SingleTurnEnv, Task, TaskOptions
 
 PREFIX = "lm_eval"
@@ -265,10 +264,9 @@ class LmEvalTask(Task):
 
     # ---- problems and prompts
 
-    def load(self, split: str = "test", data_dir: Path | None = None) -> list[Problem]:
-        """One Problem per lm-eval doc (first ``limit`` docs), with lm-eval's plain (no chat template) context."""
-        if split not in self.splits:
-            raise ValueError(f"{self.name} has splits {self.splits}, not {split!r} (lm-eval's evaluation split is 'test')")
+    def read_problems(self, split: str, data_dir: Path) -> list[Problem]:
+        """One Problem per lm-eval doc (first ``limit`` docs: lm-eval builds only those), with lm-eval's plain (no chat
+        template) context; lm-eval reads its own data (``data_dir`` is unused)."""
         return [self._problem(r) for r in self.requests(None).values()]
 
     def _problem(self, r: DocRequests) -> Problem:
@@ -597,7 +595,6 @@ def make_task_class(name: str) -> type[LmEvalTask]:
 
     Builds the harness Task class for lm-eval task ``name`` (registered as ``lm_eval:<name>``)."""
     attrs = {
-        "name": f"{PREFIX}:{name}",
         "lm_eval_name": name,
         "description": f"lm-evaluation-harness task {name!r} (prompts and scoring by lm-eval, generation by our backend)",
         "__module__": __name__,
@@ -605,5 +602,3 @@ def make_task_class(name: str) -> type[LmEvalTask]:
     }
     return type(f"LmEvalTask[{name}]", (LmEvalTask,), attrs)
 
-
-TASKS.add_prefix(PREFIX, make_task_class)

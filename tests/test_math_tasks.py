@@ -13,10 +13,9 @@ from typing import Callable, Iterator
 import pytest
 
 from harness.registry import TASKS
-from tasks.base import DataError, Problem
+from tasks.base import DATA_DIR_ENV, DataError, Problem
 from tasks.math.benchmarks import (
     BOXED_INSTRUCTION,
-    DATA_DIR_ENV,
     FEW_SHOT,
     DataNotFound,
     MathOptions,

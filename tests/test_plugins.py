@@ -26,7 +26,6 @@ from trainers.objectives import HParams, MethodSpec, masked_mean
 
 
 class PluginArith(ArithTask):
-    name = "plugin_arith"
     description = "arith, served by a plug-in package"
 
 
@@ -43,7 +42,6 @@ def plugin_objective(batch, student, hp, state=None):
 
 
 PLUGIN_OPD = MethodSpec(
-    name="plugin_opd",
     description="a plug-in method",
     objective=plugin_objective,
     hparams=PluginParams,

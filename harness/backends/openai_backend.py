@@ -80,7 +80,6 @@ from pathlib import Path
 import torch
 
 from harness.backends import SCORE_FIELDS, Completion, SamplingParams, as_bool
-from harness.registry import BACKENDS
 
 log = logging.getLogger("harness.backends.openai")
 
@@ -114,11 +113,9 @@ def load_tokenizer(path: str | None, model: str):
     return build_char_tokenizer()
 
 
-@BACKENDS.register("openai")
 class OpenAIBackend:
     """Generates through an OpenAI-compatible server; see the module docstring for the options."""
 
-    name = "openai"
     score_fields = ("logprobs", "topk")  # what ``score`` can return: no full distribution over HTTP
 
     def __init__(

@@ -1,7 +1,8 @@
 """OPD objectives: pure functions of a :class:`~harness.trajectory.TensorBatch` and the current
-student's log-probs, returning ``(loss, diagnostics)``. Each method registers a :class:`MethodSpec`
-in ``harness.registry.METHODS`` that declares the inputs it needs, so a run that cannot provide
-them fails at config validation.
+student's log-probs, returning ``(loss, diagnostics)``. Each method is a :class:`MethodSpec`, declared
+as an entry point of ``opd_harness.methods`` (``name = "module:SPEC"``; the entry point's name is the
+spec's name), that declares the inputs it needs, so a run that cannot provide them fails at config
+validation.
 """
 
 from __future__ import annotations
@@ -61,7 +62,6 @@ Objective = Callable[[TensorBatch, StudentOutputs, HParams, object], tuple[torch
 class MethodSpec:
     """A registered training method: its objective, hyper-parameters and declared inputs."""
 
-    name: str
     description: str
     objective: Objective
     hparams: type[HParams]
@@ -74,6 +74,7 @@ class MethodSpec:
     # Methods with a group-centred reward advantage (GRPO family): samples per prompt when the config sets none.
     # Their baseline needs ≥ 2 samples per prompt; config validation refuses 1 unless hparams.allow_single_sample.
     group_size: int | None = None
+    name: str = ""  # set by the registry from the method's entry-point name (a method is named once)
 
     def group_baseline(self, hparams: HParams) -> bool:
         """Whether this method, with these hyper-parameters, centres rewards on a per-prompt group mean."""
