@@ -61,7 +61,8 @@ def load_plan_data(plan: Plan) -> Plan:
     if lacking is not None:
         raise DataUnavailable(f"{users[0]} trains on reference solutions, but {plan.task.name} problem {lacking.id!r} has none")
     plan.train_problems = train
-    plan.eval_problems = {task.name: load_problems(task, "test", data_dir=plan.data_dir, limit=plan.config.eval.limit) for task in plan.eval_tasks}
+    limit = plan.config.eval.limit
+    plan.eval_problems = {task.name: load_problems(task, "test", data_dir=plan.data_dir, limit=limit) for task in plan.eval_tasks}
     return plan
 
 

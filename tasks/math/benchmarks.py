@@ -9,8 +9,9 @@ the field. Duplicate ids are an error. Grading is math-verify (:mod:`tasks.math_
 ``\boxed{}`` of a completion against the gold below.
 
 Data directory (:meth:`tasks.base.Task.load`), first one set wins: the ``data_dir`` argument of ``load()``,
-then ``options.data_dir``, then ``$HARNESS_DATA_DIR``, else ``./data``. ``options.source`` picks ``"auto"`` (local file, else hub), ``"local"`` (never
-the hub) or ``"hub"`` (always the hub). If neither source works the error names the paths looked at.
+then ``options.data_dir``, then ``$HARNESS_DATA_DIR``, else ``./data``. ``options.source`` picks ``"auto"``
+(local file, else hub), ``"local"`` (never the hub) or ``"hub"`` (always the hub). If neither source works the
+error names the paths looked at.
 
 ========================  =========================================  ===============================================
 task (split)              local file / hub id [config] (split)       id ; gold
