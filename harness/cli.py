@@ -16,7 +16,7 @@ import yaml
 from rich.console import Console
 from rich.markup import escape
 
-from harness.config import ConfigError, build_config, deep_merge, parse_override
+from harness.config import ConfigError, RunConfig, build_config, deep_merge, parse_override
 from harness.jsonout import to_json
 from harness.registry import METHODS, TASKS, RegistryError
 
@@ -89,9 +89,26 @@ def _raise_terminated(signum: int, frame) -> None:
 
 
 def check_data_dir(data_dir: Path | None) -> None:
-    """``--data-dir`` names an existing folder; the command hands it to every task's ``load`` (ahead of ``HARNESS_DATA_DIR``)."""
+    """``--data-dir`` names an existing folder; the command hands it to the tasks (ahead of ``HARNESS_DATA_DIR``)."""
     if data_dir is not None and not data_dir.is_dir():
         raise ConfigError(f"--data-dir {data_dir}: no such directory (it holds one folder per task: DIR/<task>/...)")
+
+
+def config_with_data_dir(cfg: RunConfig, data_dir: Path | None) -> RunConfig:
+    """``harness run --data-dir``: the data root of every task of the run whose ``task_args`` name none, put in the
+    config (stored with the run, so Ray actors and ``--resume`` read the same folder); an explicit option still wins."""
+    if data_dir is None:
+        return cfg
+    names = dict.fromkeys([cfg.task, *cfg.eval.tasks])
+    task_args = {**cfg.task_args, **{name: {"data_dir": str(data_dir), **cfg.task_args.get(name, {})} for name in names}}
+    return cfg.model_copy(update={"task_args": task_args})
+
+
+def tasks_with_data_dir(tasks: list, data_dir: Path | None) -> None:
+    """``harness run --resume --data-dir``: the data root of each task of the resumed plan whose options name none."""
+    for task in tasks if data_dir is not None else ():
+        if not task.options.data_dir:
+            task.options = task.options.model_copy(update={"data_dir": str(data_dir)})
 
 
 @app.command()
@@ -130,11 +147,11 @@ def run(
                 raise ConfigError(f"--resume {resume}: no results store at {out / 'results.sqlite'} (pass the run's --out)")
             store = Store(out)
             plan, run_id = plan_resume(store, resume), resume
+            tasks_with_data_dir([plan.task, *plan.eval_tasks], data_dir)
         else:
             trainer = {key: value for key, value in (("mode", mode), ("executor", executor)) if value is not None}
             cli = {"method": method, "task": task, "trainer": trainer or None}
-            plan = plan_run(build_config(preset=preset, config_file=config, overrides=set_ or [], cli=cli))
-        plan.data_dir = data_dir
+            plan = plan_run(config_with_data_dir(build_config(preset=preset, config_file=config, overrides=set_ or [], cli=cli), data_dir))
         load_plan_data(plan)
     except (ConfigError, RegistryError) as exc:  # DataUnavailable included: missing data or a bad row, nothing created
         raise _fail(str(exc)) from None

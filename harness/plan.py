@@ -25,7 +25,6 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     train_problems: list | None = None  # the training split, once load_plan_data has validated it
     eval_problems: dict[str, list] = field(default_factory=dict)  # eval task name -> its evaluated test problems
-    data_dir: Path | None = None  # the data root every task reads (``harness run --data-dir``); None: each task's own default
 
 
 class DataUnavailable(ConfigError):
@@ -55,14 +54,13 @@ def load_problems(task, split: str, *, data_dir: Path | None = None, limit: int 
 
 def load_plan_data(plan: Plan) -> Plan:
     """Load and validate the training split and every eval task's problems onto ``plan``, before anything is created."""
-    train = load_problems(plan.task, plan.task.training_split(), data_dir=plan.data_dir)
+    train = load_problems(plan.task, plan.task.training_split())
     users = reference_users(plan.config, plan.method, plan.hparams)
     lacking = next((p for p in train if p.solution is None), None) if users else None
     if lacking is not None:
         raise DataUnavailable(f"{users[0]} trains on reference solutions, but {plan.task.name} problem {lacking.id!r} has none")
     plan.train_problems = train
-    limit = plan.config.eval.limit
-    plan.eval_problems = {task.name: load_problems(task, "test", data_dir=plan.data_dir, limit=limit) for task in plan.eval_tasks}
+    plan.eval_problems = {task.name: load_problems(task, "test", limit=plan.config.eval.limit) for task in plan.eval_tasks}
     return plan
 
 
