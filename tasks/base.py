@@ -106,7 +106,7 @@ class Task(ABC):
         try:
             problems = self.read_problems(split, root)
         except DataNotFound as exc:
-            exc.args = (f"{exc} [data root {root}: {how}]", *exc.args[1:])
+            exc.args = (f"{exc} [data root {root}: {how}]",)
             raise
         limit = self.options.limit
         return problems[:limit] if limit else problems
