@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import sandbox
+from harness.registry import TASKS
 from tasks.code.evalplus import HumanEvalPlusTask
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -97,7 +98,7 @@ def run_evalplus(dataset: Path, samples: Path, cache: Path, parallel: int) -> di
 def run_harness(sb, data_dir: Path, cache: Path, workers: int) -> dict:
     """Ground truth (computed unless cached in ``cache``) then grading of every canonical solution, timed apart."""
     os.environ["HARNESS_CACHE_DIR"] = str(cache)
-    task = HumanEvalPlusTask(HumanEvalPlusTask.Options(workers=workers), sandbox=sb)
+    task = TASKS.get("humaneval_plus")(HumanEvalPlusTask.Options(workers=workers), sandbox=sb)
     problems = task.load(data_dir=data_dir)
     started = time.monotonic()
     task.parallel(lambda i: task.truth(problems[i].id) and None, len(problems))

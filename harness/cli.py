@@ -16,7 +16,7 @@ import yaml
 from rich.console import Console
 from rich.markup import escape
 
-from harness.config import ConfigError, build_config, deep_merge, parse_override
+from harness.config import ConfigError, RunConfig, build_config, deep_merge, parse_override
 from harness.errors import TrainingAborted
 from harness.jsonout import to_json
 from harness.registry import METHODS, TASKS, RegistryError
@@ -86,13 +86,27 @@ def _raise_terminated(signum: int, frame) -> None:
     raise Terminated(f"terminated by signal {signum}")
 
 
-def use_data_dir(data_dir: Path | None) -> None:
-    """``--data-dir``: every task of this process reads its data there (overriding ``HARNESS_DATA_DIR``)."""
-    if data_dir is None:
-        return
-    if not data_dir.is_dir():
+def check_data_dir(data_dir: Path | None) -> None:
+    """``--data-dir`` names an existing folder; the command hands it to the tasks (ahead of ``HARNESS_DATA_DIR``)."""
+    if data_dir is not None and not data_dir.is_dir():
         raise ConfigError(f"--data-dir {data_dir}: no such directory (it holds one folder per task: DIR/<task>/...)")
-    os.environ["HARNESS_DATA_DIR"] = str(data_dir)
+
+
+def config_with_data_dir(cfg: RunConfig, data_dir: Path | None) -> RunConfig:
+    """``harness run --data-dir``: the data root of every task of the run whose ``task_args`` name none, put in the
+    config (stored with the run, so Ray actors and ``--resume`` read the same folder); an explicit option still wins."""
+    if data_dir is None:
+        return cfg
+    names = dict.fromkeys([cfg.task, *cfg.eval.tasks])
+    task_args = {**cfg.task_args, **{name: {"data_dir": str(data_dir), **cfg.task_args.get(name, {})} for name in names}}
+    return cfg.model_copy(update={"task_args": task_args})
+
+
+def tasks_with_data_dir(tasks: list, data_dir: Path | None) -> None:
+    """``harness run --resume --data-dir``: the data root of each task of the resumed plan whose options name none."""
+    for task in tasks if data_dir is not None else ():
+        if not task.options.data_dir:
+            task.options = task.options.model_copy(update={"data_dir": str(data_dir)})
 
 
 @app.command()
@@ -122,7 +136,7 @@ def run(
     _quiet_libraries()
     store = None
     try:
-        use_data_dir(data_dir)
+        check_data_dir(data_dir)
         if resume:
             if any(v is not None for v in (method, task, mode, executor, preset, config)) or set_:
                 raise ConfigError("--resume continues a run with its stored config; drop the other options")
@@ -130,10 +144,11 @@ def run(
                 raise ConfigError(f"--resume {resume}: no results store at {out / 'results.sqlite'} (pass the run's --out)")
             store = Store(out)
             plan, run_id = plan_resume(store, resume), resume
+            tasks_with_data_dir([plan.task, *plan.eval_tasks], data_dir)
         else:
             trainer = {key: value for key, value in (("mode", mode), ("executor", executor)) if value is not None}
             cli = {"method": method, "task": task, "trainer": trainer or None}
-            plan = plan_run(build_config(preset=preset, config_file=config, overrides=set_ or [], cli=cli))
+            plan = plan_run(config_with_data_dir(build_config(preset=preset, config_file=config, overrides=set_ or [], cli=cli), data_dir))
         load_plan_data(plan)
     except (ConfigError, RegistryError) as exc:  # DataUnavailable included: missing data or a bad row, nothing created
         raise _fail(str(exc)) from None
@@ -222,7 +237,7 @@ def eval_(
     _quiet_libraries()
     names = [t.strip() for t in task.split(",") if t.strip()]
     try:
-        use_data_dir(data_dir)
+        check_data_dir(data_dir)
         task_args: dict = {}
         for item in task_arg or []:
             task_args = deep_merge(task_args, parse_override(item))
@@ -442,7 +457,7 @@ def gate(
             raise _fail(str(exc)) from None
         if paths:
             try:
-                use_data_dir(data_dir)
+                check_data_dir(data_dir)
             except ConfigError as exc:
                 raise _fail(str(exc)) from None
         spec = EvalSpec(tuple(tasks), k=k, limit=limit, temperature=temperature, top_p=top_p, seed=seed, task_args=task_args, backend=backend, backend_options=options, data_dir=data_dir)

@@ -31,7 +31,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from harness.registry import TASKS, RegistryError
-from harness.task import DataNeed
+from harness.task import DATA_DIR_ENV, DataNeed, resolve_data_dir
 
 Status = Literal["ok", "missing", "invalid", "error"]  # error: the download itself failed (network, hub), not the data
 
@@ -223,12 +223,9 @@ def download_url(url: str, dest: Path, *, gunzipped_sha256: str | None = None, t
 
 # --------------------------------------------------------------------------- the commands (harness data fetch / check)
 
-DATA_DIR_ENV = "HARNESS_DATA_DIR"
-
-
 def default_folder() -> Path:
-    """Where ``fetch`` writes without ``--to``: ``$HARNESS_DATA_DIR``, else ``./data``."""
-    return Path(os.environ.get(DATA_DIR_ENV) or "data").expanduser()
+    """Where ``fetch`` writes without ``--to``: the tasks' data root, ``$HARNESS_DATA_DIR``, else ``./data``."""
+    return resolve_data_dir()[0]
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:

@@ -61,7 +61,6 @@ Objective = Callable[[TensorBatch, StudentOutputs, HParams, object], tuple[torch
 class MethodSpec:
     """A registered training method: its objective, hyper-parameters and declared inputs."""
 
-    name: str
     description: str
     objective: Objective
     hparams: type[HParams]
@@ -74,6 +73,7 @@ class MethodSpec:
     # Methods with a group-centred reward advantage (GRPO family): samples per prompt when the config sets none.
     # Their baseline needs ≥ 2 samples per prompt; config validation refuses 1 unless hparams.allow_single_sample.
     group_size: int | None = None
+    name: str = ""  # set by the registry from the method's entry-point name (a method is named once)
 
     def group_baseline(self, hparams: HParams) -> bool:
         """Whether this method, with these hyper-parameters, centres rewards on a per-prompt group mean."""

@@ -1,19 +1,22 @@
-"""One registry mechanism for tasks, methods, backends and pipelines (sandbox providers: ``sandbox``'s own registry).
+"""One registry mechanism for tasks, methods, backends, pipelines and executors (sandbox providers: ``sandbox``'s own
+registry).
 
-Tasks and methods are declared as entry points in the groups ``opd_harness.<kind>``, the
-built-ins in this project's pyproject.toml like any plug-in package's. An entry is either
-``name = "module:object"`` (the object is registered under ``name``) or ``name = "module"`` (importing the
-module registers ``name``, e.g. with ``@TASKS.register``; for a module that registers several names, each
-name gets its own entry). ``"prefix:*" = "module:factory"`` declares a prefix family: every name
-``prefix:rest`` is built by ``factory(rest)`` (e.g. one task per lm-eval task). Entry points are loaded on
-the first lookup, so importing ``harness`` stays cheap. Backends and pipelines still come from their
-built-in module lists (plus any entry points in their groups).
+Every plug-in is declared as an entry point in the group ``opd_harness.<kind>``, the built-ins in this
+project's pyproject.toml like any plug-in package's. An entry is either ``name = "module:object"`` (the
+object is registered under ``name``) or ``name = "module"`` (importing the module registers ``name`` with
+``Registry.add``; for a module that registers several names, each name gets its own entry).
+``"prefix:*" = "module:factory"`` declares a prefix family: every name ``prefix:rest`` is built by
+``factory(rest)`` (e.g. one task per lm-eval task). Entry points are loaded on the first lookup, so
+importing ``harness`` stays cheap.
+
+A plug-in is named once: its key (the entry point's name, or the one ``Registry.add(name, obj)`` call) is
+its name, and the registry sets the object's ``name`` from it (``prefix:rest`` for a family's product). An
+object that declares a different ``name`` of its own is refused.
 """
 
 from __future__ import annotations
 
 import difflib
-import importlib
 import tomllib
 from collections.abc import Callable, Iterator
 from importlib.metadata import EntryPoint, entry_points
@@ -36,30 +39,37 @@ class RegistryError(KeyError):
 class Registry(Generic[T]):
     """Name → plugin map with lazy built-ins, entry points and helpful errors."""
 
-    def __init__(self, kind: str, builtin_modules: tuple[str, ...] = ()) -> None:
+    def __init__(self, kind: str) -> None:
         self.kind = kind
         self.entry_point_group = f"opd_harness.{kind}"
-        self._builtin_modules = builtin_modules
         self._items: dict[str, T] = {}
         self._prefixes: dict[str, Callable[[str], T]] = {}
         self._made: dict[str, T] = {}  # "prefix:rest" -> what its factory built (built once)
         self._loaded = False
 
-    def register(self, name: str) -> Callable[[T], T]:
-        """Decorator: register the decorated object under ``name``; a second registration is refused."""
-
-        def decorate(obj: T) -> T:
-            self.add(name, obj)
-            return obj
-
-        return decorate
-
     def add(self, name: str, obj: T) -> None:
-        """Register ``obj`` under ``name``; re-registering the very same object is a no-op."""
+        """Register ``obj`` under ``name``, which becomes its ``name``; re-registering the very same object is a no-op."""
         existing = self._items.get(name)
         if existing is not None and existing is not obj:
             raise RegistryError(f"duplicate {self.kind} name {name!r}: already registered by {_describe(existing)}")
+        self._name(name, obj)
         self._items[name] = obj
+
+    def _name(self, name: str, obj: object) -> None:
+        """Set ``obj.name`` to its registry key (a class: the class attribute; a dataclass spec: its ``name`` field).
+        A name the object declares itself must be that key: a plug-in is named once, by its entry point."""
+        if not hasattr(obj, "__dict__"):  # e.g. a plain constant: nothing to name
+            return
+        declared = vars(obj).get("name")
+        if declared not in (None, "", name):
+            raise RegistryError(
+                f"{self.kind} {name!r}: {_describe(obj)} declares name {declared!r}; a plug-in's name is its registry key "
+                f"(its entry point's name), so drop the name it declares"
+            )
+        if isinstance(obj, type):
+            setattr(obj, "name", name)
+        else:  # object.__setattr__: also names a frozen dataclass (a MethodSpec) in place
+            object.__setattr__(obj, "name", name)
 
     def add_prefix(self, prefix: str, factory: Callable[[str], T]) -> None:
         """Route every name ``prefix:REST`` to ``factory(REST)`` (e.g. ``lm_eval:gsm8k``); built once per name."""
@@ -82,13 +92,11 @@ class Registry(Generic[T]):
         return sorted(self._prefixes)
 
     def _load(self) -> None:
-        """Import the built-in modules and load every declared entry point, once; a failure is retried next time."""
+        """Load every declared entry point, once; a failure is retried next time."""
         if self._loaded:
             return
         self._loaded = True
         try:
-            for module in self._builtin_modules:
-                importlib.import_module(module)
             for ep in unique_entry_points(self.entry_point_group):
                 self._add_entry_point(ep)
         except Exception:
@@ -127,7 +135,9 @@ class Registry(Generic[T]):
         if not rest.strip():
             raise RegistryError(f"{self.kind} name {name!r}: expected {prefix}:<name> with a name after the colon")
         if name not in self._made:
-            self._made[name] = self._prefixes[prefix](rest)
+            made = self._prefixes[prefix](rest)
+            self._name(name, made)
+            self._made[name] = made
         return self._made[name]
 
     def names(self) -> list[str]:
@@ -201,8 +211,9 @@ def unique_entry_points(group: str) -> list[EntryPoint]:
     return list(chosen.values())
 
 
-TASKS: Registry = Registry("tasks")  # built-ins: [project.entry-points."opd_harness.tasks"] in pyproject.toml
-METHODS: Registry = Registry("methods")  # built-ins: [project.entry-points."opd_harness.methods"]
-BACKENDS: Registry = Registry("backends", ("harness.backends.hf", "harness.backends.replay", "harness.backends.openai_backend", "harness.backends.vllm_backend"))
-PIPELINES: Registry = Registry("pipelines", ("trainers.loop",))
-EXECUTORS: Registry = Registry("executors", ("trainers.inprocess", "trainers.ray_executor"))
+# The built-ins of each: [project.entry-points."opd_harness.<kind>"] in pyproject.toml.
+TASKS: Registry = Registry("tasks")
+METHODS: Registry = Registry("methods")
+BACKENDS: Registry = Registry("backends")
+PIPELINES: Registry = Registry("pipelines")
+EXECUTORS: Registry = Registry("executors")

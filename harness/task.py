@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, final
 
 from pydantic import BaseModel, ConfigDict
 
@@ -18,6 +19,18 @@ from harness.episode import Env, SingleTurnEnv
 from harness.trajectory import Trajectory
 
 Status = Literal["pass", "fail", "error"]
+
+DATA_DIR_ENV = "HARNESS_DATA_DIR"  # names the data root (DIR/<task>/...) when no argument or option does
+DEFAULT_DATA_DIR = Path("data")  # the data root when nothing names one (where `harness data fetch` writes without --to)
+
+
+def resolve_data_dir(argument: Path | str | None = None, option: Path | str | None = None) -> tuple[Path, str]:
+    """(the data root, how it was chosen): the argument, else the option, else ``$HARNESS_DATA_DIR``, else ``./data``."""
+    chosen = (("the data_dir argument", argument), ("options.data_dir", option), (f"${DATA_DIR_ENV}", os.environ.get(DATA_DIR_ENV)))
+    for how, value in chosen:
+        if value:
+            return Path(value).expanduser(), how
+    return DEFAULT_DATA_DIR, f"no data_dir argument, options.data_dir or ${DATA_DIR_ENV} set: the default ./{DEFAULT_DATA_DIR}"
 
 
 @dataclass(frozen=True)
@@ -65,7 +78,9 @@ class TaskOptions(BaseModel):
 
 
 class Task(ABC):
-    """A benchmark: loads validated problems, builds environments, grades trajectories."""
+    """A benchmark: loads validated problems, builds environments, grades trajectories.
+
+    ``name`` is set by the registry from the task's entry-point name (a task declares no name of its own)."""
 
     name: ClassVar[str]
     description: ClassVar[str]
@@ -80,9 +95,32 @@ class Task(ABC):
     def __init__(self, options: TaskOptions | None = None) -> None:
         self.options = options if options is not None else self.Options()
 
-    @abstractmethod
+    @final
     def load(self, split: str = "test", data_dir: Path | None = None) -> list[Problem]:
-        """Validated problems of ``split`` (a bad row names its file, line and field)."""
+        """Validated problems of ``split`` (a bad row names its file, line and field), the first ``options.limit``.
+
+        The one loading path of every task: it checks the split, resolves the data root (:meth:`data_root`), has
+        the family read the rows (:meth:`read_problems`), names the data root in a ``DataNotFound`` and applies
+        ``options.limit``."""
+        if split not in self.splits:
+            raise ValueError(f"{self.name} has splits {self.splits}, not {split!r}")
+        root, how = self.data_root(data_dir)
+        try:
+            problems = self.read_problems(split, root)
+        except DataNotFound as exc:
+            exc.args = (f"{exc} [data root {root}: {how}]",)
+            raise
+        limit = self.options.limit
+        return problems[:limit] if limit else problems
+
+    def data_root(self, data_dir: Path | str | None = None) -> tuple[Path, str]:
+        """(the data root, how it was chosen): ``data_dir``, else ``options.data_dir``, else ``$HARNESS_DATA_DIR``, else ``./data``."""
+        return resolve_data_dir(data_dir, self.options.data_dir)
+
+    @abstractmethod
+    def read_problems(self, split: str, data_dir: Path) -> list[Problem]:
+        """Every validated problem of ``split``, read from the family's files under the data root ``data_dir``
+        (``data_dir/<folder>/...``) or generated; a missing file is ``DataNotFound``. :meth:`load` calls it."""
 
     def training_split(self) -> str:
         """The split a run trains (and warms models up) on: ``train`` when the task has one, else ``test``."""

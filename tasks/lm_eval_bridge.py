@@ -47,7 +47,6 @@ from typing import Any, ClassVar
 from pydantic import Field
 
 from harness.episode import SingleTurnEnv
-from harness.registry import TASKS
 from harness.task import Problem, Score, Task, TaskOptions
 
 PREFIX = "lm_eval"
@@ -266,10 +265,9 @@ class LmEvalTask(Task):
 
     # ---- problems and prompts
 
-    def load(self, split: str = "test", data_dir: Path | None = None) -> list[Problem]:
-        """One Problem per lm-eval doc (first ``limit`` docs), with lm-eval's plain (no chat template) context."""
-        if split not in self.splits:
-            raise ValueError(f"{self.name} has splits {self.splits}, not {split!r} (lm-eval's evaluation split is 'test')")
+    def read_problems(self, split: str, data_dir: Path) -> list[Problem]:
+        """One Problem per lm-eval doc (first ``limit`` docs: lm-eval builds only those), with lm-eval's plain (no chat
+        template) context; lm-eval reads its own data (``data_dir`` is unused)."""
         return [self._problem(r) for r in self.requests(None).values()]
 
     def _problem(self, r: DocRequests) -> Problem:
@@ -598,7 +596,6 @@ def make_task_class(name: str) -> type[LmEvalTask]:
 
     Builds the harness Task class for lm-eval task ``name`` (registered as ``lm_eval:<name>``)."""
     attrs = {
-        "name": f"{PREFIX}:{name}",
         "lm_eval_name": name,
         "description": f"lm-evaluation-harness task {name!r} (prompts and scoring by lm-eval, generation by our backend)",
         "__module__": __name__,
@@ -606,5 +603,3 @@ def make_task_class(name: str) -> type[LmEvalTask]:
     }
     return type(f"LmEvalTask[{name}]", (LmEvalTask,), attrs)
 
-
-TASKS.add_prefix(PREFIX, make_task_class)

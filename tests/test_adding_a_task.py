@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from harness.backends import SamplingParams
 from harness.backends.replay import ReplayBackend
 from harness.evaluation import evaluate_task
 from harness.registry import TASKS
-from harness.task import DataError, Task
+from harness.task import DataError
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 NAME = "fix_script"
@@ -33,22 +32,6 @@ def bash(command: str) -> str:
     return f"THOUGHT: next step.\n\n```bash\n{command}\n```"
 
 
-def with_todays_contract(cls: type[Task]) -> type[Task]:
-    """TEMPORARY until issue #23's Task.load template (calls read_problems) and the registry setting ``name`` from its
-    key are on main: a subclass with both; the lead deletes this function and registers ``cls`` itself."""
-    if not getattr(Task.load, "__isabstractmethod__", False):
-        return cls
-
-    class Today(cls):  # type: ignore[misc, valid-type]
-        name = NAME
-
-        def load(self, split: str = "test", data_dir: Path | None = None):
-            root = Path(data_dir or self.options.data_dir or os.environ.get("HARNESS_DATA_DIR") or "data")
-            return self.read_problems(split, root)[: self.options.limit or None]
-
-    return Today
-
-
 @pytest.fixture
 def task_class(tmp_path):
     """The README's module written to tmp_path, imported, and registered under NAME (removed again afterwards)."""
@@ -57,7 +40,7 @@ def task_class(tmp_path):
     spec = importlib.util.spec_from_file_location("fix_script_task", module_path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    TASKS.add(NAME, with_todays_contract(module.FixScriptTask))
+    TASKS.add(NAME, module.FixScriptTask)
     try:
         yield TASKS.get(NAME)
     finally:

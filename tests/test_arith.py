@@ -1,6 +1,9 @@
 import pytest
 
-from tasks.synthetic.arith import ArithOptions, ArithTask, solve_steps
+from harness.registry import TASKS
+from tasks.synthetic.arith import ArithOptions, solve_steps
+
+ArithTask = TASKS.get("arith")  # the class as the registry names it (a task's name is its entry point's)
 
 
 def test_solve_steps_respects_precedence():

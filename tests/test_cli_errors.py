@@ -28,14 +28,6 @@ runner = CliRunner()
 GOOD_ROW = {"problem": "What is 1+1?", "answer": "2", "unique_id": "test/a/1.json", "solution": "1+1=\\boxed{2}"}
 
 
-@pytest.fixture(autouse=True)
-def _restore_data_dir_env(monkeypatch):
-    """``harness eval --data-dir`` sets $HARNESS_DATA_DIR in its (here: this) process; put it back after each test."""
-    monkeypatch.setenv("HARNESS_DATA_DIR", os.environ.get("HARNESS_DATA_DIR", ""))  # records the original for teardown
-    if not os.environ["HARNESS_DATA_DIR"]:
-        monkeypatch.delenv("HARNESS_DATA_DIR")
-
-
 def flat(text: str) -> str:
     """Rich wraps long messages; compare on single-spaced text."""
     return " ".join(text.split())
@@ -180,6 +172,26 @@ def test_run_reads_data_from_data_dir_and_refuses_a_missing_one(tmp_path, monkey
     result = runner.invoke(app, [*args, "--data-dir", str(tmp_path / "missing")])
     assert result.exit_code == 2 and f"--data-dir {tmp_path / 'missing'}: no such directory" in flat(result.output)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["eval", "run"])
+def test_data_dir_is_handed_to_the_tasks_not_put_in_the_environment(tmp_path, monkeypatch, command):
+    """``--data-dir X`` is the data root the tasks read (ahead of a different ``$HARNESS_DATA_DIR``), and the
+    process environment is left as it was."""
+    given, elsewhere = tmp_path / "given", tmp_path / "elsewhere"
+    (given / "math500").mkdir(parents=True)
+    (given / "math500" / "test.jsonl").write_text("{not json\n")
+    (elsewhere / "math500").mkdir(parents=True)
+    (elsewhere / "math500" / "test.jsonl").write_text(json.dumps(GOOD_ROW) + "\n")
+    monkeypatch.setenv("HARNESS_DATA_DIR", str(elsewhere))
+    if command == "eval":
+        args = ["eval", "--model", str(tmp_path / "no-model"), "--task", "math500", "--task-arg", "math500.source=local"]
+    else:
+        args = ["run", "--task", "math500", "--set", "eval.tasks=[math500]", "--set", "task_args.math500.source=local"]
+    result = runner.invoke(app, [*args, "--data-dir", str(given), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert f"{given / 'math500' / 'test.jsonl'}:1: field '<line>': not valid JSON" in flat(result.output)
+    assert os.environ["HARNESS_DATA_DIR"] == str(elsewhere)
 
 
 def test_run_config_error_and_resume_without_a_store_create_nothing(tmp_path):

@@ -15,10 +15,13 @@ import zlib
 import pytest
 
 import sandbox
+from harness.registry import TASKS
 from harness.task import DataError
 from tasks.code.common import last_fenced_block
-from tasks.code.evalplus import HumanEvalPlusTask, MbppPlusTask
-from tasks.code.livecodebench import LiveCodeBenchTask, decode_pickled_str, decode_private_tests
+from tasks.code.livecodebench import decode_pickled_str, decode_private_tests
+
+# the task classes as the registry names them (a task's name is its entry point's)
+HumanEvalPlusTask, MbppPlusTask, LiveCodeBenchTask = (TASKS.get(name) for name in ("humaneval_plus", "mbpp_plus", "livecodebench"))
 
 HE_FILE = f"humaneval_plus/{HumanEvalPlusTask.file_name}"
 MBPP_FILE = f"mbpp_plus/{MbppPlusTask.file_name}"

@@ -59,13 +59,11 @@ def test_cli_config_errors_exit_2_with_a_clear_message(tmp_path, args, expected)
 
 
 def test_bad_method_task_combination_fails_at_validation():
-    @TASKS.register("_no_reward_task")
     class NoReward(Task):
-        name = "_no_reward_task"
         description = "test task without a reward"
         provides_reward = False
 
-        def load(self, split="test", data_dir=None):
+        def read_problems(self, split, data_dir):
             raise AssertionError("must not be loaded during validation")
 
         def grade_many(self, problems, completions):
@@ -75,9 +73,10 @@ def test_bad_method_task_combination_fails_at_validation():
         def grader(self):
             return ("none", "0")
 
+    TASKS.add("_no_reward_task", NoReward)
     METHODS.add(
         "_needs_reward",
-        MethodSpec("_needs_reward", "test", objective=lambda *a: None, hparams=HParams, needs=lambda hp: frozenset({"rewards"})),
+        MethodSpec("test", objective=lambda *a: None, hparams=HParams, needs=lambda hp: frozenset({"rewards"})),
     )
     cfg = build_config(cli={"method": "_needs_reward", "task": "_no_reward_task"}, overrides=["eval.tasks=[arith]"])
     with pytest.raises(ConfigError, match=r"needs \['rewards'\].*_no_reward_task"):

@@ -13,10 +13,9 @@ from typing import Callable, Iterator
 import pytest
 
 from harness.registry import TASKS
-from harness.task import DataError, Problem
+from harness.task import DATA_DIR_ENV, DataError, Problem
 from tasks.math.benchmarks import (
     BOXED_INSTRUCTION,
-    DATA_DIR_ENV,
     FEW_SHOT,
     DataNotFound,
     MathOptions,

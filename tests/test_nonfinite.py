@@ -53,7 +53,6 @@ def nan_objective(batch: TensorBatch, student: StudentOutputs, hp: NaNParams, st
 METHODS.add(
     METHOD,
     MethodSpec(
-        name=METHOD,
         description="test only: NLL of the samples with a NaN loss at one step",
         objective=nan_objective,  # type: ignore[arg-type]
         hparams=NaNParams,

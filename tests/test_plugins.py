@@ -27,7 +27,6 @@ from trainers.objectives import masked_mean
 
 
 class PluginArith(ArithTask):
-    name = "plugin_arith"
     description = "arith, served by a plug-in package"
 
 
@@ -44,7 +43,6 @@ def plugin_objective(batch, student, hp, state=None):
 
 
 PLUGIN_OPD = MethodSpec(
-    name="plugin_opd",
     description="a plug-in method",
     objective=plugin_objective,
     hparams=PluginParams,

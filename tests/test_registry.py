@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.registry import METHODS, PIPELINES, TASKS, Registry, RegistryError, source_tree_entry_points
+from harness.registry import BACKENDS, EXECUTORS, METHODS, PIPELINES, TASKS, Registry, RegistryError, source_tree_entry_points
 
 
 def test_duplicate_name_rejected():
@@ -26,15 +26,49 @@ def test_same_object_twice_is_allowed():
     assert reg.get("a") is obj
 
 
-def test_decorator_registers():
+def test_the_registry_key_is_the_name():
     reg: Registry = Registry("things")
 
-    @reg.register("widget")
     class Widget:
         pass
 
-    assert reg.get("widget") is Widget
+    reg.add("widget", Widget)
+    assert reg.get("widget") is Widget and Widget.name == "widget"
     assert reg.names() == ["widget"]
+
+
+def test_a_differing_declared_name_is_refused():
+    reg: Registry = Registry("things")
+
+    class Gadget:
+        name = "gadget"
+
+    with pytest.raises(RegistryError, match=r"things 'widget': .*Gadget declares name 'gadget'; a plug-in's name is its registry key"):
+        reg.add("widget", Gadget)
+    reg.add("gadget", Gadget)  # the same name twice is no second name
+    assert reg.names() == ["gadget"]
+
+
+def test_a_method_spec_gets_its_name_from_its_key():
+    from trainers.objectives import HParams, MethodSpec
+
+    spec = MethodSpec(description="d", objective=lambda *a: None, hparams=HParams, needs=lambda hp: frozenset())
+    reg: Registry = Registry("things")
+    reg.add("m", spec)
+    assert reg.get("m") is spec and spec.name == "m" and spec.describe()["name"] == "m"
+
+
+def test_a_family_product_is_named_prefix_colon_rest():
+    reg: Registry = Registry("things")
+    reg.add_prefix("fam", lambda rest: type(f"Made[{rest}]", (), {}))
+    assert reg.get("fam:x").name == "fam:x"
+    assert TASKS.get("retool:aime24").name == "retool:aime24" and TASKS.get("lm_eval:anything").name == "lm_eval:anything"
+
+
+def test_every_builtin_is_named_by_its_key():
+    for registry in (TASKS, METHODS, BACKENDS, PIPELINES, EXECUTORS):
+        for name, obj in registry.items():
+            assert obj.name == name, (registry.kind, name)
 
 
 def test_unknown_name_lists_valid_names_and_closest_match():
@@ -48,7 +82,8 @@ def test_unknown_name_lists_valid_names_and_closest_match():
 def test_builtins_are_registered():
     assert {"arith", "math500", "aime24", "aime25", "amc23", "olympiadbench", "minerva", "gsm8k", "dapo_math"} <= set(TASKS.names())
     assert {"opd", "sft"} <= set(METHODS.names())
-    assert "sync" in PIPELINES.names()
+    assert set(PIPELINES.names()) == {"sync", "async"} and set(EXECUTORS.names()) == {"inprocess", "ray"}
+    assert {"hf", "replay", "openai", "vllm"} <= set(BACKENDS.names())
 
 
 def test_third_party_plugin_through_entry_point(tmp_path, monkeypatch):
@@ -79,7 +114,9 @@ def _declared(group: str) -> dict[str, str]:
     return pyproject["project"]["entry-points"][group]
 
 
-@pytest.mark.parametrize("registry", [TASKS, METHODS], ids=["tasks", "methods"])
+@pytest.mark.parametrize(
+    "registry", [TASKS, METHODS, BACKENDS, PIPELINES, EXECUTORS], ids=["tasks", "methods", "backends", "pipelines", "executors"]
+)
 def test_every_builtin_name_is_declared_as_an_entry_point(registry):
     declared = _declared(registry.entry_point_group)
     names = {name for name in declared if not name.endswith(":*")}
@@ -87,7 +124,6 @@ def test_every_builtin_name_is_declared_as_an_entry_point(registry):
     public = {name for name in registry.names() if not name.startswith("_")}  # "_x": registered by other tests
     assert names and public == names  # nothing registered on import goes undeclared
     assert set(registry.prefixes()) == prefixes
-    assert registry._builtin_modules == ()  # no hard-coded module list left
 
 
 def test_sandbox_entry_points_name_the_builtin_providers():
@@ -203,7 +239,8 @@ def test_source_tree_entry_points_read_pyproject(tmp_path):
 
 def test_installed_metadata_alone_serves_every_builtin():
     """What an installed wheel sees (no pyproject.toml beside harness/): the distribution's own entry points."""
-    groups = {kind: f"opd_harness.{kind}" for kind in ("tasks", "methods", "sandboxes")}
+    kinds = ("tasks", "methods", "backends", "pipelines", "executors", "sandboxes")
+    groups = {kind: f"opd_harness.{kind}" for kind in kinds}
     installed = {
         kind: {ep.name: ep.value for ep in entry_points(group=group) if ep.dist is not None and ep.dist.name == "opd-harness"}
         for kind, group in groups.items()
@@ -216,7 +253,7 @@ def test_installed_metadata_alone_serves_every_builtin():
         "r.source_tree_entry_points = lambda group, pyproject=None: None\n"
         "s._source_tree_entry_points = lambda: None\n"
         "print(json.dumps({k: sorted(g.names() + [p + ':*' for p in g.prefixes()]) for k, g in "
-        "(('tasks', r.TASKS), ('methods', r.METHODS))} | {'sandboxes': s.provider_names()}))"
+        f"((k, getattr(r, k.upper())) for k in {kinds[:-1]!r})}} | {{'sandboxes': s.provider_names()}}))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=True)
     assert json.loads(result.stdout) == {kind: sorted(names) for kind, names in installed.items()}

@@ -157,9 +157,11 @@ def run_rows(out: Path) -> list[tuple]:
 def test_unreachable_daemon_is_reported_before_any_run():
     """No daemon listens on port 9: the readiness check says so instead of grading every sample as `error`."""
     pytest.importorskip("docker")
+    from harness.registry import TASKS
     from harness.task import TaskNotReady
-    from tasks.code.evalplus import EvalPlusOptions, HumanEvalPlusTask
+    from tasks.code.evalplus import EvalPlusOptions
 
+    HumanEvalPlusTask = TASKS.get("humaneval_plus")
     task = HumanEvalPlusTask(EvalPlusOptions(sandbox_options={"base_url": "tcp://127.0.0.1:9"}))
     try:
         with pytest.raises(TaskNotReady, match=r"humaneval_plus: Docker daemon unreachable at tcp://127\.0\.0\.1:9 .*start it"):
@@ -170,18 +172,22 @@ def test_unreachable_daemon_is_reported_before_any_run():
 
 def test_bad_sandbox_options_are_not_ready():
     pytest.importorskip("docker")
+    from harness.registry import TASKS
     from harness.task import TaskNotReady
-    from tasks.code.evalplus import EvalPlusOptions, HumanEvalPlusTask
+    from tasks.code.evalplus import EvalPlusOptions
 
+    HumanEvalPlusTask = TASKS.get("humaneval_plus")
     with pytest.raises(TaskNotReady, match="humaneval_plus: task option sandbox / sandbox_options: .*no_such_option"):
         HumanEvalPlusTask(EvalPlusOptions(sandbox_options={"no_such_option": 1})).check_ready()
 
 
 @pytest.mark.docker
 def test_missing_image_names_the_build_command(docker_client):
+    from harness.registry import TASKS
     from harness.task import TaskNotReady
-    from tasks.code.evalplus import EvalPlusOptions, HumanEvalPlusTask
+    from tasks.code.evalplus import EvalPlusOptions
 
+    HumanEvalPlusTask = TASKS.get("humaneval_plus")
     with HumanEvalPlusTask(EvalPlusOptions(sandbox_options={"image": MISSING_IMAGE})) as task:
         with pytest.raises(TaskNotReady, match=f"'{MISSING_IMAGE}' not found; build it with `harness sandbox build --tag {MISSING_IMAGE}`"):
             task.check_ready()

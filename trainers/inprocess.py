@@ -11,7 +11,6 @@ from contextlib import contextmanager, nullcontext
 import torch
 from rich.console import Console
 
-from harness.registry import EXECUTORS
 from harness.trajectory import TensorBatch
 from trainers.loop import LearnResult, Roles, WeightBoard, state_snapshot
 from trainers.pipeline import (
@@ -86,4 +85,4 @@ class InProcessExecutor:
             rollout.close()
 
 
-EXECUTORS.add("inprocess", InProcessExecutor())
+IN_PROCESS_EXECUTOR = InProcessExecutor()

@@ -36,7 +36,7 @@ import torch
 from rich.console import Console
 
 from harness.progress import progress
-from harness.registry import EXECUTORS, PIPELINES
+from harness.registry import EXECUTORS
 from harness.store import Store
 from harness.trajectory import TensorBatch
 from trainers.pipeline import Session, add_rates
@@ -440,5 +440,5 @@ class TrainingPipeline:
         store.set_status(run_id, "done")
 
 
-for _mode in ("sync", "async"):
-    PIPELINES.add(_mode, TrainingPipeline(_mode))
+SYNC_PIPELINE = TrainingPipeline("sync")
+ASYNC_PIPELINE = TrainingPipeline("async")

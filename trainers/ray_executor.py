@@ -30,7 +30,6 @@ import torch
 from rich.console import Console
 
 from harness.backends.hf import HFBackend
-from harness.registry import EXECUTORS
 from harness.trajectory import TensorBatch
 from harness.task import close_tasks
 from trainers.loop import LearnResult, Roles, WeightBoard, state_snapshot
@@ -272,4 +271,4 @@ class RayExecutor:
                 ray.kill(actor)
 
 
-EXECUTORS.add("ray", RayExecutor())
+RAY_EXECUTOR = RayExecutor()

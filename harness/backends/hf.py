@@ -11,7 +11,6 @@ from tqdm import tqdm
 from transformers import EosTokenCriteria, StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
 from harness.backends import SCORE_FIELDS, Completion, SamplingParams
-from harness.registry import BACKENDS
 
 
 # transformers samples from torch's global RNG; seeded generations from several threads (an async
@@ -19,11 +18,9 @@ from harness.registry import BACKENDS
 _GLOBAL_RNG_LOCK = threading.Lock()
 
 
-@BACKENDS.register("hf")
 class HFBackend:
     """Wraps an in-memory causal LM; training code may update the model in place between calls."""
 
-    name = "hf"
     score_fields = SCORE_FIELDS  # ``score`` returns any of them
 
     def __init__(self, model, tokenizer, *, batch_size: int = 64, device: str = "cpu", show_progress: bool = False) -> None:

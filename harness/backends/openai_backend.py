@@ -80,7 +80,6 @@ import torch
 
 from harness.backends import SCORE_FIELDS, Completion, SamplingParams, as_bool, derive_seed
 from harness.backends.prompt_logprobs import prompt_logprobs_to_tensor, unpadded_sequences
-from harness.registry import BACKENDS
 
 log = logging.getLogger("harness.backends.openai")
 
@@ -108,11 +107,9 @@ def load_tokenizer(path: str | None, model: str):
     return build_char_tokenizer()
 
 
-@BACKENDS.register("openai")
 class OpenAIBackend:
     """Generates through an OpenAI-compatible server; see the module docstring for the options."""
 
-    name = "openai"
     score_fields = ("logprobs", "topk")  # what ``score`` can return: no full distribution over HTTP
 
     def __init__(

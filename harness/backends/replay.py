@@ -22,7 +22,6 @@ import numpy as np
 
 from harness.backends import Completion, SamplingParams
 from harness.models.tiny import build_char_tokenizer
-from harness.registry import BACKENDS
 
 Sample = list[str]  # the model turns of one episode
 MAX_TURN_CHARS = 8 << 20  # a longer stored turn is cut here (finish reason "length")
@@ -91,11 +90,9 @@ def read_replay_file(path: Path) -> dict[tuple[str, str], list[Sample | None]]:
     return samples
 
 
-@BACKENDS.register("replay")
 class ReplayBackend:
     """Serves stored model turns by (task, problem id, sample index, turn); never runs a model."""
 
-    name = "replay"
     needs_episode_keys = True
     counts_tokens = False  # its token ids are characters, not the recorded model's tokens: token budgets do not apply
 

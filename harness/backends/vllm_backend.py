@@ -88,7 +88,6 @@ import torch
 
 from harness.backends import MAX_TEMPERATURE, MIN_TEMPERATURE, SCORE_FIELDS, Completion, SamplingParams, as_bool, derive_seed
 from harness.backends.prompt_logprobs import logprob_value, prompt_logprobs_to_tensor, unpadded_sequences
-from harness.registry import BACKENDS
 
 VLLM_MISSING = (
     "the vllm backend needs the `vllm` package, which is not installed in this environment. vLLM is CUDA-only and pins "
@@ -299,11 +298,9 @@ def save_weights(state_dict: dict[str, torch.Tensor], folder: Path) -> Path:
 # ---------------------------------------------------------------------------- the backend
 
 
-@BACKENDS.register("vllm")
 class VLLMBackend:
     """Generates and scores with a ``vllm.LLM`` offline engine; see the module docstring."""
 
-    name = "vllm"
     score_fields = tuple(f for f in SCORE_FIELDS if f not in UNSUPPORTED_SCORE_FIELDS)  # what ``score`` can return
 
     def __init__(self, llm, tokenizer=None, *, max_logprobs: int | None = 20, show_progress: bool = False) -> None:

@@ -2,7 +2,7 @@
 
 Data: ``DIR/humaneval_plus/HumanEvalPlus-v0.1.10.jsonl.gz`` and ``DIR/mbpp_plus/MbppPlus-v0.2.0.jsonl.gz`` (the
 evalplus release assets; any ``*.jsonl[.gz]`` in that folder is accepted when the default name is absent). DIR:
-the ``data_dir`` argument of ``load()``, then ``options.data_dir``, then ``$HARNESS_DATA_DIR``. There is no hub
+the ``data_dir`` argument of ``load()``, then ``options.data_dir``, then ``$HARNESS_DATA_DIR``, else ``./data``. There is no hub
 fallback: the Hugging Face copies (``evalplus/humanevalplus``, ``evalplus/mbppplus``) carry no base/plus inputs.
 
 Grading follows evalplus 0.3 (``evalplus/eval/__init__.py``):
@@ -46,14 +46,12 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field
 
 from harness.data import download_url
-from harness.registry import TASKS
 from harness.task import DataError, DataNeed, Problem, Score, read_jsonl
 from harness.task import DataNotFound as TaskDataNotFound
 from tasks.code import checker
 from tasks.code.common import CodeOptions, SandboxedCodeTask, aligned, cache_root, defines, error, fail, last_fenced_block, syntax_error
 from tasks.code.sandbox_runner import phase_inputs
 
-DATA_DIR_ENV = "HARNESS_DATA_DIR"
 INSTRUCTION = "Please provide a self-contained Python script that solves the following problem in a markdown code block:"
 TRUTH_TIMEOUT_S = 300.0
 TRUTH_VERSION = 3  # bump when the cached ground truth's format changes
@@ -142,25 +140,18 @@ class EvalPlusTask(SandboxedCodeTask):
         """Download the release asset into ``folder/<task>/<file_name>``, checking its content hash."""
         download_url(cls.release_url, folder / cls.name / cls.file_name, gunzipped_sha256=cls.content_sha256)
 
-    def data_path(self, data_dir: Path | str | None = None) -> Path:
-        for value in (data_dir, self.options.data_dir, os.environ.get(DATA_DIR_ENV)):
-            if value:
-                folder = Path(value).expanduser() / self.name
-                path = folder / self.file_name
-                if path.is_file():
-                    return path
-                others = sorted(folder.glob("*.jsonl.gz")) + sorted(folder.glob("*.jsonl"))
-                if others:
-                    return others[0]
-                raise DataNotFound(f"{self.name}: no {path} (nor any *.jsonl[.gz] in {folder})")
-        raise DataNotFound(
-            f"{self.name}: no data directory (pass data_dir, set options.data_dir or ${DATA_DIR_ENV}); expected "
-            f"<DIR>/{self.name}/{self.file_name} (the evalplus release asset)"
-        )
+    def data_path(self, data_dir: Path) -> Path:
+        """The release file under the data root (``data_dir/<task>/<file_name>``, else any ``*.jsonl[.gz]`` there)."""
+        folder = data_dir / self.name
+        path = folder / self.file_name
+        if path.is_file():
+            return path
+        others = sorted(folder.glob("*.jsonl.gz")) + sorted(folder.glob("*.jsonl"))
+        if others:
+            return others[0]
+        raise DataNotFound(f"{self.name}: no {path} (nor any *.jsonl[.gz] in {folder}); expected the evalplus release asset there")
 
-    def load(self, split: str = "test", data_dir: Path | None = None) -> list[Problem]:
-        if split not in self.splits:
-            raise ValueError(f"{self.name} has splits {self.splits}, not {split!r}")
+    def read_problems(self, split: str, data_dir: Path) -> list[Problem]:
         opts: EvalPlusOptions = self.options  # type: ignore[assignment]
         if opts.source == "hub":
             raise DataNotFound(f"{self.name}: no hub source (the hub copies lack base/plus inputs); use a local file")
@@ -187,7 +178,7 @@ class EvalPlusTask(SandboxedCodeTask):
             )
         if not problems:
             raise DataError(path, 1, "<file>", "no rows")
-        return problems[: opts.limit] if opts.limit else problems
+        return problems
 
     def format_prompt(self, problem: Problem, tokenizer) -> str:
         """Chat models get the instruction and the prompt in a code block; plain completion gets the raw prompt."""
@@ -376,9 +367,7 @@ class EvalPlusTask(SandboxedCodeTask):
         return checker.check_outputs(len(expected), got, end, match, outcome.result.status)
 
 
-@TASKS.register("humaneval_plus")
 class HumanEvalPlusTask(EvalPlusTask):
-    name = "humaneval_plus"
     description = "HumanEval+ (evalplus v0.1.10, 164 problems, base + plus tests) graded in the sandbox"
     dataset = "humaneval"
     file_name = "HumanEvalPlus-v0.1.10.jsonl.gz"
@@ -387,9 +376,7 @@ class HumanEvalPlusTask(EvalPlusTask):
     expected_rows = 164
 
 
-@TASKS.register("mbpp_plus")
 class MbppPlusTask(EvalPlusTask):
-    name = "mbpp_plus"
     description = "MBPP+ (evalplus v0.2.0, 378 problems, base + plus tests) graded in the sandbox"
     dataset = "mbpp"
     file_name = "MbppPlus-v0.2.0.jsonl.gz"

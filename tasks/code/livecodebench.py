@@ -5,7 +5,7 @@ public_test_cases (JSON string: list of {input, output, testtype}), private_test
 zlib of a pickle of a JSON string), metadata (JSON string; ``func_name`` marks functional tests).
 
 Sources: local files ``DIR/livecodebench/*.jsonl`` (DIR: ``data_dir`` argument, ``options.data_dir``,
-``$HARNESS_DATA_DIR``) or the hub (``datasets`` imported lazily; ``version_tag=options.release_version``).
+``$HARNESS_DATA_DIR``, else ``./data``) or the hub (``datasets`` imported lazily; ``version_tag=options.release_version``).
 Filters: ``release_version`` (for local files named like upstream -- ``test.jsonl``, ``test2.jsonl`` .. --
 ``release_vN`` keeps test..testN and ``vN`` only testN; other names are all kept), ``start_date`` /
 ``end_date`` on ``contest_date`` (inclusive, ISO dates).
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import pickletools
 import re
 import zlib
@@ -40,12 +39,10 @@ from typing import Any
 from pydantic import Field
 
 from harness.data import download_hub_files
-from harness.registry import TASKS
 from harness.task import DataError, DataNeed, DataNotFound, Problem, Score, read_jsonl
 from tasks.code import checker
 from tasks.code.common import CodeOptions, SandboxedCodeTask, aligned, error, fail, last_fenced_block, syntax_error
 
-DATA_DIR_ENV = "HARNESS_DATA_DIR"
 HUB_ID = "livecodebench/code_generation_lite"
 MAX_DECOMPRESSED = 1 << 30
 _STR_OPS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"}
@@ -152,9 +149,7 @@ def select_files(folder: Path, release_version: str | None) -> list[Path]:
     return [f for f in numbered if keep(_file_number(f))]
 
 
-@TASKS.register("livecodebench")
 class LiveCodeBenchTask(SandboxedCodeTask):
-    name = "livecodebench"
     description = "LiveCodeBench code generation (stdin and LeetCode-style functional tests) graded in the sandbox"
     Options = LiveCodeBenchOptions
     provides_references = False  # the release files hold tests, no reference solutions
@@ -178,22 +173,16 @@ class LiveCodeBenchTask(SandboxedCodeTask):
         )
         return (need,)
 
-    def _folder(self, data_dir) -> Path | None:
-        for value in (data_dir, self.options.data_dir, os.environ.get(DATA_DIR_ENV)):
-            if value:
-                return Path(value).expanduser() / self.name
-        return None
-
-    def _rows(self, data_dir) -> Iterator[tuple[str, int, Any]]:
+    def _rows(self, data_dir: Path) -> Iterator[tuple[str, int, Any]]:
         opts: LiveCodeBenchOptions = self.options  # type: ignore[assignment]
-        folder = self._folder(data_dir)
-        files = select_files(folder, opts.release_version) if folder and folder.is_dir() and opts.source != "hub" else []
+        folder = data_dir / self.name
+        files = select_files(folder, opts.release_version) if folder.is_dir() and opts.source != "hub" else []
         if files:
             for path in files:
                 for line_no, row in read_jsonl(path):
                     yield str(path), line_no, row
             return
-        looked = f"no {folder}/*.jsonl (release_version={opts.release_version})" if folder else f"no data directory (data_dir, options.data_dir or ${DATA_DIR_ENV})"
+        looked = f"no {folder}/*.jsonl (release_version={opts.release_version})"
         if opts.source == "local":
             raise DataNotFound(f"livecodebench: {looked}")
         try:
@@ -207,9 +196,7 @@ class LiveCodeBenchTask(SandboxedCodeTask):
         for i, row in enumerate(ds, start=1):
             yield f"hub:{HUB_ID}", i, row
 
-    def load(self, split: str = "test", data_dir: Path | None = None) -> list[Problem]:
-        if split not in self.splits:
-            raise ValueError(f"{self.name} has splits {self.splits}, not {split!r}")
+    def read_problems(self, split: str, data_dir: Path) -> list[Problem]:
         opts: LiveCodeBenchOptions = self.options  # type: ignore[assignment]
         start, end = _date(opts.start_date), _date(opts.end_date)
         problems: list[Problem] = []
@@ -225,7 +212,7 @@ class LiveCodeBenchTask(SandboxedCodeTask):
             problems.append(problem)
         if not problems:
             raise DataError("livecodebench", 1, "<file>", "no rows (after the release/date filter)")
-        return problems[: opts.limit] if opts.limit else problems
+        return problems
 
     def row_to_problem(self, row: Any, where: str, line: int) -> Problem:
         if not isinstance(row, Mapping):

@@ -8,9 +8,10 @@ worked solution, so its gold is stored as ``\boxed{answer}``). Rows are validate
 the field. Duplicate ids are an error. Grading is math-verify (:mod:`tasks.math_grading`) on the last
 ``\boxed{}`` of a completion against the gold below.
 
-Data directory, first one set wins: the ``data_dir`` argument of ``load()``, then ``options.data_dir``,
-then ``$HARNESS_DATA_DIR``. ``options.source`` picks ``"auto"`` (local file, else hub), ``"local"`` (never
-the hub) or ``"hub"`` (always the hub). If neither source works the error names the paths looked at.
+Data directory (:meth:`harness.task.Task.load`), first one set wins: the ``data_dir`` argument of ``load()``,
+then ``options.data_dir``, then ``$HARNESS_DATA_DIR``, else ``./data``. ``options.source`` picks ``"auto"``
+(local file, else hub), ``"local"`` (never the hub) or ``"hub"`` (always the hub). If neither source works the
+error names the paths looked at.
 
 ========================  =========================================  ===============================================
 task (split)              local file / hub id [config] (split)       id ; gold
@@ -60,7 +61,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -71,14 +71,12 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field as OptionField
 
 from harness.data import hub_dataset_rows, write_rows
-from harness.registry import TASKS
-from harness.task import DataError, DataNeed, Problem, Task, TaskOptions, read_jsonl
+from harness.task import DATA_DIR_ENV, DataError, DataNeed, Problem, Task, TaskOptions, read_jsonl
 from harness.task import DataNotFound as TaskDataNotFound
 from tasks.math_grading import MathVerifyGraded, extract_boxed
 
 log = logging.getLogger(__name__)
 
-DATA_DIR_ENV = "HARNESS_DATA_DIR"
 BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
 # The four Minerva few-shot exemplars (MATH train problems), each ending in a boxed answer.
@@ -444,32 +442,21 @@ class MathTask(MathVerifyGraded, Task):
 
     # ---- loading
 
-    def load(self, split: str = "test", data_dir: Path | None = None) -> list[Problem]:
-        """Validated problems of ``split``, from the local file if there is one, else from the hub."""
-        if split not in self.splits:
-            raise ValueError(f"{self.name} has splits {self.splits}, not {split!r}")
-        opts: MathOptions = self.options  # type: ignore[assignment]
+    def read_problems(self, split: str, data_dir: Path) -> list[Problem]:
+        """Validated problems of ``split``, from the local file under ``data_dir`` if there is one, else from the hub."""
         rows, layout, where = self._rows(split, data_dir)
-        problems = self.build_problems(rows, layout, where)
-        return problems[: opts.limit] if opts.limit else problems
+        return self.build_problems(rows, layout, where)
 
-    def local_path(self, split: str, data_dir: Path | str | None = None) -> tuple[Path | None, str]:
-        """(DIR/<name>/<file>, how DIR was chosen); path is None when no directory is set."""
-        env = os.environ.get(DATA_DIR_ENV)
-        for how, value in (("the data_dir argument", data_dir), ("options.data_dir", self.options.data_dir), (f"${DATA_DIR_ENV}", env)):
-            if value:
-                return Path(value).expanduser() / self.name / self.files[split], how
-        return None, f"no data_dir argument, options.data_dir or ${DATA_DIR_ENV} set"
+    def local_path(self, split: str, data_dir: Path) -> Path:
+        """The local file of ``split`` under the data root: ``data_dir/<name>/<file>``."""
+        return data_dir / self.name / self.files[split]
 
-    def _rows(self, split: str, data_dir: Path | None) -> tuple[Iterator[tuple[int, Any]], Layout, str]:
+    def _rows(self, split: str, data_dir: Path) -> tuple[Iterator[tuple[int, Any]], Layout, str]:
         """The row source of ``split``: (rows, their layout, where they come from for messages)."""
         source = self.options.source  # type: ignore[attr-defined]
-        path, how = self.local_path(split, data_dir)
-        if source == "hub":
-            looked = "options.source is 'hub'"
-        else:
-            looked = f"looked for {path} (directory from {how})" if path else f"no local file looked for ({how})"
-        if source != "hub" and path is not None and path.is_file():
+        path = self.local_path(split, data_dir)
+        looked = "options.source is 'hub'" if source == "hub" else f"looked for {path}"
+        if source != "hub" and path.is_file():
             return read_local(path), self.local_layout, str(path)
         if source == "local":
             raise DataNotFound(f"{self.name} [{split}]: no local data file; {looked}")
@@ -563,9 +550,7 @@ def _chain(first: tuple[int, Any] | None, rest: Iterator[tuple[int, Any]]) -> It
 _PROBLEM_ANSWER = Layout(question=Field("problem"), answer=Field("answer", integer_answer), id=Field("id", identifier))
 
 
-@TASKS.register("math500")
 class Math500Task(MathTask):
-    name = "math500"
     description = "MATH-500 (500 MATH test problems, LaTeX answers); hub HuggingFaceH4/MATH-500"
     files = {"test": "test.jsonl"}
     local_layout = Layout(
@@ -575,9 +560,7 @@ class Math500Task(MathTask):
     expected_rows = {"test": (500,)}
 
 
-@TASKS.register("aime24")
 class Aime24Task(MathTask):
-    name = "aime24"
     description = "AIME 2024 (30 problems, integer answers); hub Maxwell-Jia/AIME_2024"
     Options = CompetitionOptions
     files = {"test": "test.jsonl"}
@@ -601,9 +584,7 @@ class Aime24Task(MathTask):
     hub_to_local = staticmethod(aime24_hub_to_local)
 
 
-@TASKS.register("aime25")
 class Aime25Task(MathTask):
-    name = "aime25"
     description = "AIME 2025 (30 problems, integer answers); hub math-ai/aime25"
     Options = CompetitionOptions
     files = {"test": "test.jsonl"}
@@ -612,9 +593,7 @@ class Aime25Task(MathTask):
     expected_rows = {"test": (30,)}
 
 
-@TASKS.register("amc23")
 class Amc23Task(MathTask):
-    name = "amc23"
     description = "AMC 2023 (40 problems, numeric answers); hub math-ai/amc23"
     Options = CompetitionOptions
     files = {"test": "test.jsonl"}
@@ -640,9 +619,7 @@ _OLYMPIAD_LAYOUT = Layout(
 )
 
 
-@TASKS.register("olympiadbench")
 class OlympiadBenchTask(MathTask):
-    name = "olympiadbench"
     description = "OlympiadBench OE_TO_maths_en_COMP (text-only English competition math); hub Hothan/OlympiadBench"
     files = {"test": "test.jsonl"}
     local_layout = _OLYMPIAD_LAYOUT
@@ -650,9 +627,7 @@ class OlympiadBenchTask(MathTask):
     expected_rows = {"test": (675, 674)}  # the Qwen2.5-Math copy; the hub's
 
 
-@TASKS.register("minerva")
 class MinervaTask(MathTask):
-    name = "minerva"
     description = "Minerva math (272 university STEM problems; gold = last \\boxed{} of the solution); hub math-ai/minervamath"
     files = {"test": "test.jsonl"}
     local_layout = Layout(
@@ -670,9 +645,7 @@ class MinervaTask(MathTask):
 _GSM8K_LAYOUT = Layout(question=Field("question"), answer=Field("answer", gsm8k_answer), solution=Field("answer", gsm8k_solution))
 
 
-@TASKS.register("gsm8k")
 class Gsm8kTask(MathTask):
-    name = "gsm8k"
     description = "GSM8K grade-school word problems (gold after '####'); hub openai/gsm8k (config main)"
     Options = Gsm8kOptions
     splits = ("train", "test")
@@ -690,9 +663,7 @@ _DAPO_LAYOUT = Layout(
 )
 
 
-@TASKS.register("dapo_math")
 class DapoMathTask(MathTask):
-    name = "dapo_math"
     description = "DAPO-Math-17k training prompts with integer gold answers; hub BytedTsinghua-SIA/DAPO-Math-17k"
     Options = SingleSampleOptions
     splits = ("train",)

@@ -8,7 +8,6 @@ built on :func:`open_instance_session` and :func:`grade_instance_patch`.
 from __future__ import annotations
 
 import dataclasses
-import os
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -25,7 +24,6 @@ from tasks.swebench.grading import MAX_PATCH_BYTES, Outcome, failed, grade_patch
 from tasks.swebench.session import InstanceSession, open_session_on
 from tasks.swebench.images import BuildInputs, BuildResult, ImageBuildError, base_image_id, build_instance_image, environment_pins, requirement_lines, sha256_file
 
-DATA_DIR_ENV = "HARNESS_DATA_DIR"
 AGENT_WORKDIR = "/testbed"  # SWE-bench's repository path (a link to the sandbox work root in the instance images)
 DEFAULT_CACHE = Path(".cache/swebench")
 
@@ -62,13 +60,7 @@ class SwebenchOptions(TaskOptions):
     action_format: Literal["fenced", "tagged"] = Field("fenced", description="agent: one ```bash block per reply, or one <command>...</command>")
 
 
-def resolve_data_dir(given: Path | str | None) -> Path:
-    """``given``, else ``$HARNESS_DATA_DIR``, else ``./data``."""
-    return Path(given or os.environ.get(DATA_DIR_ENV) or "data")
-
-
 class SwebenchTask(Task):
-    name = "swebench"
     description = "SWE-bench Verified: resolve GitHub issues; patches graded by the repository's tests in per-instance Docker images"
     Options = SwebenchOptions
     needs_sandbox = True
@@ -92,7 +84,8 @@ class SwebenchTask(Task):
     # ---- data
 
     def data_dir(self, given: Path | None = None) -> Path:
-        return resolve_data_dir(given or self.opts.data_dir)
+        """The data root: ``given``, else ``options.data_dir``, else ``$HARNESS_DATA_DIR``, else ``./data``."""
+        return self.data_root(given)[0]
 
     def repo_source(self, data_dir: Path | None = None) -> Path | str:
         src = self.opts.repo_source
@@ -120,9 +113,7 @@ class SwebenchTask(Task):
                 f"swebench: no {' or '.join(data.LOCAL_FILES)} under {self.data_dir(data_dir) / 'swebench'} and the hub failed ({exc})"
             ) from None
 
-    def load(self, split: str = "test", data_dir: Path | None = None) -> list[Problem]:
-        if split != "test":
-            raise ValueError(f"swebench has only the test split, not {split!r}")
+    def read_problems(self, split: str, data_dir: Path) -> list[Problem]:
         rows = self.load_rows(data_dir)
         by_id = {r["instance_id"]: r for r in rows}
         wanted = [i.strip() for i in self.opts.instances.split(",") if i.strip()]
@@ -137,8 +128,6 @@ class SwebenchTask(Task):
             chosen = [r for r in rows if r["instance_id"] in have]
         else:
             chosen = rows
-        if self.opts.limit:
-            chosen = chosen[: self.opts.limit]
         self._source = source
         for r in chosen:
             self._rows[r["instance_id"]] = r

@@ -15,7 +15,6 @@ from typing import TypeVar
 
 from pydantic import Field
 
-from harness.registry import TASKS
 from harness.task import Problem, Task, TaskOptions
 from tasks.math_grading import MathVerifyGraded
 
@@ -84,18 +83,14 @@ def draw_distinct_splits(rng: random.Random, wanted: dict[str, int], split: str,
     return out
 
 
-@TASKS.register("arith")
 class ArithTask(MathVerifyGraded, Task):
-    name = "arith"
     description = "Synthetic multi-step arithmetic (e.g. 37+4*12) with step-by-step solutions and a boxed answer"
     Options = ArithOptions
     splits = ("train", "test")
     provides_references = True  # every problem carries its step-by-step solution
 
-    def load(self, split: str = "test", data_dir: Path | None = None) -> list[Problem]:
-        """Generate ``split`` deterministically from the seed; test expressions never appear in train."""
-        if split not in self.splits:
-            raise ValueError(f"arith has splits {self.splits}, not {split!r}")
+    def read_problems(self, split: str, data_dir: Path) -> list[Problem]:
+        """Generate ``split`` deterministically from the seed; test expressions never appear in train (reads no files)."""
         opts: ArithOptions = self.options  # type: ignore[assignment]
         drawn = draw_distinct_splits(random.Random(opts.seed), {"test": opts.n_test, "train": opts.n_train}, split, lambda rng: make_problem(rng, opts), "arith")
         out: dict[str, list[Problem]] = {}
@@ -104,6 +99,5 @@ class ArithTask(MathVerifyGraded, Task):
                 Problem(id=f"{name}-{i}", question=f"Compute {expression}.\n", answer=str(value), solution="\n".join(lines + [f"\\boxed{{{value}}}"]))
                 for i, (expression, lines, value) in enumerate(items)
             ]
-        problems = out[split]
-        return problems[: opts.limit] if opts.limit else problems
+        return out[split]
 

@@ -16,7 +16,6 @@ from typing import Literal
 
 from pydantic import Field
 
-from harness.registry import TASKS
 from harness.task import Problem
 from tasks.synthetic.arith import draw_distinct_splits
 from tasks.tool.base import ToolOptions, ToolTask
@@ -50,26 +49,21 @@ def evaluate_expression(expression: str) -> int:
     return int(eval(expression, {"__builtins__": {}}, {}))  # noqa: S307 - digits and + - * only, checked above
 
 
-@TASKS.register("arith_tool")
 class ArithToolTask(ToolTask):
-    name = "arith_tool"
     description = "Synthetic large-operand arithmetic solved with a Python code interpreter (multi-turn tool use, CPU scale)"
     Options = ArithToolOptions
     splits = ("train", "test")
     provides_references = True  # every problem carries a reference episode that uses the tool
 
-    def load(self, split: str = "test", data_dir: Path | None = None) -> list[Problem]:
-        """Generate ``split`` deterministically from the seed; test expressions never appear in train."""
-        if split not in self.splits:
-            raise ValueError(f"arith_tool has splits {self.splits}, not {split!r}")
+    def read_problems(self, split: str, data_dir: Path) -> list[Problem]:
+        """Generate ``split`` deterministically from the seed; test expressions never appear in train (reads no files)."""
         opts: ArithToolOptions = self.options  # type: ignore[assignment]
         if opts.min_operand > opts.max_operand:
             raise ValueError(f"arith_tool: min_operand ({opts.min_operand}) is above max_operand ({opts.max_operand})")
         draw = lambda rng: (make_expression(rng, opts),)  # noqa: E731
         drawn = draw_distinct_splits(random.Random(opts.seed), {"test": opts.n_test, "train": opts.n_train}, split, draw, "arith_tool")
         out = {name: [self.problem(f"{name}-{i}", expression) for i, (expression,) in enumerate(items)] for name, items in drawn.items()}
-        problems = out[split]
-        return problems[: opts.limit] if opts.limit else problems
+        return out[split]
 
     def problem(self, problem_id: str, expression: str) -> Problem:
         """The problem for ``expression`` with its reference episode (one tool call printing it, then the answer)."""

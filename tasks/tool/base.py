@@ -54,7 +54,7 @@ def final_answer_text(trajectory) -> str:
 
 
 class ToolTask(MathVerifyGraded, SandboxedTask):
-    """A math problem solved with a code interpreter; subclasses provide ``load``."""
+    """A math problem solved with a code interpreter; subclasses provide ``read_problems``."""
 
     Options = ToolOptions
     multi_turn = True

@@ -27,8 +27,9 @@ class RetoolTask(ToolTask):
         fields = self.inner.Options.model_fields
         return self.inner(self.inner.Options(**{k: v for k, v in self.options.model_dump().items() if k in fields}))
 
-    def load(self, split: str = "test", data_dir: Path | None = None) -> list[Problem]:
-        return self.inner_task().load(split, data_dir)
+    def read_problems(self, split: str, data_dir: Path) -> list[Problem]:
+        """The wrapped math task's problems, read from the same data root."""
+        return self.inner_task().read_problems(split, data_dir)
 
     @classmethod
     def data_needs(cls):
@@ -51,7 +52,6 @@ def make_retool_task(name: str) -> type[RetoolTask]:
         annotations["instruction"], defaults["instruction"] = str, ""
     options = type(f"RetoolOptions[{name}]", (inner.Options, ToolOptions), {"__annotations__": annotations, **defaults, "__module__": __name__})
     attrs = {
-        "name": f"{PREFIX}:{name}",
         "description": f"{name} solved with a ReTool-style Python code interpreter (multi-turn, sandboxed)",
         "inner": inner,
         "Options": options,
@@ -62,5 +62,3 @@ def make_retool_task(name: str) -> type[RetoolTask]:
     }
     return type(f"RetoolTask[{name}]", (RetoolTask,), attrs)
 
-
-TASKS.add_prefix(PREFIX, make_retool_task)

@@ -19,11 +19,12 @@ import pytest
 
 from tasks.code import checker
 from tasks.code import sandbox_runner as rt
-from tasks.code.evalplus import HumanEvalPlusTask
-from tasks.code.livecodebench import LiveCodeBenchTask
+from harness.registry import TASKS
 
 
 # Runs at import of every attempt: defines forge(), which sprays fake records wherever it can write.
+HumanEvalPlusTask, LiveCodeBenchTask = TASKS.get("humaneval_plus"), TASKS.get("livecodebench")  # named by the registry
+
 FORGE = r'''
 import gc, hashlib, hmac, json, os, sys
 

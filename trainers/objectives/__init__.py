@@ -1,6 +1,7 @@
 """OPD objectives: pure functions of a :class:`~harness.trajectory.TensorBatch` and the current
-student's log-probs, returning ``(loss, diagnostics)``. Each method registers a :class:`harness.method.MethodSpec`
-in ``harness.registry.METHODS`` that declares the inputs it needs; this package holds the helpers objectives share.
+student's log-probs, returning ``(loss, diagnostics)``. Each method is a :class:`harness.method.MethodSpec`,
+declared as an entry point of ``opd_harness.methods`` (``name = "module:SPEC"``; the entry point's name is the
+spec's name) that declares the inputs it needs; this package holds the helpers objectives share.
 """
 
 from __future__ import annotations

@@ -22,7 +22,6 @@ import torch
 from pydantic import Field, field_validator
 
 from harness.method import HParams, MethodSpec, StudentOutputs
-from harness.registry import METHODS
 from harness.trajectory import TensorBatch
 from trainers.objectives import masked_mean, masked_sum
 from trainers.objectives.common import dual_clipped, old_logprobs, ppo_clip_per_token
@@ -399,49 +398,37 @@ _COMMON_NOTES = {
     "diagnostics": "jumps/capped blocks per non-empty sequence, mean weight over valid tokens, removed penalty mass q",
 }
 
-METHODS.add(
-    "ap_opd",
-    MethodSpec(
-        name="ap_opd",
-        description="AP-OPD: sampled-token OPD with adaptive pullback of blocks whose mean penalty jumps (z-gate or top-α)",
-        objective=ap_opd_objective,  # type: ignore[arg-type]
-        hparams=APOPDParams,
-        needs=ap_opd_needs,  # type: ignore[arg-type]
-        notes={
-            **_COMMON_NOTES,
-            "z_gate": "RECONSTRUCTED Eq. 5: jump iff Δ_i > 0 and Δ_i > z·sqrt(s_i²/n_i + s_{i+1}²/n_{i+1}) (Welch SE)",
-            "detector": "'z' default; 'topk' the top-α ablation; 'z_and_topk' = boundaries flagged by both",
-            "weights": "w = D_i/D_{i+1} on every valid token of post-jump block i+1, else 1; no floor (w_min=0), no renormalisation",
-        },
-    ),
+AP_OPD_SPEC = MethodSpec(
+    description="AP-OPD: sampled-token OPD with adaptive pullback of blocks whose mean penalty jumps (z-gate or top-α)",
+    objective=ap_opd_objective,  # type: ignore[arg-type]
+    hparams=APOPDParams,
+    needs=ap_opd_needs,  # type: ignore[arg-type]
+    notes={
+        **_COMMON_NOTES,
+        "z_gate": "RECONSTRUCTED Eq. 5: jump iff Δ_i > 0 and Δ_i > z·sqrt(s_i²/n_i + s_{i+1}²/n_{i+1}) (Welch SE)",
+        "detector": "'z' default; 'topk' the top-α ablation; 'z_and_topk' = boundaries flagged by both",
+        "weights": "w = D_i/D_{i+1} on every valid token of post-jump block i+1, else 1; no floor (w_min=0), no renormalisation",
+    },
 )
 
-METHODS.add(
-    "ap_opd_fixed",
-    MethodSpec(
-        name="ap_opd_fixed",
-        description="AP-OPD control: same jump detector, constant weight (0.3) on post-jump blocks",
-        objective=ap_opd_fixed_objective,  # type: ignore[arg-type]
-        hparams=FixedWeightParams,
-        needs=ap_opd_needs,  # type: ignore[arg-type]
-        notes={**_COMMON_NOTES, "weights": "fixed_weight (0.3, paper App. D) on every post-jump block, else 1"},
-    ),
+AP_OPD_FIXED_SPEC = MethodSpec(
+    description="AP-OPD control: same jump detector, constant weight (0.3) on post-jump blocks",
+    objective=ap_opd_fixed_objective,  # type: ignore[arg-type]
+    hparams=FixedWeightParams,
+    needs=ap_opd_needs,  # type: ignore[arg-type]
+    notes={**_COMMON_NOTES, "weights": "fixed_weight (0.3, paper App. D) on every post-jump block, else 1"},
 )
 
-METHODS.add(
-    "ap_opd_magcap",
-    MethodSpec(
-        name="ap_opd_magcap",
-        description="AP-OPD control: cap the ⌈α·C⌉ post-boundary blocks with the largest mean penalty at the response mean",
-        objective=ap_opd_magcap_objective,  # type: ignore[arg-type]
-        hparams=MagCapParams,
-        needs=ap_opd_needs,  # type: ignore[arg-type]
-        notes={
-            **_COMMON_NOTES,
-            "weights": (
-                "post-boundary blocks (a predecessor in the same run) ranked by D_{i+1}; the top ⌈α·C⌉ get "
-                "min(1, D̄/D_{i+1}), D̄ = mean d over the response's valid tokens; a block with D = 0 keeps 1"
-            ),
-        },
-    ),
+AP_OPD_MAGCAP_SPEC = MethodSpec(
+    description="AP-OPD control: cap the ⌈α·C⌉ post-boundary blocks with the largest mean penalty at the response mean",
+    objective=ap_opd_magcap_objective,  # type: ignore[arg-type]
+    hparams=MagCapParams,
+    needs=ap_opd_needs,  # type: ignore[arg-type]
+    notes={
+        **_COMMON_NOTES,
+        "weights": (
+            "post-boundary blocks (a predecessor in the same run) ranked by D_{i+1}; the top ⌈α·C⌉ get "
+            "min(1, D̄/D_{i+1}), D̄ = mean d over the response's valid tokens; a block with D = 0 keeps 1"
+        ),
+    },
 )

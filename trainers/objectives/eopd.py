@@ -21,7 +21,6 @@ import torch
 from pydantic import Field
 
 from harness.method import HParams, MethodSpec, StudentOutputs
-from harness.registry import METHODS
 from harness.trajectory import TensorBatch
 from trainers.objectives import masked_mean, masked_sum
 from trainers.objectives.common import old_logprobs
@@ -94,21 +93,19 @@ def eopd_needs(hp: EOPDParams) -> frozenset[str]:
     return frozenset({"teacher_full", "student_full", "teacher_logprobs", "old_logprobs"})
 
 
-METHODS.add(
-    "eopd",
-    MethodSpec(
-        name="eopd",
-        description="EOPD (stand-in): sampled-token OPD plus forward KL on positions where the teacher entropy exceeds h",
-        objective=eopd_objective,  # type: ignore[arg-type]
-        hparams=EOPDParams,
-        needs=eopd_needs,  # type: ignore[arg-type]
-        notes={
-            "status": "RECONSTRUCTED from the abstract (methods.md §6); official repo WLS04/EOPD not read",
-            "loss": "token-mean of RKL_t + 1[H_t > h]·FKL_t; H_t from the full teacher distribution",
-            "rkl": "sampled-token surrogate −exp(s − o)·sg(T − o) with o = trainer old log-probs (default); 'full' = exact reverse KL",
-            "threshold": "h = 1.0 nats is a placeholder: set it to a high percentile (p80–p90) of the logged teacher entropy on a warm-up batch and report it",
-            "soft_gate": "gate='soft' is a third-party variant, not the paper: (1−g)·RKL + g·FKL, g = clamp(H/H_max, 0, 1), H_max = log V by default",
-            "fkl_top_k": "0 = full vocabulary; k > 0 = teacher's top-k renormalised (entropy still from the full distribution)",
-        },
-    ),
+EOPD_SPEC = MethodSpec(
+    description="EOPD (stand-in): sampled-token OPD plus forward KL on positions where the teacher entropy exceeds h",
+    objective=eopd_objective,  # type: ignore[arg-type]
+    hparams=EOPDParams,
+    needs=eopd_needs,  # type: ignore[arg-type]
+    notes={
+        "status": "RECONSTRUCTED from the abstract (methods.md §6); official repo WLS04/EOPD not read",
+        "loss": "token-mean of RKL_t + 1[H_t > h]·FKL_t; H_t from the full teacher distribution",
+        "rkl": "sampled-token surrogate −exp(s − o)·sg(T − o) with o = trainer old log-probs (default); 'full' = exact reverse KL",
+        "threshold": "h = 1.0 nats is a placeholder: set it to a high percentile (p80–p90) of the logged"
+        " teacher entropy on a warm-up batch and report it",
+        "soft_gate": "gate='soft' is a third-party variant, not the paper: (1−g)·RKL + g·FKL, "
+        "g = clamp(H/H_max, 0, 1), H_max = log V by default",
+        "fkl_top_k": "0 = full vocabulary; k > 0 = teacher's top-k renormalised (entropy still from the full distribution)",
+    },
 )

@@ -26,7 +26,6 @@ import torch
 from pydantic import Field
 
 from harness.method import HParams, MethodSpec, StudentOutputs
-from harness.registry import METHODS
 from harness.trajectory import TensorBatch
 from trainers.objectives.common import k3
 from trainers.objectives.opd import exact_reverse_kl
@@ -533,11 +532,8 @@ def _needs(hp: HParams) -> frozenset[str]:
     return ASYNC_NEEDS | {"teacher_full", "student_full"} if full else ASYNC_NEEDS
 
 
-def _spec(
-    name: str, description: str, objective, hparams: type[HParams], make_state=None, notes: dict[str, str] | None = None
-) -> MethodSpec:
+def _spec(description: str, objective, hparams: type[HParams], make_state=None, notes: dict[str, str] | None = None) -> MethodSpec:
     return MethodSpec(
-        name=name,
         description=description,
         objective=objective,
         hparams=hparams,
@@ -549,7 +545,6 @@ def _spec(
 
 
 F_OPD_SPEC = _spec(
-    "f_opd",
     "f-OPD: freshness-weighted async OPD with trusted-token filtering, a rollout-anchored KL and an adaptive refresh signal",
     f_opd_objective,
     FOPDParams,
@@ -567,35 +562,30 @@ F_OPD_SPEC = _spec(
     },
 )
 OPD_ASYNC_SPEC = _spec(
-    "opd_async",
     "Async OPD (the f-OPD paper's baseline): the shared async OPD loss with no freshness weight, no anchor, no token filtering",
     opd_async_objective,
     AsyncOPDParams,
     notes={"baseline": "§5.8 'Async OPD': f-OPD's per-token loss and aggregation with w_i = 1, λ = 0, all valid tokens"},
 )
 OPD_KL_SPEC = _spec(
-    "opd_kl",
     "Async OPD + KL: the shared async OPD loss plus λ·KL(current‖behaviour) (k3) on all valid tokens; anchor_coef=0 equals opd_async",
     opd_kl_objective,
     OPDKLParams,
     notes={"baseline": "reconstructed §5.8: f-OPD anchor on all valid tokens, no freshness weight, no filtering"},
 )
 OPD_CLIPPED_IW_SPEC = _spec(
-    "opd_clipped_iw",
     "Async OPD + clipped IW: each token's loss times min(exp(s − q), c_iw), detached",
     opd_clipped_iw_objective,
     ClippedIWParams,
     notes={"baseline": "reconstructed §5.8: truncated IS towards the behaviour policy, c_iw = 2 by default"},
 )
 OPD_LAG_ONLY_SPEC = _spec(
-    "opd_lag_only",
     "Async OPD + lag-only weighting: sample weight σ((τ+1)⁻¹ − ξ)",
     opd_lag_only_objective,
     LagOnlyParams,
     notes={"baseline": "paper App. B.1: f = (τ+1)⁻¹, w = σ(f − ξ); no filtering, no anchor"},
 )
 OPD_HARD_REFRESH_SPEC = _spec(
-    "opd_hard_refresh",
     "Async OPD + hard refresh: plain async OPD loss and a full-refresh signal every H steps",
     opd_hard_refresh_objective,
     HardRefreshParams,
@@ -603,5 +593,3 @@ OPD_HARD_REFRESH_SPEC = _spec(
     notes={"baseline": "reconstructed §5.8: periodic full synchronisation every H steps regardless of statistics"},
 )
 
-for _spec_obj in (F_OPD_SPEC, OPD_ASYNC_SPEC, OPD_KL_SPEC, OPD_CLIPPED_IW_SPEC, OPD_LAG_ONLY_SPEC, OPD_HARD_REFRESH_SPEC):
-    METHODS.add(_spec_obj.name, _spec_obj)

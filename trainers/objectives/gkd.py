@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from harness.method import HParams, MethodSpec, StudentOutputs
-from harness.registry import METHODS
 from harness.trajectory import TensorBatch
 from trainers.objectives import masked_sum
 
@@ -90,20 +89,16 @@ def gkd_objective(batch: TensorBatch, student: StudentOutputs, hp: GKDParams, st
     return loss, {"jsd": float(loss.detach()), "tokens": float(mask.sum())}
 
 
-METHODS.add(
-    "gkd",
-    MethodSpec(
-        name="gkd",
-        description="GKD (TRL GKDTrainer): generalized JSD with β between full student and teacher distributions on student samples",
-        objective=gkd_objective,  # type: ignore[arg-type]
-        hparams=GKDParams,
-        needs=lambda hp: frozenset({"teacher_full", "student_full"}),
-        notes={
-            "status": "VERIFIED against current TRL generalized_jsd_loss (arithmetic mixture via logsumexp; β weights KL(p_T‖M))",
-            "lambda": "student data fraction λ is a pipeline matter: sync on-policy sampling means λ = 1; seq_kd is not supported",
-            "temperature": "default 1.0 (the student's sampling temperature); TRL's default is 0.9",
-            "top_k": "0 = full vocabulary; k > 0 keeps the teacher's top-k tokens (from the full tensor) and renormalises both distributions",
-            "reduction": "batchmean: Σ over vocabulary and kept positions / #kept positions; empty mask → 0",
-        },
-    ),
+GKD_SPEC = MethodSpec(
+    description="GKD (TRL GKDTrainer): generalized JSD with β between full student and teacher distributions on student samples",
+    objective=gkd_objective,  # type: ignore[arg-type]
+    hparams=GKDParams,
+    needs=lambda hp: frozenset({"teacher_full", "student_full"}),
+    notes={
+        "status": "VERIFIED against current TRL generalized_jsd_loss (arithmetic mixture via logsumexp; β weights KL(p_T‖M))",
+        "lambda": "student data fraction λ is a pipeline matter: sync on-policy sampling means λ = 1; seq_kd is not supported",
+        "temperature": "default 1.0 (the student's sampling temperature); TRL's default is 0.9",
+        "top_k": "0 = full vocabulary; k > 0 keeps the teacher's top-k tokens (from the full tensor) and renormalises both distributions",
+        "reduction": "batchmean: Σ over vocabulary and kept positions / #kept positions; empty mask → 0",
+    },
 )

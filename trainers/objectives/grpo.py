@@ -11,7 +11,6 @@ import torch
 from pydantic import Field, field_validator
 
 from harness.method import HParams, MethodSpec, StudentOutputs
-from harness.registry import METHODS
 from harness.trajectory import TensorBatch
 from trainers.objectives import masked_mean
 from trainers.objectives.common import clipped_surrogate, graded, graded_reward_mean, grpo_advantages, old_logprobs
@@ -103,21 +102,17 @@ def grpo_needs(hp: GRPOParams) -> frozenset[str]:
     return frozenset({"rewards", "behaviour_logprobs", "old_logprobs"})
 
 
-METHODS.add(
-    "grpo",
-    MethodSpec(
-        name="grpo",
-        description="GRPO: group-normalised outcome rewards with the asymmetric PPO-clip surrogate (token-mean)",
-        objective=grpo_objective,  # type: ignore[arg-type]
-        hparams=GRPOParams,
-        needs=grpo_needs,  # type: ignore[arg-type]
-        group_size=GRPO_GROUP_SIZE,
-        notes={
-            "samples_per_prompt": "default 8 per prompt (the GRPO config of the SAF-OPD paper); 1 is refused unless allow_single_sample",
-            "ratio": "ρ = exp(s − o) against o recomputed by the trainer's model under the behaviour weights (π_old; "
-            "trainer.behaviour_logprobs=recompute, the default); 1 at lag 0, off 1 in async runs with policy lag; with =engine, o is the "
-            "rollout engine's scores and ρ is off 1 at lag 0 by the engine/trainer mismatch",
-            "dual_clip": DUAL_CLIP_NOTE,
-        },
-    ),
+GRPO_SPEC = MethodSpec(
+    description="GRPO: group-normalised outcome rewards with the asymmetric PPO-clip surrogate (token-mean)",
+    objective=grpo_objective,  # type: ignore[arg-type]
+    hparams=GRPOParams,
+    needs=grpo_needs,  # type: ignore[arg-type]
+    group_size=GRPO_GROUP_SIZE,
+    notes={
+        "samples_per_prompt": "default 8 per prompt (the GRPO config of the SAF-OPD paper); 1 is refused unless allow_single_sample",
+        "ratio": "ρ = exp(s − o) against o recomputed by the trainer's model under the behaviour weights (π_old; "
+        "trainer.behaviour_logprobs=recompute, the default); 1 at lag 0, off 1 in async runs with policy lag; with =engine, o is the "
+        "rollout engine's scores and ρ is off 1 at lag 0 by the engine/trainer mismatch",
+        "dual_clip": DUAL_CLIP_NOTE,
+    },
 )

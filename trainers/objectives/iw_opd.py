@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from harness.method import MethodSpec, StudentOutputs
-from harness.registry import METHODS
 from harness.trajectory import TensorBatch
 from trainers.objectives.ap_opd import SurrogateParams, ap_opd_needs, penalty, sampled_log_ratio, weighted_opd_loss
 
@@ -52,20 +51,17 @@ def iw_opd_objective(batch: TensorBatch, student: StudentOutputs, hp: IWOPDParam
     return loss, diagnostics
 
 
-METHODS.add(
-    "iw_opd",
-    MethodSpec(
-        name="iw_opd",
-        description="IW-OPD baseline (APPROXIMATE stand-in): OPD with weights decaying in the prefix's accumulated discrepancy",
-        objective=iw_opd_objective,  # type: ignore[arg-type]
-        hparams=IWOPDParams,
-        needs=ap_opd_needs,  # type: ignore[arg-type]
-        notes={
-            "status": "APPROXIMATE stand-in (methods.md §4.9): the IW-OPD formula was not available; do not report as the paper's method",
-            "weights": "c_t = Σ_{u<t} m_u [o_u − T_u]_+ (accumulates across tool segments), w_t = exp(−c_t/λ), renormalised to masked mean 1 per sequence",
-            "iw_lambda": "λ_iw default 10 nats is a guess; sweep {1, 10, 100}",
-            "removed_mass": "q is logged as for AP-OPD; it can be negative because renormalised weights exceed 1",
-            "objective": "token-mean −w·ρ·A, A = T − o, ρ = exp(s − o), as ap_opd",
-        },
-    ),
+IW_OPD_SPEC = MethodSpec(
+    description="IW-OPD baseline (APPROXIMATE stand-in): OPD with weights decaying in the prefix's accumulated discrepancy",
+    objective=iw_opd_objective,  # type: ignore[arg-type]
+    hparams=IWOPDParams,
+    needs=ap_opd_needs,  # type: ignore[arg-type]
+    notes={
+        "status": "APPROXIMATE stand-in (methods.md §4.9): the IW-OPD formula was not available; do not report as the paper's method",
+        "weights": "c_t = Σ_{u<t} m_u [o_u − T_u]_+ (accumulates across tool segments), "
+        "w_t = exp(−c_t/λ), renormalised to masked mean 1 per sequence",
+        "iw_lambda": "λ_iw default 10 nats is a guess; sweep {1, 10, 100}",
+        "removed_mass": "q is logged as for AP-OPD; it can be negative because renormalised weights exceed 1",
+        "objective": "token-mean −w·ρ·A, A = T − o, ρ = exp(s − o), as ap_opd",
+    },
 )

@@ -20,7 +20,6 @@ import torch
 from pydantic import Field, model_validator
 
 from harness.method import HParams, MethodSpec, StudentOutputs
-from harness.registry import METHODS
 from harness.trajectory import TensorBatch
 from trainers.objectives import masked_mean, masked_sum
 
@@ -134,11 +133,9 @@ def topk_note(k: int) -> str:
 
 
 OPD_SPEC = MethodSpec(
-    name="opd",
     description="Vanilla on-policy distillation: per-token reverse-KL advantage with an importance-sampling loss (or the exact full-vocabulary reverse KL)",
     objective=opd_objective,  # type: ignore[arg-type]
     hparams=OPDParams,
     needs=opd_needs,  # type: ignore[arg-type]
     run_notes=opd_run_notes,  # type: ignore[arg-type]
 )
-METHODS.add("opd", OPD_SPEC)

@@ -21,7 +21,6 @@ import torch
 from pydantic import Field
 
 from harness.method import MethodSpec, StudentOutputs
-from harness.registry import METHODS
 from harness.trajectory import TensorBatch
 from trainers.objectives import masked_mean
 from trainers.objectives.common import clipped_surrogate, graded_reward_mean, k3, old_logprobs, opd_advantage
@@ -246,24 +245,22 @@ def saf_needs(hp: SAFParams) -> frozenset[str]:
     return frozenset(base | {"rewards"} if hp.grpo_coef != 0.0 else base)
 
 
-METHODS.add(
-    "saf_opd",
-    MethodSpec(
-        name="saf_opd",
-        description="SAF-OPD: top-k% sparsified, tanh-compressed OPD advantage with KL-triggered warm-up and annealing, fused with GRPO under one PPO clip",
-        objective=saf_objective,  # type: ignore[arg-type]
-        hparams=SAFParams,
-        needs=saf_needs,  # type: ignore[arg-type]
-        make_state=Schedule.from_params,  # type: ignore[arg-type]
-        group_size=8,  # methods.md §3.6: GRPO with n = 8 rollouts per prompt
-        notes={
-            "dual_clip": DUAL_CLIP_NOTE,
-            "samples_per_prompt": "default 8 per prompt (the paper's training config); with grpo_coef ≠ 0, 1 needs allow_single_sample",
-            "tanh_form": "c·tanh(a) as in the code and README (not c·tanh(a/c)): slope c near 0, saturates at ±c only for |a| ≳ 2",
-            "anneal_without_warmup": "code anneals from step 1 when N = 0 (default True); the README says N = 0 disables Stage 4 (False)",
-            "anneal_horizon": "R = anneal_steps (200) by default; anneal_total_steps = S > 0 gives R = max(1, S − warm-up end), the paper's 'remaining steps'",
-            "kl_lag": "step s reads K_{s−1}; KL_0 = K_1 (first step's update), not a pre-training measurement; an empty batch records no KL",
-            "schedule_steps": "the schedule advances once per objective call: one call per optimizer step is assumed",
-        },
-    ),
+SAF_OPD_SPEC = MethodSpec(
+    description="SAF-OPD: top-k% sparsified, tanh-compressed OPD advantage with KL-triggered "
+    "warm-up and annealing, fused with GRPO under one PPO clip",
+    objective=saf_objective,  # type: ignore[arg-type]
+    hparams=SAFParams,
+    needs=saf_needs,  # type: ignore[arg-type]
+    make_state=Schedule.from_params,  # type: ignore[arg-type]
+    group_size=8,  # methods.md §3.6: GRPO with n = 8 rollouts per prompt
+    notes={
+        "dual_clip": DUAL_CLIP_NOTE,
+        "samples_per_prompt": "default 8 per prompt (the paper's training config); with grpo_coef ≠ 0, 1 needs allow_single_sample",
+        "tanh_form": "c·tanh(a) as in the code and README (not c·tanh(a/c)): slope c near 0, saturates at ±c only for |a| ≳ 2",
+        "anneal_without_warmup": "code anneals from step 1 when N = 0 (default True); the README says N = 0 disables Stage 4 (False)",
+        "anneal_horizon": "R = anneal_steps (200) by default; anneal_total_steps = S > 0 gives "
+        "R = max(1, S − warm-up end), the paper's 'remaining steps'",
+        "kl_lag": "step s reads K_{s−1}; KL_0 = K_1 (first step's update), not a pre-training measurement; an empty batch records no KL",
+        "schedule_steps": "the schedule advances once per objective call: one call per optimizer step is assumed",
+    },
 )

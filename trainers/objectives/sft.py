@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from harness.method import HParams, MethodSpec, StudentOutputs
-from harness.registry import METHODS
 from harness.trajectory import TensorBatch
 from trainers.objectives import masked_mean
 
@@ -21,11 +20,9 @@ def sft_objective(batch: TensorBatch, student: StudentOutputs, hp: SFTParams, st
 
 
 SFT_SPEC = MethodSpec(
-    name="sft",
     description="Supervised fine-tuning on the task's reference responses (token-mean NLL)",
     objective=sft_objective,  # type: ignore[arg-type]
     hparams=SFTParams,
     needs=lambda hp: frozenset({"reference_responses"}),
     on_policy=False,
 )
-METHODS.add("sft", SFT_SPEC)

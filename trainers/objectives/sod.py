@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from pydantic import Field
 
 from harness.method import MethodSpec, StudentOutputs
-from harness.registry import METHODS
 from harness.trajectory import TensorBatch
 from trainers.objectives import masked_mean
 from trainers.objectives.common import clipped_surrogate, graded_reward_mean, old_logprobs, opd_advantage
@@ -191,22 +190,21 @@ def sod_needs(hp: SODParams) -> frozenset[str]:
     return frozenset(base | {"rewards"} if hp.grpo_coef != 0.0 else base)
 
 
-METHODS.add(
-    "sod",
-    MethodSpec(
-        name="sod",
-        description="Step-wise OPD: per-turn reliability weights min((d_1+ε)/(d_k+ε), 1+δ) on the OPD advantage, fused with GRPO under one PPO clip",
-        objective=sod_objective,  # type: ignore[arg-type]
-        hparams=SODParams,
-        needs=sod_needs,  # type: ignore[arg-type]
-        group_size=16,  # methods.md §2.5: 16 rollouts per prompt (run_sod.sh)
-        notes={
-            "dual_clip": DUAL_CLIP_NOTE,
-            "samples_per_prompt": "default 16 per prompt (official run script); with grpo_coef ≠ 0, 1 needs allow_single_sample",
-            "delta": "δ = 0.2 from the official run script; the fork's config dataclass default is 0.5",
-            "weight_rule": "official code clips only the output of the unclipped running product (= (d_1+ε)/(d_k+ε)); 'recursive' clips the carried product, a possible paper reading",
-            "steps": "a step is a maximal run of loss_mask = 1 (official code); 'step_index' also splits adjacent model segments with different step ids",
-            "d1_zero": "d_1 = 0 makes every later w_k ≈ 0 (faithful to code); counted in d1_zero_sequences",
-        },
-    ),
+SOD_SPEC = MethodSpec(
+    description="Step-wise OPD: per-turn reliability weights min((d_1+ε)/(d_k+ε), 1+δ) on the OPD advantage, "
+    "fused with GRPO under one PPO clip",
+    objective=sod_objective,  # type: ignore[arg-type]
+    hparams=SODParams,
+    needs=sod_needs,  # type: ignore[arg-type]
+    group_size=16,  # methods.md §2.5: 16 rollouts per prompt (run_sod.sh)
+    notes={
+        "dual_clip": DUAL_CLIP_NOTE,
+        "samples_per_prompt": "default 16 per prompt (official run script); with grpo_coef ≠ 0, 1 needs allow_single_sample",
+        "delta": "δ = 0.2 from the official run script; the fork's config dataclass default is 0.5",
+        "weight_rule": "official code clips only the output of the unclipped running product (= (d_1+ε)/(d_k+ε)); "
+        "'recursive' clips the carried product, a possible paper reading",
+        "steps": "a step is a maximal run of loss_mask = 1 (official code); "
+        "'step_index' also splits adjacent model segments with different step ids",
+        "d1_zero": "d_1 = 0 makes every later w_k ≈ 0 (faithful to code); counted in d1_zero_sequences",
+    },
 )
