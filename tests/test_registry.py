@@ -50,7 +50,7 @@ def test_a_differing_declared_name_is_refused():
 
 
 def test_a_method_spec_gets_its_name_from_its_key():
-    from trainers.objectives import HParams, MethodSpec
+    from harness.method import HParams, MethodSpec
 
     spec = MethodSpec(description="d", objective=lambda *a: None, hparams=HParams, needs=lambda hp: frozenset())
     reg: Registry = Registry("things")
