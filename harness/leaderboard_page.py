@@ -115,7 +115,15 @@ def _relative_throughput(rows: list[dict], baseline_method: str) -> None:
     for row in rows:
         if row["kind"] != "train" or not row["samples_per_hour"]:
             continue
-        pool = [r for r in rows if r["kind"] == "train" and r["method"] == baseline_method and r["mode"] == "sync" and r["task"] == row["task"] and r["samples_per_hour"]]
+        pool = [
+            r
+            for r in rows
+            if r["kind"] == "train"
+            and r["method"] == baseline_method
+            and r["mode"] == "sync"
+            and r["task"] == row["task"]
+            and r["samples_per_hour"]
+        ]
         same = [r for r in pool if match_key(r["config"], drop_method=True) == match_key(row["config"], drop_method=True)]
         base = same or pool
         if base:
@@ -233,9 +241,15 @@ def plot_throughput_vs_accuracy(board: Board) -> str | None:
         err = [[max(last["avg_at_k"] - (last["ci_low"] if last["ci_low"] is not None else last["avg_at_k"]), 0)],
                [max((last["ci_high"] if last["ci_high"] is not None else last["avg_at_k"]) - last["avg_at_k"], 0)]]  # fmt: skip
         label = _group(row) + (f" · {row['task']}" if len(markers) > 1 else "")
-        handles[label] = ax.errorbar([x], [last["avg_at_k"]], yerr=err, marker=markers.get(row["task"], "o"), capsize=3, color=colours[_group(row)], alpha=0.85)
+        handles[label] = ax.errorbar(
+            [x], [last["avg_at_k"]], yerr=err, marker=markers.get(row["task"], "o"), capsize=3, color=colours[_group(row)], alpha=0.85
+        )
     _legend(ax, handles)
-    ax.set(xlabel="relative throughput (× sync baseline)" if relative else "training samples / hour", ylabel="final Avg@k (95% CI)", title="throughput vs final accuracy")
+    ax.set(
+        xlabel="relative throughput (× sync baseline)" if relative else "training samples / hour",
+        ylabel="final Avg@k (95% CI)",
+        title="throughput vs final accuracy",
+    )
     ax.grid(alpha=0.3)
     return _svg(fig)
 
@@ -340,7 +354,21 @@ def _table(headers: list[str], body: list[str], table_id: str) -> str:
 def main_table(board: Board) -> str:
     """The sortable runs x tasks table."""
     metric_names = sorted({name for r in board.rows for name in r["task_metrics"]})
-    headers = ["run", "method", "mode", "task", "k", "best Avg@k [95% CI] @step", "last Avg@k [95% CI] @step", "samples/h", "rel. throughput", "collapsed", "errors", *metric_names, "grader"]
+    headers = [
+        "run",
+        "method",
+        "mode",
+        "task",
+        "k",
+        "best Avg@k [95% CI] @step",
+        "last Avg@k [95% CI] @step",
+        "samples/h",
+        "rel. throughput",
+        "collapsed",
+        "errors",
+        *metric_names,
+        "grader",
+    ]
     body = []
     for r in board.rows:
         collapsed = "-" if r["collapsed"] is None else ('<span class="bad">yes</span>' if r["collapsed"] else "no")
@@ -389,7 +417,9 @@ def _mean_of(window: list[dict[str, float]], name: str) -> float | None:
 
 def run_section(info: RunInfo) -> str:
     """The drill-down of one run: config, method record, per-checkpoint metrics, staleness, stage timings."""
-    parts = [f'<details id="{info.anchor}"><summary>{e(info.key)} <span class="muted">{e(info.run["kind"])} · {e(info.run.get("method") or "-")} · {e(info.run.get("task") or "")} · {e(info.run["status"] if "status" in info.run else "")} · {e(info.source)}</span></summary>']
+    parts = [
+        f'<details id="{info.anchor}"><summary>{e(info.key)} <span class="muted">{e(info.run["kind"])} · {e(info.run.get("method") or "-")} · {e(info.run.get("task") or "")} · {e(info.run["status"] if "status" in info.run else "")} · {e(info.source)}</span></summary>'
+    ]
     if info.method_record:
         notes = info.method_record.get("notes") or {}
         parts.append(f"<h4>method {e(str(info.method_record.get('name')))}</h4><p>{e(str(info.method_record.get('description', '')))}</p>")
@@ -409,14 +439,31 @@ def run_section(info: RunInfo) -> str:
         by_step.setdefault(ev["step"], {})[ev["task"]] = ev
     ckpts = {c["step"]: c for c in info.checkpoints}
     logged = [name for name in STEP_COLUMNS if any(name in m for m in info.steps.values())]
-    headers = ["step", *[f"{t} Avg@k [95% CI]" for t in tasks], "samples seen", "train s", "samples/h", *logged, "refreshes", "idle rollout", "idle learner"]
+    headers = [
+        "step",
+        *[f"{t} Avg@k [95% CI]" for t in tasks],
+        "samples seen",
+        "train s",
+        "samples/h",
+        *logged,
+        "refreshes",
+        "idle rollout",
+        "idle learner",
+    ]
     body, previous = [], 0
     for step in sorted(set(by_step) | set(ckpts)):
         c = ckpts.get(step, {})
         m = c.get("metrics", {})
         window = [v for s, v in info.steps.items() if previous < s <= step]  # the steps since the previous row: their means
-        cells = [f'<td class="num">{step}</td>', *[_avg_cell(by_step[step][t]) if t in by_step.get(step, {}) else '<td data-sort="">-</td>' for t in tasks]]
-        cells += [_num(c.get("samples_seen"), 0) if c.get("samples_seen") is not None else _num(None), _num(c.get("train_seconds"), 1), _num(c.get("samples_per_hour"), 0)]
+        cells = [
+            f'<td class="num">{step}</td>',
+            *[_avg_cell(by_step[step][t]) if t in by_step.get(step, {}) else '<td data-sort="">-</td>' for t in tasks],
+        ]
+        cells += [
+            _num(c.get("samples_seen"), 0) if c.get("samples_seen") is not None else _num(None),
+            _num(c.get("train_seconds"), 1),
+            _num(c.get("samples_per_hour"), 0),
+        ]
         cells += [_num(_mean_of(window, name)) for name in logged]
         cells += [_num(m.get("refreshes"), 0), _num(m.get("idle_ratio_rollout"), 2), _num(m.get("idle_ratio_learner"), 2)]
         body.append("<tr>" + "".join(cells) + "</tr>")
@@ -424,8 +471,12 @@ def run_section(info: RunInfo) -> str:
     parts.append("<h4>checkpoints</h4>" + _table(headers, body, f"{info.anchor}-checkpoints"))
     last = info.checkpoints[-1]["metrics"] if info.checkpoints else {}
     if last.get("staleness_hist"):
-        parts.append(f'<h4>staleness (to step {info.checkpoints[-1]["step"]})</h4><div class="plot" style="max-width:420px">{plot_staleness(last["staleness_hist"])}</div>')
-    timings = [(role, stage, seconds) for role in ("rollout_seconds", "learner_seconds") for stage, seconds in (last.get(role) or {}).items()]
+        parts.append(
+            f'<h4>staleness (to step {info.checkpoints[-1]["step"]})</h4><div class="plot" style="max-width:420px">{plot_staleness(last["staleness_hist"])}</div>'
+        )
+    timings = [
+        (role, stage, seconds) for role in ("rollout_seconds", "learner_seconds") for stage, seconds in (last.get(role) or {}).items()
+    ]
     if timings:
         parts.append("<h4>stage timings (cumulative seconds)</h4><table><tr><th>role</th><th>stage</th><th>seconds</th></tr>" + "".join(
             f"<tr><td>{e(role.split('_')[0])}</td><td>{e(stage)}</td>{_num(float(s), 1)}</tr>" for role, stage, s in timings) + "</table>")  # fmt: skip

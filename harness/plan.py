@@ -86,7 +86,9 @@ def load_plan_data(plan: Plan) -> Plan:
 def reference_users(cfg: RunConfig, method: MethodSpec, hparams: HParams) -> list[str]:
     """What in this run trains on the task's reference solutions: a method off-policy or declaring them, SFT warm-ups."""
     users = [f"method {method.name!r}"] if not method.on_policy or "reference_responses" in method.needs(hparams) else []
-    return users + [f"{role}.sft_steps={getattr(cfg, role).sft_steps}" for role in ("student", "teacher") if getattr(cfg, role).sft_steps > 0]
+    return users + [
+        f"{role}.sft_steps={getattr(cfg, role).sft_steps}" for role in ("student", "teacher") if getattr(cfg, role).sft_steps > 0
+    ]
 
 
 def check_references(cfg: RunConfig, method: MethodSpec, hparams: HParams, task: Task) -> None:
@@ -94,7 +96,9 @@ def check_references(cfg: RunConfig, method: MethodSpec, hparams: HParams, task:
     for role in ("student", "teacher"):
         spec = getattr(cfg, role)
         if spec.sft_steps > 0 and spec.path is not None:
-            raise ConfigError(f"{role}.sft_steps={spec.sft_steps}: warm-up is only supported for tiny models built from '{role}.arch'; set {role}.sft_steps=0")
+            raise ConfigError(
+                f"{role}.sft_steps={spec.sft_steps}: warm-up is only supported for tiny models built from '{role}.arch'; set {role}.sft_steps=0"
+            )
     users = reference_users(cfg, method, hparams)
     if users and "reference_responses" not in task.provided_inputs():
         raise ConfigError(
@@ -140,7 +144,9 @@ def plan_run(cfg: RunConfig) -> Plan:
     """Look up method, tasks and pipeline; check the method's declared inputs are provided."""
     unknown_task_args = set(cfg.task_args) - {cfg.task, *cfg.eval.tasks}
     if unknown_task_args:
-        raise ConfigError(f"task_args has options for {sorted(unknown_task_args)}, which this run does not use (tasks: {cfg.task}, eval: {', '.join(cfg.eval.tasks)})")
+        raise ConfigError(
+            f"task_args has options for {sorted(unknown_task_args)}, which this run does not use (tasks: {cfg.task}, eval: {', '.join(cfg.eval.tasks)})"
+        )
     try:
         method = METHODS.get(cfg.method)
         pipeline = PIPELINES.get(cfg.trainer.mode)

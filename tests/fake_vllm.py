@@ -85,7 +85,9 @@ def _encode_hook(obj):
         flat = obj.detach().contiguous().reshape(-1)
         raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
         return [str(obj.dtype).removeprefix("torch."), list(obj.shape), msgpack.ExtType(CUSTOM_TYPE_RAW_VIEW, raw)]
-    raise TypeError(f"Object of type {type(obj)} is not serializable. Set VLLM_ALLOW_INSECURE_SERIALIZATION=1 to allow fallback to pickle-based serialization.")
+    raise TypeError(
+        f"Object of type {type(obj)} is not serializable. Set VLLM_ALLOW_INSECURE_SERIALIZATION=1 to allow fallback to pickle-based serialization."
+    )
 
 
 def _decode_ext(code: int, data: bytes):

@@ -22,7 +22,9 @@ def out_dir(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", BUILTIN_METHODS)
 def test_method_runs_end_to_end_on_smoke(method, out_dir):
-    result = runner.invoke(app, ["run", "--method", method, "--task", "arith", "--preset", "smoke", "--set", "eval.teacher=false", "--out", str(out_dir)])
+    result = runner.invoke(
+        app, ["run", "--method", method, "--task", "arith", "--preset", "smoke", "--set", "eval.teacher=false", "--out", str(out_dir)]
+    )
     assert result.exit_code == 0, result.output
     with Store(out_dir) as store:
         run_id = [r["run_id"] for r in store.runs() if r["method"] == method and r["kind"] == "train"][-1]

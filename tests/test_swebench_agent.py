@@ -25,7 +25,9 @@ def make_env(sb):
     def open_session():
         session = sb.session()
         session.write_files(REPO)
-        setup = "cd repo && git init -q && git -c user.email=a@b -c user.name=a add -A && git -c user.email=a@b -c user.name=a commit -qm base"
+        setup = (
+            "cd repo && git init -q && git -c user.email=a@b -c user.name=a add -A && git -c user.email=a@b -c user.name=a commit -qm base"
+        )
         assert session.run(ExecRequest(argv=["bash", "-c", setup])).success
         return session
 

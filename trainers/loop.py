@@ -262,7 +262,9 @@ class Learner(Protocol):
 class RolloutWorker(threading.Thread):
     """Generates and teacher-scores batches b = start+1 .. steps with the weight versions the schedule allows."""
 
-    def __init__(self, schedule: Schedule, rollout: Rollout, board: WeightBoard, buffer: ReplayBuffer, start: int, pause: threading.Event) -> None:
+    def __init__(
+        self, schedule: Schedule, rollout: Rollout, board: WeightBoard, buffer: ReplayBuffer, start: int, pause: threading.Event
+    ) -> None:
         super().__init__(name="rollout-worker", daemon=True)
         self.schedule, self.rollout, self.board, self.buffer = schedule, rollout, board, buffer
         self.next_index = start + 1
@@ -334,7 +336,12 @@ def drive(plan, session: Session, schedule: Schedule, rollout: Rollout, learner:
     worker.start()
     trainer = plan.config.trainer
     label = trainer.mode + (f", {trainer.executor}" if trainer.executor != "inprocess" else "")
-    bar = progress(range(session.state.step + 1, schedule.steps + 1), desc=f"train {plan.method.name} ({label})", initial=session.state.step, total=schedule.steps)
+    bar = progress(
+        range(session.state.step + 1, schedule.steps + 1),
+        desc=f"train {plan.method.name} ({label})",
+        initial=session.state.step,
+        total=schedule.steps,
+    )
     try:
         last_end = time.perf_counter()
         for step in bar:
@@ -397,7 +404,18 @@ class Executor(Protocol):
         """The rollout and learner roles of ``session``, started (not necessarily ready) and stopped on exit."""
 
 
-BASE_INPUTS = frozenset({"behaviour_logprobs", "old_logprobs", "teacher_logprobs", "teacher_full", "teacher_topk", "student_full", "step_boundaries", "policy_lag"})
+BASE_INPUTS = frozenset(
+    {
+        "behaviour_logprobs",
+        "old_logprobs",
+        "teacher_logprobs",
+        "teacher_full",
+        "teacher_topk",
+        "student_full",
+        "step_boundaries",
+        "policy_lag",
+    }
+)
 
 
 def provided_inputs(task) -> frozenset[str]:

@@ -29,7 +29,9 @@ class OPDParams(HParams):
     kl_coef: float = Field(1.0, gt=0, description="c_kl: weight of the KL advantage")
     aggregation: Literal["token-mean", "sum"] = Field("token-mean", description="token-mean (verl) or sum (Tinker)")
     teacher_top_k: int = Field(
-        0, ge=0, description="estimator full: 0 = the teacher's full distribution; k > 0 = its top-k log-probs plus a tail bucket (set for a top-k-only teacher, e.g. a served one)"
+        0,
+        ge=0,
+        description="estimator full: 0 = the teacher's full distribution; k > 0 = its top-k log-probs plus a tail bucket (set for a top-k-only teacher, e.g. a served one)",
     )
 
     @model_validator(mode="after")
@@ -78,7 +80,9 @@ def exact_reverse_kl(batch: TensorBatch, student: StudentOutputs, teacher_top_k:
     return full_reverse_kl(student.full, batch.teacher_full)
 
 
-def opd_objective(batch: TensorBatch, student: StudentOutputs, hp: OPDParams, state: object = None) -> tuple[torch.Tensor, dict[str, float]]:
+def opd_objective(
+    batch: TensorBatch, student: StudentOutputs, hp: OPDParams, state: object = None
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Vanilla OPD loss and diagnostics (teacher_kl = Σk/Σm, the logged reverse-KL estimate)."""
     mask = batch.loss_mask
     k = sampled_reverse_kl(batch.behaviour_logprobs, batch.teacher_logprobs, mask)
