@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:11s} ours {row['ours_ms']:7.1f} ms   mini-swe-agent style {row['mini_swe_agent_ms']:7.1f} ms")
     print(f"container start (first command) {result['container_start_s']} s; final git diff {result['git_diff_s']} s")
     print(
-        f"median step: ours {result['ours_median_ms']} ms, mini-swe-agent style {result['mini_swe_agent_median_ms']} ms, ratio {result['ratio_mini_swe_agent_over_ours']}x"
+        f"median step: ours {result['ours_median_ms']} ms, mini-swe-agent style {result['mini_swe_agent_median_ms']} ms, "
+        f"ratio {result['ratio_mini_swe_agent_over_ours']}x"
     )
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")

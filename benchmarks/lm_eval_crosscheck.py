@@ -250,7 +250,8 @@ def answer_level(items: list[Item], ours: list[dict], lm: list[dict], examples: 
     pids = list(dict.fromkeys(i.problem_id for i in items))
     out: dict = {"rates": {}, "disagreements": {}}
     print(
-        f"\n{'answer':<8}{'n':>6}{'ours@box':>10}{'em@minerva':>12}{'mv@box':>8}{'mv@minerva':>12}{'agree ours/em':>15}{'agree ours/mv':>15}"
+        f"\n{'answer':<8}{'n':>6}{'ours@box':>10}{'em@minerva':>12}{'mv@box':>8}{'mv@minerva':>12}"
+        f"{'agree ours/em':>15}{'agree ours/mv':>15}"
     )
     cats: dict[str, dict[str, list[tuple[int, int]]]] = {"exact_match": defaultdict(list), "math_verify": defaultdict(list)}
     for variant, (boxed_kind, minerva_kind) in VARIANTS.items():
@@ -280,7 +281,8 @@ def answer_level(items: list[Item], ours: list[dict], lm: list[dict], examples: 
                 it = items[b]
                 print(
                     f"         {it.problem_id} answer={it.answer!r} lm_gold={lm[m].get('gold')!r} boxed={it.completion!r}\n"
-                    f"           ours={ours[b]['status']} ({ours[b]['detail']}) lm={ {k: lm[m][k] for k in (*LM_METRICS, 'extracted', 'sympy', 'error') if k in lm[m]} }"
+                    f"           ours={ours[b]['status']} ({ours[b]['detail']}) "
+                    f"lm={ {k: lm[m][k] for k in (*LM_METRICS, 'extracted', 'sympy', 'error') if k in lm[m]} }"
                 )
     return out
 
@@ -295,7 +297,8 @@ def report(items: list[Item], ours: list[dict], lm: list[dict], examples: int) -
     print(f"\nequivalent rewritings used: {', '.join(f'{r} {c}' for r, c in rules.most_common())}")
     summary["golds_differ"] = sum(1 for n, i in enumerate(items) if i.kind == "boxed" and lm[n]["gold"] != lm[n]["answer_norm"])
     print(
-        f"problems whose lm-eval gold (Minerva-normalised last box of the solution) differs from the normalised answer field: {summary['golds_differ']}"
+        "problems whose lm-eval gold (Minerva-normalised last box of the solution) differs from the normalised answer field: "
+        f"{summary['golds_differ']}"
     )
     return summary
 
@@ -339,7 +342,8 @@ def main() -> None:
     lm = collect_workers(procs, len(items))
     seconds = time.perf_counter() - started
     print(
-        f"MATH500 {path}: {len(rows)} problems, {len(items)} completions; ours {ours_s:.0f}s, total {seconds:.0f}s ({args.workers} lm-eval workers)\n"
+        f"MATH500 {path}: {len(rows)} problems, {len(items)} completions; "
+        f"ours {ours_s:.0f}s, total {seconds:.0f}s ({args.workers} lm-eval workers)\n"
     )
     summary = report(items, ours, lm, args.examples)
     if args.json:

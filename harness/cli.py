@@ -186,7 +186,8 @@ def _print_run_summary(store, run_id: str, plan, seconds: float) -> None:
     if checkpoints:
         last = checkpoints[-1]
         stdout.print(
-            f"throughput: {last['samples_per_hour']:.0f} training samples/hour ({last['samples_seen']} samples in {last['train_seconds']:.1f}s of training)"
+            f"throughput: {last['samples_per_hour']:.0f} training samples/hour "
+            f"({last['samples_seen']} samples in {last['train_seconds']:.1f}s of training)"
         )
     for ev in plan.eval_tasks:
         evals = {e["step"]: e for e in store.evals(run_id) if e["task"] == ev.name}
@@ -546,7 +547,8 @@ def sweep(
     if dry_run:
         return
     console.print(
-        f"sweep {result.sweep_id}: {len(result.ran)} run, {len(result.skipped)} already done, {len(result.failed)} failed → {result.record_path}"
+        f"sweep {result.sweep_id}: {len(result.ran)} run, {len(result.skipped)} already done, "
+        f"{len(result.failed)} failed → {result.record_path}"
     )
     sys.stdout.write(render_markdown(write_report(out, result.sweep_id)))
     if result.failed:

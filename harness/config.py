@@ -57,7 +57,10 @@ class TeacherSpec(ModelSpec):
     base_url: str | None = Field(None, description="backend openai: the teacher server's address, e.g. http://HOST:PORT/v1")
     backend_options: dict[str, Any] = Field(
         default_factory=dict,
-        description="options for the teacher backend's load, e.g. openai: timeout_s, max_retries, connect_retries, retry_backoff_s, concurrency, api_key, tokenizer",
+        description=(
+            "options for the teacher backend's load, e.g. openai: timeout_s, max_retries, connect_retries, "
+            "retry_backoff_s, concurrency, api_key, tokenizer"
+        ),
     )
     top_k: int = Field(
         20,
@@ -67,7 +70,9 @@ class TeacherSpec(ModelSpec):
     step_retries: int = Field(
         1,
         ge=0,
-        description="re-score a step's batch this many times after a teacher failure (after the backend's own retries) before the run stops",
+        description=(
+            "re-score a step's batch this many times after a teacher failure (after the backend's own retries) before the run stops"
+        ),
     )
 
     @model_validator(mode="after")
@@ -94,7 +99,8 @@ class TeacherSpec(ModelSpec):
             return self
         if self.arch is not None or self.sft_steps:
             raise ValueError(
-                f"arch and sft_steps describe a tiny teacher built here; a teacher on backend {self.backend!r} is not built here: set teacher.arch=null and teacher.sft_steps=0"
+                f"arch and sft_steps describe a tiny teacher built here; a teacher on backend {self.backend!r} is not built here: "
+                "set teacher.arch=null and teacher.sft_steps=0"
             )
         if self.backend == "openai" and not self.base_url:
             raise ValueError("backend=openai needs the teacher server's address: set teacher.base_url=http://HOST:PORT/v1")
@@ -124,7 +130,10 @@ class TrainerConfig(Strict):
     mode: Literal["sync", "async"] = Field("sync", description="pipeline: sync, or async (rollout worker + learner overlap)")
     executor: str = Field(
         "inprocess",
-        description="where the roles run: inprocess (threads in this process) or ray (rollout, teacher and learner actors); see harness.registry.EXECUTORS",
+        description=(
+            "where the roles run: inprocess (threads in this process) or ray (rollout, teacher and learner actors); "
+            "see harness.registry.EXECUTORS"
+        ),
     )
     rollout_backend: str = Field(
         "hf",

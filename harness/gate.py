@@ -166,7 +166,8 @@ def judge(
     verdict, decided_by_bad = _decide(worst, best, blocked=bool(reasons))
     if decided_by_bad:
         reasons.append(
-            f"the {bad_b + bad_c} errored or missing samples decide the verdict (a regression if they count against the candidate, none if for it)"
+            f"the {bad_b + bad_c} errored or missing samples decide the verdict "
+            "(a regression if they count against the candidate, none if for it)"
         )
     return TaskVerdict(
         task,
@@ -305,8 +306,9 @@ class EvalSpec:
     data_dir: Path | None = None
 
     def config(self, model: str) -> dict:
-        return {"task_args": self.task_args, "backend_options": self.backend_options, "model": model, "backend": self.backend, "tasks": list(self.tasks),
-                "k": self.k, "limit": self.limit, "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}  # fmt: skip
+        return {"task_args": self.task_args, "backend_options": self.backend_options, "model": model, "backend": self.backend,
+                "tasks": list(self.tasks), "k": self.k, "limit": self.limit, "temperature": self.temperature, "top_p": self.top_p,
+                "seed": self.seed}  # fmt: skip
 
 
 def find_eval_run(store: Store, model: str, spec: EvalSpec) -> str | None:
@@ -500,7 +502,10 @@ def _describe(v: TaskVerdict) -> str:
     if v.bad_baseline or v.bad_candidate:
         best = v.best_case
         favour = f"; in its favour Δ = {best.delta:+.3f}, p = {best.p_value:.3g}" if best is not None else ""
-        text += f" [errored/missing samples: baseline {v.bad_baseline}, candidate {v.bad_candidate}; the figures count them against the candidate{favour}]"
+        text += (
+            f" [errored/missing samples: baseline {v.bad_baseline}, candidate {v.bad_candidate}; "
+            f"the figures count them against the candidate{favour}]"
+        )
     return text + (f" ({'; '.join(v.reasons)})" if v.reasons else "")
 
 

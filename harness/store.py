@@ -197,8 +197,8 @@ class Store:
         with self._tx() as c:
             c.execute("DELETE FROM samples WHERE run_id=? AND step=? AND task=?", (run_id, step, task))
             c.executemany(
-                "INSERT INTO samples (run_id, step, task, problem_id, sample_index, completion, extracted, score, status, latency_s, details,"
-                " metrics_json) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                "INSERT INTO samples (run_id, step, task, problem_id, sample_index, completion, extracted, score, status, latency_s,"
+                " details, metrics_json) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                 [
                     (run_id, step, task, s.problem_id, s.sample_index, s.completion, s.extracted, s.score, s.status, s.latency_s, s.details,
                      json.dumps(s.metrics) if s.metrics else None)
@@ -207,8 +207,8 @@ class Store:
             )  # fmt: skip
             extra = {k: v for k, v in summary.items() if k not in EVAL_COLUMNS and isinstance(v, int | float)}
             c.execute(
-                "INSERT OR REPLACE INTO evals (run_id, step, task, k, n, n_problems, avg_at_k, ci_low, ci_high, pass_at_k, n_errors, grader,"
-                " grader_version, created_at, metrics_json) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                "INSERT OR REPLACE INTO evals (run_id, step, task, k, n, n_problems, avg_at_k, ci_low, ci_high, pass_at_k, n_errors,"
+                " grader, grader_version, created_at, metrics_json) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     run_id, step, task, summary["k"], summary["n_samples"], summary["n_problems"], summary["avg_at_k"],
                     summary["ci_low"], summary["ci_high"], summary.get("pass_at_k"), summary.get("n_errors", 0),

@@ -213,11 +213,13 @@ class LmEvalTask(Task):
         self.metric = self._pick("metric", opts.metric, list(getattr(self.lm, "_metric_fn_list", None) or {}))
         if self.output_type == "multiple_choice" and self.metric not in CHOICE_METRICS:
             raise LmEvalError(
-                f"lm-eval task {self.lm_eval_name!r} (multiple_choice): metric {self.metric!r} is not supported; choose one of {', '.join(CHOICE_METRICS)}"
+                f"lm-eval task {self.lm_eval_name!r} (multiple_choice): metric {self.metric!r} is not supported; "
+                f"choose one of {', '.join(CHOICE_METRICS)}"
             )
         if self.output_type == "loglikelihood" and self.metric != "acc":
             raise LmEvalError(
-                f"lm-eval task {self.lm_eval_name!r} (loglikelihood): only metric 'acc' (is the target the greedy continuation) is supported, not {self.metric!r}"
+                f"lm-eval task {self.lm_eval_name!r} (loglikelihood): only metric 'acc' (is the target the greedy continuation) "
+                f"is supported, not {self.metric!r}"
             )
         self.gen_kwargs: dict = dict(self.lm.config.generation_kwargs or {})
         self.until: tuple[str, ...] = tuple(s for s in _as_list(self.gen_kwargs.get("until")) if s)

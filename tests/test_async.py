@@ -96,7 +96,8 @@ def test_max_lag_is_never_exceeded_under_random_timing(tmp_path, monkeypatch, ma
 
     monkeypatch.setattr(ip, "learn", slow_learn)
     metrics, _ = run(tmp_path, "--method", "opd", "--mode", "async", "--set", f"trainer.max_lag={max_lag}",
-                     "--set", f"trainer.sync_every={sync_every}", "--set", "trainer.steps=12", "--set", "trainer.checkpoint_every=6")  # fmt: skip
+                     "--set", f"trainer.sync_every={sync_every}", "--set", "trainer.steps=12",
+                     "--set", "trainer.checkpoint_every=6")  # fmt: skip
     lags = [metrics[s]["lag_max"] for s in range(1, 13)]
     assert max(lags) <= max_lag
     assert max(lags) == max_lag  # the worker really ran ahead (otherwise the bound was never tested)
@@ -118,7 +119,8 @@ def test_hard_refresh_regenerates_stale_batches(tmp_path, monkeypatch):
         return original_learn(plan, *args, **kwargs)
 
     monkeypatch.setattr(ip, "learn", learn_after_the_worker_ran_ahead)
-    metrics, ckpt = run(tmp_path, "--method", "opd_hard_refresh", "--mode", "async", "--set", "method_args.opd_hard_refresh.refresh_every=3",
+    metrics, ckpt = run(tmp_path, "--method", "opd_hard_refresh", "--mode", "async",
+                        "--set", "method_args.opd_hard_refresh.refresh_every=3",
                         "--set", "trainer.max_lag=3", "--set", "trainer.steps=12", "--set", "trainer.checkpoint_every=6")  # fmt: skip
     refresh_steps = [s for s in range(1, 13) if metrics[s]["refresh_signal"] > 0]
     assert refresh_steps == [3, 6, 9, 12]

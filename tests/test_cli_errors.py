@@ -421,7 +421,8 @@ def test_tasks_with_references_pass_validation():
 
 REFERENCES = {  # task -> whether its training split (default source) carries reference solutions
     "arith": True, "gsm8k": True, "math500": True, "aime24": True, "minerva": False, "aime25": False, "amc23": False,
-    "olympiadbench": False, "dapo_math": False, "humaneval_plus": True, "mbpp_plus": True, "livecodebench": False, "arith_tool": True, "swebench": False,
+    "olympiadbench": False, "dapo_math": False, "humaneval_plus": True, "mbpp_plus": True, "livecodebench": False, "arith_tool": True,
+    "swebench": False,
 }  # fmt: skip
 
 

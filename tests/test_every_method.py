@@ -48,7 +48,8 @@ def test_schedule_state_is_saved_in_checkpoints_and_restored(out_dir):
     from trainers.objectives.saf import SAFParams, Schedule
 
     result = runner.invoke(app, ["run", "--method", "saf_opd", "--task", "arith", "--preset", "smoke", "--set", "eval.teacher=false",
-                                 "--set", "method_args.saf_opd.warmup_steps=10", "--set", "method_args.saf_opd.kl_drop_delta=0", "--out", str(out_dir)])  # fmt: skip
+                                 "--set", "method_args.saf_opd.warmup_steps=10", "--set", "method_args.saf_opd.kl_drop_delta=0",
+                                 "--out", str(out_dir)])  # fmt: skip
     assert result.exit_code == 0, result.output
     with sqlite3.connect(out_dir / "results.sqlite") as conn:
         (run_id,) = conn.execute("SELECT run_id FROM runs WHERE method='saf_opd' ORDER BY created_at DESC").fetchone()

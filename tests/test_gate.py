@@ -156,8 +156,8 @@ def _store_eval(
             status = "error" if errored else "pass" if score else "fail"
             rows.append(SampleRow(f"p{i:03d}", j, "completion", None, 0.0 if errored else float(score), status, 0.0))
     valid = np.where(errors, np.nan, scores) if errors is not None else scores
-    summary = {"k": scores.shape[1], "n_samples": scores.size, "n_problems": len(scores), "avg_at_k": float(np.nanmean(valid)), "ci_low": 0.0, "ci_high": 1.0,
-               "n_errors": int(errors.sum()) if errors is not None else 0}  # fmt: skip
+    summary = {"k": scores.shape[1], "n_samples": scores.size, "n_problems": len(scores), "avg_at_k": float(np.nanmean(valid)),
+               "ci_low": 0.0, "ci_high": 1.0, "n_errors": int(errors.sum()) if errors is not None else 0}  # fmt: skip
     name, version = grader.split()
     store.add_eval(run_id, step, task, summary, rows, grader=name, grader_version=version)
 

@@ -60,8 +60,10 @@ def _train_run(
         }
         store.add_eval(run_id, step, "arith", summary, [], grader="math-verify", grader_version="0.9.0")
         if step:
-            metrics = {"staleness_hist": {"0": 10 * step, "1": 3 * step if mode == "async" else 0}, "rollout_seconds": {"generate": 1.5 * step, "teacher": 0.2 * step},
-                       "learner_seconds": {"train": 0.5 * step, "wait": 0.1 * step}, "refreshes": i, "idle_ratio_rollout": 0.1, "idle_ratio_learner": 0.4}  # fmt: skip
+            metrics = {"staleness_hist": {"0": 10 * step, "1": 3 * step if mode == "async" else 0},
+                       "rollout_seconds": {"generate": 1.5 * step, "teacher": 0.2 * step},
+                       "learner_seconds": {"train": 0.5 * step, "wait": 0.1 * step}, "refreshes": i,
+                       "idle_ratio_rollout": 0.1, "idle_ratio_learner": 0.4}  # fmt: skip
             store.add_checkpoint(
                 run_id, step, path=None, samples_seen=int(samples_per_hour * step / 100), train_seconds=36.0 * step, metrics=metrics
             )
@@ -71,8 +73,9 @@ def _train_run(
             step,
             {"student_entropy": 2.0 - step / 200, "teacher_kl": 1.0 / (1 + step / 50), "lag_mean": 0.5 if mode == "async" else 0.0},
         )
-    (store.run_dir(run_id) / "method.json").write_text(json.dumps({"name": method, "description": f"{method} for the test", "hparams": {"kl_coef": 1.0},
-                                                                     "notes": {"kl_coef": "a note on kl_coef"}, "warnings": []}))  # fmt: skip
+    (store.run_dir(run_id) / "method.json").write_text(json.dumps({"name": method, "description": f"{method} for the test",
+                                                                     "hparams": {"kl_coef": 1.0}, "notes": {"kl_coef": "a note on kl_coef"},
+                                                                     "warnings": []}))  # fmt: skip
     store.set_status(run_id, "done")
 
 
@@ -88,7 +91,8 @@ def _agentic_eval(store: Store, run_id: str) -> None:
 
 @pytest.fixture(scope="module")
 def roots(tmp_path_factory) -> tuple[Path, Path]:
-    """Two results roots: (a) opd sync, f_opd async (collapses), a lag sweep and an agentic eval; (b) a run whose id clashes with one of (a)."""
+    """Two results roots: (a) opd sync, f_opd async (collapses), a lag sweep and an agentic eval; (b) a run whose id clashes
+    with one of (a)."""
     a, b = tmp_path_factory.mktemp("a"), tmp_path_factory.mktemp("b")
     with Store(a) as store:
         _train_run(store, "opd-sync", method="opd", mode="sync", curve=[0.2, 0.4, 0.5, 0.55], samples_per_hour=1000.0)
@@ -291,7 +295,8 @@ class Chromium:
     def click(self, selector: str) -> None:
         """A real mouse click at the middle of the element (pressed and released), not a synthetic JS click."""
         box = self.js(
-            f"(() => {{ const el = document.querySelector({json.dumps(selector)}); el.scrollIntoView({{block: 'center'}}); const r = el.getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; }})()"
+            f"(() => {{ const el = document.querySelector({json.dumps(selector)}); el.scrollIntoView({{block: 'center'}}); "
+            "const r = el.getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; })()"
         )
         for kind in ("mousePressed", "mouseReleased"):
             self.page("Input.dispatchMouseEvent", type=kind, x=box[0], y=box[1], button="left", clickCount=1)

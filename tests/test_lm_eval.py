@@ -85,7 +85,10 @@ def test_prefix_factory_builds_each_name_once_and_errors_stay_clear():
 
 
 def test_lm_eval_prefix_is_registered_without_importing_lm_eval():
-    code = "import sys; from harness.registry import TASKS; TASKS.names(); assert 'lm_eval' in TASKS.prefixes(); assert 'lm_eval' not in sys.modules"
+    code = (
+        "import sys; from harness.registry import TASKS; TASKS.names(); "
+        "assert 'lm_eval' in TASKS.prefixes(); assert 'lm_eval' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
     cls = TASKS.get("lm_eval:anything")
     assert cls.name == "lm_eval:anything" and cls.lm_eval_name == "anything"

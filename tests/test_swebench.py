@@ -27,9 +27,16 @@ RUNTESTS = (
     "sys.exit(not unittest.main(module=None, argv=['runtests', '-v', *sys.argv[1:]], exit=False).result.wasSuccessful())\n"
 )
 BASE = {
-    "calc.py": 'def add(a, b):\n    return a + b\n\n\ndef mean(values):\n    """Arithmetic mean of a non-empty list."""\n    return sum(values) / (len(values) - 1)\n',
+    "calc.py": (
+        "def add(a, b):\n    return a + b\n\n\n"
+        'def mean(values):\n    """Arithmetic mean of a non-empty list."""\n    return sum(values) / (len(values) - 1)\n'
+    ),
     "tests/__init__.py": "",
-    "tests/test_calc.py": 'import unittest\n\nfrom calc import add\n\n\nclass CalcTest(unittest.TestCase):\n    def test_add(self):\n        """\n        add() sums two numbers (a docstring that starts on a new line).\n        """\n        self.assertEqual(add(2, 3), 5)\n',
+    "tests/test_calc.py": (
+        "import unittest\n\nfrom calc import add\n\n\nclass CalcTest(unittest.TestCase):\n    def test_add(self):\n"
+        '        """\n        add() sums two numbers (a docstring that starts on a new line).\n        """\n'
+        "        self.assertEqual(add(2, 3), 5)\n"
+    ),
     "tests/runtests.py": RUNTESTS,
 }
 TEST_AFTER = (
@@ -269,11 +276,13 @@ def test_nothing_is_left_running_after_a_crash_mid_episode(how, tiny, tmp_path, 
     data = root / "data"
     turns = tmp_path / "turns.jsonl"
     turns.write_text(json.dumps({"task": "swebench", "id": IID, "turns": ["```bash\nsleep 300\n```"]}) + "\n")
-    args = ["eval", "--task", "swebench", "--backend", "replay", "--model", str(turns), "--k", "1", "--out", str(tmp_path / "out"), "--data-dir", str(data),
-            "--task-arg", f"swebench.dataset={data / 'swebench' / 'tiny.jsonl'}", "--task-arg", f"swebench.cache_dir={root / 'cache'}"]  # fmt: skip
+    args = ["eval", "--task", "swebench", "--backend", "replay", "--model", str(turns), "--k", "1", "--out", str(tmp_path / "out"),
+            "--data-dir", str(data), "--task-arg", f"swebench.dataset={data / 'swebench' / 'tiny.jsonl'}",
+            "--task-arg", f"swebench.cache_dir={root / 'cache'}"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     code = (
-        f"from tasks.swebench import upstream; upstream.register_repo({REPO!r}, {{{VERSION!r}: {{'python': '3.9', 'test_cmd': 'python -m unittest -v'}}}}, "
+        f"from tasks.swebench import upstream; upstream.register_repo({REPO!r}, {{{VERSION!r}: "
+        "{'python': '3.9', 'test_cmd': 'python -m unittest -v'}}, "
         "parser='django/django')\nfrom harness.cli import main; main()"
     )  # the tiny repository's spec, as the fixture registers it
     proc = subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -298,7 +307,8 @@ def test_nothing_is_left_running_after_a_crash_mid_episode(how, tiny, tmp_path, 
             assert time.monotonic() - signalled < 30, f"exit took {time.monotonic() - signalled:.0f} s after SIGTERM"
         else:
             assert len(mine()) == 1  # a killed process cleans nothing up itself
-            reaper = "import sandbox\nwith sandbox.open_sandbox('docker') as sb: sb.run(sandbox.ExecRequest(argv=['true']))"  # the next user reaps
+            # the next user reaps
+            reaper = "import sandbox\nwith sandbox.open_sandbox('docker') as sb: sb.run(sandbox.ExecRequest(argv=['true']))"
             subprocess.run([sys.executable, "-c", reaper], env=env, check=True, timeout=120)
             assert mine() == []
     finally:
@@ -316,7 +326,10 @@ def test_open_instance_session_runs_in_the_repository(tiny):
     data = root / "data"
     options = {"data_dir": str(data), "dataset": str(data / "swebench" / "tiny.jsonl"), "cache_dir": str(root / "cache")}
     with open_instance_session(IID, options) as session:
-        script = "cd /testbed && git status --porcelain && git log --oneline | wc -l && python -c 'import calc, sys; print(calc.add(1, 2), sys.prefix)'"
+        script = (
+            "cd /testbed && git status --porcelain && git log --oneline | wc -l && "
+            "python -c 'import calc, sys; print(calc.add(1, 2), sys.prefix)'"
+        )
         result = session.run(ExecRequest(argv=["bash", "-c", script], timeout_s=60))
         assert result.exit_code == 0, result.stderr
         assert result.stdout.split() == ["1", "3", "/opt/venv"]

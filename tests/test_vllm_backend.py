@@ -44,7 +44,11 @@ from fake_vllm import (
 
 
 def test_importing_the_module_does_not_import_vllm():
-    code = "import sys, harness.backends.vllm_backend as m; from harness.registry import BACKENDS; assert BACKENDS.get('vllm') is m.VLLMBackend; print(sorted(k for k in sys.modules if k == 'vllm' or k.startswith('vllm.')))"
+    code = (
+        "import sys, harness.backends.vllm_backend as m; from harness.registry import BACKENDS; "
+        "assert BACKENDS.get('vllm') is m.VLLMBackend; "
+        "print(sorted(k for k in sys.modules if k == 'vllm' or k.startswith('vllm.')))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"

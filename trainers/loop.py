@@ -358,8 +358,9 @@ def drive(plan, session: Session, schedule: Schedule, rollout: Rollout, learner:
                 dropped += len(buffer.drop_stale())
             now = time.perf_counter()
             add_rates(metrics, result.lengths, now - last_end)
-            metrics.update(behaviour_version=float(entry.version), buffer_size=float(len(buffer)), refreshes=float(refreshes), dropped_batches=float(dropped),
-                           idle_ratio_rollout=worker.clock.idle_ratio(), idle_ratio_learner=clock.idle_ratio())  # fmt: skip
+            metrics.update(behaviour_version=float(entry.version), buffer_size=float(len(buffer)), refreshes=float(refreshes),
+                           dropped_batches=float(dropped), idle_ratio_rollout=worker.clock.idle_ratio(),
+                           idle_ratio_learner=clock.idle_ratio())  # fmt: skip
             pause.clear()  # the worker finishes its current batch, then waits while we checkpoint/evaluate
             checkpoint_metrics = {
                 "staleness_hist": {str(k): v for k, v in sorted(staleness.items())},

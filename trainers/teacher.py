@@ -92,7 +92,8 @@ def score_teacher(
             where = f"step {step}" if step is not None else "a step"
             if attempt == retries:
                 raise TeacherFailed(
-                    f"teacher scoring of {where} failed after {retries + 1} attempt(s) ({type(exc).__name__}: {exc}); the step was not trained. "
+                    f"teacher scoring of {where} failed after {retries + 1} attempt(s) ({type(exc).__name__}: {exc}); "
+                    "the step was not trained. "
                     "Check the teacher (teacher.backend, teacher.base_url), then continue with harness run --resume"
                 ) from exc
             log.warning("teacher scoring of %s failed (%s: %s); retry %d/%d", where, type(exc).__name__, exc, attempt + 1, retries)

@@ -379,7 +379,8 @@ class OpenAIBackend:
         returned, values, tops = list(logprobs.tokens or []), list(logprobs.token_logprobs or []), list(logprobs.top_logprobs or [])
         if len(returned) < len(tokens) or len(values) < len(tokens):
             raise ScoringMismatch(
-                f"openai backend: row {row}: sent {len(tokens)} prompt tokens, the server echoed {len(returned)} with {len(values)} log-probs"
+                f"openai backend: row {row}: sent {len(tokens)} prompt tokens, "
+                f"the server echoed {len(returned)} with {len(values)} log-probs"
             )
         entries: list[dict[int, float] | None] = [None]
         for position, token in enumerate(tokens):

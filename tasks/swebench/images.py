@@ -357,13 +357,14 @@ def build_instance_image(inputs: BuildInputs, cache_dir: Path, *, force: bool = 
         if inputs.install:
             builder.sh(f"cd {TESTBED} && {inputs.install}", "install")
         commit = (
-            f"cd {REPO_DIR} && git config --global --add safe.directory '*' && git init -q && git add -A && git -c user.name=SWE-bench -c user.email=setup@swebench.config"
-            " commit -q --no-verify -m base && chown -R 65534:65534 ."
+            f"cd {REPO_DIR} && git config --global --add safe.directory '*' && git init -q && git add -A"
+            " && git -c user.name=SWE-bench -c user.email=setup@swebench.config commit -q --no-verify -m base && chown -R 65534:65534 ."
         )
         builder.sh(commit, "commit the tree")
         wrappers = (
             f"for f in {VENV}/bin/*; do n=$(basename $f); case $n in activate*|python*) ;; *) ln -sfn $f /usr/local/bin/$n;; esac; done;"
-            f" for n in python python3 python3.11; do printf '#!/bin/sh\\nexec {VENV}/bin/python \"$@\"\\n' > /usr/local/bin/$n; chmod 755 /usr/local/bin/$n; done"
+            f" for n in python python3 python3.11; do printf '#!/bin/sh\\nexec {VENV}/bin/python \"$@\"\\n' > /usr/local/bin/$n;"
+            " chmod 755 /usr/local/bin/$n; done"
         )
         builder.sh(wrappers, "put the venv first on PATH")
         # A link to the interpreter elsewhere (tox-current-env's .tox/<env>/bin/python) is not the venv: give the base

@@ -45,12 +45,17 @@ class SwebenchOptions(TaskOptions):
     )
     dataset: str = Field(
         "auto",
-        description="rows: auto (<data dir>/swebench/verified_mini_50.csv or verified_mini_hf/, else the hub), a local file/folder, or hf:<name>",
+        description=(
+            "rows: auto (<data dir>/swebench/verified_mini_50.csv or verified_mini_hf/, else the hub), a local file/folder, or hf:<name>"
+        ),
     )
     instances: str = Field("", description="comma-separated instance ids (default: every instance with a snapshot, else every row)")
     repo_source: str = Field(
         "",
-        description="repository trees: a snapshot folder (<id>/repo.tar.xz; default <data dir>/swebench/instances), a folder of git mirrors, or github",
+        description=(
+            "repository trees: a snapshot folder (<id>/repo.tar.xz; default <data dir>/swebench/instances), "
+            "a folder of git mirrors, or github"
+        ),
     )
     cache_dir: str = Field(str(DEFAULT_CACHE), description="image build logs, pip cache, grading logs")
     grade_timeout_s: float = Field(1800.0, gt=0, description="wall-clock limit of one grading run (past it: fail, code grade_timeout)")

@@ -399,7 +399,8 @@ def ap_opd_needs(hp: HParams) -> frozenset[str]:
 _COMMON_NOTES = {
     "status": "RECONSTRUCTED (methods.md §4): no paper equations or code were available",
     "log_ratio": "r_t = o_t − T_t with o the trainer-side old log-prob (batch.old_logprobs, else the current student detached)",
-    "blocks": "formed over valid tokens; each maximal mask==1 run (assistant turn) is blocked separately (App. B.3); boundaries never cross a mask break",
+    "blocks": "formed over valid tokens; each maximal mask==1 run (assistant turn) is blocked separately (App. B.3); "
+    "boundaries never cross a mask break",
     "partial_block": "last short block kept with its own size (default); 'merge' joins a block shorter than B/2 to its predecessor",
     "variance": "sample variance (n−1); a one-token block has s² = 0",
     "C": "C = number of blocks in the response (all runs); counts_as='boundaries' uses within-run boundaries",

@@ -31,7 +31,10 @@ class OPDParams(HParams):
     teacher_top_k: int = Field(
         0,
         ge=0,
-        description="estimator full: 0 = the teacher's full distribution; k > 0 = its top-k log-probs plus a tail bucket (set for a top-k-only teacher, e.g. a served one)",
+        description=(
+            "estimator full: 0 = the teacher's full distribution; k > 0 = its top-k log-probs plus a tail bucket "
+            "(set for a top-k-only teacher, e.g. a served one)"
+        ),
     )
 
     @model_validator(mode="after")
@@ -70,7 +73,8 @@ def topk_reverse_kl(student_full: torch.Tensor, teacher_topk_ids: torch.Tensor, 
 
 
 def exact_reverse_kl(batch: TensorBatch, student: StudentOutputs, teacher_top_k: int = 0) -> torch.Tensor:
-    """Per-position KL(π_θ ‖ π_T) from the full distributions (or the teacher's top-k); a clear error when a pipeline did not provide them."""
+    """Per-position KL(π_θ ‖ π_T) from the full distributions (or the teacher's top-k); a clear error when a pipeline did not
+    provide them."""
     if teacher_top_k:
         if student.full is None or batch.teacher_topk_ids is None or batch.teacher_topk_logprobs is None:
             raise ValueError("estimator 'full' with teacher_top_k needs the full student distribution and the teacher's top-k log-probs")
@@ -137,7 +141,10 @@ def topk_note(k: int) -> str:
 
 
 OPD_SPEC = MethodSpec(
-    description="Vanilla on-policy distillation: per-token reverse-KL advantage with an importance-sampling loss (or the exact full-vocabulary reverse KL)",
+    description=(
+        "Vanilla on-policy distillation: per-token reverse-KL advantage with an importance-sampling loss "
+        "(or the exact full-vocabulary reverse KL)"
+    ),
     objective=opd_objective,  # type: ignore[arg-type]
     hparams=OPDParams,
     needs=opd_needs,  # type: ignore[arg-type]
