@@ -42,7 +42,9 @@ def timed(fn) -> float:
 
 def mini_swe_agent_exec(container_id: str, command: str, timeout_s: float) -> str:
     """mini-swe-agent's ``DockerEnvironment.execute``: ``docker exec -w CWD`` with ``bash -lc`` in a fresh shell."""
-    done = subprocess.run(["docker", "exec", "-w", AGENT_WORKDIR, container_id, "bash", "-lc", command], capture_output=True, text=True, timeout=timeout_s)
+    done = subprocess.run(
+        ["docker", "exec", "-w", AGENT_WORKDIR, container_id, "bash", "-lc", command], capture_output=True, text=True, timeout=timeout_s
+    )
     return done.stdout + done.stderr
 
 
@@ -64,7 +66,11 @@ def measure(task: SwebenchTask, problem, rounds: int) -> dict:
     finally:
         env.close()
     per_command = {
-        name: {"ours_ms": round(1000 * statistics.median(ours[name]), 1), "mini_swe_agent_ms": round(1000 * statistics.median(theirs[name]), 1)} for name in COMMANDS
+        name: {
+            "ours_ms": round(1000 * statistics.median(ours[name]), 1),
+            "mini_swe_agent_ms": round(1000 * statistics.median(theirs[name]), 1),
+        }
+        for name in COMMANDS
     }
     all_ours = [t for ts in ours.values() for t in ts]
     all_theirs = [t for ts in theirs.values() for t in ts]
@@ -94,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, row in result["per_command"].items():
         print(f"{name:11s} ours {row['ours_ms']:7.1f} ms   mini-swe-agent style {row['mini_swe_agent_ms']:7.1f} ms")
     print(f"container start (first command) {result['container_start_s']} s; final git diff {result['git_diff_s']} s")
-    print(f"median step: ours {result['ours_median_ms']} ms, mini-swe-agent style {result['mini_swe_agent_median_ms']} ms, ratio {result['ratio_mini_swe_agent_over_ours']}x")
+    print(
+        f"median step: ours {result['ours_median_ms']} ms, mini-swe-agent style {result['mini_swe_agent_median_ms']} ms, "
+        f"ratio {result['ratio_mini_swe_agent_over_ours']}x"
+    )
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -89,7 +89,8 @@ def main() -> None:
     print(f"sync stage times: {stages(sync)}")
     print(f"async OPD step {median(async_opd, 'time_step_s') * 1e3:.0f} ms: speed-up {speedup:.2f}x; ideal-overlap bound {ideal:.2f}x "
           f"({share * 100:.0f}% of the possible gain)")  # fmt: skip
-    print(f"async idle ratios: rollout {median(async_opd, 'idle_ratio_rollout'):.2f}, learner {median(async_opd, 'idle_ratio_learner'):.2f}; "
+    print(f"async idle ratios: rollout {median(async_opd, 'idle_ratio_rollout'):.2f}, "
+          f"learner {median(async_opd, 'idle_ratio_learner'):.2f}; "
           f"mean lag {statistics.mean(m['lag_mean'] for m in async_opd.values()):.2f}")  # fmt: skip
     print_overhead("learning", async_fopd, async_base)
     print_overhead("on the same rollouts, lr 1e-9", frozen_fopd, frozen_base)

@@ -79,7 +79,9 @@ def replay_workload(args) -> None:
 def model_workload(args) -> None:
     task = make_task("arith_tool", {"arith_tool": {"sandbox": args.sandbox, "n_train": 2000, "n_test": args.problems}})
     with task:
-        spec = ModelSpec(arch=TinyArch(hidden=128, layers=2, heads=4, kv_heads=2, ffn=256), sft_steps=args.sft_steps, sft_batch_size=32, seed=0)
+        spec = ModelSpec(
+            arch=TinyArch(hidden=128, layers=2, heads=4, kv_heads=2, ffn=256), sft_steps=args.sft_steps, sft_batch_size=32, seed=0
+        )
         model, tokenizer, _ = prepare_model(spec, "bench", task, task.load("train"), Path(args.cache))
         backend = HFBackend(model, tokenizer, batch_size=64)
         problems = task.load("test")
@@ -93,7 +95,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="measurements of each way after the warm-up, in alternating order")
     parser.add_argument("--sandbox", default="docker", choices=["docker", "local"])
     parser.add_argument("--data-dir", type=Path, default=None, help="benchmark data folder (default: $HARNESS_DATA_DIR)")
-    parser.add_argument("--cache", default=os.path.expanduser("~/.cache/opd-harness/bench"), help="where the warmed-up tiny model is cached")
+    parser.add_argument(
+        "--cache", default=os.path.expanduser("~/.cache/opd-harness/bench"), help="where the warmed-up tiny model is cached"
+    )
     parser.add_argument("--sft-steps", type=int, default=400, help="SFT steps of the tiny model on tool traces")
     parser.add_argument("--skip-replay", action="store_true", help="only the tiny-model workload (no math500 data needed)")
     args = parser.parse_args()

@@ -119,8 +119,11 @@ def report(n: int, ep_cold: dict, ep_warm: dict, warm_cold: dict, warm_warm: dic
           f"harness cold containers {cold_warm['base']}/{cold_warm['plus']}")
     print("grading seconds (ground truth cached; harness: reading its cached truth + grading, as evaluate() loads its own):")
     print(f"  evalplus evaluate()         {base:7.1f}   (whole process {ep_warm['process_s']:.1f}: exit waits up to 20 s)")
-    print(f"  harness Docker warm pool    {warm_warm['total_s']:7.1f}   (truth read {warm_warm['truth_s']:.1f}, grading {warm_warm['grade_s']:.1f}); "
-          f"speed vs evalplus (evalplus s / harness s) {base / warm_warm['total_s']:.2f}")
+    print(
+        f"  harness Docker warm pool    {warm_warm['total_s']:7.1f}   "
+        f"(truth read {warm_warm['truth_s']:.1f}, grading {warm_warm['grade_s']:.1f}); "
+        f"speed vs evalplus (evalplus s / harness s) {base / warm_warm['total_s']:.2f}"
+    )
     print(f"  harness Docker cold per run {cold_warm['total_s']:7.1f}   speed vs evalplus {base / cold_warm['total_s']:.2f}; "
           f"cold/warm {cold_warm['total_s'] / warm_warm['total_s']:.2f}x")
     print("ground truth computed from scratch, then grading:")

@@ -54,7 +54,10 @@ from trainers.objectives.opd import OPD_SPEC, OPDParams  # noqa: E402
 # The cpu-demo preset's models (harness/presets/cpu-demo.yaml) and a wider pair for GPU-sized numbers.
 MODEL_PAIRS: dict[str, tuple[TinyArch, TinyArch]] = {
     "demo": (TinyArch(hidden=128, layers=2, heads=4, kv_heads=2, ffn=256), TinyArch(hidden=192, layers=3, heads=4, kv_heads=2, ffn=384)),
-    "wide": (TinyArch(hidden=1024, layers=8, heads=16, kv_heads=8, ffn=4096), TinyArch(hidden=1024, layers=8, heads=16, kv_heads=8, ffn=4096)),
+    "wide": (
+        TinyArch(hidden=1024, layers=8, heads=16, kv_heads=8, ffn=4096),
+        TinyArch(hidden=1024, layers=8, heads=16, kv_heads=8, ffn=4096),
+    ),
 }
 DRY_SIZES = {"prompts": 4, "samples": 2, "new_tokens": 8, "steps": 1, "reference_rows": 4}
 VLLM_TEST_TIMEOUT_S = 900
@@ -85,7 +88,12 @@ def environment() -> dict:
     """Versions and the device, for the JSON."""
     import transformers
 
-    info = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__, "cuda": torch.cuda.is_available()}
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.cuda.is_available(),
+    }
     if torch.cuda.is_available():
         info["device_name"] = torch.cuda.get_device_name(0)
         info["cuda_runtime"] = torch.version.cuda
@@ -192,10 +200,19 @@ def measure_pair(name: str, args: argparse.Namespace, device: str, tokenizer) ->
     params = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, n=args.samples, seed=0)
     completions, seconds = timed_generate(sampler, prompts, params, device)
     tokens = sum(len(c.token_ids) for c in completions)
-    result["generation"] = {"sequences": len(completions), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "peak_mib": peak_memory_mib(device)}
+    result["generation"] = {
+        "sequences": len(completions),
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "peak_mib": peak_memory_mib(device),
+    }
 
     batch = completions_batch(prompts, completions, tokenizer.pad_token_id)
-    result["logprob_check"] = {"rows": min(args.reference_rows, len(completions)), "max_abs_diff": max_logprob_difference(student, tokenizer, batch, args.reference_rows, device)}
+    result["logprob_check"] = {
+        "rows": min(args.reference_rows, len(completions)),
+        "max_abs_diff": max_logprob_difference(student, tokenizer, batch, args.reference_rows, device),
+    }
     result["logprob_check"]["ok"] = result["logprob_check"]["max_abs_diff"] <= args.tolerance
 
     scorer = HFBackend(teacher, tokenizer, batch_size=len(completions), device=device)
@@ -226,7 +243,13 @@ def learner_steps(model: torch.nn.Module, batch: TensorBatch, steps: int, device
         metrics = train_step(model, optimizer, batch, OPD_SPEC, hparams)
         synchronize(device)
         seconds.append(time.perf_counter() - started)
-    return {"step_s_mean": sum(seconds) / len(seconds), "step_s": seconds, "peak_mib": peak_memory_mib(device), "warmup_loss": warmup["loss"], "last_loss": metrics["loss"]}
+    return {
+        "step_s_mean": sum(seconds) / len(seconds),
+        "step_s": seconds,
+        "peak_mib": peak_memory_mib(device),
+        "warmup_loss": warmup["loss"],
+        "last_loss": metrics["loss"],
+    }
 
 
 def run_vllm_tests(skip_reason: str | None) -> dict:
@@ -240,7 +263,12 @@ def run_vllm_tests(skip_reason: str | None) -> dict:
     except subprocess.TimeoutExpired:
         return {"ran": True, "ok": False, "reason": f"timed out after {VLLM_TEST_TIMEOUT_S} s"}
     print(done.stdout[-6000:], done.stderr[-2000:], sep="\n")
-    return {"ran": True, "ok": done.returncode == 0, "returncode": done.returncode, "summary": (done.stdout.strip().splitlines() or [""])[-1]}
+    return {
+        "ran": True,
+        "ok": done.returncode == 0,
+        "returncode": done.returncode,
+        "summary": (done.stdout.strip().splitlines() or [""])[-1],
+    }
 
 
 def vllm_skip_reason(device: str, skip: bool) -> str | None:
@@ -281,13 +309,23 @@ def main(argv: list[str] | None = None) -> int:
     device = "cuda" if cuda else "cpu"
     if not cuda:
         why = "--dry-run" if args.dry_run else "torch.cuda.is_available() is False"
-        print(f"DRY MODE ({why}): skipping every CUDA measurement; running the demo pair on the CPU at toy sizes, the vLLM tests are not run", flush=True)
+        print(
+            f"DRY MODE ({why}): skipping every CUDA measurement; running the demo pair on the CPU at toy sizes, the vLLM tests are not run",
+            flush=True,
+        )
         args = dry_sizes(args)
     else:
         exact_float32()
     torch.manual_seed(0)
     tokenizer = build_char_tokenizer()
-    report: dict = {"mode": "gpu" if cuda else "dry", "device": device, "environment": environment(), "tolerance": args.tolerance, "tf32": False if cuda else None, "models": {}}
+    report: dict = {
+        "mode": "gpu" if cuda else "dry",
+        "device": device,
+        "environment": environment(),
+        "tolerance": args.tolerance,
+        "tf32": False if cuda else None,
+        "models": {},
+    }
     report["sizes"] = {k: getattr(args, k) for k in ("prompts", "samples", "new_tokens", "steps", "reference_rows")}
     started = time.perf_counter()
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -47,7 +47,8 @@ def main() -> None:
     agree = sum((g.status == "pass") == b for g, b in zip(pooled, bare))
     errors = sum(g.status == "error" for g in pooled)
     print(f"{len(items)} completions; harness pool ({args.workers} workers): {pooled_s:.1f}s = {len(items) / pooled_s:.0f}/s; "
-          f"bare sequential: {bare_s:.1f}s = {len(items) / bare_s:.0f}/s; ratio harness/bare throughput = {bare_s / pooled_s:.2f}")  # fmt: skip
+          f"bare sequential: {bare_s:.1f}s = {len(items) / bare_s:.0f}/s; "
+          f"ratio harness/bare throughput = {bare_s / pooled_s:.2f}")  # fmt: skip
     print(f"agreement pass/not-pass: {agree}/{len(items)}; harness errors: {errors}")
 
 

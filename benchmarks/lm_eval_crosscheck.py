@@ -111,7 +111,10 @@ def build_items(rows: list[dict]) -> list[Item]:
         rewritten = rewrite(ans)
         if rewritten:
             rule, text = rewritten
-            items += [Item(pid, "equiv_boxed", rule, f"\\boxed{{{text}}}", ans), Item(pid, "equiv_minerva", rule, MINERVA.format(text), ans)]
+            items += [
+                Item(pid, "equiv_boxed", rule, f"\\boxed{{{text}}}", ans),
+                Item(pid, "equiv_minerva", rule, MINERVA.format(text), ans),
+            ]
         bad = wrong(ans)
         items += [Item(pid, "wrong_boxed", "", f"\\boxed{{{bad}}}", ans), Item(pid, "wrong_minerva", "", MINERVA.format(bad), ans)]
     return items
@@ -159,7 +162,14 @@ def start_workers(jobs: list[dict], n: int, antlr_dir: Path) -> list[tuple[subpr
     procs = []
     for start in range(0, len(jobs), size):
         part = jobs[start : start + size]
-        proc = subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
         proc.stdin.write(json.dumps(part))
         proc.stdin.close()
         procs.append((proc, start, len(part)))
@@ -239,7 +249,10 @@ def answer_level(items: list[Item], ours: list[dict], lm: list[dict], examples: 
     at: dict[tuple[str, str], int] = {(i.problem_id, i.kind): n for n, i in enumerate(items)}
     pids = list(dict.fromkeys(i.problem_id for i in items))
     out: dict = {"rates": {}, "disagreements": {}}
-    print(f"\n{'answer':<8}{'n':>6}{'ours@box':>10}{'em@minerva':>12}{'mv@box':>8}{'mv@minerva':>12}{'agree ours/em':>15}{'agree ours/mv':>15}")
+    print(
+        f"\n{'answer':<8}{'n':>6}{'ours@box':>10}{'em@minerva':>12}{'mv@box':>8}{'mv@minerva':>12}"
+        f"{'agree ours/em':>15}{'agree ours/mv':>15}"
+    )
     cats: dict[str, dict[str, list[tuple[int, int]]]] = {"exact_match": defaultdict(list), "math_verify": defaultdict(list)}
     for variant, (boxed_kind, minerva_kind) in VARIANTS.items():
         pairs = [(at[(p, boxed_kind)], at[(p, minerva_kind)]) for p in pids if (p, boxed_kind) in at]
@@ -268,7 +281,8 @@ def answer_level(items: list[Item], ours: list[dict], lm: list[dict], examples: 
                 it = items[b]
                 print(
                     f"         {it.problem_id} answer={it.answer!r} lm_gold={lm[m].get('gold')!r} boxed={it.completion!r}\n"
-                    f"           ours={ours[b]['status']} ({ours[b]['detail']}) lm={ {k: lm[m][k] for k in (*LM_METRICS, 'extracted', 'sympy', 'error') if k in lm[m]} }"
+                    f"           ours={ours[b]['status']} ({ours[b]['detail']}) "
+                    f"lm={ {k: lm[m][k] for k in (*LM_METRICS, 'extracted', 'sympy', 'error') if k in lm[m]} }"
                 )
     return out
 
@@ -282,7 +296,10 @@ def report(items: list[Item], ours: list[dict], lm: list[dict], examples: int) -
     summary["equiv_rules"] = dict(rules.most_common())
     print(f"\nequivalent rewritings used: {', '.join(f'{r} {c}' for r, c in rules.most_common())}")
     summary["golds_differ"] = sum(1 for n, i in enumerate(items) if i.kind == "boxed" and lm[n]["gold"] != lm[n]["answer_norm"])
-    print(f"problems whose lm-eval gold (Minerva-normalised last box of the solution) differs from the normalised answer field: {summary['golds_differ']}")
+    print(
+        "problems whose lm-eval gold (Minerva-normalised last box of the solution) differs from the normalised answer field: "
+        f"{summary['golds_differ']}"
+    )
     return summary
 
 
@@ -292,7 +309,9 @@ def main() -> None:
     parser.add_argument("--problems", type=int, default=None, help="seeded random subsample of N problems (default: all 500)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=2, help="lm-eval worker subprocesses")
-    parser.add_argument("--antlr411", type=Path, default=ROOT / ".cache" / "antlr4-4.11", help="a pip --target dir holding antlr4-python3-runtime 4.11")
+    parser.add_argument(
+        "--antlr411", type=Path, default=ROOT / ".cache" / "antlr4-4.11", help="a pip --target dir holding antlr4-python3-runtime 4.11"
+    )
     parser.add_argument("--examples", type=int, default=3, help="examples printed per disagreement category")
     parser.add_argument("--json", type=Path, default=None, help="also write the summary and every graded item here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -322,10 +341,17 @@ def main() -> None:
     ours_s = time.perf_counter() - started
     lm = collect_workers(procs, len(items))
     seconds = time.perf_counter() - started
-    print(f"MATH500 {path}: {len(rows)} problems, {len(items)} completions; ours {ours_s:.0f}s, total {seconds:.0f}s ({args.workers} lm-eval workers)\n")
+    print(
+        f"MATH500 {path}: {len(rows)} problems, {len(items)} completions; "
+        f"ours {ours_s:.0f}s, total {seconds:.0f}s ({args.workers} lm-eval workers)\n"
+    )
     summary = report(items, ours, lm, args.examples)
     if args.json:
-        args.json.write_text(json.dumps({"summary": summary, "items": [{**asdict(i), "ours": o, "lm_eval": m} for i, o, m in zip(items, ours, lm)]}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {"summary": summary, "items": [{**asdict(i), "ours": o, "lm_eval": m} for i, o, m in zip(items, ours, lm)]}, indent=1
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -57,8 +57,14 @@ def main() -> None:
         local = timed_runs(lambda: sb.run(local_program), args.runs)
         local_rate = throughput(sb, ExecRequest(argv=[sb.python, "-c", "pass"]), 40, 4)
     cold_ms, warm_ms, local_ms = (statistics.median(x) * 1e3 for x in (cold, warm, local))
-    print(f"docker cold container per run: median {cold_ms:.0f} ms; warm pool: median {warm_ms:.0f} ms; ratio cold/warm {cold_ms / warm_ms:.1f}x")
-    print(f"docker pool of 4, 8 threads: {pooled_rate:.1f} runs/s; local provider: median {local_ms:.0f} ms, 4 threads {local_rate:.1f} runs/s")
+    print(
+        f"docker cold container per run: median {cold_ms:.0f} ms; warm pool: median {warm_ms:.0f} ms; "
+        f"ratio cold/warm {cold_ms / warm_ms:.1f}x"
+    )
+    print(
+        f"docker pool of 4, 8 threads: {pooled_rate:.1f} runs/s; "
+        f"local provider: median {local_ms:.0f} ms, 4 threads {local_rate:.1f} runs/s"
+    )
 
 
 if __name__ == "__main__":

@@ -34,11 +34,23 @@ def measure(task: SwebenchTask, problem, cold: bool) -> dict:
     t0 = time.perf_counter()
     SwebenchTask(task.options).ensure_image(row)
     cached_s = time.perf_counter() - t0
-    out = {"instance": problem.id, "image": first.tag, "built": first.built, "build_s": round(build_s, 1), "cached_build_s": round(cached_s, 2), "dropped_pins": first.dropped}
+    out = {
+        "instance": problem.id,
+        "image": first.tag,
+        "built": first.built,
+        "build_s": round(build_s, 1),
+        "cached_build_s": round(cached_s, 2),
+        "dropped_pins": first.dropped,
+    }
     for name, patch in (("gold", problem.answer), ("empty", "")):
         t0 = time.perf_counter()
         outcome = task.grade_patch(row, patch)
-        out[f"{name}_status"], out[f"{name}_grade_s"], out[f"{name}_reason"], out[f"{name}_log"] = outcome.status, round(time.perf_counter() - t0, 1), outcome.reason, outcome.log_path
+        out[f"{name}_status"], out[f"{name}_grade_s"], out[f"{name}_reason"], out[f"{name}_log"] = (
+            outcome.status,
+            round(time.perf_counter() - t0, 1),
+            outcome.reason,
+            outcome.log_path,
+        )
     return out
 
 

@@ -116,7 +116,8 @@ def run(
     task: Annotated[str | None, typer.Option(help="training task (see `harness tasks`)")] = None,
     mode: Annotated[str | None, typer.Option(help="pipeline: sync, or async (rollout and learning overlap)")] = None,
     executor: Annotated[
-        str | None, typer.Option(help="where the roles run: inprocess (threads in this process) or ray (actors; local Ray, or trainer.ray_address)")
+        str | None,
+        typer.Option(help="where the roles run: inprocess (threads in this process) or ray (actors; local Ray, or trainer.ray_address)"),
     ] = None,
     preset: Annotated[str | None, typer.Option(help="built-in preset: smoke, cpu-demo, tool-demo")] = None,
     config: Annotated[Path | None, typer.Option("--config", help="YAML config file")] = None,
@@ -184,7 +185,10 @@ def _print_run_summary(store, run_id: str, plan, seconds: float) -> None:
     checkpoints = store.checkpoints(run_id)
     if checkpoints:
         last = checkpoints[-1]
-        stdout.print(f"throughput: {last['samples_per_hour']:.0f} training samples/hour ({last['samples_seen']} samples in {last['train_seconds']:.1f}s of training)")
+        stdout.print(
+            f"throughput: {last['samples_per_hour']:.0f} training samples/hour "
+            f"({last['samples_seen']} samples in {last['train_seconds']:.1f}s of training)"
+        )
     for ev in plan.eval_tasks:
         evals = {e["step"]: e for e in store.evals(run_id) if e["task"] == ev.name}
         if 0 in evals and len(evals) > 1:
@@ -215,11 +219,15 @@ def eval_(
     json_: Annotated[bool, typer.Option("--json", help="print a JSON summary instead of a table")] = False,
     max_error_rate: Annotated[float, typer.Option(help="exit 1 if a task's fraction of grading errors exceeds this")] = 0.02,
     task_arg: Annotated[
-        list[str] | None, typer.Option("--task-arg", help="task option TASK.KEY=VALUE, repeatable (e.g. arith.max_operand=50, as a run's task_args)")
+        list[str] | None,
+        typer.Option("--task-arg", help="task option TASK.KEY=VALUE, repeatable (e.g. arith.max_operand=50, as a run's task_args)"),
     ] = None,
     backend_option: Annotated[
         list[str] | None,
-        typer.Option("--backend-option", help="backend option KEY=VALUE, repeatable (openai: base_url=http://HOST:PORT/v1, mode=chat, concurrency=16, tokenizer=PATH)"),
+        typer.Option(
+            "--backend-option",
+            help="backend option KEY=VALUE, repeatable (openai: base_url=http://HOST:PORT/v1, mode=chat, concurrency=16, tokenizer=PATH)",
+        ),
     ] = None,
 ) -> None:
     """Evaluate one model or checkpoint on one or more tasks; rows go to the store.
@@ -264,7 +272,18 @@ def eval_(
         raise _fail(str(exc)) from None
     store = Store(out)
     run_id = new_run_id("eval", "+".join(names))
-    config = {"task_args": task_args, "backend_options": {k: v for k, v in options.items() if k != "api_key"}, "model": model, "backend": backend, "tasks": names, "k": k, "limit": limit, "temperature": temperature, "top_p": top_p, "seed": seed}
+    config = {
+        "task_args": task_args,
+        "backend_options": {k: v for k, v in options.items() if k != "api_key"},
+        "model": model,
+        "backend": backend,
+        "tasks": names,
+        "k": k,
+        "limit": limit,
+        "temperature": temperature,
+        "top_p": top_p,
+        "seed": seed,
+    }
     store.create_run(run_id, kind="eval", config=config, task=",".join(names), model=model)
     errors: tuple[type[BaseException], ...] = (ValueError,)
     if backend == "openai":
@@ -292,7 +311,11 @@ def eval_(
         for name, summary in summaries.items():
             if line := describe_episodes(summary):
                 stdout.print(f"{name}: {line}")
-    too_many = {name: s["n_errors"] / max(s["n_samples"], 1) for name, s in summaries.items() if s["n_errors"] / max(s["n_samples"], 1) > max_error_rate}
+    too_many = {
+        name: s["n_errors"] / max(s["n_samples"], 1)
+        for name, s in summaries.items()
+        if s["n_errors"] / max(s["n_samples"], 1) > max_error_rate
+    }
     if too_many:
         rates = ", ".join(f"{name} {rate:.1%}" for name, rate in too_many.items())
         raise _fail(f"grading error rate above --max-error-rate {max_error_rate:.1%}: {rates} (see the samples table for details)", 1)
@@ -304,7 +327,9 @@ def serve_(
     host: Annotated[str, typer.Option(help="interface to bind")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port")] = 8000,
     max_batch: Annotated[int, typer.Option(help="most sequences (prompt x sample, from any number of requests) decoded together")] = 64,
-    max_batch_tokens: Annotated[int, typer.Option(help="most padded positions per batch: sequences x (longest prompt + max_tokens)")] = 32768,
+    max_batch_tokens: Annotated[
+        int, typer.Option(help="most padded positions per batch: sequences x (longest prompt + max_tokens)")
+    ] = 32768,
     max_logprobs: Annotated[int, typer.Option(help="cap on logprobs / top_logprobs per request (-1: no cap)")] = 20,
     device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when available)")] = None,
     served_model_name: Annotated[str | None, typer.Option(help="model name clients ask for (default: --model as given)")] = None,
@@ -358,7 +383,9 @@ def methods(json_: Annotated[bool, typer.Option("--json", help="machine-readable
 
 @app.command()
 def leaderboard(
-    directories: Annotated[list[Path] | None, typer.Argument(help="results roots holding results.sqlite (several merge into one board; default: results)")] = None,
+    directories: Annotated[
+        list[Path] | None, typer.Argument(help="results roots holding results.sqlite (several merge into one board; default: results)")
+    ] = None,
     format_: Annotated[str, typer.Option("--format", help="table, md, csv, json, or html (one self-contained page with plots)")] = "table",
     run: Annotated[list[str] | None, typer.Option(help="only these run ids (repeatable; not for html)")] = None,
     out: Annotated[Path | None, typer.Option(help="write to this file instead of stdout")] = None,
@@ -404,24 +431,35 @@ def leaderboard(
 
 @app.command()
 def gate(
-    baseline: Annotated[str, typer.Option(help="the accepted checkpoint: RUN or RUN:STEP (default step: the run's last evaluated one), or a model path")],
+    baseline: Annotated[
+        str, typer.Option(help="the accepted checkpoint: RUN or RUN:STEP (default step: the run's last evaluated one), or a model path")
+    ],
     candidate: Annotated[str, typer.Option(help="the checkpoint under test: RUN, RUN:STEP or a model path")],
-    task: Annotated[str | None, typer.Option(help="task name(s), comma separated (default: every task both evaluated; required for model paths)")] = None,
+    task: Annotated[
+        str | None, typer.Option(help="task name(s), comma separated (default: every task both evaluated; required for model paths)")
+    ] = None,
     out: Annotated[Path, typer.Option(help="results root holding the runs (model paths are evaluated into it)")] = Path("results"),
     alpha: Annotated[float, typer.Option(help="false-alarm rate of the whole gate (one-sided; split over tasks by Bonferroni)")] = 0.05,
     max_drop: Annotated[float, typer.Option(help="tolerated drop in absolute Avg@k points (0.02 = two points)")] = 0.0,
     min_problems: Annotated[int, typer.Option(help="fewer problems per task than this is inconclusive")] = 10,
-    max_error_rate: Annotated[float, typer.Option(help="a side with more errored or missing samples than this fraction is inconclusive")] = 0.02,
+    max_error_rate: Annotated[
+        float, typer.Option(help="a side with more errored or missing samples than this fraction is inconclusive")
+    ] = 0.02,
     n_resamples: Annotated[int, typer.Option(help="paired bootstrap resamples")] = 10_000,
     bootstrap_seed: Annotated[int, typer.Option(help="bootstrap seed")] = 0,
-    json_: Annotated[str | None, typer.Option("--json", help="write the JSON report to this file ('-' = stdout; the verdict paragraph then goes to stderr)")] = None,
+    json_: Annotated[
+        str | None,
+        typer.Option("--json", help="write the JSON report to this file ('-' = stdout; the verdict paragraph then goes to stderr)"),
+    ] = None,
     k: Annotated[int | None, typer.Option(help="model paths: samples per problem (default: the task's k)")] = None,
     limit: Annotated[int | None, typer.Option(help="model paths: first N problems only")] = None,
     temperature: Annotated[float, typer.Option(help="model paths: sampling temperature")] = 1.0,
     top_p: Annotated[float, typer.Option(help="model paths: nucleus sampling")] = 1.0,
     seed: Annotated[int, typer.Option(help="model paths: sampling seed (the same for both)")] = 0,
     backend: Annotated[str, typer.Option(help="model paths: inference backend (hf, replay, openai, vllm)")] = "hf",
-    backend_option: Annotated[list[str] | None, typer.Option("--backend-option", help="model paths: backend option KEY=VALUE, repeatable")] = None,
+    backend_option: Annotated[
+        list[str] | None, typer.Option("--backend-option", help="model paths: backend option KEY=VALUE, repeatable")
+    ] = None,
     task_arg: Annotated[list[str] | None, typer.Option("--task-arg", help="model paths: task option TASK.KEY=VALUE, repeatable")] = None,
     data_dir: Annotated[Path | None, typer.Option(help="model paths: local data root laid out as DIR/<task>/...")] = None,
 ) -> None:
@@ -460,7 +498,18 @@ def gate(
                 check_data_dir(data_dir)
             except ConfigError as exc:
                 raise _fail(str(exc)) from None
-        spec = EvalSpec(tuple(tasks), k=k, limit=limit, temperature=temperature, top_p=top_p, seed=seed, task_args=task_args, backend=backend, backend_options=options, data_dir=data_dir)
+        spec = EvalSpec(
+            tuple(tasks),
+            k=k,
+            limit=limit,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            task_args=task_args,
+            backend=backend,
+            backend_options=options,
+            data_dir=data_dir,
+        )
     with Store(out) as store:
         try:
             report = run_gate(store, baseline, candidate, tasks, alpha=alpha, max_drop=max_drop, min_problems=min_problems,
@@ -497,7 +546,10 @@ def sweep(
         raise _fail(f"interrupted; continue with: harness sweep {file} --out {out}", 130) from None
     if dry_run:
         return
-    console.print(f"sweep {result.sweep_id}: {len(result.ran)} run, {len(result.skipped)} already done, {len(result.failed)} failed → {result.record_path}")
+    console.print(
+        f"sweep {result.sweep_id}: {len(result.ran)} run, {len(result.skipped)} already done, "
+        f"{len(result.failed)} failed → {result.record_path}"
+    )
     sys.stdout.write(render_markdown(write_report(out, result.sweep_id)))
     if result.failed:
         raise _fail(f"{len(result.failed)} run(s) failed: {', '.join(result.failed)}; re-run the sweep to resume them", 1)
@@ -536,7 +588,9 @@ def sandbox_build(
     tag: Annotated[str, typer.Option(help="image tag")] = "opd-sandbox:bookworm",
     force: Annotated[bool, typer.Option("--force", help="rebuild the rootfs tarball and re-import even if the image exists")] = False,
     cache_dir: Annotated[Path, typer.Option(help="where the rootfs tarball is cached (git-ignored)")] = Path(".cache/sandbox"),
-    task: Annotated[str | None, typer.Option(help="also build the images a task needs (a task with build_images(), e.g. one image per instance)")] = None,
+    task: Annotated[
+        str | None, typer.Option(help="also build the images a task needs (a task with build_images(), e.g. one image per instance)")
+    ] = None,
     data_dir: Annotated[Path | None, typer.Option(help="local data root laid out as DIR/<task>/... (with --task)")] = None,
     task_arg: Annotated[list[str] | None, typer.Option("--task-arg", help="task option TASK.KEY=VALUE, repeatable (with --task)")] = None,
 ) -> None:

@@ -51,14 +51,29 @@ class TeacherSpec(ModelSpec):
     """The teacher: a model built or loaded here (``backend: hf``, the default) or any backend that can score,
     e.g. a served teacher (``backend: openai``, ``base_url``) or a vLLM engine on this machine (``backend: vllm``)."""
 
-    backend: str = Field("hf", description="scoring backend of the teacher role: hf (in-process), vllm, or openai (a served teacher at base_url)")
+    backend: str = Field(
+        "hf", description="scoring backend of the teacher role: hf (in-process), vllm, or openai (a served teacher at base_url)"
+    )
     base_url: str | None = Field(None, description="backend openai: the teacher server's address, e.g. http://HOST:PORT/v1")
     backend_options: dict[str, Any] = Field(
         default_factory=dict,
-        description="options for the teacher backend's load, e.g. openai: timeout_s, max_retries, connect_retries, retry_backoff_s, concurrency, api_key, tokenizer",
+        description=(
+            "options for the teacher backend's load, e.g. openai: timeout_s, max_retries, connect_retries, "
+            "retry_backoff_s, concurrency, api_key, tokenizer"
+        ),
     )
-    top_k: int = Field(20, ge=1, description="teacher log-probs per position asked of a backend without full distributions (openai, vllm) when a method needs them")
-    step_retries: int = Field(1, ge=0, description="re-score a step's batch this many times after a teacher failure (after the backend's own retries) before the run stops")
+    top_k: int = Field(
+        20,
+        ge=1,
+        description="teacher log-probs per position asked of a backend without full distributions (openai, vllm) when a method needs them",
+    )
+    step_retries: int = Field(
+        1,
+        ge=0,
+        description=(
+            "re-score a step's batch this many times after a teacher failure (after the backend's own retries) before the run stops"
+        ),
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> "TeacherSpec":
@@ -74,14 +89,19 @@ class TeacherSpec(ModelSpec):
             raise ValueError(f"backend: {self.backend!r} cannot score sequences, so it cannot be a teacher; choose hf, vllm or openai")
         unknown = sorted(set(self.backend_options) - set(load_options(backend)))
         if unknown:
-            raise ValueError(f"backend_options: {unknown} are not options of the {self.backend} backend (it takes {', '.join(load_options(backend))})")
+            raise ValueError(
+                f"backend_options: {unknown} are not options of the {self.backend} backend (it takes {', '.join(load_options(backend))})"
+            )
         if self.backend == "hf":
             if self.base_url is not None:
                 raise ValueError("base_url is used only with teacher.backend=openai")
             check_one_source(self)
             return self
         if self.arch is not None or self.sft_steps:
-            raise ValueError(f"arch and sft_steps describe a tiny teacher built here; a teacher on backend {self.backend!r} is not built here: set teacher.arch=null and teacher.sft_steps=0")
+            raise ValueError(
+                f"arch and sft_steps describe a tiny teacher built here; a teacher on backend {self.backend!r} is not built here: "
+                "set teacher.arch=null and teacher.sft_steps=0"
+            )
         if self.backend == "openai" and not self.base_url:
             raise ValueError("backend=openai needs the teacher server's address: set teacher.base_url=http://HOST:PORT/v1")
         if self.backend != "openai" and self.base_url is not None:
@@ -109,19 +129,34 @@ def load_options(backend: type) -> list[str]:
 class TrainerConfig(Strict):
     mode: Literal["sync", "async"] = Field("sync", description="pipeline: sync, or async (rollout worker + learner overlap)")
     executor: str = Field(
-        "inprocess", description="where the roles run: inprocess (threads in this process) or ray (rollout, teacher and learner actors); see harness.registry.EXECUTORS"
+        "inprocess",
+        description=(
+            "where the roles run: inprocess (threads in this process) or ray (rollout, teacher and learner actors); "
+            "see harness.registry.EXECUTORS"
+        ),
     )
-    rollout_backend: str = Field("hf", description="inference backend of the rollout role (e.g. vllm on a GPU); it receives the learner's weights through load_weights")
-    rollout_backend_options: dict[str, Any] = Field(default_factory=dict, description="options passed to the rollout backend's load (e.g. gpu_memory_utilization)")
-    ray_address: str | None = Field(None, description="executor ray: address of an existing cluster (host:6379 or ray://host:10001); default: start a local Ray")
+    rollout_backend: str = Field(
+        "hf",
+        description="inference backend of the rollout role (e.g. vllm on a GPU); it receives the learner's weights through load_weights",
+    )
+    rollout_backend_options: dict[str, Any] = Field(
+        default_factory=dict, description="options passed to the rollout backend's load (e.g. gpu_memory_utilization)"
+    )
+    ray_address: str | None = Field(
+        None, description="executor ray: address of an existing cluster (host:6379 or ray://host:10001); default: start a local Ray"
+    )
     behaviour_logprobs: Literal["recompute", "engine"] = Field(
         "recompute",
         description="π_old of PPO-style ratios: recompute (the trainer's model under the behaviour weights; ρ = 1 at lag 0) or engine "
         "(the rollout engine's own scores, e.g. vLLM's, off the trainer's by their numerics)",
     )
     max_lag: int = Field(1, ge=0, description="async: no sample is trained on with policy lag above this")
-    fixed_lag: int | None = Field(None, ge=0, description="async lag study: every batch is generated by the policy exactly this many versions old")
-    sync_every: int = Field(1, ge=1, description="async: rollout weights are refreshed every N learner steps (or sooner if max_lag requires)")
+    fixed_lag: int | None = Field(
+        None, ge=0, description="async lag study: every batch is generated by the policy exactly this many versions old"
+    )
+    sync_every: int = Field(
+        1, ge=1, description="async: rollout weights are refreshed every N learner steps (or sooner if max_lag requires)"
+    )
     steps: int = Field(400, ge=1, description="optimizer steps")
     prompts_per_step: int = Field(64, ge=1)
     samples_per_prompt: int = Field(
@@ -168,7 +203,9 @@ class TrainerConfig(Strict):
         except RegistryError as exc:
             raise ValueError(str(exc)) from None
         if not (callable(getattr(backend, "load_weights", None)) and callable(getattr(backend, "load", None))):
-            raise ValueError(f"backend {name!r} cannot be a rollout engine: it has no load_weights(state, version) to receive the learner's weights")
+            raise ValueError(
+                f"backend {name!r} cannot be a rollout engine: it has no load_weights(state, version) to receive the learner's weights"
+            )
         return name
 
     @model_validator(mode="after")
@@ -194,7 +231,9 @@ class RunConfig(Strict):
     method: str = "opd"
     task: str = "arith"
     seed: int = 0
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: all cores in sync mode, 1 per role in async mode or with executor ray)")
+    threads: int | None = Field(
+        None, ge=1, description="torch intra-op threads (default: all cores in sync mode, 1 per role in async mode or with executor ray)"
+    )
     student: ModelSpec = Field(default_factory=lambda: ModelSpec(arch=TinyArch(hidden=128, layers=2), sft_steps=300, seed=1))
     teacher: TeacherSpec = Field(default_factory=lambda: TeacherSpec(arch=TinyArch(hidden=192, layers=3, ffn=384), sft_steps=800))
     method_args: dict[str, dict[str, Any]] = Field(default_factory=dict, description="hyper-parameters by method name")
@@ -317,7 +356,11 @@ def fit_preset_models(preset: dict, task: str, options: dict) -> dict:
         spec = dict(out.get(role) or {})
         if spec.get("sft_steps", 0) > 0 and not cls.provides_references:
             spec["sft_steps"] = 0
-        if "arch" in spec and isinstance(budget, int) and spec["arch"].get("max_positions", TinyArch.model_fields["max_positions"].default) < budget:
+        if (
+            "arch" in spec
+            and isinstance(budget, int)
+            and spec["arch"].get("max_positions", TinyArch.model_fields["max_positions"].default) < budget
+        ):
             spec["arch"] = {**spec["arch"], "max_positions": budget}
         if spec:
             out[role] = spec
@@ -334,7 +377,9 @@ def without_tiny_teacher(preset: dict, user: dict) -> dict:
     return {**preset, "teacher": {k: v for k, v in preset["teacher"].items() if k not in tiny}}
 
 
-def build_config(*, preset: str | None = None, config_file: Path | None = None, overrides: list[str] = (), cli: dict | None = None) -> RunConfig:
+def build_config(
+    *, preset: str | None = None, config_file: Path | None = None, overrides: list[str] = (), cli: dict | None = None
+) -> RunConfig:
     """Merge the layers and validate; raises :class:`ConfigError` naming the bad key."""
     user: dict = {}
     if config_file:
@@ -342,7 +387,11 @@ def build_config(*, preset: str | None = None, config_file: Path | None = None, 
     for item in overrides:
         user = deep_merge(user, parse_override(item))
     user = deep_merge(user, {k: v for k, v in (cli or {}).items() if v is not None})
-    data = deep_merge(without_tiny_teacher(retarget_preset(load_preset(preset), user.get("task"), user.get("task_args")), user), user) if preset else user
+    data = (
+        deep_merge(without_tiny_teacher(retarget_preset(load_preset(preset), user.get("task"), user.get("task_args")), user), user)
+        if preset
+        else user
+    )
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:

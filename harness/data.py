@@ -255,7 +255,9 @@ def _table(results: list[CheckResult], folder: Path) -> Table:
         files = ", ".join(str(p.relative_to(folder)) if p.is_relative_to(folder) else str(p) for p in r.files)
         note = r.detail if r.status == "missing" or (r.status == "ok" and r.detail) else ""
         rows = "" if r.rows is None else str(r.rows)
-        table.add_row(r.need.task, r.need.split, f"[{colour[r.status]}]{r.status}[/]", rows, escape("; ".join(x for x in (files, note) if x)))
+        table.add_row(
+            r.need.task, r.need.split, f"[{colour[r.status]}]{r.status}[/]", rows, escape("; ".join(x for x in (files, note) if x))
+        )
     return table
 
 
@@ -295,7 +297,12 @@ def check(
     out.print(f"{folder}: {counts['ok']} ok, {counts['missing']} missing, {counts['invalid']} invalid", highlight=False, markup=False)
     if counts["missing"] and not named:
         missing = sorted({r.need.task for r in results if r.status == "missing"})
-        out.print(f"fetch the missing ones with: harness data fetch {' '.join(missing)} --to {folder}", highlight=False, markup=False, soft_wrap=True)
+        out.print(
+            f"fetch the missing ones with: harness data fetch {' '.join(missing)} --to {folder}",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
     if counts["invalid"] or (named and counts["missing"]):
         raise typer.Exit(1)
 
@@ -319,7 +326,9 @@ def fetch(
     results: list[CheckResult] = []
     for name in names:
         for need in needs_of(name):
-            console.print(f"{name} [{need.split}]: {need.source} -> {folder}/{', '.join(need.files)}", highlight=False, markup=False, soft_wrap=True)
+            console.print(
+                f"{name} [{need.split}]: {need.source} -> {folder}/{', '.join(need.files)}", highlight=False, markup=False, soft_wrap=True
+            )
             try:
                 results.append(fetch_need(folder, need, force=force))
             except DataFetchError as exc:

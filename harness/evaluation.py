@@ -18,7 +18,20 @@ from harness.trajectory import Trajectory
 
 GRADE_CHUNK = 64  # completions per grade_many call, so the grading progress bar moves
 GENERIC_SUMMARY_KEYS = frozenset(
-    {"k", "n_problems", "n_samples", "n_errors", "n_pass", "n_fail", "n_error_problems", "avg_at_k", "ci_low", "ci_high", "pass_at_k", "seconds"}
+    {
+        "k",
+        "n_problems",
+        "n_samples",
+        "n_errors",
+        "n_pass",
+        "n_fail",
+        "n_error_problems",
+        "avg_at_k",
+        "ci_low",
+        "ci_high",
+        "pass_at_k",
+        "seconds",
+    }
 )  # what every evaluation summary has; anything beyond is a task-specific measurement (e.g. agentic rates)
 
 

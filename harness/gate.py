@@ -74,7 +74,9 @@ class OneSidedResult:
     regression: bool = False
 
 
-def one_sided_test(base: list[np.ndarray], cand: list[np.ndarray], *, alpha: float, max_drop: float, n_resamples: int, seed: int) -> OneSidedResult:
+def one_sided_test(
+    base: list[np.ndarray], cand: list[np.ndarray], *, alpha: float, max_drop: float, n_resamples: int, seed: int
+) -> OneSidedResult:
     """Test 'candidate worse by more than max_drop' on (problems, k) score matrices without NaN, one pair per task.
 
     One task with k = 1 and 0/1 scores gets the exact McNemar test; anything else the (stratified) paired bootstrap.
@@ -156,13 +158,32 @@ def judge(
         reasons.append(f"only {n} problems (fewer than --min-problems {min_problems})")
     for side, bad in (("baseline", bad_b), ("candidate", bad_c)):
         if n and bad / (n * k) > max_bad_rate:
-            reasons.append(f"{side}: {bad} of {n * k} samples errored or missing ({bad / (n * k):.1%} > --max-error-rate {max_bad_rate:.1%})")
+            reasons.append(
+                f"{side}: {bad} of {n * k} samples errored or missing ({bad / (n * k):.1%} > --max-error-rate {max_bad_rate:.1%})"
+            )
     kw = {"alpha": alpha, "max_drop": max_drop, "n_resamples": n_resamples, "seed": seed}
     worst, best = _bounds([(base, cand)], **kw) if n else (None, None)
     verdict, decided_by_bad = _decide(worst, best, blocked=bool(reasons))
     if decided_by_bad:
-        reasons.append(f"the {bad_b + bad_c} errored or missing samples decide the verdict (a regression if they count against the candidate, none if for it)")
-    return TaskVerdict(task, verdict, k, n, _valid_avg(base), _valid_avg(cand), bad_b, bad_c, alpha, worst, best, reasons, blocked=bool(reasons) and not decided_by_bad)
+        reasons.append(
+            f"the {bad_b + bad_c} errored or missing samples decide the verdict "
+            "(a regression if they count against the candidate, none if for it)"
+        )
+    return TaskVerdict(
+        task,
+        verdict,
+        k,
+        n,
+        _valid_avg(base),
+        _valid_avg(cand),
+        bad_b,
+        bad_c,
+        alpha,
+        worst,
+        best,
+        reasons,
+        blocked=bool(reasons) and not decided_by_bad,
+    )
 
 
 def _bounds(pairs: list[tuple[np.ndarray, np.ndarray]], **kw) -> tuple[OneSidedResult, OneSidedResult]:
@@ -186,7 +207,15 @@ def _decide(worst: OneSidedResult | None, best: OneSidedResult | None, *, blocke
     return "inconclusive", True
 
 
-def judge_overall(verdicts: list[TaskVerdict], matrices: list[tuple[np.ndarray, np.ndarray]], *, alpha: float, max_drop: float, n_resamples: int, seed: int) -> TaskVerdict:
+def judge_overall(
+    verdicts: list[TaskVerdict],
+    matrices: list[tuple[np.ndarray, np.ndarray]],
+    *,
+    alpha: float,
+    max_drop: float,
+    n_resamples: int,
+    seed: int,
+) -> TaskVerdict:
     """Macro-average over tasks (each task weighs the same), stratified paired bootstrap, with the same worst/best-case rule."""
     blocked = [v.task for v in verdicts if v.blocked]
     reasons = [f"task {task} is inconclusive (see its reasons)" for task in blocked]
@@ -238,16 +267,24 @@ def resolve_ref(store: Store, text: str, flag: str, tasks: list[str] | None) -> 
         raise GateUsageError(f"{flag} {text!r}: run {run_id} has no evaluation at step {step} (evaluated steps: {sorted(steps)})")
     missing = wanted - steps[step]
     if missing:
-        raise GateUsageError(f"{flag} {text!r}: step {step} of {run_id} was not evaluated on {sorted(missing)} (evaluate it with `harness eval`)")
+        raise GateUsageError(
+            f"{flag} {text!r}: step {step} of {run_id} was not evaluated on {sorted(missing)} (evaluate it with `harness eval`)"
+        )
     return run_id, step
 
 
-def score_matrices(store: Store, baseline: tuple[str, int], candidate: tuple[str, int], task: str, k: int) -> tuple[list[str], np.ndarray, np.ndarray]:
+def score_matrices(
+    store: Store, baseline: tuple[str, int], candidate: tuple[str, int], task: str, k: int
+) -> tuple[list[str], np.ndarray, np.ndarray]:
     """Problem ids (the union of both sides) and aligned (problems, k) score matrices; NaN = errored or missing sample."""
     base, cand = sample_scores(store, *baseline, task, k), sample_scores(store, *candidate, task, k)
     problems = sorted(set(base) | set(cand))
     missing = np.full(k, np.nan)
-    return problems, np.array([base.get(p, missing) for p in problems]).reshape(-1, k), np.array([cand.get(p, missing) for p in problems]).reshape(-1, k)
+    return (
+        problems,
+        np.array([base.get(p, missing) for p in problems]).reshape(-1, k),
+        np.array([cand.get(p, missing) for p in problems]).reshape(-1, k),
+    )
 
 
 # ---- model paths: evaluate them first, on the same problems, k, sampling and seed ---------------
@@ -269,8 +306,9 @@ class EvalSpec:
     data_dir: Path | None = None
 
     def config(self, model: str) -> dict:
-        return {"task_args": self.task_args, "backend_options": self.backend_options, "model": model, "backend": self.backend, "tasks": list(self.tasks),
-                "k": self.k, "limit": self.limit, "temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}  # fmt: skip
+        return {"task_args": self.task_args, "backend_options": self.backend_options, "model": model, "backend": self.backend,
+                "tasks": list(self.tasks), "k": self.k, "limit": self.limit, "temperature": self.temperature, "top_p": self.top_p,
+                "seed": self.seed}  # fmt: skip
 
 
 def find_eval_run(store: Store, model: str, spec: EvalSpec) -> str | None:
@@ -313,7 +351,9 @@ def evaluate_model(store: Store, model: str, spec: EvalSpec) -> str:
         store.create_run(run_id, kind="eval", config=spec.config(model), task=",".join(spec.tasks), model=model)
         try:
             for t in tasks:
-                sampling = SamplingParams(temperature=spec.temperature, top_p=spec.top_p, max_new_tokens=t.options.max_new_tokens, seed=spec.seed)
+                sampling = SamplingParams(
+                    temperature=spec.temperature, top_p=spec.top_p, max_new_tokens=t.options.max_new_tokens, seed=spec.seed
+                )
                 store_eval(store, run_id, 0, evaluate_task(engine, t, problems[t.name], k=spec.k or t.options.k, sampling=sampling))
         except BaseException:
             store.set_status(run_id, "failed")
@@ -393,27 +433,49 @@ def gate(
     base_ref = resolve_ref(store, baseline, "--baseline", tasks)
     cand_ref = resolve_ref(store, candidate, "--candidate", tasks)
     if tasks is None:
-        tasks = sorted({e["task"] for e in store.evals(base_ref[0]) if e["step"] == base_ref[1]} & {e["task"] for e in store.evals(cand_ref[0]) if e["step"] == cand_ref[1]})
+        tasks = sorted(
+            {e["task"] for e in store.evals(base_ref[0]) if e["step"] == base_ref[1]}
+            & {e["task"] for e in store.evals(cand_ref[0]) if e["step"] == cand_ref[1]}
+        )
         if not tasks:
             raise GateUsageError(f"--baseline {baseline} and --candidate {candidate} share no evaluated task; name them with --task")
     n_tests = len(tasks) + (1 if len(tasks) > 1 else 0)
     per_test_alpha = alpha / n_tests  # Bonferroni: the family of tests (tasks + overall) keeps its false-alarm rate at alpha
-    notes = eval_notes + ([f"Bonferroni: {n_tests} tests at alpha {alpha:g} / {n_tests} = {per_test_alpha:.4g} each"] if n_tests > 1 else [])
+    notes = eval_notes + (
+        [f"Bonferroni: {n_tests} tests at alpha {alpha:g} / {n_tests} = {per_test_alpha:.4g} each"] if n_tests > 1 else []
+    )
     verdicts, matrices = [], []
     for task in tasks:
-        ev = {side: next(e for e in store.evals(ref[0]) if e["step"] == ref[1] and e["task"] == task) for side, ref in (("base", base_ref), ("cand", cand_ref))}
+        ev = {
+            side: next(e for e in store.evals(ref[0]) if e["step"] == ref[1] and e["task"] == task)
+            for side, ref in (("base", base_ref), ("cand", cand_ref))
+        }
         k = min(ev["base"]["k"], ev["cand"]["k"])
         if ev["base"]["k"] != ev["cand"]["k"]:
             notes.append(f"{task}: baseline k={ev['base']['k']}, candidate k={ev['cand']['k']}; compared on the first {k} samples")
         graders = {side: f"{e['grader']} {e['grader_version']}" for side, e in ev.items()}
-        blockers = () if graders["base"] == graders["cand"] else (f"graded differently: baseline by {graders['base']}, candidate by {graders['cand']}",)
+        blockers = (
+            ()
+            if graders["base"] == graders["cand"]
+            else (f"graded differently: baseline by {graders['base']}, candidate by {graders['cand']}",)
+        )
         _, b, c = score_matrices(store, base_ref, cand_ref, task, k)
         kw = {"alpha": per_test_alpha, "max_drop": max_drop, "n_resamples": n_resamples, "seed": seed}
         verdicts.append(judge(b, c, task=task, min_problems=min_problems, max_bad_rate=max_bad_rate, blockers=blockers, **kw))
         matrices.append((b, c))
-    overall = judge_overall(verdicts, matrices, alpha=per_test_alpha, max_drop=max_drop, n_resamples=n_resamples, seed=seed) if len(tasks) > 1 else None
+    overall = (
+        judge_overall(verdicts, matrices, alpha=per_test_alpha, max_drop=max_drop, n_resamples=n_resamples, seed=seed)
+        if len(tasks) > 1
+        else None
+    )
     judged = [*verdicts, *([overall] if overall else [])]
-    verdict = "regression" if any(v.verdict == "regression" for v in judged) else "inconclusive" if any(v.verdict == "inconclusive" for v in judged) else "pass"
+    verdict = (
+        "regression"
+        if any(v.verdict == "regression" for v in judged)
+        else "inconclusive"
+        if any(v.verdict == "inconclusive" for v in judged)
+        else "pass"
+    )
     fmt = lambda ref: f"{ref[0]}:{ref[1]}"  # noqa: E731
     return GateReport(verdict, fmt(base_ref), fmt(cand_ref), alpha, max_drop, verdicts, overall, notes)
 
@@ -428,7 +490,11 @@ def _describe(v: TaskVerdict) -> str:
     if t is None:
         return f"{v.task}: {v.verdict} ({'; '.join(v.reasons)})"
     label = f"Avg@{v.k}" if v.k else "mean Avg@k"
-    test = f"exact McNemar, {t.worse} worse vs {t.better} better" if t.test == "exact McNemar" else f"paired bootstrap over {v.n_problems} problems"
+    test = (
+        f"exact McNemar, {t.worse} worse vs {t.better} better"
+        if t.test == "exact McNemar"
+        else f"paired bootstrap over {v.n_problems} problems"
+    )
     text = (
         f"{v.task}: {label} {_f(v.avg_baseline)} → {_f(v.avg_candidate)}, Δ = {t.delta:+.3f} "
         f"(one-sided {(1 - v.alpha) * 100:.4g}% upper bound {t.ci_high:+.3f}; {test}; p = {t.p_value:.3g}) → {v.verdict}"
@@ -436,7 +502,10 @@ def _describe(v: TaskVerdict) -> str:
     if v.bad_baseline or v.bad_candidate:
         best = v.best_case
         favour = f"; in its favour Δ = {best.delta:+.3f}, p = {best.p_value:.3g}" if best is not None else ""
-        text += f" [errored/missing samples: baseline {v.bad_baseline}, candidate {v.bad_candidate}; the figures count them against the candidate{favour}]"
+        text += (
+            f" [errored/missing samples: baseline {v.bad_baseline}, candidate {v.bad_candidate}; "
+            f"the figures count them against the candidate{favour}]"
+        )
     return text + (f" ({'; '.join(v.reasons)})" if v.reasons else "")
 
 

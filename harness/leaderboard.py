@@ -12,7 +12,21 @@ from harness.jsonout import to_json
 from harness.metrics import PairedResult, paired_bootstrap
 from harness.store import Store
 
-COLUMNS = ("run_id", "kind", "method", "step", "task", "k", "avg_at_k", "ci_low", "ci_high", "n_problems", "n_errors", "samples_per_hour", "grader")
+COLUMNS = (
+    "run_id",
+    "kind",
+    "method",
+    "step",
+    "task",
+    "k",
+    "avg_at_k",
+    "ci_low",
+    "ci_high",
+    "n_problems",
+    "n_errors",
+    "samples_per_hour",
+    "grader",
+)
 
 
 def leaderboard_rows(store: Store, run_ids: list[str] | None = None) -> list[dict]:
@@ -115,7 +129,9 @@ def per_problem_values(store: Store, run_id: str, step: int, task: str, k: int) 
     return {pid: float(np.nanmean(row)) for pid, row in sample_scores(store, run_id, step, task, k).items() if not np.isnan(row).all()}
 
 
-def paired_comparison(store: Store, task: str, k: int, baseline: tuple[str, int], candidate: tuple[str, int], seed: int = 0) -> PairedResult:
+def paired_comparison(
+    store: Store, task: str, k: int, baseline: tuple[str, int], candidate: tuple[str, int], seed: int = 0
+) -> PairedResult:
     """Paired bootstrap (10,000 resamples) of candidate − baseline Avg@k over shared problems."""
     a = per_problem_values(store, *baseline, task, k)
     b = per_problem_values(store, *candidate, task, k)

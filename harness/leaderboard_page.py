@@ -115,7 +115,15 @@ def _relative_throughput(rows: list[dict], baseline_method: str) -> None:
     for row in rows:
         if row["kind"] != "train" or not row["samples_per_hour"]:
             continue
-        pool = [r for r in rows if r["kind"] == "train" and r["method"] == baseline_method and r["mode"] == "sync" and r["task"] == row["task"] and r["samples_per_hour"]]
+        pool = [
+            r
+            for r in rows
+            if r["kind"] == "train"
+            and r["method"] == baseline_method
+            and r["mode"] == "sync"
+            and r["task"] == row["task"]
+            and r["samples_per_hour"]
+        ]
         same = [r for r in pool if match_key(r["config"], drop_method=True) == match_key(row["config"], drop_method=True)]
         base = same or pool
         if base:
@@ -233,9 +241,15 @@ def plot_throughput_vs_accuracy(board: Board) -> str | None:
         err = [[max(last["avg_at_k"] - (last["ci_low"] if last["ci_low"] is not None else last["avg_at_k"]), 0)],
                [max((last["ci_high"] if last["ci_high"] is not None else last["avg_at_k"]) - last["avg_at_k"], 0)]]  # fmt: skip
         label = _group(row) + (f" · {row['task']}" if len(markers) > 1 else "")
-        handles[label] = ax.errorbar([x], [last["avg_at_k"]], yerr=err, marker=markers.get(row["task"], "o"), capsize=3, color=colours[_group(row)], alpha=0.85)
+        handles[label] = ax.errorbar(
+            [x], [last["avg_at_k"]], yerr=err, marker=markers.get(row["task"], "o"), capsize=3, color=colours[_group(row)], alpha=0.85
+        )
     _legend(ax, handles)
-    ax.set(xlabel="relative throughput (× sync baseline)" if relative else "training samples / hour", ylabel="final Avg@k (95% CI)", title="throughput vs final accuracy")
+    ax.set(
+        xlabel="relative throughput (× sync baseline)" if relative else "training samples / hour",
+        ylabel="final Avg@k (95% CI)",
+        title="throughput vs final accuracy",
+    )
     ax.grid(alpha=0.3)
     return _svg(fig)
 
@@ -286,12 +300,14 @@ e = html.escape
 STYLE = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif;margin:0 auto;max-width:1400px;padding:1em 2em;color:#1d2330}
 h1{font-size:1.5em;margin:.2em 0} h2{font-size:1.2em;margin-top:1.6em;border-bottom:1px solid #dde;padding-bottom:.2em}
-table{border-collapse:collapse;margin:.6em 0;font-size:13px} th,td{padding:.3em .6em;border-bottom:1px solid #e4e6ee;text-align:left;vertical-align:top}
+table{border-collapse:collapse;margin:.6em 0;font-size:13px} \
+th,td{padding:.3em .6em;border-bottom:1px solid #e4e6ee;text-align:left;vertical-align:top}
 td.num{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 table.sortable th{cursor:pointer;user-select:none;background:#f3f4f8;position:sticky;top:0}
 table.sortable th:hover{background:#e6e8f0} th[aria-sort=ascending]::after{content:" ▲"} th[aria-sort=descending]::after{content:" ▼"}
 .ci{color:#667;font-size:12px} .muted{color:#778} .bad{color:#b3261e;font-weight:600} .ok{color:#1b6e3a}
-.plots{display:flex;flex-wrap:wrap;gap:1em} .plot{flex:1 1 560px;max-width:100%} .plot svg{max-width:100%;height:auto} .plot img{max-width:min(100%,640px);height:auto}
+.plots{display:flex;flex-wrap:wrap;gap:1em} .plot{flex:1 1 560px;max-width:100%} .plot svg{max-width:100%;height:auto} \
+.plot img{max-width:min(100%,640px);height:auto}
 details{margin:.4em 0;border:1px solid #e4e6ee;border-radius:6px;padding:.3em .8em} summary{cursor:pointer;font-weight:600}
 pre{background:#f6f7fa;padding:.6em;overflow:auto;max-height:24em;font-size:12px}
 """
@@ -340,16 +356,32 @@ def _table(headers: list[str], body: list[str], table_id: str) -> str:
 def main_table(board: Board) -> str:
     """The sortable runs x tasks table."""
     metric_names = sorted({name for r in board.rows for name in r["task_metrics"]})
-    headers = ["run", "method", "mode", "task", "k", "best Avg@k [95% CI] @step", "last Avg@k [95% CI] @step", "samples/h", "rel. throughput", "collapsed", "errors", *metric_names, "grader"]
+    headers = [
+        "run",
+        "method",
+        "mode",
+        "task",
+        "k",
+        "best Avg@k [95% CI] @step",
+        "last Avg@k [95% CI] @step",
+        "samples/h",
+        "rel. throughput",
+        "collapsed",
+        "errors",
+        *metric_names,
+        "grader",
+    ]
     body = []
     for r in board.rows:
         collapsed = "-" if r["collapsed"] is None else ('<span class="bad">yes</span>' if r["collapsed"] else "no")
         rel_title = f' title="{e(r["throughput_baseline"])}"' if r["throughput_baseline"] else ""
         rel = _num(r["relative_throughput"], 2).replace("<td", f"<td{rel_title}", 1)
         cells = [
-            f'<td><a href="#{r["anchor"]}">{e(r["run"])}</a></td>', f"<td>{e(r['method'])}</td>", f"<td>{e(r['mode'])}</td>", f"<td>{e(r['task'])}</td>",
-            f'<td class="num">{r["k"]}</td>', _avg_cell(r["best"]), _avg_cell(r["last"]), _num(r["samples_per_hour"], 0), rel,
-            f'<td data-sort="{"" if r["collapsed"] is None else int(r["collapsed"])}">{collapsed}</td>', f'<td class="num">{r["n_errors"]}</td>',
+            f'<td><a href="#{r["anchor"]}">{e(r["run"])}</a></td>', f"<td>{e(r['method'])}</td>", f"<td>{e(r['mode'])}</td>",
+            f"<td>{e(r['task'])}</td>", f'<td class="num">{r["k"]}</td>', _avg_cell(r["best"]), _avg_cell(r["last"]),
+            _num(r["samples_per_hour"], 0), rel,
+            f'<td data-sort="{"" if r["collapsed"] is None else int(r["collapsed"])}">{collapsed}</td>',
+            f'<td class="num">{r["n_errors"]}</td>',
             *[_num(r["task_metrics"].get(name)) for name in metric_names], f"<td>{e(r['grader'])}</td>",
         ]  # fmt: skip
         body.append("<tr>" + "".join(cells) + "</tr>")
@@ -373,7 +405,8 @@ def summary_table(board: Board) -> str:
         body.append(
             f"<tr><td>{e(method)}</td><td>{e(mode)}</td><td>{e(task)}</td><td class=num>{len(rows)}</td>"
             + _num(float(np.mean(last)) if last else None) + _num(float(np.mean(best)) if best else None)
-            + f'<td data-sort="{sum(judged) / len(judged) if judged else ""}">{collapse}</td>' + _num(float(np.mean(rel)) if rel else None, 2)
+            + f'<td data-sort="{sum(judged) / len(judged) if judged else ""}">{collapse}</td>'
+            + _num(float(np.mean(rel)) if rel else None, 2)
             + f"<td>{e(', '.join(sorted({r['grader'] for r in rows})))}</td></tr>"
         )  # fmt: skip
     return _table(headers, body, "methods")
@@ -389,12 +422,17 @@ def _mean_of(window: list[dict[str, float]], name: str) -> float | None:
 
 def run_section(info: RunInfo) -> str:
     """The drill-down of one run: config, method record, per-checkpoint metrics, staleness, stage timings."""
-    parts = [f'<details id="{info.anchor}"><summary>{e(info.key)} <span class="muted">{e(info.run["kind"])} · {e(info.run.get("method") or "-")} · {e(info.run.get("task") or "")} · {e(info.run["status"] if "status" in info.run else "")} · {e(info.source)}</span></summary>']
+    parts = [
+        f'<details id="{info.anchor}"><summary>{e(info.key)} <span class="muted">{e(info.run["kind"])} · '
+        f"{e(info.run.get('method') or '-')} · {e(info.run.get('task') or '')} · "
+        f"{e(info.run['status'] if 'status' in info.run else '')} · {e(info.source)}</span></summary>"
+    ]
     if info.method_record:
         notes = info.method_record.get("notes") or {}
         parts.append(f"<h4>method {e(str(info.method_record.get('name')))}</h4><p>{e(str(info.method_record.get('description', '')))}</p>")
         parts.append("<table><tr><th>hyper-parameter</th><th>value</th><th>note</th></tr>" + "".join(
-            f"<tr><td>{e(k)}</td><td>{e(json.dumps(v))}</td><td>{e(str(notes.get(k, '')))}</td></tr>" for k, v in (info.method_record.get("hparams") or {}).items()) + "</table>")  # fmt: skip
+            f"<tr><td>{e(k)}</td><td>{e(json.dumps(v))}</td><td>{e(str(notes.get(k, '')))}</td></tr>"
+            for k, v in (info.method_record.get("hparams") or {}).items()) + "</table>")  # fmt: skip
         hparams = info.method_record.get("hparams") or {}
         for key, note in notes.items():
             if key not in hparams:
@@ -409,14 +447,31 @@ def run_section(info: RunInfo) -> str:
         by_step.setdefault(ev["step"], {})[ev["task"]] = ev
     ckpts = {c["step"]: c for c in info.checkpoints}
     logged = [name for name in STEP_COLUMNS if any(name in m for m in info.steps.values())]
-    headers = ["step", *[f"{t} Avg@k [95% CI]" for t in tasks], "samples seen", "train s", "samples/h", *logged, "refreshes", "idle rollout", "idle learner"]
+    headers = [
+        "step",
+        *[f"{t} Avg@k [95% CI]" for t in tasks],
+        "samples seen",
+        "train s",
+        "samples/h",
+        *logged,
+        "refreshes",
+        "idle rollout",
+        "idle learner",
+    ]
     body, previous = [], 0
     for step in sorted(set(by_step) | set(ckpts)):
         c = ckpts.get(step, {})
         m = c.get("metrics", {})
         window = [v for s, v in info.steps.items() if previous < s <= step]  # the steps since the previous row: their means
-        cells = [f'<td class="num">{step}</td>', *[_avg_cell(by_step[step][t]) if t in by_step.get(step, {}) else '<td data-sort="">-</td>' for t in tasks]]
-        cells += [_num(c.get("samples_seen"), 0) if c.get("samples_seen") is not None else _num(None), _num(c.get("train_seconds"), 1), _num(c.get("samples_per_hour"), 0)]
+        cells = [
+            f'<td class="num">{step}</td>',
+            *[_avg_cell(by_step[step][t]) if t in by_step.get(step, {}) else '<td data-sort="">-</td>' for t in tasks],
+        ]
+        cells += [
+            _num(c.get("samples_seen"), 0) if c.get("samples_seen") is not None else _num(None),
+            _num(c.get("train_seconds"), 1),
+            _num(c.get("samples_per_hour"), 0),
+        ]
         cells += [_num(_mean_of(window, name)) for name in logged]
         cells += [_num(m.get("refreshes"), 0), _num(m.get("idle_ratio_rollout"), 2), _num(m.get("idle_ratio_learner"), 2)]
         body.append("<tr>" + "".join(cells) + "</tr>")
@@ -424,11 +479,17 @@ def run_section(info: RunInfo) -> str:
     parts.append("<h4>checkpoints</h4>" + _table(headers, body, f"{info.anchor}-checkpoints"))
     last = info.checkpoints[-1]["metrics"] if info.checkpoints else {}
     if last.get("staleness_hist"):
-        parts.append(f'<h4>staleness (to step {info.checkpoints[-1]["step"]})</h4><div class="plot" style="max-width:420px">{plot_staleness(last["staleness_hist"])}</div>')
-    timings = [(role, stage, seconds) for role in ("rollout_seconds", "learner_seconds") for stage, seconds in (last.get(role) or {}).items()]
+        parts.append(
+            f"<h4>staleness (to step {info.checkpoints[-1]['step']})</h4>"
+            f'<div class="plot" style="max-width:420px">{plot_staleness(last["staleness_hist"])}</div>'
+        )
+    timings = [
+        (role, stage, seconds) for role in ("rollout_seconds", "learner_seconds") for stage, seconds in (last.get(role) or {}).items()
+    ]
     if timings:
         parts.append("<h4>stage timings (cumulative seconds)</h4><table><tr><th>role</th><th>stage</th><th>seconds</th></tr>" + "".join(
-            f"<tr><td>{e(role.split('_')[0])}</td><td>{e(stage)}</td>{_num(float(s), 1)}</tr>" for role, stage, s in timings) + "</table>")  # fmt: skip
+            f"<tr><td>{e(role.split('_')[0])}</td><td>{e(stage)}</td>{_num(float(s), 1)}</tr>"
+            for role, stage, s in timings) + "</table>")  # fmt: skip
     parts.append(f"<h4>config</h4><pre>{e(json.dumps(info.config, indent=2, sort_keys=True))}</pre></details>")
     return "".join(parts)
 
@@ -448,7 +509,8 @@ def render_html(board: Board) -> str:
 <h1>opd-harness leaderboard</h1>
 <p class="muted">{len(board.runs)} runs from {sources}; generated {generated}. Click a column to sort; click a run for its details.</p>
 <h2>Runs × tasks</h2>
-<p class="muted">Avg@k ± 95% bootstrap CI (over problems) at the best and the last evaluated checkpoint. Relative throughput: samples/h ÷ that of the
+<p class="muted">Avg@k ± 95% bootstrap CI (over problems) at the best and the last evaluated checkpoint. \
+Relative throughput: samples/h ÷ that of the
 sync baseline method on the same task (hover for which runs). Collapsed: final Avg@k below the threshold × its peak.</p>
 {main_table(board) if board.rows else '<p class="muted">no evaluations yet</p>'}
 <h2>Methods × tasks</h2>

@@ -86,7 +86,9 @@ def load_plan_data(plan: Plan) -> Plan:
 def reference_users(cfg: RunConfig, method: MethodSpec, hparams: HParams) -> list[str]:
     """What in this run trains on the task's reference solutions: a method off-policy or declaring them, SFT warm-ups."""
     users = [f"method {method.name!r}"] if not method.on_policy or "reference_responses" in method.needs(hparams) else []
-    return users + [f"{role}.sft_steps={getattr(cfg, role).sft_steps}" for role in ("student", "teacher") if getattr(cfg, role).sft_steps > 0]
+    return users + [
+        f"{role}.sft_steps={getattr(cfg, role).sft_steps}" for role in ("student", "teacher") if getattr(cfg, role).sft_steps > 0
+    ]
 
 
 def check_references(cfg: RunConfig, method: MethodSpec, hparams: HParams, task: Task) -> None:
@@ -94,12 +96,15 @@ def check_references(cfg: RunConfig, method: MethodSpec, hparams: HParams, task:
     for role in ("student", "teacher"):
         spec = getattr(cfg, role)
         if spec.sft_steps > 0 and spec.path is not None:
-            raise ConfigError(f"{role}.sft_steps={spec.sft_steps}: warm-up is only supported for tiny models built from '{role}.arch'; set {role}.sft_steps=0")
+            raise ConfigError(
+                f"{role}.sft_steps={spec.sft_steps}: warm-up is only supported for tiny models built from '{role}.arch'; "
+                f"set {role}.sft_steps=0"
+            )
     users = reference_users(cfg, method, hparams)
     if users and "reference_responses" not in task.provided_inputs():
         raise ConfigError(
-            f"{' and '.join(users)} {'trains' if len(users) == 1 else 'train'} on reference solutions, which task {task.name!r} does not provide "
-            f"(it provides {sorted(task.provided_inputs())}); choose a task with reference solutions"
+            f"{' and '.join(users)} {'trains' if len(users) == 1 else 'train'} on reference solutions, which task {task.name!r} "
+            f"does not provide (it provides {sorted(task.provided_inputs())}); choose a task with reference solutions"
             + (" or set those sft_steps to 0" if any("sft_steps" in u for u in users) else "")
         )
 
@@ -140,7 +145,10 @@ def plan_run(cfg: RunConfig) -> Plan:
     """Look up method, tasks and pipeline; check the method's declared inputs are provided."""
     unknown_task_args = set(cfg.task_args) - {cfg.task, *cfg.eval.tasks}
     if unknown_task_args:
-        raise ConfigError(f"task_args has options for {sorted(unknown_task_args)}, which this run does not use (tasks: {cfg.task}, eval: {', '.join(cfg.eval.tasks)})")
+        raise ConfigError(
+            f"task_args has options for {sorted(unknown_task_args)}, which this run does not use "
+            f"(tasks: {cfg.task}, eval: {', '.join(cfg.eval.tasks)})"
+        )
     try:
         method = METHODS.get(cfg.method)
         pipeline = PIPELINES.get(cfg.trainer.mode)
@@ -187,12 +195,14 @@ def fit_teacher_distribution(cfg: RunConfig, method: MethodSpec, hparams: HParam
     if "teacher_top_k" in type(hparams).model_fields and "topk" in fields:
         hparams = hparams.model_copy(update={"teacher_top_k": cfg.teacher.top_k})
         return hparams, [
-            f"teacher.backend={cfg.teacher.backend} returns only top-k log-probs: method {method.name!r} uses the teacher's top-{cfg.teacher.top_k} "
-            f"(teacher.top_k) plus a tail bucket instead of its full distribution (method_args.{method.name}.teacher_top_k={cfg.teacher.top_k})"
+            f"teacher.backend={cfg.teacher.backend} returns only top-k log-probs: method {method.name!r} uses the teacher's "
+            f"top-{cfg.teacher.top_k} (teacher.top_k) plus a tail bucket instead of its full distribution "
+            f"(method_args.{method.name}.teacher_top_k={cfg.teacher.top_k})"
         ]
     raise ConfigError(
-        f"teacher.backend={cfg.teacher.backend}: method {method.name!r} needs the teacher's full distribution (teacher_full), which that backend "
-        f"cannot return (it scores {list(fields)}); use teacher.backend=hf or a method that reads only teacher log-probs"
+        f"teacher.backend={cfg.teacher.backend}: method {method.name!r} needs the teacher's full distribution (teacher_full), "
+        f"which that backend cannot return (it scores {list(fields)}); "
+        "use teacher.backend=hf or a method that reads only teacher log-probs"
     )
 
 

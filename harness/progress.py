@@ -15,7 +15,16 @@ LOG_EVERY_S = 30.0
 class LogProgress:
     """The part of tqdm's interface the harness uses (iterate, ``update``, ``set_postfix``, ``close``), written as lines."""
 
-    def __init__(self, iterable: Iterable | None = None, *, total: int | None = None, desc: str = "", initial: int = 0, every_s: float = LOG_EVERY_S, file=None) -> None:
+    def __init__(
+        self,
+        iterable: Iterable | None = None,
+        *,
+        total: int | None = None,
+        desc: str = "",
+        initial: int = 0,
+        every_s: float = LOG_EVERY_S,
+        file=None,
+    ) -> None:
         self.iterable, self.desc, self.n, self.every_s = iterable, desc, initial, every_s
         self.total = total if total is not None else (len(iterable) + initial if hasattr(iterable, "__len__") else None)  # type: ignore[arg-type]
         self.file = file if file is not None else sys.stderr

@@ -138,7 +138,9 @@ def _row_key(coords: dict, drop: tuple[str, ...] = ("seed",)) -> tuple:
     return tuple((k, json.dumps(v, sort_keys=True)) for k, v in coords.items() if k not in drop)
 
 
-def sweep_report(store: Store, record: dict, *, task: str | None = None, collapse_threshold: float = 0.5, baseline_method: str = "opd") -> dict:
+def sweep_report(
+    store: Store, record: dict, *, task: str | None = None, collapse_threshold: float = 0.5, baseline_method: str = "opd"
+) -> dict:
     """The table rows and the lag curve of a sweep (``record``: the ``sweeps/<id>.json`` content)."""
     runs, task = _sweep_runs(store, record, task, collapse_threshold)
     keys = [k for k in (record.get("grid_keys") or []) if k != "seed"]
@@ -162,7 +164,11 @@ def sweep_report(store: Store, record: dict, *, task: str | None = None, collaps
             baseline = "same config, sync"
             if not base:
                 loose = match_key(ok[0]["config"], drop_method=True)
-                base = [r["samples_per_hour"] for r in sync_done if r["config"]["method"] == baseline_method and match_key(r["config"], drop_method=True) == loose]
+                base = [
+                    r["samples_per_hour"]
+                    for r in sync_done
+                    if r["config"]["method"] == baseline_method and match_key(r["config"], drop_method=True) == loose
+                ]
                 baseline = f"sync {baseline_method}"
             if base and np.mean(base) > 0:
                 rel = float(np.mean(tps) / np.mean(base))
@@ -222,7 +228,9 @@ def lag_curve(done_runs: list[dict], keys: list[str], n_resamples: int = 10_000)
         for lag in sorted(line["finals"]):
             finals = line["finals"][lag]
             lo, hi = bootstrap_ci(finals, n_resamples=n_resamples, seed=0)
-            points.append({"fixed_lag": lag, "n": len(finals), "final_mean": float(np.mean(finals)), "ci_low": lo, "ci_high": hi, "finals": finals})
+            points.append(
+                {"fixed_lag": lag, "n": len(finals), "final_mean": float(np.mean(finals)), "ci_low": lo, "ci_high": hi, "finals": finals}
+            )
         out.append({"line": line["line"], "points": points, "sync_final_mean": _mean(sync)})
     return out
 
@@ -271,21 +279,50 @@ def render_markdown(report: dict) -> str:
     keys = report["grid_keys"]
     k = next((r["k"] for r in report["rows"] if r["k"]), None)
     avg = f"Avg@{k}" if k else "Avg@k"
-    headers = [*keys, "runs", f"final {avg} (mean ± std)", f"peak {avg}", "peak−final drop", "collapse", "rel. throughput", "samples/h", "mean lag"]
+    headers = [
+        *keys,
+        "runs",
+        f"final {avg} (mean ± std)",
+        f"peak {avg}",
+        "peak−final drop",
+        "collapse",
+        "rel. throughput",
+        "samples/h",
+        "mean lag",
+    ]
     lines = [f"### sweep {report['sweep_id']}: {report['task']}", "", "| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for r in report["rows"]:
         final = "-" if r["final_mean"] is None else _f(r["final_mean"]) + (f" ± {_f(r['final_std'])}" if r["final_std"] is not None else "")
         collapse = f"{r['n_collapsed']}/{r['n_done']}" if r["n_done"] else "-"
-        rel = "-" if r["relative_throughput"] is None else f"{r['relative_throughput']:.2f}×" + ("" if r["throughput_baseline"] == "same config, sync" else f" (vs {r['throughput_baseline']})")
+        rel = (
+            "-"
+            if r["relative_throughput"] is None
+            else f"{r['relative_throughput']:.2f}×"
+            + ("" if r["throughput_baseline"] == "same config, sync" else f" (vs {r['throughput_baseline']})")
+        )
         cells = ["-" if r.get(key) is None else r[key] if isinstance(r[key], str) else json.dumps(r[key]) for key in keys]
-        cells += [f"{r['n_done']}/{r['n_runs']}", final, _f(r["peak_mean"]), _f(r["drop_mean"]), collapse, rel, _f(r["samples_per_hour"], 0), _f(r["lag_mean"], 2)]
+        cells += [
+            f"{r['n_done']}/{r['n_runs']}",
+            final,
+            _f(r["peak_mean"]),
+            _f(r["drop_mean"]),
+            collapse,
+            rel,
+            _f(r["samples_per_hour"], 0),
+            _f(r["lag_mean"], 2),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", f"Collapse: {report['collapse_criterion']}. Relative throughput: mean samples/h over seeds ÷ that of the matching sync runs."]
+    lines += [
+        "",
+        f"Collapse: {report['collapse_criterion']}. Relative throughput: mean samples/h over seeds ÷ that of the matching sync runs.",
+    ]
     if report["lag_curve"]:
         lines += ["", f"#### lag sensitivity: final {avg} vs trainer.fixed_lag (mean [95% bootstrap CI over seeds])", ""]
         for line in report["lag_curve"]:
             label = ", ".join(f"{k}={v}" for k, v in line["line"].items()) or "async"
-            pts = "; ".join(f"lag {p['fixed_lag']}: {_f(p['final_mean'])} [{_f(p['ci_low'])}, {_f(p['ci_high'])}] (n={p['n']})" for p in line["points"])
+            pts = "; ".join(
+                f"lag {p['fixed_lag']}: {_f(p['final_mean'])} [{_f(p['ci_low'])}, {_f(p['ci_high'])}] (n={p['n']})" for p in line["points"]
+            )
             sync = f"; sync {_f(line['sync_final_mean'])}" if line["sync_final_mean"] is not None else ""
             lines.append(f"- {label}: {pts}{sync}")
     if report.get("lag_curve_png"):
@@ -297,7 +334,9 @@ def render_json(report: dict) -> str:
     return to_json(report)
 
 
-def write_report(out: str | Path, sweep_id: str, *, task: str | None = None, collapse_threshold: float = 0.5, baseline_method: str = "opd") -> dict:
+def write_report(
+    out: str | Path, sweep_id: str, *, task: str | None = None, collapse_threshold: float = 0.5, baseline_method: str = "opd"
+) -> dict:
     """Build the report of sweep ``sweep_id`` in ``out`` and write ``table.md``, ``table.json`` and
     (when the sweep has fixed-lag runs) ``lag_curve.png`` under ``<out>/sweeps/<sweep_id>/``."""
     from harness.sweep import load_sweep_record
@@ -311,7 +350,9 @@ def write_report(out: str | Path, sweep_id: str, *, task: str | None = None, col
     report["lag_curve_png"] = None
     if report["lag_curve"]:
         k = next((r["k"] for r in report["rows"] if r["k"]), None)
-        report["lag_curve_png"] = str(plot_lag_curve(report["lag_curve"], folder / "lag_curve.png", title=f"{sweep_id}: {report['task']}", k=k))
+        report["lag_curve_png"] = str(
+            plot_lag_curve(report["lag_curve"], folder / "lag_curve.png", title=f"{sweep_id}: {report['task']}", k=k)
+        )
     (folder / "table.md").write_text(render_markdown(report))
     (folder / "table.json").write_text(render_json(report))
     return report

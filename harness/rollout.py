@@ -74,7 +74,9 @@ def run_episodes(
     budgeted = getattr(backend, "counts_tokens", True)  # replayed turns are characters, not the model's tokens: no token budgets
     limit = context_limit(backend, task) if budgeted else None
     episodes = [
-        Episode(problem, Trajectory(task=task.name, problem_id=problem.id, sample_index=s, prompt_ids=[])) for problem in problems for s in range(params.n)
+        Episode(problem, Trajectory(task=task.name, problem_id=problem.id, sample_index=s, prompt_ids=[]))
+        for problem in problems
+        for s in range(params.n)
     ]
     finished = False
     with ThreadPoolExecutor(max_workers=max(1, env_workers), thread_name_prefix="env") as pool:
@@ -159,7 +161,9 @@ def generate_turn(backend: Backend, live: list[Episode], params: SamplingParams,
             add_time(episode.traj, "generate_s", share)
 
 
-def generate(backend: Backend, contexts: list[list[int]], params: SamplingParams, keys: list[tuple[str, str, int, int]]) -> list[Completion]:
+def generate(
+    backend: Backend, contexts: list[list[int]], params: SamplingParams, keys: list[tuple[str, str, int, int]]
+) -> list[Completion]:
     """``backend.generate``; a backend that serves stored turns (replay) also gets each episode's (task, id, sample, turn)."""
     if getattr(backend, "needs_episode_keys", False):
         return backend.generate(contexts, params, keys=keys)
@@ -175,7 +179,14 @@ def fit_completion(tokenizer, completion: Completion, room: int) -> Completion:
     if len(completion.token_ids) <= room:
         return completion
     ids = completion.token_ids[:room]
-    return Completion(ids, completion.logprobs[:room], tokenizer.decode(ids, skip_special_tokens=True), "length", completion.prompt_index, completion.sample_index)
+    return Completion(
+        ids,
+        completion.logprobs[:room],
+        tokenizer.decode(ids, skip_special_tokens=True),
+        "length",
+        completion.prompt_index,
+        completion.sample_index,
+    )
 
 
 def step_episode(episode: Episode, tokenizer, use_template: bool, limit: int | None) -> None:
@@ -264,5 +275,14 @@ def reference_trajectories(task: Task, problems: list[Problem], tokenizer) -> li
             segments.append(Segment(kind="model", token_ids=ids, text=turn["model"], step=step))
             if turn.get("observation") and step < len(turns) - 1:
                 segments.append(observation_segment(Observation(**turn["observation"]), tokenizer, use_template))
-        out.append(Trajectory(task=task.name, problem_id=problem.id, sample_index=0, prompt_ids=encode(tokenizer, prompt), prompt_text=prompt, segments=segments))
+        out.append(
+            Trajectory(
+                task=task.name,
+                problem_id=problem.id,
+                sample_index=0,
+                prompt_ids=encode(tokenizer, prompt),
+                prompt_text=prompt,
+                segments=segments,
+            )
+        )
     return out

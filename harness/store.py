@@ -127,7 +127,9 @@ class Store:
         return path
 
     # runs ---------------------------------------------------------------------------------
-    def create_run(self, run_id: str, *, kind: str, config: dict, method: str | None = None, task: str | None = None, model: str | None = None) -> None:
+    def create_run(
+        self, run_id: str, *, kind: str, config: dict, method: str | None = None, task: str | None = None, model: str | None = None
+    ) -> None:
         now = time.time()
         with self._tx() as c:
             c.execute(
@@ -148,7 +150,10 @@ class Store:
         return out
 
     def runs(self) -> list[dict]:
-        return [dict(r) for r in self._conn.execute("SELECT run_id, kind, method, task, model, status, created_at FROM runs ORDER BY created_at")]
+        return [
+            dict(r)
+            for r in self._conn.execute("SELECT run_id, kind, method, task, model, status, created_at FROM runs ORDER BY created_at")
+        ]
 
     # step metrics -------------------------------------------------------------------------
     def log_step(self, run_id: str, step: int, metrics: dict[str, float]) -> None:
@@ -170,7 +175,9 @@ class Store:
         return out
 
     # checkpoints --------------------------------------------------------------------------
-    def add_checkpoint(self, run_id: str, step: int, *, path: str | None, samples_seen: int, train_seconds: float, metrics: dict | None = None) -> None:
+    def add_checkpoint(
+        self, run_id: str, step: int, *, path: str | None, samples_seen: int, train_seconds: float, metrics: dict | None = None
+    ) -> None:
         per_hour = samples_seen / train_seconds * 3600.0 if train_seconds > 0 else None
         with self._tx() as c:
             c.execute(
@@ -183,13 +190,15 @@ class Store:
         return [{**dict(r), "metrics": json.loads(r["metrics_json"] or "{}")} for r in rows]
 
     # evaluations --------------------------------------------------------------------------
-    def add_eval(self, run_id: str, step: int, task: str, summary: dict, samples: Iterable[SampleRow], *, grader: str, grader_version: str) -> None:
+    def add_eval(
+        self, run_id: str, step: int, task: str, summary: dict, samples: Iterable[SampleRow], *, grader: str, grader_version: str
+    ) -> None:
         """Write an evaluation summary and its samples in one transaction (all or nothing)."""
         with self._tx() as c:
             c.execute("DELETE FROM samples WHERE run_id=? AND step=? AND task=?", (run_id, step, task))
             c.executemany(
-                "INSERT INTO samples (run_id, step, task, problem_id, sample_index, completion, extracted, score, status, latency_s, details,"
-                " metrics_json) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                "INSERT INTO samples (run_id, step, task, problem_id, sample_index, completion, extracted, score, status, latency_s,"
+                " details, metrics_json) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                 [
                     (run_id, step, task, s.problem_id, s.sample_index, s.completion, s.extracted, s.score, s.status, s.latency_s, s.details,
                      json.dumps(s.metrics) if s.metrics else None)
@@ -198,8 +207,8 @@ class Store:
             )  # fmt: skip
             extra = {k: v for k, v in summary.items() if k not in EVAL_COLUMNS and isinstance(v, int | float)}
             c.execute(
-                "INSERT OR REPLACE INTO evals (run_id, step, task, k, n, n_problems, avg_at_k, ci_low, ci_high, pass_at_k, n_errors, grader,"
-                " grader_version, created_at, metrics_json) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                "INSERT OR REPLACE INTO evals (run_id, step, task, k, n, n_problems, avg_at_k, ci_low, ci_high, pass_at_k, n_errors,"
+                " grader, grader_version, created_at, metrics_json) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     run_id, step, task, summary["k"], summary["n_samples"], summary["n_problems"], summary["avg_at_k"],
                     summary["ci_low"], summary["ci_high"], summary.get("pass_at_k"), summary.get("n_errors", 0),

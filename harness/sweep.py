@@ -110,7 +110,14 @@ class SweepPoint:
         return _label(self.coords)
 
     def record(self) -> dict:
-        return {"index": self.index, "coords": self.coords, "overrides": self.overrides, "config_hash": self.config_hash, "run_id": self.run_id, "status": self.status}
+        return {
+            "index": self.index,
+            "coords": self.coords,
+            "overrides": self.overrides,
+            "config_hash": self.config_hash,
+            "run_id": self.run_id,
+            "status": self.status,
+        }
 
 
 @dataclass
@@ -232,7 +239,9 @@ def _write_atomic(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def run_sweep(spec: SweepSpec | str | Path, out: str | Path, dry_run: bool = False, *, console: Console | None = None, keep_going: bool = True) -> SweepResult:
+def run_sweep(
+    spec: SweepSpec | str | Path, out: str | Path, dry_run: bool = False, *, console: Console | None = None, keep_going: bool = True
+) -> SweepResult:
     """Validate every grid point, then run the sweep's runs one after another into ``out``.
 
     ``dry_run`` validates and reports what would run or be skipped, writing nothing. With

@@ -204,15 +204,23 @@ class LmEvalTask(Task):
                 f"(supported: {', '.join(SUPPORTED_OUTPUT_TYPES)})"
             )
         if getattr(self.lm, "multiple_input", 0):
-            raise LmEvalError(f"lm-eval task {self.lm_eval_name!r} puts its choices in the context (multiple inputs); the bridge does not support that")
+            raise LmEvalError(
+                f"lm-eval task {self.lm_eval_name!r} puts its choices in the context (multiple inputs); the bridge does not support that"
+            )
         self._set_fewshot(opts.num_fewshot)
         self.filters: list = list(getattr(self.lm, "_filters", None) or [])
         self.filter_name = self._pick("filter", opts.filter, [f.name for f in self.filters])
         self.metric = self._pick("metric", opts.metric, list(getattr(self.lm, "_metric_fn_list", None) or {}))
         if self.output_type == "multiple_choice" and self.metric not in CHOICE_METRICS:
-            raise LmEvalError(f"lm-eval task {self.lm_eval_name!r} (multiple_choice): metric {self.metric!r} is not supported; choose one of {', '.join(CHOICE_METRICS)}")
+            raise LmEvalError(
+                f"lm-eval task {self.lm_eval_name!r} (multiple_choice): metric {self.metric!r} is not supported; "
+                f"choose one of {', '.join(CHOICE_METRICS)}"
+            )
         if self.output_type == "loglikelihood" and self.metric != "acc":
-            raise LmEvalError(f"lm-eval task {self.lm_eval_name!r} (loglikelihood): only metric 'acc' (is the target the greedy continuation) is supported, not {self.metric!r}")
+            raise LmEvalError(
+                f"lm-eval task {self.lm_eval_name!r} (loglikelihood): only metric 'acc' (is the target the greedy continuation) "
+                f"is supported, not {self.metric!r}"
+            )
         self.gen_kwargs: dict = dict(self.lm.config.generation_kwargs or {})
         self.until: tuple[str, ...] = tuple(s for s in _as_list(self.gen_kwargs.get("until")) if s)
         self.options = opts.model_copy(update=self._defaults_from_task(opts))
@@ -226,7 +234,9 @@ class LmEvalTask(Task):
         """
         configured = self.lm.get_config("num_fewshot")
         if num_fewshot is not None and num_fewshot != 0 and configured == 0:
-            raise LmEvalError(f"lm-eval task {self.lm_eval_name!r} fixes num_fewshot: 0 in its config (lm-eval ignores overrides of it); drop num_fewshot")
+            raise LmEvalError(
+                f"lm-eval task {self.lm_eval_name!r} fixes num_fewshot: 0 in its config (lm-eval ignores overrides of it); drop num_fewshot"
+            )
         if num_fewshot is not None:
             self.lm.set_config(key="num_fewshot", value=num_fewshot)
         elif configured is None:
@@ -302,7 +312,11 @@ class LmEvalTask(Task):
         if tokenizer is not None:
             if not getattr(tokenizer, "chat_template", None):
                 raise ValueError(f"{self.name}: apply_chat_template is set but the model's tokenizer has no chat template")
-            kwargs = {"apply_chat_template": True, "chat_template": partial(render_chat, tokenizer), "tokenizer_name": getattr(tokenizer, "name_or_path", "")}
+            kwargs = {
+                "apply_chat_template": True,
+                "chat_template": partial(render_chat, tokenizer),
+                "tokenizer_name": getattr(tokenizer, "name_or_path", ""),
+            }
         self.lm.set_fewshot_seed(seed=opts.fewshot_seed)
         with _quiet():
             self.lm.build_all_requests(limit=opts.limit, **kwargs)
@@ -356,8 +370,17 @@ class LmEvalTask(Task):
             self._loglikelihoods[p.id] = [ll for ll, _, _ in per_doc[p.id]]
             ids = encode(tokenizer, completion)
             for s in range(n):
-                segment = Segment(kind="model", token_ids=list(ids), text=completion, step=0, policy_version=backend.version, finish_reason="stop")
-                traj = Trajectory(task=self.name, problem_id=p.id, sample_index=s, prompt_ids=encode(tokenizer, r.context), prompt_text=r.context, segments=[segment])
+                segment = Segment(
+                    kind="model", token_ids=list(ids), text=completion, step=0, policy_version=backend.version, finish_reason="stop"
+                )
+                traj = Trajectory(
+                    task=self.name,
+                    problem_id=p.id,
+                    sample_index=s,
+                    prompt_ids=encode(tokenizer, r.context),
+                    prompt_text=r.context,
+                    segments=[segment],
+                )
                 traj.timings["generate_s"] = seconds
                 out.append(traj)
         return out
@@ -388,7 +411,10 @@ class LmEvalTask(Task):
             items.append((problem, self._instances(problem, results)))
             prepared.append(why)
         filtered, filter_errors = self._apply_filters([insts for _, insts in items])
-        return [self._score(p, insts, filtered[i], filter_errors[i], prepared[i], c) for i, ((p, insts), c) in enumerate(zip(items, completions))]
+        return [
+            self._score(p, insts, filtered[i], filter_errors[i], prepared[i], c)
+            for i, ((p, insts), c) in enumerate(zip(items, completions))
+        ]
 
     def _results(self, problem: Problem, completion: str) -> tuple[list, str | None]:
         """The per-request model results lm-eval would have produced for this completion (and a note)."""
@@ -410,7 +436,10 @@ class LmEvalTask(Task):
 
         request_type = "loglikelihood" if self.output_type == "multiple_choice" else self.output_type
         meta = (self.lm_eval_name, problem.meta["doc_id"], 1)
-        return [Instance(request_type=request_type, doc=problem.meta["doc"], arguments=(), idx=i, metadata=meta, resps=[res]) for i, res in enumerate(results)]
+        return [
+            Instance(request_type=request_type, doc=problem.meta["doc"], arguments=(), idx=i, metadata=meta, resps=[res])
+            for i, res in enumerate(results)
+        ]
 
     def _apply_filters(self, groups: list[list]) -> tuple[list[dict[str, list]], list[dict[str, str]]]:
         """Every filter pipeline over all samples at once; if one raises, per sample, so one bad sample errors alone."""
@@ -433,7 +462,9 @@ class LmEvalTask(Task):
                     errors[i][ensemble.name] = f"filter {ensemble.name!r} raised {type(exc).__name__}: {exc}"
         return filtered, errors
 
-    def _score(self, problem: Problem, insts: list, filtered: dict[str, list], errors: dict[str, str], note: str | None, completion: str) -> Score:
+    def _score(
+        self, problem: Problem, insts: list, filtered: dict[str, list], errors: dict[str, str], note: str | None, completion: str
+    ) -> Score:
         """Run process_results per filter; map the primary metric to pass/fail/error, keep every value in details."""
         metrics: dict[str, dict] = {}
         for name, responses in filtered.items():
@@ -458,7 +489,9 @@ class LmEvalTask(Task):
         else:
             status = binary_status(metrics[self.filter_name][self.metric])
             if status == "error":
-                details["reason"] = f"metric {self.metric!r} is {metrics[self.filter_name][self.metric]!r}, not 0/1; pick a 0/1 metric with option `metric`"
+                details["reason"] = (
+                    f"metric {self.metric!r} is {metrics[self.filter_name][self.metric]!r}, not 0/1; pick a 0/1 metric with option `metric`"
+                )
         return Score(status, extracted, json.dumps(details, default=_jsonable, ensure_ascii=False))
 
     @property
@@ -527,7 +560,9 @@ def _jsonable(value: Any) -> Any:
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
     """lm-eval's chat_template callback, as its HF model renders it."""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt, continue_final_message=not add_generation_prompt)
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, continue_final_message=not add_generation_prompt
+    )
 
 
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:

@@ -35,7 +35,9 @@ def tiny_model_factory(char_tokenizer):
 
     def make(seed: int = 0, hidden: int = 32, layers: int = 1):
         arch = TinyArch(hidden=hidden, layers=layers, heads=2, kv_heads=1, ffn=2 * hidden)
-        return build_tiny_model(arch, len(char_tokenizer), pad_id=char_tokenizer.pad_token_id, eos_id=char_tokenizer.eos_token_id, seed=seed)
+        return build_tiny_model(
+            arch, len(char_tokenizer), pad_id=char_tokenizer.pad_token_id, eos_id=char_tokenizer.eos_token_id, seed=seed
+        )
 
     return make
 

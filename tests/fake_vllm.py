@@ -85,7 +85,10 @@ def _encode_hook(obj):
         flat = obj.detach().contiguous().reshape(-1)
         raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
         return [str(obj.dtype).removeprefix("torch."), list(obj.shape), msgpack.ExtType(CUSTOM_TYPE_RAW_VIEW, raw)]
-    raise TypeError(f"Object of type {type(obj)} is not serializable. Set VLLM_ALLOW_INSECURE_SERIALIZATION=1 to allow fallback to pickle-based serialization.")
+    raise TypeError(
+        f"Object of type {type(obj)} is not serializable. "
+        "Set VLLM_ALLOW_INSECURE_SERIALIZATION=1 to allow fallback to pickle-based serialization."
+    )
 
 
 def _decode_ext(code: int, data: bytes):
@@ -206,7 +209,8 @@ class FakeLLM:
             raise VLLMValidationError(f"The decoder prompt (length {len(ids)}) is longer than the maximum model length of {limit}.")
         if len(ids) == limit:
             raise VLLMValidationError(
-                f"The decoder prompt (length {len(ids)}) plus the number of requested output tokens (at least 1) is longer than the maximum model length of {limit}."
+                f"The decoder prompt (length {len(ids)}) plus the number of requested output tokens (at least 1) "
+                f"is longer than the maximum model length of {limit}."
             )
         for key in ("logprobs", "prompt_logprobs"):
             if sp.get(key) is not None and sp[key] > self.max_logprobs:

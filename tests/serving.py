@@ -117,7 +117,9 @@ def post_raw(url: str, path: str, data: bytes, *, timeout: float = 60) -> tuple[
 
 def post_stream(url: str, path: str, body: dict) -> list[dict | str]:
     """The server-sent events of a streamed request: parsed JSON chunks, and the final ``"[DONE]"``."""
-    request = urllib.request.Request(url + path, data=json.dumps({**body, "stream": True}).encode(), method="POST", headers={"content-type": "application/json"})
+    request = urllib.request.Request(
+        url + path, data=json.dumps({**body, "stream": True}).encode(), method="POST", headers={"content-type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=60) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         raw = response.read().decode()

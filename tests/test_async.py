@@ -15,7 +15,19 @@ from harness.cli import app
 from trainers.loop import BufferEntry, ReplayBuffer, fixed_version, required_version
 
 runner = CliRunner()
-BASE = ["run", "--task", "arith", "--preset", "smoke", "--set", "threads=1", "--set", "eval.teacher=false", "--set", "eval.before_training=false"]
+BASE = [
+    "run",
+    "--task",
+    "arith",
+    "--preset",
+    "smoke",
+    "--set",
+    "threads=1",
+    "--set",
+    "eval.teacher=false",
+    "--set",
+    "eval.before_training=false",
+]
 
 
 def run(out, *extra):
@@ -84,7 +96,8 @@ def test_max_lag_is_never_exceeded_under_random_timing(tmp_path, monkeypatch, ma
 
     monkeypatch.setattr(ip, "learn", slow_learn)
     metrics, _ = run(tmp_path, "--method", "opd", "--mode", "async", "--set", f"trainer.max_lag={max_lag}",
-                     "--set", f"trainer.sync_every={sync_every}", "--set", "trainer.steps=12", "--set", "trainer.checkpoint_every=6")  # fmt: skip
+                     "--set", f"trainer.sync_every={sync_every}", "--set", "trainer.steps=12",
+                     "--set", "trainer.checkpoint_every=6")  # fmt: skip
     lags = [metrics[s]["lag_max"] for s in range(1, 13)]
     assert max(lags) <= max_lag
     assert max(lags) == max_lag  # the worker really ran ahead (otherwise the bound was never tested)
@@ -106,7 +119,8 @@ def test_hard_refresh_regenerates_stale_batches(tmp_path, monkeypatch):
         return original_learn(plan, *args, **kwargs)
 
     monkeypatch.setattr(ip, "learn", learn_after_the_worker_ran_ahead)
-    metrics, ckpt = run(tmp_path, "--method", "opd_hard_refresh", "--mode", "async", "--set", "method_args.opd_hard_refresh.refresh_every=3",
+    metrics, ckpt = run(tmp_path, "--method", "opd_hard_refresh", "--mode", "async",
+                        "--set", "method_args.opd_hard_refresh.refresh_every=3",
                         "--set", "trainer.max_lag=3", "--set", "trainer.steps=12", "--set", "trainer.checkpoint_every=6")  # fmt: skip
     refresh_steps = [s for s in range(1, 13) if metrics[s]["refresh_signal"] > 0]
     assert refresh_steps == [3, 6, 9, 12]
@@ -132,7 +146,9 @@ def test_f_opd_async_smoke_records_lag_freshness_and_throughput(tmp_path):
     metrics, ckpt = run(tmp_path, "--method", "f_opd", "--mode", "async")
     assert set(metrics) == {1, 2, 3, 4}
     for step in metrics.values():
-        assert {"lag_mean", "lag_max", "freshness_mean", "weight_mean", "samples_per_s", "idle_ratio_rollout", "idle_ratio_learner"} <= set(step)
+        assert {"lag_mean", "lag_max", "freshness_mean", "weight_mean", "samples_per_s", "idle_ratio_rollout", "idle_ratio_learner"} <= set(
+            step
+        )
         assert 0 < step["freshness_mean"] <= 1 and step["lag_max"] <= 1
     assert '"staleness_hist"' in ckpt and '"idle_ratio_learner"' in ckpt
 
@@ -143,7 +159,18 @@ def test_fixed_lag_resume_ramps_lag_back_up_and_keeps_counters(tmp_path, monkeyp
     uses version 2 (lag 0), batch 4 version 2 (lag 1), then lag 2 again; the staleness histogram and
     stage clocks continue from the checkpoint instead of restarting at zero."""
     out = tmp_path / "resume"
-    args = ["--method", "opd", "--mode", "async", "--set", "trainer.fixed_lag=2", "--set", "trainer.steps=6", "--set", "trainer.checkpoint_every=2"]
+    args = [
+        "--method",
+        "opd",
+        "--mode",
+        "async",
+        "--set",
+        "trainer.fixed_lag=2",
+        "--set",
+        "trainer.steps=6",
+        "--set",
+        "trainer.checkpoint_every=2",
+    ]
     original = ap.Session.record_step
 
     def interrupt_after_checkpoint(self, step, *a, **kw):

@@ -68,12 +68,16 @@ def math500_data(root: Path, rows: list) -> Path:
 # --------------------------------------------------------------------------- item 7: harness eval
 
 
-@pytest.mark.parametrize("task, problem, missing", [("math500", "test/a/1.json", "math500/test.jsonl"), ("humaneval_plus", "HumanEval/0", "humaneval_plus")])
+@pytest.mark.parametrize(
+    "task, problem, missing", [("math500", "test/a/1.json", "math500/test.jsonl"), ("humaneval_plus", "HumanEval/0", "humaneval_plus")]
+)
 def test_eval_missing_data_folder_exits_2_naming_the_path_and_how_to_get_it(tmp_path, task, problem, missing):
     model = replay_file(tmp_path, task, [(problem, "\\boxed{2}")])
     empty, out = tmp_path / "data", tmp_path / "out"
     empty.mkdir()
-    result = runner.invoke(app, ["eval", "--backend", "replay", "--model", str(model), "--task", task, "--data-dir", str(empty), "--out", str(out)])
+    result = runner.invoke(
+        app, ["eval", "--backend", "replay", "--model", str(model), "--task", task, "--data-dir", str(empty), "--out", str(out)]
+    )
     assert result.exit_code == 2, result.output
     message = flat(result.output)
     assert str(empty / missing) in message and "--data-dir" in message and f"harness data fetch {task}" in message
@@ -82,7 +86,22 @@ def test_eval_missing_data_folder_exits_2_naming_the_path_and_how_to_get_it(tmp_
 
 def test_eval_data_dir_that_does_not_exist_is_named(tmp_path):
     model = replay_file(tmp_path, "math500", [("test/a/1.json", "\\boxed{2}")])
-    result = runner.invoke(app, ["eval", "--backend", "replay", "--model", str(model), "--task", "math500", "--data-dir", str(tmp_path / "nope"), "--out", str(tmp_path / "out")])
+    result = runner.invoke(
+        app,
+        [
+            "eval",
+            "--backend",
+            "replay",
+            "--model",
+            str(model),
+            "--task",
+            "math500",
+            "--data-dir",
+            str(tmp_path / "nope"),
+            "--out",
+            str(tmp_path / "out"),
+        ],
+    )
     assert result.exit_code == 2 and f"--data-dir {tmp_path / 'nope'}: no such directory" in flat(result.output)
     assert not (tmp_path / "out").exists()
 
@@ -97,17 +116,34 @@ def test_eval_lm_eval_task_with_a_missing_data_file_exits_2_naming_it(tmp_path):
     model = replay_file(tmp_path, "lm_eval:arith_gen", [("0", "5")])
     out = tmp_path / "out"
     result = runner.invoke(
-        app, ["eval", "--backend", "replay", "--model", str(model), "--task", "lm_eval:arith_gen", "--task-arg", f"lm_eval:arith_gen.include_path={include}", "--out", str(out)]
+        app,
+        [
+            "eval",
+            "--backend",
+            "replay",
+            "--model",
+            str(model),
+            "--task",
+            "lm_eval:arith_gen",
+            "--task-arg",
+            f"lm_eval:arith_gen.include_path={include}",
+            "--out",
+            str(out),
+        ],
     )
     assert result.exit_code == 2, result.output
     assert "could not build it or load its data" in flat(result.output) and run_rows(out) == []
 
 
 def test_eval_malformed_row_exits_2_with_file_line_field_and_no_run(tmp_path):
-    data = math500_data(tmp_path / "data", [GOOD_ROW, {k: v for k, v in GOOD_ROW.items() if k != "answer"} | {"unique_id": "test/a/2.json"}])
+    data = math500_data(
+        tmp_path / "data", [GOOD_ROW, {k: v for k, v in GOOD_ROW.items() if k != "answer"} | {"unique_id": "test/a/2.json"}]
+    )
     model = replay_file(tmp_path, "math500", [("test/a/1.json", "\\boxed{2}")])
     out = tmp_path / "out"
-    result = runner.invoke(app, ["eval", "--backend", "replay", "--model", str(model), "--task", "math500", "--data-dir", str(data), "--out", str(out)])
+    result = runner.invoke(
+        app, ["eval", "--backend", "replay", "--model", str(model), "--task", "math500", "--data-dir", str(data), "--out", str(out)]
+    )
     assert result.exit_code == 2, result.output
     assert f"{data / 'math500' / 'test.jsonl'}:2: field 'answer': missing" in flat(result.output)
     assert run_rows(out) == []
@@ -123,7 +159,9 @@ def test_eval_failure_after_the_run_row_exists_marks_it_failed(tmp_path, monkeyp
     problem = ArithTask(ArithOptions()).load("test")[0]
     model = replay_file(tmp_path, "arith", [(problem.id, f"\\boxed{{{problem.answer}}}")])
     out = tmp_path / "out"
-    result = runner.invoke(app, ["eval", "--backend", "replay", "--model", str(model), "--task", "arith", "--k", "1", "--limit", "1", "--out", str(out)])
+    result = runner.invoke(
+        app, ["eval", "--backend", "replay", "--model", str(model), "--task", "arith", "--k", "1", "--limit", "1", "--out", str(out)]
+    )
     assert result.exit_code != 0 and isinstance(result.exception, RuntimeError)
     assert [status for _, status in run_rows(out)] == ["failed"]
 
@@ -134,7 +172,19 @@ def test_eval_failure_after_the_run_row_exists_marks_it_failed(tmp_path, monkeyp
 def test_run_with_missing_training_data_exits_2_and_creates_nothing(tmp_path):
     empty, out = tmp_path / "data", tmp_path / "out"
     empty.mkdir()
-    args = ["run", "--task", "math500", "--set", "eval.tasks=[math500]", "--set", f"task_args.math500.data_dir={empty}", "--set", "task_args.math500.source=local", "--out", str(out)]
+    args = [
+        "run",
+        "--task",
+        "math500",
+        "--set",
+        "eval.tasks=[math500]",
+        "--set",
+        f"task_args.math500.data_dir={empty}",
+        "--set",
+        "task_args.math500.source=local",
+        "--out",
+        str(out),
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 2, result.output
     assert str(empty / "math500" / "test.jsonl") in flat(result.output) and "task_args.math500.data_dir" in flat(result.output)
@@ -217,7 +267,24 @@ def test_eval_json_with_every_sample_errored_is_strict_json(tmp_path):
     problem = ArithTask(ArithOptions()).load("test")[0]
     model = replay_file(tmp_path, "arith", [(problem.id, "\\boxed{9^{9^{9}}}")])  # math-verify blows up: an error
     out = tmp_path / "out"
-    args = ["eval", "--backend", "replay", "--model", str(model), "--task", "arith", "--k", "1", "--limit", "1", "--out", str(out), "--json", "--max-error-rate", "1"]
+    args = [
+        "eval",
+        "--backend",
+        "replay",
+        "--model",
+        str(model),
+        "--task",
+        "arith",
+        "--k",
+        "1",
+        "--limit",
+        "1",
+        "--out",
+        str(out),
+        "--json",
+        "--max-error-rate",
+        "1",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     summary = strict_loads(result.stdout)["tasks"]["arith"]
@@ -293,7 +360,15 @@ def test_a_dead_holder_does_not_block_and_the_lock_is_held_while_running(tmp_pat
     holder.wait()
     with run_lock(folder, "r1"):
         assert f"pid {os.getpid()}" in (folder / "run.lock").read_text()
-        probe = subprocess.run([sys.executable, "-c", "import fcntl, sys; fcntl.flock(open(sys.argv[1]), fcntl.LOCK_EX | fcntl.LOCK_NB)", str(folder / "run.lock")], capture_output=True)
+        probe = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import fcntl, sys; fcntl.flock(open(sys.argv[1]), fcntl.LOCK_EX | fcntl.LOCK_NB)",
+                str(folder / "run.lock"),
+            ],
+            capture_output=True,
+        )
         assert probe.returncode != 0 and b"BlockingIOError" in probe.stderr  # held against other processes
     with run_lock(folder, "r1"):  # released at the end of the block
         pass
@@ -305,8 +380,14 @@ def test_a_dead_holder_does_not_block_and_the_lock_is_held_while_running(tmp_pat
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["method=sft", "student.sft_steps=0", "teacher.sft_steps=0"], "method 'sft' trains on reference solutions, which task 'dapo_math' does not provide"),
-        (["method=opd", "student.sft_steps=10", "teacher.sft_steps=30"], "student.sft_steps=10 and teacher.sft_steps=30 train on reference solutions, which task 'dapo_math' does not provide"),
+        (
+            ["method=sft", "student.sft_steps=0", "teacher.sft_steps=0"],
+            "method 'sft' trains on reference solutions, which task 'dapo_math' does not provide",
+        ),
+        (
+            ["method=opd", "student.sft_steps=10", "teacher.sft_steps=30"],
+            "student.sft_steps=10 and teacher.sft_steps=30 train on reference solutions, which task 'dapo_math' does not provide",
+        ),
         (["method=opd", "teacher.sft_steps=30"], "teacher.sft_steps=30 trains on reference solutions"),
     ],
 )
@@ -315,7 +396,10 @@ def test_reference_solutions_are_checked_when_the_run_is_planned(overrides, expe
     with pytest.raises(ConfigError) as info:
         plan_run(cfg)
     assert expected in str(info.value)
-    result = runner.invoke(app, ["run", "--preset", "smoke", "--out", str(tmp_path / "out"), *(x for o in ["task=dapo_math", *overrides] for x in ("--set", o))])
+    result = runner.invoke(
+        app,
+        ["run", "--preset", "smoke", "--out", str(tmp_path / "out"), *(x for o in ["task=dapo_math", *overrides] for x in ("--set", o))],
+    )
     assert result.exit_code == 2 and expected in flat(result.output) and not (tmp_path / "out").exists()
 
 
@@ -327,14 +411,18 @@ def test_warm_up_of_a_pretrained_model_is_refused_at_validation():
 
 def test_tasks_with_references_pass_validation():
     assert plan_run(build_config(overrides=["method=sft", "task=gsm8k", "eval.tasks=[arith]"])).method.name == "sft"
-    assert plan_run(build_config(overrides=["method=sft", "task=minerva", "task_args.minerva.source=local", "eval.tasks=[arith]"])).task.name == "minerva"
+    assert (
+        plan_run(build_config(overrides=["method=sft", "task=minerva", "task_args.minerva.source=local", "eval.tasks=[arith]"])).task.name
+        == "minerva"
+    )
     with pytest.raises(ConfigError, match="task 'minerva' does not provide"):  # the hub copy has no solutions
         plan_run(build_config(overrides=["method=sft", "task=minerva", "eval.tasks=[arith]"]))
 
 
 REFERENCES = {  # task -> whether its training split (default source) carries reference solutions
     "arith": True, "gsm8k": True, "math500": True, "aime24": True, "minerva": False, "aime25": False, "amc23": False,
-    "olympiadbench": False, "dapo_math": False, "humaneval_plus": True, "mbpp_plus": True, "livecodebench": False, "arith_tool": True, "swebench": False,
+    "olympiadbench": False, "dapo_math": False, "humaneval_plus": True, "mbpp_plus": True, "livecodebench": False, "arith_tool": True,
+    "swebench": False,
 }  # fmt: skip
 
 

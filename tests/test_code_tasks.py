@@ -233,7 +233,11 @@ def test_large_outputs_compared_by_digest_keep_evalplus_rules(sb, tmp_path):
         "same length, last character wrong": (ones, "def ones(n):\n    return '1' * (n - 1) + ('2' if n > 50 else '1')\n", "fail"),
         "canonical tenths": (tenths, tenths.solution, "pass"),
         "other float rounding (i / 10)": (tenths, "def tenths(n):\n    return [i / 10 for i in range(n)]\n", "pass"),
-        "off by 1e-3 on large inputs": (tenths, "def tenths(n):\n    return [0.1 * i + (1e-3 if n > 50 else 0) for i in range(n)]\n", "fail"),
+        "off by 1e-3 on large inputs": (
+            tenths,
+            "def tenths(n):\n    return [0.1 * i + (1e-3 if n > 50 else 0) for i in range(n)]\n",
+            "fail",
+        ),
     }
     scores = task.grade_many([p for p, _, _ in cases.values()], [fenced(code) for _, code, _ in cases.values()])
     got = {name: (s.status, json.loads(s.details)) for name, s in zip(cases, scores)}
@@ -270,9 +274,13 @@ def lcb_dir(tmp_path):
     folder = tmp_path / "livecodebench"
     folder.mkdir()
     stdin = _lcb_row(
-        "abc001_a", "Read two integers and print their sum.",
+        "abc001_a",
+        "Read two integers and print their sum.",
         [{"input": "1 2\n", "output": "3\n", "testtype": "stdin"}],
-        [{"input": "10 -4\n", "output": "6\n", "testtype": "stdin"}, {"input": "1000000000 1000000000\n", "output": "2000000000\n", "testtype": "stdin"}],
+        [
+            {"input": "10 -4\n", "output": "6\n", "testtype": "stdin"},
+            {"input": "1000000000 1000000000\n", "output": "2000000000\n", "testtype": "stdin"},
+        ],
     )
     functional = _lcb_row(
         "lc1", "Return the indices of two numbers adding up to target.",

@@ -117,7 +117,9 @@ def test_a_preset_on_another_task_fits_its_models_to_that_task():
     assert cfg.student.arch.max_positions == cfg.teacher.arch.max_positions == 32768
     assert cfg.student.arch.hidden == smoke.student.arch.hidden and cfg.teacher.arch.hidden == smoke.teacher.arch.hidden
     plan_run(cfg)  # plans: nothing in it needs reference solutions
-    cfg = build_config(preset="smoke", overrides=["task=swebench", "task_args.swebench.max_context_tokens=8192", "student.arch.max_positions=9000"])
+    cfg = build_config(
+        preset="smoke", overrides=["task=swebench", "task_args.swebench.max_context_tokens=8192", "student.arch.max_positions=9000"]
+    )
     assert (cfg.student.arch.max_positions, cfg.teacher.arch.max_positions) == (9000, 8192)  # what the user sets wins
     tool = build_config(preset="smoke", cli={"task": "arith_tool"})  # references and a budget below 512: unchanged
     assert (tool.student.sft_steps, tool.student.arch.max_positions) == (smoke.student.sft_steps, smoke.student.arch.max_positions)

@@ -72,7 +72,10 @@ configs:
 
 
 def gsm8k_rows(n: int) -> list[dict]:
-    return [{"question": f"Tom has {i} apples and gets one more. How many?", "answer": f"{i}+1=<<{i}+1={i + 1}>>{i + 1}\n#### {i + 1}"} for i in range(n)]
+    return [
+        {"question": f"Tom has {i} apples and gets one more. How many?", "answer": f"{i}+1=<<{i}+1={i + 1}>>{i + 1}\n#### {i + 1}"}
+        for i in range(n)
+    ]
 
 
 def hub_repos(math500: list[dict]) -> dict[str, dict[str, bytes]]:
@@ -152,11 +155,15 @@ def test_fetch_of_a_bad_copy_writes_nothing(tmp_path: Path) -> None:
     with FakeHub(hub_repos(bad)) as hub:
         invalid = harness_online(hub, tmp_path / "hf", "fetch", "math500", "--to", str(data))
     assert invalid.returncode == 1
-    assert "invalid: math500 [test]: the download from" in invalid.stdout and "math500/test.jsonl:7: field 'answer': is null" in invalid.stdout
+    assert (
+        "invalid: math500 [test]: the download from" in invalid.stdout and "math500/test.jsonl:7: field 'answer': is null" in invalid.stdout
+    )
     assert list(data.rglob("*")) == [data / "math500"]  # no file, no staging folder
     with FakeHub({}) as hub:  # the hub does not have it (and datasets has no cached copy): an error, and no folder is made
         unreachable = harness_online(hub, tmp_path / "hf-empty", "fetch", "math500", "--to", str(tmp_path / "new"))  # no cache
-    assert unreachable.returncode == 1 and "error: math500 [test]: download from hf:HuggingFaceH4/MATH-500[test] failed" in unreachable.stdout
+    assert (
+        unreachable.returncode == 1 and "error: math500 [test]: download from hf:HuggingFaceH4/MATH-500[test] failed" in unreachable.stdout
+    )
     assert not (tmp_path / "new").exists()
 
 
@@ -258,7 +265,9 @@ def test_hub_rows_in_the_local_layout_load_like_the_local_copies() -> None:
         assert problems, task
     amc_problems = TASKS.get("amc23")().build_problems(enumerate(amc, start=1), TASKS.get("amc23").local_layout, "x")
     assert [(p.id, p.answer) for p in amc_problems] == [("0", "27"), ("9", "-1")]
-    assert TASKS.get("minerva")().build_problems(enumerate(minerva, 1), TASKS.get("minerva").local_layout, "x")[0].answer == "6 \\mathrm{~m}"
+    assert (
+        TASKS.get("minerva")().build_problems(enumerate(minerva, 1), TASKS.get("minerva").local_layout, "x")[0].answer == "6 \\mathrm{~m}"
+    )
     row = {"prompt": [{"role": "user", "content": "Q"}], "reward_model": {"ground_truth": "2"}, "extra_info": {"index": 1}}
     assert list(without_exact_repeats([row, dict(row), row | {"extra_info": {"index": 2}}])) == [row, row | {"extra_info": {"index": 2}}]
     with pytest.raises(DataError):  # a converted row is still validated by the loader
@@ -270,7 +279,10 @@ def test_hub_rows_in_the_local_layout_load_like_the_local_copies() -> None:
 
 def run_data_test(data_dir: Path, require: bool) -> subprocess.CompletedProcess:
     """One test that reads benchmark files, in a pytest subprocess with the data folder set to ``data_dir``."""
-    env = {k: v for k, v in os.environ.items() if k != "HARNESS_REQUIRE_DATA"} | {"HARNESS_DATA_DIR": str(data_dir), "PYTHONPATH": str(ROOT)}
+    env = {k: v for k, v in os.environ.items() if k != "HARNESS_REQUIRE_DATA"} | {
+        "HARNESS_DATA_DIR": str(data_dir),
+        "PYTHONPATH": str(ROOT),
+    }
     if require:
         env["HARNESS_REQUIRE_DATA"] = "1"
     test = "tests/test_code_tasks.py::test_load_real_files"
@@ -299,6 +311,8 @@ def test_the_cli_has_the_data_commands() -> None:
 
 def test_a_hub_fetch_without_datasets_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
-    with pytest.raises(DataFetchError, match=r"download from hf:HuggingFaceH4/MATH-500\[test\] failed: ImportError: .*opd-harness\[lmeval\]") as info:
+    with pytest.raises(
+        DataFetchError, match=r"download from hf:HuggingFaceH4/MATH-500\[test\] failed: ImportError: .*opd-harness\[lmeval\]"
+    ) as info:
         fetch_need(tmp_path, needs_of("math500")[0])
     assert info.value.status == "error" and list(tmp_path.iterdir()) == []

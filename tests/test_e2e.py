@@ -63,7 +63,9 @@ def test_smoke_run_leaves_checkpoints_evals_and_a_leaderboard(tmp_path):
     assert harness("leaderboard", str(out), "--format", "xml", check=False).returncode == 2
     # a checkpoint is a loadable model: evaluate it with `harness eval`
     ckpt = query(db, "SELECT path FROM checkpoints WHERE run_id=? AND step=4", run_id)[0][0]
-    summary = json.loads(harness("eval", "--model", ckpt, "--task", "arith", "--k", "2", "--limit", "4", "--out", str(out), "--json").stdout)
+    summary = json.loads(
+        harness("eval", "--model", ckpt, "--task", "arith", "--k", "2", "--limit", "4", "--out", str(out), "--json").stdout
+    )
     assert summary["tasks"]["arith"]["n_problems"] + summary["tasks"]["arith"]["n_error_problems"] == 4
 
 

@@ -228,7 +228,12 @@ def test_max_turns_caps_the_episode():
 
 def test_multi_turn_reference_trajectory_matches_a_live_episode(char_tokenizer):
     task = EchoTask(EchoOptions(turns=2))
-    problem = Problem("p0", "Q0:", "x", meta={"reference_turns": [{"model": "a#", "observation": {"content": "[obs 1]", "role": "inline"}}, {"model": "b"}]})
+    problem = Problem(
+        "p0",
+        "Q0:",
+        "x",
+        meta={"reference_turns": [{"model": "a#", "observation": {"content": "[obs 1]", "role": "inline"}}, {"model": "b"}]},
+    )
     (ref,) = reference_trajectories(task, [problem], char_tokenizer)
     (live,) = rollout(scripted(task, ["a#", "b"]), task, [problem], SamplingParams())
     assert ref.prompt_ids + ref.response_ids == live.prompt_ids + live.response_ids + [char_tokenizer.eos_token_id]
@@ -245,14 +250,18 @@ def test_evaluation_and_training_roll_out_the_same_trajectories(backend):
 
     task = EchoTask(EchoOptions(turns=2))
     problems = task.load()
-    cfg = RunConfig.model_validate({"method": "opd", "task": "arith", "trainer": {"samples_per_prompt": 2, "max_new_tokens": 3, "temperature": 1.0}})
+    cfg = RunConfig.model_validate(
+        {"method": "opd", "task": "arith", "trainer": {"samples_per_prompt": 2, "max_new_tokens": 3, "temperature": 1.0}}
+    )
     method = METHODS.get("opd")
     plan = SimpleNamespace(config=cfg, task=task, method=method, hparams=method.hparams())
     _, trained = generate_batch(plan, backend, problems, 5, {})
     params = SamplingParams(temperature=1.0, max_new_tokens=3, seed=step_seed(cfg.seed, 5))
     evaluated = evaluate_task(backend, task, problems, k=2, sampling=params, n_resamples=10).trajectories
     assert [t.prompt_ids + t.response_ids for t in trained] == [t.prompt_ids + t.response_ids for t in evaluated]
-    assert [[s.behaviour_logprobs for s in t.model_segments] for t in trained] == [[s.behaviour_logprobs for s in t.model_segments] for t in evaluated]
+    assert [[s.behaviour_logprobs for s in t.model_segments] for t in trained] == [
+        [s.behaviour_logprobs for s in t.model_segments] for t in evaluated
+    ]
 
 
 def next_token_logprobs_by_hand(model, ids: list[int]) -> list[float]:
@@ -358,7 +367,11 @@ def test_outcome_is_kept_for_grading_and_its_failure_is_an_error_grade(backend):
 def test_declared_episode_flags_become_rates():
     from harness.evaluation import summarize_episodes
 
-    episodes = [{"turns": 3, "tool_calls": 2, "repeated_loop": 1.0}, {"turns": 1, "tool_calls": 0}, {"turns": 2, "tool_calls": 1, "repeated_loop": 0.0}]
+    episodes = [
+        {"turns": 3, "tool_calls": 2, "repeated_loop": 1.0},
+        {"turns": 1, "tool_calls": 0},
+        {"turns": 2, "tool_calls": 1, "repeated_loop": 0.0},
+    ]
     summary = summarize_episodes(episodes, ("repeated_loop", "premature_stop"))
     assert summary["repeated_loop_rate"] == pytest.approx(1 / 3) and summary["premature_stop_rate"] == 0.0
     assert summary["mean_tool_calls"] == 1.0 and summary["mean_turns"] == 2.0

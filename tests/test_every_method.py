@@ -22,7 +22,9 @@ def out_dir(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("method", BUILTIN_METHODS)
 def test_method_runs_end_to_end_on_smoke(method, out_dir):
-    result = runner.invoke(app, ["run", "--method", method, "--task", "arith", "--preset", "smoke", "--set", "eval.teacher=false", "--out", str(out_dir)])
+    result = runner.invoke(
+        app, ["run", "--method", method, "--task", "arith", "--preset", "smoke", "--set", "eval.teacher=false", "--out", str(out_dir)]
+    )
     assert result.exit_code == 0, result.output
     with Store(out_dir) as store:
         run_id = [r["run_id"] for r in store.runs() if r["method"] == method and r["kind"] == "train"][-1]
@@ -46,7 +48,8 @@ def test_schedule_state_is_saved_in_checkpoints_and_restored(out_dir):
     from trainers.objectives.saf import SAFParams, Schedule
 
     result = runner.invoke(app, ["run", "--method", "saf_opd", "--task", "arith", "--preset", "smoke", "--set", "eval.teacher=false",
-                                 "--set", "method_args.saf_opd.warmup_steps=10", "--set", "method_args.saf_opd.kl_drop_delta=0", "--out", str(out_dir)])  # fmt: skip
+                                 "--set", "method_args.saf_opd.warmup_steps=10", "--set", "method_args.saf_opd.kl_drop_delta=0",
+                                 "--out", str(out_dir)])  # fmt: skip
     assert result.exit_code == 0, result.output
     with sqlite3.connect(out_dir / "results.sqlite") as conn:
         (run_id,) = conn.execute("SELECT run_id FROM runs WHERE method='saf_opd' ORDER BY created_at DESC").fetchone()

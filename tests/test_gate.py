@@ -145,7 +145,9 @@ def test_too_few_problems_is_inconclusive():
 # ---- the command on stored results -----------------------------------------------------------------
 
 
-def _store_eval(store: Store, run_id: str, step: int, task: str, scores: np.ndarray, *, errors: np.ndarray | None = None, grader: str = "exact 1") -> None:
+def _store_eval(
+    store: Store, run_id: str, step: int, task: str, scores: np.ndarray, *, errors: np.ndarray | None = None, grader: str = "exact 1"
+) -> None:
     """An evaluation of (problems, k) 0/1 ``scores`` written through the Store API, as `harness run` writes one."""
     rows = []
     for i, per_problem in enumerate(scores):
@@ -154,8 +156,8 @@ def _store_eval(store: Store, run_id: str, step: int, task: str, scores: np.ndar
             status = "error" if errored else "pass" if score else "fail"
             rows.append(SampleRow(f"p{i:03d}", j, "completion", None, 0.0 if errored else float(score), status, 0.0))
     valid = np.where(errors, np.nan, scores) if errors is not None else scores
-    summary = {"k": scores.shape[1], "n_samples": scores.size, "n_problems": len(scores), "avg_at_k": float(np.nanmean(valid)), "ci_low": 0.0, "ci_high": 1.0,
-               "n_errors": int(errors.sum()) if errors is not None else 0}  # fmt: skip
+    summary = {"k": scores.shape[1], "n_samples": scores.size, "n_problems": len(scores), "avg_at_k": float(np.nanmean(valid)),
+               "ci_low": 0.0, "ci_high": 1.0, "n_errors": int(errors.sum()) if errors is not None else 0}  # fmt: skip
     name, version = grader.split()
     store.add_eval(run_id, step, task, summary, rows, grader=name, grader_version=version)
 
@@ -176,15 +178,21 @@ def demo_store(tmp_path):
 
 
 def test_gate_cli_improvement_passes_and_regression_fails(demo_store, tmp_path):
-    improved = runner.invoke(app, ["gate", "--baseline", "demo:0", "--candidate", "demo", "--out", str(demo_store), "--json", str(tmp_path / "gate.json")])
+    improved = runner.invoke(
+        app, ["gate", "--baseline", "demo:0", "--candidate", "demo", "--out", str(demo_store), "--json", str(tmp_path / "gate.json")]
+    )
     assert improved.exit_code == 0, improved.output
     assert improved.output.startswith("PASS")
     report = json.loads((tmp_path / "gate.json").read_text())
     assert report["candidate"] == "demo:500"  # no step: the run's last evaluated one
     assert report["verdict"] == "pass" and report["exit_code"] == 0 and [t["task"] for t in report["tasks"]] == ["t1", "t2"]
-    assert report["overall"]["verdict"] == "pass" and report["tasks"][0]["alpha"] == pytest.approx(0.05 / 3)  # Bonferroni: 2 tasks + overall
+    assert report["overall"]["verdict"] == "pass" and report["tasks"][0]["alpha"] == pytest.approx(
+        0.05 / 3
+    )  # Bonferroni: 2 tasks + overall
 
-    regressed = runner.invoke(app, ["gate", "--baseline", "demo:500", "--candidate", "demo:0", "--task", "t1", "--out", str(demo_store), "--json", "-"])
+    regressed = runner.invoke(
+        app, ["gate", "--baseline", "demo:500", "--candidate", "demo:0", "--task", "t1", "--out", str(demo_store), "--json", "-"]
+    )
     assert regressed.exit_code == 1, regressed.output
     report = json.loads(regressed.stdout)
     assert report["verdict"] == "regression" and report["overall"] is None and len(report["tasks"]) == 1
@@ -248,7 +256,10 @@ def test_gate_cli_without_a_store_exits_2(tmp_path):
 
 def _replay(path, problems, wrong: set[int]):
     """A replay 'model' (harness eval --backend replay): the right answer except on the problems in ``wrong``."""
-    rows = [{"task": "arith", "id": p.id, "completion": f"\\boxed{{{int(p.answer) + (1 if i in wrong else 0)}}}"} for i, p in enumerate(problems)]
+    rows = [
+        {"task": "arith", "id": p.id, "completion": f"\\boxed{{{int(p.answer) + (1 if i in wrong else 0)}}}"}
+        for i, p in enumerate(problems)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -260,7 +271,21 @@ def test_gate_evaluates_model_paths_first_and_reuses_the_evaluations(tmp_path):
     good = _replay(tmp_path / "good.jsonl", problems, wrong=set())
     worse = _replay(tmp_path / "worse.jsonl", problems, wrong=set(range(12)))
     out = tmp_path / "results"
-    args = ["gate", "--task", "arith", "--k", "1", "--limit", "30", "--backend", "replay", "--out", str(out), "--json", str(tmp_path / "g.json")]
+    args = [
+        "gate",
+        "--task",
+        "arith",
+        "--k",
+        "1",
+        "--limit",
+        "30",
+        "--backend",
+        "replay",
+        "--out",
+        str(out),
+        "--json",
+        str(tmp_path / "g.json"),
+    ]
     regressed = runner.invoke(app, [*args, "--baseline", str(good), "--candidate", str(worse)])
     assert regressed.exit_code == 1, regressed.output
     report = json.loads((tmp_path / "g.json").read_text())
@@ -289,5 +314,7 @@ def test_gate_on_a_model_path_needs_tasks_and_a_loadable_model(tmp_path):
     model.write_text("")
     no_task = runner.invoke(app, ["gate", "--baseline", str(model), "--candidate", str(model), "--out", str(tmp_path / "r")])
     assert no_task.exit_code == 2 and "--task" in no_task.output, no_task.output
-    not_a_model = runner.invoke(app, ["gate", "--baseline", str(tmp_path), "--candidate", str(model), "--task", "arith", "--out", str(tmp_path / "r")])
+    not_a_model = runner.invoke(
+        app, ["gate", "--baseline", str(tmp_path), "--candidate", str(model), "--task", "arith", "--out", str(tmp_path / "r")]
+    )
     assert not_a_model.exit_code == 2 and "cannot evaluate" in not_a_model.output, not_a_model.output

@@ -17,8 +17,9 @@ from trainers.pipeline import behaviour_mismatch
 from fake_vllm import ENGINE_LOGPROB_SCALE, HFEngineLLM, fake_vllm_module
 
 runner = CliRunner()
-BASE = ["run", "--task", "arith", "--preset", "smoke", "--set", "threads=1", "--set", "eval.teacher=false", "--set", "eval.before_training=false",
-        "--set", "trainer.samples_per_prompt=2", "--set", "trainer.steps=6", "--set", "trainer.checkpoint_every=6", "--mode", "async"]  # fmt: skip
+BASE = ["run", "--task", "arith", "--preset", "smoke", "--set", "threads=1", "--set", "eval.teacher=false",
+        "--set", "eval.before_training=false", "--set", "trainer.samples_per_prompt=2", "--set", "trainer.steps=6",
+        "--set", "trainer.checkpoint_every=6", "--mode", "async"]  # fmt: skip
 
 
 RATIO_METRICS = ("ratio_max_dev", "clip_fraction", "lag_max", "behaviour_mismatch_kl")

@@ -27,23 +27,55 @@ runner = CliRunner()
 # ---- a results store with the shapes real runs write ------------------------------------------------
 
 
-def _train_run(store: Store, run_id: str, *, method: str, mode: str, curve: list[float], samples_per_hour: float, fixed_lag: int | None = None, seed: int = 0) -> None:
+def _train_run(
+    store: Store,
+    run_id: str,
+    *,
+    method: str,
+    mode: str,
+    curve: list[float],
+    samples_per_hour: float,
+    fixed_lag: int | None = None,
+    seed: int = 0,
+) -> None:
     """A training run evaluated on arith every 100 steps, with per-step entropy / KL / lag and checkpoint counters."""
-    overrides = [f"method={method}", f"trainer.mode={mode}", f"seed={seed}", *([f"trainer.fixed_lag={fixed_lag}"] if fixed_lag is not None else [])]
+    overrides = [
+        f"method={method}",
+        f"trainer.mode={mode}",
+        f"seed={seed}",
+        *([f"trainer.fixed_lag={fixed_lag}"] if fixed_lag is not None else []),
+    ]
     cfg = build_config(preset="smoke", overrides=overrides).model_dump()
     store.create_run(run_id, kind="train", config=cfg, method=method, task="arith")
     for i, avg in enumerate(curve):
         step = 100 * i
-        summary = {"k": 4, "n_samples": 400, "n_problems": 100, "avg_at_k": avg, "ci_low": avg - 0.05, "ci_high": avg + 0.05, "n_errors": i % 2}
+        summary = {
+            "k": 4,
+            "n_samples": 400,
+            "n_problems": 100,
+            "avg_at_k": avg,
+            "ci_low": avg - 0.05,
+            "ci_high": avg + 0.05,
+            "n_errors": i % 2,
+        }
         store.add_eval(run_id, step, "arith", summary, [], grader="math-verify", grader_version="0.9.0")
         if step:
-            metrics = {"staleness_hist": {"0": 10 * step, "1": 3 * step if mode == "async" else 0}, "rollout_seconds": {"generate": 1.5 * step, "teacher": 0.2 * step},
-                       "learner_seconds": {"train": 0.5 * step, "wait": 0.1 * step}, "refreshes": i, "idle_ratio_rollout": 0.1, "idle_ratio_learner": 0.4}  # fmt: skip
-            store.add_checkpoint(run_id, step, path=None, samples_seen=int(samples_per_hour * step / 100), train_seconds=36.0 * step, metrics=metrics)
+            metrics = {"staleness_hist": {"0": 10 * step, "1": 3 * step if mode == "async" else 0},
+                       "rollout_seconds": {"generate": 1.5 * step, "teacher": 0.2 * step},
+                       "learner_seconds": {"train": 0.5 * step, "wait": 0.1 * step}, "refreshes": i,
+                       "idle_ratio_rollout": 0.1, "idle_ratio_learner": 0.4}  # fmt: skip
+            store.add_checkpoint(
+                run_id, step, path=None, samples_seen=int(samples_per_hour * step / 100), train_seconds=36.0 * step, metrics=metrics
+            )
     for step in range(1, 100 * (len(curve) - 1) + 1, 10):
-        store.log_step(run_id, step, {"student_entropy": 2.0 - step / 200, "teacher_kl": 1.0 / (1 + step / 50), "lag_mean": 0.5 if mode == "async" else 0.0})
-    (store.run_dir(run_id) / "method.json").write_text(json.dumps({"name": method, "description": f"{method} for the test", "hparams": {"kl_coef": 1.0},
-                                                                     "notes": {"kl_coef": "a note on kl_coef"}, "warnings": []}))  # fmt: skip
+        store.log_step(
+            run_id,
+            step,
+            {"student_entropy": 2.0 - step / 200, "teacher_kl": 1.0 / (1 + step / 50), "lag_mean": 0.5 if mode == "async" else 0.0},
+        )
+    (store.run_dir(run_id) / "method.json").write_text(json.dumps({"name": method, "description": f"{method} for the test",
+                                                                     "hparams": {"kl_coef": 1.0}, "notes": {"kl_coef": "a note on kl_coef"},
+                                                                     "warnings": []}))  # fmt: skip
     store.set_status(run_id, "done")
 
 
@@ -59,7 +91,8 @@ def _agentic_eval(store: Store, run_id: str) -> None:
 
 @pytest.fixture(scope="module")
 def roots(tmp_path_factory) -> tuple[Path, Path]:
-    """Two results roots: (a) opd sync, f_opd async (collapses), a lag sweep and an agentic eval; (b) a run whose id clashes with one of (a)."""
+    """Two results roots: (a) opd sync, f_opd async (collapses), a lag sweep and an agentic eval; (b) a run whose id clashes
+    with one of (a)."""
     a, b = tmp_path_factory.mktemp("a"), tmp_path_factory.mktemp("b")
     with Store(a) as store:
         _train_run(store, "opd-sync", method="opd", mode="sync", curve=[0.2, 0.4, 0.5, 0.55], samples_per_hour=1000.0)
@@ -171,7 +204,9 @@ def test_drill_down_has_config_method_checkpoints_staleness_and_timings(page):
 def test_html_needs_out_and_a_store(roots, tmp_path):
     missing = runner.invoke(app, ["leaderboard", str(roots[0]), "--format", "html"])
     assert missing.exit_code == 2 and "--out" in missing.output
-    absent = runner.invoke(app, ["leaderboard", str(roots[0]), str(tmp_path / "nope"), "--format", "html", "--out", str(tmp_path / "x.html")])
+    absent = runner.invoke(
+        app, ["leaderboard", str(roots[0]), str(tmp_path / "nope"), "--format", "html", "--out", str(tmp_path / "x.html")]
+    )
     assert absent.exit_code == 2 and "no results store" in absent.output and not (tmp_path / "x.html").exists()
     bad = runner.invoke(app, ["leaderboard", str(roots[0]), "--format", "pdf"])
     assert bad.exit_code == 2 and "html" in bad.output
@@ -187,7 +222,14 @@ def test_text_formats_merge_roots_too(roots, tmp_path):
 # ---- the page in headless Chromium (DevTools protocol over a pipe: no driver package needed) ---------
 
 REQUIRE_BROWSER = os.environ.get("HARNESS_REQUIRE_BROWSER") == "1"  # .ci/run sets it: the browser test fails instead of skipping
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--no-first-run"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
 
 
 class Chromium:
@@ -252,7 +294,10 @@ class Chromium:
 
     def click(self, selector: str) -> None:
         """A real mouse click at the middle of the element (pressed and released), not a synthetic JS click."""
-        box = self.js(f"(() => {{ const el = document.querySelector({json.dumps(selector)}); el.scrollIntoView({{block: 'center'}}); const r = el.getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; }})()")
+        box = self.js(
+            f"(() => {{ const el = document.querySelector({json.dumps(selector)}); el.scrollIntoView({{block: 'center'}}); "
+            "const r = el.getBoundingClientRect(); return [r.x + r.width / 2, r.y + r.height / 2]; })()"
+        )
         for kind in ("mousePressed", "mouseReleased"):
             self.page("Input.dispatchMouseEvent", type=kind, x=box[0], y=box[1], button="left", clickCount=1)
 

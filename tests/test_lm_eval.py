@@ -85,7 +85,10 @@ def test_prefix_factory_builds_each_name_once_and_errors_stay_clear():
 
 
 def test_lm_eval_prefix_is_registered_without_importing_lm_eval():
-    code = "import sys; from harness.registry import TASKS; TASKS.names(); assert 'lm_eval' in TASKS.prefixes(); assert 'lm_eval' not in sys.modules"
+    code = (
+        "import sys; from harness.registry import TASKS; TASKS.names(); "
+        "assert 'lm_eval' in TASKS.prefixes(); assert 'lm_eval' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
     cls = TASKS.get("lm_eval:anything")
     assert cls.name == "lm_eval:anything" and cls.lm_eval_name == "anything"
@@ -126,9 +129,14 @@ def test_chat_template_contexts_match_lm_eval(include):
     with pytest.raises(ValueError, match="tokenizer has no chat template"):
         task.format_prompt(problem, plain)
     chat = build_char_tokenizer()
-    chat.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    chat.chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     prompt = task.format_prompt(problem, chat)
-    assert prompt == lm_eval_contexts(include, "arith_gen", 0, apply_chat_template=True, chat_template=lambda m, **kw: render_chat(chat, m, **kw))[0]
+    assert (
+        prompt
+        == lm_eval_contexts(include, "arith_gen", 0, apply_chat_template=True, chat_template=lambda m, **kw: render_chat(chat, m, **kw))[0]
+    )
     assert prompt.startswith("<system>Answer with a number.") and prompt.endswith("<assistant>")
 
 
@@ -170,14 +178,22 @@ def test_bad_names_options_and_types_are_clear_errors(include, tmp_path):
     from harness.config import ConfigError
 
     rolling = include / "arith_rolling.yaml"  # written before the include path is first indexed
-    rolling.write_text((include / "arith_ll.yaml").read_text().replace("arith_ll", "arith_rolling").replace("output_type: loglikelihood", "output_type: loglikelihood_rolling").replace("metric: acc", "metric: word_perplexity"))
+    rolling.write_text(
+        (include / "arith_ll.yaml")
+        .read_text()
+        .replace("arith_ll", "arith_rolling")
+        .replace("output_type: loglikelihood", "output_type: loglikelihood_rolling")
+        .replace("metric: acc", "metric: word_perplexity")
+    )
     with pytest.raises(ConfigError, match=r"unknown lm-eval task 'arith_gn' in include path .*Did you mean 'arith_gen'"):
         make("arith_gn", include)
     with pytest.raises(ConfigError, match="fixes num_fewshot: 0"):
         make("arith_custom", include, num_fewshot=1)
     with pytest.raises(ConfigError, match=r"no metric 'f1'; it has: exact_match"):
         make("arith_gen", include, metric="f1")
-    with pytest.raises(ConfigError, match="is a group or tag of 2 tasks; evaluate them one by one: --task lm_eval:arith_gen, lm_eval:arith_mc"):
+    with pytest.raises(
+        ConfigError, match="is a group or tag of 2 tasks; evaluate them one by one: --task lm_eval:arith_gen, lm_eval:arith_mc"
+    ):
         make("arith_tasks", include)
     with pytest.raises(ConfigError, match="not a directory"):
         make("arith_gen", tmp_path / "missing")
@@ -195,21 +211,43 @@ def eval_cli(*args: str):
 def test_eval_replay_writes_rows_and_json(include, tmp_path):
     replay = tmp_path / "outputs.jsonl"
     completions = [f" {a}\nQ: next" if i % 2 == 0 else " 1000" for i, a in enumerate(ANSWERS)]
-    replay.write_text("".join(json.dumps({"task": "lm_eval:arith_gen", "id": str(i), "completion": c}) + "\n" for i, c in enumerate(completions)))
+    replay.write_text(
+        "".join(json.dumps({"task": "lm_eval:arith_gen", "id": str(i), "completion": c}) + "\n" for i, c in enumerate(completions))
+    )
     out = tmp_path / "results"
-    result = eval_cli("--backend", "replay", "--model", str(replay), "--task", "lm_eval:arith_gen", "--task-arg", f"lm_eval:arith_gen.include_path={include}", "--k", "1", "--out", str(out), "--json")
+    result = eval_cli(
+        "--backend",
+        "replay",
+        "--model",
+        str(replay),
+        "--task",
+        "lm_eval:arith_gen",
+        "--task-arg",
+        f"lm_eval:arith_gen.include_path={include}",
+        "--k",
+        "1",
+        "--out",
+        str(out),
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)["tasks"]["lm_eval:arith_gen"]
     assert (summary["n_pass"], summary["n_fail"], summary["n_errors"], summary["avg_at_k"]) == (3, 3, 0, 0.5)
     assert summary["grader"].startswith("lm_eval:exact_match/")
     with sqlite3.connect(out / "results.sqlite") as db:
-        rows = db.execute("SELECT problem_id, status, extracted FROM samples WHERE task = 'lm_eval:arith_gen' ORDER BY CAST(problem_id AS INT)").fetchall()
+        rows = db.execute(
+            "SELECT problem_id, status, extracted FROM samples WHERE task = 'lm_eval:arith_gen' ORDER BY CAST(problem_id AS INT)"
+        ).fetchall()
     assert rows == [(str(i), "pass" if i % 2 == 0 else "fail", a if i % 2 == 0 else "1000") for i, a in enumerate(ANSWERS)]
 
 
 def test_eval_error_rate_gate_and_unknown_task(include, tmp_path):
     replay = tmp_path / "outputs.jsonl"
-    replay.write_text("".join(json.dumps({"task": "lm_eval:arith_custom", "id": str(i), "completion": c}) + "\n" for i, c in enumerate(["5", "boom", "9"])))
+    replay.write_text(
+        "".join(
+            json.dumps({"task": "lm_eval:arith_custom", "id": str(i), "completion": c}) + "\n" for i, c in enumerate(["5", "boom", "9"])
+        )
+    )
     base = ["--backend", "replay", "--model", str(replay), "--k", "1", "--limit", "3", "--out", str(tmp_path / "r")]
     result = eval_cli(*base, "--task", "lm_eval:arith_custom", "--task-arg", f"lm_eval:arith_custom.include_path={include}", "--json")
     assert result.exit_code == 1 and "grading error rate above" in " ".join(result.output.split())
@@ -229,7 +267,23 @@ def tiny_model_dir(tmp_path, char_tokenizer, tiny_model_factory) -> Path:
 
 def test_eval_hf_generation_stops_at_the_task_stop_strings(include, tiny_model_dir, tmp_path):
     out = tmp_path / "results"
-    args = ["--model", str(tiny_model_dir), "--task", "lm_eval:arith_gen", "--task-arg", f"lm_eval:arith_gen.include_path={include}", "--temperature", "1", "--seed", "3", "--k", "2", "--out", str(out), "--json"]
+    args = [
+        "--model",
+        str(tiny_model_dir),
+        "--task",
+        "lm_eval:arith_gen",
+        "--task-arg",
+        f"lm_eval:arith_gen.include_path={include}",
+        "--temperature",
+        "1",
+        "--seed",
+        "3",
+        "--k",
+        "2",
+        "--out",
+        str(out),
+        "--json",
+    ]
     result = eval_cli(*args)
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)["tasks"]["lm_eval:arith_gen"]
@@ -246,7 +300,17 @@ def test_eval_hf_multiple_choice_picks_the_argmax_loglikelihood(include, tiny_mo
     from harness.models.tiny import load_model_and_tokenizer
 
     out = tmp_path / "results"
-    result = eval_cli("--model", str(tiny_model_dir), "--task", "lm_eval:arith_mc", "--task-arg", f"lm_eval:arith_mc.include_path={include}", "--out", str(out), "--json")
+    result = eval_cli(
+        "--model",
+        str(tiny_model_dir),
+        "--task",
+        "lm_eval:arith_mc",
+        "--task-arg",
+        f"lm_eval:arith_mc.include_path={include}",
+        "--out",
+        str(out),
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)["tasks"]["lm_eval:arith_mc"]
     assert summary["n_samples"] == 6 and summary["n_errors"] == 0 and summary["grader"].startswith("lm_eval:acc/")

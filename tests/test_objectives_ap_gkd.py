@@ -324,7 +324,9 @@ def test_eopd_soft_gate_mixes_reverse_and_forward():
     batch, _, student_full = gkd_batch(p_s, p_t, [1.0])
     loss, _ = eopd_objective(batch, StudentOutputs(student_full[..., 0], full=student_full), EOPDParams(gate="soft"))
     assert loss.item() == pytest.approx(kl_hand(p_t[0], p_s[0]), abs=TOL)
-    loss, _ = eopd_objective(batch, StudentOutputs(student_full[..., 0], full=student_full), EOPDParams(gate="soft", entropy_max=2 * math.log(3)))
+    loss, _ = eopd_objective(
+        batch, StudentOutputs(student_full[..., 0], full=student_full), EOPDParams(gate="soft", entropy_max=2 * math.log(3))
+    )
     assert loss.item() == pytest.approx(0.5 * (math.log(0.6) - math.log(1 / 3)) + 0.5 * kl_hand(p_t[0], p_s[0]), abs=TOL)
 
 
@@ -384,7 +386,9 @@ def run_method(name: str, hp, mask: torch.Tensor, inputs: dict[str, torch.Tensor
     return loss.detach(), logits.grad, diag
 
 
-masks = st.integers(1, 3).flatmap(lambda b: st.integers(1, 9).flatmap(lambda t: st.lists(st.lists(st.booleans(), min_size=t, max_size=t), min_size=b, max_size=b)))
+masks = st.integers(1, 3).flatmap(
+    lambda b: st.integers(1, 9).flatmap(lambda t: st.lists(st.lists(st.booleans(), min_size=t, max_size=t), min_size=b, max_size=b))
+)
 
 
 @settings(max_examples=40, deadline=None)

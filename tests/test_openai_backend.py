@@ -197,7 +197,9 @@ def test_chat_round_trip(url, model_dir, hf):
 
 def test_render_chat_uses_the_template_when_there_is_one():
     tok = build_char_tokenizer()
-    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    tok.chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     assert render_chat(tok, [{"role": "user", "content": "hi"}]) == "<user>hi<assistant>"
 
 
@@ -216,7 +218,17 @@ def test_raw_http_api(url):
     assert usage["prompt_tokens"] == 4
     assert usage["completion_tokens"] == sum(len(c["logprobs"]["tokens"]) for c in body["choices"])
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
-    status, body = post(url, "/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "max_tokens": 3, "logprobs": True, "top_logprobs": 2})
+    status, body = post(
+        url,
+        "/chat/completions",
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "max_tokens": 3,
+            "logprobs": True,
+            "top_logprobs": 2,
+        },
+    )
     assert status == 200 and body["object"] == "chat.completion"
     assert body["choices"][0]["message"]["role"] == "assistant"
     assert body["usage"]["prompt_tokens"] == len("user: hi\nassistant:")

@@ -124,7 +124,10 @@ def test_text_prompts_retokenised_differently_are_a_clear_error(url):
     backend = OpenAIBackend(openai.OpenAI(base_url=url, api_key="x"), MODEL, local, prompt_format="text", server_extensions=False)
     ids, mask = right_padded(local, ["12+3"])
     assert ids[0, 0].item() == len(local) - 1  # "12" is one local token
-    with pytest.raises(ScoringMismatch, match=r"row 0, position 0: the server's token '1' is not the local token \d+ \('12'\); the server tokenised the prompt differently"):
+    with pytest.raises(
+        ScoringMismatch,
+        match=r"row 0, position 0: the server's token '1' is not the local token \d+ \('12'\); the server tokenised the prompt differently",
+    ):
         backend.score(ids, mask)
 
 
@@ -138,7 +141,10 @@ def test_a_server_refusing_max_tokens_0_is_scored_with_max_tokens_1(url, model_d
     assert 1 in [b["max_tokens"] for b in probe.bodies] and backend._echo_max_tokens == 1  # the refused row was re-sent
     sent = len(probe.bodies)  # (rows run concurrently: the other row's max_tokens-0 request may come last)
     again = backend.score(ids, mask, want=("logprobs",))
-    assert torch.allclose(again["logprobs"], got["logprobs"], atol=1e-5) and [b["max_tokens"] for b in probe.bodies[sent:]] == [1, 1]  # and the choice is kept
+    assert torch.allclose(again["logprobs"], got["logprobs"], atol=1e-5) and [b["max_tokens"] for b in probe.bodies[sent:]] == [
+        1,
+        1,
+    ]  # and the choice is kept
 
 
 def test_score_refuses_what_a_server_cannot_return(url, model_dir, hf):
@@ -183,7 +189,13 @@ def test_lm_eval_multiple_choice_through_harness_eval_equals_hf(url, model_dir, 
     shutil.copy(data / "utils.py", include / "utils.py")
     task = ["--task", "lm_eval:arith_mc", "--task-arg", f"lm_eval:arith_mc.include_path={include}", "--json"]
     results = {}
-    for name, backend in (("hf", ["--model", str(model_dir)]), ("openai", ["--backend", "openai", "--model", MODEL, "--backend-option", f"base_url={url}", "--backend-option", f"tokenizer={model_dir}"])):
+    for name, backend in (
+        ("hf", ["--model", str(model_dir)]),
+        (
+            "openai",
+            ["--backend", "openai", "--model", MODEL, "--backend-option", f"base_url={url}", "--backend-option", f"tokenizer={model_dir}"],
+        ),
+    ):
         out = tmp_path / name
         result = CliRunner().invoke(app, ["eval", *backend, *task, "--out", str(out)])
         assert result.exit_code == 0, result.output

@@ -124,6 +124,8 @@ def test_run_and_eval_with_plugin_task_and_method(plugin_env, tmp_path):
     assert scales == [(0.5,)]  # the plug-in's objective ran, with the run's hyper-parameter
     assert evaluated == {"plugin_arith"}
     checkpoint = sorted((out / "runs" / run_id / "checkpoints").iterdir())[-1]
-    eval_result = harness(plugin_env, "eval", "--model", str(checkpoint), "--task", "plugin_arith", "--limit", "2", "--k", "1", "--out", str(out), "--json")
+    eval_result = harness(
+        plugin_env, "eval", "--model", str(checkpoint), "--task", "plugin_arith", "--limit", "2", "--k", "1", "--out", str(out), "--json"
+    )
     summary = json.loads(eval_result.stdout)
     assert summary["tasks"]["plugin_arith"]["n_samples"] == 2

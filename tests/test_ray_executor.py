@@ -15,7 +15,19 @@ from harness.cli import app
 from harness.config import ConfigError, build_config
 
 runner = CliRunner()
-BASE = ["run", "--task", "arith", "--preset", "smoke", "--set", "threads=1", "--set", "eval.teacher=false", "--set", "eval.before_training=false"]
+BASE = [
+    "run",
+    "--task",
+    "arith",
+    "--preset",
+    "smoke",
+    "--set",
+    "threads=1",
+    "--set",
+    "eval.teacher=false",
+    "--set",
+    "eval.before_training=false",
+]
 
 
 def test_executor_flag_is_validated(tmp_path, monkeypatch):
@@ -59,7 +71,9 @@ def run(out, *extra) -> tuple[dict[int, dict[str, float]], list[dict], dict[int,
     (run_id,) = _train_runs(db) - before
     with sqlite3.connect(db) as conn:
         rows = conn.execute("SELECT step, name, value FROM step_metrics WHERE run_id=?", (run_id,)).fetchall()
-        checkpoints = [json.loads(m) for (m,) in conn.execute("SELECT metrics_json FROM checkpoints WHERE run_id=? ORDER BY step", (run_id,))]
+        checkpoints = [
+            json.loads(m) for (m,) in conn.execute("SELECT metrics_json FROM checkpoints WHERE run_id=? ORDER BY step", (run_id,))
+        ]
         evals = dict(conn.execute("SELECT step, avg_at_k FROM evals WHERE run_id=?", (run_id,)).fetchall())
         (status,) = conn.execute("SELECT status FROM runs WHERE run_id=?", (run_id,)).fetchone()
     assert status == "done"
@@ -87,14 +101,31 @@ def assert_same_run(a: dict, b: dict) -> None:
 @pytest.mark.slow
 def test_ray_executor_matches_inprocess(tmp_path, ray_session):
     started = time.perf_counter()
-    lag = ["--method", "f_opd", "--mode", "async", "--set", "trainer.fixed_lag=1", "--set", "trainer.warmup_steps=3"]  # warm-up: the LR schedule crosses checkpoints
+    lag = [
+        "--method",
+        "f_opd",
+        "--mode",
+        "async",
+        "--set",
+        "trainer.fixed_lag=1",
+        "--set",
+        "trainer.warmup_steps=3",
+    ]  # warm-up: the LR schedule crosses checkpoints
     inprocess, inprocess_ckpts, inprocess_evals = run(tmp_path, *lag)
     on_ray, ray_ckpts, ray_evals = run(tmp_path, *lag, "--executor", "ray")
     assert_same_run(inprocess, on_ray)
     assert [on_ray[s]["behaviour_version"] for s in (1, 2, 3, 4)] == [0, 0, 1, 2]
     assert ray_evals == inprocess_evals and sorted(ray_evals) == [2, 4]  # checkpoints evaluate the learner's pulled weights
     for step in on_ray.values():
-        assert {"idle_ratio_rollout", "idle_ratio_learner", "samples_per_s", "tokens_per_s", "time_generate_s", "time_teacher_s", "time_train_s"} <= set(step)
+        assert {
+            "idle_ratio_rollout",
+            "idle_ratio_learner",
+            "samples_per_s",
+            "tokens_per_s",
+            "time_generate_s",
+            "time_teacher_s",
+            "time_train_s",
+        } <= set(step)
     final = ray_ckpts[-1]
     assert final["staleness_hist"] == inprocess_ckpts[-1]["staleness_hist"] == {"0": 8, "1": 24}
     assert {"generate", "teacher", "wait"} <= set(final["rollout_seconds"]) and {"train", "wait"} <= set(final["learner_seconds"])

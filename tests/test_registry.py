@@ -212,7 +212,9 @@ def test_module_entry_points_and_prefix_families(tmp_path, monkeypatch):
 def test_module_entry_point_that_registers_nothing_is_an_error(tmp_path, monkeypatch):
     _plugin_dist(tmp_path, "lazy-plugin", "[opd_harness.tasks_x]\nghost = lazy_plugin_mod\n", "lazy_plugin_mod", "X = 1\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(RegistryError, match=r"ghost = lazy_plugin_mod \(from lazy-plugin 0.1\): importing the module did not register 'ghost'"):
+    with pytest.raises(
+        RegistryError, match=r"ghost = lazy_plugin_mod \(from lazy-plugin 0.1\): importing the module did not register 'ghost'"
+    ):
         Registry("tasks_x").names()
     sys.modules.pop("lazy_plugin_mod", None)
 
@@ -223,7 +225,9 @@ def test_broken_plugin_names_its_entry_point_and_is_retried(tmp_path, monkeypatc
     monkeypatch.syspath_prepend(str(tmp_path))
     reg: Registry = Registry("tasks_y")
     for _ in range(2):  # a failed load is not remembered as done
-        with pytest.raises(RegistryError, match=r"bad = broken_plugin_mod:Task \(from broken-plugin 0.1\) failed to load: ModuleNotFoundError"):
+        with pytest.raises(
+            RegistryError, match=r"bad = broken_plugin_mod:Task \(from broken-plugin 0.1\) failed to load: ModuleNotFoundError"
+        ):
             reg.get("bad")
 
 

@@ -110,7 +110,11 @@ def test_opd_full_estimator_reads_topk_when_teacher_top_k_is_set():
     coarse, _ = opd_objective(batch, StudentOutputs(student[..., 0], full=student), OPDParams(estimator="full", teacher_top_k=2))
     assert coarse.item() < exact.item()
     with pytest.raises(ValueError, match="teacher's top-k log-probs"):
-        opd_objective(make_batch([[1]], [[0.0]], [[0.0]]), StudentOutputs(student[:, :1, 0], full=student[:, :1]), OPDParams(estimator="full", teacher_top_k=2))
+        opd_objective(
+            make_batch([[1]], [[0.0]], [[0.0]]),
+            StudentOutputs(student[:, :1, 0], full=student[:, :1]),
+            OPDParams(estimator="full", teacher_top_k=2),
+        )
 
 
 # ----------------------------------------------------------------------------- teacher failures
@@ -237,7 +241,9 @@ def test_ray_teacher_actor_opens_the_served_teacher_itself(tmp_path):
     from trainers.ray_executor import TeacherActor
 
     tok = build_char_tokenizer()
-    model = build_tiny_model(TinyArch(hidden=32, layers=1, heads=2, kv_heads=1, ffn=64), len(tok), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, seed=5)
+    model = build_tiny_model(
+        TinyArch(hidden=32, layers=1, heads=2, kv_heads=1, ffn=64), len(tok), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, seed=5
+    )
     save_model_and_tokenizer(model, tok, tmp_path / "teacher")
     hf = HFBackend(model, tok)
     ids = torch.tensor([tok("12+30=42", add_special_tokens=False)["input_ids"]])
@@ -252,7 +258,17 @@ def test_ray_teacher_actor_opens_the_served_teacher_itself(tmp_path):
         actor = TeacherActor(cfg.model_dump(mode="json"), None, tok, str(tmp_path / "teacher"), torch.get_num_threads())
         assert isinstance(actor.backend, OpenAIBackend) and actor.backend.model == "teacher"  # the server's only model
         zeros = torch.zeros(ids.shape)
-        batch = TensorBatch(ids, mask, loss_mask, torch.zeros_like(ids), zeros, zeros.clone(), torch.full((1,), float("nan")), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+        batch = TensorBatch(
+            ids,
+            mask,
+            loss_mask,
+            torch.zeros_like(ids),
+            zeros,
+            zeros.clone(),
+            torch.full((1,), float("nan")),
+            torch.zeros(1, dtype=torch.long),
+            torch.zeros(1, dtype=torch.long),
+        )
         batch, _ = actor.score(batch, {}, 1)
     expected = hf.score(ids, mask, want=("logprobs", "topk"), top_k=4)
     assert torch.allclose(batch.teacher_logprobs, expected["logprobs"] * loss_mask, atol=1e-4)

@@ -17,7 +17,25 @@ def test_replay_regrades_stored_completions(tmp_path):
         for p in problems:
             f.write(json.dumps({"task": "arith", "id": p.id, "completion": f"\\boxed{{{p.answer}}}"}) + "\n")
             f.write(json.dumps({"task": "arith", "id": p.id, "completion": f"\\boxed{{{int(p.answer) + 1}}}"}) + "\n")
-    result = runner.invoke(app, ["eval", "--backend", "replay", "--model", str(path), "--task", "arith", "--k", "2", "--limit", "5", "--out", str(tmp_path), "--json"])
+    result = runner.invoke(
+        app,
+        [
+            "eval",
+            "--backend",
+            "replay",
+            "--model",
+            str(path),
+            "--task",
+            "arith",
+            "--k",
+            "2",
+            "--limit",
+            "5",
+            "--out",
+            str(tmp_path),
+            "--json",
+        ],
+    )
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)["tasks"]["arith"]
     assert (summary["avg_at_k"], summary["n_problems"], summary["n_samples"], summary["pass_at_k"]) == (0.5, 5, 10, 1.0)
@@ -29,7 +47,9 @@ def test_missing_samples_and_bad_rows_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"bad.jsonl:2: field 'id': missing"):
         read_replay_file(path)
     path.write_text('{"task": "arith", "id": "test-0", "completion": "x"}\n')
-    result = runner.invoke(app, ["eval", "--backend", "replay", "--model", str(path), "--task", "arith", "--k", "2", "--limit", "1", "--out", str(tmp_path)])
+    result = runner.invoke(
+        app, ["eval", "--backend", "replay", "--model", str(path), "--task", "arith", "--k", "2", "--limit", "1", "--out", str(tmp_path)]
+    )
     assert result.exit_code == 2
     assert "has 1 sample(s) and no sample 1" in " ".join(result.output.split())
 
@@ -39,7 +59,22 @@ def test_grading_errors_are_counted_and_gate_the_exit_code(tmp_path):
     path = tmp_path / "outputs.jsonl"
     completions = [f"\\boxed{{{problems[0].answer}}}", "\\boxed{9^{9^{9}}}", "no answer"]  # pass, grader blow-up, fail
     path.write_text("".join(json.dumps({"task": "arith", "id": p.id, "completion": c}) + "\n" for p, c in zip(problems, completions)))
-    args = ["eval", "--backend", "replay", "--model", str(path), "--task", "arith", "--k", "1", "--limit", "3", "--out", str(tmp_path), "--json"]
+    args = [
+        "eval",
+        "--backend",
+        "replay",
+        "--model",
+        str(path),
+        "--task",
+        "arith",
+        "--k",
+        "1",
+        "--limit",
+        "3",
+        "--out",
+        str(tmp_path),
+        "--json",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 1, result.output
     assert "grading error rate above" in " ".join(result.output.split())
@@ -54,7 +89,22 @@ def test_task_args_reach_the_task(tmp_path):
     problems = ArithTask(options).load("test")[:4]
     path = tmp_path / "outputs.jsonl"
     path.write_text("".join(json.dumps({"task": "arith", "id": p.id, "completion": f"\\boxed{{{p.answer}}}"}) + "\n" for p in problems))
-    base = ["eval", "--backend", "replay", "--model", str(path), "--task", "arith", "--k", "1", "--limit", "4", "--out", str(tmp_path), "--json"]
+    base = [
+        "eval",
+        "--backend",
+        "replay",
+        "--model",
+        str(path),
+        "--task",
+        "arith",
+        "--k",
+        "1",
+        "--limit",
+        "4",
+        "--out",
+        str(tmp_path),
+        "--json",
+    ]
     matched = runner.invoke(app, [*base, "--task-arg", "arith.max_operand=50", "--task-arg", "arith.max_mul_operand=9"])
     assert json.loads(matched.stdout)["tasks"]["arith"]["avg_at_k"] == 1.0
     default = runner.invoke(app, base)  # the default arith distribution has different problems under the same ids

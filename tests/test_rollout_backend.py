@@ -12,8 +12,9 @@ from harness.config import ConfigError, build_config
 from harness.registry import BACKENDS
 
 runner = CliRunner()
-BASE = ["run", "--task", "arith", "--preset", "smoke", "--set", "threads=1", "--set", "eval.teacher=false", "--set", "eval.before_training=false",
-        "--method", "opd", "--mode", "async", "--set", "trainer.fixed_lag=1", "--set", "trainer.steps=4", "--set", "trainer.checkpoint_every=4"]  # fmt: skip
+BASE = ["run", "--task", "arith", "--preset", "smoke", "--set", "threads=1", "--set", "eval.teacher=false",
+        "--set", "eval.before_training=false", "--method", "opd", "--mode", "async", "--set", "trainer.fixed_lag=1",
+        "--set", "trainer.steps=4", "--set", "trainer.checkpoint_every=4"]  # fmt: skip
 
 
 class RecordingEngine(HFBackend):

@@ -45,7 +45,10 @@ def test_registry_and_validation():
 
 
 def test_sandbox_imports_nothing_else_of_the_project():
-    code = "import sys, sandbox, sandbox.local, sandbox.docker, sandbox.build; print(sorted({m.split('.')[0] for m in sys.modules} & {'harness', 'tasks', 'trainers'}))"
+    code = (
+        "import sys, sandbox, sandbox.local, sandbox.docker, sandbox.build; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'harness', 'tasks', 'trainers'}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -68,7 +71,10 @@ def test_docker_daemon_unavailable_is_error_after_bounded_retries():
 
 def test_streams_exit_code_and_env(sb, monkeypatch):
     monkeypatch.setenv("OPD_HOST_SECRET", "hunter2")  # must not leak into the sandbox
-    code = "import os, sys; print('out'); print('err', file=sys.stderr); print(os.environ.get('OPD_HOST_SECRET'), os.environ['MINE']); sys.exit(3)"
+    code = (
+        "import os, sys; print('out'); print('err', file=sys.stderr); "
+        "print(os.environ.get('OPD_HOST_SECRET'), os.environ['MINE']); sys.exit(3)"
+    )
     r = sb.run(py(sb, code, env={"MINE": "yes", "IFS": "x"}))
     assert (r.status, r.exit_code, r.stdout, r.stderr) == ("ok", 3, "out\nNone yes\n", "err\n")
     assert not r.stdout_truncated and not r.stderr_truncated and r.duration_s > 0
@@ -131,7 +137,10 @@ def test_docker_locked_down(docker_sb):
 @pytest.mark.docker
 def test_docker_pool_reuses_and_cleans(docker_client):
     with sandbox.open_sandbox("docker", image=IMAGE, pool_size=1) as sb:
-        dirty = "mkdir -p /box/d && touch /box/d/f /box/.hidden '/box/a b' '/box/-x*' /tmp/t /dev/shm/s && chmod 000 /box/d && (setsid sleep 300 > /dev/null 2>&1 &) && echo done"
+        dirty = (
+            "mkdir -p /box/d && touch /box/d/f /box/.hidden '/box/a b' '/box/-x*' /tmp/t /dev/shm/s && chmod 000 /box/d && "
+            "(setsid sleep 300 > /dev/null 2>&1 &) && echo done"
+        )
         assert sb.run(ExecRequest(argv=["sh", "-c", dirty])).stdout == "done\n"
         code = (
             "import os\n"
@@ -197,7 +206,10 @@ def test_docker_reaps_leftovers_of_dead_owners(docker_client):
 def test_docker_crashed_run_is_reaped_by_the_next_process(docker_client):
     from sandbox.docker import LABEL, OWNER_LABEL
 
-    crash = f"import os, sandbox; sb = sandbox.open_sandbox('docker', image={IMAGE!r}, prewarm=1); print(os.getpid(), sb.stats['created'], flush=True); os.kill(os.getpid(), 9)"
+    crash = (
+        f"import os, sandbox; sb = sandbox.open_sandbox('docker', image={IMAGE!r}, prewarm=1); "
+        "print(os.getpid(), sb.stats['created'], flush=True); os.kill(os.getpid(), 9)"
+    )
     proc = subprocess.run([sys.executable, "-c", crash], capture_output=True, text=True)
     pid, created = proc.stdout.split()
     assert proc.returncode == -9 and created == "1", proc.stderr
@@ -209,7 +221,10 @@ def test_docker_crashed_run_is_reaped_by_the_next_process(docker_client):
     assert len(owned_by(pid)) <= 1  # (another process starting now may have reaped it already)
     # The next process reaps it when it first connects, and removes its own containers at exit
     # (it never calls close()).
-    nxt = f"import os, sandbox; sb = sandbox.open_sandbox('docker', image={IMAGE!r}); s = sb.session(); print(os.getpid(), sb.run(sandbox.ExecRequest(argv=['true'])).status)"
+    nxt = (
+        f"import os, sandbox; sb = sandbox.open_sandbox('docker', image={IMAGE!r}); s = sb.session(); "
+        "print(os.getpid(), sb.run(sandbox.ExecRequest(argv=['true'])).status)"
+    )
     nxt_pid, status = subprocess.run([sys.executable, "-c", nxt], capture_output=True, text=True).stdout.split()
     assert status == "ok"
     assert owned_by(pid) == [] and owned_by(nxt_pid) == []

@@ -65,7 +65,11 @@ def test_echo_prompt_logprobs_equal_hf_score(hf, url, shape):
     assert status == 200, body
     expected = PROMPTS if shape.startswith("list[") and shape != "list[int]" else PROMPTS[:1]
     assert len(body["choices"]) == len(expected)
-    assert body["usage"] == {"prompt_tokens": sum(len(encode(hf, p)) for p in expected), "completion_tokens": 0, "total_tokens": sum(len(encode(hf, p)) for p in expected)}
+    assert body["usage"] == {
+        "prompt_tokens": sum(len(encode(hf, p)) for p in expected),
+        "completion_tokens": 0,
+        "total_tokens": sum(len(encode(hf, p)) for p in expected),
+    }
     for choice, text in zip(body["choices"], expected, strict=True):
         lp = choice["logprobs"]
         assert choice["text"] == text and choice["finish_reason"] == "length"
@@ -97,7 +101,11 @@ def test_echo_with_a_completion_puts_the_prompt_first(hf, url):
 def test_lm_eval_style_loglikelihood_request(hf, url):
     """What lm-eval's local-completions sends for a log-likelihood: echo, max_tokens 1, logprobs 1, token ids."""
     context, continuation = encode(hf, "Q: What is 2+3?\nA:"), encode(hf, " 5")
-    status, body = post(url, "/completions", {"model": MODEL, "prompt": [context + continuation], "echo": True, "max_tokens": 1, "logprobs": 1, "temperature": 0, "seed": 1234})
+    status, body = post(
+        url,
+        "/completions",
+        {"model": MODEL, "prompt": [context + continuation], "echo": True, "max_tokens": 1, "logprobs": 1, "temperature": 0, "seed": 1234},
+    )
     assert status == 200
     lp = body["choices"][0]["logprobs"]
     assert len(lp["token_logprobs"]) == len(context) + len(continuation) + 1
@@ -112,7 +120,9 @@ def test_lm_eval_style_loglikelihood_request(hf, url):
 
 @pytest.mark.parametrize("n", [1, 3, 5])
 def test_completion_top_logprobs(hf, url, n):
-    status, body = post(url, "/completions", {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 6, "logprobs": n, "seed": 5, "echo": True})
+    status, body = post(
+        url, "/completions", {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 6, "logprobs": n, "seed": 5, "echo": True}
+    )
     assert status == 200
     lp = body["choices"][0]["logprobs"]
     ids = encode(hf, PROMPTS[0]) + [hf.tokenizer.convert_tokens_to_ids(t) for t in lp["tokens"][len(PROMPTS[0]) :]]
@@ -129,7 +139,14 @@ def test_completion_top_logprobs(hf, url, n):
 
 
 def test_chat_top_logprobs(url):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logprobs": True, "top_logprobs": 3, "seed": 2}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 4,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "seed": 2,
+    }
     status, answer = post(url, "/chat/completions", body)
     assert status == 200
     for entry in answer["choices"][0]["logprobs"]["content"]:
@@ -177,7 +194,15 @@ def test_completion_stream_equals_response(url, extra):
 
 
 def test_chat_stream_equals_response(url):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 10, "n": 2, "seed": 4, "logprobs": True, "top_logprobs": 2}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "2+2?"}],
+        "max_tokens": 10,
+        "n": 2,
+        "seed": 4,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
     status, whole = post(url, "/chat/completions", body)
     assert status == 200
     events = post_stream(url, "/chat/completions", body)
@@ -244,13 +269,17 @@ def test_concurrent_requests_are_batched_and_answer_as_alone(hf):
 
 def test_max_batch_limits_a_batch(hf):
     with running(make_app(hf, model_name=MODEL, max_batch=4, batch_wait_s=0.5)) as base:
-        status, body = post(base + "/v1", "/completions", {"model": MODEL, "prompt": ["ab", "cd", "ef"], "n": 3, "max_tokens": 2, "seed": 0})
+        status, body = post(
+            base + "/v1", "/completions", {"model": MODEL, "prompt": ["ab", "cd", "ef"], "n": 3, "max_tokens": 2, "seed": 0}
+        )
         assert status == 200 and len(body["choices"]) == 9
         stats = metrics(base)
     assert stats["harness_serve_batches_total"] == 3 and stats["harness_serve_batch_size_max"] == 4
     # a token budget: 4 padded positions per sequence (2 prompt + 2 new), 10 per batch -> 2 sequences
     with running(make_app(hf, model_name=MODEL, max_batch=16, max_batch_tokens=10, batch_wait_s=0.5)) as base:
-        status, body = post(base + "/v1", "/completions", {"model": MODEL, "prompt": ["ab", "cd", "ef"], "n": 2, "max_tokens": 2, "seed": 0})
+        status, body = post(
+            base + "/v1", "/completions", {"model": MODEL, "prompt": ["ab", "cd", "ef"], "n": 2, "max_tokens": 2, "seed": 0}
+        )
         assert status == 200 and len(body["choices"]) == 6
         stats = metrics(base)
     assert stats["harness_serve_batches_total"] == 3 and stats["harness_serve_batch_size_max"] == 2
@@ -316,7 +345,16 @@ def test_one_seeded_sample_is_the_hf_backends(hf, url, temperature, top_p):
     from harness.backends import SamplingParams
 
     for seed, text in enumerate(PROMPTS):
-        body = {"model": MODEL, "prompt": text, "max_tokens": 16, "seed": seed, "temperature": temperature, "top_p": top_p, "logprobs": 0, "return_tokens_as_token_ids": True}
+        body = {
+            "model": MODEL,
+            "prompt": text,
+            "max_tokens": 16,
+            "seed": seed,
+            "temperature": temperature,
+            "top_p": top_p,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        }
         served = post(url, "/completions", body)[1]["choices"][0]
         direct = hf.generate([encode(hf, text)], SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=16, seed=seed))[0]
         assert [int(t.removeprefix("token_id:")) for t in served["logprobs"]["tokens"]] == direct.token_ids
@@ -341,7 +379,9 @@ def test_a_stream_whose_client_goes_away_stops_decoding(hf):
     engine.model = Slow(hf.model)
     body = {"model": MODEL, "prompt": "abc", "max_tokens": 100, "temperature": 0, "stream": True}
     with running(app) as base:
-        request = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(), method="POST", headers={"content-type": "application/json"})
+        request = urllib.request.Request(
+            base + "/v1/completions", data=json.dumps(body).encode(), method="POST", headers={"content-type": "application/json"}
+        )
         response = urllib.request.urlopen(request, timeout=30)
         assert response.readline().startswith(b"data: ")  # decoding has started
         response.close()
@@ -357,7 +397,11 @@ def test_closing_the_engine_ends_a_batch_in_progress(hf):
     engine.model = Slow(hf.model)
     with running(app) as base:
         result: list = []
-        sender = threading.Thread(target=lambda: result.append(post(base + "/v1", "/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 100, "temperature": 0})))
+        sender = threading.Thread(
+            target=lambda: result.append(
+                post(base + "/v1", "/completions", {"model": MODEL, "prompt": "abc", "max_tokens": 100, "temperature": 0})
+            )
+        )
         sender.start()
         time.sleep(0.5)
         engine.close()

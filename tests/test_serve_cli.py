@@ -21,7 +21,9 @@ def free_port() -> int:
 @pytest.mark.slow
 def test_serve_then_eval_with_openai_backend(tmp_path):
     tok = build_char_tokenizer()
-    model = build_tiny_model(TinyArch(hidden=32, layers=1, heads=2, kv_heads=1, ffn=64), len(tok), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, seed=0)
+    model = build_tiny_model(
+        TinyArch(hidden=32, layers=1, heads=2, kv_heads=1, ffn=64), len(tok), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, seed=0
+    )
     model_dir = tmp_path / "model"
     save_model_and_tokenizer(model, tok, model_dir)
     port = free_port()

@@ -37,7 +37,20 @@ def model_dir(tmp_path, char_tokenizer, tiny_model_factory) -> Path:
 
 def in_process(model_dir: Path, include_path: Path, task: str, out: Path) -> tuple[dict, dict[str, str]]:
     """``harness eval`` with the in-process hf backend: the task summary and each doc's completion."""
-    args = ["eval", "--model", str(model_dir), "--task", f"lm_eval:{task}", "--task-arg", f"lm_eval:{task}.include_path={include_path}", "--temperature", "0", "--out", str(out), "--json"]
+    args = [
+        "eval",
+        "--model",
+        str(model_dir),
+        "--task",
+        f"lm_eval:{task}",
+        "--task-arg",
+        f"lm_eval:{task}.include_path={include_path}",
+        "--temperature",
+        "0",
+        "--out",
+        str(out),
+        "--json",
+    ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     with sqlite3.connect(out / "results.sqlite") as db:

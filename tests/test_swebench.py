@@ -27,12 +27,22 @@ RUNTESTS = (
     "sys.exit(not unittest.main(module=None, argv=['runtests', '-v', *sys.argv[1:]], exit=False).result.wasSuccessful())\n"
 )
 BASE = {
-    "calc.py": 'def add(a, b):\n    return a + b\n\n\ndef mean(values):\n    """Arithmetic mean of a non-empty list."""\n    return sum(values) / (len(values) - 1)\n',
+    "calc.py": (
+        "def add(a, b):\n    return a + b\n\n\n"
+        'def mean(values):\n    """Arithmetic mean of a non-empty list."""\n    return sum(values) / (len(values) - 1)\n'
+    ),
     "tests/__init__.py": "",
-    "tests/test_calc.py": "import unittest\n\nfrom calc import add\n\n\nclass CalcTest(unittest.TestCase):\n    def test_add(self):\n        \"\"\"\n        add() sums two numbers (a docstring that starts on a new line).\n        \"\"\"\n        self.assertEqual(add(2, 3), 5)\n",
+    "tests/test_calc.py": (
+        "import unittest\n\nfrom calc import add\n\n\nclass CalcTest(unittest.TestCase):\n    def test_add(self):\n"
+        '        """\n        add() sums two numbers (a docstring that starts on a new line).\n        """\n'
+        "        self.assertEqual(add(2, 3), 5)\n"
+    ),
     "tests/runtests.py": RUNTESTS,
 }
-TEST_AFTER = BASE["tests/test_calc.py"].replace("from calc import add\n", "from calc import add, mean\n") + "\n    def test_mean(self):\n        self.assertEqual(mean([2, 4]), 3.0)\n"
+TEST_AFTER = (
+    BASE["tests/test_calc.py"].replace("from calc import add\n", "from calc import add, mean\n")
+    + "\n    def test_mean(self):\n        self.assertEqual(mean([2, 4]), 3.0)\n"
+)
 
 
 def git_diff(files: dict[str, str], changed: dict[str, str], tmp: Path) -> str:
@@ -79,9 +89,15 @@ def tiny(tmp_path_factory, docker_client):
     patches["no_apply"] = patches["gold"].replace("return sum(values)", "return total(values)")
     snapshot(root / "data" / "swebench" / "instances" / IID, BASE, "name: testbed\ndependencies:\n  - python=3.11\n")
     row = {
-        "repo": REPO, "instance_id": IID, "base_commit": "0" * 40, "patch": patches["gold"], "test_patch": patches["test"],
-        "problem_statement": "mean([2, 4]) returns 6.0 instead of 3.0", "version": VERSION,
-        "FAIL_TO_PASS": json.dumps(["test_mean (tests.test_calc.CalcTest)"]), "PASS_TO_PASS": json.dumps(["test_add (tests.test_calc.CalcTest)"]),
+        "repo": REPO,
+        "instance_id": IID,
+        "base_commit": "0" * 40,
+        "patch": patches["gold"],
+        "test_patch": patches["test"],
+        "problem_statement": "mean([2, 4]) returns 6.0 instead of 3.0",
+        "version": VERSION,
+        "FAIL_TO_PASS": json.dumps(["test_mean (tests.test_calc.CalcTest)"]),
+        "PASS_TO_PASS": json.dumps(["test_add (tests.test_calc.CalcTest)"]),
     }
     (root / "data" / "swebench" / "tiny.jsonl").write_text(json.dumps(row) + "\n")
     return root, patches
@@ -180,7 +196,10 @@ def test_rows_are_validated_with_file_line_field(tmp_path):
 
 
 def test_pins_and_pip_failures():
-    assert environment_pins("dependencies:\n  - python=3.6\n  - pip:\n      - numpy==1.19.5\n      - asgiref==3.4.1\n") == ["numpy==1.19.5", "asgiref==3.4.1"]
+    assert environment_pins("dependencies:\n  - python=3.6\n  - pip:\n      - numpy==1.19.5\n      - asgiref==3.4.1\n") == [
+        "numpy==1.19.5",
+        "asgiref==3.4.1",
+    ]
     out = "Collecting asgiref==3.4.1\nERROR: No matching distribution found for numpy==1.19.5\n"
     assert failed_requirements(out, ["asgiref==3.4.1", "numpy==1.19.5"]) == ["numpy==1.19.5"]
 
@@ -203,7 +222,14 @@ def test_cli_sandbox_build_and_replay_eval(tiny, tmp_path, monkeypatch):
 
     root, patches = tiny
     data = root / "data"
-    args = ["--data-dir", str(data), "--task-arg", f"swebench.dataset={data / 'swebench' / 'tiny.jsonl'}", "--task-arg", f"swebench.cache_dir={root / 'cache'}"]
+    args = [
+        "--data-dir",
+        str(data),
+        "--task-arg",
+        f"swebench.dataset={data / 'swebench' / 'tiny.jsonl'}",
+        "--task-arg",
+        f"swebench.cache_dir={root / 'cache'}",
+    ]
     monkeypatch.setenv("HARNESS_DATA_DIR", str(data))  # --data-dir sets it for the process: restored after the test
     runner = CliRunner()
     built = runner.invoke(app, ["sandbox", "build", "--task", "swebench", *args])
@@ -211,7 +237,24 @@ def test_cli_sandbox_build_and_replay_eval(tiny, tmp_path, monkeypatch):
     assert IID in built.output and "dropped pins: none" in built.output
     model = tmp_path / "gold.jsonl"
     model.write_text(json.dumps({"task": "swebench", "id": IID, "completion": patches["gold"]}) + "\n")
-    result = runner.invoke(app, ["eval", "--task", "swebench", "--backend", "replay", "--model", str(model), "--k", "1", "--out", str(tmp_path / "out"), "--json", *args])
+    result = runner.invoke(
+        app,
+        [
+            "eval",
+            "--task",
+            "swebench",
+            "--backend",
+            "replay",
+            "--model",
+            str(model),
+            "--k",
+            "1",
+            "--out",
+            str(tmp_path / "out"),
+            "--json",
+            *args,
+        ],
+    )
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output[result.output.index("{"):])
     got = summary["tasks"]["swebench"]
@@ -233,11 +276,15 @@ def test_nothing_is_left_running_after_a_crash_mid_episode(how, tiny, tmp_path, 
     data = root / "data"
     turns = tmp_path / "turns.jsonl"
     turns.write_text(json.dumps({"task": "swebench", "id": IID, "turns": ["```bash\nsleep 300\n```"]}) + "\n")
-    args = ["eval", "--task", "swebench", "--backend", "replay", "--model", str(turns), "--k", "1", "--out", str(tmp_path / "out"), "--data-dir", str(data),
-            "--task-arg", f"swebench.dataset={data / 'swebench' / 'tiny.jsonl'}", "--task-arg", f"swebench.cache_dir={root / 'cache'}"]  # fmt: skip
+    args = ["eval", "--task", "swebench", "--backend", "replay", "--model", str(turns), "--k", "1", "--out", str(tmp_path / "out"),
+            "--data-dir", str(data), "--task-arg", f"swebench.dataset={data / 'swebench' / 'tiny.jsonl'}",
+            "--task-arg", f"swebench.cache_dir={root / 'cache'}"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    code = (f"from tasks.swebench import upstream; upstream.register_repo({REPO!r}, {{{VERSION!r}: {{'python': '3.9', 'test_cmd': 'python -m unittest -v'}}}}, "
-            "parser='django/django')\nfrom harness.cli import main; main()")  # the tiny repository's spec, as the fixture registers it
+    code = (
+        f"from tasks.swebench import upstream; upstream.register_repo({REPO!r}, {{{VERSION!r}: "
+        "{'python': '3.9', 'test_cmd': 'python -m unittest -v'}}, "
+        "parser='django/django')\nfrom harness.cli import main; main()"
+    )  # the tiny repository's spec, as the fixture registers it
     proc = subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
     def mine() -> list[str]:
@@ -247,7 +294,9 @@ def test_nothing_is_left_running_after_a_crash_mid_episode(how, tiny, tmp_path, 
     try:
         deadline = time.monotonic() + 300
         while not mine():
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()[-3000:] if proc.poll() is not None else "no container"
+            assert proc.poll() is None and time.monotonic() < deadline, (
+                proc.stdout.read().decode()[-3000:] if proc.poll() is not None else "no container"
+            )
             time.sleep(0.2)
         time.sleep(1.0)  # the command is running in it
         proc.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
@@ -258,7 +307,8 @@ def test_nothing_is_left_running_after_a_crash_mid_episode(how, tiny, tmp_path, 
             assert time.monotonic() - signalled < 30, f"exit took {time.monotonic() - signalled:.0f} s after SIGTERM"
         else:
             assert len(mine()) == 1  # a killed process cleans nothing up itself
-            reaper = "import sandbox\nwith sandbox.open_sandbox('docker') as sb: sb.run(sandbox.ExecRequest(argv=['true']))"  # the next user reaps
+            # the next user reaps
+            reaper = "import sandbox\nwith sandbox.open_sandbox('docker') as sb: sb.run(sandbox.ExecRequest(argv=['true']))"
             subprocess.run([sys.executable, "-c", reaper], env=env, check=True, timeout=120)
             assert mine() == []
     finally:
@@ -276,11 +326,16 @@ def test_open_instance_session_runs_in_the_repository(tiny):
     data = root / "data"
     options = {"data_dir": str(data), "dataset": str(data / "swebench" / "tiny.jsonl"), "cache_dir": str(root / "cache")}
     with open_instance_session(IID, options) as session:
-        script = "cd /testbed && git status --porcelain && git log --oneline | wc -l && python -c 'import calc, sys; print(calc.add(1, 2), sys.prefix)'"
+        script = (
+            "cd /testbed && git status --porcelain && git log --oneline | wc -l && "
+            "python -c 'import calc, sys; print(calc.add(1, 2), sys.prefix)'"
+        )
         result = session.run(ExecRequest(argv=["bash", "-c", script], timeout_s=60))
         assert result.exit_code == 0, result.stderr
         assert result.stdout.split() == ["1", "3", "/opt/venv"]
-        net = session.run(ExecRequest(argv=["python", "-c", "import socket; socket.create_connection(('pypi.org', 443), timeout=3)"], timeout_s=30))
+        net = session.run(
+            ExecRequest(argv=["python", "-c", "import socket; socket.create_connection(('pypi.org', 443), timeout=3)"], timeout_s=30)
+        )
         assert net.exit_code != 0
 
 
@@ -548,7 +603,16 @@ def test_test_sections_of_setup_cfg_and_pyproject_are_compared():
 def test_markers_count_only_where_the_grader_prints_them():
     from types import SimpleNamespace
 
-    from tasks.swebench.grading import APPLIED, APPLY_FAILED, SETUP_FAILED, START, TEST_PATCH_BROKEN, TEST_PATCH_FAILED, classify, test_section
+    from tasks.swebench.grading import (
+        APPLIED,
+        APPLY_FAILED,
+        SETUP_FAILED,
+        START,
+        TEST_PATCH_BROKEN,
+        TEST_PATCH_FAILED,
+        classify,
+        test_section,
+    )
 
     row = json.loads(json.dumps({"repo": REPO, "version": VERSION, "FAIL_TO_PASS": ["t"], "PASS_TO_PASS": []}))
     upstream.register_repo(REPO, {VERSION: {"python": "3.9", "test_cmd": "python -m unittest -v"}}, parser="django/django")

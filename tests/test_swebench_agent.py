@@ -25,7 +25,9 @@ def make_env(sb):
     def open_session():
         session = sb.session()
         session.write_files(REPO)
-        setup = "cd repo && git init -q && git -c user.email=a@b -c user.name=a add -A && git -c user.email=a@b -c user.name=a commit -qm base"
+        setup = (
+            "cd repo && git init -q && git -c user.email=a@b -c user.name=a add -A && git -c user.email=a@b -c user.name=a commit -qm base"
+        )
         assert session.run(ExecRequest(argv=["bash", "-c", setup])).success
         return session
 
@@ -97,7 +99,10 @@ def test_parsing_and_truncation_units():
 
 
 def test_a_unified_diff_as_first_reply_is_the_submitted_patch(make_env):
-    patch = "diff --git a/calc.py b/calc.py\n--- a/calc.py\n+++ b/calc.py\n@@ -1,2 +1,2 @@\n def add(a, b):\n-    return a - b\n+    return a + b\n"
+    patch = (
+        "diff --git a/calc.py b/calc.py\n--- a/calc.py\n+++ b/calc.py\n"
+        "@@ -1,2 +1,2 @@\n def add(a, b):\n-    return a - b\n+    return a + b\n"
+    )
     env = make_env()
     assert env.step(patch).done and env.outcome()["patch"] == patch and env.metrics()["submitted"] == 1
     assert env.metrics()["tool_calls"] == 0 and env.metrics()["invalid_tool_calls"] == 0  # no command ran (was -1)

@@ -162,7 +162,9 @@ def test_dry_run_writes_nothing_and_duplicate_points_run_once(tmp_path):
 
 
 def _add_run(store, run_id, *, mode, seed, curve, samples_per_hour, method="opd", fixed_lag=None, lags=(), status="done"):
-    overrides = [f"method={method}", f"trainer.mode={mode}", f"seed={seed}"] + ([f"trainer.fixed_lag={fixed_lag}"] if fixed_lag is not None else [])
+    overrides = [f"method={method}", f"trainer.mode={mode}", f"seed={seed}"] + (
+        [f"trainer.fixed_lag={fixed_lag}"] if fixed_lag is not None else []
+    )
     cfg = build_config(preset="smoke", overrides=overrides).model_dump()
     store.create_run(run_id, kind="train", config=cfg, method=method, task="arith")
     for step, avg in curve:
@@ -202,7 +204,11 @@ def test_table_rows_and_relative_throughput_arithmetic(hand_made):
     assert sync["peak_mean"] == pytest.approx(0.55) and sync["drop_mean"] == pytest.approx(0.05)
     assert sync["relative_throughput"] == pytest.approx(1.0) and sync["samples_per_hour"] == pytest.approx(1500)
     assert sync["lag_mean"] == 0.0 and sync["n_collapsed"] == 0
-    assert async_["final_mean"] == pytest.approx(0.2) and async_["peak_mean"] == pytest.approx(0.5) and async_["drop_mean"] == pytest.approx(0.3)
+    assert (
+        async_["final_mean"] == pytest.approx(0.2)
+        and async_["peak_mean"] == pytest.approx(0.5)
+        and async_["drop_mean"] == pytest.approx(0.3)
+    )
     assert (async_["n_collapsed"], async_["n_done"], async_["n_runs"]) == (1, 2, 3)  # the failed seed-2 run is left out
     assert async_["collapse_ratio"] == pytest.approx(0.5)
     assert async_["relative_throughput"] == pytest.approx(2250 / 1500)  # mean over seeds / mean of the matching sync runs

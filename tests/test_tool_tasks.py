@@ -37,7 +37,9 @@ def provider(request):
 
 def make_task(provider: str, **options):
     cls = TASKS.get("arith_tool")
-    sandbox_options = {"network_isolation": "auto"} if provider == "local" else {"image": os.environ.get("HARNESS_SANDBOX_IMAGE", "opd-sandbox:bookworm")}
+    sandbox_options = (
+        {"network_isolation": "auto"} if provider == "local" else {"image": os.environ.get("HARNESS_SANDBOX_IMAGE", "opd-sandbox:bookworm")}
+    )
     return cls(cls.Options(n_test=6, n_train=10, sandbox=provider, sandbox_options=sandbox_options, **options))
 
 

@@ -13,7 +13,13 @@ def imported_trainer_modules(path: Path) -> set[str]:
     """``trainers.*`` modules (not objectives) that ``path`` imports anywhere in its body."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else [a.name for a in getattr(node, "names", [])] if isinstance(node, ast.Import) else []
+        names = (
+            [node.module]
+            if isinstance(node, ast.ImportFrom) and node.module
+            else [a.name for a in getattr(node, "names", [])]
+            if isinstance(node, ast.Import)
+            else []
+        )
         found |= {n for n in names if n.startswith("trainers.") and not n.startswith("trainers.objectives")}
     return found
 

@@ -44,7 +44,11 @@ from fake_vllm import (
 
 
 def test_importing_the_module_does_not_import_vllm():
-    code = "import sys, harness.backends.vllm_backend as m; from harness.registry import BACKENDS; assert BACKENDS.get('vllm') is m.VLLMBackend; print(sorted(k for k in sys.modules if k == 'vllm' or k.startswith('vllm.')))"
+    code = (
+        "import sys, harness.backends.vllm_backend as m; from harness.registry import BACKENDS; "
+        "assert BACKENDS.get('vllm') is m.VLLMBackend; "
+        "print(sorted(k for k in sys.modules if k == 'vllm' or k.startswith('vllm.')))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
@@ -58,7 +62,15 @@ def test_load_without_vllm_raises_a_clear_runtime_error(monkeypatch):
 
 def test_load_passes_engine_options_and_forces_raw_logprobs(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm_module(FakeLLM))
-    backend = VLLMBackend.load("/m", tensor_parallel_size="2", gpu_memory_utilization="0.3", dtype="float32", max_model_len="256", enforce_eager="true", max_logprobs=8)
+    backend = VLLMBackend.load(
+        "/m",
+        tensor_parallel_size="2",
+        gpu_memory_utilization="0.3",
+        dtype="float32",
+        max_model_len="256",
+        enforce_eager="true",
+        max_logprobs=8,
+    )
     kw = backend.llm.kwargs
     assert kw["model"] == "/m" and kw["tensor_parallel_size"] == 2 and kw["gpu_memory_utilization"] == 0.3
     assert kw["dtype"] == "float32" and kw["max_model_len"] == 256 and kw["enforce_eager"] is True and kw["seed"] == 0
@@ -258,14 +270,20 @@ def test_the_fake_rpc_boundary_turns_tensors_into_lists_as_vllm_does():
     method, _, args, _ = utility_round_trip(["m", None, [[("w", torch.arange(6, dtype=torch.float32).reshape(3, 2))]], {}])
     name, encoded = args[0][0]
     assert method == "m" and name == "w" and isinstance(encoded, list) and encoded[:2] == ["float32", [3, 2]]
-    assert torch.equal(torch.frombuffer(bytearray(encoded[2]), dtype=torch.float32).reshape(3, 2), torch.arange(6, dtype=torch.float32).reshape(3, 2))
+    assert torch.equal(
+        torch.frombuffer(bytearray(encoded[2]), dtype=torch.float32).reshape(3, 2), torch.arange(6, dtype=torch.float32).reshape(3, 2)
+    )
     with pytest.raises(TypeError, match="not serializable"):
         utility_round_trip(["m", None, [object()], {}])
 
 
 def test_load_weights_reaches_the_worker_model_through_the_rpc_boundary(fake_backend):
     embed = torch.arange(6, dtype=torch.float32).reshape(3, 2)
-    state = {"model.embed_tokens.weight": embed, "lm_head.weight": embed, "model.norm.weight": torch.ones(2, dtype=torch.bfloat16)}  # tied, like tiny models
+    state = {
+        "model.embed_tokens.weight": embed,
+        "lm_head.weight": embed,
+        "model.norm.weight": torch.ones(2, dtype=torch.bfloat16),
+    }  # tied, like tiny models
     fake_backend.load_weights(state, version=7)
     method, args, kwargs = fake_backend.llm.rpc[-1]
     assert method == "reload_weights" and args == [] and set(kwargs) == {"weights_path"}  # only a path crosses the boundary

@@ -262,7 +262,9 @@ class Learner(Protocol):
 class RolloutWorker(threading.Thread):
     """Generates and teacher-scores batches b = start+1 .. steps with the weight versions the schedule allows."""
 
-    def __init__(self, schedule: Schedule, rollout: Rollout, board: WeightBoard, buffer: ReplayBuffer, start: int, pause: threading.Event) -> None:
+    def __init__(
+        self, schedule: Schedule, rollout: Rollout, board: WeightBoard, buffer: ReplayBuffer, start: int, pause: threading.Event
+    ) -> None:
         super().__init__(name="rollout-worker", daemon=True)
         self.schedule, self.rollout, self.board, self.buffer = schedule, rollout, board, buffer
         self.next_index = start + 1
@@ -334,7 +336,12 @@ def drive(plan, session: Session, schedule: Schedule, rollout: Rollout, learner:
     worker.start()
     trainer = plan.config.trainer
     label = trainer.mode + (f", {trainer.executor}" if trainer.executor != "inprocess" else "")
-    bar = progress(range(session.state.step + 1, schedule.steps + 1), desc=f"train {plan.method.name} ({label})", initial=session.state.step, total=schedule.steps)
+    bar = progress(
+        range(session.state.step + 1, schedule.steps + 1),
+        desc=f"train {plan.method.name} ({label})",
+        initial=session.state.step,
+        total=schedule.steps,
+    )
     try:
         last_end = time.perf_counter()
         for step in bar:
@@ -351,8 +358,9 @@ def drive(plan, session: Session, schedule: Schedule, rollout: Rollout, learner:
                 dropped += len(buffer.drop_stale())
             now = time.perf_counter()
             add_rates(metrics, result.lengths, now - last_end)
-            metrics.update(behaviour_version=float(entry.version), buffer_size=float(len(buffer)), refreshes=float(refreshes), dropped_batches=float(dropped),
-                           idle_ratio_rollout=worker.clock.idle_ratio(), idle_ratio_learner=clock.idle_ratio())  # fmt: skip
+            metrics.update(behaviour_version=float(entry.version), buffer_size=float(len(buffer)), refreshes=float(refreshes),
+                           dropped_batches=float(dropped), idle_ratio_rollout=worker.clock.idle_ratio(),
+                           idle_ratio_learner=clock.idle_ratio())  # fmt: skip
             pause.clear()  # the worker finishes its current batch, then waits while we checkpoint/evaluate
             checkpoint_metrics = {
                 "staleness_hist": {str(k): v for k, v in sorted(staleness.items())},
@@ -397,7 +405,18 @@ class Executor(Protocol):
         """The rollout and learner roles of ``session``, started (not necessarily ready) and stopped on exit."""
 
 
-BASE_INPUTS = frozenset({"behaviour_logprobs", "old_logprobs", "teacher_logprobs", "teacher_full", "teacher_topk", "student_full", "step_boundaries", "policy_lag"})
+BASE_INPUTS = frozenset(
+    {
+        "behaviour_logprobs",
+        "old_logprobs",
+        "teacher_logprobs",
+        "teacher_full",
+        "teacher_topk",
+        "student_full",
+        "step_boundaries",
+        "policy_lag",
+    }
+)
 
 
 def provided_inputs(task) -> frozenset[str]:

@@ -207,7 +207,9 @@ def learn(plan, model, optimizer, batch: TensorBatch, method_state, learner_vers
     metrics["lag_mean"] = float(batch.policy_lag.float().mean())
     metrics["lag_max"] = float(batch.policy_lag.max())
     with timed("train", metrics):
-        metrics.update(train_step(model, optimizer, batch, plan.method, plan.hparams, method_state, grad_clip=plan.config.trainer.grad_clip))
+        metrics.update(
+            train_step(model, optimizer, batch, plan.method, plan.hparams, method_state, grad_clip=plan.config.trainer.grad_clip)
+        )
 
 
 def response_lengths(batch: TensorBatch) -> torch.Tensor:
@@ -273,7 +275,9 @@ class Session:
         method_state = plan.method.make_state(plan.hparams) if plan.method.make_state else None
         last = _last_checkpoint(store, run_id) if resume else None
         if last is not None:
-            student_model, student_tok, optimizer, scheduler, state, extra = load_checkpoint(Path(last["path"]), optimizer_factory, scheduler_factory)
+            student_model, student_tok, optimizer, scheduler, state, extra = load_checkpoint(
+                Path(last["path"]), optimizer_factory, scheduler_factory
+            )
             if method_state is not None:
                 method_state.load_state_dict(extra["method_state"])
             console.print(f"[bold]resuming[/] {run_id} from step {state.step} ({last['path']})")
@@ -287,7 +291,21 @@ class Session:
             teacher = wrap_hf_teacher(teacher_model, tokenizer, cfg.trainer.generate_batch_size, cfg.teacher.backend_options)
         else:  # served or loaded elsewhere; it shares the student's vocabulary (the student's tokenizer encodes for it)
             teacher, teacher_path = open_remote_teacher(cfg.teacher, student_path), teacher_label(cfg.teacher, None)
-        return cls(plan, store, run_id, console, student, teacher, teacher_path, student_path, optimizer, scheduler, state, method_state, plan.train_problems)
+        return cls(
+            plan,
+            store,
+            run_id,
+            console,
+            student,
+            teacher,
+            teacher_path,
+            student_path,
+            optimizer,
+            scheduler,
+            state,
+            method_state,
+            plan.train_problems,
+        )
 
     def evaluate_start(self) -> None:
         """Teacher reference row, the student before training, or a checkpoint whose eval was interrupted."""
@@ -298,10 +316,19 @@ class Session:
             self.evaluate(self.run_id, self.state.step, self.student, label="student")
         estimator = getattr(self.plan.hparams, "estimator", None)
         mode = cfg.trainer.mode
-        self.console.print(f"training: method={self.plan.method.name}" + (f" estimator={estimator}" if estimator else "") + f", mode={mode}, {cfg.trainer.steps} steps")
+        self.console.print(
+            f"training: method={self.plan.method.name}"
+            + (f" estimator={estimator}" if estimator else "")
+            + f", mode={mode}, {cfg.trainer.steps} steps"
+        )
 
     def record_step(
-        self, step: int, metrics: dict, train_seconds: float, checkpoint_metrics: dict | None = None, before_checkpoint: Callable[[], None] | None = None
+        self,
+        step: int,
+        metrics: dict,
+        train_seconds: float,
+        checkpoint_metrics: dict | None = None,
+        before_checkpoint: Callable[[], None] | None = None,
     ) -> bool:
         """Count the step, log it, and checkpoint + evaluate when due; returns True if it checkpointed.
 
@@ -324,7 +351,9 @@ class Session:
         if before_checkpoint is not None:
             before_checkpoint()
         extra = {"method_state": self.method_state.state_dict()} if self.method_state is not None else {}
-        path = save_checkpoint(self.store.run_dir(self.run_id), self.state, self.student.model, self.student.tokenizer, self.optimizer, self.scheduler, extra)
+        path = save_checkpoint(
+            self.store.run_dir(self.run_id), self.state, self.student.model, self.student.tokenizer, self.optimizer, self.scheduler, extra
+        )
         self.store.add_checkpoint(
             self.run_id, step, path=str(path), samples_seen=self.state.samples_seen, train_seconds=self.state.train_seconds,
             metrics={"tokens_seen": self.state.tokens_seen, **(checkpoint_metrics or {})},
@@ -336,13 +365,17 @@ class Session:
         """Evaluate on every configured eval task that has no stored result yet for (run, step)."""
         cfg, store = self.plan.config, self.store
         if model is not None and store.get_run(run_id) is None:
-            store.create_run(run_id, kind="eval", config={"eval": cfg.eval.model_dump(), "model": model}, task=",".join(cfg.eval.tasks), model=model)
+            store.create_run(
+                run_id, kind="eval", config={"eval": cfg.eval.model_dump(), "model": model}, task=",".join(cfg.eval.tasks), model=model
+            )
         for task in self.plan.eval_tasks:
             if store.has_eval(run_id, step, task.name):
                 continue
             k = cfg.eval.k or task.options.k
             problems = self.plan.eval_problems[task.name]
-            sampling = SamplingParams(temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, max_new_tokens=task.options.max_new_tokens, seed=cfg.eval.seed)
+            sampling = SamplingParams(
+                temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, max_new_tokens=task.options.max_new_tokens, seed=cfg.eval.seed
+            )
             result = evaluate_task(backend, task, problems, k=k, sampling=sampling, n_resamples=cfg.eval.n_resamples)
             store_eval(store, run_id, step, result)
             s = result.summary

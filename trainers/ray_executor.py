@@ -232,7 +232,9 @@ def start_actors(ray: ModuleType, plan, session: Session, threads: int) -> tuple
     config = plan.config.model_dump(mode="json")
     student, teacher = session.student, session.teacher
     remote = lambda cls: ray.remote(cls).options(max_concurrency=1)  # noqa: E731  one call at a time, in order
-    rollout = remote(RolloutActor).remote(config, ray.put(student.model), student.tokenizer, session.student_path, ray.put(session.train_problems), threads)
+    rollout = remote(RolloutActor).remote(
+        config, ray.put(student.model), student.tokenizer, session.student_path, ray.put(session.train_problems), threads
+    )
     shipped = ray.put(teacher.model) if isinstance(teacher, HFBackend) else None  # a remote teacher is reopened in the actor
     scorer = remote(TeacherActor).remote(config, shipped, teacher.tokenizer, session.student_path, threads)
     parts = ray.put((student.model, session.optimizer, session.method_state))
@@ -261,7 +263,11 @@ class RayExecutor:
         try:
             with warnings.catch_warnings():  # the session's optimizer mirrors the learner's, so only its scheduler steps
                 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before", category=UserWarning)
-                yield Roles(RayRollout(ray, plan, rollout, scorer, board), RayLearner(ray, learner, session), ready=lambda: wait_ready(ray, actors, console))
+                yield Roles(
+                    RayRollout(ray, plan, rollout, scorer, board),
+                    RayLearner(ray, learner, session),
+                    ready=lambda: wait_ready(ray, actors, console),
+                )
         finally:
             try:  # a kill skips the actors' exit hooks: their sandbox containers and engines are released first
                 ray.get([actor.close.remote() for actor in actors], timeout=CLOSE_TIMEOUT_S)

@@ -45,12 +45,17 @@ def served_model(spec: TeacherSpec) -> str:
 
     options = spec.backend_options
     client = openai.OpenAI(
-        base_url=spec.base_url, api_key=options.get("api_key") or os.environ.get("OPENAI_API_KEY") or "EMPTY", timeout=float(options.get("timeout_s", 60)), max_retries=2
+        base_url=spec.base_url,
+        api_key=options.get("api_key") or os.environ.get("OPENAI_API_KEY") or "EMPTY",
+        timeout=float(options.get("timeout_s", 60)),
+        max_retries=2,
     )
     try:
         models = [m.id for m in client.models.list()]
     except openai.OpenAIError as exc:
-        raise TeacherFailed(f"the teacher server at teacher.base_url={spec.base_url} did not answer GET /models ({type(exc).__name__}: {exc})") from exc
+        raise TeacherFailed(
+            f"the teacher server at teacher.base_url={spec.base_url} did not answer GET /models ({type(exc).__name__}: {exc})"
+        ) from exc
     if spec.path is not None and spec.path not in models:
         raise TeacherFailed(f"teacher.path={spec.path!r} is not served at teacher.base_url={spec.base_url} (it serves {models})")
     if spec.path is None and len(models) != 1:
@@ -73,7 +78,9 @@ def teacher_wants(needs: frozenset[str]) -> tuple[str, ...]:
 
 
 @torch.no_grad()
-def score_teacher(teacher: Backend, batch: TensorBatch, *, want: tuple[str, ...], top_k: int = 0, retries: int = 0, step: int | None = None) -> None:
+def score_teacher(
+    teacher: Backend, batch: TensorBatch, *, want: tuple[str, ...], top_k: int = 0, retries: int = 0, step: int | None = None
+) -> None:
     """Fill the teacher's log-probs (and full distribution or top-k when asked) into ``batch``; a failed or incomplete
     scoring is tried ``retries`` more times, then raises :class:`TeacherFailed`, so no step trains without them."""
     for attempt in range(retries + 1):
@@ -85,7 +92,8 @@ def score_teacher(teacher: Backend, batch: TensorBatch, *, want: tuple[str, ...]
             where = f"step {step}" if step is not None else "a step"
             if attempt == retries:
                 raise TeacherFailed(
-                    f"teacher scoring of {where} failed after {retries + 1} attempt(s) ({type(exc).__name__}: {exc}); the step was not trained. "
+                    f"teacher scoring of {where} failed after {retries + 1} attempt(s) ({type(exc).__name__}: {exc}); "
+                    "the step was not trained. "
                     "Check the teacher (teacher.backend, teacher.base_url), then continue with harness run --resume"
                 ) from exc
             log.warning("teacher scoring of %s failed (%s: %s); retry %d/%d", where, type(exc).__name__, exc, attempt + 1, retries)
@@ -103,7 +111,9 @@ def check_scores(scores: dict[str, torch.Tensor], batch: TensorBatch, want: tupl
     if missing:
         raise RuntimeError(f"the teacher returned no {missing}")
     if tuple(scores["logprobs"].shape) != tuple(batch.input_ids.shape):
-        raise RuntimeError(f"the teacher's log-probs have shape {tuple(scores['logprobs'].shape)}, the batch {tuple(batch.input_ids.shape)}")
+        raise RuntimeError(
+            f"the teacher's log-probs have shape {tuple(scores['logprobs'].shape)}, the batch {tuple(batch.input_ids.shape)}"
+        )
     trained = batch.loss_mask.to(scores["logprobs"].device) > 0
     if torch.isnan(scores["logprobs"][trained]).any():
         raise RuntimeError("the teacher's log-probs are missing (NaN) on trained tokens")

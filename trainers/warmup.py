@@ -64,7 +64,9 @@ def warmup_schedule(optimizer: torch.optim.Optimizer, lr: float, steps: int):
     return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=lr, total_steps=steps, pct_start=min(0.5, max(0.05, 2 / steps)))
 
 
-def supervised_warmup(model, tokenizer, task, problems: list, spec: ModelSpec, *, desc: str, show_progress: bool = True) -> dict[str, float]:
+def supervised_warmup(
+    model, tokenizer, task, problems: list, spec: ModelSpec, *, desc: str, show_progress: bool = True
+) -> dict[str, float]:
     """SFT on the reference solutions of ``problems`` with a one-cycle learning rate; deterministic under the seed."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.sft_lr, weight_decay=0.0)
     schedule = warmup_schedule(optimizer, spec.sft_lr, spec.sft_steps)

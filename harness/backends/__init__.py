@@ -80,7 +80,9 @@ class Backend(Protocol):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """``params.n`` completions per prompt, ordered prompt-major."""
 
-    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, want: tuple[str, ...] = ("logprobs",), top_k: int = 0) -> dict[str, torch.Tensor]:
+    def score(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, want: tuple[str, ...] = ("logprobs",), top_k: int = 0
+    ) -> dict[str, torch.Tensor]:
         """Per-position tensors aligned with ``input_ids`` (position t scores token t given its prefix)."""
 
 

@@ -115,7 +115,12 @@ class HFBackend:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def score(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, want: tuple[str, ...] = ("logprobs",), top_k: int = 0, grad: bool = False
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        want: tuple[str, ...] = ("logprobs",),
+        top_k: int = 0,
+        grad: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Per-position scores for right-padded sequences (position 0 has no prefix and scores 0).
 

@@ -207,7 +207,13 @@ class OpenAIBackend:
         return [c for completions in per_prompt for c in completions]
 
     def _common_kwargs(self, prompt_index: int, params: SamplingParams) -> dict:
-        kwargs: dict = {"model": self.model, "n": params.n, "max_tokens": params.max_new_tokens, "temperature": params.temperature, "top_p": params.top_p}
+        kwargs: dict = {
+            "model": self.model,
+            "n": params.n,
+            "max_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+        }
         if params.seed is not None:
             kwargs["seed"] = derive_seed(params.seed, prompt_index)
         if params.stop:
@@ -280,7 +286,9 @@ class OpenAIBackend:
                 if attempt == self.connect_retries:
                     raise
                 delay = min(self.retry_backoff_s * 2**attempt, MAX_BACKOFF_S) * (1 - 0.25 * random.random())
-                log.warning("openai backend: %s (%s); retry %d/%d in %.2fs", type(exc).__name__, exc, attempt + 1, self.connect_retries, delay)
+                log.warning(
+                    "openai backend: %s (%s); retry %d/%d in %.2fs", type(exc).__name__, exc, attempt + 1, self.connect_retries, delay
+                )
                 self.sleep(delay)
         raise AssertionError("unreachable")
 
@@ -322,7 +330,12 @@ class OpenAIBackend:
     # ------------------------------------------------------------------ scoring
 
     def score(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, want: tuple[str, ...] = ("logprobs",), top_k: int = 0, grad: bool = False
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        want: tuple[str, ...] = ("logprobs",),
+        top_k: int = 0,
+        grad: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Per-position ``logprobs`` (and ``topk_logprobs``/``topk_ids`` with ``"topk"``) from the server's prompt log-probs."""
         check_score_request(want, top_k, grad)
@@ -338,7 +351,13 @@ class OpenAIBackend:
         """One row's prompt log-probs as vLLM-style entries: ``None`` first, then ``{token id: log-prob}`` per position."""
         import openai
 
-        kwargs: dict = {"model": self.model, "echo": True, "logprobs": max(top_k, 1), "temperature": 1.0, "max_tokens": self._echo_max_tokens}
+        kwargs: dict = {
+            "model": self.model,
+            "echo": True,
+            "logprobs": max(top_k, 1),
+            "temperature": 1.0,
+            "max_tokens": self._echo_max_tokens,
+        }
         if self.server_extensions:
             kwargs["extra_body"] = {"return_tokens_as_token_ids": True}
         try:
@@ -350,14 +369,19 @@ class OpenAIBackend:
             log.warning("openai backend: the server refused echo with max_tokens=0 (%s); scoring with max_tokens=1 from now on", exc)
             self._echo_max_tokens = 1
         if not response.choices or response.choices[0].logprobs is None:
-            raise ScoringMismatch(f"openai backend: {self.model!r} returned no prompt log-probs for row {row} (does the server support echo with logprobs?)")
+            raise ScoringMismatch(
+                f"openai backend: {self.model!r} returned no prompt log-probs for row {row} (does the server support echo with logprobs?)"
+            )
         return self._entries(row, tokens, response.choices[0].logprobs, top_k)
 
     def _entries(self, row: int, tokens: list[int], logprobs, top_k: int) -> list[dict[int, float] | None]:
         """Check the echoed tokens are ``tokens`` and turn each position's log-probs into ``{id: log-prob}``."""
         returned, values, tops = list(logprobs.tokens or []), list(logprobs.token_logprobs or []), list(logprobs.top_logprobs or [])
         if len(returned) < len(tokens) or len(values) < len(tokens):
-            raise ScoringMismatch(f"openai backend: row {row}: sent {len(tokens)} prompt tokens, the server echoed {len(returned)} with {len(values)} log-probs")
+            raise ScoringMismatch(
+                f"openai backend: row {row}: sent {len(tokens)} prompt tokens, "
+                f"the server echoed {len(returned)} with {len(values)} log-probs"
+            )
         entries: list[dict[int, float] | None] = [None]
         for position, token in enumerate(tokens):
             echoed = self._token_id(returned[position], token)

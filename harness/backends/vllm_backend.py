@@ -199,7 +199,9 @@ def check_score_request(want: tuple[str, ...], top_k: int, max_logprobs: int | N
         if top_k < 1:
             raise ValueError(f"score(want=('topk', ...)) needs top_k >= 1, got {top_k}")
         if max_logprobs is not None and max_logprobs >= 0 and top_k > max_logprobs:
-            raise ValueError(f"top_k={top_k} exceeds the engine's max_logprobs={max_logprobs}; load the vllm backend with max_logprobs={top_k} or more")
+            raise ValueError(
+                f"top_k={top_k} exceeds the engine's max_logprobs={max_logprobs}; load the vllm backend with max_logprobs={top_k} or more"
+            )
 
 
 def sampled_logprobs(token_ids: list[int], logprobs) -> list[float]:
@@ -248,7 +250,9 @@ def to_completion(output, prompt_index: int, sample_index: int, eos_id: int | No
     )
 
 
-def request_to_completions(request_output, prompt_index: int, n: int, eos_id: int | None, timings: dict[str, float] | None = None) -> list[Completion]:
+def request_to_completions(
+    request_output, prompt_index: int, n: int, eos_id: int | None, timings: dict[str, float] | None = None
+) -> list[Completion]:
     """The ``n`` samples of one ``RequestOutput``, ordered by their ``index``."""
     outputs = sorted(request_output.outputs, key=lambda o: getattr(o, "index", 0))
     if len(outputs) != n:
@@ -258,7 +262,16 @@ def request_to_completions(request_output, prompt_index: int, n: int, eos_id: in
 
 def copies(completion: Completion, n: int) -> list[Completion]:
     """``n`` copies of one greedy completion, numbered ``sample_index`` 0..n-1."""
-    return [replace(completion, sample_index=s, token_ids=list(completion.token_ids), logprobs=list(completion.logprobs), timings=dict(completion.timings)) for s in range(n)]
+    return [
+        replace(
+            completion,
+            sample_index=s,
+            token_ids=list(completion.token_ids),
+            logprobs=list(completion.logprobs),
+            timings=dict(completion.timings),
+        )
+        for s in range(n)
+    ]
 
 
 def forced_last_entry(request_output, last_token: int, row: int) -> dict:
@@ -336,7 +349,9 @@ class VLLMBackend:
         """Start a ``vllm.LLM`` on ``model`` (a local directory or hub id) with raw log-probs."""
         mode = engine_kwargs.pop("logprobs_mode", RAW_LOGPROBS)
         if mode != RAW_LOGPROBS:
-            raise ValueError(f"vllm backend: logprobs_mode must be {RAW_LOGPROBS!r} (log-probs of the untempered model distribution), got {mode!r}")
+            raise ValueError(
+                f"vllm backend: logprobs_mode must be {RAW_LOGPROBS!r} (log-probs of the untempered model distribution), got {mode!r}"
+            )
         vllm = import_vllm()
         kwargs: dict[str, Any] = dict(
             model=str(model),
@@ -397,7 +412,12 @@ class VLLMBackend:
         return int(value) if value is not None else None
 
     def score(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, want: tuple[str, ...] = ("logprobs",), top_k: int = 0, grad: bool = False
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        want: tuple[str, ...] = ("logprobs",),
+        top_k: int = 0,
+        grad: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Per-position ``logprobs`` (and ``topk_logprobs``/``topk_ids``) aligned with ``input_ids``.
 

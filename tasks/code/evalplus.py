@@ -246,8 +246,10 @@ class EvalPlusTask(SandboxedCodeTask):
             texts = full[f"{phase}_outputs"]
             small = [len(t) <= DIGEST_OVER for t in texts]
             summary[f"{phase}_outputs"] = [t if ok else None for t, ok in zip(texts, small)]
-            summary[f"{phase}_digests"] = [None if ok else {"sha256": checker.digest(t), "n": len(t), "same_ok": checker.same_text_is_equal(entry_point, t)}
-                                           for t, ok in zip(texts, small)]
+            summary[f"{phase}_digests"] = [
+                None if ok else {"sha256": checker.digest(t), "n": len(t), "same_ok": checker.same_text_is_equal(entry_point, t)}
+                for t, ok in zip(texts, small)
+            ]
             summary[f"{phase}_bytes"] = sum(len(t) for t in texts)
             summary[f"{phase}_times"], summary[f"{phase}_float_from"] = full[f"{phase}_times"], full[f"{phase}_float_from"]
         return summary

@@ -192,7 +192,9 @@ class LiveCodeBenchTask(SandboxedCodeTask):
             ds = load_dataset(HUB_ID, split="test", trust_remote_code=True, **kwargs)
         except Exception as exc:  # noqa: BLE001 - any hub failure ends in one clear error
             hint = " (pip install datasets)" if isinstance(exc, ImportError) else ""
-            raise DataNotFound(f"livecodebench: {looked}; Hugging Face hub fallback {HUB_ID} failed: {type(exc).__name__}: {exc}{hint}") from exc
+            raise DataNotFound(
+                f"livecodebench: {looked}; Hugging Face hub fallback {HUB_ID} failed: {type(exc).__name__}: {exc}{hint}"
+            ) from exc
         for i, row in enumerate(ds, start=1):
             yield f"hub:{HUB_ID}", i, row
 

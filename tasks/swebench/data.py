@@ -159,7 +159,9 @@ def repo_tarball(source: Path | str, row: Mapping[str, Any], cache_dir: Path) ->
                 return source / iid / name
         mirror = next((m for m in (source / repo.replace("/", "__"), source / f"{repo.replace('/', '__')}.git") if m.is_dir()), None)
         if mirror is None:
-            raise DataNotFound(f"{iid}: no snapshot {source / iid / 'repo.tar.xz'} and no git mirror {source / repo.replace('/', '__')}[.git]")
+            raise DataNotFound(
+                f"{iid}: no snapshot {source / iid / 'repo.tar.xz'} and no git mirror {source / repo.replace('/', '__')}[.git]"
+            )
     else:  # github
         mirror = cache_dir / "mirrors" / f"{repo.replace('/', '__')}.git"
         if not mirror.is_dir():
@@ -170,7 +172,9 @@ def repo_tarball(source: Path | str, row: Mapping[str, Any], cache_dir: Path) ->
         out.parent.mkdir(parents=True, exist_ok=True)
         part = out.with_suffix(".partial")
         with open(part, "wb") as f:
-            proc = subprocess.run(["git", "-C", str(mirror), "archive", "--format=tar", commit], stdout=f, stderr=subprocess.PIPE, timeout=600)
+            proc = subprocess.run(
+                ["git", "-C", str(mirror), "archive", "--format=tar", commit], stdout=f, stderr=subprocess.PIPE, timeout=600
+            )
         if proc.returncode != 0:
             part.unlink(missing_ok=True)
             raise DataNotFound(f"{iid}: git archive {commit} in {mirror} failed: {proc.stderr.decode(errors='replace')[-300:]}")

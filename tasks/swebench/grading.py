@@ -225,7 +225,10 @@ def decide(row: Mapping, log: str) -> tuple[str, str, dict]:
         status = map_unittest_names(status)
     verdict, report = upstream.resolution(status, row["FAIL_TO_PASS"], row["PASS_TO_PASS"])
     f2p, p2p = report.get("FAIL_TO_PASS", {}), report.get("PASS_TO_PASS", {})
-    summary = f"FAIL_TO_PASS {len(f2p.get('success', []))}/{len(row['FAIL_TO_PASS'])}, PASS_TO_PASS {len(p2p.get('success', []))}/{len(row['PASS_TO_PASS'])}"
+    summary = (
+        f"FAIL_TO_PASS {len(f2p.get('success', []))}/{len(row['FAIL_TO_PASS'])}, "
+        f"PASS_TO_PASS {len(p2p.get('success', []))}/{len(row['PASS_TO_PASS'])}"
+    )
     return ("pass" if verdict == "RESOLVED_FULL" else "fail"), f"{verdict}: {summary}", report
 
 

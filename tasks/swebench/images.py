@@ -179,7 +179,12 @@ def bootstrap_wheel(cache_dir: Path) -> Path:
     if found:
         return found[-1]
     wheels.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels), BOOTSTRAP_PIP], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(wheels), BOOTSTRAP_PIP],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     found = sorted(wheels.glob("pip-*.whl"))
     if proc.returncode != 0 or not found:
         raise ImageBuildError(f"could not download {BOOTSTRAP_PIP} to bootstrap the venv: {proc.stderr[-500:]}")
@@ -199,7 +204,13 @@ class _Builder:
         pip_cache = self.cache_dir / "pip-cache"
         pip_cache.mkdir(parents=True, exist_ok=True)
         mounts = ["-v", f"{Path(self.inputs.tarball).resolve()}:/run/opd/repo.tar:ro", "-v", f"{pip_cache.resolve()}:/run/opd/pip-cache"]
-        env = {"PIP_CACHE_DIR": "/run/opd/pip-cache", "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1", "PIP_ROOT_USER_ACTION": "ignore", "HOME": "/root"}
+        env = {
+            "PIP_CACHE_DIR": "/run/opd/pip-cache",
+            "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+            "PIP_NO_INPUT": "1",
+            "PIP_ROOT_USER_ACTION": "ignore",
+            "HOME": "/root",
+        }
         if need_pip:
             wheel = bootstrap_wheel(self.cache_dir)
             mounts += ["-v", f"{wheel.resolve()}:/run/opd/{wheel.name}:ro"]
@@ -215,7 +226,23 @@ class _Builder:
         from sandbox.docker import LABEL as SANDBOX_LABEL, OWNER, OWNER_LABEL
 
         labels = ["--label", f"{SANDBOX_LABEL}=1", "--label", f"{OWNER_LABEL}={OWNER}"]
-        proc = _docker("run", "-d", "--name", self.name, *labels, "--user", "0:0", "--workdir", "/", *mounts, *envs, BASE_IMAGE, "sleep", "infinity", timeout=300)
+        proc = _docker(
+            "run",
+            "-d",
+            "--name",
+            self.name,
+            *labels,
+            "--user",
+            "0:0",
+            "--workdir",
+            "/",
+            *mounts,
+            *envs,
+            BASE_IMAGE,
+            "sleep",
+            "infinity",
+            timeout=300,
+        )
         if proc.returncode != 0:
             raise ImageBuildError(f"could not start the build container: {proc.stderr.decode(errors='replace')[-1000:]}")
 
@@ -224,7 +251,14 @@ class _Builder:
         started = time.perf_counter()
         self.log.write(f"\n### {what}\n$ {script}\n")
         self.log.flush()
-        args = ["exec", *(["-i"] if stdin is not None else []), self.name, "bash", "-c", f"set -eo pipefail; export PATH={VENV}/bin:$PATH; {script}"]
+        args = [
+            "exec",
+            *(["-i"] if stdin is not None else []),
+            self.name,
+            "bash",
+            "-c",
+            f"set -eo pipefail; export PATH={VENV}/bin:$PATH; {script}",
+        ]
         proc = _docker(*args, stdin=stdin)
         out = proc.stdout.decode(errors="replace") + proc.stderr.decode(errors="replace")
         self.log.write(out + f"\n### exit {proc.returncode} after {time.perf_counter() - started:.1f}s\n")
@@ -273,9 +307,15 @@ def install_pins(builder: _Builder, pins: list[str]) -> dict[str, str]:
         out = proc.stdout.decode(errors="replace") + proc.stderr.decode(errors="replace")
         culprits = failed_requirements(out, todo)
         if not culprits:
-            raise ImageBuildError(f"{builder.inputs.instance_id}: pip failed and named no requirement; log: {builder.log_path}\n{out[-1500:]}")
+            raise ImageBuildError(
+                f"{builder.inputs.instance_id}: pip failed and named no requirement; log: {builder.log_path}\n{out[-1500:]}"
+            )
         for pin in culprits:
-            reason = "no release for this Python" if re.search(rf"(No matching distribution|different Python).*{re.escape(pin.split('==')[0])}", out, re.I) else "could not be built"
+            reason = (
+                "no release for this Python"
+                if re.search(rf"(No matching distribution|different Python).*{re.escape(pin.split('==')[0])}", out, re.I)
+                else "could not be built"
+            )
             dropped[pin] = reason
             todo.remove(pin)
         remember_failures(builder.cache_dir, base, {p: dropped[p] for p in culprits})
@@ -302,7 +342,10 @@ def build_instance_image(inputs: BuildInputs, cache_dir: Path, *, force: bool = 
         builder.start(need_pip)
         builder.sh(f"python3 -m venv --without-pip {VENV}", "create the venv")
         if need_pip:
-            builder.sh(f"python {builder.wheel}/pip install -q --no-index {builder.wheel} && pip install -q {' '.join(BUILD_TOOLS)}", "bootstrap pip")
+            builder.sh(
+                f"python {builder.wheel}/pip install -q --no-index {builder.wheel} && pip install -q {' '.join(BUILD_TOOLS)}",
+                "bootstrap pip",
+            )
         tree = (
             f"mkdir -p {REPO_DIR} && cd {REPO_DIR} && python3 -c \"import tarfile; tarfile.open('/run/opd/repo.tar').extractall('.')\""
             f" && ln -sfn {REPO_DIR} {TESTBED}"
@@ -314,20 +357,29 @@ def build_instance_image(inputs: BuildInputs, cache_dir: Path, *, force: bool = 
         if inputs.install:
             builder.sh(f"cd {TESTBED} && {inputs.install}", "install")
         commit = (
-            f"cd {REPO_DIR} && git config --global --add safe.directory '*' && git init -q && git add -A && git -c user.name=SWE-bench -c user.email=setup@swebench.config"
-            " commit -q --no-verify -m base && chown -R 65534:65534 ."
+            f"cd {REPO_DIR} && git config --global --add safe.directory '*' && git init -q && git add -A"
+            " && git -c user.name=SWE-bench -c user.email=setup@swebench.config commit -q --no-verify -m base && chown -R 65534:65534 ."
         )
         builder.sh(commit, "commit the tree")
         wrappers = (
             f"for f in {VENV}/bin/*; do n=$(basename $f); case $n in activate*|python*) ;; *) ln -sfn $f /usr/local/bin/$n;; esac; done;"
-            f" for n in python python3 python3.11; do printf '#!/bin/sh\\nexec {VENV}/bin/python \"$@\"\\n' > /usr/local/bin/$n; chmod 755 /usr/local/bin/$n; done"
+            f" for n in python python3 python3.11; do printf '#!/bin/sh\\nexec {VENV}/bin/python \"$@\"\\n' > /usr/local/bin/$n;"
+            " chmod 755 /usr/local/bin/$n; done"
         )
         builder.sh(wrappers, "put the venv first on PATH")
         # A link to the interpreter elsewhere (tox-current-env's .tox/<env>/bin/python) is not the venv: give the base
         # interpreter the venv's packages too (appended after its own, which hold only the base image's python3-numpy).
         site = f"{VENV}/lib/python3.11/site-packages"
-        builder.sh(f"echo 'import site; site.addsitedir(\"{site}\")' > /usr/local/lib/python3.11/dist-packages/opd-swebench-venv.pth", "venv packages for linked interpreters")
-        labels = {f"{LABEL}": "1", f"{LABEL}.instance": inputs.instance_id, f"{LABEL}.key": inputs.key(), f"{LABEL}.dropped": json.dumps(dropped, sort_keys=True)}
+        builder.sh(
+            f"echo 'import site; site.addsitedir(\"{site}\")' > /usr/local/lib/python3.11/dist-packages/opd-swebench-venv.pth",
+            "venv packages for linked interpreters",
+        )
+        labels = {
+            f"{LABEL}": "1",
+            f"{LABEL}.instance": inputs.instance_id,
+            f"{LABEL}.key": inputs.key(),
+            f"{LABEL}.dropped": json.dumps(dropped, sort_keys=True),
+        }
         changes = [f"WORKDIR {REPO_DIR}", f"ENV PATH=/usr/local/sbin:/usr/local/bin:{VENV}/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
         changes += [f"LABEL {k}={json.dumps(v)}" for k, v in labels.items()]
         proc = _docker("commit", *(a for c in changes for a in ("--change", c)), builder.name, tag, timeout=1800)

@@ -44,7 +44,9 @@ class InstanceSession(Session):
             self._sb.close()
 
 
-def open_session_on(image: str, *, memory_mb: int = 4096, cpus: float = 2.0, pids: int = 1024, tmpfs_mb: int = 1024, max_command_s: float = 1800.0) -> InstanceSession:
+def open_session_on(
+    image: str, *, memory_mb: int = 4096, cpus: float = 2.0, pids: int = 1024, tmpfs_mb: int = 1024, max_command_s: float = 1800.0
+) -> InstanceSession:
     """A session in a fresh container of an instance ``image`` (network off); closing it closes its sandbox."""
     sb = sandbox.open_sandbox("docker", image=image, tmpfs_mb=tmpfs_mb, http_timeout_s=max_command_s + 120)
     try:

@@ -22,7 +22,16 @@ from tasks.agentic.shell_task import chat_prompt
 from tasks.swebench.agent import INSTANCE_PROMPT, SUBMIT, SwebenchAgentEnv
 from tasks.swebench.grading import MAX_PATCH_BYTES, Outcome, failed, grade_patch, too_large
 from tasks.swebench.session import InstanceSession, open_session_on
-from tasks.swebench.images import BuildInputs, BuildResult, ImageBuildError, base_image_id, build_instance_image, environment_pins, requirement_lines, sha256_file
+from tasks.swebench.images import (
+    BuildInputs,
+    BuildResult,
+    ImageBuildError,
+    base_image_id,
+    build_instance_image,
+    environment_pins,
+    requirement_lines,
+    sha256_file,
+)
 
 AGENT_WORKDIR = "/testbed"  # SWE-bench's repository path (a link to the sandbox work root in the instance images)
 DEFAULT_CACHE = Path(".cache/swebench")
@@ -31,10 +40,23 @@ DEFAULT_CACHE = Path(".cache/swebench")
 class SwebenchOptions(TaskOptions):
     k: int = 1
     max_new_tokens: int = 4096
-    max_context_tokens: int = Field(32768, ge=256, description="agent: context budget of an episode (prompt, replies and observations); a turn past it ends the episode")
-    dataset: str = Field("auto", description="rows: auto (<data dir>/swebench/verified_mini_50.csv or verified_mini_hf/, else the hub), a local file/folder, or hf:<name>")
+    max_context_tokens: int = Field(
+        32768, ge=256, description="agent: context budget of an episode (prompt, replies and observations); a turn past it ends the episode"
+    )
+    dataset: str = Field(
+        "auto",
+        description=(
+            "rows: auto (<data dir>/swebench/verified_mini_50.csv or verified_mini_hf/, else the hub), a local file/folder, or hf:<name>"
+        ),
+    )
     instances: str = Field("", description="comma-separated instance ids (default: every instance with a snapshot, else every row)")
-    repo_source: str = Field("", description="repository trees: a snapshot folder (<id>/repo.tar.xz; default <data dir>/swebench/instances), a folder of git mirrors, or github")
+    repo_source: str = Field(
+        "",
+        description=(
+            "repository trees: a snapshot folder (<id>/repo.tar.xz; default <data dir>/swebench/instances), "
+            "a folder of git mirrors, or github"
+        ),
+    )
     cache_dir: str = Field(str(DEFAULT_CACHE), description="image build logs, pip cache, grading logs")
     grade_timeout_s: float = Field(1800.0, gt=0, description="wall-clock limit of one grading run (past it: fail, code grade_timeout)")
     test_tampering: Literal["fail", "strip", "off"] = Field(
@@ -57,7 +79,9 @@ class SwebenchOptions(TaskOptions):
     wall_time_s: float = Field(1800.0, gt=0, description="agent: wall-clock limit of an episode")
     max_format_errors: int = Field(3, ge=1, description="agent: consecutive replies without exactly one command that end the episode")
     max_output_chars: int = Field(10_000, ge=200, description="agent: command output kept per observation (head and tail)")
-    action_format: Literal["fenced", "tagged"] = Field("fenced", description="agent: one ```bash block per reply, or one <command>...</command>")
+    action_format: Literal["fenced", "tagged"] = Field(
+        "fenced", description="agent: one ```bash block per reply, or one <command>...</command>"
+    )
 
 
 class SwebenchTask(Task):
@@ -136,7 +160,16 @@ class SwebenchTask(Task):
     @classmethod
     def data_needs(cls):
         """``harness data fetch/check swebench``: the rows file (the repository snapshots are staged separately)."""
-        return (DataNeed(task=cls.name, split="test", files=("swebench/verified*",), source=f"hf:{data.HUB_DATASET}[test]", fetch=data.fetch_hub, load=data.load_local),)
+        return (
+            DataNeed(
+                task=cls.name,
+                split="test",
+                files=("swebench/verified*",),
+                source=f"hf:{data.HUB_DATASET}[test]",
+                fetch=data.fetch_hub,
+                load=data.load_local,
+            ),
+        )
 
     # ---- images
 
@@ -149,8 +182,15 @@ class SwebenchTask(Task):
         pins = environment_pins(env_yml) if env_yml is not None else self.requirements_from_tree(row, tarball, spec)
         install = spec.get("install", "") if (pins or spec.get("install")) else ""
         return BuildInputs(
-            instance_id=row["instance_id"], repo=row["repo"], version=row["version"], tarball=str(tarball), tarball_sha256=sha256_file(tarball),
-            pins=tuple(pins), pre_install=tuple(spec.get("pre_install", [])), install=install, base_image_id=base_image_id(),
+            instance_id=row["instance_id"],
+            repo=row["repo"],
+            version=row["version"],
+            tarball=str(tarball),
+            tarball_sha256=sha256_file(tarball),
+            pins=tuple(pins),
+            pre_install=tuple(spec.get("pre_install", [])),
+            install=install,
+            base_image_id=base_image_id(),
         )
 
     def requirements_from_tree(self, row: dict, tarball: Path, spec: dict) -> list[str]:
@@ -251,7 +291,9 @@ class SwebenchTask(Task):
             opts.max_steps, opts.wall_time_s, opts.command_timeout_s, opts.max_format_errors, opts.max_output_chars, opts.max_patch_bytes
         )
         prompt = self.format_prompt(problem, tokenizer)
-        return SwebenchAgentEnv(prompt, partial(self.open_session, row), workdir=AGENT_WORKDIR, limits=limits, action_format=opts.action_format)
+        return SwebenchAgentEnv(
+            prompt, partial(self.open_session, row), workdir=AGENT_WORKDIR, limits=limits, action_format=opts.action_format
+        )
 
     def open_session(self, row: dict):
         """A session in a fresh container of the instance image (network off), closed with the episode."""

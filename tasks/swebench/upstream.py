@@ -102,7 +102,9 @@ def register_repo(repo: str, versions: Mapping[str, dict], parser: str | Callabl
     """Add a repository swebench does not know: its specs per version and its log parser (a known repo's name, or a
     function). Used for hand-made instances (tests); an existing entry is left as it is."""
     constants = module("harness.constants")
-    constants.MAP_REPO_VERSION_TO_SPECS.setdefault(repo, {}).update({v: dict(s) for v, s in versions.items() if v not in constants.MAP_REPO_VERSION_TO_SPECS.get(repo, {})})
+    constants.MAP_REPO_VERSION_TO_SPECS.setdefault(repo, {}).update(
+        {v: dict(s) for v, s in versions.items() if v not in constants.MAP_REPO_VERSION_TO_SPECS.get(repo, {})}
+    )
     constants.MAP_REPO_TO_EXT.setdefault(repo, "py")
     parsers = module("harness.log_parsers").MAP_REPO_TO_PARSER
     parsers.setdefault(repo, parsers[parser] if isinstance(parser, str) else parser)

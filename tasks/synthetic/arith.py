@@ -63,7 +63,9 @@ def make_problem(rng: random.Random, opts: ArithOptions) -> tuple[str, list[str]
 T = TypeVar("T")
 
 
-def draw_distinct_splits(rng: random.Random, wanted: dict[str, int], split: str, draw: Callable[[random.Random], T], task: str) -> dict[str, list[T]]:
+def draw_distinct_splits(
+    rng: random.Random, wanted: dict[str, int], split: str, draw: Callable[[random.Random], T], task: str
+) -> dict[str, list[T]]:
     """Draws per split, in the order of ``wanted`` (test first, so that train excludes its expressions), up to
     ``split``; ``draw(rng)`` returns a tuple whose first item is the expression that must be new."""
     seen: set[str] = set()
@@ -92,11 +94,18 @@ class ArithTask(MathVerifyGraded, Task):
     def read_problems(self, split: str, data_dir: Path) -> list[Problem]:
         """Generate ``split`` deterministically from the seed; test expressions never appear in train (reads no files)."""
         opts: ArithOptions = self.options  # type: ignore[assignment]
-        drawn = draw_distinct_splits(random.Random(opts.seed), {"test": opts.n_test, "train": opts.n_train}, split, lambda rng: make_problem(rng, opts), "arith")
+        drawn = draw_distinct_splits(
+            random.Random(opts.seed), {"test": opts.n_test, "train": opts.n_train}, split, lambda rng: make_problem(rng, opts), "arith"
+        )
         out: dict[str, list[Problem]] = {}
         for name, items in drawn.items():
             out[name] = [
-                Problem(id=f"{name}-{i}", question=f"Compute {expression}.\n", answer=str(value), solution="\n".join(lines + [f"\\boxed{{{value}}}"]))
+                Problem(
+                    id=f"{name}-{i}",
+                    question=f"Compute {expression}.\n",
+                    answer=str(value),
+                    solution="\n".join(lines + [f"\\boxed{{{value}}}"]),
+                )
                 for i, (expression, lines, value) in enumerate(items)
             ]
         return out[split]

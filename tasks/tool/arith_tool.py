@@ -24,7 +24,9 @@ from tasks.tool.base import ToolOptions, ToolTask
 class ArithToolOptions(ToolOptions):
     k: int = 4
     max_new_tokens: int = 64
-    prompt: Literal["instruction", "bare"] = Field("bare", description="instruction: explain the tool and answer format; bare: the question only")
+    prompt: Literal["instruction", "bare"] = Field(
+        "bare", description="instruction: explain the tool and answer format; bare: the question only"
+    )
     max_context_tokens: int = Field(480, ge=16, description="context budget of an episode (prompt, model and tool tokens)")
     num_ops: int = Field(2, ge=1, le=4, description="operators per expression")
     operators: str = Field("+-*", pattern=r"^[+\-*]+$", description="operators to draw from")
@@ -69,4 +71,6 @@ class ArithToolTask(ToolTask):
         """The problem for ``expression`` with its reference episode (one tool call printing it, then the answer)."""
         value = str(evaluate_expression(expression))
         turns = self.reference_turns(value, f"print({expression})")
-        return Problem(problem_id, f"Compute {expression}.\n", value, solution="".join(t["model"] for t in turns), meta={"reference_turns": turns})
+        return Problem(
+            problem_id, f"Compute {expression}.\n", value, solution="".join(t["model"] for t in turns), meta={"reference_turns": turns}
+        )

@@ -24,8 +24,12 @@ from tasks.agentic.tool_formats import CODE_INTERPRETER_SCHEMA, FORMATS, ToolFor
 class ToolOptions(SandboxOptions):
     """Options of every tool-use task (limits default to the f-OPD paper's: 6 tool calls, 10 assistant turns)."""
 
-    format: Literal["retool", "hermes"] = Field("retool", description="tool-call format: retool (<code> blocks) or hermes (<tool_call> JSON)")
-    prompt: Literal["instruction", "bare"] = Field("instruction", description="instruction: explain the tool and answer format; bare: the question only")
+    format: Literal["retool", "hermes"] = Field(
+        "retool", description="tool-call format: retool (<code> blocks) or hermes (<tool_call> JSON)"
+    )
+    prompt: Literal["instruction", "bare"] = Field(
+        "instruction", description="instruction: explain the tool and answer format; bare: the question only"
+    )
     max_tool_calls: int = Field(
         6, ge=0, description="tool calls per episode, invalid ones included; later calls are refused without running"
     )

@@ -50,7 +50,9 @@ def make_retool_task(name: str) -> type[RetoolTask]:
     defaults: dict = {}
     if "instruction" in inner.Options.model_fields:
         annotations["instruction"], defaults["instruction"] = str, ""
-    options = type(f"RetoolOptions[{name}]", (inner.Options, ToolOptions), {"__annotations__": annotations, **defaults, "__module__": __name__})
+    options = type(
+        f"RetoolOptions[{name}]", (inner.Options, ToolOptions), {"__annotations__": annotations, **defaults, "__module__": __name__}
+    )
     attrs = {
         "description": f"{name} solved with a ReTool-style Python code interpreter (multi-turn, sandboxed)",
         "inner": inner,

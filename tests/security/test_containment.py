@@ -49,7 +49,10 @@ def test_signal_is_killed(sb):
 
 
 def test_process_limit_and_fork_bomb(sb):
-    count = "import os, time\nn = 0\ntry:\n    while n < 500:\n        if os.fork() == 0:\n            time.sleep(30)\n            os._exit(0)\n        n += 1\nexcept OSError:\n    pass\nprint(n)"
+    count = (
+        "import os, time\nn = 0\ntry:\n    while n < 500:\n        if os.fork() == 0:\n            time.sleep(30)\n"
+        "            os._exit(0)\n        n += 1\nexcept OSError:\n    pass\nprint(n)"
+    )
     r = sb.run(py(sb, count, pids=16, timeout_s=5))
     assert r.status == "ok" and 0 < int(r.stdout) < 16, r
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
@@ -62,7 +65,10 @@ def test_process_limit_and_fork_bomb(sb):
 def test_network_unreachable(sb):
     if getattr(sb, "network_isolated", True) is False:
         pytest.skip("this machine gives the local provider no network namespace")
-    code = "import socket\ntry:\n    socket.create_connection(('192.0.2.1', 80), timeout=3)\n    print('connected')\nexcept OSError as e:\n    print(e.errno)"
+    code = (
+        "import socket\ntry:\n    socket.create_connection(('192.0.2.1', 80), timeout=3)\n"
+        "    print('connected')\nexcept OSError as e:\n    print(e.errno)"
+    )
     r = sb.run(py(sb, code))
     assert r.status == "ok" and r.stdout.strip() == "101", r  # ENETUNREACH: no interface but lo
     r = sb.run(py(sb, "import socket; print(socket.if_nameindex())"))
@@ -71,7 +77,10 @@ def test_network_unreachable(sb):
 
 def test_writing_outside_the_work_directory_is_denied(sb):
     targets = ["/etc/opd-pwned", "/usr/opd-pwned", os.path.join(os.getcwd(), "opd-pwned")]
-    code = "import sys\nfor p in sys.argv[1:]:\n    try:\n        open(p, 'w').write('x')\n        print('wrote', p)\n    except OSError:\n        print('denied', p)"
+    code = (
+        "import sys\nfor p in sys.argv[1:]:\n    try:\n        open(p, 'w').write('x')\n"
+        "        print('wrote', p)\n    except OSError:\n        print('denied', p)"
+    )
     r = sb.run(ExecRequest(argv=[sb.python, "-c", code, *targets]))
     assert r.status == "ok" and "wrote" not in r.stdout and r.stdout.count("denied") == 3, r
     assert not any(os.path.exists(p) for p in targets)  # nothing appeared on the host
@@ -97,7 +106,10 @@ def test_sleeping_past_the_timeout_is_a_timeout(sb):
 
 def test_signals_cannot_reach_the_harness(sb):
     me = os.getpid()
-    code = f"import os, signal\ntry:\n    os.kill({me}, signal.SIGKILL)\n    print('sent')\nexcept OSError as e:\n    print('refused', e.errno)"
+    code = (
+        f"import os, signal\ntry:\n    os.kill({me}, signal.SIGKILL)\n"
+        "    print('sent')\nexcept OSError as e:\n    print('refused', e.errno)"
+    )
     r = sb.run(py(sb, code))
     assert r.status == "ok", r
     assert os.getpid() == me  # we are still running: Docker has no such pid, and locally another uid may not signal us

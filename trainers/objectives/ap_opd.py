@@ -335,7 +335,9 @@ class BlockParams(SurrogateParams):
     block: int = Field(64, ge=1, description="B: valid tokens per block (paper: 64)")
     alpha: float = Field(0.05, gt=0, le=1, description="α of the top-α count ⌈α·C⌉ (paper: 5%)")
     counts_as: CountsAs = Field("blocks", description="C in ⌈α·C⌉: number of blocks (default) or of boundaries (RECONSTRUCTED, §9.7)")
-    partial_block: PartialBlock = Field("keep", description="last short block kept (default) or merged into its predecessor when < B/2 (RECONSTRUCTED, §9.8)")
+    partial_block: PartialBlock = Field(
+        "keep", description="last short block kept (default) or merged into its predecessor when < B/2 (RECONSTRUCTED, §9.8)"
+    )
 
 
 class DetectorParams(BlockParams):
@@ -355,23 +357,33 @@ class MagCapParams(BlockParams):
     pass
 
 
-def ap_opd_objective(batch: TensorBatch, student: StudentOutputs, hp: APOPDParams, state: object = None) -> tuple[torch.Tensor, dict[str, float]]:
+def ap_opd_objective(
+    batch: TensorBatch, student: StudentOutputs, hp: APOPDParams, state: object = None
+) -> tuple[torch.Tensor, dict[str, float]]:
     """AP-OPD: token-mean OPD surrogate with pullback weights on post-jump blocks (§4.4)."""
     old, r = sampled_log_ratio(batch, student)
-    weights, jumps = pullback(r, batch.loss_mask, hp.block, hp.z, hp.detector, hp.alpha, w_min=hp.w_min, counts_as=hp.counts_as, partial=hp.partial_block)
+    weights, jumps = pullback(
+        r, batch.loss_mask, hp.block, hp.z, hp.detector, hp.alpha, w_min=hp.w_min, counts_as=hp.counts_as, partial=hp.partial_block
+    )
     loss, diagnostics = weighted_opd_loss(batch, student, old, r, weights, hp)
     return loss, {**diagnostics, "jumps_per_seq": per_sequence(jumps, batch.loss_mask)}
 
 
-def ap_opd_fixed_objective(batch: TensorBatch, student: StudentOutputs, hp: FixedWeightParams, state: object = None) -> tuple[torch.Tensor, dict[str, float]]:
+def ap_opd_fixed_objective(
+    batch: TensorBatch, student: StudentOutputs, hp: FixedWeightParams, state: object = None
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Fixed-weight control: AP-OPD's detector, constant weight on post-jump blocks (§4.9)."""
     old, r = sampled_log_ratio(batch, student)
-    weights, jumps = pullback(r, batch.loss_mask, hp.block, hp.z, hp.detector, hp.alpha, counts_as=hp.counts_as, partial=hp.partial_block, fixed=hp.fixed_weight)
+    weights, jumps = pullback(
+        r, batch.loss_mask, hp.block, hp.z, hp.detector, hp.alpha, counts_as=hp.counts_as, partial=hp.partial_block, fixed=hp.fixed_weight
+    )
     loss, diagnostics = weighted_opd_loss(batch, student, old, r, weights, hp)
     return loss, {**diagnostics, "jumps_per_seq": per_sequence(jumps, batch.loss_mask)}
 
 
-def ap_opd_magcap_objective(batch: TensorBatch, student: StudentOutputs, hp: MagCapParams, state: object = None) -> tuple[torch.Tensor, dict[str, float]]:
+def ap_opd_magcap_objective(
+    batch: TensorBatch, student: StudentOutputs, hp: MagCapParams, state: object = None
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Magnitude-cap control: cap the largest post-boundary blocks at the response mean penalty (§4.9)."""
     old, r = sampled_log_ratio(batch, student)
     weights, capped = magnitude_cap_weights(r, batch.loss_mask, hp.block, hp.alpha, counts_as=hp.counts_as, partial=hp.partial_block)
@@ -387,7 +399,8 @@ def ap_opd_needs(hp: HParams) -> frozenset[str]:
 _COMMON_NOTES = {
     "status": "RECONSTRUCTED (methods.md §4): no paper equations or code were available",
     "log_ratio": "r_t = o_t − T_t with o the trainer-side old log-prob (batch.old_logprobs, else the current student detached)",
-    "blocks": "formed over valid tokens; each maximal mask==1 run (assistant turn) is blocked separately (App. B.3); boundaries never cross a mask break",
+    "blocks": "formed over valid tokens; each maximal mask==1 run (assistant turn) is blocked separately (App. B.3); "
+    "boundaries never cross a mask break",
     "partial_block": "last short block kept with its own size (default); 'merge' joins a block shorter than B/2 to its predecessor",
     "variance": "sample variance (n−1); a one-token block has s² = 0",
     "C": "C = number of blocks in the response (all runs); counts_as='boundaries' uses within-run boundaries",

@@ -28,10 +28,16 @@ from trainers.objectives.gkd import entropy, kl, require_full, teacher_top_k
 
 
 class EOPDParams(HParams):
-    entropy_threshold: float = Field(1.0, ge=0, description="h (nats): forward KL is added where teacher entropy H_t > h; set from a warm-up percentile")
-    gate: Literal["hard", "soft"] = Field("hard", description="hard: RKL + 1[H>h]·FKL (paper reading); soft: (1−g)·RKL + g·FKL, g = clamp(H/H_max, 0, 1)")
+    entropy_threshold: float = Field(
+        1.0, ge=0, description="h (nats): forward KL is added where teacher entropy H_t > h; set from a warm-up percentile"
+    )
+    gate: Literal["hard", "soft"] = Field(
+        "hard", description="hard: RKL + 1[H>h]·FKL (paper reading); soft: (1−g)·RKL + g·FKL, g = clamp(H/H_max, 0, 1)"
+    )
     entropy_max: float | None = Field(None, gt=0, description="H_max of the soft gate; None = log V (the maximum entropy)")
-    rkl_estimator: Literal["sampled", "full"] = Field("sampled", description="sampled-token OPD surrogate (§1, default) or exact full-vocabulary reverse KL")
+    rkl_estimator: Literal["sampled", "full"] = Field(
+        "sampled", description="sampled-token OPD surrogate (§1, default) or exact full-vocabulary reverse KL"
+    )
     fkl_top_k: int = Field(0, ge=0, description="> 0: forward KL over the teacher's top-k tokens, renormalised; 0 = full vocabulary")
 
 
@@ -65,7 +71,9 @@ def eopd_per_token(batch: TensorBatch, student: StudentOutputs, hp: EOPDParams) 
     return per_token, {"entropy": h, "gate": gate, "rkl": rkl.detach(), "fkl": fkl.detach()}
 
 
-def eopd_objective(batch: TensorBatch, student: StudentOutputs, hp: EOPDParams, state: object = None) -> tuple[torch.Tensor, dict[str, float]]:
+def eopd_objective(
+    batch: TensorBatch, student: StudentOutputs, hp: EOPDParams, state: object = None
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-mean EOPD loss; logs teacher-entropy percentiles to help choose h."""
     mask = batch.loss_mask
     per_token, parts = eopd_per_token(batch, student, hp)

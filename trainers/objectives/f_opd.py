@@ -291,7 +291,9 @@ def plain_terms(stats: AsyncStats, *, anchor_coef: float = 0.0, weights: torch.T
     )
 
 
-def per_sample_terms(student_logp: torch.Tensor, terms: LossTerms, token_kl: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def per_sample_terms(
+    student_logp: torch.Tensor, terms: LossTerms, token_kl: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(l_i, R_i^anchor) per sample, with gradient w.r.t. the student log-probs.
 
     ``token_kl`` (estimator ``full``): the exact per-position reverse KL replaces the sampled-token ℓ_t.

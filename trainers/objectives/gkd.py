@@ -80,7 +80,9 @@ def require_full(batch: TensorBatch, student: StudentOutputs, method: str) -> tu
     return student.full, batch.teacher_full
 
 
-def gkd_objective(batch: TensorBatch, student: StudentOutputs, hp: GKDParams, state: object = None) -> tuple[torch.Tensor, dict[str, float]]:
+def gkd_objective(
+    batch: TensorBatch, student: StudentOutputs, hp: GKDParams, state: object = None
+) -> tuple[torch.Tensor, dict[str, float]]:
     """GKD loss: generalized JSD summed over kept positions / number of kept positions ("batchmean")."""
     student_full, teacher_full = require_full(batch, student, "gkd")
     mask = batch.loss_mask

@@ -73,7 +73,9 @@ def grpo_token_advantages(batch: TensorBatch, coef: float = 1.0) -> torch.Tensor
     return grpo_sequence_advantages(batch, coef)[:, None] * batch.loss_mask  # A^grpo_{b,t} = A^grpo_b · m_{b,t}
 
 
-def grpo_objective(batch: TensorBatch, student: StudentOutputs, hp: GRPOParams, state: object = None) -> tuple[torch.Tensor, dict[str, float]]:
+def grpo_objective(
+    batch: TensorBatch, student: StudentOutputs, hp: GRPOParams, state: object = None
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped surrogate on the broadcast GRPO advantage; ρ_t = exp(s_t − o_t), token-mean over graded samples.
 
     A sample whose grading errored (NaN reward) has nothing to learn from here: its tokens leave the loss

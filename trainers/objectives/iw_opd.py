@@ -18,7 +18,9 @@ from trainers.objectives.ap_opd import SurrogateParams, ap_opd_needs, penalty, s
 
 
 class IWOPDParams(SurrogateParams):
-    iw_lambda: float = Field(10.0, gt=0, description="λ_iw (nats, a temperature): w_t = exp(−c_t/λ); unknown in the paper, sweep {1, 10, 100}")
+    iw_lambda: float = Field(
+        10.0, gt=0, description="λ_iw (nats, a temperature): w_t = exp(−c_t/λ); unknown in the paper, sweep {1, 10, 100}"
+    )
 
 
 def prefix_discrepancy(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -40,7 +42,9 @@ def iw_weights(log_ratio: torch.Tensor, mask: torch.Tensor, lam: float = 10.0) -
     return (raw / torch.where(count > 0, mean, torch.ones_like(mean))).detach()
 
 
-def iw_opd_objective(batch: TensorBatch, student: StudentOutputs, hp: IWOPDParams, state: object = None) -> tuple[torch.Tensor, dict[str, float]]:
+def iw_opd_objective(
+    batch: TensorBatch, student: StudentOutputs, hp: IWOPDParams, state: object = None
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-mean OPD surrogate −w·ρ·A with the prefix-discrepancy weights (approximate IW-OPD)."""
     old, r = sampled_log_ratio(batch, student)
     weights = iw_weights(r, batch.loss_mask, hp.iw_lambda)

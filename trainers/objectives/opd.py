@@ -29,7 +29,12 @@ class OPDParams(HParams):
     kl_coef: float = Field(1.0, gt=0, description="c_kl: weight of the KL advantage")
     aggregation: Literal["token-mean", "sum"] = Field("token-mean", description="token-mean (verl) or sum (Tinker)")
     teacher_top_k: int = Field(
-        0, ge=0, description="estimator full: 0 = the teacher's full distribution; k > 0 = its top-k log-probs plus a tail bucket (set for a top-k-only teacher, e.g. a served one)"
+        0,
+        ge=0,
+        description=(
+            "estimator full: 0 = the teacher's full distribution; k > 0 = its top-k log-probs plus a tail bucket "
+            "(set for a top-k-only teacher, e.g. a served one)"
+        ),
     )
 
     @model_validator(mode="after")
@@ -68,7 +73,8 @@ def topk_reverse_kl(student_full: torch.Tensor, teacher_topk_ids: torch.Tensor, 
 
 
 def exact_reverse_kl(batch: TensorBatch, student: StudentOutputs, teacher_top_k: int = 0) -> torch.Tensor:
-    """Per-position KL(π_θ ‖ π_T) from the full distributions (or the teacher's top-k); a clear error when a pipeline did not provide them."""
+    """Per-position KL(π_θ ‖ π_T) from the full distributions (or the teacher's top-k); a clear error when a pipeline did not
+    provide them."""
     if teacher_top_k:
         if student.full is None or batch.teacher_topk_ids is None or batch.teacher_topk_logprobs is None:
             raise ValueError("estimator 'full' with teacher_top_k needs the full student distribution and the teacher's top-k log-probs")
@@ -78,7 +84,9 @@ def exact_reverse_kl(batch: TensorBatch, student: StudentOutputs, teacher_top_k:
     return full_reverse_kl(student.full, batch.teacher_full)
 
 
-def opd_objective(batch: TensorBatch, student: StudentOutputs, hp: OPDParams, state: object = None) -> tuple[torch.Tensor, dict[str, float]]:
+def opd_objective(
+    batch: TensorBatch, student: StudentOutputs, hp: OPDParams, state: object = None
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Vanilla OPD loss and diagnostics (teacher_kl = Σk/Σm, the logged reverse-KL estimate)."""
     mask = batch.loss_mask
     k = sampled_reverse_kl(batch.behaviour_logprobs, batch.teacher_logprobs, mask)
@@ -133,7 +141,10 @@ def topk_note(k: int) -> str:
 
 
 OPD_SPEC = MethodSpec(
-    description="Vanilla on-policy distillation: per-token reverse-KL advantage with an importance-sampling loss (or the exact full-vocabulary reverse KL)",
+    description=(
+        "Vanilla on-policy distillation: per-token reverse-KL advantage with an importance-sampling loss "
+        "(or the exact full-vocabulary reverse KL)"
+    ),
     objective=opd_objective,  # type: ignore[arg-type]
     hparams=OPDParams,
     needs=opd_needs,  # type: ignore[arg-type]

@@ -207,7 +207,9 @@ def saf_advantages(
     return (grpo_coef * grpo_adv.to(opd_adv.dtype)[:, None] * mask + opd_coef * anneal_coef * warmup_scale * opd_adv).detach()
 
 
-def saf_objective(batch: TensorBatch, student: StudentOutputs, hp: SAFParams, state: object = None) -> tuple[torch.Tensor, dict[str, float]]:
+def saf_objective(
+    batch: TensorBatch, student: StudentOutputs, hp: SAFParams, state: object = None
+) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip surrogate on the SAF fused advantage; advances ``state`` (a :class:`Schedule`) by one step."""
     if not isinstance(state, Schedule):
         raise TypeError("saf_opd needs its Schedule state (MethodSpec.make_state); got " + type(state).__name__)

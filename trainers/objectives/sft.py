@@ -13,7 +13,9 @@ class SFTParams(HParams):
     pass
 
 
-def sft_objective(batch: TensorBatch, student: StudentOutputs, hp: SFTParams, state: object = None) -> tuple[torch.Tensor, dict[str, float]]:
+def sft_objective(
+    batch: TensorBatch, student: StudentOutputs, hp: SFTParams, state: object = None
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-mean negative log-likelihood of the reference response tokens."""
     nll = masked_mean(-student.logprobs, batch.loss_mask)
     return nll, {"nll": float(nll.detach()), "tokens": float(batch.loss_mask.sum())}

@@ -35,7 +35,9 @@ class SODParams(ClipParams, GroupParams):
     delta: float = Field(0.2, ge=0, description="δ: weight cap 1+δ (0.2 = official run script; the config dataclass default is 0.5)")
     c_opd: float = Field(1.0, description="c_opd: weight of the step-weighted OPD advantage")
     grpo_coef: float = Field(1.0, description="g: weight of the GRPO advantage (0 = pure step-wise OPD, no rewards needed)")
-    weight_rule: WeightRule = Field("telescoped", description="telescoped = official code (clip the output); recursive = clip the carried product")
+    weight_rule: WeightRule = Field(
+        "telescoped", description="telescoped = official code (clip the output); recursive = clip the carried product"
+    )
     steps: StepSource = Field("mask_runs", description="mask_runs = official code (§2.1); step_index also splits turns by step id")
 
 
@@ -160,7 +162,9 @@ def sod_diagnostics(d: torch.Tensor, present: torch.Tensor, per_step_w: torch.Te
     }
 
 
-def sod_objective(batch: TensorBatch, student: StudentOutputs, hp: SODParams, state: object = None) -> tuple[torch.Tensor, dict[str, float]]:
+def sod_objective(
+    batch: TensorBatch, student: StudentOutputs, hp: SODParams, state: object = None
+) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip surrogate on the SOD fused advantage, token-mean, with step diagnostics."""
     mask = batch.loss_mask
     old = old_logprobs(batch, student)
