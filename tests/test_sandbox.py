@@ -149,7 +149,10 @@ def test_docker_pool_reuses_and_cleans(docker_client):
         )
         r = sb.run(py(sb, code))
         assert r.stdout.splitlines() == ["[] [] []", "['python3', 'python3']"], r  # exec server (PID 1), program: no sleep
-        assert sb.stats["created"] == 1 and sb.stats["reused"] == 1 and sb.stats["discarded"] == 0
+        shm = "import ctypes\nprint(ctypes.CDLL(None).shmget(0x4242, 4096, 0o1600) >= 0)"  # IPC_CREAT | 0600
+        assert sb.run(py(sb, shm)).stdout == "True\n"
+        assert sb.run(py(sb, "print(len(open('/proc/sysvipc/shm').read().splitlines()) - 1)")).stdout == "0\n"  # removed
+        assert sb.stats["created"] == 1 and sb.stats["reused"] == 3 and sb.stats["discarded"] == 0
 
 
 @pytest.mark.docker
