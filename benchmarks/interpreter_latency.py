@@ -18,7 +18,7 @@ from collections.abc import Callable
 import sandbox
 from sandbox.interpreter import PythonInterpreter
 
-WAYS = ("exec per cell", "exec server")  # unpooled (pooled=False), pooled (pooled=True)
+WAYS = ("unpooled: docker exec per cell, fresh container", "pooled: exec server relay, reset container")
 CELL = "print(1)"
 WARMUP = 3
 
