@@ -26,7 +26,7 @@ has answered in a sandbox, one found missing later is that interpreter's ``crash
   - ``exec``: the supervisor runs detached (``setsid``) and listens on an abstract Unix socket (no
     file a cell could delete); each cell is handed over by ``Session.relay`` where the session can
     (a pooled Docker session: the container's exec server connects to the socket itself, no process
-    is started; ~3 ms a cell), else by one ``Session.run`` of a tiny client that hands the cell over
+    is started; a few ms a cell), else by one ``Session.run`` of a tiny client that hands the cell over
     and prints the reply (an unpooled Docker session: one ``docker exec`` a cell). Used where a
     background process outlives the run that started it (Docker: the container lives on). Only
     peers of the same uid are served.
