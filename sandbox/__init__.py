@@ -179,6 +179,12 @@ class Session(ABC):
     def close(self) -> None:
         """Destroy the session (container or directory). Idempotent."""
 
+    def relay(self, name: str, data: bytes, timeout_s: float, max_bytes: int) -> ExecResult | None:
+        """Send ``data`` to the abstract Unix socket ``name`` that a process of this session listens on; what it answers
+        until it closes the connection is ``stdout`` (exit code 0; 3: nobody listens). None where the session cannot
+        (the caller then runs a client program instead); a pooled Docker session does it without starting a process."""
+        return None
+
     def __enter__(self) -> Session:
         return self
 
@@ -202,9 +208,10 @@ class Sandbox(ABC):
 
     @abstractmethod
     def session(self, memory_mb: int = 512, cpus: float = 1.0, pids: int = 64, network: bool = False,
-                disk_mb: int | None = None) -> Session:
+                disk_mb: int | None = None, pooled: bool = False) -> Session:
         """Open a persistent session with these limits (``disk_mb``: the most its work root may hold, None for no
-        limit of its own; each provider says how, or whether, it enforces it).
+        limit of its own; each provider says how, or whether, it enforces it). ``pooled``: the provider may hand out a
+        warm one that an earlier session used, reset so that nothing of that session is visible (files, processes).
 
         Raises:
             SandboxUnavailable: the sandbox could not be created (after retries).

@@ -2,13 +2,15 @@
 
 One ``docker exec`` costs ~100 ms of daemon and runc work on this machine, more than many graded programs take. So a
 pooled container's runs are requests on this process's stdin / stdout (the container's attach stream, opened once)
-instead of one exec each. In a session's container it only reaps orphans (nobody attaches; runs there are execs).
+instead of one exec each. So are a pooled session's runs (``keep`` set: step 3 is skipped, so files and background
+processes stay for the session's next run, and the session's last request, its reset, cleans up). In another
+session's container it only reaps orphans (nobody attaches; runs there are execs).
 Per run it does what the one-exec shell wrapper of ``sandbox/docker/transport.py`` does for a session:
   1. unpack the request's tar into the work root; open stdin from its staged file and unlink that file;
   2. fork the program in its own process group (stdin, stdout and stderr its only open descriptors; out of memory, the
      kernel kills it first) and stream its stdout / stderr back as they arrive; kill the group at the time limit;
-  3. kill every other process of the sandbox user (``kill(-1)`` spares PID 1 and this server) until none is left, and
-     empty /box, /tmp, /dev/shm and /dev/mqueue;
+  3. kill every other process of the sandbox user (``kill(-1)`` spares PID 1 and this server) until none is left,
+     empty /box, /tmp, /dev/shm and /dev/mqueue, and remove every System V IPC object;
   4. report the exit status (128 + N for death by signal N, 127 / 126 when the program cannot be started), the
      program's wall time and whether the clean-up succeeded.
 This server is trusted; the programs it runs are not. It makes itself non-dumpable before serving, so a program (same
@@ -17,9 +19,14 @@ PID 1 of the container's PID namespace it receives from programs only the signal
 they can neither kill nor stop it; if it dies anyway (the OOM killer) the host sees the stream end (status ``killed``).
 
 Wire format. Requests (stdin): ``u32 header length, header JSON, u64 tar length, tar``; the header holds ``argv``,
-``cwd``, ``stdin`` (a path, or /dev/null), ``timeout`` (seconds) and ``env``. Replies (stdout), frames of ``kind byte,
-u32 length, data``: per run any number of ``O`` (stdout) and ``E`` (stderr) chunks and one ``X`` with JSON ``[exit code,
-nanoseconds, clean status]``, or one ``S`` (setup failed, with the reason).
+``cwd``, ``stdin`` (a path, or /dev/null), ``timeout`` (seconds), ``env`` and optionally ``keep`` (skip the clean-up).
+Replies (stdout), frames of ``kind byte, u32 length, data``: per run any number of ``O`` (stdout) and ``E`` (stderr)
+chunks and one ``X`` with JSON ``[exit code, nanoseconds, clean status]`` (-1 under ``keep``: not cleaned), or one
+``S`` (setup failed, with the reason).
+A relay request's header holds ``relay`` (an abstract Unix socket name), ``timeout`` and ``max_bytes`` instead, and
+its payload is sent to that socket as it is: what comes back until the listener closes travels as ``O`` frames, then
+``X`` (exit code 0; 3 nobody listens; 1 the connection broke; 137 out of time). Pooled sessions' interpreters take
+their cells this way: no process is started per cell.
 """
 
 import ctypes
@@ -28,6 +35,7 @@ import json
 import os
 import select
 import signal
+import socket
 import stat
 import struct
 import sys
@@ -233,12 +241,30 @@ def empty(path):
     return not os.listdir(path)
 
 
+def remove_ipc():
+    """Remove every System V message queue, semaphore set and shared memory segment (the container's IPC namespace is
+    its own: all are the sandbox user's); True when none is left."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    left = False
+    for kind, remove in (("msg", libc.msgctl), ("sem", libc.semctl), ("shm", libc.shmctl)):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                ids = [int(line.split()[1]) for line in f.read().splitlines()[1:] if line.strip()]
+        except (OSError, ValueError, IndexError):
+            continue
+        for ipc_id in ids:
+            args = (ipc_id, 0, 0) if kind == "sem" else (ipc_id, 0, None)  # IPC_RMID = 0
+            left = remove(*args) != 0 or left
+    return not left
+
+
 def clean():
-    """0 when every other process is gone and the work folders are empty; 1 processes survived; 2 files did."""
+    """0 when every other process is gone and the work folders and System V IPC objects are empty; 1 processes
+    survived; 2 files or IPC objects did."""
     if not kill_others():
         return 1
     os.chdir("/")
-    ok = True
+    ok = remove_ipc()
     for path in WIPED:
         if os.path.isdir(path):
             try:
@@ -260,20 +286,59 @@ def drain(open_fds, writers_dead):
         os.close(fd)
 
 
+def relay(name, data, timeout, max_bytes):
+    """Send ``data`` to the abstract Unix socket ``name`` and forward its answer (``O`` frames, at most ``max_bytes``)
+    until the listener closes the connection; (exit code: 0, 3 nobody listens, 1 the connection broke, 137 the time
+    ran out; nanoseconds). The listener is a program of the sandbox user: nothing it sends is read but as bytes."""
+    started = time.monotonic_ns()
+    deadline = time.monotonic() + timeout
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    code, left = 0, max_bytes
+    try:
+        sock.settimeout(timeout)
+        try:
+            sock.connect("\0" + name)
+        except OSError:
+            return 3, time.monotonic_ns() - started
+        sock.sendall(data)
+        while True:
+            sock.settimeout(max(deadline - time.monotonic(), 0.0001))
+            chunk = sock.recv(CHUNK)
+            if not chunk:
+                break
+            if left > 0:
+                send(b"O", chunk[:left])
+                left -= len(chunk)
+    except socket.timeout:
+        code = 137
+    except OSError:
+        code = 1
+    finally:
+        sock.close()
+    return code, time.monotonic_ns() - started
+
+
 def serve_one(header, tar_bytes):
     """Run one request and send its frames."""
+    if "relay" in header:  # a pooled session's hand-over to its own listener: no program, no clean-up
+        code, nanos = relay(header["relay"], tar_bytes, float(header["timeout"]), int(header["max_bytes"]))
+        send(b"X", json.dumps([code, nanos, -1]).encode())
+        return
+    keep = bool(header.get("keep"))
     try:
         os.chdir(ROOT)
         stdin_fd = stage(tar_bytes, header)
         os.chdir(header["cwd"])  # the program inherits it
     except Exception as exc:  # noqa: BLE001 - bad input staging is an infrastructure failure on the host
         send(b"S", f"{type(exc).__name__}: {exc}".encode())
-        clean()
+        if not keep:
+            clean()
         return
+    EXITS.clear()  # statuses of orphans reaped since: none is the program's (a reused pid would end its wait at once)
     pid, out_r, err_r = spawn(header, stdin_fd)
     code, nanos, open_fds = supervise(pid, out_r, err_r, float(header["timeout"]))
-    status = clean()
-    drain(open_fds, writers_dead=status != 1)
+    status = -1 if keep else clean()
+    drain(open_fds, writers_dead=status not in (1, -1))  # kept background processes may hold the pipes open
     send(b"X", json.dumps([code, nanos, status]).encode())
 
 

@@ -283,9 +283,9 @@ class LocalSandbox(Sandbox):
         return result
 
     def session(self, memory_mb: int = 512, cpus: float = 1.0, pids: int = 64, network: bool = False,
-                disk_mb: int | None = None) -> LocalSession:
+                disk_mb: int | None = None, pooled: bool = False) -> LocalSession:
         """A temporary directory (and, as root, a uid) kept until ``close``; commands run one at a time (``disk_mb`` is
-        not enforced: the directory is on the host's disk)."""
+        not enforced: the directory is on the host's disk; ``pooled`` changes nothing: a new directory is as cheap)."""
         if self._closed:
             raise RuntimeError("sandbox is closed")
         limits = ExecRequest(argv=["true"], memory_mb=memory_mb, cpus=cpus, pids=pids, network=network)

@@ -66,3 +66,12 @@ def test_async_throughput_pairs_alternate_which_side_runs_first(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["async_throughput.py", "--steps", "6", "--pairs", "2"])
     bench.main()
     assert runs == ["trainer.mode=sync", "trainer.mode=async", "trainer.mode=async", "trainer.mode=sync"]
+
+
+def test_interpreter_latency_warms_up_both_ways_then_alternates_their_order():
+    bench = load_benchmark("interpreter_latency")
+    calls: list[str] = []
+    seen = bench.alternate({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3, warmup=2)
+    assert calls == ["a", "a", "b", "b", "a", "b", "b", "a", "a", "b"]
+    assert [len(seen["a"]), len(seen["b"])] == [3, 3]
+    assert bench.summary([0.001, 0.002, 0.003])[0] == 2.0

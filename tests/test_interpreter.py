@@ -289,15 +289,18 @@ def test_interpreters_are_independent_and_run_concurrently(sb):
 
 
 def _session_gone(sb, session) -> bool:
-    """Whether the session's container (docker) or directory and processes (local) are gone."""
+    """Whether the session's container (docker) or directory and processes (local) are gone; a pooled docker session's
+    container may stay, reset: idle in the pool with no process but its exec server (PID 1) and an empty work root."""
     if sb.name == "docker":
         import docker
 
         try:
-            docker.from_env().containers.get(session.container_id)
+            container = docker.from_env().containers.get(session.container_id)
         except docker.errors.NotFound:
             return True
-        return False
+        idle = [b.container.id for boxes in sb._idle_sessions.values() for b in boxes]
+        return (session.container_id in idle and len(container.top()["Processes"]) == 1
+                and container.exec_run(["ls", "-A", "/box", "/tmp"]).output.split() == [b"/box:", b"/tmp:"])
     from sandbox.local import uid_tasks
 
     return not session.host_path.exists() and (session._uid is None or not uid_tasks(session._uid)[0])
@@ -404,3 +407,65 @@ def test_close_from_another_thread_ends_a_running_cell(sb):
         r = running.result(timeout=20)
     assert time.perf_counter() - t0 < 10 and (r.status, r.state_lost) == ("error", True) and "closed" in r.error, r
     assert _session_gone(sb, session)
+
+
+_PROBE = """import json, os
+def running(arg):
+    for pid in filter(str.isdigit, os.listdir('/proc')):
+        try:
+            with open(f'/proc/{pid}/cmdline', 'rb') as f:
+                if f.read().split(b'\\0')[:2] == [b'sleep', arg.encode()]:
+                    return True
+        except OSError:
+            pass
+    return False
+print(json.dumps({'files': [p for p in ('/box/planted.txt', '/tmp/planted', '/dev/shm/planted') if os.path.exists(p)],
+                  'processes': [a for a in ('4242', '4243') if running(a)], 'variable': 'secret' in globals(),
+                  'shm': len(open('/proc/sysvipc/shm').read().splitlines()) - 1}))
+"""
+
+
+@pytest.mark.docker
+def test_a_pooled_session_shows_nothing_of_the_previous_episode(docker_sb):
+    """Issue 25 #2: episodes reuse warm containers; what one plants (files in the work dir, /tmp and /dev/shm, a
+    background process, a variable, a System V shared memory segment) is gone when the next one takes the same
+    container."""
+    import json
+
+    from sandbox import ExecRequest
+
+    plant = (
+        "import ctypes, subprocess, threading, time\nsecret = 'planted'\n"
+        "assert ctypes.CDLL(None).shmget(0x4242, 4096, 0o1600) >= 0\n"  # IPC_CREAT | 0600
+        "for p in ('planted.txt', '/tmp/planted', '/dev/shm/planted'):\n    open(p, 'w').write('x')\n"
+        "threading.Thread(target=lambda: (time.sleep(0.3), subprocess.Popen(['sleep', '4243'], start_new_session=True)),"
+        " daemon=True).start()"  # started after the cell's sweep: it outlives the cell
+    )
+    with PythonInterpreter(docker_sb) as first:
+        ok(first.run_cell(plant))
+        session = first.session
+        assert session.run(ExecRequest(argv=["sh", "-c", "setsid sleep 4242 >/dev/null 2>&1 < /dev/null &"])).success
+        time.sleep(1.0)
+        seen = json.loads(session.run(ExecRequest(argv=["python3", "-c", _PROBE])).stdout)
+        assert seen == {"files": ["/box/planted.txt", "/tmp/planted", "/dev/shm/planted"], "processes": ["4242", "4243"],
+                        "variable": False, "shm": 1}, seen  # (planted: all there before the episode ends)
+        container = session.container_id
+    with PythonInterpreter(docker_sb) as second:
+        seen = json.loads(ok(second.run_cell(_PROBE)))
+        assert second.session.container_id == container  # the same warm container, reset
+    assert seen == {"files": [], "processes": [], "variable": False, "shm": 0}, seen
+
+
+@pytest.mark.docker
+def test_an_unpooled_interpreter_runs_in_a_fresh_container_removed_on_close(docker_sb):
+    """``pooled=False``: a new container for the episode, one ``docker exec`` of the client per cell, removed on close."""
+    import docker
+
+    with PythonInterpreter(docker_sb, pooled=False) as py:
+        ok(py.run_cell("x = 41"))
+        assert py.run_cell("import time\nwhile True: pass", timeout_s=1).status == "timeout"
+        assert ok(py.run_cell("print(x + 1)")) == "42\n"
+        assert py.session.pooled is False and py.transport == "exec"
+        container = py.session.container_id
+    with pytest.raises(docker.errors.NotFound):
+        docker.from_env().containers.get(container)

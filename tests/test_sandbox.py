@@ -149,7 +149,10 @@ def test_docker_pool_reuses_and_cleans(docker_client):
         )
         r = sb.run(py(sb, code))
         assert r.stdout.splitlines() == ["[] [] []", "['python3', 'python3']"], r  # exec server (PID 1), program: no sleep
-        assert sb.stats["created"] == 1 and sb.stats["reused"] == 1 and sb.stats["discarded"] == 0
+        shm = "import ctypes\nprint(ctypes.CDLL(None).shmget(0x4242, 4096, 0o1600) >= 0)"  # IPC_CREAT | 0600
+        assert sb.run(py(sb, shm)).stdout == "True\n"
+        assert sb.run(py(sb, "print(len(open('/proc/sysvipc/shm').read().splitlines()) - 1)")).stdout == "0\n"  # removed
+        assert sb.stats["created"] == 1 and sb.stats["reused"] == 3 and sb.stats["discarded"] == 0
 
 
 @pytest.mark.docker
@@ -302,3 +305,34 @@ def test_local_parallel_threads(local_sb):
         results = list(ex.map(local_sb.run, [ExecRequest(argv=["echo", str(i)]) for i in range(8)]))
     assert [r.stdout for r in results] == [f"{i}\n" for i in range(8)]
 
+
+
+@pytest.mark.docker
+def test_docker_pooled_session_keeps_state_between_runs_and_is_reset_or_removed_on_close(docker_client):
+    """A pooled session's runs keep its files and background processes; closed, its container is reset and handed to
+    the next pooled session; closed while a run is in flight, it is removed instead (the run fails)."""
+    import threading
+
+    import docker
+
+    with sandbox.open_sandbox("docker", image=IMAGE, pool_size=1) as sb:
+        s = sb.session(pooled=True)
+        assert s.run(ExecRequest(argv=["sh", "-c", "touch kept && (setsid sleep 300 > /dev/null 2>&1 &)"])).success
+        r = s.run(ExecRequest(argv=["sh", "-c", "ls; grep -l '^sleep' /proc/[0-9]*/comm | wc -l"]))
+        assert r.stdout.split() == ["kept", "1"], r
+        first = s.container_id
+        s.close()
+        s = sb.session(pooled=True)
+        assert s.container_id == first and sb.stats["sessions_reused"] == 1
+        r = s.run(ExecRequest(argv=["sh", "-c", "ls -A /box /tmp; grep -l '^sleep' /proc/[0-9]*/comm | wc -l"]))
+        assert r.stdout.split() == ["/box:", "/tmp:", "0"], r
+        results = []
+        t = threading.Thread(target=lambda: results.append(s.run(ExecRequest(argv=["sleep", "30"], timeout_s=40))))
+        t.start()
+        time.sleep(1.0)
+        s.close()
+        t.join(timeout=20)
+        assert results and results[0].status in ("killed", "error"), results
+        assert not sb._idle_sessions.get(s._box.limits)
+        with pytest.raises(docker.errors.NotFound):
+            docker_client.containers.get(first)

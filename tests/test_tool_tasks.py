@@ -222,6 +222,14 @@ def leftover_containers(docker_client) -> list[str]:
     return [c["Id"] for c in docker_client.api.containers(all=True, filters={"label": [f"{LABEL}=1", f"{OWNER_LABEL}={OWNER}"]})]
 
 
+def busy_containers(docker_client, task, before: set[str]) -> set[str]:
+    """This process's new containers but the task sandbox's idle, reset session containers (only their exec server,
+    PID 1, is running: an episode that ended left nothing in it)."""
+    idle = {b.container.id for boxes in task.sandbox._idle_sessions.values() for b in boxes}
+    assert all(len(docker_client.containers.get(c).top()["Processes"]) == 1 for c in idle), "an idle container was not reset"
+    return set(leftover_containers(docker_client)) - before - idle
+
+
 @pytest.mark.docker
 def test_no_container_is_left_behind(docker_client):
     before = set(leftover_containers(docker_client))
@@ -231,7 +239,7 @@ def test_no_container_is_left_behind(docker_client):
         make_env = task.env
         task.env = lambda problem, tokenizer: envs.append(make_env(problem, tokenizer)) or envs[-1]
         play(task, [[code("x = 1"), code("print(x)"), answer(1)], [code("import os\nos._exit(3)"), answer(2)]])
-        assert set(leftover_containers(docker_client)) - before == set(), "an episode left its container running"
+        assert busy_containers(docker_client, task, before) == set(), "an episode left its container running"
 
         class Boom(ReplayBackend):
             def generate(self, prompts, params, keys=None):
@@ -242,8 +250,9 @@ def test_no_container_is_left_behind(docker_client):
         killer = Boom({(task.name, p.id): [[code("y = 2"), answer(1)]] for p in problems})
         with pytest.raises(KeyboardInterrupt):
             rollout(killer, task, problems, SamplingParams())
-        assert set(leftover_containers(docker_client)) - before == set(), "a killed rollout left containers"
+        assert busy_containers(docker_client, task, before) == set(), "a killed rollout left containers"
         assert len(envs) == 4
+    assert set(leftover_containers(docker_client)) - before == set(), "closing the task left containers"
 
 
 @pytest.mark.slow

@@ -33,18 +33,26 @@ Runs:
     reply stream; as PID 1 it gets no signal from them but SIGCHLD) and a pooled run is one request
     on its attach stream (opened once per container): inputs and the program's output travel there.
     A session's run is one ``docker exec`` of a shell wrapper (inputs under 768 KiB travel in its
-    argv; larger ones by ``put_archive``).
+    argv; larger ones by ``put_archive``), except in a pooled session (below).
   - A warm pool holds at most ``pool_size`` [4] containers and runs at most ``pool_size`` programs
     at once (``run`` blocks for a free slot; safe from many threads). After each run every process
-    of the sandbox user is killed and ``/box``, ``/tmp``, ``/dev/shm`` and ``/dev/mqueue`` are
-    emptied; a container that cannot be cleaned, hit the outer guard, or failed is thrown away.
+    of the sandbox user is killed, ``/box``, ``/tmp``, ``/dev/shm`` and ``/dev/mqueue`` are
+    emptied and every System V IPC object is removed; a container that cannot be cleaned, hit the
+    outer guard, or failed is thrown away.
     A program cannot kill the exec server (``kill -1`` spares PID 1); should it die anyway (the OOM
     killer), the run is ``killed`` and the container thrown away. ``prewarm`` [0] containers are
     started when the sandbox opens.
   - Infrastructure failures (daemon unreachable, create/exec errors) are retried ``retries`` [2]
     times with a growing delay [``retry_delay_s``, 0.5], then returned as status ``error``.
   - Sessions get their own container (not counted in the pool), removed by ``Session.close``.
-Not covered: SysV IPC objects left by a program in a pooled container are not removed.
+    ``session(pooled=True)`` (the interpreter's) may take an idle container a closed pooled session
+    left: its runs are requests to the exec server that skip the clean-up (files and background
+    processes stay for the session's next run), ``Session.relay`` hands bytes to a socket a process
+    of the session listens on with no process started, and ``close`` resets the container with the
+    clean-up above (every process of the sandbox user killed; ``/box``, ``/tmp``, ``/dev/shm`` and
+    ``/dev/mqueue`` emptied; System V IPC objects removed) and keeps it idle for the next (at most
+    ``session_pool`` [8]); one that cannot be cleaned, or is closed while a run is in flight, is
+    removed.
 
 Modules: ``provider`` (``DockerSandbox``: container creation and the warm pool), ``transport`` (a run through the
 exec server or the session wrapper, the outer guard, the classification), ``frames`` (the exec server's wire format

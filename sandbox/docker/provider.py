@@ -54,6 +54,7 @@ class DockerSandbox(Sandbox):
         max_file_mb: largest file a program may write (RLIMIT_FSIZE; past it the program gets SIGXFSZ).
         http_timeout_s: read timeout of Docker API calls; ``timeout_s + grace_s`` must stay below it.
         reap: remove leftovers of dead owners when first connecting.
+        session_pool: most reset session containers kept idle for ``session(pooled=True)``.
     """
 
     python = "python3"
@@ -71,9 +72,12 @@ class DockerSandbox(Sandbox):
         max_file_mb: int = 64,
         reap: bool = True,
         http_timeout_s: float = 600.0,
+        session_pool: int = 8,
     ) -> None:
         if pool_size < 1:
             raise ValueError("pool_size must be >= 1")
+        if isinstance(session_pool, bool) or not isinstance(session_pool, int) or session_pool < 0:
+            raise ValueError(f"session_pool must be an int >= 0, got {session_pool!r}")
         self.image, self.pool_size, self.base_url = image, pool_size, base_url
         self.retries, self.retry_delay_s, self.grace_s = retries, retry_delay_s, grace_s
         self.tmpfs_mb, self.max_file_mb, self.reap, self.http_timeout_s = tmpfs_mb, max_file_mb, reap, http_timeout_s
@@ -84,9 +88,11 @@ class DockerSandbox(Sandbox):
         self._count = 0  # containers in the pool, idle + busy
         self._busy: set[Box] = set()  # pooled containers running a program now (removed by close())
         self._sessions: set[DockerSession] = set()  # open sessions (strong: each is closed by close())
+        self.session_pool = session_pool
+        self._idle_sessions: dict[Limits, list[Box]] = {}  # reset containers of closed pooled sessions
         self._closed = False
         self._stats_lock = threading.Lock()
-        self.stats = {"created": 0, "reused": 0, "discarded": 0, "retries": 0}
+        self.stats = {"created": 0, "reused": 0, "discarded": 0, "retries": 0, "sessions_reused": 0, "sessions_discarded": 0}
         hold_until_closed(self)
         if prewarm:
             self.prewarm(prewarm)
@@ -297,15 +303,19 @@ class DockerSandbox(Sandbox):
         box = self._checkout(limits)
         reusable = False
         try:
-            result, reusable = execute(self, box, request, WORKDIR, pooled=True)
+            result, reusable = execute(self, box, request, WORKDIR, served=True)
             return result
         finally:
             self._checkin(box, reusable)
 
     def session(self, memory_mb: int = 512, cpus: float = 1.0, pids: int = 64, network: bool = False,
-                disk_mb: int | None = None) -> DockerSession:
+                disk_mb: int | None = None, pooled: bool = False) -> DockerSession:
         """A dedicated container for several commands (not part of the pool); with ``disk_mb`` its work root is a tmpfs
         volume of that size (held in memory: its files count against ``memory_mb``).
+
+        ``pooled``: the container may be one a closed pooled session left (reset: every process of the sandbox user
+        killed, the work root, /tmp, /dev/shm and /dev/mqueue emptied), runs are requests to its exec server instead of
+        a ``docker exec`` each, and ``close`` resets it and keeps it for the next (up to ``session_pool`` idle).
 
         Raises:
             SandboxUnavailable: the container could not be created after the retries.
@@ -316,20 +326,8 @@ class DockerSandbox(Sandbox):
         if disk_mb is not None and (isinstance(disk_mb, bool) or not isinstance(disk_mb, int) or disk_mb < 1):
             raise ValueError(f"disk_mb must be a positive int (MiB) or None, got {disk_mb!r}")
         limits = Limits(memory_mb, cpus, pids, network, disk_mb)
-        errors = []
-        for i in range(self.retries + 1):
-            if i:
-                time.sleep(self.retry_delay_s * i)
-            try:
-                box = self._create(limits)
-                break
-            except NoRetry as exc:
-                raise SandboxUnavailable(str(exc)) from exc
-            except Infra as exc:
-                errors.append(str(exc))
-        else:
-            raise SandboxUnavailable(f"could not create a session container: {errors[-1]}")
-        s = DockerSession(self, box)
+        box = (self._idle_session_box(limits) if pooled else None) or self._create_session_box(limits)
+        s = DockerSession(self, box, pooled)
         with self._lock:
             closed = self._closed
             if not closed:
@@ -338,6 +336,47 @@ class DockerSandbox(Sandbox):
             s.close()
             raise RuntimeError("sandbox is closed")
         return s
+
+    def _create_session_box(self, limits: Limits) -> Box:
+        """A new container for a session, with the retries. Raises ``SandboxUnavailable``."""
+        errors = []
+        for i in range(self.retries + 1):
+            if i:
+                time.sleep(self.retry_delay_s * i)
+            try:
+                return self._create(limits)
+            except NoRetry as exc:
+                raise SandboxUnavailable(str(exc)) from exc
+            except Infra as exc:
+                errors.append(str(exc))
+        raise SandboxUnavailable(f"could not create a session container: {errors[-1]}")
+
+    def _idle_session_box(self, limits: Limits) -> Box | None:
+        """A reset container of a closed pooled session with these limits, if one is idle."""
+        with self._lock:
+            boxes = self._idle_sessions.get(limits)
+            if not boxes:
+                return None
+            self._bump("sessions_reused")
+            return boxes.pop()
+
+    def recycle_session_box(self, box: Box) -> None:
+        """Reset a closed pooled session's container and keep it idle (or remove it: the reset failed, the idle
+        sessions are full, the sandbox is closed). The reset is the exec server's clean-up after a pooled run."""
+        reusable = False
+        if not self._closed:
+            try:
+                result, reusable = execute(self, box, ExecRequest(argv=["true"], timeout_s=10.0), WORKDIR, served=True)
+                reusable = reusable and result.status == "ok"
+            except Infra:
+                reusable = False
+        with self._lock:
+            idle = self._idle_sessions.setdefault(box.limits, [])
+            if reusable and not self._closed and sum(map(len, self._idle_sessions.values())) < self.session_pool:
+                idle.append(box)
+                return
+        self._bump("sessions_discarded")
+        self.remove_box(box)
 
     def forget_session(self, session: DockerSession) -> None:
         """A session closed itself: ``close()`` need not close it."""
@@ -351,6 +390,8 @@ class DockerSandbox(Sandbox):
             boxes = [b for lst in self._idle.values() for b in lst]
             self._idle.clear()
             self._count -= len(boxes)
+            boxes += [b for lst in self._idle_sessions.values() for b in lst]
+            self._idle_sessions.clear()
             busy = list(self._busy)  # checked in (and counted down) by their runs
             sessions = list(self._sessions)
         jobs = [lambda b=b: self.remove_box(b) for b in boxes + busy] + [s.close for s in sessions]

@@ -1,4 +1,6 @@
-"""A session: a dedicated container where commands run in turn (each one a ``docker exec`` of the wrapper)."""
+"""A session: a dedicated container where commands run in turn (each one a ``docker exec`` of the wrapper), or a pooled
+one: a container of the provider's session pool whose commands are requests to its exec server and which is reset and
+returned to that pool on ``close``."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import docker.errors
 
 from sandbox import MAX_READ_FILE_BYTES, ExecRequest, ExecResult, SandboxUnavailable, Session, resolve_path
 from sandbox.docker.box import WORKDIR, Infra, posixpath_rel, tar_files
-from sandbox.docker.transport import Box, Host, execute
+from sandbox.docker.transport import Box, Host, execute, relay
 
 
 class SessionHost(Host, Protocol):
@@ -22,15 +24,21 @@ class SessionHost(Host, Protocol):
 
     def remove_box(self, box: Box) -> None: ...
 
+    def recycle_session_box(self, box: Box) -> None: ...
+
     def forget_session(self, session: DockerSession) -> None: ...
 
 
 class DockerSession(Session):
-    """A dedicated container; see ``Session``. Commands run one at a time (a lock serialises them)."""
+    """A dedicated container; see ``Session``. Commands run one at a time (a lock serialises them).
 
-    def __init__(self, sb: SessionHost, box: Box) -> None:
+    ``pooled``: runs go through the container's exec server (state kept between them), and ``close`` hands the container
+    back to the provider, which resets it (every process of the sandbox user killed, the work root and /tmp emptied)
+    before another session may take it."""
+
+    def __init__(self, sb: SessionHost, box: Box, pooled: bool = False) -> None:
         super().__init__(WORKDIR)
-        self._sb, self._box = sb, box
+        self._sb, self._box, self.pooled = sb, box, pooled
         self._lock = threading.Lock()
         self._closed = False
 
@@ -47,8 +55,21 @@ class DockerSession(Session):
             if self._closed:
                 raise RuntimeError("session is closed")
             try:
-                result, _ = execute(self._sb, self._box, request, self._cwd, pooled=False)
+                result, _ = execute(self._sb, self._box, request, self._cwd, served=self.pooled, keep=True)
                 return result
+            except Infra as exc:
+                return ExecResult.failed(str(exc))
+
+    def relay(self, name: str, data: bytes, timeout_s: float, max_bytes: int) -> ExecResult | None:
+        """Through the container's exec server (pooled sessions only; None otherwise); see ``Session.relay``."""
+        if not self.pooled:
+            return None
+        self._sb.check_timeout(ExecRequest(argv=["relay"], timeout_s=timeout_s))
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("session is closed")
+            try:
+                return relay(self._sb, self._box, name, data, timeout_s, max_bytes)
             except Infra as exc:
                 return ExecResult.failed(str(exc))
 
@@ -84,5 +105,11 @@ class DockerSession(Session):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._sb.remove_box(self._box)
+            if self.pooled and self._lock.acquire(blocking=False):  # no run in flight: reset and reuse the container
+                try:
+                    self._sb.recycle_session_box(self._box)
+                finally:
+                    self._lock.release()
+            else:  # (a run in flight ends as an error: its container is removed under it)
+                self._sb.remove_box(self._box)
         self._sb.forget_session(self)

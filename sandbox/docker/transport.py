@@ -1,6 +1,6 @@
-"""How a program runs in a container, with its two transports: a pooled run is one request to the container's resident
-exec server (``exec_server.py``, attached once); a session's run is one ``docker exec`` of a shell wrapper. Both run
-under an outer wall-clock guard and classify the outcome (timeout, oom, killed or ok)."""
+"""How a program runs in a container, with its two transports: a pooled run (and a pooled session's) is one request to the
+container's resident exec server (``exec_server.py``, attached once); another session's run is one ``docker exec`` of a
+shell wrapper. Both run under an outer wall-clock guard and classify the outcome (timeout, oom, killed or ok)."""
 
 from __future__ import annotations
 
@@ -72,10 +72,11 @@ class Host(Protocol):
     def exec_plain(self, box: Box, argv: list[str]) -> int | None: ...
 
 
-def execute(sb: Host, box: Box, request: ExecRequest, cwd: str, pooled: bool) -> tuple[ExecResult, bool]:
-    """Stage inputs, run the program (and, if ``pooled``, clean up); classify.
+def execute(sb: Host, box: Box, request: ExecRequest, cwd: str, served: bool, keep: bool = False) -> tuple[ExecResult, bool]:
+    """Stage inputs, run the program (and, if ``served`` without ``keep``, clean up); classify.
 
-    A pooled run is one request to the container's resident exec server; a session's run is one exec of the wrapper.
+    A ``served`` run is one request to the container's resident exec server (a pooled run; a pooled session's run with
+    ``keep``: its files and background processes stay); an unpooled session's run is one exec of the wrapper.
 
     Returns:
         (result, whether the container may be used again).
@@ -89,8 +90,9 @@ def execute(sb: Host, box: Box, request: ExecRequest, cwd: str, pooled: bool) ->
         name = f".opd-stdin-{uuid.uuid4().hex}"
         staged[name] = bytes(request.stdin)
         stdin_path = f"{WORKDIR}/{name}"
-    if pooled:
-        return _execute_served(sb, box, request, workdir, staged, stdin_path)
+    if served:
+        header = {"argv": request.argv, "cwd": workdir, "stdin": stdin_path, "timeout": request.timeout_s, "env": request.env, "keep": keep}
+        return _execute_served(sb, box, request, header, tar_files(staged) if staged else b"")
     return _execute_wrapped(sb, box, request, workdir, staged, stdin_path), True
 
 
@@ -153,19 +155,30 @@ def _docker_call(call):
         raise Infra(f"{type(exc).__name__}: {exc}") from exc
 
 
-def _execute_served(sb: Host, box: Box, request: ExecRequest, workdir: str, staged: dict[str, bytes],
-                    stdin_path: str) -> tuple[ExecResult, bool]:
-    """One run through the container's exec server (attached on the container's first run)."""
+def relay(sb: Host, box: Box, name: str, data: bytes, timeout_s: float, max_bytes: int) -> ExecResult:
+    """Hand ``data`` to the abstract Unix socket ``name`` in the container through its exec server, no process started;
+    the answer is ``stdout`` (exit code 0; 3 when nobody listens; a time-out is status ``timeout``).
+
+    Raises:
+        Infra: a Docker call failed.
+    """
+    request = ExecRequest(argv=["relay"], timeout_s=timeout_s, max_output_bytes=max_bytes)  # (the host side's bookkeeping)
+    header = {"relay": name, "timeout": timeout_s, "max_bytes": max_bytes}
+    return _execute_served(sb, box, request, header, data)[0]
+
+
+def _execute_served(sb: Host, box: Box, request: ExecRequest, header: dict, payload: bytes) -> tuple[ExecResult, bool]:
+    """One request to the container's exec server (attached on the container's first run); with ``keep`` in the header
+    the server does not clean up after it (the container is reusable only after a request without)."""
     cap = request.max_output_bytes
     out, err = OutputBuffer(cap), OutputBuffer(cap)
-    header = {"argv": request.argv, "cwd": workdir, "stdin": stdin_path, "timeout": request.timeout_s, "env": request.env}
     ends: list[tuple[bytes, bytes]] = []
     if box.server is None:
         box.server = _docker_call(lambda: ServerStream(sb.client().api, box.container.id))
     server = box.server
 
     def read() -> None:
-        server.send(server_request(header, tar_files(staged) if staged else b""))
+        server.send(server_request(header, payload))
         while not ends:
             frame = server.frame()
             if frame is None:

@@ -1,4 +1,5 @@
-"""A persistent Python interpreter in one sandbox session, for multi-turn tool use (one per episode).
+"""A persistent Python interpreter in one sandbox session, for multi-turn tool use (one per episode, its session
+taken from a warm pool of reset sessions).
 
     import sandbox
     from sandbox.interpreter import PythonInterpreter
@@ -23,9 +24,12 @@ How a cell reaches the supervisor (the *transport*), found out once per sandbox 
 request of a session where no cell has run yet (so no cell can change it: once an ``exec`` supervisor
 has answered in a sandbox, one found missing later is that interpreter's ``crash``, never a switch):
   - ``exec``: the supervisor runs detached (``setsid``) and listens on an abstract Unix socket (no
-    file a cell could delete); each cell is one ``Session.run`` of a tiny client that hands the cell
-    over and prints the reply. Used where a background process outlives the run that started it
-    (Docker: the container lives on; per cell one ``docker exec``). Only peers of the same uid are served.
+    file a cell could delete); each cell is handed over by ``Session.relay`` where the session can
+    (a pooled Docker session: the container's exec server connects to the socket itself, no process
+    is started; a few ms a cell), else by one ``Session.run`` of a tiny client that hands the cell over
+    and prints the reply (an unpooled Docker session: one ``docker exec`` a cell). Used where a
+    background process outlives the run that started it (Docker: the container lives on). Only
+    peers of the same uid are served.
   - ``files``: where a run's processes all die when it ends (the local provider as root: each run has
     its own PID namespace), the supervisor is itself one long ``Session.run`` (a background thread)
     and cells travel as files in ``.opd-interp/`` of the work dir (``write_files`` / ``read_file``,
@@ -64,7 +68,13 @@ Cell semantics:
   - cells run in the session's work root (the files transport keeps ``.opd-interp/`` there); files
     persist across cells as they do in any session.
 
-``close()`` destroys the session (idempotent; also ``with``; a cell running meanwhile in another
+Sessions (``pooled``, default True): the session comes from the provider's pool of reset sessions and goes back on
+``close()``. Docker resets the container first with its exec server's clean-up after a pooled run (every process of
+the sandbox user killed, ``/box``, ``/tmp``, ``/dev/shm`` and ``/dev/mqueue`` emptied; a container it cannot clean is
+removed), so the next episode sees no file, process or variable of this one; the local provider makes a fresh
+directory either way. ``pooled=False``: a fresh container, removed on ``close()``.
+
+``close()`` destroys the session (or, pooled, resets it for the next episode; idempotent; also ``with``; a cell running meanwhile in another
 thread ends as ``error``); a closed interpreter refuses cells (``RuntimeError``). An interpreter
 dropped without ``close()`` is closed when it is garbage collected or at exit (``weakref.finalize``),
 and the providers remove their sessions on ``Sandbox.close()``.
@@ -235,11 +245,15 @@ class _Connection:
         """One request on the exec transport: a run of the client with ``payload`` (ASCII JSON) in its argv."""
         chunks = [payload[i : i + _ARGV_CHUNK] for i in range(0, len(payload), _ARGV_CHUNK)]
         argv = [self.sandbox.python, "-I", "-S", "-c", _CLIENT, self.key, *chunks]
-        try:
-            r = self.session.run(ExecRequest(argv=argv, timeout_s=wait_s, max_output_bytes=reply_max))
+        data = payload.encode()
+        try:  # handed over by the provider where it can (no process per cell), else by a run of the client
+            r = self.session.relay(self.key, len(data).to_bytes(4, "big") + data, wait_s, reply_max)
+            no_server = ""  # what a relay nobody answered prints (the client prints NOSERVER)
+            if r is None:
+                r, no_server = self.session.run(ExecRequest(argv=argv, timeout_s=wait_s, max_output_bytes=reply_max)), "NOSERVER"
         except Exception as exc:  # noqa: BLE001 - a closed session or sandbox, a refused timeout
             raise _Infra(f"{type(exc).__name__}: {exc}") from exc
-        if r.status == "ok" and r.exit_code == 3 and r.stdout == "NOSERVER":
+        if r.status == "ok" and r.exit_code == 3 and r.stdout == no_server:
             if self.answered == 0 and not _exec_confirmed(self.sandbox):
                 raise _NoDaemon()  # no cell ever ran here: the provider ended the detached supervisor
             # A cell of this session killed it (e.g. from a thread, between cells): this episode's crash, nobody else's.
@@ -331,6 +345,8 @@ class PythonInterpreter:
             ``memory_mb``; past it writes fail with ENOSPC); not enforced by the local provider.
         max_output_chars: most characters of output kept per cell.
         display_last_expr: print the repr of a final expression statement, as Jupyter does.
+        pooled: take the session from the provider's pool of reset sessions and give it back on ``close`` (Docker: a
+            warm container whose cells go through its exec server, not a ``docker exec`` each); False: a fresh one.
     """
 
     def __init__(
@@ -343,6 +359,7 @@ class PythonInterpreter:
         disk_mb: int = 256,
         max_output_chars: int = 4096,
         display_last_expr: bool = False,
+        pooled: bool = True,
     ) -> None:
         if max_output_chars < 1:
             raise ValueError(f"max_output_chars must be >= 1, got {max_output_chars}")
@@ -351,7 +368,7 @@ class PythonInterpreter:
         ExecRequest(argv=["true"], memory_mb=memory_mb, cpus=cpus, pids=pids)  # validates the limits
         self.sandbox = sandbox
         self.memory_mb, self.cpus, self.pids, self.disk_mb = memory_mb, cpus, pids, disk_mb
-        self.max_output_chars, self.display_last_expr = max_output_chars, display_last_expr
+        self.max_output_chars, self.display_last_expr, self.pooled = max_output_chars, display_last_expr, pooled
         self._lock = threading.Lock()
         self._holder = _Holder()
         self._finalizer = weakref.finalize(self, self._holder.close)
@@ -441,7 +458,8 @@ class PythonInterpreter:
         with _TRANSPORTS_LOCK:
             transport = _TRANSPORTS.get(self.sandbox, "exec")
         try:
-            session = self.sandbox.session(memory_mb=self.memory_mb, cpus=self.cpus, pids=self.pids, network=False, disk_mb=self.disk_mb)
+            session = self.sandbox.session(memory_mb=self.memory_mb, cpus=self.cpus, pids=self.pids, network=False, disk_mb=self.disk_mb,
+                                           pooled=self.pooled)
         except Exception as exc:  # noqa: BLE001 - SandboxUnavailable, a closed sandbox, a daemon error...
             raise _Infra(f"could not open a sandbox session: {type(exc).__name__}: {exc}") from exc
         if self._closed:  # close() ran meanwhile: this session must not outlive it

@@ -1,7 +1,8 @@
 r"""Tool-use tasks on the code-interpreter environment: options, prompts, episodes and grading.
 
 A :class:`ToolTask` owns one sandbox (Docker by default; ``sandbox: local`` for machines without Docker) and
-opens one persistent Python interpreter per episode, on the episode's first tool call; the episode closes it.
+opens one persistent Python interpreter per episode, on the episode's first tool call; the episode closes it (its
+session, a warm pooled container, is reset for a later episode: nothing of this one is visible there).
 The final answer is read from the model's own text only (observations are never graded): the last
 ``<answer>...</answer>`` block, or the last model turn when there is none, and its last ``\boxed{}`` is graded
 with math-verify against the problem's answer.
