@@ -72,6 +72,18 @@ def _prepare_tasks(tasks: list[Task]) -> None:
         raise _fail(str(exc)) from None
 
 
+def _check_executor(plan) -> None:
+    """Exit 2 before any run row exists when the run's executor refuses it (e.g. a layout the Ray cluster cannot hold)."""
+    from harness.registry import EXECUTORS
+
+    check = getattr(EXECUTORS.get(plan.config.trainer.executor), "check", None)
+    if check is not None:
+        try:
+            check(plan, console)
+        except ConfigError as exc:
+            raise _fail(str(exc)) from None
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM, raised in the main thread so that it unwinds like Ctrl-C: ``finally`` blocks close sandboxes, runs end interrupted."""
 
@@ -154,6 +166,7 @@ def run(
     except (ConfigError, RegistryError) as exc:  # DataUnavailable included: missing data or a bad row, nothing created
         raise _fail(str(exc)) from None
     _prepare_tasks([plan.task, *plan.eval_tasks])  # closed at exit; exit 2 if one cannot run here (e.g. no sandbox image)
+    _check_executor(plan)
     for warning in plan.warnings:
         console.print(f"[yellow]warning:[/] {warning}")
     run_id = resume

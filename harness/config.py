@@ -126,6 +126,60 @@ def load_options(backend: type) -> list[str]:
     return sorted(set(named) - {"base_url"})
 
 
+LAYOUT_ROLES = ("rollout", "teacher", "learner", "eval")
+SINGLE_REPLICA_ROLES = ("rollout", "teacher", "learner")  # more replicas are later slices of the scale-out
+
+
+class RoleLayout(Strict):
+    """Where one role's replicas run on a Ray cluster: the resources of each replica and how they spread over nodes."""
+
+    replicas: int = Field(1, ge=1, description="actors of this role (rollout, teacher, learner: only 1 for now)")
+    num_cpus: float = Field(1.0, ge=0, description="logical CPUs per replica")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per replica")
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="custom Ray resources per replica, e.g. a node label {node_a: 1} given to ray start --resources"
+    )
+    strategy: Literal["pack", "spread"] = Field(
+        "pack", description="the role's placement group strategy: pack its replicas on few nodes, or spread them over many"
+    )
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_only(cls, resources: dict[str, float]) -> dict[str, float]:
+        """CPUs and GPUs have their own keys; a custom amount is positive."""
+        for name, amount in resources.items():
+            if name in ("CPU", "GPU"):
+                raise ValueError(f"{name!r} is set with num_{name.lower()}s, not resources")
+            if amount <= 0:
+                raise ValueError(f"{name}: an amount must be > 0 (got {amount})")
+        return resources
+
+    @model_validator(mode="after")
+    def _asks_something(self) -> "RoleLayout":
+        if not (self.num_cpus or self.num_gpus or self.resources):
+            raise ValueError("a replica must ask for some resource: num_cpus, num_gpus or resources")
+        return self
+
+
+class Layout(Strict):
+    """``trainer.layout``: the Ray placement of every role (``--executor ray``); roles left out take the defaults."""
+
+    rollout: RoleLayout = Field(default_factory=RoleLayout)
+    teacher: RoleLayout = Field(default_factory=RoleLayout)
+    learner: RoleLayout = Field(default_factory=RoleLayout)
+    eval: RoleLayout = Field(
+        default_factory=RoleLayout, description="validated and recorded; not placed yet (evaluation runs in the driver)"
+    )
+
+    @model_validator(mode="after")
+    def _one_replica(self) -> "Layout":
+        for role in SINGLE_REPLICA_ROLES:
+            replicas = getattr(self, role).replicas
+            if replicas > 1:
+                raise ValueError(f"trainer.layout.{role}.replicas={replicas}: more than one {role} replica is not supported yet (use 1)")
+        return self
+
+
 class TrainerConfig(Strict):
     mode: Literal["sync", "async"] = Field("sync", description="pipeline: sync, or async (rollout worker + learner overlap)")
     executor: str = Field(
@@ -144,6 +198,9 @@ class TrainerConfig(Strict):
     )
     ray_address: str | None = Field(
         None, description="executor ray: address of an existing cluster (host:6379 or ray://host:10001); default: start a local Ray"
+    )
+    layout: Layout | None = Field(
+        None, description="executor ray: resources and placement of each role (trainer.layout.<role>); default: no resource requests"
     )
     behaviour_logprobs: Literal["recompute", "engine"] = Field(
         "recompute",
@@ -212,6 +269,8 @@ class TrainerConfig(Strict):
     def _address_needs_ray(self) -> "TrainerConfig":
         if self.ray_address is not None and self.executor != "ray":
             raise ValueError(f"trainer.ray_address={self.ray_address!r} is used only with --executor ray (trainer.executor=ray)")
+        if self.layout is not None and self.executor != "ray":
+            raise ValueError("trainer.layout places the roles on a Ray cluster: it is used only with --executor ray (trainer.executor=ray)")
         return self
 
 

@@ -140,3 +140,17 @@ def sandbox_request(sb, code: str, **kw):
     from sandbox import ExecRequest
 
     return ExecRequest(argv=[sb.python, "-c", code], **kw)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A two-node Ray cluster on this machine (``node_a``, ``node_b`` custom resources, 2 CPUs each), shared by the
+    session's tests and stopped by its own process ids; asserts that no process of it is left behind."""
+    pytest.importorskip("ray")
+    from ray_cluster import remove_cluster_dir, start_two_node_cluster
+
+    cluster = start_two_node_cluster()
+    yield cluster
+    left = cluster.stop()
+    remove_cluster_dir(cluster)
+    assert not left, f"processes of the test cluster still alive: {left}"

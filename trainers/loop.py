@@ -320,8 +320,11 @@ def resumed_counters(session: Session) -> dict:
     return stored[-1]["metrics"] if stored else {}
 
 
-def drive(plan, session: Session, schedule: Schedule, rollout: Rollout, learner: Learner, board: WeightBoard) -> None:
-    """The learner loop of every executor: take batch b, train, publish version b, refresh, record, checkpoint."""
+def drive(
+    plan, session: Session, schedule: Schedule, rollout: Rollout, learner: Learner, board: WeightBoard, placement: dict | None = None
+) -> None:
+    """The learner loop of every executor: take batch b, train, publish version b, refresh, record, checkpoint
+    (with ``placement``, the node of each role an executor reports, in every checkpoint's metrics)."""
     buffer, pause = ReplayBuffer(), threading.Event()
     schedule = dataclasses.replace(schedule, floor=session.state.step)
     board.publish_snapshot(session.state.step, learner.snapshot())
@@ -370,6 +373,7 @@ def drive(plan, session: Session, schedule: Schedule, rollout: Rollout, learner:
                 "idle_ratio_learner": clock.idle_ratio(),
                 "refreshes": refreshes,
                 "dropped_batches": dropped,
+                **({"placement": dict(placement)} if placement else {}),
             }
             session.record_step(step, metrics, metrics["time_step_s"], checkpoint_metrics, before_checkpoint=learner.pull)
             pause.set()
@@ -393,6 +397,7 @@ class Roles:
     rollout: Rollout
     learner: Learner
     ready: Callable[[], None] = lambda: None
+    placement: dict[str, str] = field(default_factory=dict)  # role → node id, filled by ``ready`` (Ray); empty in process
 
 
 class Executor(Protocol):
@@ -403,6 +408,9 @@ class Executor(Protocol):
 
     def roles(self, plan, session: Session, board: WeightBoard, console: Console) -> AbstractContextManager[Roles]:
         """The rollout and learner roles of ``session``, started (not necessarily ready) and stopped on exit."""
+
+    def check(self, plan, console: Console) -> None:
+        """Optional: before the run is recorded, refuse (``ConfigError``) what this executor cannot run, e.g. a layout."""
 
 
 BASE_INPUTS = frozenset(
@@ -455,7 +463,7 @@ class TrainingPipeline:
             with executor.roles(plan, session, board, console) as roles:  # actors start up during the step-0 evaluation
                 session.evaluate_start()
                 roles.ready()
-                drive(plan, session, schedule, roles.rollout, roles.learner, board)
+                drive(plan, session, schedule, roles.rollout, roles.learner, board, roles.placement)
         store.set_status(run_id, "done")
 
 

@@ -32,6 +32,7 @@ from rich.console import Console
 from harness.backends.hf import HFBackend
 from harness.trajectory import TensorBatch
 from harness.task import close_tasks
+from harness.config import SINGLE_REPLICA_ROLES, ConfigError, Layout, RoleLayout
 from trainers.loop import LearnResult, Roles, WeightBoard, state_snapshot
 from trainers.pipeline import (
     Session,
@@ -53,6 +54,10 @@ RAY_ENV_DEFAULTS = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 OBJECT_STORE_BYTES = 512 * 2**20  # caps /dev/shm use of a local Ray
 ROLES = 3  # rollout, teacher, learner
 CLOSE_TIMEOUT_S = 60.0  # how long the actors get to release their tasks' sandboxes before they are killed
+PLACEMENT_TIMEOUT_S = 60.0  # how long a role's placement group may take to be reserved before the layout is refused
+PLACED_ROLES = SINGLE_REPLICA_ROLES  # roles with actors (eval is validated and recorded, not placed yet)
+STRATEGIES = {"pack": "PACK", "spread": "SPREAD"}  # soft: best effort across nodes, never unschedulable for the strategy alone
+LAYOUT_KEYS = {"CPU": "num_cpus", "GPU": "num_gpus"}
 
 
 def import_ray() -> ModuleType:
@@ -66,8 +71,98 @@ def import_ray() -> ModuleType:
     return ray
 
 
+class LayoutError(ConfigError):
+    """A layout the cluster cannot hold (exit 2), named by its role's key and the missing resource."""
+
+
+def role_bundle(spec: RoleLayout) -> dict[str, float]:
+    """One replica's Ray resource request: CPUs, GPUs and custom resources (zero amounts left out)."""
+    bundle = {"CPU": spec.num_cpus, "GPU": spec.num_gpus, **spec.resources}
+    return {name: amount for name, amount in bundle.items() if amount > 0}
+
+
+def _layout_key(role: str, resource: str) -> str:
+    return f"trainer.layout.{role}." + LAYOUT_KEYS.get(resource, f"resources.{resource}")
+
+
+def layout_shortfall(layout: Layout, nodes: list[dict]) -> str | None:
+    """Why no alive node can hold one replica of some role (key, resource, the most any node has), or None."""
+    capacity = [node["Resources"] for node in nodes if node.get("Alive")]
+    for role in PLACED_ROLES:
+        bundle = role_bundle(getattr(layout, role))
+        for resource, amount in bundle.items():
+            most = max((node.get(resource, 0.0) for node in capacity), default=0.0)
+            if most < amount:
+                return (f"{_layout_key(role, resource)}: a {role} replica asks for {amount:g} {resource}, but no node of the cluster "
+                        f"has that much (the most on one node: {most:g})")  # fmt: skip
+        if not any(all(node.get(r, 0.0) >= a for r, a in bundle.items()) for node in capacity):
+            return f"trainer.layout.{role}: no single node of the cluster has all of {bundle} (one replica runs on one node)"
+    return None
+
+
+def local_cpus(layout: Layout | None, threads: int) -> int:
+    """Logical CPUs of a local Ray: one per role thread, or what the layout's placed roles ask for, whichever is more."""
+    if layout is None:
+        return ROLES * threads
+    asked = sum(getattr(layout, role).num_cpus * getattr(layout, role).replicas for role in PLACED_ROLES)
+    return max(ROLES * threads, int(-(-asked // 1)))
+
+
+def reserve_layout(ray: ModuleType, layout: Layout, timeout_s: float | None = None) -> dict[str, Any]:
+    """One placement group per placed role (one bundle per replica, its strategy), reserved or :class:`LayoutError`.
+
+    The per-node capacity is checked first, so a resource no node has is named at once; then each group must be
+    reserved within ``timeout_s`` (the roles together may not fit). Nothing stays reserved on failure."""
+    timeout_s = PLACEMENT_TIMEOUT_S if timeout_s is None else timeout_s
+    shortfall = layout_shortfall(layout, ray.nodes())
+    if shortfall:
+        raise LayoutError(shortfall)
+    from ray.util.placement_group import placement_group
+
+    groups: dict[str, Any] = {}
+    try:
+        for role in PLACED_ROLES:
+            spec = getattr(layout, role)
+            bundle = role_bundle(spec)
+            groups[role] = placement_group([bundle] * spec.replicas, strategy=STRATEGIES[spec.strategy])
+            if not groups[role].wait(timeout_seconds=timeout_s):
+                free = {k: v for k, v in ray.available_resources().items() if k in bundle}
+                raise LayoutError(f"trainer.layout.{role}: the cluster cannot hold {spec.replicas} × {bundle} beside the roles "
+                                  f"placed before it within {timeout_s:g}s (free now: {free})")  # fmt: skip
+    except BaseException:
+        release_layout(ray, groups)
+        raise
+    return groups
+
+
+def release_layout(ray: ModuleType, groups: dict[str, Any]) -> None:
+    """Remove the run's placement groups (their actors are gone or go with them)."""
+    from ray.util.placement_group import remove_placement_group
+
+    for group in groups.values():
+        try:
+            remove_placement_group(group)
+        except Exception:  # noqa: BLE001 - the cluster may be gone already; the others are still removed
+            pass
+
+
+def placement_options(layout: Layout | None, groups: dict[str, Any], role: str) -> dict[str, Any]:
+    """Actor options of ``role``: its layout's resources inside bundle 0 of its placement group (none without a layout)."""
+    if layout is None or role not in groups:
+        return {}
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    spec = getattr(layout, role)
+    return {
+        "num_cpus": spec.num_cpus,
+        "num_gpus": spec.num_gpus,
+        "resources": dict(spec.resources),
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=groups[role], placement_group_bundle_index=0),
+    }
+
+
 @contextmanager
-def ray_runtime(address: str | None, threads: int, console: Console) -> Iterator[ModuleType]:
+def ray_runtime(address: str | None, threads: int, console: Console, cpus: int | None = None) -> Iterator[ModuleType]:
     """Join Ray for a run: one already initialised (left running), the cluster at ``address``, or a new local one."""
     ray = import_ray()
     if ray.is_initialized():
@@ -77,8 +172,9 @@ def ray_runtime(address: str | None, threads: int, console: Console) -> Iterator
         console.print(f"executor: ray cluster at {address}")
         ray.init(address=address)
     else:
-        console.print(f"executor: local ray ({ROLES * threads} CPUs)")
-        ray.init(num_cpus=ROLES * threads, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False)
+        cpus = cpus or ROLES * threads
+        console.print(f"executor: local ray ({cpus} CPUs)")
+        ray.init(num_cpus=cpus, object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False)
     try:
         yield ray
     finally:
@@ -108,6 +204,12 @@ class ActorRole:
 
     def ready(self) -> bool:
         return True
+
+    def node_id(self) -> str:
+        """The Ray node this actor runs on (hex id, as ``ray.nodes()`` reports it)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
 
     def close(self) -> None:
         plan = getattr(self, "plan", None)
@@ -227,46 +329,80 @@ class RayLearner:
             self.session.method_state.load_state_dict(state["method_state"])
 
 
-def start_actors(ray: ModuleType, plan, session: Session, threads: int) -> tuple[Any, Any, Any]:
-    """(rollout, teacher, learner) actors, seeded with the session's current models and optimizer state."""
+def start_actors(ray: ModuleType, plan, session: Session, threads: int, groups: dict[str, Any] | None = None) -> tuple[Any, Any, Any]:
+    """(rollout, teacher, learner) actors, seeded with the session's current models and optimizer state, each in
+    its role's placement group when the run has a layout."""
     config = plan.config.model_dump(mode="json")
+    layout, groups = plan.config.trainer.layout, groups or {}
     student, teacher = session.student, session.teacher
-    remote = lambda cls: ray.remote(cls).options(max_concurrency=1)  # noqa: E731  one call at a time, in order
-    rollout = remote(RolloutActor).remote(
+
+    def remote(cls: type, role: str) -> Any:  # one call at a time, in order
+        return ray.remote(cls).options(max_concurrency=1, **placement_options(layout, groups, role))
+
+    rollout = remote(RolloutActor, "rollout").remote(
         config, ray.put(student.model), student.tokenizer, session.student_path, ray.put(session.train_problems), threads
     )
     shipped = ray.put(teacher.model) if isinstance(teacher, HFBackend) else None  # a remote teacher is reopened in the actor
-    scorer = remote(TeacherActor).remote(config, shipped, teacher.tokenizer, session.student_path, threads)
+    scorer = remote(TeacherActor, "teacher").remote(config, shipped, teacher.tokenizer, session.student_path, threads)
     parts = ray.put((student.model, session.optimizer, session.method_state))
-    learner = remote(LearnerActor).remote(config, parts, threads)
+    learner = remote(LearnerActor, "learner").remote(config, parts, threads)
     return rollout, scorer, learner
 
 
-def wait_ready(ray: ModuleType, actors: tuple, console: Console) -> None:
-    """Block until every actor is constructed, so actor start-up is not counted as training time."""
+def wait_ready(ray: ModuleType, actors: tuple, console: Console, placement: dict[str, str]) -> None:
+    """Block until every actor is constructed (start-up is not training time); record the node each role runs on."""
     started = time.perf_counter()
     ray.get([actor.ready.remote() for actor in actors])
+    placement.update(zip(PLACED_ROLES, ray.get([actor.node_id.remote() for actor in actors]), strict=True))
     console.print(f"ray actors ready (rollout, teacher, learner); waited {time.perf_counter() - started:.1f}s after the step-0 evaluation")
+    console.print("ray placement: " + ", ".join(f"{role} on node {node[:12]}" for role, node in placement.items()))
 
 
 class RayExecutor:
-    """Roles as Ray actors (rollout, teacher-scorer, learner) on a local Ray or the cluster at ``trainer.ray_address``."""
+    """Roles as Ray actors (rollout, teacher-scorer, learner) on a local Ray or the cluster at ``trainer.ray_address``,
+    placed by ``trainer.layout`` when given. Ray is one per process, and so are the run's placement groups (``groups``)."""
 
-    def runtime(self, plan, console: Console):
-        return ray_runtime(plan.config.trainer.ray_address, plan.config.threads or 1, console)
+    def __init__(self) -> None:
+        self.groups: dict[str, Any] = {}
+
+    def check(self, plan, console: Console) -> None:
+        """Before anything is written: join Ray and reserve the layout once (released again), or :class:`LayoutError`."""
+        layout = plan.config.trainer.layout
+        if layout is None:
+            return
+        with self._join(plan, console) as ray:
+            release_layout(ray, reserve_layout(ray, layout))
+
+    def _join(self, plan, console: Console):
+        trainer, threads = plan.config.trainer, plan.config.threads or 1
+        return ray_runtime(trainer.ray_address, threads, console, local_cpus(trainer.layout, threads))
+
+    @contextmanager
+    def runtime(self, plan, console: Console) -> Iterator[None]:
+        """Ray for the run, with the layout's placement groups reserved until it ends (also when it fails)."""
+        layout = plan.config.trainer.layout
+        with self._join(plan, console) as ray:
+            self.groups = reserve_layout(ray, layout) if layout is not None else {}
+            try:
+                yield
+            finally:
+                release_layout(ray, self.groups)
+                self.groups = {}
 
     @contextmanager
     def roles(self, plan, session: Session, board: WeightBoard, console: Console) -> Iterator[Roles]:
         ray = import_ray()
-        actors = start_actors(ray, plan, session, plan.config.threads or 1)  # they start up while the driver evaluates step 0
+        actors = start_actors(ray, plan, session, plan.config.threads or 1, self.groups)  # they start while step 0 is evaluated
         rollout, scorer, learner = actors
+        placement: dict[str, str] = {}
         try:
             with warnings.catch_warnings():  # the session's optimizer mirrors the learner's, so only its scheduler steps
                 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before", category=UserWarning)
                 yield Roles(
                     RayRollout(ray, plan, rollout, scorer, board),
                     RayLearner(ray, learner, session),
-                    ready=lambda: wait_ready(ray, actors, console),
+                    ready=lambda: wait_ready(ray, actors, console, placement),
+                    placement=placement,
                 )
         finally:
             try:  # a kill skips the actors' exit hooks: their sandbox containers and engines are released first
