@@ -34,6 +34,19 @@ class Slow(torch.nn.Module):
         return self.inner(cache=cache, **kwargs)
 
 
+class NoEos(torch.nn.Module):
+    """The model, never emitting ``eos_id``: sequences run to ``max_tokens`` (without relying on ``ignore_eos``)."""
+
+    def __init__(self, inner: torch.nn.Module, eos_id: int) -> None:
+        super().__init__()
+        self.inner, self.eos_id, self.config = inner, eos_id, inner.config
+
+    def forward(self, cache=None, **kwargs):
+        out = self.inner(cache=cache, **kwargs)
+        out.logits[..., self.eos_id] = float("-inf")
+        return out
+
+
 class Scripted(torch.nn.Module):
     """The model, pushed to emit ``script`` after a prompt of ``prompt_len`` tokens (greedy decoding follows it
     exactly; a masked token falls back to the model's own choice)."""
@@ -100,10 +113,11 @@ def collect(engine: Engine, seqs: list[Seq], order: list[Seq] | None = None) -> 
 
 def test_a_request_arriving_mid_batch_joins_it_finishes_first_and_equals_itself_alone(chars):
     encode = chars.tokenizer
-    engine = Engine(Slow(chars.model), chars.tokenizer, device="cpu", batch_wait_s=0.05)
+    model = NoEos(chars.model, chars.tokenizer.eos_token_id)
+    engine = Engine(Slow(model), chars.tokenizer, device="cpu", batch_wait_s=0.05)
     try:
         long_ones = [
-            Seq(prompt=encode(p, add_special_tokens=False)["input_ids"], max_tokens=80, temperature=1.0, seed=s, ignore_eos=True)
+            Seq(prompt=encode(p, add_special_tokens=False)["input_ids"], max_tokens=80, temperature=1.0, seed=s)
             for s, p in enumerate(["Q: What is 2+3?", "hello"])
         ]
         order: list[Seq] = []
@@ -112,7 +126,7 @@ def test_a_request_arriving_mid_batch_joins_it_finishes_first_and_equals_itself_
         while engine.stats.forward_passes < 10 and time.monotonic() < deadline:
             time.sleep(0.005)
         assert engine.stats.forward_passes < 60  # the long ones are still decoding
-        short = Seq(prompt=encode("abc", add_special_tokens=False)["input_ids"], max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
+        short = Seq(prompt=encode("abc", add_special_tokens=False)["input_ids"], max_tokens=6, temperature=1.0, seed=7)
         late = collect(engine, [short], order)
         assert late.wait(30) and first.wait(30)
         assert order[0] is short  # finished before the long ones
@@ -121,9 +135,9 @@ def test_a_request_arriving_mid_batch_joins_it_finishes_first_and_equals_itself_
         assert short.finish_reason == "length" and len(short.tokens) == 6
     finally:
         engine.close()
-    alone_engine = Engine(chars.model, chars.tokenizer, device="cpu", batch_wait_s=0.0)
+    alone_engine = Engine(model, chars.tokenizer, device="cpu", batch_wait_s=0.0)
     try:
-        alone = Seq(prompt=list(short.prompt), max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
+        alone = Seq(prompt=list(short.prompt), max_tokens=6, temperature=1.0, seed=7)
         assert collect(alone_engine, [alone]).wait(30)
     finally:
         alone_engine.close()
@@ -132,13 +146,14 @@ def test_a_request_arriving_mid_batch_joins_it_finishes_first_and_equals_itself_
 
 
 def test_the_short_request_is_answered_before_the_long_ones_over_http(chars):
-    app = make_app(SimpleNamespace(model=Slow(chars.model), tokenizer=chars.tokenizer, device="cpu"), model_name=MODEL, batch_wait_s=0.0)
+    model = Slow(NoEos(chars.model, chars.tokenizer.eos_token_id))
+    app = make_app(SimpleNamespace(model=model, tokenizer=chars.tokenizer, device="cpu"), model_name=MODEL, batch_wait_s=0.0)
     finished: dict[str, float] = {}
     with running(app) as base:
         url = base + "/v1"
 
         def send(name: str, body: dict) -> None:
-            status, _ = post(url, "/completions", {"model": MODEL, "temperature": 0, "ignore_eos": True, **body})
+            status, _ = post(url, "/completions", {"model": MODEL, "temperature": 0, **body})
             assert status == 200
             finished[name] = time.monotonic()
 
@@ -191,7 +206,7 @@ def test_streamed_and_stop_cut_text_equal_the_full_decode(bytes_tok, stop):
 def test_detokenisation_work_per_token_does_not_grow_with_length(chars):
     """Streaming one 300-token sequence with a stop string decodes a bounded number of tokens per step (the old
     engine decoded the whole sequence every step: ~45,000 tokens here)."""
-    engine = Engine(chars.model, chars.tokenizer, device="cpu", batch_wait_s=0.0)
+    engine = Engine(NoEos(chars.model, chars.tokenizer.eos_token_id), chars.tokenizer, device="cpu", batch_wait_s=0.0)
     decoded = [0]
     plain = engine.decode
 
@@ -201,7 +216,7 @@ def test_detokenisation_work_per_token_does_not_grow_with_length(chars):
 
     engine.decode = counting
     try:
-        seq = Seq(prompt=[5, 6], max_tokens=300, temperature=1.0, seed=1, ignore_eos=True, stop=("\x00never",), stream=True)
+        seq = Seq(prompt=[5, 6], max_tokens=300, temperature=1.0, seed=1, stop=("\x00never",), stream=True)
         assert collect(engine, [seq]).wait(60)
     finally:
         engine.close()
