@@ -496,10 +496,11 @@ class Engine:
                 self._step(batch.rows[i], tokens[row], chosen[row], top)
         token_of = dict(zip(live, tokens, strict=True))
         going = [i for i, r in enumerate(batch.rows) if not r.seq.over]
-        for r in batch.rows:
-            if r.seq.over:
-                self._release(r.seq)
-        batch.keep(going)
+        if len(going) < len(batch.rows):  # (keeping every row would copy the whole cache for nothing)
+            for r in batch.rows:
+                if r.seq.over:
+                    self._release(r.seq)
+            batch.keep(going)
         if not batch.rows:
             return
         next_ids = torch.tensor([token_of[i] for i in going], dtype=torch.long, device=self.device)[:, None]
