@@ -282,3 +282,40 @@ def test_bad_ignore_eos_or_min_tokens_are_400_naming_the_field(scripted_url, ext
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "q"}], "max_tokens": 8, **extra}
     status, answer = post(scripted_url, "/chat/completions", chat)
     assert status == 400 and answer["error"]["param"] == param, answer
+
+
+class FailsOneStep(torch.nn.Module):
+    """The model, failing the first decode step (one new token per row) of a batch of more than one row."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.config, self.failed = inner, inner.config, False
+
+    def forward(self, cache=None, **kwargs):
+        ids = kwargs["input_ids"]
+        if not self.failed and ids.shape[0] > 1 and ids.shape[1] == 1:
+            self.failed = True
+            raise RuntimeError("a decode step fell over")
+        return self.inner(cache=cache, **kwargs)
+
+
+def test_a_failed_decode_step_decodes_its_sequences_again_alone(chars):
+    def seqs() -> list[Seq]:
+        return [Seq(prompt=[5 + i, 6], max_tokens=5, temperature=1.0, seed=i) for i in range(2)]
+
+    engine = Engine(FailsOneStep(chars.model), chars.tokenizer, device="cpu", batch_wait_s=0.5)
+    try:
+        retried = seqs()
+        assert collect(engine, retried).wait(30)
+    finally:
+        engine.close()
+    assert engine.stats.waves == 3 and engine.model.failed  # one prefill together, then one each alone
+    alone = Engine(chars.model, chars.tokenizer, device="cpu", batch_wait_s=0.0)
+    try:
+        expected = seqs()
+        for seq in expected:
+            assert collect(alone, [seq]).wait(30)
+    finally:
+        alone.close()
+    assert [s.error for s in retried] == [None, None]
+    assert [s.tokens for s in retried] == [s.tokens for s in expected]
