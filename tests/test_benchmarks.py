@@ -75,3 +75,22 @@ def test_interpreter_latency_warms_up_both_ways_then_alternates_their_order():
     assert calls == ["a", "a", "b", "b", "a", "b", "b", "a", "a", "b"]
     assert [len(seen["a"]), len(seen["b"])] == [3, 3]
     assert bench.summary([0.001, 0.002, 0.003])[0] == 2.0
+
+
+def test_serve_engine_warms_up_both_engines_then_alternates_their_order(monkeypatch, capsys):
+    bench = load_benchmark("serve_engine")
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(bench, "decode_work_old", lambda tok, tokens: calls.append(("old", len(tokens))) or 4.0)
+    monkeypatch.setattr(bench, "decode_work_new", lambda tok, tokens: calls.append(("new", len(tokens))) or 1.0)
+
+    def fake_staggered(module, model, tokenizer, *, clients, tokens, gap_s, max_batch):
+        calls.append(("old" if module is bench.old else "new", clients))
+        return (100.0, 1.0) if module is bench.old else (300.0, 0.1)
+
+    monkeypatch.setattr(bench, "staggered", fake_staggered)
+    monkeypatch.setattr(sys, "argv", ["serve_engine.py", "--rounds", "2", "--lengths", "64", "--clients", "8"])
+    bench.main()
+    assert calls == [("old", 256), ("new", 256), ("old", 64), ("new", 64), ("new", 64), ("old", 64),
+                     ("old", 4), ("new", 4), ("old", 8), ("new", 8), ("new", 8), ("old", 8)]  # fmt: skip
+    out = capsys.readouterr().out
+    assert "new/old tokens/s: 3.00; old/new median TTFT: 10.0" in out and "4.0" in out

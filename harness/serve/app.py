@@ -36,12 +36,12 @@ fails is decoded again one sequence at a time, so one request cannot fail anothe
 
 Semantics worth knowing:
 
-* **Batching across requests.** Every request is split into sequences (prompt × sample) that go to
-  one engine (``harness.serve.engine``): a worker thread decodes up to ``max_batch`` waiting
-  sequences together (and at most ``max_batch_tokens`` padded positions: batch size × (longest
-  prompt + max_tokens), which bounds the prompt-logits memory of ``echo``), from however many
-  requests, in one prefill and one forward pass per token.
-  Sequences that arrive while a batch runs wait for the next one (no joining mid-batch).
+* **Continuous batching across requests.** Every request is split into sequences (prompt × sample) that go
+  to one engine (``harness.serve.engine``): a worker thread decodes up to ``max_batch`` sequences together
+  (and at most ``max_batch_tokens`` padded positions: batch size × (longest prompt + max_tokens), which
+  bounds the prompt-logits memory of ``echo``), from however many requests, one forward pass per token.
+  Sequences that arrive while others decode are prefilled and join the running batch at its next step;
+  a finished sequence leaves it at once, so a short request does not wait for long ones.
 * **Seeds.** Each sequence samples with its own generator: sample ``s`` of a request with ``seed``
   uses seed ``seed + s`` (as vLLM does), whatever else is in the batch, so the same request with the
   same seed gives the same choices, alone or batched, streamed or not. A sequence draws as
@@ -62,8 +62,10 @@ Semantics worth knowing:
 * **Stop strings** follow OpenAI: the returned text ends *before* the stop string. With the vLLM
   extension ``include_stop_str_in_output: true`` it is kept (as the harness's HF backend does).
   A stop string that ends inside a multi-character token keeps that token in the log-probs.
-* **vLLM extensions** accepted: ``include_stop_str_in_output`` and ``return_tokens_as_token_ids``
-  (log-prob tokens written ``"token_id:<id>"``, so a client recovers exact token ids).
+* **vLLM extensions** accepted: ``include_stop_str_in_output``, ``return_tokens_as_token_ids``
+  (log-prob tokens written ``"token_id:<id>"``, so a client recovers exact token ids), ``ignore_eos``
+  (EOS is sampled like any token and does not end the sequence) and ``min_tokens`` (at most ``max_tokens``:
+  EOS is masked, and stop strings do not end the text, before that many tokens; log-probs stay the model's).
 """
 
 from __future__ import annotations
@@ -182,6 +184,8 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None
     include_stop_str_in_output: bool = False  # vLLM extension
     return_tokens_as_token_ids: bool = False  # vLLM extension
+    ignore_eos: bool = False  # vLLM extension: EOS does not end a sequence
+    min_tokens: int = Field(0, ge=0)  # vLLM extension: no EOS and no stop string before this many tokens
 
     @field_validator("temperature")
     @classmethod
@@ -399,6 +403,9 @@ class _Served:
     def sequences(self, prompts: list[list[int]], req: _Common, max_tokens: int, *, echo: bool = False) -> list[Seq]:
         """One engine sequence per prompt × sample, prompt-major; sample ``s`` is seeded ``seed + s``."""
         n = req.n or 1
+        if req.min_tokens > max_tokens:
+            message = f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {req.min_tokens}"
+            raise APIError(400, message, param="min_tokens")
         return [
             Seq(
                 prompt=list(prompt),
@@ -408,6 +415,8 @@ class _Served:
                 seed=None if req.seed is None else req.seed + s,
                 stop=tuple(req.stop),
                 include_stop=req.include_stop_str_in_output,
+                min_tokens=req.min_tokens,
+                ignore_eos=req.ignore_eos,
                 top_n=req.top_n() or 0,
                 prompt_logprobs=echo and req.top_n() is not None,
                 stream=bool(req.stream),
@@ -786,9 +795,9 @@ def make_app(
         stats = served.engine.stats
         rows = [
             ("harness_serve_requests_total", "counter", "completion and chat requests accepted", served.requests),
-            ("harness_serve_batches_total", "counter", "decode batches (one prefill and its decode steps)", stats.waves),
+            ("harness_serve_batches_total", "counter", "prefills (sequences admitted together into the running batch)", stats.waves),
             ("harness_serve_sequences_total", "counter", "sequences (prompt x sample) decoded", stats.sequences),
-            ("harness_serve_batch_size_max", "gauge", "most sequences decoded in one batch", stats.max_wave),
+            ("harness_serve_batch_size_max", "gauge", "most sequences decoding at once", stats.max_wave),
             ("harness_serve_forward_passes_total", "counter", "model forward passes", stats.forward_passes),
         ]
         text = "".join(f"# HELP {name} {help_}\n# TYPE {name} {kind}\n{name} {value}\n" for name, kind, help_, value in rows)

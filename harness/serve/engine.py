@@ -1,25 +1,32 @@
 """The batching engine behind ``harness serve``: one decode loop over an HF causal LM, shared by requests.
 
-Requests are split into sequences (one per prompt × sample). A worker thread takes up to
-``max_batch`` waiting sequences at a time — from however many requests — and decodes them together
-(one left-padded prefill, then one forward pass per new token with the KV cache). Sequences report
-each step to their request, so streaming is truly incremental.
+Requests are split into sequences (one per prompt × sample). A worker thread keeps a running batch
+of sequences, each with its own rows of the KV cache, and advances it one forward pass per token.
+Continuous batching: before every decode step it admits waiting sequences (up to ``max_batch``
+and ``max_batch_tokens``): they are prefilled together and their cache rows are merged into the
+running batch's (left-padded to a common length), so a request that arrives while long ones decode
+joins at the next step and a short one finishes first. A finished or cancelled sequence leaves the
+batch at once. Sequences report each step to their request, so streaming is truly incremental.
 
 Every sequence samples with its own ``torch.Generator`` seeded from its request's seed, so a
 request's tokens do not depend on what it was batched with (up to float rounding of batched matmuls,
 which only matters at exact ties). Log-probs are those of the untempered model distribution, as the
-HF backend computes them; prompt log-probs come from the same prefill.
+HF backend computes them; prompt log-probs come from the same prefill. Text is detokenised
+incrementally (``Detokenizer``: a few tokens' decode per step), only for sequences that stream or
+have stop strings.
 """
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import inspect
 import logging
 import queue
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +48,8 @@ class Sequence:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     include_stop: bool = False  # keep a matched stop string in the text (vLLM's include_stop_str_in_output)
+    min_tokens: int = 0  # no EOS and no stop string before this many tokens (vLLM's min_tokens)
+    ignore_eos: bool = False  # EOS does not end the sequence (vLLM's ignore_eos)
     top_n: int = 0  # alternatives per position
     prompt_logprobs: bool = False
     stream: bool = False  # report text as it is decoded (otherwise only stop strings need the text before the end)
@@ -56,11 +65,17 @@ class Sequence:
     error: BaseException | None = None
     cancelled: bool = False
     streamed_out: bool = False  # a streamed step was reported: decoding it again would repeat text
+    retried: bool = False  # decoded again after its batch failed: a second failure is its own
     released: bool = False  # no longer counted in the engine's load
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None or self.error is not None
+
+    @property
+    def over(self) -> bool:
+        """Finished, failed or cancelled: nothing more to decode."""
+        return self.done or self.cancelled
 
     def reset(self) -> None:
         """Forget what a failed decode produced, so the sequence can be decoded again from its prompt."""
@@ -82,9 +97,9 @@ class Delta:
 class EngineStats:
     """Counters exposed by ``/metrics``: how requests were batched."""
 
-    waves: int = 0  # backend decode calls (one prefill + its decode steps)
+    waves: int = 0  # prefills: groups of sequences admitted together into the running batch
     sequences: int = 0
-    max_wave: int = 0
+    max_wave: int = 0  # most sequences decoding at once
     forward_passes: int = 0
 
 
@@ -113,9 +128,9 @@ def top_list(logp: torch.Tensor, n: int) -> TopList:
     return list(zip(ids.tolist(), values.tolist(), strict=True))
 
 
-def first_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
-    """The earliest stop string in ``text`` as (index, stop), or None."""
-    found = [(text.find(s), s) for s in stops if s in text]
+def first_stop(text: str, stops: tuple[str, ...], start: int = 0) -> tuple[int, str] | None:
+    """The earliest stop string in ``text`` beginning at or after ``start``, as (index, stop), or None."""
+    found = [(i, s) for s in stops if (i := text.find(s, start)) >= 0]
     return min(found, key=lambda f: f[0]) if found else None
 
 
@@ -128,16 +143,130 @@ def safe_prefix(text: str, stops: tuple[str, ...]) -> str:
     return text[: max(safe, 0)]
 
 
+class Detokenizer:
+    """The text of a growing token list, one token at a time, at a cost independent of its length.
+
+    The prefix-offset technique (vLLM's, and ``tokenizers``' ``DecodeStream``): decode only the tokens
+    since the last emitted text plus the few before them (for context such as leading spaces), and emit
+    the new characters once they no longer end in an incomplete UTF-8 sequence. A run of more than
+    ``MAX_PENDING`` tokens that stays incomplete is invalid UTF-8 and is emitted as the tokenizer decodes it.
+    """
+
+    MAX_PENDING = 8  # a character is at most 4 bytes: byte-level tokens this long that stay incomplete never complete
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode = decode
+        self.tokens: list[int] = []
+        self.prefix = 0  # tokens[prefix:read] were decoded before: their text is context, already emitted
+        self.read = 0  # tokens[:read] have all their text emitted
+        self.text = ""
+        self.ends: list[int] = []  # len(text) once each token's text was complete
+
+    def add(self, token: int) -> str:
+        """Append ``token``; the text it completes ("" while a character is incomplete)."""
+        self.tokens.append(token)
+        before = self.decode(self.tokens[self.prefix : self.read])
+        after = self.decode(self.tokens[self.prefix :])
+        new = ""
+        complete = not after.endswith("\ufffd") or len(self.tokens) - self.read > self.MAX_PENDING
+        if complete and len(after) > len(before) and after.startswith(before):
+            new = after[len(before) :]
+            self.text += new
+            self.prefix, self.read = self.read, len(self.tokens)
+        elif complete and not after.startswith(before):  # the context's own text changed: re-anchor here
+            self.prefix = self.read = len(self.tokens)
+        self.ends.append(len(self.text))
+        if new:  # the tokens of a character that was incomplete end where it ends
+            self.ends[self.prefix :] = [len(self.text)] * (len(self.ends) - self.prefix)
+        return new
+
+    def tokens_covering(self, length: int) -> int:
+        """The fewest leading tokens whose text covers ``length`` characters of ``text``."""
+        if length <= 0:
+            return 0
+        first = bisect.bisect_left(self.ends, length)  # the token completing that character, or the first of its bytes
+        return bisect.bisect_right(self.ends, self.ends[first]) if first < len(self.ends) else len(self.ends)
+
+
 class Overloaded(Exception):
     """``submit`` refused: the sequences would take the engine's load past the caller's limit."""
 
 
-class Engine:
-    """Decodes waves of sequences in one worker thread; ``submit`` and ``cancel`` are safe from any thread.
+@dataclass
+class _Row:
+    """A sequence in the running batch: its sampler and text state."""
 
-    A wave whose decoding fails is decoded again one sequence at a time (those not streamed yet), so
-    only the sequences that fail alone get the error; a sequence whose sampling fails (e.g. a
-    temperature that overflows its logits) fails alone without stopping the rest of its wave.
+    seq: Sequence
+    generator: torch.Generator
+    detok: Detokenizer | None  # None: nothing looks at the text before the end
+    shown: "_TextState"
+
+
+@dataclass
+class _Batch:
+    """The running batch: rows, their KV cache (left-padded to one length), attention mask, last positions and
+    next-token logits."""
+
+    rows: list[_Row] = field(default_factory=list)
+    cache: object = None
+    attn: torch.Tensor | None = None  # (rows, cached length)
+    positions: torch.Tensor | None = None  # (rows, 1): position of each row's last token
+    logits: torch.Tensor | None = None  # (rows, vocab)
+
+    def keep(self, index: list[int]) -> None:
+        """Keep only rows ``index``, dropping cache columns that are padding in every row left."""
+        self.rows = [self.rows[i] for i in index]
+        if not self.rows:
+            self.cache = self.attn = self.positions = self.logits = None
+            return
+        at = torch.tensor(index, device=self.attn.device)
+        self.attn, self.positions, self.logits = self.attn[at], self.positions[at], self.logits[at]
+        first = int(self.attn.any(0).nonzero()[0])  # every row has a real token
+        self.attn = self.attn[:, first:]
+        for layer in cache_layers(self.cache):
+            layer.keys, layer.values = layer.keys[at, :, first:], layer.values[at, :, first:]
+
+    def join(self, other: "_Batch") -> None:
+        """Append ``other``'s rows, left-padding the shorter cache with masked zeros."""
+        if not self.rows:
+            self.rows, self.cache, self.attn = other.rows, other.cache, other.attn
+            self.positions, self.logits = other.positions, other.logits
+            return
+        width = max(self.attn.shape[1], other.attn.shape[1])
+        self.attn = torch.cat([left_pad(self.attn, width), left_pad(other.attn, width)])
+        for mine, theirs in zip(cache_layers(self.cache), cache_layers(other.cache), strict=True):
+            mine.keys = torch.cat([left_pad(mine.keys, width, dim=2), left_pad(theirs.keys, width, dim=2)])
+            mine.values = torch.cat([left_pad(mine.values, width, dim=2), left_pad(theirs.values, width, dim=2)])
+        self.positions = torch.cat([self.positions, other.positions])
+        self.logits = torch.cat([self.logits, other.logits])
+        self.rows = self.rows + other.rows
+
+
+def cache_layers(cache) -> list:
+    """The layers of a transformers ``DynamicCache`` (each with ``keys`` and ``values``, batch first)."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or not all(hasattr(layer, "keys") for layer in layers):
+        raise TypeError(f"continuous batching needs a transformers DynamicCache with per-layer keys/values, got {type(cache).__name__}")
+    return layers
+
+
+def left_pad(tensor: torch.Tensor, width: int, dim: int = 1) -> torch.Tensor:
+    """``tensor`` with zeros prepended along ``dim`` up to ``width``."""
+    missing = width - tensor.shape[dim]
+    if missing <= 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = missing
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+
+class Engine:
+    """Decodes a running batch of sequences in one worker thread; ``submit`` and ``cancel`` are safe from any thread.
+
+    A prefill that fails for a group of newcomers is done again one sequence at a time, so only the
+    sequences that fail alone get the error; a decode step that fails puts the batch's sequences not
+    streamed yet back in the queue (once), to be decoded again; a sequence whose sampling fails (e.g. a
+    temperature that overflows its logits) fails alone without stopping the rest of its batch.
     """
 
     def __init__(
@@ -161,7 +290,7 @@ class Engine:
         self._load = 0  # sequences submitted and not yet finished, failed or cancelled
         self._load_lock = threading.Lock()
         self._closed = False
-        self._held: Sequence | None = None  # taken from the queue but left for the next batch (token budget)
+        self._held: list[Sequence] = []  # taken from the queue (or put back) ahead of it: decoded first
         self._worker: threading.Thread | None = None
         self._start_lock = threading.Lock()
         accepted = inspect.signature(model.forward).parameters
@@ -205,7 +334,7 @@ class Engine:
             self._queue.put(seq)
 
     def cancel(self, sequences: list[Sequence]) -> None:
-        """Stop ``sequences``: queued ones are skipped, a batch decoding them ends once all its sequences are stopped."""
+        """Stop ``sequences``: queued ones are skipped, decoding ones leave the batch at its next step."""
         for seq in sequences:
             seq.cancelled = True
             self._release(seq)
@@ -216,78 +345,93 @@ class Engine:
                 seq.released = True
                 self._load -= 1
 
-    def _take_wave(self) -> list[Sequence]:
-        """The next batch: block for one sequence, then take what arrives within ``batch_wait_s``, up to
-        ``max_batch`` sequences and ``max_batch_tokens`` padded positions (batch × longest prompt + max_tokens)."""
-        first, self._held = self._held or self._queue.get(), None
-        if first is None:  # close() woke the worker up
-            return []
-        wave = [first]
-        deadline = time.monotonic() + self.batch_wait_s
-        while len(wave) < self.max_batch:
-            try:
-                seq = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if seq is None:
-                break
-            limit = self.max_batch_tokens
-            if limit is not None and (len(wave) + 1) * max(len(s.prompt) + s.max_tokens for s in [*wave, seq]) > limit:
-                self._held = seq
-                break
-            wave.append(seq)
-        for seq in wave:
-            if seq.cancelled:
-                self._release(seq)
-        return [s for s in wave if not s.cancelled]
-
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the worker: the batch in progress ends at its next step, queued sequences are dropped."""
+        """Stop the worker: the batch in progress fails at its next step, queued sequences are dropped."""
         self._closed = True
         self._queue.put(None)
         if self._worker is not None:
             self._worker.join(timeout_s)
 
-    def _loop(self) -> None:
-        while not self._closed:
-            wave = self._take_wave()
-            try:
-                self._run(wave)
-            finally:
-                for seq in wave:
-                    self._release(seq)
+    # -- admission
 
-    def _run(self, wave: list[Sequence]) -> None:
-        """Decode ``wave``; if that fails, decode again alone each sequence that can be (see the class docstring)."""
+    def _next(self, block: bool, timeout_s: float | None = None) -> Sequence | None:
+        """The next waiting sequence (held ones first); None when there is none (or ``close`` woke the worker)."""
+        if self._held:
+            return self._held.pop(0)
         try:
-            if wave:
-                self.decode_wave(wave)
-            if self._closed:
-                raise RuntimeError("the server is shutting down")
+            return self._queue.get(block=block, timeout=timeout_s)
+        except queue.Empty:
+            return None
+
+    def _fits(self, batch: list[Sequence]) -> bool:
+        """Whether ``batch`` stays within ``max_batch_tokens`` padded positions (sequences × longest prompt + max_tokens)."""
+        limit = self.max_batch_tokens
+        return limit is None or len(batch) * max(len(s.prompt) + s.max_tokens for s in batch) <= limit
+
+    def _admit(self, running: list[Sequence]) -> list[Sequence]:
+        """Sequences to join ``running``: with nothing running, block for one and take what arrives within
+        ``batch_wait_s``; otherwise take only what waits now. Up to ``max_batch`` and ``max_batch_tokens`` in all."""
+        group: list[Sequence] = []
+        if any(s.retried for s in running):
+            return group
+        deadline = time.monotonic() + self.batch_wait_s
+        while len(running) + len(group) < self.max_batch and not self._closed:
+            if not running and not group:
+                seq = self._next(block=True)
+            else:
+                wait = max(0.0, deadline - time.monotonic()) if not running else 0.0
+                seq = self._next(block=wait > 0, timeout_s=wait) if wait > 0 else self._next(block=False)
+            if seq is None:
+                break
+            if seq.cancelled:
+                self._release(seq)
+                continue
+            if (running or group) and (seq.retried or not self._fits([*running, *group, seq])):
+                self._held.insert(0, seq)
+                break
+            group.append(seq)
+            if seq.retried:  # decoded again after its batch failed: alone
+                break
+        return group
+
+    # -- the loop
+
+    def _loop(self) -> None:
+        batch = _Batch()
+        try:
+            while not self._closed:
+                group = self._admit([r.seq for r in batch.rows])
+                if group:
+                    self._prefill_into(batch, group)
+                if batch.rows and not self._closed:
+                    self._advance(batch)
+        finally:
+            for row in batch.rows:
+                if not row.seq.over:
+                    self._fail(row.seq, RuntimeError("the server is shutting down"))
+                self._release(row.seq)
+
+    def _prefill_into(self, batch: _Batch, group: list[Sequence]) -> None:
+        """Prefill ``group`` and join it to ``batch``; a failing group is prefilled again one sequence at a time."""
+        try:
+            joined = self._prefill(group)
         except Exception as exc:  # noqa: BLE001 - reported to the sequences it concerns
-            if not self._closed:
-                log.exception("decoding a batch of %d sequences failed", len(wave))
-            unfinished = [s for s in wave if not (s.done or s.cancelled)]
-            retry = [s for s in unfinished if not s.streamed_out] if len(wave) > 1 and not self._closed else []
-            for seq in unfinished:
-                if not any(seq is r for r in retry):
-                    self._fail(seq, exc)
-            for seq in retry:
+            if self._closed:
+                for seq in group:
+                    self._fail(seq, RuntimeError("the server is shutting down"))
+                    self._release(seq)
+                return
+            log.exception("prefilling %d sequences failed", len(group))
+            if len(group) == 1:
+                self._fail(group[0], exc)
+                self._release(group[0])
+                return
+            for seq in group:
                 seq.reset()
-                self._run([seq])
-
-    def _fail(self, seq: Sequence, exc: BaseException) -> None:
-        seq.error = exc
-        self._emit(seq, "error")
-
-    def _emit(self, seq: Sequence, kind: str, delta: Delta | None = None) -> None:
-        if seq.on_event is not None:
-            try:
-                seq.on_event(seq, kind, delta)
-            except Exception:  # noqa: BLE001 - a callback must not take the engine down
-                log.exception("a request callback failed")
-
-    # -- decoding
+                self._prefill_into(batch, [seq])
+            return
+        batch.join(joined)
+        self.stats.max_wave = max(self.stats.max_wave, len(batch.rows))
 
     def _forward(self, ids: torch.Tensor, attn: torch.Tensor, positions: torch.Tensor, cache, all_logits: bool):
         self.stats.forward_passes += 1
@@ -297,68 +441,103 @@ class Engine:
         return out.logits, getattr(out, self._cache_arg)
 
     @torch.no_grad()
-    def decode_wave(self, wave: list[Sequence]) -> None:
-        """Prefill ``wave`` together, record prompt log-probs where asked, then decode step by step."""
+    def _prefill(self, group: list[Sequence]) -> _Batch:
+        """One left-padded forward pass over ``group``'s prompts: their cache rows and first next-token logits;
+        prompt log-probs recorded where asked, sequences of ``max_tokens`` 0 finished."""
         self.stats.waves += 1
-        self.stats.sequences += len(wave)
-        self.stats.max_wave = max(self.stats.max_wave, len(wave))
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            self._decode(wave)
-        finally:
-            self.model.train(was_training)
-
-    def _decode(self, wave: list[Sequence]) -> None:
-        width = max(len(s.prompt) for s in wave)
-        ids = torch.full((len(wave), width), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((len(wave), width), dtype=torch.long)
-        for i, s in enumerate(wave):
+        self.stats.sequences += len(group)
+        width = max(len(s.prompt) for s in group)
+        ids = torch.full((len(group), width), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(group), width), dtype=torch.long)
+        for i, s in enumerate(group):
             ids[i, width - len(s.prompt) :] = torch.tensor(s.prompt, dtype=torch.long)
             attn[i, width - len(s.prompt) :] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
         positions = (attn.cumsum(-1) - 1).clamp(min=0)
-        generators = [torch.Generator(device=self.device).manual_seed(self._seed(s)) for s in wave]
-        logits, cache = self._forward(ids, attn, positions, None, any(s.prompt_logprobs for s in wave))
-        for i, s in enumerate(wave):
+        with self._eval():
+            logits, cache = self._forward(ids, attn, positions, None, any(s.prompt_logprobs for s in group))
+        for i, s in enumerate(group):
             if s.prompt_logprobs:
                 self._record_prompt(s, logits[i, width - len(s.prompt) :])
-        states = [_TextState() for _ in wave]
-        for i, s in enumerate(wave):
-            if s.max_tokens == 0:
-                self._finish(s, states[i], "length")
-        logits = logits[:, -1]
-        while not self._closed and not all(s.done or s.cancelled for s in wave):
-            chosen_by_row = self._choose(wave, [i for i, s in enumerate(wave) if not (s.done or s.cancelled)], logits, generators)
-            live, tokens = list(chosen_by_row), list(chosen_by_row.values())
-            if not live:
-                break
-            logp = F.log_softmax(logits[live].float(), dim=-1)  # one device-to-host copy per step, not per row
+        rows = []
+        for s in group:
+            generator = torch.Generator(device=self.device).manual_seed(self._seed(s))
+            detok = Detokenizer(lambda t: self.decode(t)) if s.stream or s.stop else None
+            rows.append(_Row(s, generator, detok, _TextState()))
+        for row in rows:
+            if row.seq.max_tokens == 0:
+                self._finish(row, "length")
+        return _Batch(rows, cache, attn, positions[:, -1:], logits[:, -1])
+
+    @contextlib.contextmanager
+    def _eval(self) -> Iterator[None]:
+        """Run the model in eval mode, then put its training flag back."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train(was_training)
+
+    @torch.no_grad()
+    def _advance(self, batch: _Batch) -> None:
+        """Choose each live row's next token, report it, drop the rows that are over, then one forward pass."""
+        live = [i for i, r in enumerate(batch.rows) if not r.seq.over]
+        chosen_by_row = self._choose(batch, live)
+        live, tokens = list(chosen_by_row), list(chosen_by_row.values())
+        if live:
+            logp = F.log_softmax(batch.logits[live].float(), dim=-1)  # one device-to-host copy per step, not per row
             chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device)[:, None]).squeeze(-1).tolist()
-            k = min(max(wave[i].top_n for i in live), logp.shape[-1])
+            k = min(max(batch.rows[i].seq.top_n for i in live), logp.shape[-1])
             top_values, top_ids = logp.topk(k) if k else (logp[:, :0], logp[:, :0].long())
             top_values, top_ids = top_values.tolist(), top_ids.tolist()
-            next_ids = torch.full((len(wave),), self.pad_id, dtype=torch.long)
             for row, i in enumerate(live):
-                next_ids[i] = tokens[row]
-                top = list(zip(top_ids[row], top_values[row], strict=True))[: wave[i].top_n]
-                self._step(wave[i], states[i], tokens[row], chosen[row], top)
-            if all(s.done or s.cancelled for s in wave):
-                break
-            attn = torch.cat([attn, attn.new_ones((len(wave), 1))], dim=1)
-            positions = positions[:, -1:] + 1
-            logits, cache = self._forward(next_ids.to(self.device)[:, None], attn, positions, cache, False)
-            logits = logits[:, -1]
+                top = list(zip(top_ids[row], top_values[row], strict=True))[: batch.rows[i].seq.top_n]
+                self._step(batch.rows[i], tokens[row], chosen[row], top)
+        token_of = dict(zip(live, tokens, strict=True))
+        going = [i for i, r in enumerate(batch.rows) if not r.seq.over]
+        if len(going) < len(batch.rows):  # (keeping every row would copy the whole cache for nothing)
+            for r in batch.rows:
+                if r.seq.over:
+                    self._release(r.seq)
+            batch.keep(going)
+        if not batch.rows:
+            return
+        next_ids = torch.tensor([token_of[i] for i in going], dtype=torch.long, device=self.device)[:, None]
+        batch.attn = torch.cat([batch.attn, batch.attn.new_ones((len(going), 1))], dim=1)
+        batch.positions = batch.positions + 1
+        try:
+            with self._eval():
+                logits, batch.cache = self._forward(next_ids, batch.attn, batch.positions, batch.cache, False)
+            batch.logits = logits[:, -1]
+        except Exception as exc:  # noqa: BLE001 - reported to the sequences it concerns
+            if not self._closed:
+                log.exception("a decode step of %d sequences failed", len(batch.rows))
+            for r in batch.rows:
+                if self._closed or r.seq.streamed_out or r.seq.retried or len(batch.rows) == 1:
+                    self._fail(r.seq, RuntimeError("the server is shutting down") if self._closed else exc)
+                    self._release(r.seq)
+                else:
+                    r.seq.reset()
+                    r.seq.retried = True
+                    self._held.append(r.seq)
+            batch.keep([])
 
-    def _choose(self, wave: list[Sequence], live: list[int], logits: torch.Tensor, generators: list[torch.Generator]) -> dict[int, int]:
-        """The next token of each live sequence, by wave index: greedy rows by one batched argmax, sampled rows by their
-        own generator. A row whose sampling fails fails its sequence alone and is left out."""
-        greedy = logits[live].argmax(-1).tolist()
+    def _choose(self, batch: _Batch, live: list[int]) -> dict[int, int]:
+        """The next token of each live row, by batch index: greedy rows by one batched argmax, sampled rows by their
+        own generator; EOS is masked for rows short of ``min_tokens``. A row whose sampling fails fails alone."""
+        logits = batch.logits
+        early = [i for i in live if len(batch.rows[i].seq.tokens) < batch.rows[i].seq.min_tokens]
+        if early and self.eos_id is not None:
+            logits = logits.clone()
+            logits[early, self.eos_id] = float("-inf")
+        greedy = logits[live].argmax(-1).tolist() if live else []
         chosen = {}
         for row, i in enumerate(live):
-            seq = wave[i]
+            r = batch.rows[i]
+            seq = r.seq
             try:
-                chosen[i] = greedy[row] if seq.temperature == 0.0 else sample_token(logits[i], seq.temperature, seq.top_p, generators[i])
+                chosen[i] = greedy[row] if seq.temperature == 0.0 else sample_token(logits[i], seq.temperature, seq.top_p, r.generator)
             except RuntimeError as exc:  # e.g. "probability tensor contains either inf, nan or element < 0"
                 log.warning("sampling one sequence failed: %s", exc)
                 self._fail(seq, exc)
@@ -374,34 +553,53 @@ class Engine:
         seq.prompt_lps = [None, *logp.gather(-1, targets[:, None]).squeeze(-1).tolist()]
         seq.prompt_tops = [None, *(top_list(row, seq.top_n) for row in logp)]
 
-    def _step(self, seq: Sequence, state: "_TextState", token: int, logprob: float, top: TopList) -> None:
+    def _fail(self, seq: Sequence, exc: BaseException) -> None:
+        seq.error = exc
+        self._emit(seq, "error")
+
+    def _emit(self, seq: Sequence, kind: str, delta: Delta | None = None) -> None:
+        if seq.on_event is not None:
+            try:
+                seq.on_event(seq, kind, delta)
+            except Exception:  # noqa: BLE001 - a callback must not take the engine down
+                log.exception("a request callback failed")
+
+    def _step(self, row: _Row, token: int, logprob: float, top: TopList) -> None:
         """Record ``token``; finish on EOS, a stop string or ``max_tokens``, else report what is safe to show."""
+        seq, detok = row.seq, row.detok
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
         seq.tops.append(top)
         at_limit = len(seq.tokens) >= seq.max_tokens
-        if token == self.eos_id:
-            self._finish(seq, state, "stop")
-        elif not seq.stream and not seq.stop:  # nothing to look at in the text before the end
+        if token == self.eos_id and not seq.ignore_eos:  # EOS is masked before min_tokens
+            self._finish(row, "stop")
+            return
+        if detok is None:  # nothing to look at in the text before the end
             if at_limit:
-                self._finish(seq, state, "length")
-        elif hit := first_stop(text := self.decode(seq.tokens), seq.stop):
+                self._finish(row, "length")
+            return
+        before = len(detok.text)
+        detok.add(token)
+        text = detok.text
+        longest = max((len(s) for s in seq.stop), default=0)
+        hit = first_stop(text, seq.stop, max(0, before - longest + 1)) if seq.stop and len(seq.tokens) >= seq.min_tokens else None
+        if hit:
             at, stop = hit
-            self._finish(seq, state, "stop", text[: at + len(stop)] if seq.include_stop else text[:at], strip=not seq.include_stop)
+            self._finish(row, "stop", text[: at + len(stop)] if seq.include_stop else text[:at], strip=not seq.include_stop)
         elif at_limit:
-            self._finish(seq, state, "length", text)
-        elif (delta := state.advance(self, seq, safe_prefix(text, seq.stop))) is not None:
+            self._finish(row, "length")
+        elif (delta := row.shown.advance(seq, detok, safe_prefix(text, seq.stop))) is not None:
             seq.streamed_out = seq.streamed_out or seq.stream
             self._emit(seq, "step", delta)
 
-    def _finish(self, seq: Sequence, state: "_TextState", reason: str, text: str | None = None, *, strip: bool = False) -> None:
+    def _finish(self, row: _Row, reason: str, text: str | None = None, *, strip: bool = False) -> None:
+        """End ``row``'s sequence: its text is ``text`` (a stop-string cut) or the full decode of its tokens (once)."""
+        seq = row.seq
         seq.text = self.decode(seq.tokens) if text is None else text
         if strip:  # keep the shortest token prefix whose text still covers the kept text
-            keep = len(seq.tokens)
-            while keep > 0 and len(self.decode(seq.tokens[: keep - 1])) >= len(seq.text):
-                keep -= 1
+            keep = row.detok.tokens_covering(len(seq.text))
             del seq.tokens[keep:], seq.logprobs[keep:], seq.tops[keep:]
-        delta = state.advance(self, seq, seq.text, final=True)
+        delta = row.shown.advance(seq, row.detok, seq.text, final=True)
         seq.finish_reason = reason
         self._emit(seq, "done", delta)
 
@@ -413,7 +611,7 @@ class _TextState:
         self.text = ""
         self.tokens = 0
 
-    def advance(self, engine: Engine, seq: Sequence, visible: str, *, final: bool = False) -> Delta | None:
+    def advance(self, seq: Sequence, detok: Detokenizer | None, visible: str, *, final: bool = False) -> Delta | None:
         """Report text up to ``visible`` and the tokens whose text it covers (all of them when ``final``)."""
         if not visible.startswith(self.text):  # a detokeniser that rewrote earlier text: wait for the end
             if not final:
@@ -421,10 +619,10 @@ class _TextState:
             log.warning("streamed text is not a prefix of the final text; the stream differs from the response")
             visible = self.text + visible[len(self.text) :]
         end = self.tokens
-        if final:
+        if final or detok is None:
             end = len(seq.tokens)
         else:
-            while end < len(seq.tokens) and len(engine.decode(seq.tokens[: end + 1])) <= len(visible):
+            while end < detok.read and detok.ends[end] <= len(visible):  # tokens past ``read`` are incomplete characters
                 end += 1
         if visible == self.text and end == self.tokens and not final:
             return None

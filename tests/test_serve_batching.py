@@ -1,0 +1,321 @@
+"""`harness serve`'s engine: continuous batching (a request joins the running batch), incremental detokenisation
+(multi-byte characters split across byte-level tokens, linear work) and vLLM's ``ignore_eos`` / ``min_tokens``."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from serving import post, post_stream, running
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
+from harness.serve import make_app
+from harness.serve.engine import Detokenizer, Engine
+from harness.serve.engine import Sequence as Seq
+
+MODEL = "tiny"
+TRICKY = "héllo wörld: 日本語 and 🙂🙃, naïve café — ok"
+
+
+class Slow(torch.nn.Module):
+    """The model, ``delay_s`` slower per forward pass: time for a request to arrive mid-batch."""
+
+    def __init__(self, inner: torch.nn.Module, delay_s: float = 0.01) -> None:
+        super().__init__()
+        self.inner, self.delay_s, self.config = inner, delay_s, inner.config
+
+    def forward(self, cache=None, **kwargs):
+        time.sleep(self.delay_s)
+        return self.inner(cache=cache, **kwargs)
+
+
+class NoEos(torch.nn.Module):
+    """The model, never emitting ``eos_id``: sequences run to ``max_tokens`` (without relying on ``ignore_eos``)."""
+
+    def __init__(self, inner: torch.nn.Module, eos_id: int) -> None:
+        super().__init__()
+        self.inner, self.eos_id, self.config = inner, eos_id, inner.config
+
+    def forward(self, cache=None, **kwargs):
+        out = self.inner(cache=cache, **kwargs)
+        out.logits[..., self.eos_id] = float("-inf")
+        return out
+
+
+class Scripted(torch.nn.Module):
+    """The model, pushed to emit ``script`` after a prompt of ``prompt_len`` tokens (greedy decoding follows it
+    exactly; a masked token falls back to the model's own choice)."""
+
+    def __init__(self, inner: torch.nn.Module, script: list[int], prompt_len: int) -> None:
+        super().__init__()
+        self.inner, self.script, self.prompt_len, self.config = inner, script, prompt_len, inner.config
+
+    def forward(self, cache=None, **kwargs):
+        out = self.inner(cache=cache, **kwargs)
+        for row, position in enumerate(kwargs["position_ids"][:, -1].tolist()):
+            step = position + 1 - self.prompt_len
+            if 0 <= step < len(self.script):
+                out.logits[row, -1, self.script[step]] += 1000.0
+        return out
+
+
+def byte_level_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE too small to hold non-ASCII characters whole: they split into 2-4 byte tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["hello world and ok"] * 20, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+
+
+def tiny(vocab: int, tok) -> torch.nn.Module:
+    arch = TinyArch(hidden=32, layers=1, heads=2, kv_heads=1, ffn=64, max_positions=512)
+    return build_tiny_model(arch, vocab, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, seed=0)
+
+
+@pytest.fixture(scope="module")
+def chars():
+    tok = build_char_tokenizer()
+    return SimpleNamespace(model=tiny(len(tok), tok), tokenizer=tok, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def bytes_tok() -> PreTrainedTokenizerFast:
+    return byte_level_tokenizer()
+
+
+def collect(engine: Engine, seqs: list[Seq], order: list[Seq] | None = None) -> threading.Event:
+    """Submit ``seqs``; the event is set once all are over (``order`` gets each one as it finishes)."""
+    left, finished = [len(seqs)], threading.Event()
+
+    def on_event(seq: Seq, kind: str, delta) -> None:
+        if kind in ("done", "error"):
+            if order is not None:
+                order.append(seq)
+            left[0] -= 1
+            if not left[0]:
+                finished.set()
+
+    for seq in seqs:
+        seq.on_event = on_event
+    engine.submit(seqs)
+    return finished
+
+
+# ----------------------------------------------------------------------------- continuous batching
+
+
+def test_a_request_arriving_mid_batch_joins_it_finishes_first_and_equals_itself_alone(chars):
+    encode = chars.tokenizer
+    model = NoEos(chars.model, chars.tokenizer.eos_token_id)
+    engine = Engine(Slow(model), chars.tokenizer, device="cpu", batch_wait_s=0.05)
+    try:
+        long_ones = [
+            Seq(prompt=encode(p, add_special_tokens=False)["input_ids"], max_tokens=80, temperature=1.0, seed=s)
+            for s, p in enumerate(["Q: What is 2+3?", "hello"])
+        ]
+        order: list[Seq] = []
+        first = collect(engine, long_ones, order)
+        deadline = time.monotonic() + 10
+        while engine.stats.forward_passes < 10 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert engine.stats.forward_passes < 60  # the long ones are still decoding
+        short = Seq(prompt=encode("abc", add_special_tokens=False)["input_ids"], max_tokens=6, temperature=1.0, seed=7)
+        late = collect(engine, [short], order)
+        assert late.wait(30) and first.wait(30)
+        assert order[0] is short  # finished before the long ones
+        assert engine.stats.waves == 2 and engine.stats.max_wave == 3  # joined the running batch
+        assert all(len(s.tokens) == 80 and s.finish_reason == "length" for s in long_ones)
+        assert short.finish_reason == "length" and len(short.tokens) == 6
+    finally:
+        engine.close()
+    alone_engine = Engine(model, chars.tokenizer, device="cpu", batch_wait_s=0.0)
+    try:
+        alone = Seq(prompt=list(short.prompt), max_tokens=6, temperature=1.0, seed=7)
+        assert collect(alone_engine, [alone]).wait(30)
+    finally:
+        alone_engine.close()
+    assert alone.tokens == short.tokens and alone.text == short.text
+    assert alone.logprobs == pytest.approx(short.logprobs, abs=1e-5)
+
+
+def test_the_short_request_is_answered_before_the_long_ones_over_http(chars):
+    model = Slow(NoEos(chars.model, chars.tokenizer.eos_token_id))
+    app = make_app(SimpleNamespace(model=model, tokenizer=chars.tokenizer, device="cpu"), model_name=MODEL, batch_wait_s=0.0)
+    finished: dict[str, float] = {}
+    with running(app) as base:
+        url = base + "/v1"
+
+        def send(name: str, body: dict) -> None:
+            status, _ = post(url, "/completions", {"model": MODEL, "temperature": 0, **body})
+            assert status == 200
+            finished[name] = time.monotonic()
+
+        senders = [threading.Thread(target=send, args=(f"long{i}", {"prompt": "ab", "max_tokens": 100})) for i in range(2)]
+        for t in senders:
+            t.start()
+        time.sleep(0.2)
+        send("short", {"prompt": "cd", "max_tokens": 4})
+        for t in senders:
+            t.join(30)
+    assert set(finished) == {"long0", "long1", "short"}
+    assert finished["short"] < min(finished["long0"], finished["long1"])
+
+
+# ----------------------------------------------------------------------------- incremental detokenisation
+
+
+def test_the_detokenizer_equals_the_full_decode_with_characters_split_across_tokens(bytes_tok):
+    ids = bytes_tok(TRICKY, add_special_tokens=False)["input_ids"]
+    assert len(ids) > len(TRICKY) + 10  # many characters span several tokens
+    detok = Detokenizer(lambda t: bytes_tok.decode(t, skip_special_tokens=True))
+    pieces = [detok.add(t) for t in ids]
+    assert "".join(pieces) == detok.text == bytes_tok.decode(ids) == TRICKY
+    assert all("\ufffd" not in p for p in pieces)
+    assert detok.tokens_covering(len(TRICKY)) == len(ids) and detok.tokens_covering(0) == 0
+
+
+@pytest.mark.parametrize("stop", [None, "日本", "🙃"])
+def test_streamed_and_stop_cut_text_equal_the_full_decode(bytes_tok, stop):
+    prompt = bytes_tok("ok", add_special_tokens=False)["input_ids"]
+    script = bytes_tok(TRICKY, add_special_tokens=False)["input_ids"]
+    model = Scripted(tiny(len(bytes_tok), bytes_tok), script, len(prompt))
+    backend = SimpleNamespace(model=model, tokenizer=bytes_tok, device="cpu")
+    want = TRICKY if stop is None else TRICKY[: TRICKY.index(stop)]
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": len(script), "temperature": 0, "logprobs": 0}
+    if stop:
+        body["stop"] = [stop]
+    with running(make_app(backend, model_name=MODEL)) as base:
+        status, answer = post(base + "/v1", "/completions", body)
+        events = post_stream(base + "/v1", "/completions", {**body, "stream": True})
+    assert status == 200 and answer["choices"][0]["text"] == want
+    streamed = [e["choices"][0] for e in events if isinstance(e, dict) and e.get("choices")]
+    assert "".join(c["text"] for c in streamed) == want
+    assert all("\ufffd" not in c["text"] for c in streamed)
+    tokens = [t for c in streamed for t in c["logprobs"]["tokens"]]
+    assert tokens == answer["choices"][0]["logprobs"]["tokens"]
+    assert bytes_tok.decode(script[: len(tokens)]).startswith(want)  # the kept tokens cover the text
+
+
+def test_detokenisation_work_per_token_does_not_grow_with_length(chars):
+    """Streaming one 300-token sequence with a stop string decodes a bounded number of tokens per step (the old
+    engine decoded the whole sequence every step: ~45,000 tokens here)."""
+    engine = Engine(NoEos(chars.model, chars.tokenizer.eos_token_id), chars.tokenizer, device="cpu", batch_wait_s=0.0)
+    decoded = [0]
+    plain = engine.decode
+
+    def counting(tokens: list[int], **kwargs) -> str:
+        decoded[0] += len(tokens)
+        return plain(tokens, **kwargs)
+
+    engine.decode = counting
+    try:
+        seq = Seq(prompt=[5, 6], max_tokens=300, temperature=1.0, seed=1, stop=("\x00never",), stream=True)
+        assert collect(engine, [seq]).wait(60)
+    finally:
+        engine.close()
+    assert len(seq.tokens) == 300 and decoded[0] < 20 * 300
+
+
+# ----------------------------------------------------------------------------- ignore_eos and min_tokens
+
+
+@pytest.fixture(scope="module")
+def scripted_url(chars):
+    """Greedy decoding after the prompt "ab" emits "xy", EOS, then "zzzz..."."""
+    tok = chars.tokenizer
+    script = [tok.convert_tokens_to_ids("x"), tok.convert_tokens_to_ids("y"), tok.eos_token_id] + [tok.convert_tokens_to_ids("z")] * 20
+    backend = SimpleNamespace(model=Scripted(chars.model, script, 2), tokenizer=tok, device="cpu")
+    with running(make_app(backend, model_name=MODEL)) as base:
+        yield base + "/v1"
+
+
+def complete(url: str, **body) -> dict:
+    status, answer = post(url, "/completions", {"model": MODEL, "prompt": "ab", "max_tokens": 8, "temperature": 0, **body})
+    assert status == 200, answer
+    return answer
+
+
+def test_ignore_eos_runs_to_max_tokens(scripted_url):
+    plain = complete(scripted_url)
+    assert plain["choices"][0]["text"] == "xy" and plain["choices"][0]["finish_reason"] == "stop"
+    assert plain["usage"]["completion_tokens"] == 3  # the EOS counts
+    ignored = complete(scripted_url, ignore_eos=True)
+    assert ignored["choices"][0]["text"] == "xyzzzzz" and ignored["choices"][0]["finish_reason"] == "length"
+    assert ignored["usage"]["completion_tokens"] == 8
+    chat = post(scripted_url, "/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "q"}], "ignore_eos": True,
+                                                    "max_tokens": 5, "temperature": 0})  # fmt: skip
+    assert chat[0] == 200 and chat[1]["usage"]["completion_tokens"] == 5 and chat[1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_min_tokens_masks_eos_and_stop_strings_until_reached(scripted_url):
+    answer = complete(scripted_url, min_tokens=4, logprobs=0)
+    choice = answer["choices"][0]
+    assert choice["text"].startswith("xy") and choice["text"][3:] == "zzzzz"[: len(choice["text"]) - 3]
+    assert answer["usage"]["completion_tokens"] == 8 and choice["finish_reason"] == "length"  # EOS was masked at token 3
+    assert "<eos>" not in choice["logprobs"]["tokens"]
+    stop_early = complete(scripted_url, stop=["x"], ignore_eos=True)
+    assert stop_early["choices"][0]["text"] == ""
+    stop_late = complete(scripted_url, stop=["x"], ignore_eos=True, min_tokens=2)  # "x" is token 1: too early to stop
+    assert stop_late["choices"][0]["text"] == "xyzzzzz"
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 9}, "min_tokens"),  # more than max_tokens (8)
+        ({"min_tokens": 1.5}, "min_tokens"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+    ],
+)
+def test_bad_ignore_eos_or_min_tokens_are_400_naming_the_field(scripted_url, extra, param):
+    status, answer = post(scripted_url, "/completions", {"model": MODEL, "prompt": "ab", "max_tokens": 8, **extra})
+    assert status == 400 and answer["error"]["param"] == param, answer
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "q"}], "max_tokens": 8, **extra}
+    status, answer = post(scripted_url, "/chat/completions", chat)
+    assert status == 400 and answer["error"]["param"] == param, answer
+
+
+class FailsOneStep(torch.nn.Module):
+    """The model, failing the first decode step (one new token per row) of a batch of more than one row."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.config, self.failed = inner, inner.config, False
+
+    def forward(self, cache=None, **kwargs):
+        ids = kwargs["input_ids"]
+        if not self.failed and ids.shape[0] > 1 and ids.shape[1] == 1:
+            self.failed = True
+            raise RuntimeError("a decode step fell over")
+        return self.inner(cache=cache, **kwargs)
+
+
+def test_a_failed_decode_step_decodes_its_sequences_again_alone(chars):
+    def seqs() -> list[Seq]:
+        return [Seq(prompt=[5 + i, 6], max_tokens=5, temperature=1.0, seed=i) for i in range(2)]
+
+    engine = Engine(FailsOneStep(chars.model), chars.tokenizer, device="cpu", batch_wait_s=0.5)
+    try:
+        retried = seqs()
+        assert collect(engine, retried).wait(30)
+    finally:
+        engine.close()
+    assert engine.stats.waves == 3 and engine.model.failed  # one prefill together, then one each alone
+    alone = Engine(chars.model, chars.tokenizer, device="cpu", batch_wait_s=0.0)
+    try:
+        expected = seqs()
+        for seq in expected:
+            assert collect(alone, [seq]).wait(30)
+    finally:
+        alone.close()
+    assert [s.error for s in retried] == [None, None]
+    assert [s.tokens for s in retried] == [s.tokens for s in expected]
