@@ -76,12 +76,10 @@ def _check_executor(plan) -> None:
     """Exit 2 before any run row exists when the run's executor refuses it (e.g. a layout the Ray cluster cannot hold)."""
     from harness.registry import EXECUTORS
 
-    check = getattr(EXECUTORS.get(plan.config.trainer.executor), "check", None)
-    if check is not None:
-        try:
-            check(plan, console)
-        except ConfigError as exc:
-            raise _fail(str(exc)) from None
+    try:
+        EXECUTORS.get(plan.config.trainer.executor).check(plan, console)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
 
 
 class Terminated(KeyboardInterrupt):

@@ -76,6 +76,9 @@ class InProcessExecutor:
     def runtime(self, plan, console: Console):
         return nullcontext()
 
+    def check(self, plan, console: Console) -> None:
+        """Nothing to refuse: threads of this process can run any plan that was planned."""
+
     @contextmanager
     def roles(self, plan, session: Session, board: WeightBoard, console: Console) -> Iterator[Roles]:
         rollout = LocalRollout(plan, session, board)

@@ -410,7 +410,7 @@ class Executor(Protocol):
         """The rollout and learner roles of ``session``, started (not necessarily ready) and stopped on exit."""
 
     def check(self, plan, console: Console) -> None:
-        """Optional: before the run is recorded, refuse (``ConfigError``) what this executor cannot run, e.g. a layout."""
+        """Before the run is recorded, refuse (``ConfigError``) what this executor cannot run, e.g. a layout."""
 
 
 BASE_INPUTS = frozenset(

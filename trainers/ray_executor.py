@@ -18,6 +18,7 @@ and whenever the schedule is deterministic (``fixed_lag``, or ``max_lag`` 0) so 
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -105,7 +106,7 @@ def local_cpus(layout: Layout | None, threads: int) -> int:
     if layout is None:
         return ROLES * threads
     asked = sum(getattr(layout, role).num_cpus * getattr(layout, role).replicas for role in PLACED_ROLES)
-    return max(ROLES * threads, int(-(-asked // 1)))
+    return max(ROLES * threads, math.ceil(asked))
 
 
 def reserve_layout(ray: ModuleType, layout: Layout, timeout_s: float | None = None) -> dict[str, Any]:
