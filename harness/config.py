@@ -54,7 +54,13 @@ class TeacherSpec(ModelSpec):
     backend: str = Field(
         "hf", description="scoring backend of the teacher role: hf (in-process), vllm, or openai (a served teacher at base_url)"
     )
-    base_url: str | None = Field(None, description="backend openai: the teacher server's address, e.g. http://HOST:PORT/v1")
+    base_url: str | list[str] | None = Field(
+        None,
+        description=(
+            "backend openai: the teacher server's address, e.g. http://HOST:PORT/v1, or a list of replicas' addresses "
+            "(one load-balancing client: each batch is split over them, a failed replica's rows go to the others)"
+        ),
+    )
     backend_options: dict[str, Any] = Field(
         default_factory=dict,
         description=(
@@ -104,6 +110,8 @@ class TeacherSpec(ModelSpec):
             )
         if self.backend == "openai" and not self.base_url:
             raise ValueError("backend=openai needs the teacher server's address: set teacher.base_url=http://HOST:PORT/v1")
+        if isinstance(self.base_url, list) and len(set(self.base_url)) != len(self.base_url):
+            raise ValueError(f"base_url: the replicas' addresses {self.base_url} name one server twice (each replica once)")
         if self.backend != "openai" and self.base_url is not None:
             raise ValueError("base_url is used only with teacher.backend=openai")
         if self.backend != "openai" and self.path is None:

@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rich.console import Console
 
 from harness.config import ConfigError, RunConfig, build_config, format_validation_error
-from harness.registry import RegistryError
+from harness.registry import EXECUTORS, RegistryError
 from harness.runs import create_train_run, execute_run, plan_resume
 from harness.store import Store
 
@@ -218,6 +218,20 @@ def expand(spec: SweepSpec) -> list[SweepPoint]:
     return points
 
 
+def check_executors(spec: SweepSpec, points: list[SweepPoint], console: Console) -> None:
+    """Every point's executor accepts its plan (e.g. a Ray layout the cluster can hold), before any run is recorded;
+    else :class:`SweepError` naming each refused point, as ``harness run`` refuses one run (exit 2)."""
+    errors: list[str] = []
+    for point in points:
+        try:
+            EXECUTORS.get(point.config.trainer.executor).check(point.plan, console)
+        except ConfigError as exc:
+            errors.append(f"grid point {point.index} ({point.label()}): " + str(exc).replace("\n", "\n    "))
+    if errors:
+        raise SweepError(f"sweep {spec.id!r}: the executor refuses {len(errors)} of {len(points)} grid points; nothing was run\n"
+                         + "\n".join(errors))  # fmt: skip
+
+
 # ---- sweeps ------------------------------------------------------------------------------------
 
 
@@ -253,6 +267,7 @@ def run_sweep(
     console = console or Console(stderr=True)
     out = Path(out)
     points = expand(spec)  # raises before anything is created
+    check_executors(spec, points, console)
     record_path = sweep_record_path(out, spec.id)
     previous = json.loads(record_path.read_text()) if record_path.exists() else {}
     by_hash = {p["config_hash"]: p for p in previous.get("points", []) if p.get("run_id")}

@@ -104,3 +104,19 @@ def test_layouts_the_cluster_cannot_hold_exit_2_before_anything_is_written(tmp_p
     import ray
 
     assert not ray.is_initialized()
+
+
+@pytest.mark.slow
+def test_a_sweep_point_whose_layout_the_cluster_cannot_hold_stops_the_sweep_before_any_run(tmp_path, ray_cluster):
+    from harness.sweep import SweepError, run_sweep
+
+    spec = tmp_path / "grid.yaml"
+    spec.write_text(
+        "id: layouts\nbase:\n  preset: smoke\n"
+        f"  set: {{threads: 1, trainer.executor: ray, trainer.ray_address: '{ray_cluster.address}'}}\n"
+        "grid:\n  - {trainer.layout.learner.num_gpus: [0, 1]}\n"
+    )
+    refused = r"refuses 1 of 2 grid points; nothing was run\ngrid point 1 \(trainer.layout.learner.num_gpus=1\): trainer\.layout\.learner"
+    with pytest.raises(SweepError, match=refused):
+        run_sweep(spec, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -273,3 +273,99 @@ def test_ray_teacher_actor_opens_the_served_teacher_itself(tmp_path):
     expected = hf.score(ids, mask, want=("logprobs", "topk"), top_k=4)
     assert torch.allclose(batch.teacher_logprobs, expected["logprobs"] * loss_mask, atol=1e-4)
     assert torch.allclose(batch.teacher_topk_logprobs[0, 1:], expected["topk_logprobs"][0, 1:], atol=1e-4) and batch.teacher_full is None
+
+
+# ----------------------------------------------------------------------------- teacher replicas (a list of base URLs)
+
+
+class RowTeacher:
+    """Scores row r at -(r+1) for every token, counting its calls and rows; fails every call while ``down``."""
+
+    def __init__(self, *, down: bool = False) -> None:
+        self.down, self.calls, self.rows = down, 0, 0
+        self.tokenizer = None
+
+    def score(self, input_ids, attention_mask, want=("logprobs",), top_k=0):
+        self.calls += 1
+        if self.down:
+            raise ConnectionError("replica went away")
+        self.rows += len(input_ids)
+        return {"logprobs": -input_ids[:, :1].float().expand(input_ids.shape).clone()}
+
+
+def row_ids(rows: int) -> torch.Tensor:
+    return torch.arange(1, rows + 1).unsqueeze(1).expand(rows, 3).clone()
+
+
+def test_a_teacher_pool_splits_rows_over_replicas_and_keeps_their_order():
+    from trainers.teacher import TeacherPool, row_shards
+
+    assert row_shards(5, 2) == [slice(0, 3), slice(3, 5)] and row_shards(1, 3) == [slice(0, 1)] and row_shards(0, 2) == [slice(0, 0)]
+    replicas = [RowTeacher(), RowTeacher(), RowTeacher()]
+    ids = row_ids(7)
+    scores = TeacherPool(replicas, ["a", "b", "c"]).score(ids, torch.ones_like(ids))
+    assert torch.equal(scores["logprobs"], -ids.float())
+    assert [r.rows for r in replicas] == [3, 2, 2]  # every replica scored a contiguous shard
+
+
+def test_a_failed_replica_s_rows_go_to_the_others_and_it_is_benched(monkeypatch):
+    from trainers.teacher import TeacherPool
+
+    replicas = [RowTeacher(), RowTeacher(down=True)]
+    pool = TeacherPool(replicas, ["a", "b"])
+    ids = row_ids(4)
+    assert torch.equal(pool.score(ids, torch.ones_like(ids))["logprobs"], -ids.float())
+    assert replicas[0].rows == 4 and replicas[1].calls == 1 and pool.failovers == 1
+    pool.score(ids, torch.ones_like(ids))  # benched: the next call does not ask it
+    assert replicas[1].calls == 1 and replicas[0].rows == 8
+    pool.benched_until[1] = 0.0  # its bench is over and it is back
+    replicas[1].down = False
+    pool.score(ids, torch.ones_like(ids))
+    assert replicas[1].rows == 2
+
+
+def test_when_every_replica_fails_the_step_retry_rule_stops_the_step(no_sleep):
+    from trainers.teacher import TeacherPool
+
+    replicas = [RowTeacher(down=True), RowTeacher(down=True)]
+    batch = make_batch([[1, 1]], [[0.0] * 2], [[0.0] * 2])
+    with pytest.raises(TeacherFailed, match=r"step 4 failed after 2 attempt.*every teacher replica failed \(a: ConnectionError"):
+        score_teacher(TeacherPool(replicas, ["a", "b"]), batch, want=("logprobs",), retries=1, step=4)
+
+
+def test_teacher_replicas_listed_once_each():
+    cfg = build_config(preset="smoke", overrides=["teacher.backend=openai", "teacher.base_url=[http://a:1/v1, http://b:2/v1]"])
+    assert cfg.teacher.base_url == ["http://a:1/v1", "http://b:2/v1"]
+    with pytest.raises(ValueError, match="name one server twice"):
+        build_config(preset="smoke", overrides=["teacher.backend=openai", "teacher.base_url=[http://a:1/v1, http://a:1/v1]"])
+
+
+def test_two_served_replicas_score_like_one_and_survive_one_going_down(tmp_path):
+    """Two `harness serve` replicas of the teacher behind one client: each scores part of a batch; with one failing every
+    request, the other scores all of it; the log-probs equal the model's own either way."""
+    from harness.backends.hf import HFBackend
+    from harness.models.tiny import load_model_and_tokenizer
+    from harness.serve import make_app
+    from serving import Probe, running, saved_tiny_model
+    from trainers.teacher import TeacherPool, open_remote_teacher
+
+    folder = saved_tiny_model(tmp_path, seed=3)
+    model, tok = load_model_and_tokenizer(folder)
+    hf = HFBackend(model, tok)
+    texts = ["12+30=42", "7+8=15", "100+1=101", "3+4=7"]
+    encoded = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    width = max(map(len, encoded))
+    ids = torch.tensor([e + [tok.pad_token_id] * (width - len(e)) for e in encoded])
+    mask = torch.tensor([[1] * len(e) + [0] * (width - len(e)) for e in encoded])
+    expected = hf.score(ids, mask, want=("logprobs",))["logprobs"] * mask
+    first, second = (Probe(make_app(hf, model_name="teacher", max_logprobs=-1)) for _ in range(2))
+    with running(first) as a, running(second) as b:
+        overrides = ["teacher.backend=openai", f"teacher.base_url=[{a}/v1, {b}/v1]", "teacher.backend_options.max_retries=0"]
+        pool = open_remote_teacher(build_config(preset="smoke", overrides=overrides).teacher, str(folder))
+        assert isinstance(pool, TeacherPool) and pool.labels == [f"{a}/v1", f"{b}/v1"]
+        scored = pool.score(ids, mask, want=("logprobs",))["logprobs"] * mask
+        assert torch.allclose(scored, expected, atol=1e-4) and first.posts == second.posts == 2
+        second.fail_next = [500] * 100
+        first.reset()
+        scored = pool.score(ids, mask, want=("logprobs",))["logprobs"] * mask
+    assert torch.allclose(scored, expected, atol=1e-4) and first.posts == 4 and pool.failovers == 1

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -21,6 +23,7 @@ from harness.trajectory import TensorBatch
 log = logging.getLogger("trainers.teacher")
 
 RETRY_BACKOFF_S = 2.0
+BENCH_S = 30.0  # how long a failed teacher replica gets no new rows (it is tried again if every replica is benched)
 
 
 class TeacherFailed(TrainingAborted):
@@ -29,23 +32,32 @@ class TeacherFailed(TrainingAborted):
 
 def open_remote_teacher(spec: TeacherSpec, tokenizer_path: str) -> Backend:
     """A teacher on ``spec.backend`` other than hf: loaded (vllm) or connected to (openai) with ``spec.backend_options``;
-    the openai teacher encodes with the student's tokenizer (``tokenizer_path``) unless ``backend_options.tokenizer`` says otherwise."""
+    the openai teacher encodes with the student's tokenizer (``tokenizer_path``) unless ``backend_options.tokenizer`` says otherwise.
+    Several ``teacher.base_url`` replicas become one :class:`TeacherPool`."""
     cls = BACKENDS.get(spec.backend)
     options = dict(spec.backend_options)
-    if spec.backend == "openai":
-        options.setdefault("tokenizer", tokenizer_path)
-        return cls.load(served_model(spec), base_url=spec.base_url, **options)
-    return cls.load(spec.path, **options)
+    if spec.backend != "openai":
+        return cls.load(spec.path, **options)
+    options.setdefault("tokenizer", tokenizer_path)
+    urls = teacher_urls(spec)
+    replicas = [cls.load(served_model(spec, url), base_url=url, **options) for url in urls]
+    return replicas[0] if len(replicas) == 1 else TeacherPool(replicas, urls)
 
 
-def served_model(spec: TeacherSpec) -> str:
+def teacher_urls(spec: TeacherSpec) -> list[str]:
+    """The served teacher's replicas: ``teacher.base_url`` as a list (one address is a list of one)."""
+    return [spec.base_url] if isinstance(spec.base_url, str) else list(spec.base_url or [])
+
+
+def served_model(spec: TeacherSpec, base_url: str | None = None) -> str:
     """``teacher.path``, or the one model the server lists, once ``GET /v1/models`` shows it is served there;
     an unreachable server or an unserved model stops the run before training (:class:`TeacherFailed`)."""
     import openai
 
+    base_url = base_url or teacher_urls(spec)[0]
     options = spec.backend_options
     client = openai.OpenAI(
-        base_url=spec.base_url,
+        base_url=base_url,
         api_key=options.get("api_key") or os.environ.get("OPENAI_API_KEY") or "EMPTY",
         timeout=float(options.get("timeout_s", 60)),
         max_retries=2,
@@ -54,13 +66,84 @@ def served_model(spec: TeacherSpec) -> str:
         models = [m.id for m in client.models.list()]
     except openai.OpenAIError as exc:
         raise TeacherFailed(
-            f"the teacher server at teacher.base_url={spec.base_url} did not answer GET /models ({type(exc).__name__}: {exc})"
+            f"the teacher server at teacher.base_url={base_url} did not answer GET /models ({type(exc).__name__}: {exc})"
         ) from exc
     if spec.path is not None and spec.path not in models:
-        raise TeacherFailed(f"teacher.path={spec.path!r} is not served at teacher.base_url={spec.base_url} (it serves {models})")
+        raise TeacherFailed(f"teacher.path={spec.path!r} is not served at teacher.base_url={base_url} (it serves {models})")
     if spec.path is None and len(models) != 1:
-        raise TeacherFailed(f"teacher.base_url={spec.base_url} serves {models or 'no models'}; set teacher.path to the served model name")
+        raise TeacherFailed(f"teacher.base_url={base_url} serves {models or 'no models'}; set teacher.path to the served model name")
     return spec.path or models[0]
+
+
+class ReplicasFailed(RuntimeError):
+    """Every replica of a :class:`TeacherPool` failed some rows of one call (the step-retry rule then applies)."""
+
+
+class TeacherPool:
+    """Several replicas of one teacher behind one scoring backend: a call's rows are split into contiguous shards, one
+    per healthy replica, scored concurrently and put back in order; a replica that fails is benched for ``bench_s``
+    and its shard goes to the other replicas. Rows are scored independently, so the result equals one replica's."""
+
+    def __init__(self, replicas: list[Backend], labels: list[str], *, bench_s: float = BENCH_S) -> None:
+        if not replicas or len(replicas) != len(labels):
+            raise ValueError("a teacher pool needs one label per replica, and at least one replica")
+        self.replicas, self.labels, self.bench_s = list(replicas), list(labels), bench_s
+        self.benched_until = [0.0] * len(replicas)
+        self.failovers = 0  # shards re-sent to another replica
+        self._lock = threading.Lock()
+        self.tokenizer = replicas[0].tokenizer
+        self.score_fields = getattr(replicas[0], "score_fields", ())
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "replicas":  # not set yet (copy, pickle): no delegation
+            raise AttributeError(name)
+        return getattr(self.replicas[0], name)  # what a backend has besides score (pad_id, version, ...) is the first replica's
+
+    def healthy(self, exclude: set[int] = frozenset()) -> list[int]:
+        """Replicas not benched and not in ``exclude``; all not excluded when every one is benched (a bench is a hint)."""
+        now = time.monotonic()
+        left = [i for i in range(len(self.replicas)) if i not in exclude]
+        return [i for i in left if self.benched_until[i] <= now] or left
+
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, want=("logprobs",), top_k: int = 0) -> dict:
+        shards = row_shards(len(input_ids), len(self.healthy()))
+        with ThreadPoolExecutor(max_workers=len(shards), thread_name_prefix="teacher-pool") as pool:
+            jobs = [pool.submit(self._score_shard, input_ids[s], attention_mask[s], want, top_k, i) for i, s in enumerate(shards)]
+            parts = [job.result() for job in jobs]
+        return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
+
+    def _score_shard(self, ids: torch.Tensor, mask: torch.Tensor, want, top_k: int, position: int) -> dict:
+        """Shard ``position`` on a healthy replica (shard i on the i-th), moving to the next replica while one fails."""
+        tried: set[int] = set()
+        errors: list[str] = []
+        while candidates := self.healthy(tried):
+            replica = candidates[position % len(candidates)]
+            try:
+                return self.replicas[replica].score(ids, mask, want=want, top_k=top_k)
+            except Exception as exc:  # noqa: BLE001 - the replica failed this shard: bench it, try another
+                tried.add(replica)
+                errors.append(f"{self.labels[replica]}: {type(exc).__name__}: {exc}")
+                with self._lock:
+                    self.benched_until[replica] = time.monotonic() + self.bench_s
+                    self.failovers += 1
+                log.warning("teacher replica %s failed (%s: %s); its rows go to the others", self.labels[replica], type(exc).__name__, exc)
+        raise ReplicasFailed(f"every teacher replica failed ({'; '.join(errors)})")
+
+    def close(self) -> None:
+        for replica in self.replicas:
+            close = getattr(replica, "close", None)
+            if close is not None:
+                close()
+
+
+def row_shards(rows: int, parts: int) -> list[slice]:
+    """``rows`` split into at most ``parts`` contiguous, near-equal, non-empty slices (one slice for an empty call)."""
+    parts = max(1, min(parts, rows))
+    size, extra = divmod(rows, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + size + (i < extra))
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
 def teacher_label(spec: TeacherSpec, model_path: str | None) -> str:
@@ -68,7 +151,7 @@ def teacher_label(spec: TeacherSpec, model_path: str | None) -> str:
     if spec.backend == "hf":
         return str(model_path)
     if spec.backend == "openai":
-        return f"openai:{spec.base_url}" + (f" ({spec.path})" if spec.path else "")
+        return "openai:" + ",".join(teacher_urls(spec)) + (f" ({spec.path})" if spec.path else "")
     return f"{spec.backend}:{spec.path}"
 
 
