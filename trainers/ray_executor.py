@@ -339,20 +339,23 @@ class RayRollout:
             raise
         except self.ray.exceptions.RayActorError as exc:
             self.version = -1  # died with the batch in flight; once restarted it needs weights again
-            self.await_restart()
+            self.await_restart(index)
             raise RolloutLost(f"rollout actor lost with batch {index} in flight: {type(exc).__name__}") from exc
 
-    def await_restart(self) -> None:
-        """Block until Ray has restarted the actor (calls fail fast while it restarts); its error if it stays down."""
+    def await_restart(self, index: int) -> None:
+        """Block until Ray has restarted the actor (calls fail fast while it restarts); one clear error if it stays dead."""
         deadline = time.monotonic() + RESTART_TIMEOUT_S
         while True:
             try:
                 self.ray.get(self.actor.ready.remote(), timeout=RESTART_TIMEOUT_S)
                 return
-            except self.ray.exceptions.RayActorError:
+            except self.ray.exceptions.ActorUnavailableError:  # restarting
                 if time.monotonic() > deadline:
-                    raise
+                    raise RuntimeError(f"a rollout actor died with batch {index} and was not back within {RESTART_TIMEOUT_S:g}s") from None
                 time.sleep(0.5)
+            except self.ray.exceptions.RayActorError:  # dead for good: its restarts are used up
+                raise RuntimeError(f"a rollout actor died with batch {index} in flight and Ray did not restart it "
+                                   f"(at most {ROLLOUT_RESTARTS} restarts)") from None  # fmt: skip
 
 
 class RayLearner:
