@@ -8,7 +8,9 @@ samples over step time, medians over steps > 3 (an empty pipeline fills first). 
 times the ideal is computed: a step can be no faster than its slowest role, so with N workers
   ideal = max(t_rollout, t_train) / max(t_rollout / N, t_train),   t_rollout = t_generate + t_teacher.
 On a 2-core machine the two rollout actors, the teacher and the learner share the cores, so expect well under that.
-Usage: ``python benchmarks/rollout_workers.py [--steps 20] [--pairs 2] [--out /tmp/bench-rollout-workers]``.
+Usage: ``python benchmarks/rollout_workers.py [--steps 20] [--pairs 2] [--out /tmp/bench-rollout-workers] [--set KEY=VALUE ...]``
+(``--set`` adds config overrides to every run, e.g. ``teacher.sft_steps=100`` for models built faster: the sizes, not
+their quality, set the stage times).
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ WORKERS = (1, 2)
 ROLLOUT_BOUND = ["trainer.samples_per_prompt=4", "trainer.prompts_per_step=16", "trainer.max_new_tokens=48", "trainer.temperature=1.5"]
 
 
-def run_once(out: Path, steps: int, workers: int) -> dict[int, dict[str, float]]:
+def run_once(out: Path, steps: int, workers: int, extra: tuple[str, ...] = ()) -> dict[int, dict[str, float]]:
     """One async Ray run with ``workers`` rollout actors; its step metrics."""
     settings = [f"trainer.steps={steps}", f"trainer.checkpoint_every={steps}", "eval.teacher=false", "eval.before_training=false",
                 "eval.limit=8", "eval.k=1", "threads=1", "trainer.mode=async", "trainer.max_lag=2", "trainer.executor=ray",
-                f"trainer.layout.rollout.replicas={workers}", *ROLLOUT_BOUND]  # fmt: skip
+                f"trainer.layout.rollout.replicas={workers}", *ROLLOUT_BOUND, *extra]  # fmt: skip
     plan = plan_run(build_config(preset="cpu-demo", overrides=settings))
     store = Store(out)
     run_id = create_train_run(store, plan.config, plan)
@@ -75,7 +77,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-rollout-workers"))
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="config override for every run")
     args = parser.parse_args()
+    extra = tuple(args.overrides)
     from trainers.ray_executor import import_ray
 
     ray, temp_dir = import_ray(), tempfile.mkdtemp(prefix="opd-rw-", dir="/tmp")  # short: Ray's socket paths
@@ -83,11 +87,11 @@ def main() -> None:
     try:
         print(f"{load()} at the start")
         for workers in WORKERS:  # warm-up: a short run each (not measured)
-            run_once(args.out, 5, workers)
+            run_once(args.out, 5, workers, extra)
         ratios = []
         for k in range(args.pairs):
             order = WORKERS if k % 2 == 0 else WORKERS[::-1]  # alternate which side runs first
-            runs = {workers: run_once(args.out, args.steps, workers) for workers in order}
+            runs = {workers: run_once(args.out, args.steps, workers, extra) for workers in order}
             one, two = runs[1], runs[2]
             ratio = samples_per_s(two) / samples_per_s(one)
             ratios.append(ratio)

@@ -100,7 +100,7 @@ def test_rollout_workers_warms_up_both_then_alternates_their_order(monkeypatch, 
     bench = load_benchmark("rollout_workers")
     runs: list[tuple[int, int]] = []
 
-    def fake_run(out, steps, workers):
+    def fake_run(out, steps, workers, extra):
         runs.append((steps, workers))
         return {s: {**fake_metrics()[s], "samples": 64.0, "time_step_s": 1.0 / workers} for s in range(1, steps + 1)}
 

@@ -2,8 +2,9 @@
 
 Rollout actors (``trainer.layout.rollout.replicas`` of them, one per bundle of the rollout placement
 group, each its own copy of the student behind its own engine) generate and grade batch b with the
-weights of version r, every actor fed every version it needs (an object ref for hf; a non-hf engine such
-as vLLM reloads from the weights it is handed, as in process); a driver thread per actor takes batches
+weights of version r, every actor fed every version it needs (an object ref to the learner's snapshot; an
+hf engine loads it directly, vLLM writes it to its own safetensors folder and reloads from there, as in
+process); a driver thread per actor takes batches
 from one shared queue; a teacher actor scores them; a learner actor (student, optimizer,
 method state; learning rates from the driver's schedule) trains on it and returns each version's
 weights as an object in the object store. The driver runs the very loop of the in-process
