@@ -135,13 +135,13 @@ def load_options(backend: type) -> list[str]:
 
 
 LAYOUT_ROLES = ("rollout", "teacher", "learner", "eval")
-SINGLE_REPLICA_ROLES = ("rollout", "teacher", "learner")  # more replicas are later slices of the scale-out
+SINGLE_REPLICA_ROLES = ("teacher", "learner")  # more replicas are later slices of the scale-out (rollout has N)
 
 
 class RoleLayout(Strict):
     """Where one role's replicas run on a Ray cluster: the resources of each replica and how they spread over nodes."""
 
-    replicas: int = Field(1, ge=1, description="actors of this role (rollout, teacher, learner: only 1 for now)")
+    replicas: int = Field(1, ge=1, description="actors of this role (rollout: N workers on one queue; teacher, learner: 1 for now)")
     num_cpus: float = Field(1.0, ge=0, description="logical CPUs per replica")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per replica")
     resources: dict[str, float] = Field(

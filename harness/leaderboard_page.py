@@ -490,6 +490,11 @@ def run_section(info: RunInfo) -> str:
         parts.append("<h4>stage timings (cumulative seconds)</h4><table><tr><th>role</th><th>stage</th><th>seconds</th></tr>" + "".join(
             f"<tr><td>{e(role.split('_')[0])}</td><td>{e(stage)}</td>{_num(float(s), 1)}</tr>"
             for role, stage, s in timings) + "</table>")  # fmt: skip
+    workers = last.get("rollout_workers") or []
+    if len(workers) > 1:
+        parts.append("<h4>rollout workers</h4><table><tr><th>worker</th><th>samples</th><th>samples/s</th><th>idle</th></tr>" + "".join(
+            f"<tr><td>{i}</td>{_num(w.get('samples'), 0)}{_num(w.get('samples_per_s'), 1)}{_num(w.get('idle_ratio'), 2)}</tr>"
+            for i, w in enumerate(workers)) + "</table>")  # fmt: skip
     parts.append(f"<h4>config</h4><pre>{e(json.dumps(info.config, indent=2, sort_keys=True))}</pre></details>")
     return "".join(parts)
 

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 import trainers.inprocess as ip
 import trainers.loop as ap
 from harness.cli import app
-from trainers.loop import BufferEntry, ReplayBuffer, fixed_version, required_version
+from trainers.loop import BufferEntry, ReplayBuffer, WorkQueue, fixed_version, required_version
 
 runner = CliRunner()
 BASE = [
@@ -43,6 +43,61 @@ def run(out, *extra):
     return metrics, ckpt[0]
 
 
+def test_work_queue_hands_out_the_lowest_batch_once():
+    queue = WorkQueue(start=2, steps=6)
+    assert [queue.claim(), queue.claim()] == [3, 4]  # two workers
+    queue.give_back([3])  # refused (a refresh) or lost with its replica
+    assert [queue.claim(), queue.claim(), queue.claim(), queue.claim()] == [3, 5, 6, None]
+
+
+class FakeRollout:
+    """A rollout replica whose batches take a random time; it records the weights each batch was made with."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.version, self.rng, self.lock = -1, rng, ap.threading.Lock()
+
+    def load(self, version: int) -> None:
+        self.version = version
+
+    def make(self, index: int):
+        with self.lock:
+            pause = self.rng.uniform(0.0, 0.02)
+        time.sleep(pause)
+        return None, {}
+
+
+@pytest.mark.parametrize("max_lag, fixed_lag, replicas", [(1, None, 3), (2, None, 3), (0, 2, 3), (1, None, 1)])
+def test_admission_bounds_every_batch_across_workers(max_lag, fixed_lag, replicas):
+    """Workers on one queue, a learner of random speed and refreshes: every batch is trained once, in order,
+    with lag ≤ max_lag (or exactly the fixed lag), and the workers really ran ahead and shared the work."""
+    rng, steps = random.Random(max_lag), 30
+    schedule = ap.Schedule(steps, max_lag=max_lag, fixed_lag=fixed_lag, sync_every=1)
+    board, buffer, queue, pause = ap.WeightBoard(schedule.keep), ReplayBuffer(), WorkQueue(0, steps), ap.threading.Event()
+    pause.set()
+    board.publish_snapshot(0, None)
+    workers = [ap.RolloutWorker(schedule, FakeRollout(rng), board, buffer, queue, pause, n) for n in range(replicas)]
+    for worker in workers:
+        worker.start()
+    lags, makers = [], set()
+    try:
+        for step in range(1, steps + 1):
+            entry = buffer.take(step)
+            lags.append((step - 1) - entry.version)
+            makers.add(entry.worker)
+            time.sleep(rng.uniform(0.0, 0.01))
+            board.publish_snapshot(step, None)
+            if fixed_lag is None and step % 7 == 0:  # a refresh: stale batches go back to the queue
+                queue.give_back(buffer.drop_stale())
+    finally:
+        buffer.stop()
+        board.stop()
+    if fixed_lag is not None:
+        assert lags == [min(step - 1, fixed_lag) for step in range(1, steps + 1)]
+    else:
+        assert max(lags) == max_lag  # ≤ the bound, and the bound was reached
+    assert makers == set(range(replicas)) and len(buffer) == 0
+
+
 def test_version_rules():
     assert [required_version(b, 0) for b in (1, 2, 5)] == [0, 1, 4]
     assert [required_version(b, 2) for b in (1, 2, 3, 4, 7)] == [0, 0, 0, 1, 4]
@@ -58,8 +113,7 @@ def test_refresh_drops_exactly_the_stale_batches():
     for index, version in [(6, 5), (7, 5), (8, 6)]:  # learner at version 5: batch 6 is fresh, 7 and 8 stale
         assert buffer.put(entry(index, version))
     assert buffer.drop_stale() == [7, 8]
-    assert buffer.consume_restart() == (7, True)
-    assert buffer.consume_restart() == (None, False)
+    assert buffer.epoch == 1  # every worker re-syncs its weights before its next batch
     assert buffer.take(6).version == 5
     assert not buffer.put(entry(7, 5, epoch=0))  # generated before the refresh: refused
     assert buffer.put(entry(7, 6, epoch=1))

@@ -94,3 +94,28 @@ def test_serve_engine_warms_up_both_engines_then_alternates_their_order(monkeypa
                      ("old", 4), ("new", 4), ("old", 8), ("new", 8), ("new", 8), ("old", 8)]  # fmt: skip
     out = capsys.readouterr().out
     assert "new/old tokens/s: 3.00; old/new median TTFT: 10.0" in out and "4.0" in out
+
+
+def test_rollout_workers_warms_up_both_then_alternates_their_order(monkeypatch, capsys):
+    bench = load_benchmark("rollout_workers")
+    runs: list[tuple[int, int]] = []
+
+    def fake_run(out, steps, workers, extra):
+        runs.append((steps, workers))
+        return {s: {**fake_metrics()[s], "samples": 64.0, "time_step_s": 1.0 / workers} for s in range(1, steps + 1)}
+
+    class FakeRay:
+        def init(self, **options) -> None:
+            runs.append(("init", options["num_cpus"]))
+
+        def shutdown(self) -> None:
+            runs.append(("shutdown", 0))
+
+    import trainers.ray_executor as rx
+
+    monkeypatch.setattr(bench, "run_once", fake_run)
+    monkeypatch.setattr(rx, "import_ray", lambda: FakeRay())
+    monkeypatch.setattr(sys, "argv", ["rollout_workers.py", "--steps", "6", "--pairs", "2"])
+    bench.main()
+    assert runs == [("init", 4), (5, 1), (5, 2), (6, 1), (6, 2), (6, 2), (6, 1), ("shutdown", 0)]
+    assert "ratio 2.00x" in capsys.readouterr().out

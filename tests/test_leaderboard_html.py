@@ -63,7 +63,9 @@ def _train_run(
             metrics = {"staleness_hist": {"0": 10 * step, "1": 3 * step if mode == "async" else 0},
                        "rollout_seconds": {"generate": 1.5 * step, "teacher": 0.2 * step},
                        "learner_seconds": {"train": 0.5 * step, "wait": 0.1 * step}, "refreshes": i,
-                       "idle_ratio_rollout": 0.1, "idle_ratio_learner": 0.4}  # fmt: skip
+                       "idle_ratio_rollout": 0.1, "idle_ratio_learner": 0.4,
+                       "rollout_workers": [{"samples": 40 * step, "samples_per_s": 2.5, "idle_ratio": 0.25},
+                                           {"samples": 24 * step, "samples_per_s": 1.5, "idle_ratio": 0.5}]}  # fmt: skip
             store.add_checkpoint(
                 run_id, step, path=None, samples_seen=int(samples_per_hour * step / 100), train_seconds=36.0 * step, metrics=metrics
             )
@@ -199,6 +201,8 @@ def test_drill_down_has_config_method_checkpoints_staleness_and_timings(page):
     window = [1.0 / (1 + s / 50) for s in range(101, 201, 10)]  # the steps logged after checkpoint 100, up to 200
     assert checkpoints[2]["teacher_kl"] == f"{sum(window) / len(window):.3f}" and checkpoints[0]["teacher_kl"] == "-"
     assert "staleness (to step 300)" in section and "<svg" in section and "generate" in section
+    workers = section[section.index("<h4>rollout workers</h4>") :]
+    assert '<td>1</td><td class="num" data-sort="7200">7200</td><td class="num" data-sort="1.5">1.5</td>' in workers
 
 
 def test_html_needs_out_and_a_store(roots, tmp_path):

@@ -2,6 +2,9 @@
 the same losses as in process, and layouts the cluster cannot hold refused (exit 2, naming the key) before anything is written."""
 
 import json
+import math
+import os
+import signal
 import sqlite3
 
 import pytest
@@ -21,6 +24,7 @@ LAG = ["--method", "f_opd", "--mode", "async", "--set", "trainer.fixed_lag=1", "
         ("trainer.layout.rollout.replicas=0", "trainer.layout.rollout.replicas"),
         ("trainer.layout.critic.num_cpus=1", "trainer.layout.critic"),
         ("trainer.layout.learner.replicas=2", "trainer.layout.learner.replicas=2"),
+        ("trainer.layout.rollout.replicas=-1", "trainer.layout.rollout.replicas"),
         ("trainer.layout.teacher.replicas=3", "trainer.layout.teacher.replicas=3"),
         ("trainer.layout.rollout.strategy=scatter", "trainer.layout.rollout.strategy"),
         ("trainer.layout.learner.num_cpus=0", "trainer.layout.learner"),
@@ -62,9 +66,22 @@ def _last_train_run(db) -> tuple[str, dict]:
     return run_id, json.loads(config)
 
 
+@pytest.fixture(scope="module")
+def shared_out(tmp_path_factory):
+    """One results folder for the module's cluster runs: the tiny models are built once."""
+    return tmp_path_factory.mktemp("cluster-runs")
+
+
+@pytest.fixture(scope="module")
+def inprocess_lag(shared_out):
+    """The in-process fixed-lag run the cluster runs must equal: (step metrics, Avg@k by step)."""
+    metrics, _, evals = run(shared_out, *LAG)
+    return metrics, evals
+
+
 @pytest.mark.slow
-def test_layout_places_roles_on_the_nodes_it_names_with_inprocess_losses(tmp_path, ray_cluster):
-    inprocess, _, inprocess_evals = run(tmp_path, *LAG)
+def test_layout_places_roles_on_the_nodes_it_names_with_inprocess_losses(shared_out, ray_cluster, inprocess_lag):
+    tmp_path, (inprocess, inprocess_evals) = shared_out, inprocess_lag
     placed = [
         "--executor", "ray", "--set", f"trainer.ray_address={ray_cluster.address}",
         "--set", "trainer.layout.rollout.resources={node_a: 1}", "--set", "trainer.layout.learner.resources={node_b: 1}",
@@ -120,3 +137,53 @@ def test_a_sweep_point_whose_layout_the_cluster_cannot_hold_stops_the_sweep_befo
     with pytest.raises(SweepError, match=refused):
         run_sweep(spec, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+TWO_ROLLOUTS = ["--set", "trainer.layout.rollout.replicas=2", "--set", "trainer.layout.rollout.strategy=spread"]
+
+
+def _losses_per_step(db, run_id: str) -> list[tuple[int, int]]:
+    with sqlite3.connect(db) as conn:
+        return conn.execute("SELECT step, COUNT(*) FROM step_metrics WHERE run_id=? AND name='loss' GROUP BY step ORDER BY step",
+                            (run_id,)).fetchall()  # fmt: skip
+
+
+@pytest.mark.slow
+def test_two_rollout_workers_on_two_nodes_survive_a_kill_with_inprocess_losses(shared_out, ray_cluster, inprocess_lag, monkeypatch):
+    """Two rollout actors on different nodes share the batches; one is SIGKILLed before batch 3: Ray restarts it, its
+    batch is made again with the right weights, and every step is trained once with the in-process losses (fixed_lag)."""
+    import ray
+
+    import trainers.ray_executor as rx
+
+    tmp_path, (inprocess, _) = shared_out, inprocess_lag
+    killed: list[int] = []
+    original = rx.RayRollout.make
+
+    def kill_first_replica_once(self, index):
+        if index == 3 and not killed:
+            killed.append(ray.get(self.actor.pid.remote()))
+            os.kill(killed[0], signal.SIGKILL)  # mid-run, with weights loaded: its next batch must not use the initial ones
+        return original(self, index)
+
+    monkeypatch.setattr(rx.RayRollout, "make", kill_first_replica_once)
+    on_cluster, checkpoints, _ = run(tmp_path, *LAG, "--executor", "ray", "--set", f"trainer.ray_address={ray_cluster.address}",
+                                     *TWO_ROLLOUTS)  # fmt: skip
+    assert killed, "the kill never happened"
+    assert_same_run(inprocess, on_cluster)
+    run_id, _ = _last_train_run(tmp_path / "results.sqlite")
+    assert _losses_per_step(tmp_path / "results.sqlite", run_id) == [(1, 1), (2, 1), (3, 1), (4, 1)]
+    assert all(math.isfinite(on_cluster[s]["loss"]) for s in on_cluster)
+    placement = checkpoints[-1]["placement"]
+    assert {placement["rollout.0"], placement["rollout.1"]} == set(ray_cluster.node_ids.values())  # one on each node
+    workers = checkpoints[-1]["rollout_workers"]
+    assert len(workers) == 2 and all(w["samples"] > 0 and w["samples_per_s"] > 0 for w in workers)
+    assert sum(w["samples"] for w in workers) == sum(on_cluster[s]["samples"] for s in on_cluster)
+
+
+@pytest.mark.slow
+def test_two_rollout_workers_keep_every_sample_within_max_lag(shared_out, ray_cluster):
+    on_cluster, checkpoints, _ = run(shared_out, "--method", "f_opd", "--mode", "async", "--set", "trainer.max_lag=1",
+                                     "--executor", "ray", "--set", f"trainer.ray_address={ray_cluster.address}", *TWO_ROLLOUTS)  # fmt: skip
+    assert sorted(on_cluster) == [1, 2, 3, 4] and all(on_cluster[s]["lag_max"] <= 1 for s in on_cluster)
+    assert set(checkpoints[-1]["staleness_hist"]) <= {"0", "1"}  # every sample, whichever worker made it

@@ -174,7 +174,7 @@ def test_actors_release_their_tasks_and_engines_before_they_are_killed(monkeypat
             log.append(f"kill {actor.name}")
 
     log.clear()
-    actors = (FakeActor("rollout"), FakeActor("teacher"), FakeActor("learner"))
+    actors = ([FakeActor("rollout")], FakeActor("teacher"), FakeActor("learner"), ())
     monkeypatch.setattr(rx, "import_ray", lambda: FakeRay())
     monkeypatch.setattr(rx, "start_actors", lambda *a, **k: actors)
     monkeypatch.setattr(rx, "RayRollout", lambda *a, **k: "rollout role")
@@ -182,7 +182,26 @@ def test_actors_release_their_tasks_and_engines_before_they_are_killed(monkeypat
     plan = SimpleNamespace(config=SimpleNamespace(threads=1))
     session = SimpleNamespace(optimizer=None)
     with rx.RayExecutor().roles(plan, session, board=None, console=rx.Console(quiet=True)) as roles:
-        assert (roles.rollout, roles.learner) == ("rollout role", "learner role") and log == []
+        assert (roles.rollouts, roles.learner) == (["rollout role"], "learner role") and log == []
     assert log[:3] == ["close rollout", "close teacher", "close learner"]
     assert log[3].startswith("get ['rollout', 'teacher', 'learner']")
     assert log[4:] == ["kill rollout", "kill teacher", "kill learner"]
+
+
+@pytest.mark.slow
+def test_an_error_inside_an_actor_reaches_the_driver_as_itself(ray_session):
+    """Ray wraps an actor's exception in a RayTaskError whose message is the remote traceback; the executor re-raises
+    the original (its type and its one-line message), as the CLI shows it."""
+    import trainers.ray_executor as rx
+    from trainers.teacher import TeacherFailed
+
+    @ray_session.remote
+    def score() -> None:
+        raise TeacherFailed("teacher scoring failed at step 3 after 2 retries")
+
+    with pytest.raises(TeacherFailed) as wrapped:
+        ray_session.get(score.remote())
+    assert type(wrapped.value) is not TeacherFailed and 'File "' in str(wrapped.value)  # plain ray.get: the remote traceback
+    with pytest.raises(TeacherFailed) as caught:
+        rx.ray_get(ray_session, score.remote())
+    assert type(caught.value) is TeacherFailed and str(caught.value) == "teacher scoring failed at step 3 after 2 retries"

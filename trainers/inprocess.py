@@ -1,6 +1,6 @@
-"""The in-process executor: the rollout role is a worker thread with its own inference backend (the
-run's ``trainer.rollout_backend``, weights pushed through ``load_weights``); the session's teacher
-scores its batches; the learner trains the session's own student in the calling thread.
+"""The in-process executor, the layout with one replica of each role: the rollout role is a worker thread with
+its own inference backend (the run's ``trainer.rollout_backend``, weights pushed through ``load_weights``); the
+session's teacher scores its batches; the learner trains the session's own student in the calling thread.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class InProcessExecutor:
     def roles(self, plan, session: Session, board: WeightBoard, console: Console) -> Iterator[Roles]:
         rollout = LocalRollout(plan, session, board)
         try:
-            yield Roles(rollout, LocalLearner(plan, session))
+            yield Roles([rollout], LocalLearner(plan, session))
         finally:
             rollout.close()
 

@@ -1,7 +1,11 @@
 """Ray executor (``--executor ray``): the roles of a run as Ray actors, on the schedule of the async pipeline.
 
-A rollout actor (its own copy of the student behind an HF backend) generates and grades batch b
-with the weights of version r; a teacher actor scores it; a learner actor (student, optimizer,
+Rollout actors (``trainer.layout.rollout.replicas`` of them, one per bundle of the rollout placement
+group, each its own copy of the student behind its own engine) generate and grade batch b with the
+weights of version r, every actor fed every version it needs (an object ref to the learner's snapshot; an
+hf engine loads it directly, vLLM writes it to its own safetensors folder and reloads from there, as in
+process); a driver thread per actor takes batches
+from one shared queue; a teacher actor scores them; a learner actor (student, optimizer,
 method state; learning rates from the driver's schedule) trains on it and returns each version's
 weights as an object in the object store. The driver runs the very loop of the in-process
 executor (``trainers.loop``: ``Schedule``, ``RolloutWorker``, ``drive``), so max_lag,
@@ -12,8 +16,14 @@ actor as object refs; the driver only sees metrics. Ray is imported here only, a
 only when the executor is ray.
 
 Results match the in-process executor for the same seed: sampling for batch b depends only on
-(seed, b, weights), every role runs torch with the run's thread count (``threads``, default 1),
-and whenever the schedule is deterministic (``fixed_lag``, or ``max_lag`` 0) so are the losses.
+(seed, b, weights), not on the actor that runs it, every role runs torch with the run's thread count
+(``threads``, default 1), and whenever the schedule is deterministic (``fixed_lag``, or ``max_lag`` 0)
+so are the losses, with any number of rollout actors.
+
+Faults: a rollout actor that dies (its process killed) is restarted by Ray (``ROLLOUT_RESTARTS``); the
+driver re-queues the batch it had in flight and reloads its weights, so no step is lost or trained
+twice. An error raised inside an actor (e.g. ``TeacherFailed``) reaches the driver as itself, not
+wrapped in Ray's ``RayTaskError``.
 """
 
 from __future__ import annotations
@@ -33,8 +43,8 @@ from rich.console import Console
 from harness.backends.hf import HFBackend
 from harness.trajectory import TensorBatch
 from harness.task import close_tasks
-from harness.config import SINGLE_REPLICA_ROLES, ConfigError, Layout, RoleLayout
-from trainers.loop import LearnResult, Roles, WeightBoard, state_snapshot
+from harness.config import LAYOUT_ROLES, ConfigError, Layout, RoleLayout
+from trainers.loop import MAX_ROLLOUT_LOSSES, LearnResult, Roles, RolloutLost, WeightBoard, state_snapshot
 from trainers.pipeline import (
     Session,
     close_rollout_backend,
@@ -56,7 +66,9 @@ OBJECT_STORE_BYTES = 512 * 2**20  # caps /dev/shm use of a local Ray
 ROLES = 3  # rollout, teacher, learner
 CLOSE_TIMEOUT_S = 60.0  # how long the actors get to release their tasks' sandboxes before they are killed
 PLACEMENT_TIMEOUT_S = 60.0  # how long a role's placement group may take to be reserved before the layout is refused
-PLACED_ROLES = SINGLE_REPLICA_ROLES  # roles with actors (eval is validated and recorded, not placed yet)
+PLACED_ROLES = tuple(role for role in LAYOUT_ROLES if role != "eval")  # roles with actors (eval is validated, not placed yet)
+ROLLOUT_RESTARTS = MAX_ROLLOUT_LOSSES  # Ray restarts a dead rollout actor this often; the driver re-queues its batch
+RESTART_TIMEOUT_S = 180.0  # how long a dead rollout actor may take to come back (imports, plan, model) before the run fails
 STRATEGIES = {"pack": "PACK", "spread": "SPREAD"}  # soft: best effort across nodes, never unschedulable for the strategy alone
 LAYOUT_KEYS = {"CPU": "num_cpus", "GPU": "num_gpus"}
 
@@ -147,8 +159,9 @@ def release_layout(ray: ModuleType, groups: dict[str, Any]) -> None:
             pass
 
 
-def placement_options(layout: Layout | None, groups: dict[str, Any], role: str) -> dict[str, Any]:
-    """Actor options of ``role``: its layout's resources inside bundle 0 of its placement group (none without a layout)."""
+def placement_options(layout: Layout | None, groups: dict[str, Any], role: str, bundle: int = 0) -> dict[str, Any]:
+    """Actor options of replica ``bundle`` of ``role``: its layout's resources inside that bundle of the role's
+    placement group (none without a layout)."""
     if layout is None or role not in groups:
         return {}
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -158,7 +171,7 @@ def placement_options(layout: Layout | None, groups: dict[str, Any], role: str) 
         "num_cpus": spec.num_cpus,
         "num_gpus": spec.num_gpus,
         "resources": dict(spec.resources),
-        "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=groups[role], placement_group_bundle_index=0),
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=groups[role], placement_group_bundle_index=bundle),
     }
 
 
@@ -206,6 +219,10 @@ class ActorRole:
     def ready(self) -> bool:
         return True
 
+    def pid(self) -> int:
+        """This actor's process id (tests kill it to check restarts)."""
+        return os.getpid()
+
     def node_id(self) -> str:
         """The Ray node this actor runs on (hex id, as ``ray.nodes()`` reports it)."""
         import ray
@@ -234,8 +251,11 @@ class RolloutActor(ActorRole):
     def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
         load_rollout_weights(self.backend, self.scorer, weights, version)
 
-    def generate(self, index: int) -> tuple[TensorBatch, dict[str, float]]:
-        """Batch ``index`` from the loaded weights; sampling is seeded by (seed, index) only."""
+    def generate(self, index: int, version: int) -> tuple[TensorBatch, dict[str, float]]:
+        """Batch ``index`` from the loaded weights, which must be ``version`` (:class:`RolloutLost` if this actor was
+        restarted since they were loaded); sampling is seeded by (seed, index) only."""
+        if self.backend.version != version:
+            raise RolloutLost(f"rollout actor holds weights version {self.backend.version}, not {version} (restarted)")
         metrics: dict[str, float] = {}
         problems = sample_problems(self.plan.config, self.train_problems, index)
         batch, _ = generate_batch(self.plan, self.backend, problems, index, metrics, self.scorer)
@@ -285,8 +305,20 @@ class LearnerActor(ActorRole):
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "method_state": method_state}
 
 
+def ray_get(ray: ModuleType, refs: Any, **options: Any) -> Any:
+    """``ray.get``, with an error raised inside an actor re-raised as itself (its type and message, one line for
+    the user) instead of Ray's ``RayTaskError`` wrapping its remote traceback."""
+    try:
+        return ray.get(refs, **options)
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, Exception):  # a task that failed on a dead actor's result carries that actor's error
+            raise exc.cause from None
+        raise
+
+
 class RayRollout:
-    """Driver side of the rollout and teacher actors, for ``RolloutWorker``: loads weights by ref, returns batch refs."""
+    """Driver side of one rollout actor (and the teacher actor), for a ``RolloutWorker``: loads weights by ref,
+    returns batch refs; a dead actor (Ray restarts it) is :class:`RolloutLost`, and its weights are reloaded."""
 
     def __init__(self, ray: ModuleType, plan, actor: Any, teacher: Any, board: WeightBoard) -> None:
         self.ray, self.actor, self.teacher, self.board = ray, actor, teacher, board
@@ -298,10 +330,33 @@ class RayRollout:
         self.version = version
 
     def make(self, index: int) -> tuple[Any, dict[str, float]]:
-        batch, metrics = self.actor.generate.options(num_returns=2).remote(index)
+        batch, metrics = self.actor.generate.options(num_returns=2).remote(index, self.version)
         if self.score:
             batch, metrics = self.teacher.score.options(num_returns=2).remote(batch, metrics, index)
-        return batch, self.ray.get(metrics)
+        try:
+            return batch, ray_get(self.ray, metrics)
+        except RolloutLost:
+            self.version = -1  # restarted before this batch: it holds the initial weights, reload before the next one
+            raise
+        except self.ray.exceptions.RayActorError as exc:
+            self.version = -1  # died with the batch in flight; once restarted it needs weights again
+            self.await_restart(index)
+            raise RolloutLost(f"rollout actor lost with batch {index} in flight: {type(exc).__name__}") from exc
+
+    def await_restart(self, index: int) -> None:
+        """Block until Ray has restarted the actor (calls fail fast while it restarts); one clear error if it stays dead."""
+        deadline = time.monotonic() + RESTART_TIMEOUT_S
+        while True:
+            try:
+                self.ray.get(self.actor.ready.remote(), timeout=RESTART_TIMEOUT_S)
+                return
+            except self.ray.exceptions.ActorUnavailableError:  # restarting
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"a rollout actor died with batch {index} and was not back within {RESTART_TIMEOUT_S:g}s") from None
+                time.sleep(0.5)
+            except self.ray.exceptions.RayActorError:  # dead for good: its restarts are used up
+                raise RuntimeError(f"a rollout actor died with batch {index} in flight and Ray did not restart it "
+                                   f"(at most {ROLLOUT_RESTARTS} restarts)") from None  # fmt: skip
 
 
 class RayLearner:
@@ -330,32 +385,51 @@ class RayLearner:
             self.session.method_state.load_state_dict(state["method_state"])
 
 
-def start_actors(ray: ModuleType, plan, session: Session, threads: int, groups: dict[str, Any] | None = None) -> tuple[Any, Any, Any]:
-    """(rollout, teacher, learner) actors, seeded with the session's current models and optimizer state, each in
-    its role's placement group when the run has a layout."""
+def rollout_replicas(plan) -> int:
+    """Rollout actors of the run: ``trainer.layout.rollout.replicas`` (1 without a layout)."""
+    layout = plan.config.trainer.layout
+    return layout.rollout.replicas if layout is not None else 1
+
+
+def replica_names(role: str, replicas: int) -> list[str]:
+    """Placement keys of a role's replicas: the role itself for one, ``role.0``, ``role.1``, … for more."""
+    return [role] if replicas == 1 else [f"{role}.{i}" for i in range(replicas)]
+
+
+def start_actors(
+    ray: ModuleType, plan, session: Session, threads: int, groups: dict[str, Any] | None = None
+) -> tuple[list, Any, Any, tuple]:
+    """(rollout actors, teacher, learner, pinned), seeded with the session's current models and optimizer state, each
+    in its role's placement group when the run has a layout (rollout replica i in bundle i). ``pinned`` holds the
+    object refs a restarted rollout actor is constructed from again: the caller keeps it for as long as the actors live
+    (Ray frees a ``ray.put`` object once no ref to it is left, and a restart would then fail)."""
     config = plan.config.model_dump(mode="json")
     layout, groups = plan.config.trainer.layout, groups or {}
     student, teacher = session.student, session.teacher
 
-    def remote(cls: type, role: str) -> Any:  # one call at a time, in order
-        return ray.remote(cls).options(max_concurrency=1, **placement_options(layout, groups, role))
+    def remote(cls: type, role: str, bundle: int = 0, **options: Any) -> Any:  # one call at a time, in order
+        return ray.remote(cls).options(max_concurrency=1, **options, **placement_options(layout, groups, role, bundle))
 
-    rollout = remote(RolloutActor, "rollout").remote(
-        config, ray.put(student.model), student.tokenizer, session.student_path, ray.put(session.train_problems), threads
-    )
+    shipped_student, problems = ray.put(student.model), ray.put(session.train_problems)
+    rollouts = [
+        remote(RolloutActor, "rollout", i, max_restarts=ROLLOUT_RESTARTS).remote(
+            config, shipped_student, student.tokenizer, session.student_path, problems, threads
+        )
+        for i in range(rollout_replicas(plan))
+    ]
     shipped = ray.put(teacher.model) if isinstance(teacher, HFBackend) else None  # a remote teacher is reopened in the actor
     scorer = remote(TeacherActor, "teacher").remote(config, shipped, teacher.tokenizer, session.student_path, threads)
     parts = ray.put((student.model, session.optimizer, session.method_state))
     learner = remote(LearnerActor, "learner").remote(config, parts, threads)
-    return rollout, scorer, learner
+    return rollouts, scorer, learner, (shipped_student, problems)
 
 
-def wait_ready(ray: ModuleType, actors: tuple, console: Console, placement: dict[str, str]) -> None:
-    """Block until every actor is constructed (start-up is not training time); record the node each role runs on."""
+def wait_ready(ray: ModuleType, actors: list, names: list[str], console: Console, placement: dict[str, str]) -> None:
+    """Block until every actor is constructed (start-up is not training time); record the node each one (``names``) runs on."""
     started = time.perf_counter()
-    ray.get([actor.ready.remote() for actor in actors])
-    placement.update(zip(PLACED_ROLES, ray.get([actor.node_id.remote() for actor in actors]), strict=True))
-    console.print(f"ray actors ready (rollout, teacher, learner); waited {time.perf_counter() - started:.1f}s after the step-0 evaluation")
+    ray_get(ray, [actor.ready.remote() for actor in actors])
+    placement.update(zip(names, ray.get([actor.node_id.remote() for actor in actors]), strict=True))
+    console.print(f"ray actors ready ({', '.join(names)}); waited {time.perf_counter() - started:.1f}s after the step-0 evaluation")
     console.print("ray placement: " + ", ".join(f"{role} on node {node[:12]}" for role, node in placement.items()))
 
 
@@ -393,16 +467,17 @@ class RayExecutor:
     @contextmanager
     def roles(self, plan, session: Session, board: WeightBoard, console: Console) -> Iterator[Roles]:
         ray = import_ray()
-        actors = start_actors(ray, plan, session, plan.config.threads or 1, self.groups)  # they start while step 0 is evaluated
-        rollout, scorer, learner = actors
+        rollouts, scorer, learner, pinned = start_actors(ray, plan, session, plan.config.threads or 1, self.groups)  # start in step-0 eval
+        actors = [*rollouts, scorer, learner]
+        names = [*replica_names("rollout", len(rollouts)), "teacher", "learner"]
         placement: dict[str, str] = {}
         try:
             with warnings.catch_warnings():  # the session's optimizer mirrors the learner's, so only its scheduler steps
                 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before", category=UserWarning)
                 yield Roles(
-                    RayRollout(ray, plan, rollout, scorer, board),
+                    [RayRollout(ray, plan, rollout, scorer, board) for rollout in rollouts],
                     RayLearner(ray, learner, session),
-                    ready=lambda: wait_ready(ray, actors, console, placement),
+                    ready=lambda: wait_ready(ray, actors, names, console, placement),
                     placement=placement,
                 )
         finally:
@@ -412,6 +487,7 @@ class RayExecutor:
                 console.print(f"[yellow]warning:[/] ray actors did not close cleanly ({type(exc).__name__}: {exc}); killing them")
             for actor in actors:
                 ray.kill(actor)
+            del pinned  # the rollout actors' constructor arguments, kept alive for their restarts until here
 
 
 RAY_EXECUTOR = RayExecutor()
