@@ -18,9 +18,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from pydantic import ValidationError
 from rich.console import Console
 
-from harness.config import ConfigError, RunConfig
+from harness.config import ConfigError, RunConfig, format_validation_error
 from harness.store import Store
 from harness.task import close_tasks
 
@@ -49,7 +50,11 @@ def plan_resume(store: Store, run_id: str):
     stored = store.get_run(run_id)
     if stored is None or stored["kind"] != "train":
         raise ConfigError(f"--resume: no training run {run_id!r} in {store.path}")
-    return plan_run(RunConfig.model_validate(stored["config"]))
+    try:
+        cfg = RunConfig.model_validate(stored["config"])
+    except ValidationError as exc:  # e.g. trainer.loggers names a tracker whose package is no longer installed
+        raise ConfigError(f"--resume {run_id}: the stored config is not valid here: {format_validation_error(exc, RunConfig)}") from None
+    return plan_run(cfg)
 
 
 class RunLocked(ConfigError):

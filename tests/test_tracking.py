@@ -246,3 +246,15 @@ def test_unknown_eval_logger_exits_2_before_anything_is_written(tmp_path):
     result = runner.invoke(app, ["eval", "--model", "m", "--task", "arith", "--logger", "tensorbord", "--out", str(out)])
     assert result.exit_code == 2 and "--logger: unknown logger(s) ['tensorbord']" in " ".join(result.output.split())
     assert not out.exists()
+
+
+def test_resuming_a_run_whose_tracker_package_is_gone_exits_2_naming_the_key(tmp_path, monkeypatch):
+    from harness.config import build_config
+
+    with Store(tmp_path) as store:
+        store.create_run("r", kind="train", config=build_config(preset="smoke", overrides=["trainer.loggers=[wandb]"]).model_dump())
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    result = runner.invoke(app, ["run", "--resume", "r", "--out", str(tmp_path)])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "--resume r" in text and "trainer.loggers" in text and "opd-harness[tracking]" in text, result.output
