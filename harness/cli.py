@@ -307,7 +307,7 @@ def eval_(
     store.create_run(run_id, kind="eval", config=config, task=",".join(names), model=model)
     try:
         info = RunInfo(store.run_dir(run_id), run_id, config=config)
-        trackers = open_trackers(loggers, info, lambda message: console.print(f"[yellow]warning:[/] {message}"))
+        trackers = open_trackers(loggers, info, lambda message: console.print(f"[yellow]warning:[/] {escape(message)}"))
     except TrackerStartFailed as exc:
         store.set_status(run_id, "failed")
         raise _fail(f"--logger: {exc}") from None
@@ -332,7 +332,7 @@ def eval_(
         raise
     finally:
         store.observe(run_id, None)
-        trackers.close()
+        trackers.close(ok=len(summaries) == len(tasks))
     store.set_status(run_id, "done")
     if json_:
         print(to_json({"run_id": run_id, "model": model, "tasks": summaries}))

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 
 from harness.config import ConfigError, RunConfig, format_validation_error
 from harness.store import Store
@@ -102,7 +103,7 @@ def run_trackers(cfg: RunConfig, store: Store, run_id: str, console: Console) ->
     info = RunInfo(run_dir, run_id, **cfg.trainer.tracking.model_dump(exclude={"tags"}), tags=tuple(cfg.trainer.tracking.tags),
                    config=record, files=(run_dir / "config.json", method))  # fmt: skip
     try:
-        with tracked(store, cfg.trainer.loggers, info, lambda message: console.print(f"[yellow]warning:[/] {message}")):
+        with tracked(store, cfg.trainer.loggers, info, lambda message: console.print(f"[yellow]warning:[/] {escape(message)}")):
             yield
     except TrackerStartFailed as exc:
         raise ConfigError(f"trainer.loggers: {exc}") from exc

@@ -122,7 +122,7 @@ class Tracker(Protocol):
 
     def log(self, metrics: dict[str, float], step: int) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, ok: bool = True) -> None: ...  # ok: the run ended without an error
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,7 @@ class JsonlTracker:
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")  # NaN and inf as JSON5-style literals, as the store's JSON
         self._file.flush()
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
         self._file.close()
 
 
@@ -176,7 +176,7 @@ class TensorBoardTracker:
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
         self.writer.close()
 
 
@@ -197,8 +197,8 @@ class WandbTracker:
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, ok: bool = True) -> None:
+        self.run.finish(exit_code=0 if ok else 1)
 
 
 class MlflowTracker:
@@ -232,8 +232,8 @@ class MlflowTracker:
         now = int(time.time() * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(key, value, now, step) for key, value in metrics.items()])
 
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id)
+    def close(self, ok: bool = True) -> None:
+        self.client.set_terminated(self.run_id, status="FINISHED" if ok else "FAILED")
 
 
 TRACKER_CLASSES: dict[str, Callable[[RunInfo], Tracker]] = {
@@ -281,10 +281,11 @@ class Trackers:
                 self.warn(f"tracker {tracker.name} failed at step {step} ({type(exc).__name__}: {exc}); it is off for the rest "
                           "of the run, the results store has every value")  # fmt: skip
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
+        """Close every tracker still working; ``ok``: the run ended without an error (W&B exit code, MLflow status)."""
         for tracker in self.active:
             try:
-                tracker.close()
+                tracker.close(ok)
             except Exception as exc:  # noqa: BLE001
                 self.warn(f"tracker {tracker.name} failed to close ({type(exc).__name__}: {exc})")
         self.active = []
@@ -297,7 +298,7 @@ def open_trackers(names: Iterable[str], info: RunInfo, warn: Callable[[str], Non
         try:
             started.append(TRACKER_CLASSES[name](info))
         except Exception as exc:  # noqa: BLE001 - any start failure is reported as one error naming the tracker
-            Trackers(started, warn).close()
+            Trackers(started, warn).close(ok=False)
             raise TrackerStartFailed(f"logger {name} could not start: {type(exc).__name__}: {exc}") from exc
     return Trackers(started, warn)
 
@@ -307,8 +308,10 @@ def tracked(store: Store, names: Iterable[str], info: RunInfo, warn: Callable[[s
     """For the block, every step and evaluation ``store`` writes for ``info.run_id`` also goes to the trackers."""
     trackers = open_trackers(names, info, warn)
     store.observe(info.run_id, trackers)
+    ok = False
     try:
         yield trackers
+        ok = True
     finally:
         store.observe(info.run_id, None)
-        trackers.close()
+        trackers.close(ok)

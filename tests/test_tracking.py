@@ -193,7 +193,7 @@ def test_a_tracker_raising_mid_run_warns_once_and_the_store_keeps_every_row(tmp_
             Flaky.calls += 1
             raise OSError("disk gone")
 
-        def close(self):
+        def close(self, ok=True):
             pass
 
     warnings: list[str] = []
