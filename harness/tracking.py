@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
+from urllib.parse import urlparse
 
 from harness.store import Store
 
@@ -90,9 +91,9 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def check_loggers(names: Iterable[str], mlflow_uri: str | None = None) -> list[str]:
-    """The loggers to open, ``jsonl`` first (always on); raises ValueError for an unknown name, a tracker whose
-    package is missing, or an MLflow tracking URI no MLflow store serves."""
+def check_loggers(names: Iterable[str]) -> list[str]:
+    """The loggers to open, ``jsonl`` first (always on); raises ValueError for an unknown name or a tracker whose
+    package is missing (``trainer.tracking.mlflow_uri`` is checked by :func:`check_mlflow_uri`)."""
     chosen = list(dict.fromkeys(["jsonl", *names]))
     unknown = [name for name in chosen if name not in LOGGERS]
     if unknown:
@@ -100,8 +101,6 @@ def check_loggers(names: Iterable[str], mlflow_uri: str | None = None) -> list[s
     missing = [name for name in chosen if name in PACKAGES and importlib.util.find_spec(PACKAGES[name]) is None]
     if missing:
         raise ValueError(f"logger(s) {missing} need their package(s), which are not installed; {INSTALL_HINT}")
-    if mlflow_uri is not None and "mlflow" in chosen:
-        check_mlflow_uri(mlflow_uri)
     return chosen
 
 
@@ -118,6 +117,8 @@ def check_mlflow_uri(uri: str) -> None:
 
 
 class Tracker(Protocol):
+    """One tracker of a run: takes ``{key: value}`` at a step, and is closed once when the run ends."""
+
     name: str
 
     def log(self, metrics: dict[str, float], step: int) -> None: ...
@@ -209,7 +210,7 @@ class MlflowTracker:
 
     def __init__(self, info: RunInfo) -> None:
         uri = info.mlflow_uri or (info.run_dir / "mlruns").resolve().as_uri()
-        if uri.startswith("file:"):
+        if urlparse(uri).scheme in ("", "file"):
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store only on request
         from mlflow import MlflowClient
         from mlflow.entities import Param

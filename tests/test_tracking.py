@@ -258,3 +258,18 @@ def test_resuming_a_run_whose_tracker_package_is_gone_exits_2_naming_the_key(tmp
     result = runner.invoke(app, ["run", "--resume", "r", "--out", str(tmp_path)])
     text = " ".join(result.output.split())
     assert result.exit_code == 2 and "--resume r" in text and "trainer.loggers" in text and "opd-harness[tracking]" in text, result.output
+
+
+def test_a_tracker_that_cannot_start_exits_2_naming_the_key_and_marks_the_run_failed(tmp_path, monkeypatch):
+    from harness import tracking
+
+    def refused(self, info):
+        raise PermissionError("the tracking server refused the run")
+
+    monkeypatch.setattr(tracking.MlflowTracker, "__init__", refused)
+    result = runner.invoke(app, [*SMOKE, "--set", "trainer.loggers=[mlflow]", "--out", str(tmp_path)])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "trainer.loggers: logger mlflow could not start: PermissionError" in text, result.output
+    with Store(tmp_path) as store:
+        (run,) = store.runs()
+        assert run["status"] == "failed" and store.count("step_metrics", run["run_id"]) == 0
