@@ -142,7 +142,7 @@ def run(
     """
     from harness.plan import load_plan_data, plan_run
     from harness.store import Store
-    from harness.runs import RunLocked, create_train_run, execute_run, plan_resume
+    from harness.runs import create_train_run, execute_run, plan_resume
 
     _quiet_libraries()
     store = None
@@ -175,7 +175,7 @@ def run(
             run_id = create_train_run(store, plan.config, plan)
         console.print(f"run [bold]{run_id}[/] → {store.path}")
         execute_run(plan, store, run_id, resume=bool(resume), console=console)
-    except RunLocked as exc:
+    except ConfigError as exc:  # RunLocked, or a tracker of trainer.loggers that cannot start
         raise _fail(str(exc)) from None
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM, also in the moment between creating the run and executing it
         if store is not None and run_id is not None and not resume and (store.get_run(run_id) or {}).get("status") == "running":
@@ -240,6 +240,10 @@ def eval_(
             help="backend option KEY=VALUE, repeatable (openai: base_url=http://HOST:PORT/v1, mode=chat, concurrency=16, tokenizer=PATH)",
         ),
     ] = None,
+    logger: Annotated[
+        list[str] | None,
+        typer.Option("--logger", help="also log the results to a tracker, repeatable: tensorboard, wandb, mlflow (jsonl always)"),
+    ] = None,
 ) -> None:
     """Evaluate one model or checkpoint on one or more tasks; rows go to the store.
 
@@ -252,9 +256,14 @@ def eval_(
     from harness.registry import BACKENDS
     from harness.store import Store
     from harness.runs import new_run_id
+    from harness.tracking import RunInfo, TrackerStartFailed, check_loggers, open_trackers
 
     _quiet_libraries()
     names = [t.strip() for t in task.split(",") if t.strip()]
+    try:
+        loggers = check_loggers(logger or [])
+    except ValueError as exc:
+        raise _fail(f"--logger: {exc}") from None
     try:
         check_data_dir(data_dir)
         task_args: dict = {}
@@ -296,6 +305,13 @@ def eval_(
         "seed": seed,
     }
     store.create_run(run_id, kind="eval", config=config, task=",".join(names), model=model)
+    try:
+        info = RunInfo(store.run_dir(run_id), run_id, config=config)
+        trackers = open_trackers(loggers, info, lambda message: console.print(f"[yellow]warning:[/] {escape(message)}"))
+    except TrackerStartFailed as exc:
+        store.set_status(run_id, "failed")
+        raise _fail(f"--logger: {exc}") from None
+    store.observe(run_id, trackers)
     errors: tuple[type[BaseException], ...] = (ValueError,)
     if backend == "openai":
         import openai
@@ -314,6 +330,9 @@ def eval_(
     except BaseException:  # anything else (Ctrl-C included) still leaves no run marked running
         store.set_status(run_id, "failed")
         raise
+    finally:
+        store.observe(run_id, None)
+        trackers.close(ok=len(summaries) == len(tasks))
     store.set_status(run_id, "done")
     if json_:
         print(to_json({"run_id": run_id, "model": model, "tasks": summaries}))

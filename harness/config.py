@@ -188,7 +188,32 @@ class Layout(Strict):
         return self
 
 
+class TrackingConfig(Strict):
+    """Names the trackers give the run (``trainer.tracking.*``; README *Trackers*)."""
+
+    project: str = Field("opd-harness", description="W&B project and MLflow experiment")
+    name: str | None = Field(None, description="W&B and MLflow run name (default: the run id)")
+    tags: list[str] = Field(default_factory=list, description="W&B tags; MLflow tags (TAG=true)")
+    mlflow_uri: str | None = Field(None, description="MLflow tracking URI (default: a file store under the run folder, runs/<id>/mlruns)")
+
+    @field_validator("mlflow_uri")
+    @classmethod
+    def _servable_uri(cls, uri: str | None) -> str | None:
+        """A URI scheme an MLflow store serves (checked only when MLflow is installed; trainer.loggers needs it to use it)."""
+        from harness.tracking import check_mlflow_uri
+
+        if uri is not None and importlib.util.find_spec("mlflow") is not None:
+            check_mlflow_uri(uri)
+        return uri
+
+
 class TrainerConfig(Strict):
+    loggers: list[str] = Field(
+        default_factory=lambda: ["jsonl"],
+        description="trackers of step metrics and evaluations: jsonl (always on), tensorboard, wandb, mlflow "
+        "(pip install 'opd-harness[tracking]')",
+    )
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     mode: Literal["sync", "async"] = Field("sync", description="pipeline: sync, or async (rollout worker + learner overlap)")
     executor: str = Field(
         "inprocess",
@@ -242,6 +267,14 @@ class TrainerConfig(Strict):
     max_grade_error_rate: float = Field(
         0.02, ge=0, le=1, description="stop the run when a step's share of grading errors exceeds this (as harness eval --max-error-rate)"
     )
+
+    @field_validator("loggers")
+    @classmethod
+    def _known_loggers(cls, loggers: list[str]) -> list[str]:
+        """Known trackers whose packages are installed, jsonl first; refused here, before anything is written."""
+        from harness.tracking import check_loggers
+
+        return check_loggers(loggers)
 
     @field_validator("executor")
     @classmethod

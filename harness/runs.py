@@ -18,9 +18,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from pydantic import ValidationError
 from rich.console import Console
+from rich.markup import escape
 
-from harness.config import ConfigError, RunConfig
+from harness.config import ConfigError, RunConfig, format_validation_error
 from harness.store import Store
 from harness.task import close_tasks
 
@@ -49,7 +51,11 @@ def plan_resume(store: Store, run_id: str):
     stored = store.get_run(run_id)
     if stored is None or stored["kind"] != "train":
         raise ConfigError(f"--resume: no training run {run_id!r} in {store.path}")
-    return plan_run(RunConfig.model_validate(stored["config"]))
+    try:
+        cfg = RunConfig.model_validate(stored["config"])
+    except ValidationError as exc:  # e.g. trainer.loggers names a tracker whose package is no longer installed
+        raise ConfigError(f"--resume {run_id}: the stored config is not valid here: {format_validation_error(exc, RunConfig)}") from None
+    return plan_run(cfg)
 
 
 class RunLocked(ConfigError):
@@ -84,6 +90,25 @@ def run_lock(run_dir: Path, run_id: str) -> Iterator[None]:
         handle.close()  # closing the descriptor releases the lock
 
 
+@contextmanager
+def run_trackers(cfg: RunConfig, store: Store, run_id: str, console: Console) -> Iterator[None]:
+    """``trainer.loggers`` for the block: the run's steps and evaluations also go to its trackers (harness/tracking.py).
+
+    A tracker that cannot start is a ConfigError naming ``trainer.loggers`` (the run is marked failed)."""
+    from harness.tracking import RunInfo, TrackerStartFailed, tracked
+
+    run_dir = store.run_dir(run_id)
+    method = run_dir / "method.json"
+    record = {**cfg.model_dump(), "method_json": json.loads(method.read_text()) if method.is_file() else None}
+    info = RunInfo(run_dir, run_id, **cfg.trainer.tracking.model_dump(exclude={"tags"}), tags=tuple(cfg.trainer.tracking.tags),
+                   config=record, files=(run_dir / "config.json", method))  # fmt: skip
+    try:
+        with tracked(store, cfg.trainer.loggers, info, lambda message: console.print(f"[yellow]warning:[/] {escape(message)}")):
+            yield
+    except TrackerStartFailed as exc:
+        raise ConfigError(f"trainer.loggers: {exc}") from exc
+
+
 def execute_run(plan, store: Store, run_id: str, *, resume: bool, console: Console) -> None:
     """Run a planned training run under its run lock; the store's status ends done, interrupted (Ctrl-C) or failed.
 
@@ -94,7 +119,8 @@ def execute_run(plan, store: Store, run_id: str, *, resume: bool, console: Conso
             if resume:
                 store.set_status(run_id, "running")
             try:
-                plan.pipeline.run(plan, store, run_id, resume=resume, console=console)
+                with run_trackers(plan.config, store, run_id, console):
+                    plan.pipeline.run(plan, store, run_id, resume=resume, console=console)
             except KeyboardInterrupt:
                 store.set_status(run_id, "interrupted")
                 raise

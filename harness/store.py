@@ -93,6 +93,15 @@ class Store:
         self._conn.execute("PRAGMA synchronous=NORMAL")
         self._conn.executescript(SCHEMA)
         self._add_missing_columns()
+        self._observers: dict[str, object] = {}  # run id -> its trackers (harness.tracking.Trackers)
+
+    def observe(self, run_id: str, observer: object | None) -> None:
+        """After each committed step or evaluation of ``run_id``, call ``observer.log_step(step, metrics)`` or
+        ``observer.log_eval(step, task, summary)`` (the run's trackers); None stops it."""
+        if observer is None:
+            self._observers.pop(run_id, None)
+        else:
+            self._observers[run_id] = observer
 
     def _add_missing_columns(self) -> None:
         """Bring a results file written by an older version up to the current schema (columns are only ever added)."""
@@ -162,6 +171,8 @@ class Store:
                 "INSERT OR REPLACE INTO step_metrics VALUES (?,?,?,?)",
                 [(run_id, step, name, encode_metric(value)) for name, value in metrics.items()],
             )
+        if (observer := self._observers.get(run_id)) is not None:
+            observer.log_step(step, metrics)
 
     def delete_steps_after(self, run_id: str, step: int) -> None:
         """Drop step rows past a resume point; they are recomputed identically from the checkpoint."""
@@ -215,6 +226,8 @@ class Store:
                     grader, grader_version, time.time(), json.dumps(extra) if extra else None,
                 ),
             )  # fmt: skip
+        if (observer := self._observers.get(run_id)) is not None:
+            observer.log_eval(step, task, summary)
 
     def evals(self, run_id: str | None = None) -> list[dict]:
         """Evaluation rows; ``metrics`` holds the summary's extra measurements (agentic rates, n_pass, ...)."""
