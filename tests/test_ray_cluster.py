@@ -43,6 +43,7 @@ def test_layout_needs_ray_and_eval_is_recorded_only():
         build_config(overrides=["trainer.layout.learner.num_cpus=1"])
     layout = build_config(overrides=["trainer.executor=ray", "trainer.layout.eval.replicas=4"]).trainer.layout
     assert layout.eval.replicas == 4 and layout.learner.replicas == 1
+    assert build_config(overrides=["trainer.executor=ray", "trainer.layout.rollout.replicas=3"]).trainer.layout.rollout.replicas == 3
     assert build_config(overrides=["trainer.executor=ray"]).trainer.layout is None  # no layout: today's actors, no placement groups
 
 

@@ -205,3 +205,50 @@ def test_an_error_inside_an_actor_reaches_the_driver_as_itself(ray_session):
     with pytest.raises(TeacherFailed) as caught:
         rx.ray_get(ray_session, score.remote())
     assert type(caught.value) is TeacherFailed and str(caught.value) == "teacher scoring failed at step 3 after 2 retries"
+
+
+def test_a_lost_rollout_actor_is_waited_for_then_its_batch_is_given_back(monkeypatch):
+    """While Ray restarts a dead rollout actor its calls fail fast (ActorUnavailableError): the driver side waits until
+    it answers again, forgets the weights it had loaded and raises RolloutLost (the worker re-queues the batch); an
+    actor that stays dead (its restarts used up) stops the run with one line."""
+    from types import SimpleNamespace
+
+    import ray.exceptions as rex
+
+    import trainers.ray_executor as rx
+    from trainers.loop import RolloutLost
+
+    answers: list = []
+
+    class Call:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def options(self, **_):
+            return self
+
+        def remote(self, *args):
+            return (self.name, self.name) if self.name == "generate" else self.name
+
+    class FakeRay:
+        exceptions = rex
+
+        def get(self, ref, timeout=None):
+            answer = answers.pop(0)
+            if isinstance(answer, BaseException):
+                raise answer
+            return answer
+
+    actor = SimpleNamespace(generate=Call("generate"), ready=Call("ready"), load_weights=Call("load"))
+    monkeypatch.setattr(rx.time, "sleep", lambda s: None)
+    rollout = rx.RayRollout(FakeRay(), SimpleNamespace(method=SimpleNamespace(needs=lambda h: set()), hparams=None), actor, None,
+                            SimpleNamespace(get=lambda v: "weights"))  # fmt: skip
+    rollout.load(4)
+    unavailable = rex.ActorUnavailableError("restarting", None)
+    answers[:] = [rex.ActorDiedError(), unavailable, unavailable, True]  # the batch dies; two tries while it restarts; back
+    with pytest.raises(RolloutLost, match="batch 7"):
+        rollout.make(7)
+    assert rollout.version == -1 and answers == []  # reloaded before its next batch
+    answers[:] = [rex.ActorDiedError(), rex.ActorDiedError()]  # dies again and is not restarted
+    with pytest.raises(RuntimeError, match="Ray did not restart it"):
+        rollout.make(8)
