@@ -40,6 +40,53 @@ def test_resume_takes_only_layout_overrides(tmp_path):
         plan_resume(store, "r1", ["trainer.layout.learner.replicas=0"])
 
 
+class _FakeRay:
+    """Just enough of Ray for ``RayLearner._get``: refs are rank indices, ``outcomes`` what each rank's call gives."""
+
+    class exceptions:  # noqa: N801 - mirrors ray.exceptions
+        class RayActorError(Exception):
+            pass
+
+    def __init__(self, outcomes: list) -> None:
+        self.outcomes, self.killed = outcomes, []
+
+    def wait(self, pending, num_returns=1, timeout=None):
+        return pending[:num_returns], pending[num_returns:]
+
+    def get(self, refs):
+        if isinstance(refs, list):
+            return [self.get(ref) for ref in refs]
+        if isinstance(self.outcomes[refs], Exception):
+            raise self.outcomes[refs]
+        return self.outcomes[refs]
+
+    def kill(self, actor) -> None:
+        self.killed.append(actor)
+
+
+def test_a_failed_rank_kills_the_others_and_is_named_in_one_line(tmp_path):
+    from types import SimpleNamespace
+
+    from trainers.ray_executor import LearnerRankFailed, RayLearner
+
+    store = SimpleNamespace(root=tmp_path, checkpoints=lambda run_id: [{"step": 2}, {"step": 4}])
+    session = SimpleNamespace(run_id="r1", store=store)
+    fake = _FakeRay(["rank 0", "rank 1"])
+    assert RayLearner(fake, ["a0", "a1"], session)._get([0, 1], "step 5") == ["rank 0", "rank 1"] and fake.killed == []
+    collective = RuntimeError("gloo: connection closed by peer")  # rank 0's all-reduce fails because rank 1 died
+    fake = _FakeRay([collective, _FakeRay.exceptions.RayActorError("the actor died unexpectedly")])
+    learner = RayLearner(fake, ["a0", "a1"], session)
+    with pytest.raises(LearnerRankFailed) as failed:
+        learner._get([0, 1], "step 5")
+    resume = f"harness run --resume r1 --out {tmp_path}"
+    assert str(failed.value) == f"learner rank 1 of 2 died while step 5; continue from its last checkpoint (step 4) with: {resume}"
+    assert fake.killed == ["a0", "a1"] and learner.killed
+    store.checkpoints = lambda run_id: []
+    fake = _FakeRay(["rank 0", ValueError("a batch of 1 samples cannot be split\nover 2 ranks")])
+    with pytest.raises(LearnerRankFailed, match=r"^learner rank 1 of 2 failed \(ValueError: over 2 ranks\) while step 1; continue"):
+        RayLearner(fake, ["a0", "a1"], session)._get([0, 1], "step 1")
+
+
 def _metric(db, run_id: str, name: str) -> dict[int, float]:
     with sqlite3.connect(db) as conn:
         return dict(conn.execute("SELECT step, value FROM step_metrics WHERE run_id=? AND name=?", (run_id, name)).fetchall())

@@ -294,6 +294,9 @@ class LearnerActor(ActorRole):
 
     def train(self, batch: TensorBatch, version: int, lrs: list[float]) -> LearnResult:
         """Train at learner version ``version`` with the learning rates of the driver's schedule (its ``Session`` steps it)."""
+        if self.shard is not None and batch.shape[0] < self.shard.world:
+            raise ValueError(f"a batch of {batch.shape[0]} samples cannot be split over trainer.layout.learner.replicas="
+                             f"{self.shard.world} ranks (each needs at least one)")  # fmt: skip
         for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
         metrics: dict[str, float] = {}
@@ -389,7 +392,8 @@ class RayLearner:
     def _failure_line(self, ray: ModuleType, failures: dict[int, Exception], doing: str) -> str:
         died = {i: e for i, e in failures.items() if isinstance(e, ray.exceptions.RayActorError)}
         rank, exc = min((died or failures).items())
-        what = "died" if rank in died else f"failed ({type(getattr(exc, 'cause', None) or exc).__name__})"
+        cause = getattr(exc, "cause", None) or exc  # a task's own exception, inside Ray's RayTaskError
+        what = "died" if rank in died else f"failed ({type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[-1][:300]})"
         checkpoints = self.session.store.checkpoints(self.session.run_id)
         resume = f"harness run --resume {self.session.run_id} --out {self.session.store.root}"
         last = f"its last checkpoint (step {checkpoints[-1]['step']})" if checkpoints else "the start (no checkpoint yet)"
