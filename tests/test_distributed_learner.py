@@ -3,6 +3,8 @@ norms, diagnostics, method state and weights of 1 rank on the same batch, for to
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.multiprocessing as mp
 import pytest
@@ -13,6 +15,7 @@ from harness.trajectory import TensorBatch
 from trainers.distributed import Shard, data_parallel, join_group, leave_group, rendezvous_port, shard_bounds
 from trainers.learner import train_step
 
+RANKS_TIMEOUT_S = 120.0
 VOCAB, ROWS, LENGTH, STEPS = 24, 5, 9, 3  # 5 rows over 2 ranks: uneven shards (3 + 2), a GRPO group split across them
 METHODS_UNDER_TEST = {
     "opd": {},  # token-mean over the batch's tokens
@@ -85,14 +88,19 @@ def _close(a, b, tol: float = 1e-5) -> bool:
     return a == pytest.approx(b, abs=tol, rel=tol, nan_ok=True)
 
 
-@pytest.mark.slow
 def test_two_ranks_give_the_update_of_one_rank(tmp_path):
     torch.set_num_threads(1)
     single = {name: method_steps(name, None) for name in METHODS_UNDER_TEST}
-    mp.spawn(_rank, args=(2, rendezvous_port(), str(tmp_path)), nprocs=2, join=True)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = mp.start_processes(_rank, args=(2, rendezvous_port(), str(tmp_path)), nprocs=2, join=False, start_method="fork")
+    deadline = time.monotonic() + RANKS_TIMEOUT_S  # forked (imports inherited: ~2 s, not ~40 s); a hang fails, it never blocks CI
+    while not ranks.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail(f"the 2 ranks did not finish in {RANKS_TIMEOUT_S:.0f}s")
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     for name, expected in single.items():
-        for rank in ranks:
+        for rank in results:
             got = rank[name]
             for step, (want, have) in enumerate(zip(expected["metrics"], got["metrics"], strict=True)):
                 assert set(want) == set(have), (name, step)

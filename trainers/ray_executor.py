@@ -2,7 +2,8 @@
 
 A rollout actor (its own copy of the student behind an HF backend) generates and grades batch b
 with the weights of version r; a teacher actor scores it; a learner actor (student, optimizer,
-method state; learning rates from the driver's schedule) trains on it and returns each version's
+method state; learning rates from the driver's schedule), or W data-parallel learner ranks
+(``trainer.layout.learner.replicas``, :mod:`trainers.distributed`), trains on it and returns each version's
 weights as an object in the object store. The driver runs the very loop of the in-process
 executor (``trainers.loop``: ``Schedule``, ``RolloutWorker``, ``drive``), so max_lag,
 fixed_lag, sync_every and refreshes mean the same, and records through the same ``Session``:
