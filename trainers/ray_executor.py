@@ -353,6 +353,12 @@ class RayLearner:
         lrs = [group["lr"] for group in self.session.optimizer.param_groups]  # set by the session's scheduler
         return self._get([rank.train.remote(batch, version, lrs) for rank in self.ranks], f"step {version + 1}")[0]
 
+    def form_group(self) -> tuple[str, str]:
+        """The ranks join one process group at rank 0's node address and a free port there; (backend, address:port)."""
+        address, port = self._get([self.actor.rendezvous.remote()], "finding the group's address")[0]
+        backends = self._get([rank.join.remote(address, port) for rank in self.ranks], "joining the group")
+        return backends[0], f"{address}:{port}"
+
     def snapshot(self) -> Any:
         return self.actor.weights.remote()  # an object ref: the weights stay in the object store
 
@@ -428,7 +434,7 @@ def start_actors(ray: ModuleType, plan, session: Session, threads: int, groups: 
     return rollout, scorer, learners
 
 
-def wait_ready(ray: ModuleType, actors: tuple, console: Console, placement: dict[str, str]) -> None:
+def wait_ready(ray: ModuleType, actors: tuple, console: Console, placement: dict[str, str], learner: RayLearner) -> None:
     """Block until every actor is constructed (start-up is not training time) and the learner ranks have formed their
     group; record the node each role runs on (``learner``: rank 0; ``learner_rank_<i>``: every rank, when there are several)."""
     started = time.perf_counter()
@@ -436,11 +442,10 @@ def wait_ready(ray: ModuleType, actors: tuple, console: Console, placement: dict
     ray.get([actor.ready.remote() for actor in (rollout, scorer, *learners)])
     placement.update(zip(PLACED_ROLES, ray.get([actor.node_id.remote() for actor in (rollout, scorer, learners[0])]), strict=True))
     if len(learners) > 1:
-        address, port = ray.get(learners[0].rendezvous.remote())
-        backends = ray.get([rank.join.remote(address, port) for rank in learners])
+        backend, rendezvous = learner.form_group()
         nodes = ray.get([rank.node_id.remote() for rank in learners])
         placement.update({f"learner_rank_{i}": node for i, node in enumerate(nodes)})
-        console.print(f"learner: {len(learners)} data-parallel ranks ({backends[0]}, rendezvous {address}:{port})")
+        console.print(f"learner: {len(learners)} data-parallel ranks ({backend}, rendezvous {rendezvous})")
     console.print(f"ray actors ready (rollout, teacher, learner); waited {time.perf_counter() - started:.1f}s after the step-0 evaluation")
     console.print("ray placement: " + ", ".join(f"{role} on node {node[:12]}" for role, node in placement.items()))
 
@@ -489,7 +494,7 @@ class RayExecutor:
                 yield Roles(
                     RayRollout(ray, plan, rollout, scorer, board),
                     ray_learner,
-                    ready=lambda: wait_ready(ray, actors, console, placement),
+                    ready=lambda: wait_ready(ray, actors, console, placement, ray_learner),
                     placement=placement,
                 )
         finally:
