@@ -133,7 +133,9 @@ def run(
     config: Annotated[Path | None, typer.Option("--config", help="YAML config file")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="dotted override KEY=VALUE, repeatable (e.g. trainer.lr=1e-5)")] = None,
     out: Annotated[Path, typer.Option(help="results root")] = Path("results"),
-    resume: Annotated[str | None, typer.Option(help="resume RUN_ID from its last checkpoint")] = None,
+    resume: Annotated[
+        str | None, typer.Option(help="resume RUN_ID from its last checkpoint (--set trainer.layout.* may change where its roles run)")
+    ] = None,
     data_dir: Annotated[Path | None, typer.Option(help="local data root laid out as DIR/<task>/... (default: $HARNESS_DATA_DIR)")] = None,
 ) -> None:
     """Train a student with METHOD on TASK, evaluating every checkpoint (Avg@k) into the store.
@@ -149,12 +151,12 @@ def run(
     try:
         check_data_dir(data_dir)
         if resume:
-            if any(v is not None for v in (method, task, mode, executor, preset, config)) or set_:
-                raise ConfigError("--resume continues a run with its stored config; drop the other options")
+            if any(v is not None for v in (method, task, mode, executor, preset, config)):
+                raise ConfigError("--resume continues a run with its stored config; drop the other options (--set trainer.layout.* only)")
             if not (out / "results.sqlite").is_file():
                 raise ConfigError(f"--resume {resume}: no results store at {out / 'results.sqlite'} (pass the run's --out)")
             store = Store(out)
-            plan, run_id = plan_resume(store, resume), resume
+            plan, run_id = plan_resume(store, resume, set_ or []), resume
             tasks_with_data_dir([plan.task, *plan.eval_tasks], data_dir)
         else:
             trainer = {key: value for key, value in (("mode", mode), ("executor", executor)) if value is not None}

@@ -135,13 +135,15 @@ def load_options(backend: type) -> list[str]:
 
 
 LAYOUT_ROLES = ("rollout", "teacher", "learner", "eval")
-SINGLE_REPLICA_ROLES = ("teacher", "learner")  # more replicas are later slices of the scale-out (rollout has N)
+SINGLE_REPLICA_ROLES = ("teacher",)  # roles refused more than one replica for now (rollout: N workers; learner: data-parallel ranks)
 
 
 class RoleLayout(Strict):
     """Where one role's replicas run on a Ray cluster: the resources of each replica and how they spread over nodes."""
 
-    replicas: int = Field(1, ge=1, description="actors of this role (rollout: N workers on one queue; teacher, learner: 1 for now)")
+    replicas: int = Field(
+        1, ge=1, description="actors of this role (rollout: N workers on one queue; learner: data-parallel ranks; teacher: only 1 for now)"
+    )
     num_cpus: float = Field(1.0, ge=0, description="logical CPUs per replica")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per replica")
     resources: dict[str, float] = Field(
@@ -312,6 +314,10 @@ class TrainerConfig(Strict):
             raise ValueError(f"trainer.ray_address={self.ray_address!r} is used only with --executor ray (trainer.executor=ray)")
         if self.layout is not None and self.executor != "ray":
             raise ValueError("trainer.layout places the roles on a Ray cluster: it is used only with --executor ray (trainer.executor=ray)")
+        ranks, samples = (self.layout.learner.replicas if self.layout else 1), self.prompts_per_step * self.samples_per_prompt
+        if ranks > samples:
+            raise ValueError(f"trainer.layout.learner.replicas={ranks}: more learner ranks than samples in a batch "
+                             f"(prompts_per_step × samples_per_prompt = {samples}); every rank needs at least one")  # fmt: skip
         return self
 
 

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
 
-from harness.config import ConfigError, RunConfig, format_validation_error
+from harness.config import ConfigError, RunConfig, deep_merge, format_validation_error, parse_override
 from harness.store import Store
 from harness.task import close_tasks
 
@@ -44,15 +44,25 @@ def create_train_run(store: Store, cfg: RunConfig, plan) -> str:
     return run_id
 
 
-def plan_resume(store: Store, run_id: str):
-    """The plan of a stored training run, for ``--resume``; raises ConfigError if there is none."""
+RESUME_OVERRIDABLE = "trainer.layout."  # where a resumed run's roles run may change (e.g. its learner ranks); what it trains may not
+
+
+def plan_resume(store: Store, run_id: str, layout_overrides: list[str] = ()):
+    """The plan of a stored training run, for ``--resume``, with ``trainer.layout.*`` overrides (e.g. resume onto another
+    number of learner ranks: the checkpoint does not depend on it); raises ConfigError if there is no such run or an
+    override is not a layout key."""
     from harness.plan import plan_run
 
     stored = store.get_run(run_id)
     if stored is None or stored["kind"] != "train":
         raise ConfigError(f"--resume: no training run {run_id!r} in {store.path}")
+    config = stored["config"]
+    for item in layout_overrides:
+        if not item.startswith(RESUME_OVERRIDABLE):
+            raise ConfigError(f"--resume continues a run with its stored config: only {RESUME_OVERRIDABLE}* may be --set (got {item!r})")
+        config = deep_merge(config, parse_override(item))
     try:
-        cfg = RunConfig.model_validate(stored["config"])
+        cfg = RunConfig.model_validate(config)
     except ValidationError as exc:  # e.g. trainer.loggers names a tracker whose package is no longer installed
         raise ConfigError(f"--resume {run_id}: the stored config is not valid here: {format_validation_error(exc, RunConfig)}") from None
     return plan_run(cfg)

@@ -23,7 +23,7 @@ LAG = ["--method", "f_opd", "--mode", "async", "--set", "trainer.fixed_lag=1", "
     [
         ("trainer.layout.rollout.replicas=0", "trainer.layout.rollout.replicas"),
         ("trainer.layout.critic.num_cpus=1", "trainer.layout.critic"),
-        ("trainer.layout.learner.replicas=2", "trainer.layout.learner.replicas=2"),
+        ("trainer.layout.learner.replicas=1000", "trainer.layout.learner.replicas=1000: more learner ranks than samples"),
         ("trainer.layout.rollout.replicas=-1", "trainer.layout.rollout.replicas"),
         ("trainer.layout.teacher.replicas=3", "trainer.layout.teacher.replicas=3"),
         ("trainer.layout.rollout.strategy=scatter", "trainer.layout.rollout.strategy"),

@@ -174,15 +174,16 @@ def test_actors_release_their_tasks_and_engines_before_they_are_killed(monkeypat
             log.append(f"kill {actor.name}")
 
     log.clear()
-    actors = ([FakeActor("rollout")], FakeActor("teacher"), FakeActor("learner"), ())
+    actors = ([FakeActor("rollout")], FakeActor("teacher"), [FakeActor("learner")], ())  # one rollout replica, one learner rank
+    learner_role = SimpleNamespace(killed=False, ranks=actors[2])
     monkeypatch.setattr(rx, "import_ray", lambda: FakeRay())
     monkeypatch.setattr(rx, "start_actors", lambda *a, **k: actors)
     monkeypatch.setattr(rx, "RayRollout", lambda *a, **k: "rollout role")
-    monkeypatch.setattr(rx, "RayLearner", lambda *a, **k: "learner role")
+    monkeypatch.setattr(rx, "RayLearner", lambda *a, **k: learner_role)
     plan = SimpleNamespace(config=SimpleNamespace(threads=1))
     session = SimpleNamespace(optimizer=None)
     with rx.RayExecutor().roles(plan, session, board=None, console=rx.Console(quiet=True)) as roles:
-        assert (roles.rollouts, roles.learner) == (["rollout role"], "learner role") and log == []
+        assert roles.rollouts == ["rollout role"] and roles.learner is learner_role and log == []
     assert log[:3] == ["close rollout", "close teacher", "close learner"]
     assert log[3].startswith("get ['rollout', 'teacher', 'learner']")
     assert log[4:] == ["kill rollout", "kill teacher", "kill learner"]

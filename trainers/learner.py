@@ -7,19 +7,29 @@ import torch
 from harness.backends.hf import scores_from_logits
 from harness.method import HParams, MethodSpec, StudentOutputs
 from harness.trajectory import TensorBatch
+from trainers.distributed import Shard, gather_rows, local_rows
 from trainers.objectives import masked_mean
 
 
-def student_outputs(model: torch.nn.Module, batch: TensorBatch, full: bool) -> tuple[StudentOutputs, torch.Tensor]:
-    """Current-student log-probs (and full distribution if asked) with gradient, plus detached entropy."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.float()
+def student_outputs(
+    model: torch.nn.Module, batch: TensorBatch, full: bool, shard: Shard | None = None
+) -> tuple[StudentOutputs, torch.Tensor]:
+    """Current-student log-probs (and full distribution if asked) with gradient, plus detached entropy.
+
+    With a ``shard`` the forward runs on this rank's rows only and the outputs are gathered into the global batch's
+    (:mod:`trainers.distributed`), so the objective sees every row."""
+    rows = batch.input_ids.shape[0]
+    ids, attention = local_rows(batch.input_ids, shard), local_rows(batch.attention_mask, shard)
+    logits = model(input_ids=ids, attention_mask=attention).logits.float()
     want = ("logprobs", "full") if full else ("logprobs", "entropy")
-    scores = scores_from_logits(logits, batch.input_ids, want)
+    scores = scores_from_logits(logits, ids, want)
     if full:
         entropy = -(scores["full"].exp() * scores["full"]).sum(-1).detach()
     else:
         entropy = scores["entropy"].detach()
-    return StudentOutputs(logprobs=scores["logprobs"], full=scores.get("full")), entropy
+    logprobs, dist_full = gather_rows(scores["logprobs"], shard, rows), scores.get("full")
+    dist_full = gather_rows(dist_full, shard, rows) if dist_full is not None else None
+    return StudentOutputs(logprobs=logprobs, full=dist_full), gather_rows(entropy, shard, rows)
 
 
 def train_step(
@@ -31,15 +41,19 @@ def train_step(
     state: object = None,
     *,
     grad_clip: float = 1.0,
+    shard: Shard | None = None,
 ) -> dict[str, float]:
     """One optimizer step of ``method`` on ``batch``; returns loss, grad norm, entropy and diagnostics.
+
+    With a ``shard`` (``model`` wrapped in DDP) this is one rank's part of the data-parallel step on the global ``batch``:
+    the same loss, global gradient norm, diagnostics and update on every rank (:mod:`trainers.distributed`).
 
     A non-finite loss or gradient norm is never applied: the update is skipped and reported as
     ``nonfinite = skipped = 1``; the driver then stops or goes on (``trainer.on_nonfinite``).
     """
     model.train()
     needs = method.needs(hparams)
-    outputs, entropy = student_outputs(model, batch, full="student_full" in needs)
+    outputs, entropy = student_outputs(model, batch, full="student_full" in needs, shard=shard)
     loss, diagnostics = method.objective(batch, outputs, hparams, state)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()

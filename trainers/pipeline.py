@@ -200,15 +200,18 @@ def teacher_phase(plan, teacher: Backend, batch: TensorBatch, metrics: dict, ste
             score_teacher(teacher, batch, want=teacher_wants(needs), top_k=top_k, retries=plan.config.teacher.step_retries, step=step)
 
 
-def learn(plan, model, optimizer, batch: TensorBatch, method_state, learner_version: int, metrics: dict) -> None:
-    """One optimizer step; policy lag = learner version − behaviour version, per sample."""
+def learn(plan, model, optimizer, batch: TensorBatch, method_state, learner_version: int, metrics: dict, shard=None) -> None:
+    """One optimizer step (one rank's part of it with a data-parallel ``shard``); policy lag = learner version − behaviour
+    version, per sample."""
     known = batch.policy_version >= 0  # reference responses have no behaviour version
     batch.policy_lag = torch.where(known, learner_version - batch.policy_version, 0).clamp(min=0)
     metrics["lag_mean"] = float(batch.policy_lag.float().mean())
     metrics["lag_max"] = float(batch.policy_lag.max())
     with timed("train", metrics):
         metrics.update(
-            train_step(model, optimizer, batch, plan.method, plan.hparams, method_state, grad_clip=plan.config.trainer.grad_clip)
+            train_step(
+                model, optimizer, batch, plan.method, plan.hparams, method_state, grad_clip=plan.config.trainer.grad_clip, shard=shard
+            )
         )
 
 

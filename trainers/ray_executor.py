@@ -6,7 +6,8 @@ weights of version r, every actor fed every version it needs (an object ref to t
 hf engine loads it directly, vLLM writes it to its own safetensors folder and reloads from there, as in
 process); a driver thread per actor takes batches
 from one shared queue; a teacher actor scores them; a learner actor (student, optimizer,
-method state; learning rates from the driver's schedule) trains on it and returns each version's
+method state; learning rates from the driver's schedule), or W data-parallel learner ranks
+(``trainer.layout.learner.replicas``, :mod:`trainers.distributed`), trains on it and returns each version's
 weights as an object in the object store. The driver runs the very loop of the in-process
 executor (``trainers.loop``: ``Schedule``, ``RolloutWorker``, ``drive``), so max_lag,
 fixed_lag, sync_every and refreshes mean the same, and records through the same ``Session``:
@@ -41,9 +42,11 @@ import torch
 from rich.console import Console
 
 from harness.backends.hf import HFBackend
+from harness.errors import TrainingAborted
 from harness.trajectory import TensorBatch
 from harness.task import close_tasks
 from harness.config import LAYOUT_ROLES, ConfigError, Layout, RoleLayout
+from trainers.distributed import Shard, backend_for, data_parallel, join_group, rendezvous_port
 from trainers.loop import MAX_ROLLOUT_LOSSES, LearnResult, Roles, RolloutLost, WeightBoard, state_snapshot
 from trainers.pipeline import (
     Session,
@@ -281,19 +284,44 @@ class TeacherActor(ActorRole):
 
 
 class LearnerActor(ActorRole):
-    """Learner role: student, optimizer and method state; one optimizer step per batch at the driver's learning rates."""
+    """Learner role: student, optimizer and method state; one optimizer step per batch at the driver's learning rates.
 
-    def __init__(self, config: dict, parts: tuple, threads: int) -> None:
+    One of ``world`` data-parallel ranks when ``world`` > 1: after :meth:`join` every rank trains its shard of each
+    global batch in one torch.distributed group (:mod:`trainers.distributed`); all ranks then hold the same weights,
+    optimizer and method state, and the driver reads rank 0's."""
+
+    def __init__(self, config: dict, parts: tuple, threads: int, rank: int = 0, world: int = 1) -> None:
         _setup_actor(threads)
         self.plan = _plan(config)
         self.model, self.optimizer, self.method_state = parts  # one pickle: the optimizer still holds this model's parameters
+        self.shard = Shard(rank, world) if world > 1 else None
+        self.trained = self.model  # the DDP wrapper once the rank has joined its group
+
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0's node address and a free port on it: where the group's ranks meet."""
+        import ray
+
+        return ray.util.get_node_ip_address(), rendezvous_port()
+
+    def join(self, address: str, port: int) -> str:
+        """Join the learner ranks' process group at ``address:port`` and wrap the model in DDP; returns the backend."""
+        backend = backend_for(self.model)
+        join_group(address, port, self.shard, backend)
+        self.trained = data_parallel(self.model)
+        return backend
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def train(self, batch: TensorBatch, version: int, lrs: list[float]) -> LearnResult:
         """Train at learner version ``version`` with the learning rates of the driver's schedule (its ``Session`` steps it)."""
+        if self.shard is not None and batch.shape[0] < self.shard.world:
+            raise ValueError(f"a batch of {batch.shape[0]} samples cannot be split over trainer.layout.learner.replicas="
+                             f"{self.shard.world} ranks (each needs at least one)")  # fmt: skip
         for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
         metrics: dict[str, float] = {}
-        learn(self.plan, self.model, self.optimizer, batch, self.method_state, version, metrics)
+        learn(self.plan, self.trained, self.optimizer, batch, self.method_state, version, metrics, shard=self.shard)
         return LearnResult(metrics, batch.policy_lag.tolist(), response_lengths(batch))
 
     def weights(self) -> dict[str, torch.Tensor]:
@@ -359,22 +387,39 @@ class RayRollout:
                                    f"(at most {ROLLOUT_RESTARTS} restarts)") from None  # fmt: skip
 
 
-class RayLearner:
-    """Driver side of the learner actor, for ``drive``: train by ref, weights as refs, state pulled into the session."""
+class LearnerRankFailed(TrainingAborted):
+    """A learner rank died (or its step failed): the run stops ``failed``; its last checkpoint resumes onto any number of ranks."""
 
-    def __init__(self, ray: ModuleType, actor: Any, session: Session) -> None:
-        self.ray, self.actor, self.session = ray, actor, session
+
+class RayLearner:
+    """Driver side of the learner ranks, for ``drive``: every rank trains each batch (by ref); weights as refs and the
+    state pulled into the session come from rank 0. A rank that fails kills the others (they would wait for it in
+    their collectives) and stops the run with :class:`LearnerRankFailed`."""
+
+    def __init__(self, ray: ModuleType, ranks: list[Any], session: Session) -> None:
+        self.ray, self.ranks, self.session = ray, ranks, session
+        self.killed = False
+
+    @property
+    def actor(self) -> Any:
+        return self.ranks[0]
 
     def train(self, batch: Any, version: int) -> LearnResult:
         lrs = [group["lr"] for group in self.session.optimizer.param_groups]  # set by the session's scheduler
-        return self.ray.get(self.actor.train.remote(batch, version, lrs))
+        return self._get([rank.train.remote(batch, version, lrs) for rank in self.ranks], f"step {version + 1}")[0]
+
+    def form_group(self) -> tuple[str, str]:
+        """The ranks join one process group at rank 0's node address and a free port there; (backend, address:port)."""
+        address, port = self._get([self.actor.rendezvous.remote()], "finding the group's address")[0]
+        backends = self._get([rank.join.remote(address, port) for rank in self.ranks], "joining the group")
+        return backends[0], f"{address}:{port}"
 
     def snapshot(self) -> Any:
         return self.actor.weights.remote()  # an object ref: the weights stay in the object store
 
     def pull(self) -> None:
         """Copy the learner's weights, optimizer and method state into the session before it checkpoints/evaluates."""
-        state = self.ray.get(self.actor.state.remote())
+        state = self._get([self.actor.state.remote()], "reading its state")[0]
         optimizer = self.session.optimizer
         lrs = [group["lr"] for group in optimizer.param_groups]  # the schedule is the session's: it stepped already
         self.session.student.model.load_state_dict(state["model"])
@@ -383,6 +428,44 @@ class RayLearner:
             group["lr"] = lr
         if self.session.method_state is not None:
             self.session.method_state.load_state_dict(state["method_state"])
+
+    def _get(self, refs: list[Any], doing: str) -> list[Any]:
+        """Every rank's result, or :class:`LearnerRankFailed` as soon as one rank fails (a dead rank named before one whose
+        collective failed because of it)."""
+        ray, pending, failures = self.ray, list(refs), {}
+        while pending and not failures:
+            done, pending = ray.wait(pending, num_returns=1)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except Exception as exc:  # noqa: BLE001 - any rank's failure stops the run, reported below
+                    failures[refs.index(ref)] = exc
+        if failures:
+            if pending:  # the others fail soon after, or wait for the failed rank forever
+                for ref in ray.wait(pending, num_returns=len(pending), timeout=2.0)[0]:
+                    try:
+                        ray.get(ref)
+                    except Exception as exc:  # noqa: BLE001
+                        failures[refs.index(ref)] = exc
+            self.kill()
+            raise LearnerRankFailed(self._failure_line(ray, failures, doing)) from None
+        return ray.get(refs)
+
+    def _failure_line(self, ray: ModuleType, failures: dict[int, Exception], doing: str) -> str:
+        died = {i: e for i, e in failures.items() if isinstance(e, ray.exceptions.RayActorError)}
+        rank, exc = min((died or failures).items())
+        cause = getattr(exc, "cause", None) or exc  # a task's own exception, inside Ray's RayTaskError
+        what = "died" if rank in died else f"failed ({type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[-1][:300]})"
+        checkpoints = self.session.store.checkpoints(self.session.run_id)
+        resume = f"harness run --resume {self.session.run_id} --out {self.session.store.root}"
+        last = f"its last checkpoint (step {checkpoints[-1]['step']})" if checkpoints else "the start (no checkpoint yet)"
+        return f"learner rank {rank} of {len(self.ranks)} {what} while {doing}; continue from {last} with: {resume}"
+
+    def kill(self) -> None:
+        """Stop every rank now (they hold no sandboxes: the learner's plan only trains)."""
+        for rank in self.ranks:
+            self.ray.kill(rank)
+        self.killed = True
 
 
 def rollout_replicas(plan) -> int:
@@ -398,9 +481,9 @@ def replica_names(role: str, replicas: int) -> list[str]:
 
 def start_actors(
     ray: ModuleType, plan, session: Session, threads: int, groups: dict[str, Any] | None = None
-) -> tuple[list, Any, Any, tuple]:
-    """(rollout actors, teacher, learner, pinned), seeded with the session's current models and optimizer state, each
-    in its role's placement group when the run has a layout (rollout replica i in bundle i). ``pinned`` holds the
+) -> tuple[list, Any, list, tuple]:
+    """(rollout actors, teacher, learner ranks, pinned), seeded with the session's current models and optimizer state, each
+    in its role's placement group when the run has a layout (rollout replica i, learner rank i in bundle i). ``pinned`` holds the
     object refs a restarted rollout actor is constructed from again: the caller keeps it for as long as the actors live
     (Ray frees a ``ray.put`` object once no ref to it is left, and a restart would then fail)."""
     config = plan.config.model_dump(mode="json")
@@ -420,15 +503,22 @@ def start_actors(
     shipped = ray.put(teacher.model) if isinstance(teacher, HFBackend) else None  # a remote teacher is reopened in the actor
     scorer = remote(TeacherActor, "teacher").remote(config, shipped, teacher.tokenizer, session.student_path, threads)
     parts = ray.put((student.model, session.optimizer, session.method_state))
-    learner = remote(LearnerActor, "learner").remote(config, parts, threads)
-    return rollouts, scorer, learner, (shipped_student, problems)
+    world = layout.learner.replicas if layout is not None else 1
+    learners = [remote(LearnerActor, "learner", rank).remote(config, parts, threads, rank, world) for rank in range(world)]
+    return rollouts, scorer, learners, (shipped_student, problems)
 
 
-def wait_ready(ray: ModuleType, actors: list, names: list[str], console: Console, placement: dict[str, str]) -> None:
-    """Block until every actor is constructed (start-up is not training time); record the node each one (``names``) runs on."""
+def wait_ready(ray: ModuleType, actors: list, names: list[str], console: Console, placement: dict[str, str], learner: RayLearner) -> None:
+    """Block until every actor is constructed (start-up is not training time) and the learner ranks have formed their
+    group; record the node each one (``names``; ``learner``: rank 0) runs on, and ``learner_rank_<i>`` when there are several."""
     started = time.perf_counter()
-    ray_get(ray, [actor.ready.remote() for actor in actors])
+    ray_get(ray, [actor.ready.remote() for actor in [*actors, *learner.ranks[1:]]])
     placement.update(zip(names, ray.get([actor.node_id.remote() for actor in actors]), strict=True))
+    if len(learner.ranks) > 1:
+        backend, rendezvous = learner.form_group()
+        nodes = ray.get([rank.node_id.remote() for rank in learner.ranks])
+        placement.update({f"learner_rank_{i}": node for i, node in enumerate(nodes)})
+        console.print(f"learner: {len(learner.ranks)} data-parallel ranks ({backend}, rendezvous {rendezvous})")
     console.print(f"ray actors ready ({', '.join(names)}); waited {time.perf_counter() - started:.1f}s after the step-0 evaluation")
     console.print("ray placement: " + ", ".join(f"{role} on node {node[:12]}" for role, node in placement.items()))
 
@@ -467,25 +557,27 @@ class RayExecutor:
     @contextmanager
     def roles(self, plan, session: Session, board: WeightBoard, console: Console) -> Iterator[Roles]:
         ray = import_ray()
-        rollouts, scorer, learner, pinned = start_actors(ray, plan, session, plan.config.threads or 1, self.groups)  # start in step-0 eval
-        actors = [*rollouts, scorer, learner]
+        rollouts, scorer, learners, pinned = start_actors(ray, plan, session, plan.config.threads or 1, self.groups)  # start in step-0 eval
+        actors = [*rollouts, scorer, learners[0]]
         names = [*replica_names("rollout", len(rollouts)), "teacher", "learner"]
+        ray_learner = RayLearner(ray, learners, session)
         placement: dict[str, str] = {}
         try:
             with warnings.catch_warnings():  # the session's optimizer mirrors the learner's, so only its scheduler steps
                 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before", category=UserWarning)
                 yield Roles(
                     [RayRollout(ray, plan, rollout, scorer, board) for rollout in rollouts],
-                    RayLearner(ray, learner, session),
-                    ready=lambda: wait_ready(ray, actors, names, console, placement),
+                    ray_learner,
+                    ready=lambda: wait_ready(ray, actors, names, console, placement, ray_learner),
                     placement=placement,
                 )
         finally:
+            every = [*rollouts, scorer, *([] if ray_learner.killed else learners)]  # killed learner ranks have nothing to close
             try:  # a kill skips the actors' exit hooks: their sandbox containers and engines are released first
-                ray.get([actor.close.remote() for actor in actors], timeout=CLOSE_TIMEOUT_S)
+                ray.get([actor.close.remote() for actor in every], timeout=CLOSE_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - a dead or stuck actor must not keep the others alive
                 console.print(f"[yellow]warning:[/] ray actors did not close cleanly ({type(exc).__name__}: {exc}); killing them")
-            for actor in actors:
+            for actor in every:
                 ray.kill(actor)
             del pinned  # the rollout actors' constructor arguments, kept alive for their restarts until here
 
