@@ -291,7 +291,7 @@ def evaluate_task(
     those of the shards run now."""
     started = time.perf_counter()
     shards = shard_problems(problems, k, shard_size)
-    keys = [shard_key(task, shard, k, sampling, index) for index, shard in enumerate(shards)]
+    keys = [shard_key(task, shard, k, sampling, index) for index, shard in enumerate(shards)] if stage is not None else []
     done: dict[int, list[SampleRow]] = {}
     if stage is not None:
         done = {i: rows for i, key in enumerate(keys) if (rows := stage.load(key)) is not None}

@@ -13,6 +13,7 @@ Ray is imported here only, and this module only when the executor is ray.
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter, deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,6 +32,7 @@ from trainers.pipeline import close_rollout_backend
 from trainers.ray_executor import CLOSE_TIMEOUT_S, ActorRole, _setup_actor, ray_runtime
 
 MAX_RESTARTS = 3  # Ray restarts a dead evaluation worker this often
+PROBE_INTERVAL_S = 0.5  # how often a restarting worker is asked whether it is back
 MAX_SHARD_ATTEMPTS = 3  # a shard whose worker died this often stops the evaluation (something kills every attempt)
 WORKER_THREADS = 1  # torch threads (and Ray CPUs) per worker
 
@@ -90,20 +92,25 @@ class RayShards:
     ) -> Iterator[tuple[int, list[SampleRow], list]]:
         ray = self.ray
         pending, idle, attempts = deque(shards), deque(self.workers), Counter()
-        inflight: dict[Any, tuple[int, Any]] = {}
+        inflight: dict[Any, tuple[int, Any]] = {}  # shard call -> (shard, worker)
+        probes: dict[Any, Any] = {}  # ``ready`` call -> a worker that died, until it is back
         try:
             while pending or inflight:
                 while pending and idle:
                     index, worker = pending.popleft(), idle.popleft()
                     inflight[worker.run_shard.remote(task.name, shards[index], k, sampling, index)] = (index, worker)
-                (ref,), _ = ray.wait(list(inflight), num_returns=1)
+                if not inflight and not probes:
+                    raise EvalWorkersFailed(f"{task.name}: every evaluation worker died for good ({len(pending)} shards left)")
+                (ref,), _ = ray.wait([*inflight, *probes], num_returns=1)
+                if ref in probes:
+                    self._probed(ref, probes, idle)
+                    continue
                 index, worker = inflight.pop(ref)
-                idle.append(worker)
                 try:
                     rows = ray.get(ref)
                 except ray.exceptions.RayTaskError as exc:
                     raise task_error(ray, exc) from None
-                except ray.exceptions.RayActorError as exc:  # the worker died (it is restarted): the shard goes back
+                except ray.exceptions.RayActorError as exc:  # the worker died (Ray restarts it): the shard goes back
                     attempts[index] += 1
                     if attempts[index] >= MAX_SHARD_ATTEMPTS:
                         raise EvalWorkersFailed(f"{task.name} shard {index}: its evaluation worker died {attempts[index]} times") from None
@@ -111,7 +118,9 @@ class RayShards:
                     self.console.print(f"[yellow]warning:[/] {task.name} shard {index}: evaluation worker died "
                                        f"({type(exc).__name__}); shard re-queued")  # fmt: skip
                     pending.appendleft(index)
+                    probes[worker.ready.remote()] = worker
                     continue
+                idle.append(worker)
                 yield index, rows, []
         finally:
             for ref in inflight:  # interrupted: what is still running is dropped, not waited for
@@ -119,6 +128,21 @@ class RayShards:
                     ray.cancel(ref, force=False)
                 except Exception:  # noqa: BLE001 - the worker may be gone already; the workers are killed next
                     pass
+
+    def _probed(self, ref: Any, probes: dict[Any, Any], idle: deque) -> None:
+        """A dead worker's ``ready`` answered: back to work once restarted, probed again while restarting, dropped when
+        Ray gave up on it (or it cannot load the model again)."""
+        ray, worker = self.ray, probes.pop(ref)
+        try:
+            failure = ray.get(ref)
+        except ray.exceptions.ActorDiedError:
+            return
+        except ray.exceptions.RayActorError:  # still restarting
+            time.sleep(PROBE_INTERVAL_S)
+            probes[worker.ready.remote()] = worker
+            return
+        if failure is None:
+            idle.append(worker)
 
 
 def start_workers(ray: ModuleType, spec: EvalWorkerSpec, count: int, console: Console) -> list[Any]:
