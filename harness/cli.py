@@ -357,7 +357,7 @@ def eval_(
     else:
         spec = EvalWorkerSpec(backend, model, options, task_args, data_dir)
         shards = lambda: EVAL_EXECUTORS.get(executor).open(spec, workers=workers or 1, address=ray_address, console=console)  # noqa: E731
-    errors: tuple[type[BaseException], ...] = (ValueError, EvalWorkersFailed)
+    errors: tuple[type[BaseException], ...] = (ValueError,)
     if backend == "openai":
         import openai
 
@@ -374,7 +374,7 @@ def eval_(
             store.set_status(run_id, "running")
         else:
             store.create_run(run_id, kind="eval", config=config, task=",".join(names), model=model)
-        stage = ShardStage(store.run_dir(run_id) / "eval_shards" / "step0")
+        stage = ShardStage.of_run(store, run_id, 0)
         try:
             for t in tasks:
                 if store.has_eval(run_id, 0, t.name):  # stored before the interruption
@@ -390,6 +390,9 @@ def eval_(
         except errors as exc:  # e.g. a replay file without enough samples, an unreachable server, workers that keep dying
             store.set_status(run_id, "failed")
             raise _fail(str(exc)) from None
+        except EvalWorkersFailed as exc:  # infrastructure: workers that keep dying (the finished shards stay staged)
+            store.set_status(run_id, "failed")
+            raise _fail(f"{exc}; continue with: harness eval --resume {run_id} --out {out} (and the same options)", 1) from None
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the finished shards stay staged
             store.set_status(run_id, "interrupted")
             raise _fail(f"interrupted; continue with: harness eval --resume {run_id} --out {out} (and the same options)", 130) from None

@@ -253,6 +253,11 @@ class ShardStage:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
 
+    @classmethod
+    def of_run(cls, store: Store, run_id: str, step: int) -> "ShardStage":
+        """The staging folder of (run, step): ``runs/<run_id>/eval_shards/step<step>`` (made when a shard is staged)."""
+        return cls(store.root / "runs" / run_id / "eval_shards" / f"step{step}")
+
     def _path(self, task: str, index: int) -> Path:
         return self.folder / quote(task, safe="") / f"{index:06d}.json"
 
@@ -278,6 +283,11 @@ class ShardStage:
     def clear(self, task: str) -> None:
         """Drop a task's staged shards once its results are stored."""
         shutil.rmtree(self.folder / quote(task, safe=""), ignore_errors=True)
+        for folder in (self.folder, self.folder.parent, self.folder.parent.parent):  # step, eval_shards, the run's folder
+            try:
+                folder.rmdir()  # only when empty: nothing else of the run is touched
+            except OSError:
+                break
 
 
 def evaluate_task(

@@ -203,7 +203,7 @@ def test_ray_eval_of_a_docker_code_task_and_a_retool_replay_equals_in_process(tm
     (right and wrong agents): the sharded eval stores exactly the in-process eval's samples and scores."""
     from harness.plan import make_task
 
-    data = benchmark_data("humaneval_plus/HumanEvalPlus-v0.1.10.jsonl", "aime24/test.jsonl")
+    data = benchmark_data(f"humaneval_plus/{TASKS.get('humaneval_plus').file_name}", "aime24/test.jsonl")
     code = make_task("humaneval_plus", {}).load("test", data)[:3]
     lines = [{"task": "humaneval_plus", "id": p.id, "completion": f"```python\n{p.solution if i != 1 else 'def nothing(): pass'}\n```"}
              for i, p in enumerate(code)]  # fmt: skip
