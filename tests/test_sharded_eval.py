@@ -18,10 +18,14 @@ from harness.cli import app
 from harness.evaluation import EVAL_SHARD_SAMPLES, evaluate_shard, evaluate_task, shard_problems, shard_seed
 from harness.registry import TASKS
 from tasks.synthetic.arith import ArithOptions
+import test_swebench
 
 ArithTask = TASKS.get("arith")  # named by the registry, as the CLI makes it
 
 runner = CliRunner()
+tiny = test_swebench.tiny  # the tiny SWE-bench instance (a module fixture) and its repository's specs
+TINY_SPECS = {test_swebench.VERSION: {"python": "3.9", "test_cmd": "python -m unittest -v"},
+              test_swebench.RUNNER_VERSION: {"python": "3.9", "test_cmd": "python tests/runtests.py"}}  # fmt: skip
 SHORT = ArithOptions(max_new_tokens=12)  # tiny-model completions stay short: fast on CPU
 TINY_ARGS = ["--task", "arith", "--k", "2", "--limit", "6", "--shard-size", "2", "--task-arg", "arith.max_new_tokens=12", "--json"]
 
@@ -224,3 +228,37 @@ def test_ray_eval_of_a_docker_code_task_and_a_retool_replay_equals_in_process(tm
     summaries = json.loads(sharded.stdout)["tasks"]
     assert summaries["humaneval_plus"]["n_pass"] == 2 and summaries["retool:aime24"]["n_pass"] == 2
     assert summaries["retool:aime24"]["shards"] == 3 and summaries["retool:aime24"]["mean_tool_calls"] > 0
+
+
+
+@pytest.mark.slow
+@pytest.mark.docker
+def test_ray_eval_of_a_swebench_replay_grades_on_the_worker(tiny, tmp_path, ray_cluster):
+    """The tiny SWE-bench instance (its repository registered in the workers too, by a Ray setup hook): the gold patch
+    and one that breaks PASS_TO_PASS, graded on the workers in the images they build or find, equal the in-process eval."""
+    import functools
+
+    import ray
+
+    from tasks.swebench import upstream
+
+    root, patches = tiny
+    data = root / "data"
+    model = tmp_path / "patches.jsonl"
+    rows = [{"task": "swebench", "id": test_swebench.IID, "completion": patches[name]} for name in ("gold", "breaks_p2p")]
+    model.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    base = ["eval", "--task", "swebench", "--backend", "replay", "--model", str(model), "--k", "2", "--shard-size", "1", "--json",
+            "--data-dir", str(data), "--task-arg", f"swebench.dataset={data / 'swebench' / 'tiny.jsonl'}",
+            "--task-arg", f"swebench.cache_dir={root / 'cache'}"]  # fmt: skip
+    inproc = runner.invoke(app, [*base, "--out", str(tmp_path / "inproc")])
+    assert inproc.exit_code == 0, inproc.output
+    hook = functools.partial(upstream.register_repo, test_swebench.REPO, TINY_SPECS, parser="django/django")
+    hook.__name__ = "register_tinycalc"  # Ray names a setup hook by it
+    ray.init(address=ray_cluster.address, runtime_env={"worker_process_setup_hook": hook}, logging_level="ERROR")
+    try:  # the eval joins this Ray (initialised already) and leaves it running
+        sharded = runner.invoke(app, [*base, "--executor", "ray", "--workers", "1", "--out", str(tmp_path / "ray")])
+    finally:
+        ray.shutdown()
+    assert sharded.exit_code == 0, sharded.output
+    assert stored_samples(tmp_path / "ray") == stored_samples(tmp_path / "inproc")
+    assert [row[-1] for row in stored_samples(tmp_path / "ray")] == ["pass", "fail"]
