@@ -216,6 +216,47 @@ def _print_run_summary(store, run_id: str, plan, seconds: float) -> None:
     stdout.print(f"wall time: {seconds:.0f}s")
 
 
+EVAL_EXECUTOR_KEYS = ("executor", "workers", "ray_address")  # config keys that say where an eval ran, not what it measured
+
+
+def check_eval_executor(executor: str, workers: int | None, ray_address: str | None, shard_size: int | None) -> None:
+    """``harness eval``'s placement flags: exit 2 naming the flag when a value is bad or needs ``--executor ray``."""
+    if executor != "inprocess":
+        from harness.registry import EVAL_EXECUTORS
+
+        try:
+            EVAL_EXECUTORS.get(executor)
+        except RegistryError as exc:
+            raise ConfigError(f"--executor {executor!r}: {exc} (or inprocess)") from None
+    elif workers is not None or ray_address is not None:
+        flag = "--workers" if workers is not None else "--ray-address"
+        raise ConfigError(f"{flag} needs --executor ray (the in-process evaluation runs in this process)")
+    if workers is not None and workers < 1:
+        raise ConfigError(f"--workers must be at least 1, got {workers}")
+    if shard_size is not None and shard_size < 1:
+        raise ConfigError(f"--shard-size must be at least 1 problem, got {shard_size}")
+
+
+def resumed_eval(store, run_id: str, config: dict) -> None:
+    """``harness eval --resume RUN_ID``: the stored eval run must have measured what this command measures (exit 2)."""
+    run = store.get_run(run_id)
+    if run is None or run["kind"] != "eval":
+        raise ConfigError(f"--resume {run_id}: no eval run of that id in {store.path} (pass the run's --out)")
+    stored = {k: v for k, v in run["config"].items() if k not in EVAL_EXECUTOR_KEYS}
+    wanted = {k: v for k, v in config.items() if k not in EVAL_EXECUTOR_KEYS}
+    differ = sorted(key for key in stored.keys() | wanted.keys() if stored.get(key) != wanted.get(key))
+    if differ:
+        raise ConfigError(f"--resume {run_id}: the run was started with other {', '.join(differ)} (give the same options to resume it)")
+
+
+def stored_summary(store, run_id: str, task: str) -> dict:
+    """A stored evaluation's summary as ``evaluate_task`` returned it (for a task a resumed eval had finished)."""
+    row = next(e for e in store.evals(run_id) if e["task"] == task)
+    columns = {"k": row["k"], "n_samples": row["n"], "n_problems": row["n_problems"], "avg_at_k": row["avg_at_k"],
+               "ci_low": row["ci_low"], "ci_high": row["ci_high"], "pass_at_k": row["pass_at_k"], "n_errors": row["n_errors"]}  # fmt: skip
+    return {**row["metrics"], **columns, "grader": f"{row['grader']}/{row['grader_version']}"}
+
+
 @app.command("eval")
 @_closes_tasks
 def eval_(
@@ -246,16 +287,27 @@ def eval_(
         list[str] | None,
         typer.Option("--logger", help="also log the results to a tracker, repeatable: tensorboard, wandb, mlflow (jsonl always)"),
     ] = None,
+    executor: Annotated[str, typer.Option(help="where the shards run: inprocess (this process) or ray (evaluation workers)")] = "inprocess",
+    ray_address: Annotated[str | None, typer.Option(help="Ray cluster to join (--executor ray; default: a local Ray)")] = None,
+    workers: Annotated[int | None, typer.Option(help="evaluation workers (--executor ray; default 1), spread over the nodes")] = None,
+    shard_size: Annotated[
+        int | None, typer.Option(help="problems per shard, all k samples of a problem in one (default: as many as fill 64 samples)")
+    ] = None,
+    resume: Annotated[str | None, typer.Option(help="continue the interrupted eval RUN_ID (same options); staged shards are kept")] = None,
 ) -> None:
     """Evaluate one model or checkpoint on one or more tasks; rows go to the store.
 
-    Every task's problems are loaded and validated before the model is loaded and the run row created.
+    Every task's problems are loaded and validated before the model is loaded and the run row created. The problems
+    are rolled out in shards (in this process, or on Ray evaluation workers); finished shards are staged under the
+    run's folder, so ``--resume`` redoes none of them, and each task's results are stored in one transaction.
     """
+    from contextlib import ExitStack, nullcontext
+
     from harness.backends import SamplingParams
-    from harness.evaluation import describe_episodes, evaluate_task, store_eval
+    from harness.evaluation import EvalWorkersFailed, EvalWorkerSpec, LocalShards, ShardStage, describe_episodes, evaluate_task, store_eval
     from harness.leaderboard import leaderboard_rows, render_table
     from harness.plan import load_problems, make_task
-    from harness.registry import BACKENDS
+    from harness.registry import BACKENDS, EVAL_EXECUTORS
     from harness.store import Store
     from harness.runs import new_run_id
     from harness.tracking import RunInfo, TrackerStartFailed, check_loggers, open_trackers
@@ -267,6 +319,7 @@ def eval_(
     except ValueError as exc:
         raise _fail(f"--logger: {exc}") from None
     try:
+        check_eval_executor(executor, workers, ray_address, shard_size)
         check_data_dir(data_dir)
         task_args: dict = {}
         for item in task_arg or []:
@@ -286,14 +339,6 @@ def eval_(
         if not sep or not key.strip():
             raise _fail(f"--backend-option {item!r}: expected KEY=VALUE")
         options[key.strip()] = yaml.safe_load(value) if value else value  # "8" -> 8, URLs stay strings
-    if backend == "hf":
-        options.setdefault("show_progress", sys.stderr.isatty())  # a generation progress bar on terminals
-    try:
-        engine = backend_cls.load(model, **options)
-    except (OSError, ValueError, TypeError, RuntimeError) as exc:  # TypeError: an unknown option; RuntimeError: vllm missing
-        raise _fail(str(exc)) from None
-    store = Store(out)
-    run_id = new_run_id("eval", "+".join(names))
     config = {
         "task_args": task_args,
         "backend_options": {k: v for k, v in options.items() if k != "api_key"},
@@ -305,36 +350,76 @@ def eval_(
         "temperature": temperature,
         "top_p": top_p,
         "seed": seed,
+        "shard_size": shard_size,
+        "executor": executor,
+        "workers": workers,
+        "ray_address": ray_address,
     }
-    store.create_run(run_id, kind="eval", config=config, task=",".join(names), model=model)
+    store = Store(out) if resume else None  # a new eval's store is opened once the model is loaded
     try:
-        info = RunInfo(store.run_dir(run_id), run_id, config=config)
-        trackers = open_trackers(loggers, info, lambda message: console.print(f"[yellow]warning:[/] {escape(message)}"))
-    except TrackerStartFailed as exc:
-        store.set_status(run_id, "failed")
-        raise _fail(f"--logger: {exc}") from None
-    store.observe(run_id, trackers)
+        if resume:
+            resumed_eval(store, resume, config)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+    if executor == "inprocess":
+        if backend == "hf":
+            options.setdefault("show_progress", sys.stderr.isatty())  # a generation progress bar on terminals
+        shards = lambda: nullcontext(LocalShards(backend_cls.load(model, **options)))  # noqa: E731
+    else:
+        spec = EvalWorkerSpec(backend, model, options, task_args, data_dir)
+        shards = lambda: EVAL_EXECUTORS.get(executor).open(spec, workers=workers or 1, address=ray_address, console=console)  # noqa: E731
     errors: tuple[type[BaseException], ...] = (ValueError,)
     if backend == "openai":
         import openai
 
         errors += (openai.OpenAIError,)
     summaries = {}
-    try:
-        for t in tasks:
-            sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=t.options.max_new_tokens, seed=seed)
-            result = evaluate_task(engine, t, problems_of[t.name], k=k or t.options.k, sampling=sampling)
-            store_eval(store, run_id, 0, result)
-            summaries[t.name] = {**result.summary, "grader": "/".join(result.grader)}
-    except errors as exc:  # e.g. a replay file without enough samples, an unreachable server
-        store.set_status(run_id, "failed")
-        raise _fail(str(exc)) from None
-    except BaseException:  # anything else (Ctrl-C included) still leaves no run marked running
-        store.set_status(run_id, "failed")
-        raise
-    finally:
-        store.observe(run_id, None)
-        trackers.close(ok=len(summaries) == len(tasks))
+    with ExitStack() as stack:
+        try:  # the model is loaded (here, or by every worker) before the run row exists
+            runner = stack.enter_context(shards())
+        except (OSError, ValueError, TypeError, RuntimeError) as exc:  # TypeError: an unknown option; RuntimeError: vllm or ray missing
+            raise _fail(str(exc)) from None
+        store = store or Store(out)
+        run_id = resume or new_run_id("eval", "+".join(names))
+        if resume:
+            store.set_status(run_id, "running")
+        else:
+            store.create_run(run_id, kind="eval", config=config, task=",".join(names), model=model)
+        try:
+            info = RunInfo(store.run_dir(run_id), run_id, config=config)
+            trackers = open_trackers(loggers, info, lambda message: console.print(f"[yellow]warning:[/] {escape(message)}"))
+        except TrackerStartFailed as exc:
+            store.set_status(run_id, "failed")
+            raise _fail(f"--logger: {exc}") from None
+        store.observe(run_id, trackers)
+        stage = ShardStage.of_run(store, run_id, 0)
+        try:
+            for t in tasks:
+                if store.has_eval(run_id, 0, t.name):  # stored before the interruption
+                    summaries[t.name] = stored_summary(store, run_id, t.name)
+                    continue
+                sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=t.options.max_new_tokens, seed=seed)
+                result = evaluate_task(None, t, problems_of[t.name], k=k or t.options.k, sampling=sampling, shard_size=shard_size,
+                                       runner=runner, stage=stage)  # fmt: skip
+                store_eval(store, run_id, 0, result)
+                stage.clear(t.name)
+                summaries[t.name] = {**result.summary, "grader": "/".join(result.grader), "shards": result.shards,
+                                     "shards_reused": result.shards_reused}  # fmt: skip
+        except errors as exc:  # e.g. a replay file without enough samples, an unreachable server, workers that keep dying
+            store.set_status(run_id, "failed")
+            raise _fail(str(exc)) from None
+        except EvalWorkersFailed as exc:  # infrastructure: workers that keep dying (the finished shards stay staged)
+            store.set_status(run_id, "failed")
+            raise _fail(f"{exc}; continue with: harness eval --resume {run_id} --out {out} (and the same options)", 1) from None
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the finished shards stay staged
+            store.set_status(run_id, "interrupted")
+            raise _fail(f"interrupted; continue with: harness eval --resume {run_id} --out {out} (and the same options)", 130) from None
+        except BaseException:  # anything else still leaves no run marked running
+            store.set_status(run_id, "failed")
+            raise
+        finally:
+            store.observe(run_id, None)
+            trackers.close(ok=len(summaries) == len(tasks))
     store.set_status(run_id, "done")
     if json_:
         print(to_json({"run_id": run_id, "model": model, "tasks": summaries}))

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import quote
 
 import numpy as np
 from tqdm import tqdm
@@ -16,6 +24,8 @@ from harness.store import SampleRow, Store
 from harness.task import Problem, Score, Task
 from harness.trajectory import Trajectory
 
+EVAL_SHARD_SAMPLES = 64  # samples per evaluation shard by default (the hf backend's default generation batch)
+SHARD_SEED_STRIDE = 1_000_003  # shard i samples at seed + i * stride (turn t of a shard adds t)
 GRADE_CHUNK = 64  # completions per grade_many call, so the grading progress bar moves
 GENERIC_SUMMARY_KEYS = frozenset(
     {
@@ -42,6 +52,8 @@ class EvalResult:
     samples: list[SampleRow]
     trajectories: list[Trajectory]
     grader: tuple[str, str]
+    shards: int = 1  # shards the evaluation was split into
+    shards_reused: int = 0  # of them, staged by an earlier, interrupted attempt (not run again)
 
 
 def summarize_samples(samples: list[SampleRow], k: int, *, n_resamples: int = 10_000, seed: int = 0) -> dict:
@@ -140,20 +152,38 @@ def describe_episodes(summary: dict) -> str:
     )
 
 
-def evaluate_task(
-    backend: Backend, task: Task, problems: list[Problem], *, k: int, sampling: SamplingParams, n_resamples: int = 10_000,
+def shard_problems(problems: list[Problem], k: int, shard_size: int | None = None) -> list[list[Problem]]:
+    """The evaluation's shards: consecutive runs of ``shard_size`` problems (default: as many as fill
+    :data:`EVAL_SHARD_SAMPLES` samples), each with all k samples of its problems. The same rule on every executor."""
+    size = shard_size or max(1, EVAL_SHARD_SAMPLES // max(k, 1))
+    return [problems[start : start + size] for start in range(0, len(problems), size)]
+
+
+def shard_seed(seed: int | None, index: int) -> int | None:
+    """Sampling seed of shard ``index``: shard 0 keeps the evaluation's seed (a one-shard evaluation is unchanged);
+    turn offsets (``seed + turn``) stay far below the stride, so no two shards share a turn's seed."""
+    return None if seed is None else seed + index * SHARD_SEED_STRIDE
+
+
+def shard_key(task: Task, problems: list[Problem], k: int, sampling: SamplingParams, index: int) -> dict:
+    """What a staged shard must match to be reused: the task, its problems, k and the shard's sampling."""
+    params = sampling.model_copy(update={"n": k, "seed": shard_seed(sampling.seed, index)})
+    return {"task": task.name, "index": index, "problems": [p.id for p in problems], "k": k, "sampling": params.model_dump(mode="json")}
+
+
+def evaluate_shard(
+    backend: Backend, task: Task, problems: list[Problem], *, k: int, sampling: SamplingParams, index: int,
     show_progress: bool | None = None,
-) -> EvalResult:
-    """k episodes per problem through the one rollout path, graded by the task; returns the summary and per-sample rows."""
-    started = time.perf_counter()
-    trajectories = rollout(backend, task, problems, sampling.model_copy(update={"n": k}))
+) -> tuple[list[SampleRow], list[Trajectory]]:
+    """One shard: k episodes per problem in one rollout call at the shard's seed, graded; its rows and trajectories.
+    Its samples depend only on (seed, index, the shard's problems, k), not on the executor or the other shards."""
+    params = sampling.model_copy(update={"n": k, "seed": shard_seed(sampling.seed, index)})
+    trajectories = rollout(backend, task, problems, params)
     by_id = {p.id: p for p in problems}
     scores = grade_episodes(task, [by_id[t.problem_id] for t in trajectories], trajectories, show_progress=show_progress)
-    samples, per_episode = [], []
+    samples = []
     for traj, score in zip(trajectories, scores, strict=True):
         traj.status, traj.extracted, traj.reward = score.status, score.extracted, score.reward_value
-        metrics = episode_metrics(traj, score)
-        per_episode.append(metrics)
         samples.append(
             SampleRow(
                 problem_id=traj.problem_id,
@@ -164,13 +194,131 @@ def evaluate_task(
                 status=score.status,
                 latency_s=traj.timings.get("generate_s", 0.0),
                 details=score.details,
-                metrics=metrics,
+                metrics=episode_metrics(traj, score),
             )
         )
+    return samples, trajectories
+
+
+class ShardRunner(Protocol):
+    """Runs an evaluation's shards (in this process, or on workers); yields each one as it finishes, in any order."""
+
+    def run(
+        self, task: Task, shards: dict[int, list[Problem]], *, k: int, sampling: SamplingParams
+    ) -> Iterator[tuple[int, list[SampleRow], list[Trajectory]]]: ...
+
+
+@dataclass
+class LocalShards:
+    """Shards one after another on this process's backend."""
+
+    backend: Backend
+    show_progress: bool | None = None
+
+    def run(
+        self, task: Task, shards: dict[int, list[Problem]], *, k: int, sampling: SamplingParams
+    ) -> Iterator[tuple[int, list[SampleRow], list[Trajectory]]]:
+        for index, problems in shards.items():
+            show = self.show_progress
+            rows, trajectories = evaluate_shard(self.backend, task, problems, k=k, sampling=sampling, index=index, show_progress=show)
+            yield index, rows, trajectories
+
+
+class EvalWorkersFailed(RuntimeError):
+    """Evaluation workers kept dying on a shard (an infrastructure failure: the run is marked failed, its shards kept)."""
+
+
+@dataclass(frozen=True)
+class EvalWorkerSpec:
+    """What an evaluation worker needs to make its own backend and task instances (as ``harness eval`` makes them)."""
+
+    backend: str
+    model: str
+    backend_options: dict
+    task_args: dict
+    data_dir: Path | None = None
+
+
+class EvalExecutor(Protocol):
+    """Where an evaluation's shards run besides this process (``harness eval --executor NAME``, an ``eval_executors``
+    entry point): ``open`` starts ``workers`` workers (on the cluster at ``address``) for the command's duration."""
+
+    def open(self, spec: EvalWorkerSpec, *, workers: int, address: str | None, console) -> AbstractContextManager[ShardRunner]: ...
+
+
+class ShardStage:
+    """Finished shards of an evaluation, staged durably under ``folder`` (one JSON file per shard, written atomically)
+    until the evaluation's one store transaction; an interrupted evaluation reuses them on resume."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    @classmethod
+    def of_run(cls, store: Store, run_id: str, step: int) -> "ShardStage":
+        """The staging folder of (run, step): ``runs/<run_id>/eval_shards/step<step>`` (made when a shard is staged)."""
+        return cls(store.root / "runs" / run_id / "eval_shards" / f"step{step}")
+
+    def _path(self, task: str, index: int) -> Path:
+        return self.folder / quote(task, safe="") / f"{index:06d}.json"
+
+    def load(self, key: dict) -> list[SampleRow] | None:
+        """The staged rows of the shard ``key`` names, or None (not staged, or staged for other problems or sampling)."""
+        path = self._path(key["task"], key["index"])
+        try:
+            staged = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return [SampleRow(**row) for row in staged["samples"]] if staged.get("key") == key else None
+
+    def save(self, key: dict, samples: list[SampleRow]) -> None:
+        path = self._path(key["task"], key["index"])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "w") as f:
+            json.dump({"key": key, "samples": [asdict(s) for s in samples]}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def clear(self, task: str) -> None:
+        """Drop a task's staged shards once its results are stored."""
+        shutil.rmtree(self.folder / quote(task, safe=""), ignore_errors=True)
+        for folder in (self.folder, self.folder.parent, self.folder.parent.parent):  # step, eval_shards, the run's folder
+            try:
+                folder.rmdir()  # only when empty: nothing else of the run is touched
+            except OSError:
+                break
+
+
+def evaluate_task(
+    backend: Backend | None, task: Task, problems: list[Problem], *, k: int, sampling: SamplingParams, n_resamples: int = 10_000,
+    show_progress: bool | None = None, shard_size: int | None = None, runner: ShardRunner | None = None, stage: ShardStage | None = None,
+    on_shard: Callable[[int, int], None] | None = None,
+) -> EvalResult:
+    """k episodes per problem through the one rollout path in shards (:func:`shard_problems`), graded by the task; the
+    summary and per-sample rows. Shards run on ``runner`` (default: this process's ``backend``); those ``stage`` holds
+    are reused, the others staged as they finish. ``on_shard(done, total)`` follows progress. ``trajectories`` are
+    those of the shards run now."""
+    started = time.perf_counter()
+    shards = shard_problems(problems, k, shard_size)
+    keys = [shard_key(task, shard, k, sampling, index) for index, shard in enumerate(shards)] if stage is not None else []
+    done: dict[int, list[SampleRow]] = {}
+    if stage is not None:
+        done = {i: rows for i, key in enumerate(keys) if (rows := stage.load(key)) is not None}
+    reused, trajectories = len(done), {}
+    runner = runner or LocalShards(backend, show_progress)
+    for index, rows, trajs in runner.run(task, {i: s for i, s in enumerate(shards) if i not in done}, k=k, sampling=sampling):
+        if stage is not None:
+            stage.save(keys[index], rows)
+        done[index], trajectories[index] = rows, trajs
+        if on_shard is not None:
+            on_shard(len(done), len(shards))
+    samples = [row for index in range(len(shards)) for row in done[index]]
     summary = summarize_samples(samples, k, n_resamples=n_resamples)
-    summary.update(summarize_episodes(per_episode, task.episode_flags))
+    summary.update(summarize_episodes([s.metrics for s in samples], task.episode_flags))
     summary["seconds"] = time.perf_counter() - started
-    return EvalResult(task.name, summary, samples, trajectories, task.grader)
+    ran = [t for index in sorted(trajectories) for t in trajectories[index]]
+    return EvalResult(task.name, summary, samples, ran, task.grader, shards=len(shards), shards_reused=reused)
 
 
 def store_eval(store: Store, run_id: str, step: int, result: EvalResult) -> None:

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.registry import BACKENDS, EXECUTORS, METHODS, PIPELINES, TASKS, Registry, RegistryError, source_tree_entry_points
+from harness.registry import (
+    BACKENDS, EVAL_EXECUTORS, EXECUTORS, METHODS, PIPELINES, TASKS, Registry, RegistryError, source_tree_entry_points,
+)
 
 
 def test_duplicate_name_rejected():
@@ -66,7 +68,7 @@ def test_a_family_product_is_named_prefix_colon_rest():
 
 
 def test_every_builtin_is_named_by_its_key():
-    for registry in (TASKS, METHODS, BACKENDS, PIPELINES, EXECUTORS):
+    for registry in (TASKS, METHODS, BACKENDS, PIPELINES, EXECUTORS, EVAL_EXECUTORS):
         for name, obj in registry.items():
             assert obj.name == name, (registry.kind, name)
 
@@ -83,6 +85,7 @@ def test_builtins_are_registered():
     assert {"arith", "math500", "aime24", "aime25", "amc23", "olympiadbench", "minerva", "gsm8k", "dapo_math"} <= set(TASKS.names())
     assert {"opd", "sft"} <= set(METHODS.names())
     assert set(PIPELINES.names()) == {"sync", "async"} and set(EXECUTORS.names()) == {"inprocess", "ray"}
+    assert set(EVAL_EXECUTORS.names()) == {"ray"}  # harness eval's in-process shards need no plug-in
     assert {"hf", "replay", "openai", "vllm"} <= set(BACKENDS.names())
 
 
@@ -243,7 +246,7 @@ def test_source_tree_entry_points_read_pyproject(tmp_path):
 
 def test_installed_metadata_alone_serves_every_builtin():
     """What an installed wheel sees (no pyproject.toml beside harness/): the distribution's own entry points."""
-    kinds = ("tasks", "methods", "backends", "pipelines", "executors", "sandboxes")
+    kinds = ("tasks", "methods", "backends", "pipelines", "executors", "eval_executors", "sandboxes")
     groups = {kind: f"opd_harness.{kind}" for kind in kinds}
     installed = {
         kind: {ep.name: ep.value for ep in entry_points(group=group) if ep.dist is not None and ep.dist.name == "opd-harness"}

@@ -17,7 +17,7 @@ from rich.console import Console
 
 from harness.backends import Backend, SamplingParams
 from harness.backends.hf import HFBackend
-from harness.evaluation import describe_episodes, evaluate_task, grade_episodes, store_eval, summarize_episodes
+from harness.evaluation import ShardStage, describe_episodes, evaluate_task, grade_episodes, store_eval, summarize_episodes
 from harness.plan import load_plan_data
 from harness.registry import BACKENDS
 from harness.rollout import reference_trajectories, rollout
@@ -379,8 +379,10 @@ class Session:
             sampling = SamplingParams(
                 temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, max_new_tokens=task.options.max_new_tokens, seed=cfg.eval.seed
             )
-            result = evaluate_task(backend, task, problems, k=k, sampling=sampling, n_resamples=cfg.eval.n_resamples)
+            stage = ShardStage.of_run(store, run_id, step)  # a killed run's resume reuses finished shards
+            result = evaluate_task(backend, task, problems, k=k, sampling=sampling, n_resamples=cfg.eval.n_resamples, stage=stage)
             store_eval(store, run_id, step, result)
+            stage.clear(task.name)
             s = result.summary
             self.console.print(
                 f"  eval {label:<7} step {step:>5} {task.name}: Avg@{k} = {s['avg_at_k']:.3f} "
