@@ -15,12 +15,17 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generat
     """
     if temperature == 0.0:
         return int(logits.argmax())
+    return int(draw(logits, temperature, top_p, generator))
+
+
+def draw(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    """:func:`sample_token`'s draw at a positive temperature, as a one-element tensor on the logits' device (no sync)."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         outside = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p  # the mass above a token already reaches top_p
         probs = probs.masked_fill(outside.scatter(-1, order, outside), 0.0)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return torch.multinomial(probs, 1, generator=generator)
 
 
 class RowSampler(LogitsProcessor):
@@ -32,7 +37,5 @@ class RowSampler(LogitsProcessor):
         self.temperature, self.top_p = temperature, top_p
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        chosen = [sample_token(row, self.temperature, self.top_p, g) for row, g in zip(scores, self.generators, strict=True)]
-        only = torch.full_like(scores, float("-inf"))
-        only[torch.arange(len(chosen), device=scores.device), torch.tensor(chosen, device=scores.device)] = 0.0
-        return only
+        chosen = torch.cat([draw(row, self.temperature, self.top_p, g) for row, g in zip(scores, self.generators, strict=True)])
+        return torch.full_like(scores, float("-inf")).scatter_(-1, chosen[:, None], 0.0)
