@@ -167,11 +167,11 @@ def close_interrupted(episodes: list[Episode], closes: dict[int, Future]) -> Non
 
 
 def turn_seed(seed: int, episode: Episode) -> int:
-    """The sampling seed of an episode's next turn: a 63-bit hash of (seed, task, problem id, occurrence, sample, turn),
-    stable across runs, platforms and batch compositions."""
+    """The sampling seed of an episode's next turn: a 31-bit hash (as ``derive_seed``'s, what servers accept) of (seed,
+    task, problem id, occurrence, sample, turn), stable across runs, platforms and batch compositions."""
     t = episode.traj
     key = f"{seed}:{t.task}:{t.problem_id}:{episode.occurrence}:{t.sample_index}:{episode.turn}"
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") >> 1
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") % (2**31 - 1)
 
 
 def context_limit(backend: Backend, task: Task) -> int | None:

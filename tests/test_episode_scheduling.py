@@ -105,6 +105,26 @@ def test_a_fast_episode_finishes_all_its_turns_while_a_slow_step_still_runs():
     assert all(e.closed_at is not None for e in task.envs)
 
 
+def test_an_interrupted_rollout_closes_every_environment_at_once_even_one_whose_step_runs():
+    """Generation fails (Ctrl-C) while p0's 1.5 s step runs: every environment is closed, p0's before its step returns."""
+    task = TimedTask(TimedOptions(turns=3, problems=2, slow={"p0:0": 1.5}))
+    replay = ReplayBackend({(task.name, p.id): [["a#", "b#", "c#"]] for p in task.load()})
+    calls = []
+
+    def interrupted(prompts, params, keys=None):
+        calls.append(keys)
+        if len(calls) == 2:  # p1's second turn, p0's first step still running
+            raise KeyboardInterrupt
+        return ReplayBackend.generate(replay, prompts, params, keys=keys)
+
+    replay.generate = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        rollout(replay, task, task.load(), SamplingParams())
+    slow_env = next(e for e in task.envs if e.problem.id == "p0")
+    slow_returned = next(end for pid, n, _, end in task.steps if (pid, n) == ("p0", 1))
+    assert all(e.closed_at is not None for e in task.envs) and slow_env.closed_at < slow_returned
+
+
 @pytest.fixture
 def sampler(tiny_model_factory, char_tokenizer):
     return HFBackend(tiny_model_factory(seed=5), char_tokenizer, batch_size=16)
