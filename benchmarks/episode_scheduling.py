@@ -10,7 +10,8 @@ model on the CPU instead (real sampling; 1 thread).
 Both sides are ``harness.rollout.run_episodes`` (independent, today's) and ``benchmarks/episode_scheduling_before.py``
 (a copy of the lock-step loop before issue 25), on the same episodes and the same thread pool size. Each is warmed up
 (untimed), then measured ``--rounds`` times in alternating order (lock-step first in even rounds); printed are the mean
-episodes/s per side, their ratio and the per-round ratios.
+episodes/s per side with the most the step times alone allow it (lock-step: the sum of each turn's slowest step;
+independent: the slowest episode's steps), their ratio and the per-round ratios.
 
 Usage: ``PYTHONPATH=. python benchmarks/episode_scheduling.py [--episodes 64] [--turns 8] [--step-ms 50] [--rounds 4]``
 """
