@@ -1,9 +1,17 @@
 """Rollout: drive a backend through task environments and collect trajectories.
 
 One code path serves evaluation and training (so what is evaluated is what is trained on): both call
-:func:`rollout`. All live episodes generate together each turn (grouped only by their stop strings); the
-environment steps of the live episodes then run concurrently in a bounded thread pool, so one slow tool
-call does not serialise the batch. Every environment is closed, whatever happens.
+:func:`rollout`. Episodes are scheduled independently: each advances as soon as its own environment step
+returns. The episodes whose step (or opening) has returned are generated together (one call per distinct set
+of stop strings); the generator waits for more only while steps keep returning (a ``batch_window_s`` idle gap)
+or until none is left running, so a slow step holds up only its own episode. Environment openings, steps and
+closes run in a bounded thread pool. Every environment is closed, whatever happens (interrupts included); an
+episode's environment is closed as soon as the episode ends.
+
+Determinism: with ``params.seed`` every turn of every episode samples with its own seed, :func:`turn_seed`
+of (seed, task, problem id, its occurrence among equal ids, sample index, turn), passed to the backend as
+``SamplingParams.seeds``. An episode's sampling therefore does not depend on which episodes share its
+generation call, on their order, on how a batch is split into rollout calls, or on the environments' timing.
 
 Per episode the trajectory records ``metadata["episode"]``: ``turns``, ``stop_reason`` (``done``,
 ``max_turns``, ``context`` or ``env_error``) and the environment's counters (``tool_calls``,
@@ -14,8 +22,10 @@ failure of that episode (``metadata["env_error"]``), graded ``error``, never a f
 
 from __future__ import annotations
 
+import hashlib
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from harness.backends import Backend, Completion, SamplingParams
@@ -24,6 +34,7 @@ from harness.task import Problem, Task
 from harness.trajectory import Segment, Trajectory
 
 DEFAULT_ENV_WORKERS = 16  # concurrent environment steps (tool calls) across the live episodes
+DEFAULT_BATCH_WINDOW_S = 0.01  # how long generation waits for another step to return before it starts without it
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -37,6 +48,7 @@ class Episode:
 
     problem: Problem
     traj: Trajectory
+    occurrence: int = 0  # how many earlier episodes of this rollout share the problem id and sample index
     env: Env | None = None
     live: bool = True
     counters: dict[str, float] = field(default_factory=dict)
@@ -44,6 +56,11 @@ class Episode:
     @property
     def context(self) -> list[int]:
         return self.traj.prompt_ids + self.traj.response_ids
+
+    @property
+    def turn(self) -> int:
+        """The model turn the episode generates next (0 first)."""
+        return self.traj.num_steps
 
     def end(self, reason: str) -> None:
         self.live = False
@@ -55,42 +72,106 @@ class Episode:
 
 
 def rollout(
-    backend: Backend, task: Task, problems: list[Problem], params: SamplingParams, *, env_workers: int = DEFAULT_ENV_WORKERS
+    backend: Backend,
+    task: Task,
+    problems: list[Problem],
+    params: SamplingParams,
+    *,
+    env_workers: int = DEFAULT_ENV_WORKERS,
+    batch_window_s: float = DEFAULT_BATCH_WINDOW_S,
 ) -> list[Trajectory]:
     """``params.n`` episodes per problem, ordered problem-major; returns ungraded trajectories.
 
     The single entry point of evaluation and training. A task that answers by scoring instead of generating
     (lm-eval's multiple-choice tasks) overrides ``Task.rollout(backend, problems, params)`` and is routed to it here."""
     own = task.rollout(backend, problems, params)
-    return own if own is not None else run_episodes(backend, task, problems, params, env_workers=env_workers)
+    if own is not None:
+        return own
+    return run_episodes(backend, task, problems, params, env_workers=env_workers, batch_window_s=batch_window_s)
 
 
 def run_episodes(
-    backend: Backend, task: Task, problems: list[Problem], params: SamplingParams, *, env_workers: int = DEFAULT_ENV_WORKERS
+    backend: Backend,
+    task: Task,
+    problems: list[Problem],
+    params: SamplingParams,
+    *,
+    env_workers: int = DEFAULT_ENV_WORKERS,
+    batch_window_s: float = DEFAULT_BATCH_WINDOW_S,
 ) -> list[Trajectory]:
-    """The turn loop: open every episode, then generate for all live ones and step their environments, until none is live."""
+    """The episode scheduler: open every episode, then, until none is live or running, generate for the episodes whose
+    opening or step has returned and hand each one's turn to its environment, without waiting for the others."""
     tokenizer = backend.tokenizer
     use_template = task.options.use_chat_template
     budgeted = getattr(backend, "counts_tokens", True)  # replayed turns are characters, not the model's tokens: no token budgets
     limit = context_limit(backend, task) if budgeted else None
-    episodes = [
-        Episode(problem, Trajectory(task=task.name, problem_id=problem.id, sample_index=s, prompt_ids=[]))
-        for problem in problems
-        for s in range(params.n)
-    ]
+    episodes = new_episodes(task, problems, params.n)
+    closes: dict[int, Future] = {}  # episode index -> its close, submitted when the episode ended
     finished = False
-    with ThreadPoolExecutor(max_workers=max(1, env_workers), thread_name_prefix="env") as pool:
-        try:
-            list(pool.map(lambda e: open_episode(e, task, tokenizer, limit), episodes))
-            turn = 0
-            while live := [e for e in episodes if e.live]:
-                generate_turn(backend, live, params, turn, limit, fit=budgeted)
-                list(pool.map(lambda e: step_episode(e, tokenizer, use_template, limit), [e for e in live if e.live]))
-                turn += 1
-            finished = True
-        finally:  # interrupted (Ctrl-C, SIGTERM, a failed generation): close at once, no outcomes to wait for
-            list(pool.map(lambda e: close_episode(e, collect=finished), episodes))
+    pool = ThreadPoolExecutor(max_workers=max(1, env_workers), thread_name_prefix="env")
+    try:
+        running: dict[Future, int] = {pool.submit(open_episode, e, task, tokenizer, limit): i for i, e in enumerate(episodes)}
+        while running:
+            ready = returned(running, batch_window_s)
+            live = [i for i in ready if episodes[i].live]
+            generate_ready(backend, [episodes[i] for i in live], params, limit, fit=budgeted)
+            for i in ready:
+                if episodes[i].live:
+                    running[pool.submit(step_episode, episodes[i], tokenizer, use_template, limit)] = i
+                else:
+                    closes[i] = pool.submit(close_episode, episodes[i])
+        for future in closes.values():
+            future.result()
+        finished = True
+    finally:
+        if not finished:  # interrupted (Ctrl-C, SIGTERM, a failed generation): close at once, no outcomes to wait for
+            pool.shutdown(wait=False, cancel_futures=True)  # no queued opening or step starts any more
+            close_interrupted(episodes, closes)
+        pool.shutdown(wait=True)
     return [e.traj for e in episodes]
+
+
+def new_episodes(task: Task, problems: list[Problem], n: int) -> list[Episode]:
+    """``n`` episodes per problem, problem-major; a problem id met again counts as a further occurrence (its own seeds)."""
+    seen: Counter[str] = Counter()
+    episodes = []
+    for problem in problems:
+        occurrence = seen[problem.id]
+        seen[problem.id] += 1
+        for s in range(n):
+            traj = Trajectory(task=task.name, problem_id=problem.id, sample_index=s, prompt_ids=[])
+            episodes.append(Episode(problem, traj, occurrence=occurrence))
+    return episodes
+
+
+def returned(running: dict[Future, int], window_s: float) -> list[int]:
+    """The episodes (indices, ascending) whose opening or step has returned: wait for the first, then take more for as
+    long as another returns within ``window_s`` of the last and some are still running. A worker's exception is raised."""
+    done, pending = wait(running, return_when=FIRST_COMPLETED)
+    while pending:
+        more, pending = wait(pending, timeout=window_s, return_when=FIRST_COMPLETED)
+        if not more:
+            break
+        done |= more
+    for future in done:
+        future.result()
+    return sorted(running.pop(future) for future in done)
+
+
+def close_interrupted(episodes: list[Episode], closes: dict[int, Future]) -> None:
+    """Close, concurrently and without collecting outcomes, every environment whose close has not started (a cancelled
+    one included; steps still running are not waited for: closing their environment is what stops them)."""
+    todo = [e for i, e in enumerate(episodes) if i not in closes or closes[i].cancel()]
+    with ThreadPoolExecutor(max_workers=max(1, min(len(todo), DEFAULT_ENV_WORKERS)), thread_name_prefix="env-close") as closer:
+        list(closer.map(lambda e: close_episode(e, collect=False), todo))
+
+
+def turn_seed(seed: int, episode: Episode) -> int:
+    """The sampling seed of an episode's next turn: a 31-bit hash (as ``derive_seed``'s, what servers accept) of (seed,
+    task, problem id, occurrence, sample, turn), stable across runs, platforms and batch compositions."""
+    t = episode.traj
+    key = f"{seed}:{t.task}:{t.problem_id}:{episode.occurrence}:{t.sample_index}:{episode.turn}"
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") % (2**31 - 1)
 
 
 def context_limit(backend: Backend, task: Task) -> int | None:
@@ -123,11 +204,12 @@ def open_episode(episode: Episode, task: Task, tokenizer, limit: int | None = No
     add_time(episode.traj, "env_s", time.perf_counter() - started)
 
 
-def generate_turn(backend: Backend, live: list[Episode], params: SamplingParams, turn: int, limit: int | None, *, fit: bool = True) -> None:
-    """One batched generation per distinct set of stop strings; each completion becomes the episode's next model segment
-    (cut to the turn's token budget when ``fit``)."""
+def generate_ready(backend: Backend, ready: list[Episode], params: SamplingParams, limit: int | None, *, fit: bool = True) -> None:
+    """One batched generation per distinct set of stop strings for the ready episodes (each at its own turn, with its own
+    seed); each completion becomes the episode's next model segment (cut to its token budget when ``fit``). An episode at
+    its ``max_turns`` or out of context room ends instead."""
     groups: dict[tuple[str, ...], list[Episode]] = {}
-    for episode in live:
+    for episode in ready:
         if episode.traj.num_steps >= episode.env.max_turns:
             episode.end("max_turns")
             continue
@@ -138,11 +220,10 @@ def generate_turn(backend: Backend, live: list[Episode], params: SamplingParams,
         groups.setdefault(tuple(dict.fromkeys((*params.stop, *episode.env.stop))), []).append(episode)
     for stop, group in groups.items():
         rooms = [params.max_new_tokens if limit is None else min(params.max_new_tokens, limit - len(e.context)) for e in group]
-        turn_params = params.model_copy(
-            update={"n": 1, "stop": stop, "max_new_tokens": max(rooms), "seed": None if params.seed is None else params.seed + turn}
-        )
+        seeds = None if params.seed is None else tuple(turn_seed(params.seed, e) for e in group)
+        turn_params = params.model_copy(update={"n": 1, "stop": stop, "max_new_tokens": max(rooms), "seeds": seeds})
         started = time.perf_counter()
-        completions = generate(backend, [e.context for e in group], turn_params, [episode_key(e, turn) for e in group])
+        completions = generate(backend, [e.context for e in group], turn_params, [episode_key(e, e.turn) for e in group])
         share = (time.perf_counter() - started) / len(group)
         for episode, completion, room in zip(group, completions, rooms, strict=True):
             if fit:
@@ -152,7 +233,7 @@ def generate_turn(backend: Backend, live: list[Episode], params: SamplingParams,
                     kind="model",
                     token_ids=completion.token_ids,
                     text=completion.text,
-                    step=turn,
+                    step=episode.turn,
                     policy_version=backend.version,
                     behaviour_logprobs=completion.logprobs or None,  # a backend asked for none returns []: unknown, not wrong
                     finish_reason=completion.finish_reason,

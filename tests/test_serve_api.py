@@ -356,7 +356,8 @@ def test_one_seeded_sample_is_the_hf_backends(hf, url, temperature, top_p):
             "return_tokens_as_token_ids": True,
         }
         served = post(url, "/completions", body)[1]["choices"][0]
-        direct = hf.generate([encode(hf, text)], SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=16, seed=seed))[0]
+        row_seeded = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=16, seed=seed, seeds=(seed,))  # row seed = seed
+        direct = hf.generate([encode(hf, text)], row_seeded)[0]
         assert [int(t.removeprefix("token_id:")) for t in served["logprobs"]["tokens"]] == direct.token_ids
         assert served["logprobs"]["token_logprobs"] == pytest.approx(direct.logprobs, abs=1e-5)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 SCORE_FIELDS = ("logprobs", "entropy", "topk", "full")
 
@@ -35,6 +35,14 @@ def derive_seed(seed: int, prompt_index: int) -> int:
     return int.from_bytes(digest, "little") % (2**31 - 1)
 
 
+def prompt_seed(params: "SamplingParams", prompt_index: int) -> int | None:
+    """The sampling seed of one prompt of a ``generate`` call: ``params.seeds[prompt_index]`` when the caller gave one
+    per prompt, else derived from (``params.seed``, prompt index); None when unseeded. Sample ``s`` uses it plus ``s``."""
+    if params.seeds is not None:
+        return params.seeds[prompt_index]
+    return None if params.seed is None else derive_seed(params.seed, prompt_index)
+
+
 # temperature bounds that engines share: vLLM refuses above 2 (SamplingParams._verify_args) and silently raises a
 # positive value below 0.01 to it; a smaller positive temperature also overflows the logits of a plain softmax
 MAX_TEMPERATURE = 2.0
@@ -51,6 +59,15 @@ class SamplingParams(BaseModel):
     n: int = Field(1, ge=1, description="samples per prompt")
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    seeds: tuple[int, ...] | None = Field(
+        None, description="one seed per prompt, in place of the ones derived from ``seed`` (the rollout seeds each episode's turn)"
+    )
+
+    @model_validator(mode="after")
+    def _seeds_need_a_seed(self) -> "SamplingParams":
+        if self.seeds is not None and self.seed is None:
+            raise ValueError("seeds (one per prompt) are given without seed; set seed too (the run's seed they derive from)")
+        return self
 
     @property
     def greedy(self) -> bool:

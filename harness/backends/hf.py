@@ -1,21 +1,21 @@
-"""Hugging Face transformers backend: batched sampling with per-token log-probs, and scoring."""
+"""Hugging Face transformers backend: batched sampling with per-token log-probs, and scoring.
+
+Sampling is seeded per row: row (prompt ``p``, sample ``s``) draws from its own generator seeded
+``prompt_seed(params, p) + s`` (:func:`harness.backends.prompt_seed`, as vLLM seeds a request's samples), so a
+row's tokens do not depend on the other rows of its batch, on ``batch_size`` or on the prompts' order. Unseeded
+calls draw each row's seed from torch's global RNG."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
-from transformers import EosTokenCriteria, StoppingCriteria, StoppingCriteriaList, StopStringCriteria
+from transformers import EosTokenCriteria, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
-from harness.backends import SCORE_FIELDS, Completion, SamplingParams
-
-
-# transformers samples from torch's global RNG; seeded generations from several threads (an async
-# rollout worker and an evaluation) must not interleave, or their samples depend on timing.
-_GLOBAL_RNG_LOCK = threading.Lock()
+from harness.backends import SCORE_FIELDS, Completion, SamplingParams, prompt_seed
+from harness.backends.sampling import RowSampler
 
 
 class HFBackend:
@@ -51,27 +51,29 @@ class HFBackend:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """``params.n`` samples per prompt; log-probs are of the untempered model distribution."""
+        if params.seeds is not None and len(params.seeds) != len(prompts):
+            raise ValueError(f"SamplingParams.seeds has {len(params.seeds)} seeds for {len(prompts)} prompts; give one per prompt")
         jobs = [(p, s) for p in range(len(prompts)) for s in range(params.n)]
+        seeds = [row_seed(params, p, s) for p, s in jobs]
         out: list[Completion] = []
         was_training = self.model.training
         self.model.eval()
         chunks = range(0, len(jobs), self.batch_size)
-        with _GLOBAL_RNG_LOCK, torch.random.fork_rng(devices=[]):
-            if params.seed is not None:
-                torch.manual_seed(params.seed)
-            for start in tqdm(chunks, desc="generate", leave=False, disable=not self.show_progress):
-                chunk = jobs[start : start + self.batch_size]
-                out.extend(self._generate_chunk(prompts, chunk, params))
+        for start in tqdm(chunks, desc="generate", leave=False, disable=not self.show_progress):
+            chunk = slice(start, start + self.batch_size)
+            out.extend(self._generate_chunk(prompts, jobs[chunk], seeds[chunk], params))
         self.model.train(was_training)
         return out
 
-    def _generate_chunk(self, prompts: list[list[int]], chunk: list[tuple[int, int]], params: SamplingParams) -> list[Completion]:
+    def _generate_chunk(
+        self, prompts: list[list[int]], chunk: list[tuple[int, int]], seeds: list[int], params: SamplingParams
+    ) -> list[Completion]:
         started = time.perf_counter()
         ids, attn = left_pad([prompts[p] for p, _ in chunk], self.pad_id)
         stops = SampledLengths(self.stop_criteria(params.stop), prompt_width=ids.shape[1])
         kwargs = dict(
             max_new_tokens=params.max_new_tokens,
-            do_sample=not params.greedy,
+            do_sample=False,  # sampled rows draw in RowSampler, each from its own generator; greedy picks that draw
             pad_token_id=self.pad_id,
             eos_token_id=self.eos_id,
             stopping_criteria=StoppingCriteriaList([stops]),
@@ -79,7 +81,7 @@ class HFBackend:
             output_logits=True,
         )
         if not params.greedy:
-            kwargs.update(temperature=params.temperature, top_p=params.top_p, top_k=0)
+            kwargs.update(logits_processor=LogitsProcessorList([RowSampler(seeds, params.temperature, params.top_p, self.device)]))
         result = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
         new_tokens = result.sequences[:, ids.shape[1] :].cpu()
         logits = torch.stack(result.logits, dim=1).float().cpu()  # (b, new, V) raw logits
@@ -133,6 +135,12 @@ class HFBackend:
         with torch.set_grad_enabled(grad):
             logits = self.model(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)).logits
             return scores_from_logits(logits.float(), input_ids.to(self.device), want, top_k)
+
+
+def row_seed(params: SamplingParams, prompt_index: int, sample_index: int) -> int:
+    """The generator seed of one sampled row: its prompt's seed plus the sample index (a fresh draw when unseeded)."""
+    seed = prompt_seed(params, prompt_index)
+    return int(torch.randint(0, 2**63 - 1, ())) if seed is None else seed + sample_index
 
 
 class SampledLengths(StoppingCriteria):

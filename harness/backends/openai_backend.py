@@ -47,7 +47,8 @@ one-to-one with ``token_ids``; otherwise an empty list (servers without log-prob
 re-encoded ids that do not line up). Our server returns untempered log-probs; vLLM returns its
 ``logprobs_mode`` (raw by default).
 
-Seeds: with ``params.seed`` every prompt gets its own seed derived from (seed, prompt index), so a
+Seeds: with ``params.seed`` every prompt gets its own seed (:func:`harness.backends.prompt_seed`: the caller's
+``params.seeds`` entry, the rollout's per-episode seed, else one derived from (seed, prompt index)), so a
 run is reproducible and two prompts with the same text (rollout sends the k samples of a problem as
 k prompts) still get different samples.
 
@@ -78,7 +79,7 @@ from pathlib import Path
 
 import torch
 
-from harness.backends import SCORE_FIELDS, Completion, SamplingParams, as_bool, derive_seed
+from harness.backends import SCORE_FIELDS, Completion, SamplingParams, as_bool, prompt_seed
 from harness.backends.prompt_logprobs import prompt_logprobs_to_tensor, unpadded_sequences
 
 log = logging.getLogger("harness.backends.openai")
@@ -215,7 +216,7 @@ class OpenAIBackend:
             "top_p": params.top_p,
         }
         if params.seed is not None:
-            kwargs["seed"] = derive_seed(params.seed, prompt_index)
+            kwargs["seed"] = prompt_seed(params, prompt_index)
         if params.stop:
             kwargs["stop"] = list(params.stop)
         if self.server_extensions:

@@ -24,8 +24,9 @@ How our contract maps onto vLLM (evidence in the docstrings below and in the clo
   back in input order and carry ``n`` ``CompletionOutput``s each (``.index``, ``.token_ids``,
   ``.text``, ``.logprobs``, ``.finish_reason``), so the result is prompt-major.
 * **Seeds**: with ``params.seed`` every prompt gets its own request seed,
-  ``derive_seed(seed, prompt_index)`` (:func:`harness.backends.derive_seed`, so it and the openai
-  backend seed alike); vLLM gives the ``n`` children of a seeded request the seeds ``seed + i``
+  :func:`harness.backends.prompt_seed` (``params.seeds[prompt_index]`` when given, the rollout's
+  per-episode seeds, else ``derive_seed(seed, prompt_index)``; so it, hf and the openai backend seed
+  alike); vLLM gives the ``n`` children of a seeded request the seeds ``seed + i``
   (``vllm/v1/engine/parallel_sampling.py``), so the samples of one prompt differ, two prompts with
   the same text differ, and a run repeats exactly. Without ``params.seed`` sampling is unseeded.
 * **Greedy**: ``temperature == 0`` is sent as ``temperature=0.0`` (vLLM's greedy). vLLM refuses
@@ -86,7 +87,7 @@ from typing import Any
 
 import torch
 
-from harness.backends import MAX_TEMPERATURE, MIN_TEMPERATURE, SCORE_FIELDS, Completion, SamplingParams, as_bool, derive_seed
+from harness.backends import MAX_TEMPERATURE, MIN_TEMPERATURE, SCORE_FIELDS, Completion, SamplingParams, as_bool, prompt_seed
 from harness.backends.prompt_logprobs import logprob_value, prompt_logprobs_to_tensor, unpadded_sequences
 
 VLLM_MISSING = (
@@ -129,7 +130,7 @@ def sampling_kwargs(params: SamplingParams, prompt_index: int) -> dict[str, Any]
     else:
         kwargs.update(temperature=params.temperature, top_p=params.top_p)
     if params.seed is not None:
-        kwargs["seed"] = derive_seed(params.seed, prompt_index)
+        kwargs["seed"] = prompt_seed(params, prompt_index)
     if params.stop:
         kwargs["stop"] = list(params.stop)
     return kwargs

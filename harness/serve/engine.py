@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from harness.backends.sampling import sample_token
+
 log = logging.getLogger("harness.serve")
 
 TopList = list[tuple[int, float]]  # (token id, log-prob), most likely first
@@ -101,23 +103,6 @@ class EngineStats:
     sequences: int = 0
     max_wave: int = 0  # most sequences decoding at once
     forward_passes: int = 0
-
-
-def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """Draw one token id from ``softmax(logits / temperature)`` cut to the ``top_p`` nucleus (greedy at 0).
-
-    The same draw as transformers' sampling (temperature, then top-p, then ``torch.multinomial`` over
-    the vocabulary in id order), so one sequence seeded ``s`` samples what ``HFBackend.generate`` does
-    with seed ``s``.
-    """
-    if temperature == 0.0:
-        return int(logits.argmax())
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        outside = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p  # the mass above a token already reaches top_p
-        probs = probs.masked_fill(outside.scatter(-1, order, outside), 0.0)
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def top_list(logp: torch.Tensor, n: int) -> TopList:

@@ -1,0 +1,41 @@
+"""Per-sequence seeded sampling: each row draws from its own ``torch.Generator``, so what a sequence samples does
+not depend on which other sequences share its batch (the serve engine's rows and the hf backend's rows alike)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LogitsProcessor
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    """Draw one token id from ``softmax(logits / temperature)`` cut to the ``top_p`` nucleus (greedy at 0).
+
+    The same draw as transformers' sampling (temperature, then top-p, then ``torch.multinomial`` over
+    the vocabulary in id order), made from one row's own generator.
+    """
+    if temperature == 0.0:
+        return int(logits.argmax())
+    return int(draw(logits, temperature, top_p, generator))
+
+
+def draw(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+    """:func:`sample_token`'s draw at a positive temperature, as a one-element tensor on the logits' device (no sync)."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        outside = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p  # the mass above a token already reaches top_p
+        probs = probs.masked_fill(outside.scatter(-1, order, outside), 0.0)
+    return torch.multinomial(probs, 1, generator=generator)
+
+
+class RowSampler(LogitsProcessor):
+    """Samples every row's next token from its own generator and leaves only that token possible, so that greedy
+    decoding (``do_sample=False``) emits it: per-row seeded sampling inside ``model.generate``."""
+
+    def __init__(self, seeds: list[int], temperature: float, top_p: float, device: str | torch.device) -> None:
+        self.generators = [torch.Generator(device=device).manual_seed(seed % 2**64) for seed in seeds]
+        self.temperature, self.top_p = temperature, top_p
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        chosen = torch.cat([draw(row, self.temperature, self.top_p, g) for row, g in zip(scores, self.generators, strict=True)])
+        return torch.full_like(scores, float("-inf")).scatter_(-1, chosen[:, None], 0.0)
