@@ -25,7 +25,6 @@ from harness.task import Problem, Score, Task
 from harness.trajectory import Trajectory
 
 EVAL_SHARD_SAMPLES = 64  # samples per evaluation shard by default (the hf backend's default generation batch)
-SHARD_SEED_STRIDE = 1_000_003  # shard i samples at seed + i * stride (turn t of a shard adds t)
 GRADE_CHUNK = 64  # completions per grade_many call, so the grading progress bar moves
 GENERIC_SUMMARY_KEYS = frozenset(
     {
@@ -159,15 +158,9 @@ def shard_problems(problems: list[Problem], k: int, shard_size: int | None = Non
     return [problems[start : start + size] for start in range(0, len(problems), size)]
 
 
-def shard_seed(seed: int | None, index: int) -> int | None:
-    """Sampling seed of shard ``index``: shard 0 keeps the evaluation's seed (a one-shard evaluation is unchanged);
-    turn offsets (``seed + turn``) stay far below the stride, so no two shards share a turn's seed."""
-    return None if seed is None else seed + index * SHARD_SEED_STRIDE
-
-
 def shard_key(task: Task, problems: list[Problem], k: int, sampling: SamplingParams, index: int) -> dict:
     """What a staged shard must match to be reused: the task, its problems, k and the shard's sampling."""
-    params = sampling.model_copy(update={"n": k, "seed": shard_seed(sampling.seed, index)})
+    params = sampling.model_copy(update={"n": k})
     return {"task": task.name, "index": index, "problems": [p.id for p in problems], "k": k, "sampling": params.model_dump(mode="json")}
 
 
@@ -177,7 +170,7 @@ def evaluate_shard(
 ) -> tuple[list[SampleRow], list[Trajectory]]:
     """One shard: k episodes per problem in one rollout call at the shard's seed, graded; its rows and trajectories.
     Its samples depend only on (seed, index, the shard's problems, k), not on the executor or the other shards."""
-    params = sampling.model_copy(update={"n": k, "seed": shard_seed(sampling.seed, index)})
+    params = sampling.model_copy(update={"n": k})
     trajectories = rollout(backend, task, problems, params)
     by_id = {p.id: p for p in problems}
     scores = grade_episodes(task, [by_id[t.problem_id] for t in trajectories], trajectories, show_progress=show_progress)

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from harness.backends import SamplingParams
 from harness.backends.hf import HFBackend
 from harness.cli import app
-from harness.evaluation import EVAL_SHARD_SAMPLES, evaluate_shard, evaluate_task, shard_problems, shard_seed
+from harness.evaluation import EVAL_SHARD_SAMPLES, evaluate_shard, evaluate_task, shard_problems
 from harness.registry import TASKS
 from tasks.synthetic.arith import ArithOptions
 import test_swebench
@@ -63,13 +63,15 @@ def test_shards_hold_whole_problems_and_sample_independently_of_the_others(tiny_
     problems = ArithTask(SHORT).load("test")[:6]
     assert [len(s) for s in shard_problems(problems * 30, 4)] == [EVAL_SHARD_SAMPLES // 4] * 11 + [180 - 11 * 16]
     assert [[p.id for p in s] for s in shard_problems(problems, 2, 4)] == [[p.id for p in problems[:4]], [p.id for p in problems[4:]]]
-    assert shard_seed(7, 0) == 7 and len({shard_seed(7, i) + turn for i in range(50) for turn in range(20)}) == 1000
     backend = HFBackend(tiny_model_factory(seed=1), char_tokenizer)
     sampling = SamplingParams(max_new_tokens=12, seed=3)
     whole = evaluate_task(backend, ArithTask(SHORT), problems, k=2, sampling=sampling, shard_size=2, n_resamples=10)
     alone, _ = evaluate_shard(backend, ArithTask(SHORT), problems[2:4], k=2, sampling=sampling, index=1)  # shard 1 by itself
     assert whole.shards == 3 and [(s.problem_id, s.completion) for s in whole.samples[4:8]] == [(s.problem_id, s.completion) for s in alone]
     assert len({s.completion for s in whole.samples}) > 1
+    one_shard = evaluate_task(backend, ArithTask(SHORT), problems, k=2, sampling=sampling, shard_size=6, n_resamples=10)
+    assert one_shard.shards == 1  # per-episode seeds: the shard size does not change a sample
+    assert [(s.problem_id, s.completion) for s in one_shard.samples] == [(s.problem_id, s.completion) for s in whole.samples]
 
 
 @pytest.mark.parametrize(
