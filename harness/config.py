@@ -135,14 +135,13 @@ def load_options(backend: type) -> list[str]:
 
 
 LAYOUT_ROLES = ("rollout", "teacher", "learner", "eval")
-SINGLE_REPLICA_ROLES = ("teacher",)  # roles refused more than one replica for now (rollout: N workers; learner: data-parallel ranks)
 
 
 class RoleLayout(Strict):
     """Where one role's replicas run on a Ray cluster: the resources of each replica and how they spread over nodes."""
 
     replicas: int = Field(
-        1, ge=1, description="actors of this role (rollout: N workers on one queue; learner: data-parallel ranks; teacher: only 1 for now)"
+        1, ge=1, description="actors of this role (rollout: workers on one queue; teacher: scorers behind one chooser; learner: DP ranks)"
     )
     num_cpus: float = Field(1.0, ge=0, description="logical CPUs per replica")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per replica")
@@ -180,14 +179,6 @@ class Layout(Strict):
     eval: RoleLayout = Field(
         default_factory=RoleLayout, description="validated and recorded; not placed yet (evaluation runs in the driver)"
     )
-
-    @model_validator(mode="after")
-    def _one_replica(self) -> "Layout":
-        for role in SINGLE_REPLICA_ROLES:
-            replicas = getattr(self, role).replicas
-            if replicas > 1:
-                raise ValueError(f"trainer.layout.{role}.replicas={replicas}: more than one {role} replica is not supported yet (use 1)")
-        return self
 
 
 class TrackingConfig(Strict):

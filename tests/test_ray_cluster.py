@@ -25,7 +25,6 @@ LAG = ["--method", "f_opd", "--mode", "async", "--set", "trainer.fixed_lag=1", "
         ("trainer.layout.critic.num_cpus=1", "trainer.layout.critic"),
         ("trainer.layout.learner.replicas=1000", "trainer.layout.learner.replicas=1000: more learner ranks than samples"),
         ("trainer.layout.rollout.replicas=-1", "trainer.layout.rollout.replicas"),
-        ("trainer.layout.teacher.replicas=3", "trainer.layout.teacher.replicas=3"),
         ("trainer.layout.rollout.strategy=scatter", "trainer.layout.rollout.strategy"),
         ("trainer.layout.learner.num_cpus=0", "trainer.layout.learner"),
     ],
@@ -141,6 +140,9 @@ def test_a_sweep_point_whose_layout_the_cluster_cannot_hold_stops_the_sweep_befo
 
 
 TWO_ROLLOUTS = ["--set", "trainer.layout.rollout.replicas=2", "--set", "trainer.layout.rollout.strategy=spread"]
+TWO_TEACHERS = ["--set", "trainer.layout.teacher.replicas=2", "--set", "trainer.layout.teacher.num_cpus=0.5",
+                "--set", "trainer.layout.teacher.strategy=spread",
+                "--set", "trainer.layout.rollout.num_cpus=0.5"]  # fmt: skip  (per node: a rollout, a teacher; and the learner)
 
 
 def _losses_per_step(db, run_id: str) -> list[tuple[int, int]]:
@@ -152,7 +154,8 @@ def _losses_per_step(db, run_id: str) -> list[tuple[int, int]]:
 @pytest.mark.slow
 def test_two_rollout_workers_on_two_nodes_survive_a_kill_with_inprocess_losses(shared_out, ray_cluster, inprocess_lag, monkeypatch):
     """Two rollout actors on different nodes share the batches; one is SIGKILLed before batch 3: Ray restarts it, its
-    batch is made again with the right weights, and every step is trained once with the in-process losses (fixed_lag)."""
+    batch is made again with the right weights, and every step is trained once with the in-process losses (fixed_lag).
+    Two teacher actors score them; one is SIGKILLed before batch 2: its batches go to the other until it is back."""
     import ray
 
     import trainers.ray_executor as rx
@@ -162,21 +165,25 @@ def test_two_rollout_workers_on_two_nodes_survive_a_kill_with_inprocess_losses(s
     original = rx.RayRollout.make
 
     def kill_first_replica_once(self, index):
-        if index == 3 and not killed:
+        if index == 2 and not killed:
+            killed.append(ray.get(self.teacher.actors[0].pid.remote()))
+            os.kill(killed[-1], signal.SIGKILL)  # the least loaded teacher: this batch is likely sent to it, dead
+        if index == 3 and len(killed) == 1:
             killed.append(ray.get(self.actor.pid.remote()))
-            os.kill(killed[0], signal.SIGKILL)  # mid-run, with weights loaded: its next batch must not use the initial ones
+            os.kill(killed[-1], signal.SIGKILL)  # mid-run, with weights loaded: its next batch must not use the initial ones
         return original(self, index)
 
     monkeypatch.setattr(rx.RayRollout, "make", kill_first_replica_once)
     on_cluster, checkpoints, _ = run(tmp_path, *LAG, "--executor", "ray", "--set", f"trainer.ray_address={ray_cluster.address}",
-                                     *TWO_ROLLOUTS)  # fmt: skip
-    assert killed, "the kill never happened"
+                                     *TWO_ROLLOUTS, *TWO_TEACHERS)  # fmt: skip
+    assert len(killed) == 2, "the kills never happened"
     assert_same_run(inprocess, on_cluster)
     run_id, _ = _last_train_run(tmp_path / "results.sqlite")
     assert _losses_per_step(tmp_path / "results.sqlite", run_id) == [(1, 1), (2, 1), (3, 1), (4, 1)]
     assert all(math.isfinite(on_cluster[s]["loss"]) for s in on_cluster)
     placement = checkpoints[-1]["placement"]
     assert {placement["rollout.0"], placement["rollout.1"]} == set(ray_cluster.node_ids.values())  # one on each node
+    assert {placement["teacher.0"], placement["teacher.1"]} == set(ray_cluster.node_ids.values())
     workers = checkpoints[-1]["rollout_workers"]
     assert len(workers) == 2 and all(w["samples"] > 0 and w["samples_per_s"] > 0 for w in workers)
     assert sum(w["samples"] for w in workers) == sum(on_cluster[s]["samples"] for s in on_cluster)
@@ -188,3 +195,23 @@ def test_two_rollout_workers_keep_every_sample_within_max_lag(shared_out, ray_cl
                                      "--executor", "ray", "--set", f"trainer.ray_address={ray_cluster.address}", *TWO_ROLLOUTS)  # fmt: skip
     assert sorted(on_cluster) == [1, 2, 3, 4] and all(on_cluster[s]["lag_max"] <= 1 for s in on_cluster)
     assert set(checkpoints[-1]["staleness_hist"]) <= {"0", "1"}  # every sample, whichever worker made it
+
+
+def test_the_f_opd_16_gpu_layout_file_validates_and_fills_two_8_gpu_nodes():
+    """README's layout for the f-OPD paper's 16 GPUs: a valid config whose roles ask for exactly the GPUs of its two
+    labelled nodes, held by such a cluster and refused (naming the key) by one with a single 8-GPU node."""
+    from pathlib import Path
+
+    from trainers.ray_executor import layout_shortfall
+
+    cfg = build_config(config_file=Path(__file__).parents[1] / "docs" / "layouts" / "f-opd-16xh100.yaml")
+    layout = cfg.trainer.layout
+    gpus: dict[str, float] = {}
+    for role in ("rollout", "teacher", "learner"):
+        spec = getattr(layout, role)
+        (label,) = spec.resources
+        gpus[label] = gpus.get(label, 0.0) + spec.replicas * spec.num_gpus
+    assert gpus == {"node_a": 8.0, "node_b": 8.0} and cfg.trainer.executor == "ray" and cfg.method == "f_opd"
+    node = lambda label: {"Alive": True, "Resources": {"CPU": 64.0, "GPU": 8.0, label: 8.0}}  # noqa: E731
+    assert layout_shortfall(layout, [node("node_a"), node("node_b")]) is None
+    assert "trainer.layout.teacher.resources.node_b" in layout_shortfall(layout, [node("node_a")])

@@ -174,7 +174,7 @@ def test_actors_release_their_tasks_and_engines_before_they_are_killed(monkeypat
             log.append(f"kill {actor.name}")
 
     log.clear()
-    actors = ([FakeActor("rollout")], FakeActor("teacher"), [FakeActor("learner")], ())  # one rollout replica, one learner rank
+    actors = ([FakeActor("rollout")], [FakeActor("teacher")], [FakeActor("learner")], ())  # one replica of each, one learner rank
     learner_role = SimpleNamespace(killed=False, ranks=actors[2])
     monkeypatch.setattr(rx, "import_ray", lambda: FakeRay())
     monkeypatch.setattr(rx, "start_actors", lambda *a, **k: actors)
@@ -253,3 +253,48 @@ def test_a_lost_rollout_actor_is_waited_for_then_its_batch_is_given_back(monkeyp
     answers[:] = [rex.ActorDiedError(), rex.ActorDiedError()]  # dies again and is not restarted
     with pytest.raises(RuntimeError, match="Ray did not restart it"):
         rollout.make(8)
+
+
+def test_teacher_actors_take_batches_least_loaded_first_and_a_dead_one_s_batch_goes_to_another(monkeypatch):
+    """Several teacher actors behind one chooser: the replica with the fewest batches in flight scores the next one; a
+    replica that dies has the batch re-sent to another; when every replica is down the chooser waits for a restart."""
+    from types import SimpleNamespace
+
+    import ray.exceptions as rex
+
+    import trainers.ray_executor as rx
+
+    calls: list[tuple[str, int]] = []
+    dead: set[str] = set()
+
+    class Score:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def options(self, **_):
+            return self
+
+        def remote(self, batch, metrics, index):
+            calls.append((self.name, index))
+            return f"{self.name}:{batch}", ("died" if self.name in dead else {**metrics, "scored_by": self.name})
+
+    class FakeRay:
+        exceptions = rex
+
+        def get(self, ref, timeout=None):
+            if ref == "died":
+                raise rex.ActorDiedError()
+            if ref == "ready":
+                dead.clear()  # restarted
+                return True
+            return ref
+
+    actors = [SimpleNamespace(score=Score(n), ready=SimpleNamespace(remote=lambda: "ready")) for n in ("t0", "t1")]
+    teachers = rx.TeacherActors(FakeRay(), actors)
+    teachers.inflight[0] = 1  # t0 is busy with another worker's batch
+    assert teachers.score("b1", {"generate": 1.0}, 1) == ("t1:b1", {"generate": 1.0, "scored_by": "t1"})
+    dead.add("t1")
+    assert teachers.score("b2", {}, 2) == ("t0:b2", {"scored_by": "t0"}) and calls[-2:] == [("t1", 2), ("t0", 2)]
+    teachers.inflight[0] = 0
+    dead.update({"t0", "t1"})  # both down: wait for the last one tried to come back, then it scores the batch
+    assert teachers.score("b3", {}, 3)[0] in {"t0:b3", "t1:b3"} and teachers.failovers == 3 and teachers.inflight == [0, 0]

@@ -23,7 +23,9 @@ so are the losses, with any number of rollout actors.
 
 Faults: a rollout actor that dies (its process killed) is restarted by Ray (``ROLLOUT_RESTARTS``); the
 driver re-queues the batch it had in flight and reloads its weights, so no step is lost or trained
-twice. An error raised inside an actor (e.g. ``TeacherFailed``) reaches the driver as itself, not
+twice. Teacher actors (``trainer.layout.teacher.replicas``) sit behind one chooser (:class:`TeacherActors`):
+each batch goes to the replica with the fewest batches in flight, and one that dies is restarted by Ray
+while its batch is scored by another. An error raised inside an actor (e.g. ``TeacherFailed``) reaches the driver as itself, not
 wrapped in Ray's ``RayTaskError``.
 """
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -72,6 +75,7 @@ PLACEMENT_TIMEOUT_S = 60.0  # how long a role's placement group may take to be r
 PLACED_ROLES = tuple(role for role in LAYOUT_ROLES if role != "eval")  # roles with actors (eval is validated, not placed yet)
 ROLLOUT_RESTARTS = MAX_ROLLOUT_LOSSES  # Ray restarts a dead rollout actor this often; the driver re-queues its batch
 RESTART_TIMEOUT_S = 180.0  # how long a dead rollout actor may take to come back (imports, plan, model) before the run fails
+TEACHER_RESTARTS = 3  # Ray restarts a dead teacher actor this often; its batch is scored by another replica meanwhile
 STRATEGIES = {"pack": "PACK", "spread": "SPREAD"}  # soft: best effort across nodes, never unschedulable for the strategy alone
 LAYOUT_KEYS = {"CPU": "num_cpus", "GPU": "num_gpus"}
 
@@ -345,7 +349,7 @@ def ray_get(ray: ModuleType, refs: Any, **options: Any) -> Any:
 
 
 class RayRollout:
-    """Driver side of one rollout actor (and the teacher actor), for a ``RolloutWorker``: loads weights by ref,
+    """Driver side of one rollout actor (and the teacher actors), for a ``RolloutWorker``: loads weights by ref,
     returns batch refs; a dead actor (Ray restarts it) is :class:`RolloutLost`, and its weights are reloaded."""
 
     def __init__(self, ray: ModuleType, plan, actor: Any, teacher: Any, board: WeightBoard) -> None:
@@ -359,32 +363,69 @@ class RayRollout:
 
     def make(self, index: int) -> tuple[Any, dict[str, float]]:
         batch, metrics = self.actor.generate.options(num_returns=2).remote(index, self.version)
-        if self.score:
-            batch, metrics = self.teacher.score.options(num_returns=2).remote(batch, metrics, index)
         try:
-            return batch, ray_get(self.ray, metrics)
+            metrics = ray_get(self.ray, metrics)
         except RolloutLost:
             self.version = -1  # restarted before this batch: it holds the initial weights, reload before the next one
             raise
         except self.ray.exceptions.RayActorError as exc:
             self.version = -1  # died with the batch in flight; once restarted it needs weights again
-            self.await_restart(index)
+            await_restart(self.ray, self.actor, f"a rollout actor died with batch {index}", ROLLOUT_RESTARTS)
             raise RolloutLost(f"rollout actor lost with batch {index} in flight: {type(exc).__name__}") from exc
+        return self.teacher.score(batch, metrics, index) if self.score else (batch, metrics)
 
-    def await_restart(self, index: int) -> None:
-        """Block until Ray has restarted the actor (calls fail fast while it restarts); one clear error if it stays dead."""
-        deadline = time.monotonic() + RESTART_TIMEOUT_S
+
+def await_restart(ray: ModuleType, actor: Any, what: str, restarts: int) -> None:
+    """Block until Ray has restarted ``actor`` (calls fail fast while it restarts); one clear error if it stays dead."""
+    deadline = time.monotonic() + RESTART_TIMEOUT_S
+    while True:
+        try:
+            ray.get(actor.ready.remote(), timeout=RESTART_TIMEOUT_S)
+            return
+        except ray.exceptions.ActorUnavailableError:  # restarting
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} and was not back within {RESTART_TIMEOUT_S:g}s") from None
+            time.sleep(0.5)
+        except ray.exceptions.RayActorError:  # dead for good: its restarts are used up
+            raise RuntimeError(f"{what} in flight and Ray did not restart it (at most {restarts} restarts)") from None
+
+
+class TeacherActors:
+    """The run's teacher actors behind one chooser, shared by the rollout workers' threads: a batch goes to the replica
+    with the fewest batches in flight; a replica that dies (Ray restarts it) has its batch scored by another, or by
+    itself once back when every replica is down. An error raised in a teacher (``TeacherFailed``) stops the run as before."""
+
+    def __init__(self, ray: ModuleType, actors: list[Any]) -> None:
+        self.ray, self.actors = ray, actors
+        self.inflight = [0] * len(actors)
+        self.failovers = 0  # batches re-sent after their replica died
+        self._lock = threading.Lock()
+
+    def _claim(self, exclude: set[int]) -> int:
+        with self._lock:
+            free = [i for i in range(len(self.actors)) if i not in exclude]
+            replica = min(free, key=lambda i: (self.inflight[i], i))
+            self.inflight[replica] += 1
+            return replica
+
+    def score(self, batch: Any, metrics: dict[str, float], index: int) -> tuple[Any, dict[str, float]]:
+        """Batch ``index`` (a ref) scored on some replica: (scored batch ref, metrics with the teacher's timing)."""
+        died: set[int] = set()
         while True:
+            replica = self._claim(died)
+            scored, out = self.actors[replica].score.options(num_returns=2).remote(batch, metrics, index)
             try:
-                self.ray.get(self.actor.ready.remote(), timeout=RESTART_TIMEOUT_S)
-                return
-            except self.ray.exceptions.ActorUnavailableError:  # restarting
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"a rollout actor died with batch {index} and was not back within {RESTART_TIMEOUT_S:g}s") from None
-                time.sleep(0.5)
-            except self.ray.exceptions.RayActorError:  # dead for good: its restarts are used up
-                raise RuntimeError(f"a rollout actor died with batch {index} in flight and Ray did not restart it "
-                                   f"(at most {ROLLOUT_RESTARTS} restarts)") from None  # fmt: skip
+                return scored, ray_get(self.ray, out)
+            except self.ray.exceptions.RayActorError:
+                died.add(replica)
+                with self._lock:
+                    self.failovers += 1
+                if len(died) == len(self.actors):  # every replica is down: wait for this one to come back
+                    await_restart(self.ray, self.actors[replica], f"a teacher actor died with batch {index}", TEACHER_RESTARTS)
+                    died.clear()
+            finally:
+                with self._lock:
+                    self.inflight[replica] -= 1
 
 
 class LearnerRankFailed(TrainingAborted):
@@ -468,10 +509,10 @@ class RayLearner:
         self.killed = True
 
 
-def rollout_replicas(plan) -> int:
-    """Rollout actors of the run: ``trainer.layout.rollout.replicas`` (1 without a layout)."""
+def replicas_of(plan, role: str) -> int:
+    """Actors of ``role`` in the run: ``trainer.layout.<role>.replicas`` (1 without a layout)."""
     layout = plan.config.trainer.layout
-    return layout.rollout.replicas if layout is not None else 1
+    return getattr(layout, role).replicas if layout is not None else 1
 
 
 def replica_names(role: str, replicas: int) -> list[str]:
@@ -481,10 +522,10 @@ def replica_names(role: str, replicas: int) -> list[str]:
 
 def start_actors(
     ray: ModuleType, plan, session: Session, threads: int, groups: dict[str, Any] | None = None
-) -> tuple[list, Any, list, tuple]:
-    """(rollout actors, teacher, learner ranks, pinned), seeded with the session's current models and optimizer state, each
-    in its role's placement group when the run has a layout (rollout replica i, learner rank i in bundle i). ``pinned`` holds the
-    object refs a restarted rollout actor is constructed from again: the caller keeps it for as long as the actors live
+) -> tuple[list, list, list, tuple]:
+    """(rollout actors, teacher actors, learner ranks, pinned), seeded with the session's current models and optimizer state, each
+    in its role's placement group when the run has a layout (replica or rank i in bundle i). ``pinned`` holds the
+    object refs a restarted rollout or teacher actor is constructed from again: the caller keeps it for as long as the actors live
     (Ray frees a ``ray.put`` object once no ref to it is left, and a restart would then fail)."""
     config = plan.config.model_dump(mode="json")
     layout, groups = plan.config.trainer.layout, groups or {}
@@ -498,14 +539,19 @@ def start_actors(
         remote(RolloutActor, "rollout", i, max_restarts=ROLLOUT_RESTARTS).remote(
             config, shipped_student, student.tokenizer, session.student_path, problems, threads
         )
-        for i in range(rollout_replicas(plan))
+        for i in range(replicas_of(plan, "rollout"))
     ]
     shipped = ray.put(teacher.model) if isinstance(teacher, HFBackend) else None  # a remote teacher is reopened in the actor
-    scorer = remote(TeacherActor, "teacher").remote(config, shipped, teacher.tokenizer, session.student_path, threads)
+    scorers = [
+        remote(TeacherActor, "teacher", i, max_restarts=TEACHER_RESTARTS).remote(
+            config, shipped, teacher.tokenizer, session.student_path, threads
+        )
+        for i in range(replicas_of(plan, "teacher"))
+    ]
     parts = ray.put((student.model, session.optimizer, session.method_state))
     world = layout.learner.replicas if layout is not None else 1
     learners = [remote(LearnerActor, "learner", rank).remote(config, parts, threads, rank, world) for rank in range(world)]
-    return rollouts, scorer, learners, (shipped_student, problems)
+    return rollouts, scorers, learners, (shipped_student, problems, shipped)
 
 
 def wait_ready(ray: ModuleType, actors: list, names: list[str], console: Console, placement: dict[str, str], learner: RayLearner) -> None:
@@ -557,29 +603,29 @@ class RayExecutor:
     @contextmanager
     def roles(self, plan, session: Session, board: WeightBoard, console: Console) -> Iterator[Roles]:
         ray = import_ray()
-        rollouts, scorer, learners, pinned = start_actors(ray, plan, session, plan.config.threads or 1, self.groups)  # start in step-0 eval
-        actors = [*rollouts, scorer, learners[0]]
-        names = [*replica_names("rollout", len(rollouts)), "teacher", "learner"]
-        ray_learner = RayLearner(ray, learners, session)
+        rollouts, scorers, learners, pinned = start_actors(ray, plan, session, plan.config.threads or 1, self.groups)  # during step-0 eval
+        actors = [*rollouts, *scorers, learners[0]]
+        names = [*replica_names("rollout", len(rollouts)), *replica_names("teacher", len(scorers)), "learner"]
+        ray_learner, teachers = RayLearner(ray, learners, session), TeacherActors(ray, scorers)
         placement: dict[str, str] = {}
         try:
             with warnings.catch_warnings():  # the session's optimizer mirrors the learner's, so only its scheduler steps
                 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before", category=UserWarning)
                 yield Roles(
-                    [RayRollout(ray, plan, rollout, scorer, board) for rollout in rollouts],
+                    [RayRollout(ray, plan, rollout, teachers, board) for rollout in rollouts],
                     ray_learner,
                     ready=lambda: wait_ready(ray, actors, names, console, placement, ray_learner),
                     placement=placement,
                 )
         finally:
-            every = [*rollouts, scorer, *([] if ray_learner.killed else learners)]  # killed learner ranks have nothing to close
+            every = [*rollouts, *scorers, *([] if ray_learner.killed else learners)]  # killed learner ranks have nothing to close
             try:  # a kill skips the actors' exit hooks: their sandbox containers and engines are released first
                 ray.get([actor.close.remote() for actor in every], timeout=CLOSE_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - a dead or stuck actor must not keep the others alive
                 console.print(f"[yellow]warning:[/] ray actors did not close cleanly ({type(exc).__name__}: {exc}); killing them")
             for actor in every:
                 ray.kill(actor)
-            del pinned  # the rollout actors' constructor arguments, kept alive for their restarts until here
+            del pinned  # the rollout and teacher actors' constructor arguments, kept alive for their restarts until here
 
 
 RAY_EXECUTOR = RayExecutor()
