@@ -19,15 +19,12 @@ import argparse
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
-from rich.console import Console
-
-from harness.config import build_config
-from harness.plan import plan_run
-from harness.runs import create_train_run, execute_run
-from harness.store import Store
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling benchmark's cpu-demo run and step medians
+from async_throughput import median, run_once as run_cpu_demo  # noqa: E402
 
 WORKERS = (1, 2)
 ROLLOUT_BOUND = ["trainer.samples_per_prompt=4", "trainer.prompts_per_step=16", "trainer.max_new_tokens=48", "trainer.temperature=1.5"]
@@ -35,19 +32,8 @@ ROLLOUT_BOUND = ["trainer.samples_per_prompt=4", "trainer.prompts_per_step=16", 
 
 def run_once(out: Path, steps: int, workers: int, extra: tuple[str, ...] = ()) -> dict[int, dict[str, float]]:
     """One async Ray run with ``workers`` rollout actors; its step metrics."""
-    settings = [f"trainer.steps={steps}", f"trainer.checkpoint_every={steps}", "eval.teacher=false", "eval.before_training=false",
-                "eval.limit=8", "eval.k=1", "threads=1", "trainer.mode=async", "trainer.max_lag=2", "trainer.executor=ray",
-                f"trainer.layout.rollout.replicas={workers}", *ROLLOUT_BOUND, *extra]  # fmt: skip
-    plan = plan_run(build_config(preset="cpu-demo", overrides=settings))
-    store = Store(out)
-    run_id = create_train_run(store, plan.config, plan)
-    execute_run(plan, store, run_id, resume=False, console=Console(stderr=True, quiet=True))
-    return store.step_metrics(run_id)
-
-
-def median(metrics: dict[int, dict[str, float]], key: str, skip: int = 3) -> float:
-    """Median over steps, skipping the first few (warm-up, empty pipeline)."""
-    return statistics.median(m.get(key, 0.0) for s, m in metrics.items() if s > skip)
+    return run_cpu_demo(out, steps, "trainer.mode=async", "trainer.max_lag=2", "trainer.executor=ray",
+                        f"trainer.layout.rollout.replicas={workers}", *ROLLOUT_BOUND, *extra)  # fmt: skip
 
 
 def samples_per_s(metrics: dict[int, dict[str, float]], skip: int = 3) -> float:
