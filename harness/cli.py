@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import os
+import re
 import signal
 import sys
 import time
@@ -52,6 +54,21 @@ def open_interval(low: float, high: float, *, low_open: bool = False, high_open:
         return value
 
     return check
+
+
+def plain_text(text: str) -> str:
+    """Docstring text as a terminal shows it: RST inline literals (````x````) as ``x``, a paragraph's line breaks as spaces."""
+    return re.sub(r"(?<!\n)\n(?!\n)", " ", re.sub(r"``(.+?)``", r"\1", text, flags=re.DOTALL))
+
+
+def plain_help(typer_app: typer.Typer) -> None:
+    """Show the help of ``typer_app``, of its commands and of its sub-apps as ``plain_text`` (docstrings included)."""
+    if isinstance(typer_app.info.help, str):
+        typer_app.info.help = plain_text(typer_app.info.help)
+    for info in typer_app.registered_commands:
+        info.help = plain_text(info.help or inspect.getdoc(info.callback) or "")
+    for group in typer_app.registered_groups:
+        plain_help(group.typer_instance)
 
 
 # ---- task lifecycle and clean shutdown (readiness before anything is written; sandboxes closed however a command ends)
@@ -493,9 +510,9 @@ def tasks(json_: Annotated[bool, typer.Option("--json", help="machine-readable l
         print(to_json(described))
         return
     for d in described:
-        stdout.print(f"[bold]{d['name']}[/]  {d['description']}  (sandbox: {'yes' if d['needs_sandbox'] else 'no'})")
+        stdout.print(f"[bold]{d['name']}[/]  {plain_text(d['description'])}  (sandbox: {'yes' if d['needs_sandbox'] else 'no'})")
     for prefix in TASKS.prefixes():
-        stdout.print(f"[bold]{prefix}:<name>[/]  a family of tasks: {TASKS.prefix_description(prefix)}")
+        stdout.print(f"[bold]{prefix}:<name>[/]  a family of tasks: {plain_text(TASKS.prefix_description(prefix))}")
 
 
 @app.command()
@@ -506,7 +523,8 @@ def methods(json_: Annotated[bool, typer.Option("--json", help="machine-readable
         print(to_json(described))
         return
     for d in described:
-        stdout.print(f"[bold]{d['name']}[/]  {d['description']}\n    needs: {', '.join(d['inputs'])}; defaults: {d['defaults']}")
+        description = plain_text(d["description"])
+        stdout.print(f"[bold]{d['name']}[/]  {description}\n    needs: {', '.join(d['inputs'])}; defaults: {d['defaults']}")
 
 
 @app.command()
@@ -802,6 +820,7 @@ def sandbox_cleanup(
 from harness.data import data_app  # noqa: E402 - the `data` sub-app (harness data fetch / check) lives beside its code
 
 app.add_typer(data_app, name="data")
+plain_help(app)
 
 
 def main() -> None:
