@@ -167,6 +167,9 @@ def run(
         str | None, typer.Option(help="resume RUN_ID from its last checkpoint (--set trainer.layout.* may change where its roles run)")
     ] = None,
     data_dir: Annotated[Path | None, typer.Option(help="local data root laid out as DIR/<task>/... (default: $HARNESS_DATA_DIR)")] = None,
+    print_config: Annotated[
+        bool, typer.Option("--print-config", help="print the resolved config (every default included) as YAML and exit; nothing is written")
+    ] = False,
 ) -> None:
     """Train a student with METHOD on TASK, evaluating every checkpoint (Avg@k) into the store.
 
@@ -174,7 +177,7 @@ def run(
     """
     from harness.plan import load_plan_data, plan_run
     from harness.store import Store
-    from harness.runs import create_train_run, execute_run, plan_resume
+    from harness.runs import create_train_run, execute_run, plan_resume, resolved_config
 
     _quiet_libraries()
     store = None
@@ -192,6 +195,9 @@ def run(
             trainer = {key: value for key, value in (("mode", mode), ("executor", executor)) if value is not None}
             cli = {"method": method, "task": task, "trainer": trainer or None}
             plan = plan_run(config_with_data_dir(build_config(preset=preset, config_file=config, overrides=set_ or [], cli=cli), data_dir))
+        if print_config:  # validated, nothing loaded or written
+            print(yaml.safe_dump(resolved_config(plan), sort_keys=False), end="")
+            return
         load_plan_data(plan)
     except (ConfigError, RegistryError) as exc:  # DataUnavailable included: missing data or a bad row, nothing created
         raise _fail(str(exc)) from None
