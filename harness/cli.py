@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import os
+import re
 import signal
 import sys
 import time
@@ -39,6 +41,34 @@ def _quiet_libraries() -> None:
 def _fail(message: str, code: int = 2) -> typer.Exit:
     console.print(f"[bold red]error:[/] {escape(message)}", highlight=False)  # escaped: "opd-harness[ray]" is not markup
     return typer.Exit(code)
+
+
+def open_interval(low: float, high: float, *, low_open: bool = False, high_open: bool = False) -> Callable[[float | None], float | None]:
+    """An option callback refusing a value outside the interval (typer's ``min``/``max`` bounds are closed only): exit 2 naming the flag."""
+
+    def check(value: float | None) -> float | None:
+        below = value is not None and (value <= low if low_open else value < low)
+        above = value is not None and (value >= high if high_open else value > high)
+        if below or above:
+            raise typer.BadParameter(f"{value} is not in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}")
+        return value
+
+    return check
+
+
+def plain_text(text: str) -> str:
+    """Docstring text as a terminal shows it: RST inline literals (````x````) as ``x``, a paragraph's line breaks as spaces."""
+    return re.sub(r"(?<!\n)\n(?!\n)", " ", re.sub(r"``(.+?)``", r"\1", text, flags=re.DOTALL))
+
+
+def plain_help(typer_app: typer.Typer) -> None:
+    """Show the help of ``typer_app``, of its commands and of its sub-apps as ``plain_text`` (docstrings included)."""
+    if isinstance(typer_app.info.help, str):
+        typer_app.info.help = plain_text(typer_app.info.help)
+    for info in typer_app.registered_commands:
+        info.help = plain_text(info.help or inspect.getdoc(info.callback) or "")
+    for group in typer_app.registered_groups:
+        plain_help(group.typer_instance)
 
 
 # ---- task lifecycle and clean shutdown (readiness before anything is written; sandboxes closed however a command ends)
@@ -137,6 +167,9 @@ def run(
         str | None, typer.Option(help="resume RUN_ID from its last checkpoint (--set trainer.layout.* may change where its roles run)")
     ] = None,
     data_dir: Annotated[Path | None, typer.Option(help="local data root laid out as DIR/<task>/... (default: $HARNESS_DATA_DIR)")] = None,
+    print_config: Annotated[
+        bool, typer.Option("--print-config", help="print the resolved config (every default included) as YAML and exit; nothing is written")
+    ] = False,
 ) -> None:
     """Train a student with METHOD on TASK, evaluating every checkpoint (Avg@k) into the store.
 
@@ -144,7 +177,7 @@ def run(
     """
     from harness.plan import load_plan_data, plan_run
     from harness.store import Store
-    from harness.runs import create_train_run, execute_run, plan_resume
+    from harness.runs import create_train_run, execute_run, plan_resume, resolved_config
 
     _quiet_libraries()
     store = None
@@ -162,6 +195,9 @@ def run(
             trainer = {key: value for key, value in (("mode", mode), ("executor", executor)) if value is not None}
             cli = {"method": method, "task": task, "trainer": trainer or None}
             plan = plan_run(config_with_data_dir(build_config(preset=preset, config_file=config, overrides=set_ or [], cli=cli), data_dir))
+        if print_config:  # validated, nothing loaded or written
+            print(yaml.safe_dump(resolved_config(plan), sort_keys=False), end="")
+            return
         load_plan_data(plan)
     except (ConfigError, RegistryError) as exc:  # DataUnavailable included: missing data or a bad row, nothing created
         raise _fail(str(exc)) from None
@@ -219,8 +255,8 @@ def _print_run_summary(store, run_id: str, plan, seconds: float) -> None:
 EVAL_EXECUTOR_KEYS = ("executor", "workers", "ray_address")  # config keys that say where an eval ran, not what it measured
 
 
-def check_eval_executor(executor: str, workers: int | None, ray_address: str | None, shard_size: int | None) -> None:
-    """``harness eval``'s placement flags: exit 2 naming the flag when a value is bad or needs ``--executor ray``."""
+def check_eval_executor(executor: str, workers: int | None, ray_address: str | None) -> None:
+    """``harness eval``'s placement flags: exit 2 naming the flag when the executor is unknown or a flag needs ``--executor ray``."""
     if executor != "inprocess":
         from harness.registry import EVAL_EXECUTORS
 
@@ -231,10 +267,6 @@ def check_eval_executor(executor: str, workers: int | None, ray_address: str | N
     elif workers is not None or ray_address is not None:
         flag = "--workers" if workers is not None else "--ray-address"
         raise ConfigError(f"{flag} needs --executor ray (the in-process evaluation runs in this process)")
-    if workers is not None and workers < 1:
-        raise ConfigError(f"--workers must be at least 1, got {workers}")
-    if shard_size is not None and shard_size < 1:
-        raise ConfigError(f"--shard-size must be at least 1 problem, got {shard_size}")
 
 
 def resumed_eval(store, run_id: str, config: dict) -> None:
@@ -263,15 +295,15 @@ def eval_(
     model: Annotated[str, typer.Option(help="local model directory (or hub id) to evaluate")],
     task: Annotated[str, typer.Option(help="task name(s), comma separated")],
     backend: Annotated[str, typer.Option(help="inference backend")] = "hf",
-    k: Annotated[int | None, typer.Option(help="samples per problem (default: the task's k)")] = None,
-    limit: Annotated[int | None, typer.Option(help="first N problems only")] = None,
-    temperature: Annotated[float, typer.Option(help="sampling temperature (0 = greedy)")] = 1.0,
-    top_p: Annotated[float, typer.Option()] = 1.0,
-    seed: Annotated[int, typer.Option()] = 0,
+    k: Annotated[int | None, typer.Option(min=1, help="samples per problem (default: the task's k)")] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="first N problems only")] = None,
+    temperature: Annotated[float, typer.Option(min=0, help="sampling temperature (0 = greedy)")] = 1.0,
+    top_p: Annotated[float, typer.Option(callback=open_interval(0, 1, low_open=True), help="nucleus sampling, in (0, 1]")] = 1.0,
+    seed: Annotated[int, typer.Option(min=0, help="sampling seed")] = 0,
     data_dir: Annotated[Path | None, typer.Option(help="local data root laid out as DIR/<task>/...")] = None,
     out: Annotated[Path, typer.Option(help="results root")] = Path("results"),
     json_: Annotated[bool, typer.Option("--json", help="print a JSON summary instead of a table")] = False,
-    max_error_rate: Annotated[float, typer.Option(help="exit 1 if a task's fraction of grading errors exceeds this")] = 0.02,
+    max_error_rate: Annotated[float, typer.Option(min=0, max=1, help="exit 1 if a task's fraction of grading errors exceeds this")] = 0.02,
     task_arg: Annotated[
         list[str] | None,
         typer.Option("--task-arg", help="task option TASK.KEY=VALUE, repeatable (e.g. arith.max_operand=50, as a run's task_args)"),
@@ -289,9 +321,11 @@ def eval_(
     ] = None,
     executor: Annotated[str, typer.Option(help="where the shards run: inprocess (this process) or ray (evaluation workers)")] = "inprocess",
     ray_address: Annotated[str | None, typer.Option(help="Ray cluster to join (--executor ray; default: a local Ray)")] = None,
-    workers: Annotated[int | None, typer.Option(help="evaluation workers (--executor ray; default 1), spread over the nodes")] = None,
+    workers: Annotated[
+        int | None, typer.Option(min=1, help="evaluation workers (--executor ray; default 1), spread over the nodes")
+    ] = None,
     shard_size: Annotated[
-        int | None, typer.Option(help="problems per shard, all k samples of a problem in one (default: as many as fill 64 samples)")
+        int | None, typer.Option(min=1, help="problems per shard, all k samples of a problem in one (default: as many as fill 64 samples)")
     ] = None,
     resume: Annotated[str | None, typer.Option(help="continue the interrupted eval RUN_ID (same options); staged shards are kept")] = None,
 ) -> None:
@@ -319,7 +353,7 @@ def eval_(
     except ValueError as exc:
         raise _fail(f"--logger: {exc}") from None
     try:
-        check_eval_executor(executor, workers, ray_address, shard_size)
+        check_eval_executor(executor, workers, ray_address)
         check_data_dir(data_dir)
         task_args: dict = {}
         for item in task_arg or []:
@@ -482,9 +516,9 @@ def tasks(json_: Annotated[bool, typer.Option("--json", help="machine-readable l
         print(to_json(described))
         return
     for d in described:
-        stdout.print(f"[bold]{d['name']}[/]  {d['description']}  (sandbox: {'yes' if d['needs_sandbox'] else 'no'})")
+        stdout.print(f"[bold]{d['name']}[/]  {plain_text(d['description'])}  (sandbox: {'yes' if d['needs_sandbox'] else 'no'})")
     for prefix in TASKS.prefixes():
-        stdout.print(f"[bold]{prefix}:<name>[/]  a family of tasks: {TASKS.prefix_description(prefix)}")
+        stdout.print(f"[bold]{prefix}:<name>[/]  a family of tasks: {plain_text(TASKS.prefix_description(prefix))}")
 
 
 @app.command()
@@ -495,7 +529,8 @@ def methods(json_: Annotated[bool, typer.Option("--json", help="machine-readable
         print(to_json(described))
         return
     for d in described:
-        stdout.print(f"[bold]{d['name']}[/]  {d['description']}\n    needs: {', '.join(d['inputs'])}; defaults: {d['defaults']}")
+        description = plain_text(d["description"])
+        stdout.print(f"[bold]{d['name']}[/]  {description}\n    needs: {', '.join(d['inputs'])}; defaults: {d['defaults']}")
 
 
 @app.command()
@@ -558,21 +593,27 @@ def gate(
     out: Annotated[Path, typer.Option(help="results root holding the runs (model paths are evaluated into it)")] = Path("results"),
     alpha: Annotated[float, typer.Option(help="false-alarm rate of the whole gate (one-sided; split over tasks by Bonferroni)")] = 0.05,
     max_drop: Annotated[float, typer.Option(help="tolerated drop in absolute Avg@k points (0.02 = two points)")] = 0.0,
-    min_problems: Annotated[int, typer.Option(help="fewer problems per task than this is inconclusive")] = 10,
+    min_problems: Annotated[int, typer.Option(min=1, help="fewer problems per task than this is inconclusive")] = 10,
     max_error_rate: Annotated[
-        float, typer.Option(help="a side with more errored or missing samples than this fraction is inconclusive")
+        float,
+        typer.Option(
+            help="a side with more errored or missing samples than this fraction is inconclusive",
+            callback=open_interval(0, 1, high_open=True),
+        ),
     ] = 0.02,
-    n_resamples: Annotated[int, typer.Option(help="paired bootstrap resamples")] = 10_000,
-    bootstrap_seed: Annotated[int, typer.Option(help="bootstrap seed")] = 0,
+    n_resamples: Annotated[int, typer.Option(min=100, help="paired bootstrap resamples")] = 10_000,
+    bootstrap_seed: Annotated[int, typer.Option(min=0, help="bootstrap seed")] = 0,
     json_: Annotated[
         str | None,
         typer.Option("--json", help="write the JSON report to this file ('-' = stdout; the verdict paragraph then goes to stderr)"),
     ] = None,
-    k: Annotated[int | None, typer.Option(help="model paths: samples per problem (default: the task's k)")] = None,
-    limit: Annotated[int | None, typer.Option(help="model paths: first N problems only")] = None,
-    temperature: Annotated[float, typer.Option(help="model paths: sampling temperature")] = 1.0,
-    top_p: Annotated[float, typer.Option(help="model paths: nucleus sampling")] = 1.0,
-    seed: Annotated[int, typer.Option(help="model paths: sampling seed (the same for both)")] = 0,
+    k: Annotated[int | None, typer.Option(min=1, help="model paths: samples per problem (default: the task's k)")] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="model paths: first N problems only")] = None,
+    temperature: Annotated[float, typer.Option(min=0, help="model paths: sampling temperature")] = 1.0,
+    top_p: Annotated[
+        float, typer.Option(callback=open_interval(0, 1, low_open=True), help="model paths: nucleus sampling, in (0, 1]")
+    ] = 1.0,
+    seed: Annotated[int, typer.Option(min=0, help="model paths: sampling seed (the same for both)")] = 0,
     backend: Annotated[str, typer.Option(help="model paths: inference backend (hf, replay, openai, vllm)")] = "hf",
     backend_option: Annotated[
         list[str] | None, typer.Option("--backend-option", help="model paths: backend option KEY=VALUE, repeatable")
@@ -594,8 +635,6 @@ def gate(
     paths = [ref for ref in (baseline, candidate) if Path(ref).exists()]
     if not (out / "results.sqlite").is_file() and not paths:
         raise _fail(f"--out {out}: no results store at {out / 'results.sqlite'}")
-    if min_problems < 1 or n_resamples < 100 or not 0 <= max_error_rate < 1:
-        raise _fail("--min-problems must be >= 1, --n-resamples >= 100 and --max-error-rate in [0, 1)")
     spec = None
     if tasks:
         try:
@@ -787,6 +826,7 @@ def sandbox_cleanup(
 from harness.data import data_app  # noqa: E402 - the `data` sub-app (harness data fetch / check) lives beside its code
 
 app.add_typer(data_app, name="data")
+plain_help(app)
 
 
 def main() -> None:

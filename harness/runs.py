@@ -32,6 +32,13 @@ def new_run_id(method: str, task: str) -> str:
     return f"{method}-{task}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
+def resolved_config(plan) -> dict:
+    """A planned run's config as it is recorded: every key with its default, the method's hyper-parameters resolved (JSON types)."""
+    cfg = plan.config.model_dump(mode="json")
+    cfg["method_args"] = {**cfg["method_args"], cfg["method"]: plan.hparams.model_dump(mode="json")}
+    return cfg
+
+
 def create_train_run(store: Store, cfg: RunConfig, plan) -> str:
     """Record a new training run exactly as ``harness run`` does: every hyper-parameter (defaults
     included) in the config, the ``runs`` row, ``config.json`` and ``method.json``. Returns the run id."""

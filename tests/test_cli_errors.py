@@ -467,3 +467,38 @@ def test_declared_references_match_the_data(name, options, data_file, benchmark_
     assert "reference_responses" in task.provided_inputs()
     problems = task.load(task.training_split(), data_dir)
     assert problems and all(p.solution for p in problems)
+
+
+EVAL_ARGS = ["eval", "--backend", "replay", "--task", "arith", "--limit", "2", "--model"]  # + a replay file answering every problem
+GATE_ARGS = ["gate", "--baseline", "a", "--candidate", "b"]
+
+
+@pytest.mark.parametrize(
+    ("command", "flag", "value"),
+    [
+        (EVAL_ARGS, "--k", "-1"),
+        (EVAL_ARGS, "--k", "0"),  # not silently the task's k
+        (EVAL_ARGS, "--limit", "0"),
+        (EVAL_ARGS, "--temperature", "-0.5"),
+        (EVAL_ARGS, "--top-p", "0"),
+        (EVAL_ARGS, "--top-p", "1.5"),
+        (EVAL_ARGS, "--seed", "-3"),
+        (EVAL_ARGS, "--max-error-rate", "-0.1"),
+        (EVAL_ARGS, "--workers", "0"),
+        (EVAL_ARGS, "--shard-size", "-2"),
+        (GATE_ARGS, "--k", "0"),
+        (GATE_ARGS, "--limit", "-1"),
+        (GATE_ARGS, "--top-p", "0"),
+        (GATE_ARGS, "--min-problems", "0"),
+        (GATE_ARGS, "--n-resamples", "10"),
+        (GATE_ARGS, "--max-error-rate", "1"),
+        (GATE_ARGS, "--bootstrap-seed", "-1"),
+    ],
+)
+def test_out_of_range_numeric_flags_exit_2_naming_the_flag_and_write_nothing(tmp_path, command, flag, value):
+    out = tmp_path / "out"
+    problems = ArithTask(ArithOptions()).load("test")[:2]
+    model = replay_file(tmp_path, "arith", [(p.id, f"\\boxed{{{p.answer}}}") for p in problems] * 4)
+    result = runner.invoke(app, [*command, str(model), "--out", str(out), flag, value])
+    assert result.exit_code == 2 and f"'{flag}'" in result.output, result.output
+    assert not out.exists()

@@ -123,3 +123,22 @@ def test_a_preset_on_another_task_fits_its_models_to_that_task():
     assert (cfg.student.arch.max_positions, cfg.teacher.arch.max_positions) == (9000, 8192)  # what the user sets wins
     tool = build_config(preset="smoke", cli={"task": "arith_tool"})  # references and a budget below 512: unchanged
     assert (tool.student.sft_steps, tool.student.arch.max_positions) == (smoke.student.sft_steps, smoke.student.arch.max_positions)
+
+
+def test_print_config_shows_every_default_round_trips_and_writes_nothing(tmp_path):
+    import yaml
+
+    out = tmp_path / "out"
+    args = ["run", "--preset", "smoke", "--set", "trainer.lr=0.002", "--out", str(out), "--print-config"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    printed = yaml.safe_load(result.stdout)
+    expected = build_config(preset="smoke", overrides=["trainer.lr=0.002"]).model_dump(mode="json")
+    assert {k: v for k, v in printed.items() if k != "method_args"} == {k: v for k, v in expected.items() if k != "method_args"}
+    assert printed["method_args"]["opd"] == plan_run(build_config(preset="smoke")).hparams.model_dump(mode="json")  # defaults resolved
+    assert not out.exists()
+    (tmp_path / "printed.yaml").write_text(result.stdout)
+    again = runner.invoke(app, ["run", "--config", str(tmp_path / "printed.yaml"), "--out", str(out), "--print-config"])
+    assert again.exit_code == 0 and again.stdout == result.stdout, again.output
+    bad = runner.invoke(app, ["run", "--preset", "smoke", "--set", "trainer.lr=-1", "--out", str(out), "--print-config"])
+    assert bad.exit_code == 2 and "trainer.lr" in bad.output and not out.exists(), bad.output
