@@ -168,8 +168,9 @@ def evaluate_shard(
     backend: Backend, task: Task, problems: list[Problem], *, k: int, sampling: SamplingParams, index: int,
     show_progress: bool | None = None,
 ) -> tuple[list[SampleRow], list[Trajectory]]:
-    """One shard: k episodes per problem in one rollout call at the shard's seed, graded; its rows and trajectories.
-    Its samples depend only on (seed, index, the shard's problems, k), not on the executor or the other shards."""
+    """One shard: k episodes per problem in one rollout call at the evaluation's sampling, graded; its rows and
+    trajectories. Every episode has its own seed, so a sample depends on neither ``index`` (which shard this is, for
+    the caller) nor the executor or the other shards."""
     params = sampling.model_copy(update={"n": k})
     trajectories = rollout(backend, task, problems, params)
     by_id = {p.id: p for p in problems}

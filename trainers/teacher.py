@@ -91,13 +91,11 @@ class TeacherPool:
         self.benched_until = [0.0] * len(replicas)
         self.failovers = 0  # shards re-sent to another replica
         self._lock = threading.Lock()
-        self.tokenizer = replicas[0].tokenizer
-        self.score_fields = getattr(replicas[0], "score_fields", ())
 
     def __getattr__(self, name: str):
         if name.startswith("__") or name == "replicas":  # not set yet (copy, pickle): no delegation
             raise AttributeError(name)
-        return getattr(self.replicas[0], name)  # what a backend has besides score (pad_id, version, ...) is the first replica's
+        return getattr(self.replicas[0], name)  # what a backend has besides score (tokenizer, pad_id, ...) is the first replica's
 
     def healthy(self, exclude: set[int] = frozenset()) -> list[int]:
         """Replicas not benched and not in ``exclude``; all not excluded when every one is benched (a bench is a hint)."""
