@@ -735,6 +735,35 @@ def report(
     sys.stdout.write(render_markdown(result) if format_ == "md" else render_json(result) + "\n")
 
 
+@app.command()
+def reproduce(
+    name: Annotated[str, typer.Argument(help="recipe: f-opd, sod, saf-opd, ap-opd (entry points opd_harness.recipes)")],
+    scale: Annotated[str, typer.Option(help="cpu (a miniature that runs on CPU) or paper (the paper's grid)")] = "cpu",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="print the grid, runs, sources and resources; run nothing")] = False,
+    out: Annotated[Path, typer.Option(help="results root")] = Path("results"),
+    set_: Annotated[list[str] | None, typer.Option("--set", help="extra dotted override KEY=VALUE for every run, repeatable")] = None,
+) -> None:
+    """Run a paper's recipe through the sweep machinery (resumable), print its tables and check its claims."""
+    from harness.reproduce import SCALES, reproduce as reproduce_recipe
+
+    if scale not in SCALES:
+        raise _fail(f"--scale {scale!r}: choose one of {', '.join(SCALES)}")
+    _quiet_libraries()
+    try:
+        result = reproduce_recipe(name, scale, out, dry_run=dry_run, overrides=set_, console=console)
+    except ConfigError as exc:  # RecipeError and SweepError included: nothing was run
+        raise _fail(str(exc)) from None
+    except KeyboardInterrupt:
+        raise _fail(f"interrupted; continue with: harness reproduce {name} --scale {scale} --out {out}", 130) from None
+    if isinstance(result, str):
+        sys.stdout.write(result)
+        return
+    sys.stdout.write(result.markdown)
+    console.print(f"report, claims and plots: {result.folder}")
+    if result.failed:
+        raise _fail(f"{len(result.failed)} run(s) failed: {', '.join(result.failed)}; re-run to resume them", 1)
+
+
 sandbox_app = typer.Typer(help="The code sandbox: build its Docker image, remove leftover containers.", no_args_is_help=True)
 app.add_typer(sandbox_app, name="sandbox")
 

@@ -1,0 +1,566 @@
+"""`harness reproduce NAME`: a paper's experiment as one command, from a recipe kept as data.
+
+A recipe (a YAML file registered under the entry point group ``opd_harness.recipes``; the built-ins live in the
+``recipes`` package) holds the paper's grid at two scales, ``paper`` and ``cpu``, each a sweep (``base`` + ``grid``,
+the format of :mod:`harness.sweep`) with the source of every value it sets (``sources``: dotted key -> paper
+section or table, or ``reconstructed: ...`` where the paper is silent). It also lists its tables, plots and
+claims. :func:`reproduce` runs the chosen scale through :func:`harness.sweep.run_sweep` (so it resumes like any
+sweep), then renders the tables and plots from the store and checks the claims.
+
+A **claim** compares a candidate selection of runs with a baseline selection (or a constant) on one metric:
+
+- ``final_avg``: per-problem scores of each run's last evaluated checkpoint, paired by seed and problem. The
+  stratified paired bootstrap of :mod:`harness.gate` (each seed a stratum) gives delta = candidate - baseline
+  and its (1 - 2 alpha) interval; errored or missing samples are scored against the candidate for "holds" and
+  in its favour for "does not hold", as the gate does.
+- ``samples_per_hour``, ``step_metric`` (the mean of a logged step metric over the last ``window`` steps) and
+  ``eval_metric`` (an evaluation measurement of the last checkpoint, e.g. ``invalid_tool_rate``):
+  one value per run, paired by seed, tested with the exact sign test of :mod:`harness.gate` over seeds.
+
+``op: ">"`` claims delta > margin, ``op: ">="`` claims delta > -margin. The claim **holds** when the test
+rejects delta <= threshold at level alpha, **does not hold** when it rejects delta >= threshold, and is
+**inconclusive** otherwise (or with fewer than ``min_seeds`` paired seeds). Claims are never tuned: the
+verdict is what the numbers give.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from rich.console import Console
+
+from harness.config import ConfigError, format_validation_error
+from harness.gate import bootstrap_deltas, mcnemar_exact_p
+from harness.leaderboard import sample_scores
+from harness.registry import Registry, RegistryError
+from harness.report import dotted_get, render_markdown, run_curve, sweep_report
+from harness.store import Store
+from harness.sweep import SweepSpec, expand, load_sweep_record, parse_sweep, run_sweep
+
+RECIPES: Registry[Path] = Registry("recipes")
+SCALES = ("paper", "cpu")
+VERDICTS = ("holds", "does not hold", "inconclusive")
+
+
+class RecipeError(ConfigError):
+    """A bad recipe or recipe name; the CLI prints it and exits with code 2."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PaperRef(_Strict):
+    title: str
+    arxiv: str | None = None
+    note: str | None = None
+
+
+class Scale(_Strict):
+    sweep: dict[str, Any] = Field(description="a sweep: base (preset/config/set) and grid")
+    sources: dict[str, str] = Field(default_factory=dict, description="dotted key -> paper section/table, or 'reconstructed: ...'")
+    resources: str | None = Field(None, description="what this scale needs (hardware, time), with its source")
+    minutes: str | None = Field(None, description="cpu: the measured or estimated wall time on 2 cores")
+
+
+class Row(_Strict):
+    label: str
+    where: dict[str, Any] = Field(description="dotted config key -> value every run of the row has")
+
+
+class TableSpec(_Strict):
+    kind: Literal["sweep", "per_task", "step_metrics"]
+    title: str
+    source: str | None = None
+    rows: list[Row] = Field(default_factory=list)
+    tasks: list[str] = Field(default_factory=list, description="per_task: evaluation tasks (columns)")
+    groups: dict[str, list[str]] = Field(default_factory=dict, description="per_task: domain -> its tasks (macro columns)")
+    metrics: list[str] = Field(default_factory=list, description="step_metrics: logged step metrics (columns)")
+    window: int = Field(10, ge=1, description="step_metrics: mean over the last N logged steps")
+
+
+class PlotSpec(_Strict):
+    kind: Literal["step_metric", "avg_vs_step"]
+    title: str
+    rows: list[Row]
+    metric: str | None = Field(None, description="step_metric: the logged metric; avg_vs_step: the task")
+
+
+class ClaimSpec(_Strict):
+    id: str
+    text: str
+    source: str | None = None
+    metric: Literal["final_avg", "samples_per_hour", "step_metric", "eval_metric"]
+    task: str | None = Field(None, description="final_avg / eval_metric: the evaluation task (default: the run's training task)")
+    step_metric: str | None = Field(None, description="step_metric / eval_metric: the metric's name")
+    window: int = Field(10, ge=1)
+    candidate: dict[str, Any]
+    baseline: dict[str, Any] | None = None
+    value: float | None = Field(None, description="compare with this constant instead of a baseline selection")
+    op: Literal[">", ">="] = ">="
+    margin: float = Field(0.0, ge=0)
+    alpha: float = Field(0.05, gt=0, lt=0.5)
+    min_seeds: int = Field(2, ge=1)
+
+
+class Recipe(_Strict):
+    paper: PaperRef
+    scales: dict[Literal["paper", "cpu"], Scale]
+    tables: list[TableSpec] = Field(default_factory=list)
+    plots: list[PlotSpec] = Field(default_factory=list)
+    claims: list[ClaimSpec] = Field(default_factory=list)
+    name: str = Field("", exclude=True)
+
+
+# ---- loading ----------------------------------------------------------------------------------
+
+
+def parse_recipe(data: dict, name: str) -> Recipe:
+    """Validate a recipe mapping; every paper-scale key must have a source."""
+    try:
+        recipe = Recipe.model_validate({**data, "name": name})
+    except ValidationError as exc:
+        raise RecipeError(f"recipe {name}: " + format_validation_error(exc, Recipe).replace("\n", f"\nrecipe {name}: ")) from None
+    paper = recipe.scales.get("paper")
+    missing = sorted(set(sweep_keys(paper.sweep)) - set(paper.sources)) if paper else []
+    if missing:
+        raise RecipeError(f"recipe {name}: scales.paper.sources has no source for {missing} (the section/table, or 'reconstructed: why')")
+    return recipe
+
+
+def sweep_keys(sweep: dict) -> list[str]:
+    """Every dotted key a sweep sets: its base.set keys and its grid keys (and base.preset as 'preset')."""
+    base = sweep.get("base") or {}
+    keys = ["preset"] if base.get("preset") else []
+    sets = base.get("set") or {}
+    keys += [s.split("=", 1)[0] for s in sets] if isinstance(sets, list) else list(sets)
+    grids = sweep.get("grid") or []
+    for grid in [grids] if isinstance(grids, dict) else grids:
+        keys += [k for k in grid if k not in keys]
+    return keys
+
+
+def load_recipe(name: str) -> Recipe:
+    """The registered recipe ``name``, validated."""
+    try:
+        path = Path(RECIPES.get(name))
+    except RegistryError as exc:
+        raise RecipeError(str(exc)) from None
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise RecipeError(f"recipe {name} ({path}): {exc}") from None
+    return parse_recipe(data, name)
+
+
+def scale_sweep(recipe: Recipe, scale: str, overrides: list[str] | None = None) -> SweepSpec:
+    """The scale's sweep, with id ``<recipe>-<scale>`` and optional extra ``KEY=VALUE`` overrides after base.set."""
+    if scale not in recipe.scales:
+        raise RecipeError(f"--scale {scale!r}: recipe {recipe.name} has scales {sorted(recipe.scales)}")
+    data = json.loads(json.dumps(recipe.scales[scale].sweep))
+    base = data.setdefault("base", {})
+    if overrides:
+        sets = base.get("set") or {}
+        base["set"] = (list(sets) if isinstance(sets, list) else [f"{k}={json.dumps(v)}" for k, v in sets.items()]) + list(overrides)
+    data["id"] = f"{recipe.name}-{scale}"
+    return parse_sweep(data, source=f"recipe {recipe.name} ({scale})")
+
+
+# ---- planning ---------------------------------------------------------------------------------
+
+
+def plan_text(recipe: Recipe, scale: str, spec: SweepSpec) -> str:
+    """What ``--dry-run`` prints: the grid, every run (validated and planned), the sources and the resources."""
+    points = expand(spec)
+    info = recipe.scales[scale]
+    lines = [f"# {recipe.name} ({scale} scale): {recipe.paper.title}" + (f", arXiv {recipe.paper.arxiv}" if recipe.paper.arxiv else "")]
+    base = spec.base
+    lines.append(f"base: preset={base.preset or '-'}; " + "; ".join(spec.base_overrides()))
+    lines.append("grid:")
+    lines += [f"  - {json.dumps(g)}" for g in spec.sub_grids()]
+    lines.append(f"runs ({len(points)}):")
+    lines += [f"  [{p.index}] {p.label()}" for p in points]
+    if info.sources:
+        lines.append("sources:")
+        lines += [f"  {k}: {v}" for k, v in info.sources.items()]
+    lines.append(f"resources: {info.resources or 'not stated'}")
+    if info.minutes:
+        lines.append(f"time: {info.minutes}")
+    lines.append(f"claims: {', '.join(c.id for c in recipe.claims) or 'none'}")
+    return "\n".join(lines) + "\n"
+
+
+# ---- runs in the store ------------------------------------------------------------------------
+
+
+@dataclass
+class StoredRun:
+    run_id: str
+    status: str
+    config: dict
+
+
+def sweep_runs(store: Store, record: dict) -> list[StoredRun]:
+    """The sweep record's runs that exist in the store."""
+    out = []
+    for point in record.get("points", []):
+        stored = store.get_run(point["run_id"]) if point.get("run_id") else None
+        if stored is not None:
+            out.append(StoredRun(stored["run_id"], stored["status"], stored["config"]))
+    return out
+
+
+def select(runs: list[StoredRun], where: dict[str, Any]) -> dict[int, StoredRun]:
+    """Done runs whose config has every ``where`` value, by seed (the first run of a seed wins)."""
+    out: dict[int, StoredRun] = {}
+    for r in runs:
+        if r.status == "done" and all(dotted_get(r.config, k) == v for k, v in where.items()):
+            out.setdefault(int(r.config.get("seed", 0)), r)
+    return out
+
+
+def final_matrix(store: Store, run: StoredRun, task: str) -> tuple[list[str], np.ndarray] | None:
+    """Problem ids and the (problems, k) score matrix of the run's last evaluated checkpoint on ``task``."""
+    curve = run_curve(store, run.run_id, task)
+    if not curve:
+        return None
+    step, _, k = curve[-1]
+    scores = sample_scores(store, run.run_id, step, task, k)
+    problems = sorted(scores)
+    return problems, np.array([scores[p] for p in problems]).reshape(-1, k)
+
+
+def window_mean(store: Store, run: StoredRun, metric: str, window: int) -> float | None:
+    """Mean of a logged step metric over the run's last ``window`` steps that logged it."""
+    values = [m[metric] for _, m in sorted(store.step_metrics(run.run_id).items()) if metric in m and m[metric] is not None]
+    values = [v for v in values if isinstance(v, int | float) and math.isfinite(v)][-window:]
+    return float(np.mean(values)) if values else None
+
+
+def final_eval_metric(store: Store, run: StoredRun, task: str, metric: str) -> float | None:
+    """An evaluation measurement (e.g. ``invalid_tool_rate``) of the run's last evaluated checkpoint on ``task``."""
+    rows = [e for e in store.evals(run.run_id) if e["task"] == task]
+    value = rows[-1]["metrics"].get(metric) if rows else None
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+
+def throughput(store: Store, run: StoredRun) -> float | None:
+    checkpoints = store.checkpoints(run.run_id)
+    return checkpoints[-1]["samples_per_hour"] if checkpoints else None
+
+
+# ---- claims -----------------------------------------------------------------------------------
+
+
+@dataclass
+class ClaimResult:
+    id: str
+    text: str
+    verdict: str  # holds / does not hold / inconclusive
+    test: str
+    n_seeds: int
+    candidate: float | None  # mean of the candidate's values
+    baseline: float | None
+    delta: float | None
+    ci_low: float | None
+    ci_high: float | None
+    threshold: float
+    p_holds: float | None  # p-value of H0: delta <= threshold
+    p_fails: float | None  # p-value of H0: delta >= threshold
+    n_problems: int | None = None
+    source: str | None = None
+    reasons: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def claim_threshold(claim: ClaimSpec) -> float:
+    return claim.margin if claim.op == ">" else -claim.margin
+
+
+def paired_problem_test(
+    pairs: list[tuple[np.ndarray, np.ndarray]], threshold: float, alpha: float, n_resamples: int = 10_000, seed: int = 0
+) -> dict:
+    """(candidate, baseline) (problems, k) matrices, one pair per seed: stratified paired bootstrap of the delta.
+
+    NaN (errored/missing) samples count against the candidate for "holds" and for it for "does not hold"."""
+
+    def run(cand_nan: float, base_nan: float) -> tuple[float, np.ndarray]:
+        diffs = [np.nan_to_num(c, nan=cand_nan).mean(axis=1) - np.nan_to_num(b, nan=base_nan).mean(axis=1) for c, b in pairs]
+        return float(np.mean([d.mean() for d in diffs])), bootstrap_deltas(diffs, n_resamples, seed)
+
+    worst_delta, worst = run(0.0, 1.0)
+    best_delta, best = run(1.0, 0.0)
+    p_holds = float((1 + np.sum(worst <= threshold)) / (1 + len(worst)))
+    p_fails = float((1 + np.sum(best >= threshold)) / (1 + len(best)))
+    return {
+        "test": "stratified paired bootstrap over seeds x problems",
+        "delta": worst_delta if worst_delta == best_delta else None,
+        "ci_low": float(np.quantile(worst, alpha)),
+        "ci_high": float(np.quantile(best, 1 - alpha)),
+        "p_holds": p_holds,
+        "p_fails": p_fails,
+    }
+
+
+def sign_test(diffs: list[float], threshold: float) -> dict:
+    """Exact sign test over seeds of per-seed differences against ``threshold`` (ties dropped)."""
+    above = sum(d > threshold for d in diffs)
+    below = sum(d < threshold for d in diffs)
+    return {
+        "test": "exact sign test over seeds",
+        "delta": float(np.mean(diffs)),
+        "ci_low": float(min(diffs)),
+        "ci_high": float(max(diffs)),
+        "p_holds": mcnemar_exact_p(above, below),
+        "p_fails": mcnemar_exact_p(below, above),
+    }
+
+
+def decide(p_holds: float | None, p_fails: float | None, alpha: float) -> str:
+    if p_holds is not None and p_holds < alpha:
+        return "holds"
+    if p_fails is not None and p_fails < alpha:
+        return "does not hold"
+    return "inconclusive"
+
+
+def evaluate_claim(store: Store, runs: list[StoredRun], claim: ClaimSpec, n_resamples: int = 10_000) -> ClaimResult:
+    """One claim over the sweep's done runs, paired by seed (and by problem for final_avg)."""
+    threshold = claim_threshold(claim)
+    cand = select(runs, claim.candidate)
+    base = select(runs, claim.baseline) if claim.baseline is not None else None
+    seeds = sorted(set(cand) & set(base)) if base is not None else sorted(cand)
+    result = ClaimResult(claim.id, claim.text, "inconclusive", "", len(seeds), None, None, None, None, None, threshold, None, None,
+                         source=claim.source)  # fmt: skip
+    if len(seeds) < claim.min_seeds:
+        result.reasons.append(f"{len(seeds)} paired seed(s) with done runs (needs {claim.min_seeds})")
+        return result
+    if claim.metric == "final_avg":
+        pairs, reasons, n_problems = [], [], 0
+        for s in seeds:
+            task = claim.task or cand[s].config["task"]
+            c = final_matrix(store, cand[s], task)
+            b = final_matrix(store, base[s], task) if base is not None else None
+            if c is None or (base is not None and b is None):
+                reasons.append(f"seed {s}: no evaluation of {task}")
+                continue
+            if b is None:  # a constant: a matrix of it on the candidate's problems
+                b = (c[0], np.full(c[1].shape, float(claim.value)))
+            problems = sorted(set(c[0]) | set(b[0]))
+            k = min(c[1].shape[1], b[1].shape[1])
+            cm, bm = dict(zip(c[0], c[1][:, :k])), dict(zip(b[0], b[1][:, :k]))
+            gap = np.full(k, np.nan)
+            pairs.append((np.array([cm.get(p, gap) for p in problems]), np.array([bm.get(p, gap) for p in problems])))
+            n_problems = max(n_problems, len(problems))
+        result.reasons += reasons
+        if len(pairs) < claim.min_seeds:
+            return result
+        stats = paired_problem_test(pairs, threshold, claim.alpha, n_resamples)
+        result.n_seeds, result.n_problems = len(pairs), n_problems
+        result.candidate = float(np.mean([np.nanmean(c) for c, _ in pairs]))
+        result.baseline = float(np.mean([np.nanmean(b) for _, b in pairs]))
+    else:
+        def value(run: StoredRun) -> float | None:
+            if claim.metric == "samples_per_hour":
+                return throughput(store, run)
+            if claim.metric == "eval_metric":
+                return final_eval_metric(store, run, claim.task or run.config["task"], claim.step_metric or "")
+            return window_mean(store, run, claim.step_metric or "", claim.window)
+
+        cv = {s: value(cand[s]) for s in seeds}
+        bv = {s: (value(base[s]) if base is not None else claim.value) for s in seeds}
+        ok = [s for s in seeds if cv[s] is not None and bv[s] is not None]
+        if len(ok) < claim.min_seeds:
+            result.reasons.append(f"{claim.metric} recorded for {len(ok)} paired seed(s) (needs {claim.min_seeds})")
+            return result
+        stats = sign_test([cv[s] - bv[s] for s in ok], threshold)
+        result.n_seeds = len(ok)
+        result.candidate, result.baseline = float(np.mean([cv[s] for s in ok])), float(np.mean([bv[s] for s in ok]))
+    result.test, result.delta = stats["test"], stats["delta"] if stats["delta"] is not None else result.candidate - result.baseline
+    result.ci_low, result.ci_high, result.p_holds, result.p_fails = stats["ci_low"], stats["ci_high"], stats["p_holds"], stats["p_fails"]
+    result.verdict = decide(result.p_holds, result.p_fails, claim.alpha)
+    if result.verdict == "inconclusive" and result.test.startswith("exact sign"):
+        best = 0.5 ** result.n_seeds
+        if best >= claim.alpha:
+            result.reasons.append(f"{result.n_seeds} seeds: the sign test cannot reach p < {claim.alpha:g} (smallest p {best:.3f})")
+    return result
+
+
+# ---- tables and plots -------------------------------------------------------------------------
+
+
+def _f(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _mean_std(xs: list[float]) -> str:
+    if not xs:
+        return "-"
+    return f"{np.mean(xs):.3f}" + (f" ± {np.std(xs, ddof=1):.3f}" if len(xs) > 1 else "")
+
+
+def per_task_table(store: Store, runs: list[StoredRun], spec: TableSpec) -> str:
+    """Final Avg@k per task (mean ± std over seeds), each domain's macro average, and the overall macro."""
+    groups = spec.groups or {}
+    head = ["row", "seeds", *spec.tasks, *(f"{g} (macro)" for g in groups), "Macro"]
+    lines = [f"### {spec.title}", *([f"_{spec.source}_", ""] if spec.source else [""]),
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
+    for row in spec.rows:
+        chosen = select(runs, row.where)
+        per_task: dict[str, list[float]] = {}
+        for run in chosen.values():
+            for task in spec.tasks:
+                curve = run_curve(store, run.run_id, task)
+                if curve:
+                    per_task.setdefault(task, []).append(curve[-1][1])
+        means = {t: float(np.mean(v)) for t, v in per_task.items()}
+        cells = [row.label, str(len(chosen)), *(_mean_std(per_task.get(t, [])) for t in spec.tasks)]
+        for tasks in groups.values():
+            cells.append(_f(float(np.mean([means[t] for t in tasks]))) if all(t in means for t in tasks) else "-")
+        cells.append(_f(float(np.mean(list(means.values())))) if len(means) == len(spec.tasks) else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def step_metrics_table(store: Store, runs: list[StoredRun], spec: TableSpec) -> str:
+    """Each logged metric's mean over the last ``window`` steps (mean over seeds)."""
+    head = ["row", "seeds", *spec.metrics]
+    lines = [f"### {spec.title} (mean of the last {spec.window} steps)", *([f"_{spec.source}_", ""] if spec.source else [""]),
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
+    for row in spec.rows:
+        chosen = select(runs, row.where)
+        cells = [row.label, str(len(chosen))]
+        for metric in spec.metrics:
+            values = [v for r in chosen.values() if (v := window_mean(store, r, metric, spec.window)) is not None]
+            cells.append(_mean_std(values))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_curves(store: Store, runs: list[StoredRun], spec: PlotSpec, path: Path) -> Path | None:
+    """One line per row (mean over seeds by step) of a step metric or a task's Avg@k, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    drawn = 0
+    for row in spec.rows:
+        by_step: dict[int, list[float]] = {}
+        for run in select(runs, row.where).values():
+            if spec.kind == "avg_vs_step":
+                points = [(s, a) for s, a, _ in run_curve(store, run.run_id, spec.metric or run.config["task"])]
+            else:
+                points = [(s, m[spec.metric]) for s, m in store.step_metrics(run.run_id).items() if spec.metric in m]
+            for s, v in points:
+                if isinstance(v, int | float) and math.isfinite(v):
+                    by_step.setdefault(s, []).append(v)
+        if by_step:
+            steps = sorted(by_step)
+            ax.plot(steps, [np.mean(by_step[s]) for s in steps], label=row.label)
+            drawn += 1
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax.set_xlabel("step")
+    ax.set_ylabel(spec.metric if spec.kind == "step_metric" else f"Avg@k ({spec.metric or 'training task'})")
+    ax.set_title(spec.title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def claims_markdown(results: list[ClaimResult]) -> str:
+    lines = ["### Claims", "", "| claim | verdict | candidate | baseline | delta | interval | p (holds) | seeds | test |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in results:
+        interval = f"[{_f(r.ci_low)}, {_f(r.ci_high)}]" if r.ci_low is not None else "-"
+        lines.append(f"| {r.id}: {r.text} | **{r.verdict}** | {_f(r.candidate)} | {_f(r.baseline)} | {_f(r.delta)} | {interval} | "
+                     f"{_f(r.p_holds)} | {r.n_seeds} | {r.test or '-'} |")  # fmt: skip
+    notes = [f"- {r.id}: {'; '.join(r.reasons)}" for r in results if r.reasons]
+    counts = {v: sum(r.verdict == v for r in results) for v in VERDICTS}
+    held = [r.id for r in results if r.verdict == "holds"]
+    lines += ["", *notes, *([""] if notes else []),
+              f"{counts['holds']} of {len(results)} claims held ({', '.join(held) or 'none'}), {counts['does not hold']} did not hold, "
+              f"{counts['inconclusive']} inconclusive."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Reproduction:
+    recipe: str
+    scale: str
+    sweep_id: str
+    markdown: str
+    claims: list[ClaimResult]
+    folder: Path
+    plots: list[Path]
+    failed: list[str] = field(default_factory=list)
+
+
+def render(recipe: Recipe, scale: str, out: Path, n_resamples: int = 10_000) -> Reproduction:
+    """Tables, plots and claims of a recipe's scale from the store under ``out``; written to ``out/reproduce/<id>/``."""
+    sweep_id = f"{recipe.name}-{scale}"
+    record = load_sweep_record(out, sweep_id)
+    folder = out / "reproduce" / sweep_id
+    parts = [f"## {recipe.paper.title} — {scale} scale (`{sweep_id}`)", ""]
+    plots: list[Path] = []
+    with Store(out) as store:
+        runs = sweep_runs(store, record)
+        done = sum(r.status == "done" for r in runs)
+        parts.append(f"{done} of {len(record.get('points', []))} runs done.\n")
+        for spec in recipe.tables:
+            if spec.kind == "sweep":
+                parts.append(f"### {spec.title}\n" + (f"_{spec.source}_\n" if spec.source else "") + "\n"
+                             + render_markdown(sweep_report(store, record)).split("\n", 1)[1])  # fmt: skip
+            elif spec.kind == "per_task":
+                parts.append(per_task_table(store, runs, spec))
+            else:
+                parts.append(step_metrics_table(store, runs, spec))
+        for i, spec in enumerate(recipe.plots):
+            path = plot_curves(store, runs, spec, folder / f"plot_{i}_{spec.kind}.png")
+            if path is not None:
+                plots.append(path)
+                parts.append(f"![{spec.title}]({path.name})\n")
+        claims = [evaluate_claim(store, runs, c, n_resamples) for c in recipe.claims]
+    parts.append(claims_markdown(claims))
+    markdown = "\n".join(parts)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "report.md").write_text(markdown)
+    (folder / "claims.json").write_text(json.dumps([c.to_dict() for c in claims], indent=2) + "\n")
+    return Reproduction(recipe.name, scale, sweep_id, markdown, claims, folder, plots)
+
+
+def reproduce(
+    name: str, scale: str, out: str | Path, *, dry_run: bool = False, overrides: list[str] | None = None, console: Console | None = None
+) -> Reproduction | str:
+    """Run (or with ``dry_run`` plan) the registered recipe ``name`` at ``scale``; see :func:`run_recipe`."""
+    return run_recipe(load_recipe(name), scale, out, dry_run=dry_run, overrides=overrides, console=console)
+
+
+def run_recipe(
+    recipe: Recipe, scale: str, out: str | Path, *, dry_run: bool = False, overrides: list[str] | None = None,
+    console: Console | None = None, n_resamples: int = 10_000,
+) -> Reproduction | str:
+    """Run a recipe's scale through the sweep machinery (resumable), then render it; ``dry_run`` returns the plan text."""
+    spec = scale_sweep(recipe, scale, overrides)
+    if dry_run:
+        return plan_text(recipe, scale, spec)
+    out = Path(out)
+    result = run_sweep(spec, out, console=console or Console(stderr=True))
+    rendered = render(recipe, scale, out, n_resamples)
+    rendered.failed = list(result.failed)
+    return rendered
