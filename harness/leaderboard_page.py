@@ -52,6 +52,7 @@ class Board:
     runs: list[RunInfo]
     rows: list[dict]  # one per (run, task)
     lag_curves: list[tuple[str, dict]] = field(default_factory=list)  # (title, sweep report) with a lag curve
+    reproductions: list[tuple[str, list[dict]]] = field(default_factory=list)  # (title, claims.json) of `harness reproduce`
 
 
 def _mode(config: dict) -> str:
@@ -144,11 +145,23 @@ def _lag_curves(root: Path, store: Store, source: str) -> list[tuple[str, dict]]
     return out
 
 
+def _reproductions(root: Path, source: str) -> list[tuple[str, list[dict]]]:
+    """The claims `harness reproduce` wrote under ``<root>/reproduce/<recipe>-<scale>/claims.json``."""
+    out = []
+    for path in sorted((root / "reproduce").glob("*/claims.json")):
+        try:
+            out.append((f"{source}: {path.parent.name}", json.loads(path.read_text())))
+        except (OSError, ValueError):
+            continue  # being written: the next page has it
+    return out
+
+
 def load_board(roots: list[Path], *, baseline_method: str = "opd", collapse_threshold: float = 0.5) -> Board:
     """Gather runs, rows and sweep lag curves from every results root (each must hold ``results.sqlite``)."""
     taken: set[str] = set()
-    runs, rows, curves = [], [], []
+    runs, rows, curves, reproductions = [], [], [], []
     for root in roots:
+        reproductions.extend(_reproductions(Path(root), str(root)))
         source = str(root)
         with Store(root) as store:
             infos = _load_runs(store, source, taken)
@@ -158,7 +171,7 @@ def load_board(roots: list[Path], *, baseline_method: str = "opd", collapse_thre
                 rows.extend(_rows(store, info, collapse_threshold))
             curves.extend(_lag_curves(Path(root), store, source))
     _relative_throughput(rows, baseline_method)
-    return Board([str(r) for r in roots], runs, rows, curves)
+    return Board([str(r) for r in roots], runs, rows, curves, reproductions)
 
 
 # ---- plots ---------------------------------------------------------------------------------------
@@ -499,6 +512,27 @@ def run_section(info: RunInfo) -> str:
     return "".join(parts)
 
 
+def reproductions_section(board: Board) -> str:
+    """One claims table per `harness reproduce` report: verdict, means, delta, interval, p-value, seeds, test."""
+    if not board.reproductions:
+        return ""
+    parts = ["<h2>Paper reproductions</h2>"]
+    headers = ["claim", "verdict", "candidate", "baseline", "delta", "interval", "p (holds)", "seeds", "test"]
+    for i, (title, claims) in enumerate(board.reproductions):
+        body = []
+        for c in claims:
+            interval = f"[{c['ci_low']:.3f}, {c['ci_high']:.3f}]" if c.get("ci_low") is not None and c.get("ci_high") is not None else "-"
+            body.append(
+                f"<tr><td>{e(c['id'])}: {e(c['text'])}</td><td><b>{e(c['verdict'])}</b></td>{_num(c.get('candidate'))}"
+                f"{_num(c.get('baseline'))}{_num(c.get('delta'))}<td>{interval}</td>{_num(c.get('p_holds'))}"
+                f"<td class=\"num\">{c.get('n_seeds', 0)}</td><td>{e(c.get('test') or '-')}</td></tr>"
+            )
+        held = sum(c["verdict"] == "holds" for c in claims)
+        parts.append(f"<h3>{e(title)}</h3><p class=\"muted\">{held} of {len(claims)} claims held.</p>"
+                     + _table(headers, body, f"reproduction-{i}"))  # fmt: skip
+    return "".join(parts)
+
+
 def render_html(board: Board) -> str:
     """The whole page as one string: inline CSS, inline SVG/PNG plots, a few lines of inline JavaScript."""
     tasks = sorted({r["task"] for r in board.rows})
@@ -521,6 +555,7 @@ sync baseline method on the same task (hover for which runs). Collapsed: final A
 <h2>Methods × tasks</h2>
 {summary_table(board)}
 <h2>Plots</h2><div class="plots">{plot_html}</div>
+{reproductions_section(board)}
 <h2>Runs</h2>
 {"".join(run_section(info) for info in board.runs)}
 <script>{SCRIPT}</script>

@@ -181,3 +181,38 @@ def test_a_two_run_f_opd_recipe_runs_end_to_end_and_resumes(tmp_path):
     assert [c["id"] for c in claims] == [c.id for c in recipe.claims]
     again = run_recipe(recipe, "cpu", tmp_path, n_resamples=200)
     assert again.markdown == md
+
+
+def test_render_writes_tables_plots_claims_and_the_leaderboard_section(tmp_path):
+    """render() reads only the store: per-task and step-metric tables, a plot, the claims; the HTML page shows them."""
+    from harness.leaderboard_page import load_board, render_html
+
+    _claims_store(tmp_path, 0.2, seeds=2)
+    with Store(tmp_path) as store:
+        for run_id in ("a0", "a1", "b0", "b1"):
+            for step in range(1, 6):
+                store.log_step(run_id, step, {"student_entropy": 0.4 if run_id[0] == "a" else 0.1})
+    sweeps = tmp_path / "sweeps"
+    sweeps.mkdir()
+    points = [{"run_id": f"{m}{s}", "coords": {"method": m, "seed": s}} for m in "ab" for s in range(2)]
+    (sweeps / "toy-cpu.json").write_text(json.dumps({"sweep_id": "toy-cpu", "grid_keys": ["method", "seed"], "points": points}))
+    rows = [{"label": "A", "where": {"method": "a"}}, {"label": "B", "where": {"method": "b"}}]
+    recipe = parse_recipe({
+        "paper": {"title": "Toy"},
+        "scales": {"cpu": {"sweep": {"grid": {"method": ["a", "b"]}}}},
+        "tables": [{"kind": "per_task", "title": "Per task", "tasks": ["arith"], "groups": {"math": ["arith"]}, "rows": rows},
+                   {"kind": "step_metrics", "title": "Diagnostics", "metrics": ["student_entropy"], "window": 3, "rows": rows}],
+        "plots": [{"kind": "step_metric", "metric": "student_entropy", "title": "entropy", "rows": rows}],
+        "claims": [{"id": "a-wins", "text": "a > b", "metric": "final_avg", "candidate": {"method": "a"}, "baseline": {"method": "b"},
+                    "op": ">"}],
+    }, "toy")  # fmt: skip
+    from harness.reproduce import render
+
+    result = render(recipe, "cpu", tmp_path, n_resamples=1000)
+    md = result.markdown
+    assert "4 of 4 runs done" in md and "| A | 2 |" in md and "| B | 2 | 0.400 ± 0.000 |" not in md
+    assert "| B | 2 | 0.100 ± 0.000 |" in md  # the entropy table: mean of the last 3 steps over 2 seeds
+    assert [c.verdict for c in result.claims] == ["holds"] and "1 of 1 claims held (a-wins)" in md
+    assert (result.folder / "report.md").read_text() == md and result.plots[0].exists()
+    page = render_html(load_board([tmp_path]))
+    assert "Paper reproductions" in page and "toy-cpu" in page and "<b>holds</b>" in page
