@@ -176,6 +176,22 @@ def scale_sweep(recipe: Recipe, scale: str, overrides: list[str] | None = None) 
 # ---- planning ---------------------------------------------------------------------------------
 
 
+def selections(recipe: Recipe) -> list[tuple[str, dict[str, Any]]]:
+    """Every ``where`` of the recipe's tables, plots and claims, named for messages."""
+    out = [(f"table {t.title!r} row {r.label!r}", r.where) for t in recipe.tables for r in t.rows]
+    out += [(f"plot {p.title!r} row {r.label!r}", r.where) for p in recipe.plots for r in p.rows]
+    for c in recipe.claims:
+        out += [(f"claim {c.id} candidate", c.candidate)] + ([(f"claim {c.id} baseline", c.baseline)] if c.baseline is not None else [])
+    return out
+
+
+def unmatched_selections(recipe: Recipe, points: list) -> list[str]:
+    """The selections no planned run of the scale matches (a typo in a key or value would leave a row empty)."""
+    configs = [p.config.model_dump(mode="json") for p in points]
+    return [name for name, where in selections(recipe)
+            if not any(all(dotted_get(cfg, k) == v for k, v in where.items()) for cfg in configs)]  # fmt: skip
+
+
 def plan_text(recipe: Recipe, scale: str, spec: SweepSpec) -> str:
     """What ``--dry-run`` prints: the grid, every run (validated and planned), the sources and the resources."""
     points = expand(spec)
@@ -194,6 +210,7 @@ def plan_text(recipe: Recipe, scale: str, spec: SweepSpec) -> str:
     if info.minutes:
         lines.append(f"time: {info.minutes}")
     lines.append(f"claims: {', '.join(c.id for c in recipe.claims) or 'none'}")
+    lines += [f"warning: {name} matches no run of this scale" for name in unmatched_selections(recipe, points)]
     return "\n".join(lines) + "\n"
 
 

@@ -43,6 +43,7 @@ def test_every_recipe_plans_at_both_scales(name, scale):
     n_runs = int(text.split("runs (", 1)[1].split(")", 1)[0])
     assert n_runs >= 2 and f"[{n_runs - 1}]" in text
     assert "resources:" in text and all(c.id in text for c in recipe.claims)
+    assert "warning:" not in text  # every table row, plot row and claim side selects at least one planned run
     if scale == "paper":
         assert "sources:" in text
 
@@ -54,6 +55,13 @@ def test_dry_run_on_the_command_line_and_bad_names_exit_2(tmp_path):
     bad = runner.invoke(app, ["reproduce", "f-opdd", "--dry-run"])
     assert bad.exit_code == 2 and "Did you mean 'f-opd'" in bad.output
     assert runner.invoke(app, ["reproduce", "f-opd", "--scale", "huge", "--dry-run"]).exit_code == 2
+
+
+def test_a_selection_that_matches_no_run_is_reported():
+    data = yaml.safe_load(Path(RECIPES.get("ap-opd")).read_text())
+    data["claims"][0]["candidate"] = {"method": "ap_opdd"}
+    recipe = parse_recipe(data, "ap-opd")
+    assert "warning: claim ap-opd-beats-opd candidate matches no run" in plan_text(recipe, "cpu", scale_sweep(recipe, "cpu"))
 
 
 def test_a_paper_value_without_a_source_is_refused():
