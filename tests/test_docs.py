@@ -31,7 +31,7 @@ def test_readme_links_the_architecture_document_which_covers_every_folder() -> N
     assert "](docs/architecture.md)" in (ROOT / "README.md").read_text(encoding="utf-8")
     architecture = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
     folders = [p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()]
-    assert sorted(folders) == ["harness", "sandbox", "tasks", "trainers"]
+    assert sorted(folders) == ["harness", "recipes", "sandbox", "tasks", "trainers"]
     assert all(f"`{name}/`" in architecture for name in folders)
     for section in ("## The seams", "## Flow of `harness run`", "## Flow of `harness eval`", "## Results store", "## The episode contract"):
         assert section in architecture
