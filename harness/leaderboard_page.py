@@ -27,6 +27,7 @@ import numpy as np
 from harness.report import match_key, dotted_get, plot_lag_curve, run_curve, summarize_run, sweep_report
 from harness.evaluation import GENERIC_SUMMARY_KEYS
 from harness.store import Store
+from harness.viewer import EvalRef, merge_payloads, viewer_payload, viewer_section
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Board:
     runs: list[RunInfo]
     rows: list[dict]  # one per (run, task)
     lag_curves: list[tuple[str, dict]] = field(default_factory=list)  # (title, sweep report) with a lag curve
+    transcripts: dict = field(default_factory=dict)  # the transcript viewer's payload (harness.viewer): every stored sample
 
 
 def _mode(config: dict) -> str:
@@ -147,7 +149,7 @@ def _lag_curves(root: Path, store: Store, source: str) -> list[tuple[str, dict]]
 def load_board(roots: list[Path], *, baseline_method: str = "opd", collapse_threshold: float = 0.5) -> Board:
     """Gather runs, rows and sweep lag curves from every results root (each must hold ``results.sqlite``)."""
     taken: set[str] = set()
-    runs, rows, curves = [], [], []
+    runs, rows, curves, transcripts = [], [], [], []
     for root in roots:
         source = str(root)
         with Store(root) as store:
@@ -157,8 +159,10 @@ def load_board(roots: list[Path], *, baseline_method: str = "opd", collapse_thre
                 runs.append(info)
                 rows.extend(_rows(store, info, collapse_threshold))
             curves.extend(_lag_curves(Path(root), store, source))
+            refs = [EvalRef(info.run["run_id"], ev["step"], ev["task"]) for info in infos for ev in info.evals]
+            transcripts.append(viewer_payload(store, refs, source=source))
     _relative_throughput(rows, baseline_method)
-    return Board([str(r) for r in roots], runs, rows, curves)
+    return Board([str(r) for r in roots], runs, rows, curves, merge_payloads(transcripts))
 
 
 # ---- plots ---------------------------------------------------------------------------------------
@@ -523,6 +527,10 @@ sync baseline method on the same task (hover for which runs). Collapsed: final A
 <h2>Plots</h2><div class="plots">{plot_html}</div>
 <h2>Runs</h2>
 {"".join(run_section(info) for info in board.runs)}
+<h2 id="transcripts">Transcripts</h2>
+<p class="muted">Every stored sample's episode (prompt, model turns, observations, outcome, grade and reason), filterable and
+searchable, and any two evaluations compared on the same problems.</p>
+{viewer_section(board.transcripts) if board.transcripts.get("samples") else '<p class="muted">no stored samples</p>'}
 <script>{SCRIPT}</script>
 </body></html>
 """

@@ -66,18 +66,19 @@ def _turns(completion: str, episode: dict) -> list[list[str]]:
 
 
 def viewer_payload(store: Store, refs: list[EvalRef], *, compare: tuple[EvalRef, EvalRef] | None = None, source: str = "") -> dict:
-    """The JSON the viewer renders: the evaluations, each problem's prompt once, every sample's turns, grade, reason,
-    metrics and outcome, and the comparison to open first (indices into ``evals``) when given."""
-    evals, samples, prompts = [], [], {}
+    """The JSON the viewer renders: the evaluations, each evaluation's prompts (once per problem), every sample's turns,
+    grade, reason, metrics and outcome, and the comparison to open first (indices into ``evals``) when given."""
+    evals, samples, prompts = [], [], []
     summaries = {(ev["run_id"], ev["step"], ev["task"]): ev for ref in {r.run_id for r in refs} for ev in store.evals(ref)}
     for ref in dict.fromkeys([*refs, *(compare or ())]):
         summary = summaries.get((ref.run_id, ref.step, ref.task), {})
         evals.append({"run": ref.run_id, "step": ref.step, "task": ref.task, "label": ref.label, "source": source,
                       "k": summary.get("k"), "avg": summary.get("avg_at_k"), "grader": summary.get("grader")})  # fmt: skip
+        prompts.append({})
         for s in store.samples(ref.run_id, ref.step, ref.task):
             episode = s.get("episode") or {}
             if "prompt" in episode:
-                prompts.setdefault(ref.task, {}).setdefault(s["problem_id"], episode["prompt"])
+                prompts[-1].setdefault(s["problem_id"], episode["prompt"])  # the k samples of a problem share it
             samples.append({
                 "e": len(evals) - 1, "p": s["problem_id"], "i": s["sample_index"], "st": s["status"], "sc": s["score"],
                 "t": _turns(s["completion"] or "", episode), "x": s["extracted"], "d": s["details"] or "", "m": s["metrics"],
@@ -86,6 +87,18 @@ def viewer_payload(store: Store, refs: list[EvalRef], *, compare: tuple[EvalRef,
     index = {(e["run"], e["step"], e["task"]): i for i, e in enumerate(evals)}
     pair = [index[(r.run_id, r.step, r.task)] for r in compare] if compare else None
     return {"evals": evals, "prompts": prompts, "samples": samples, "compare": pair}
+
+
+def merge_payloads(payloads: list[dict]) -> dict:
+    """One payload from several results roots' (evaluation indices shifted; labels name the root when there are several)."""
+    merged: dict = {"evals": [], "prompts": [], "samples": [], "compare": None}
+    for payload in payloads:
+        offset = len(merged["evals"])
+        for ev in payload["evals"]:
+            merged["evals"].append({**ev, "label": ev["label"] + (f" ({ev['source']})" if len(payloads) > 1 else "")})
+        merged["prompts"].extend(payload["prompts"])
+        merged["samples"].extend({**s, "e": s["e"] + offset} for s in payload["samples"])
+    return merged
 
 
 def _script_json(payload: dict) -> str:

@@ -4,8 +4,8 @@ a multi-turn tool task and of SWE-bench, opened in headless Chromium; the page's
 from __future__ import annotations
 
 import json
+import os
 import re
-import time
 from pathlib import Path
 
 import pytest
@@ -94,6 +94,45 @@ def test_view_command_errors_exit_2(tool_runs, tmp_path):
     assert not page.exists()
 
 
+def test_gate_html_writes_the_comparison_page_and_the_json_report_names_it(tool_runs, tmp_path):
+    """Run ids with a colon (`eval-retool:aime24-…`) are whole references (they exited 2 as a malformed RUN:STEP); the
+    report carries each task's flips and the page it wrote, which opens on that comparison."""
+    out, run_a, run_b = tool_runs
+    page, report = tmp_path / "gate.html", tmp_path / "gate.json"
+    args = ["gate", "--baseline", run_a, "--candidate", run_b, "--out", str(out), "--html", str(page), "--json", str(report)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 3, result.output  # 2 problems < --min-problems: inconclusive
+    written = json.loads(report.read_text())
+    with Store(out) as store:
+        ids = [s["problem_id"] for s in store.samples(run_a, 0, "retool:aime24")]
+    assert written["viewer"] == str(page) and str(page) in " ".join(result.output.split())
+    assert sorted(written["flips"]["retool:aime24"]["pass_to_fail"] + written["flips"]["retool:aime24"]["fail_to_pass"]) == sorted(ids)
+    data = json.loads(re.search(r'<script type="application/json" id="viewer-data">(.*?)</script>', page.read_text()).group(1))
+    assert [data["evals"][i]["run"] for i in data["compare"]] == [run_a, run_b] and len(data["samples"]) == 4
+
+
+def test_rows_stored_without_the_episode_shape_show_as_one_model_turn(tmp_path):
+    with Store(tmp_path) as store:
+        store.create_run("old", kind="eval", config={}, task="t")
+        summary = {"k": 1, "n_samples": 1, "n_problems": 1, "avg_at_k": 1.0, "ci_low": 1.0, "ci_high": 1.0, "n_errors": 0}
+        row = SampleRow("p", 0, "the answer is 4", "4", 1.0, "pass", 0.0)
+        store.add_eval("old", 0, "t", summary, [row], grader="g", grader_version="1")
+        payload = viewer_payload(store, [EvalRef("old", 0, "t")])
+    assert payload["samples"][0]["t"] == [["model", "the answer is 4"]] and payload["prompts"] == [{}]
+
+
+def test_leaderboard_page_holds_the_transcripts(chromium, tool_runs, tmp_path):  # noqa: F811
+    from harness.leaderboard_page import write_html
+
+    out, run_a, run_b = tool_runs
+    page = write_html([out], tmp_path / "board.html")
+    assert _external_references(page.read_text()) == []
+    chromium.open(page.as_uri())
+    assert chromium.js("document.querySelectorAll('#transcripts ~ #viewer .card').length") == 4
+    evals = chromium.js("Array.from(document.querySelectorAll('#v-eval option')).map(o => o.textContent)")
+    assert any(run_a in e for e in evals) and any(run_b in e for e in evals)
+
+
 def _external_references(page: str) -> list[str]:
     attributes = re.findall(r'(?:src|href)\s*=\s*"(?!#|data:)([^"]*)"', page)
     return attributes + re.findall(r"https?://[\w.-]+/[\w/.-]*\.(?:js|css)|@import|<link", page)
@@ -134,6 +173,10 @@ def test_viewer_in_chromium_tool_and_swebench_evals_filters_and_a_side_by_side_p
                           " Array.from(d.querySelectorAll('.badge')).map(b => b.textContent)])")  # fmt: skip
     assert [c[0].split(" · ")[0] for c in columns] == [f"{run_a}:0", f"{run_b}:0"]
     assert sorted(columns[0][1] + columns[1][1]) == ["fail", "pass"]  # the flipped problem: one side passed, the other failed
+    png = chromium.screenshot()
+    assert png.startswith(b"\x89PNG") and len(png) > 20_000
+    if os.environ.get("HARNESS_SCREENSHOT_DIR"):
+        Path(os.environ["HARNESS_SCREENSHOT_DIR"], "viewer.png").write_bytes(png)
 
     page = tmp_path / "swe.html"
     result = runner.invoke(app, ["view", gold, "--against", broken, "--html", str(page), "--out", str(out)])
@@ -162,24 +205,28 @@ def _synthetic(store: Store, run_id: str, n: int) -> None:
     store.add_eval(run_id, 0, "synthetic", summary, rows, grader="synthetic", grader_version="1")
 
 
-RENDER_BOUND_S = 3.0  # 10k samples: page load to first page drawn, then filter + search + paging, each within this (headless, 2 cores)
+LOAD_BOUND_S = 10.0  # 10k samples: navigation start to the first page of cards drawn (measured 0.9-1.9 s at load ~40 on 2 cores)
+STEP_BOUND_S = 3.0  # then a filter, a search and five page turns, each (measured 27-283 ms)
 
 
+@pytest.mark.slow
 def test_ten_thousand_samples_stay_responsive(chromium, tmp_path):  # noqa: F811
     with Store(tmp_path / "results") as store:
         _synthetic(store, "big", 10_000)
         payload = viewer_payload(store, [EvalRef("big", 0, "synthetic")])
     page = write_page(payload, tmp_path / "big.html", "10k")
-    started = time.monotonic()
     chromium.open(page.as_uri())
-    loaded = time.monotonic() - started
     assert chromium.js(VISIBLE) == 25 and "of 10000 samples" in chromium.js("document.getElementById('v-count').textContent")
-    assert loaded < RENDER_BOUND_S, f"10k samples took {loaded:.2f} s to load and draw"
-    timed = chromium.js(
-        "(() => { const t0 = performance.now(); const s = document.getElementById('v-status'); s.value = 'fail';"
-        " s.dispatchEvent(new Event('change')); const q = document.getElementById('v-search'); q.value = 'question 99';"
-        " window.harnessViewer.filter(); for (let i = 0; i < 5; i++) document.getElementById('v-next').click();"
-        " return [performance.now() - t0, window.harnessViewer.state.matches.length]; })()"
+    drawn = chromium.js("window.harnessViewer.drawnMs") / 1000
+    assert drawn < LOAD_BOUND_S, f"10k samples took {drawn:.2f} s from navigation to the first page drawn"
+    steps = chromium.js(
+        "(() => { const v = window.harnessViewer, t = [performance.now()]; const s = document.getElementById('v-status');"
+        " s.value = 'fail'; s.dispatchEvent(new Event('change')); t.push(performance.now());"
+        " document.getElementById('v-search').value = 'question 99'; v.filter(); t.push(performance.now());"
+        " for (let i = 0; i < 5; i++) { document.getElementById('v-next').click(); t.push(performance.now()); }"
+        " return {ms: t.slice(1).map((x, i) => x - t[i]), matches: v.state.matches.length,"
+        " cards: document.querySelectorAll('#v-list .card').length}; })()"
     )
-    expected = sum(1 for i in range(10_000) if i % 3 and i % 7 and f"question {i}".startswith("question 99"))
-    assert timed[1] == expected and timed[0] / 1000 < RENDER_BOUND_S, timed
+    expected = sum(1 for i in range(10_000) if i % 3 and i % 7 and str(i).startswith("99"))
+    assert steps["matches"] == expected and steps["cards"] == min(25, expected - 25 * min(5, (expected - 1) // 25))
+    assert max(steps["ms"]) / 1000 < STEP_BOUND_S, steps["ms"]

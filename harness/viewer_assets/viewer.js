@@ -50,7 +50,7 @@
     return '<div class="turn ' + cls + '"><div class="role">' + esc(label) + "</div>" + fold(rich(text), text, esc(label)) + "</div>";
   }
   function card(s) {
-    var ev = D.evals[s.e], prompt = (D.prompts[ev.task] || {})[s.p], n = 0, parts = [];
+    var ev = D.evals[s.e], prompt = D.prompts[s.e][s.p], n = 0, parts = [];
     parts.push('<header><span class="badge ' + s.st + '">' + s.st + "</span><b>" + esc(s.p) + "</b><span class=muted>sample " + s.i +
       " · score " + (s.sc === null ? "-" : s.sc) + " · " + esc(ev.label) + "</span></header>");
     if (prompt !== undefined) parts.push('<details class="prompt"><summary>prompt</summary>' + turn("prompt", "prompt", prompt) + "</details>");
@@ -71,7 +71,7 @@
   }
   function haystack(s) {
     if (s._h === undefined) s._h = (s.p + "\n" + s.t.map(function (t) { return t[1]; }).join("\n") + "\n" + s.d + "\n" +
-      Object.values(s.o).join("\n") + "\n" + ((D.prompts[D.evals[s.e].task] || {})[s.p] || "")).toLowerCase();
+      Object.values(s.o).join("\n") + "\n" + (D.prompts[s.e][s.p] || "")).toLowerCase();
     return s._h;
   }
   function filterSamples() {
@@ -141,4 +141,5 @@
   $("v-pairs").addEventListener("click", function (ev) { var row = ev.target.closest("tr.flip"); if (row) side(row.dataset.problem); });
   window.harnessViewer = {filter: filterSamples, compare: compare, side: side, state: state, data: D};
   if (D.evals.length) { compare(); filterSamples(); } else root.innerHTML = '<p class="muted">no stored samples</p>';
+  window.harnessViewer.drawnMs = performance.now();  /* navigation start to the first page of cards drawn */
 })();
