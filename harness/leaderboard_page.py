@@ -8,7 +8,8 @@ No server and no CDN: the page opens offline. Several results roots merge into o
   normalisation), collapse (final Avg@k < threshold × peak, as in ``harness report``), grader and version;
 - the task-specific measurements of the last checkpoint's evaluation (``harness.evaluation``'s summary beyond the
   counts every evaluation has: e.g. an agentic task's invalid tool rate, tool-error rate, tool calls and turns per
-  episode), as extra columns where a task has them.
+  episode), as extra columns where a task has them;
+- at the end, the transcript viewer (``harness.viewer``) over every stored sample.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@
     var out = "", last = 0;
     text.replace(BLOCK, function (m, lang, fenced, cell, interp, at) {
       out += text.slice(last, at) ? "<pre>" + esc(text.slice(last, at)) + "</pre>" : ""; last = at + m.length;
-      var body = fenced !== undefined ? fenced : cell !== undefined ? cell : interp;
+      var body = fenced !== undefined ? fenced : cell !== undefined ? cell.replace(/^\s*```\w*\n([\s\S]*?)\n?```\s*$/, "$1") : interp;
       var tag = fenced !== undefined ? "```" + lang : cell !== undefined ? "<code>" : "<interpreter>";
       var inner = lang === "diff" || looksLikeDiff(body) ? diff(body) : interp !== undefined ? esc(body) : code(body);
       out += '<pre class="code"><span class="com">' + esc(tag) + "</span>\n" + inner + "</pre>";
@@ -61,12 +61,14 @@
     Object.keys(s.o).forEach(function (key) {
       var v = s.o[key];
       if (typeof v === "string" && v) parts.push(turn("outcome", "outcome · " + key, v));
+      else if (v && typeof v === "object" && !Array.isArray(v)) parts.push(turn("outcome", "outcome · " + key, JSON.stringify(v, null, 1)));
+      /* lists (an agent's commands) repeat the model turns */
     });
     parts.push('<div class="grade"><b>answer</b> <code>' + esc(s.x === null ? "-" : s.x) + "</code> · <b>grade</b> " + s.st +
       (s.d ? " · <b>reason</b> " + esc(s.d) : "") + "</div>");
     var keys = Object.keys(s.m);
-    if (keys.length) parts.push('<table class="metrics"><tr>' + keys.map(function (k) { return "<td>" + esc(k) + "</td>"; }).join("") +
-      "</tr><tr>" + keys.map(function (k) { return '<td class="num">' + esc(s.m[k]) + "</td>"; }).join("") + "</tr></table>");
+    if (keys.length) parts.push('<div class="metrics">' + keys.map(function (k) {
+      var v = s.m[k]; return "<span>" + esc(k) + " <b>" + esc(typeof v === "number" ? +v.toPrecision(4) : v) + "</b></span>"; }).join("") + "</div>");
     return '<article class="card sample" data-status="' + s.st + '" data-problem="' + esc(s.p) + '">' + parts.join("") + "</article>";
   }
   function haystack(s) {
