@@ -704,7 +704,8 @@ def view(
     """Write one self-contained page with every stored episode of RUN: prompt, turns, observations, outcome, grade, reason.
 
     Filter by grade, task and evaluation, search, and compare two evaluations on the same problems (flips, side by side).
-    Example: harness view eval-arith-20260101 --html view.html --against train-opd-1:500
+
+    Example: harness view opd-arith-20261129-101500-ab12:0 --against opd-arith-20261129-101500-ab12:500 --html view.html
     """
     from harness.gate import GateUsageError, split_ref
     from harness.store import Store

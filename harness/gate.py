@@ -248,7 +248,8 @@ def parse_ref(text: str, flag: str) -> tuple[str, int | None]:
 
 
 def split_ref(store: Store, text: str, flag: str) -> tuple[str, int | None]:
-    """:func:`parse_ref`, except that a stored run's whole id is that run (run ids may hold a colon: ``eval-retool:aime24-…``)."""
+    """:func:`parse_ref`, except that a stored run's whole id is that run (a run id holds its task's name, which may have
+    a colon: ``eval-<prefix>:<task>-…``)."""
     return (text, None) if store.get_run(text) is not None else parse_ref(text, flag)
 
 
