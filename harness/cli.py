@@ -620,6 +620,9 @@ def gate(
     ] = None,
     task_arg: Annotated[list[str] | None, typer.Option("--task-arg", help="model paths: task option TASK.KEY=VALUE, repeatable")] = None,
     data_dir: Annotated[Path | None, typer.Option(help="model paths: local data root laid out as DIR/<task>/...")] = None,
+    html_: Annotated[
+        Path | None, typer.Option("--html", help="also write the comparison page (flips, transcripts side by side); the report names it")
+    ] = None,
 ) -> None:
     """Is CANDIDATE significantly worse than BASELINE on the same problems? Exit 0 pass, 1 regression, 2 usage error, 3 inconclusive.
 
@@ -672,6 +675,11 @@ def gate(
                               max_bad_rate=max_error_rate, n_resamples=n_resamples, seed=bootstrap_seed, eval_spec=spec)  # fmt: skip
         except GateUsageError as exc:
             raise _fail(str(exc)) from None
+        if html_ is not None:
+            from harness.viewer import gate_page
+
+            report.viewer = str(gate_page(store, report, html_))
+            report.notes.append(f"comparison page (flipped problems, both transcripts side by side): {report.viewer}")
     paragraph = verdict_paragraph(report)
     if json_ == "-":
         print(to_json(report.to_dict()))
@@ -681,6 +689,55 @@ def gate(
             Path(json_).write_text(to_json(report.to_dict()) + "\n")
         print(paragraph)
     raise typer.Exit(report.exit_code)
+
+
+@app.command()
+def view(
+    run: Annotated[str, typer.Argument(help="the run to show: RUN (every evaluated step) or RUN:STEP")],
+    html_: Annotated[Path, typer.Option("--html", help="write the transcript page to this file")],
+    task: Annotated[str | None, typer.Option(help="only this task's evaluations")] = None,
+    against: Annotated[
+        str | None, typer.Option(help="open the comparison with this RUN:STEP (or RUN: its last step) as candidate, RUN's last as baseline")
+    ] = None,
+    out: Annotated[Path, typer.Option(help="results root holding the run")] = Path("results"),
+) -> None:
+    """Write one self-contained page with every stored episode of RUN: prompt, turns, observations, outcome, grade, reason.
+
+    Filter by grade, task and evaluation, search, and compare two evaluations on the same problems (flips, side by side).
+
+    Example: harness view opd-arith-20261129-101500-ab12:0 --against opd-arith-20261129-101500-ab12:500 --html view.html
+    """
+    from harness.gate import GateUsageError, split_ref
+    from harness.store import Store
+    from harness.viewer import eval_refs, viewer_payload, write_page
+
+    if not (out / "results.sqlite").is_file():
+        raise _fail(f"--out {out}: no results store at {out / 'results.sqlite'}")
+    with Store(out) as store:
+        try:
+            refs, compare = [], None
+            for flag, text in (("RUN", run), ("--against", against)):
+                if text is None:
+                    continue
+                run_id, step = split_ref(store, text, flag)
+                if store.get_run(run_id) is None:
+                    raise GateUsageError(f"{flag} {text!r}: no run {run_id!r} in {store.path} (see `harness leaderboard {out}`)")
+                found = eval_refs(store, run_id, step, task)
+                if not found:
+                    where = (f" on {task}" if task else "") + (f" at step {step}" if step is not None else "")
+                    raise GateUsageError(f"{flag} {text!r}: no evaluation{where}")
+                refs.append(found)
+            if len(refs) == 2:
+                last = lambda found: [r for r in found if r.step == found[-1].step]  # noqa: E731
+                pairs = [(b, c) for b in last(refs[0]) for c in last(refs[1]) if b.task == c.task]
+                if not pairs:
+                    raise GateUsageError(f"--against {against!r}: no task evaluated by both {run} and {against}")
+                compare = pairs[0]
+        except GateUsageError as exc:
+            raise _fail(str(exc)) from None
+        payload = viewer_payload(store, [r for found in refs for r in found], compare=compare, source=str(out))
+    path = write_page(payload, html_, f"opd-harness transcripts: {run}" + (f" vs {against}" if against else ""))
+    console.print(f"transcripts of {len(payload['samples'])} samples → {path}")
 
 
 @app.command()

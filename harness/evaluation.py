@@ -122,6 +122,16 @@ def episode_metrics(traj: Trajectory, score) -> dict:
     return out
 
 
+def episode_record(traj: Trajectory) -> dict:
+    """What the transcript viewer needs beyond the stored completion: the prompt, each segment's kind and length in
+    characters (the completion is their concatenation: model turns and observations in order) and the episode's outcome."""
+    turns = [["model" if s.kind == "model" else "observation", len(s.text)] for s in traj.segments]
+    record: dict = {"prompt": traj.prompt_text, "turns": turns}
+    if outcome := traj.metadata.get("outcome"):
+        record["outcome"] = outcome
+    return record
+
+
 def summarize_episodes(metrics: list[dict], flags: tuple[str, ...] = ()) -> dict:
     """Agentic aggregates over episodes (only when the task reports tool calls): invalid tool rate (share of
     episodes with at least one invalid call), mean tool calls (valid and invalid: what the budget counts) and turns,
@@ -189,6 +199,7 @@ def evaluate_shard(
                 latency_s=traj.timings.get("generate_s", 0.0),
                 details=score.details,
                 metrics=episode_metrics(traj, score),
+                episode=episode_record(traj),
             )
         )
     return samples, trajectories

@@ -35,6 +35,7 @@ from harness.leaderboard import sample_scores
 from harness.metrics import resampled_means
 from harness.store import Store
 from harness.task import TaskNotReady, close_tasks
+from harness.viewer import problem_flips
 
 EXIT_CODES = {"pass": 0, "regression": 1, "inconclusive": 3}
 
@@ -246,9 +247,15 @@ def parse_ref(text: str, flag: str) -> tuple[str, int | None]:
     return run_id, int(step)
 
 
+def split_ref(store: Store, text: str, flag: str) -> tuple[str, int | None]:
+    """:func:`parse_ref`, except that a stored run's whole id is that run (a run id holds its task's name, which may have
+    a colon: ``eval-<prefix>:<task>-…``)."""
+    return (text, None) if store.get_run(text) is not None else parse_ref(text, flag)
+
+
 def resolve_ref(store: Store, text: str, flag: str, tasks: list[str] | None) -> tuple[str, int]:
     """The (run, step) a ``--baseline``/``--candidate`` names; without a step, the last step evaluated on every task asked for."""
-    run_id, step = parse_ref(text, flag)
+    run_id, step = split_ref(store, text, flag)
     evals = store.evals(run_id)
     if store.get_run(run_id) is None:
         raise GateUsageError(f"{flag} {text!r}: no run {run_id!r} in {store.path} (see `harness leaderboard {store.root}`)")
@@ -396,6 +403,8 @@ class GateReport:
     tasks: list[TaskVerdict]
     overall: TaskVerdict | None
     notes: list[str] = field(default_factory=list)
+    flips: dict[str, dict[str, list[str]]] = field(default_factory=dict)  # task -> pass_to_fail / fail_to_pass problem ids
+    viewer: str | None = None  # the comparison page (``harness gate --html``), when written
 
     @property
     def exit_code(self) -> int:
@@ -444,7 +453,7 @@ def gate(
     notes = eval_notes + (
         [f"Bonferroni: {n_tests} tests at alpha {alpha:g} / {n_tests} = {per_test_alpha:.4g} each"] if n_tests > 1 else []
     )
-    verdicts, matrices = [], []
+    verdicts, matrices, flips = [], [], {}
     for task in tasks:
         ev = {
             side: next(e for e in store.evals(ref[0]) if e["step"] == ref[1] and e["task"] == task)
@@ -459,7 +468,8 @@ def gate(
             if graders["base"] == graders["cand"]
             else (f"graded differently: baseline by {graders['base']}, candidate by {graders['cand']}",)
         )
-        _, b, c = score_matrices(store, base_ref, cand_ref, task, k)
+        problems, b, c = score_matrices(store, base_ref, cand_ref, task, k)
+        flips[task] = problem_flips(problems, b, c)
         kw = {"alpha": per_test_alpha, "max_drop": max_drop, "n_resamples": n_resamples, "seed": seed}
         verdicts.append(judge(b, c, task=task, min_problems=min_problems, max_bad_rate=max_bad_rate, blockers=blockers, **kw))
         matrices.append((b, c))
@@ -477,7 +487,7 @@ def gate(
         else "pass"
     )
     fmt = lambda ref: f"{ref[0]}:{ref[1]}"  # noqa: E731
-    return GateReport(verdict, fmt(base_ref), fmt(cand_ref), alpha, max_drop, verdicts, overall, notes)
+    return GateReport(verdict, fmt(base_ref), fmt(cand_ref), alpha, max_drop, verdicts, overall, notes, flips)
 
 
 def _f(x: float | None, spec: str = ".3f") -> str:

@@ -8,7 +8,8 @@ No server and no CDN: the page opens offline. Several results roots merge into o
   normalisation), collapse (final Avg@k < threshold × peak, as in ``harness report``), grader and version;
 - the task-specific measurements of the last checkpoint's evaluation (``harness.evaluation``'s summary beyond the
   counts every evaluation has: e.g. an agentic task's invalid tool rate, tool-error rate, tool calls and turns per
-  episode), as extra columns where a task has them.
+  episode), as extra columns where a task has them;
+- at the end, the transcript viewer (``harness.viewer``) over every stored sample.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 from harness.report import match_key, dotted_get, plot_lag_curve, run_curve, summarize_run, sweep_report
 from harness.evaluation import GENERIC_SUMMARY_KEYS
 from harness.store import Store
+from harness.viewer import EvalRef, merge_payloads, viewer_payload, viewer_section
 
 
 @dataclass
@@ -53,6 +55,7 @@ class Board:
     rows: list[dict]  # one per (run, task)
     lag_curves: list[tuple[str, dict]] = field(default_factory=list)  # (title, sweep report) with a lag curve
     reproductions: list[tuple[str, list[dict]]] = field(default_factory=list)  # (title, claims.json) of `harness reproduce`
+    transcripts: dict = field(default_factory=dict)  # the transcript viewer's payload (harness.viewer): every stored sample
 
 
 def _mode(config: dict) -> str:
@@ -159,7 +162,7 @@ def _reproductions(root: Path, source: str) -> list[tuple[str, list[dict]]]:
 def load_board(roots: list[Path], *, baseline_method: str = "opd", collapse_threshold: float = 0.5) -> Board:
     """Gather runs, rows and sweep lag curves from every results root (each must hold ``results.sqlite``)."""
     taken: set[str] = set()
-    runs, rows, curves, reproductions = [], [], [], []
+    runs, rows, curves, reproductions, transcripts = [], [], [], [], []
     for root in roots:
         reproductions.extend(_reproductions(Path(root), str(root)))
         source = str(root)
@@ -170,8 +173,10 @@ def load_board(roots: list[Path], *, baseline_method: str = "opd", collapse_thre
                 runs.append(info)
                 rows.extend(_rows(store, info, collapse_threshold))
             curves.extend(_lag_curves(Path(root), store, source))
+            refs = [EvalRef(info.run["run_id"], ev["step"], ev["task"]) for info in infos for ev in info.evals]
+            transcripts.append(viewer_payload(store, refs, source=source))
     _relative_throughput(rows, baseline_method)
-    return Board([str(r) for r in roots], runs, rows, curves, reproductions)
+    return Board([str(r) for r in roots], runs, rows, curves, reproductions, merge_payloads(transcripts))
 
 
 # ---- plots ---------------------------------------------------------------------------------------
@@ -558,6 +563,10 @@ sync baseline method on the same task (hover for which runs). Collapsed: final A
 {reproductions_section(board)}
 <h2>Runs</h2>
 {"".join(run_section(info) for info in board.runs)}
+<h2 id="transcripts">Transcripts</h2>
+<p class="muted">Every stored sample's episode (prompt, model turns, observations, outcome, grade and reason), filterable and
+searchable, and any two evaluations compared on the same problems.</p>
+{viewer_section(board.transcripts) if board.transcripts.get("samples") else '<p class="muted">no stored samples</p>'}
 <script>{SCRIPT}</script>
 </body></html>
 """

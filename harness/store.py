@@ -39,10 +39,12 @@ CREATE TABLE IF NOT EXISTS samples (
     run_id TEXT NOT NULL, step INTEGER NOT NULL, task TEXT NOT NULL, problem_id TEXT NOT NULL,
     sample_index INTEGER NOT NULL, completion TEXT, extracted TEXT, score REAL,
     status TEXT NOT NULL CHECK (status IN ('pass', 'fail', 'error')), latency_s REAL, details TEXT, metrics_json TEXT,
-    PRIMARY KEY (run_id, step, task, problem_id, sample_index)
+    episode_json TEXT, PRIMARY KEY (run_id, step, task, problem_id, sample_index)
 );
 """
-ADDED_COLUMNS = (("evals", "metrics_json", "TEXT"), ("samples", "metrics_json", "TEXT"))  # columns newer than the first schema
+ADDED_COLUMNS = (
+    ("evals", "metrics_json", "TEXT"), ("samples", "metrics_json", "TEXT"), ("samples", "episode_json", "TEXT")
+)  # columns newer than the first schema
 EVAL_COLUMNS = ("k", "n_samples", "n_problems", "avg_at_k", "ci_low", "ci_high", "pass_at_k", "n_errors")  # summary keys with columns
 
 
@@ -71,12 +73,16 @@ class SampleRow:
     latency_s: float
     details: str = ""
     metrics: dict = field(default_factory=dict)  # episode counters, grader metrics and timings
+    episode: dict = field(default_factory=dict)  # the episode's shape for the viewer: prompt, turns, outcome (episode_record)
 
 
 def with_metrics(row: sqlite3.Row) -> dict:
-    """A row as a dict, its ``metrics_json`` column decoded into ``metrics`` (Python's JSON keeps NaN and inf)."""
+    """A row as a dict, its ``metrics_json`` (and ``episode_json``) column decoded into ``metrics`` (``episode``; Python's
+    JSON keeps NaN and inf)."""
     out = dict(row)
     out["metrics"] = json.loads(out.pop("metrics_json", None) or "{}")
+    if "episode_json" in out:
+        out["episode"] = json.loads(out.pop("episode_json") or "{}")
     return out
 
 
@@ -209,10 +215,10 @@ class Store:
             c.execute("DELETE FROM samples WHERE run_id=? AND step=? AND task=?", (run_id, step, task))
             c.executemany(
                 "INSERT INTO samples (run_id, step, task, problem_id, sample_index, completion, extracted, score, status, latency_s,"
-                " details, metrics_json) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                " details, metrics_json, episode_json) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 [
                     (run_id, step, task, s.problem_id, s.sample_index, s.completion, s.extracted, s.score, s.status, s.latency_s, s.details,
-                     json.dumps(s.metrics) if s.metrics else None)
+                     json.dumps(s.metrics) if s.metrics else None, json.dumps(s.episode, default=str) if s.episode else None)
                     for s in samples
                 ],
             )  # fmt: skip
