@@ -217,6 +217,12 @@ class Sandbox(ABC):
             SandboxUnavailable: the sandbox could not be created (after retries).
         """
 
+    def prewarm_sessions(self, n: int, memory_mb: int = 512, cpus: float = 1.0, pids: int = 64, network: bool = False,
+                         disk_mb: int | None = None) -> int:
+        """Make up to ``n`` sessions with these limits ready for ``session(pooled=True)`` ahead of use; returns how many.
+        Providers that keep no warm sessions make none (the default)."""
+        return 0
+
     @abstractmethod
     def close(self) -> None:
         """Release every resource (idle containers, open sessions). Idempotent."""

@@ -336,3 +336,20 @@ def test_docker_pooled_session_keeps_state_between_runs_and_is_reset_or_removed_
         assert not sb._idle_sessions.get(s._box.limits)
         with pytest.raises(docker.errors.NotFound):
             docker_client.containers.get(first)
+
+
+@pytest.mark.docker
+def test_docker_prewarmed_sessions_are_handed_out_by_pooled_sessions_of_their_limits(docker_client):
+    """``prewarm_sessions`` starts idle session containers (at most ``session_pool``) that pooled sessions with the same
+    limits take instead of starting their own; other limits and unpooled sessions start new containers."""
+    with sandbox.open_sandbox("docker", image=IMAGE, session_pool=2) as sb:
+        assert sb.prewarm_sessions(3, memory_mb=256, disk_mb=16) == 2  # capped at session_pool
+        assert sb.prewarm_sessions(1, memory_mb=256, disk_mb=16) == 0  # already full
+        warm = {b.container.id for b in sb._idle_sessions[next(iter(sb._idle_sessions))]}
+        sessions = [sb.session(memory_mb=256, disk_mb=16, pooled=True) for _ in range(2)]
+        assert {s.container_id for s in sessions} == warm and sb.stats["sessions_reused"] == 2
+        assert all(s.run(ExecRequest(argv=["sh", "-c", "ls -A /box; echo ran"])).stdout == "ran\n" for s in sessions)
+        other = sb.session(memory_mb=256, pooled=True)  # no disk limit: not one of the prewarmed
+        assert other.container_id not in warm and sb.stats["sessions_reused"] == 2
+        for s in [*sessions, other]:
+            s.close()

@@ -255,6 +255,24 @@ def test_no_container_is_left_behind(docker_client):
     assert set(leftover_containers(docker_client)) - before == set(), "closing the task left containers"
 
 
+@pytest.mark.docker
+def test_check_ready_prewarms_sessions_that_the_first_episodes_take(docker_client):
+    """``check_ready`` starts ``prewarm_sessions`` session containers in the background; the first episodes' interpreters
+    take them (no container started for them), and closing the task removes them all."""
+    before = set(leftover_containers(docker_client))
+    with make_task("docker", prewarm_sessions=2) as task:
+        task.check_ready()
+        deadline = time.monotonic() + 120
+        while task.sandbox.stats["sessions_prewarmed"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert task.sandbox.stats["sessions_prewarmed"] == 2
+        created = task.sandbox.stats["created"]
+        result, problems = play(task, [[code(f"print({p.question[8:-2]})"), answer(p.answer)] for p in task.load("test")[:2]])
+        assert [s.status for s in result.samples] == ["pass", "pass"]
+        assert task.sandbox.stats["sessions_reused"] == 2 and task.sandbox.stats["created"] == created
+    assert set(leftover_containers(docker_client)) - before == set(), "closing the task left containers"
+
+
 @pytest.mark.slow
 def test_retool_aime24_eval_with_replay_cli(tmp_path, benchmark_data):
     """`harness eval --task retool:aime24 --backend replay`: scripted agents with live tool calls, metrics in --json."""

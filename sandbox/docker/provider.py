@@ -54,7 +54,8 @@ class DockerSandbox(Sandbox):
         max_file_mb: largest file a program may write (RLIMIT_FSIZE; past it the program gets SIGXFSZ).
         http_timeout_s: read timeout of Docker API calls; ``timeout_s + grace_s`` must stay below it.
         reap: remove leftovers of dead owners when first connecting.
-        session_pool: most reset session containers kept idle for ``session(pooled=True)``.
+        session_pool: most reset session containers kept idle for ``session(pooled=True)`` (16: a rollout's concurrent
+            episodes, ``env_workers``, so that a training step's sessions all go back to the pool).
     """
 
     python = "python3"
@@ -72,7 +73,7 @@ class DockerSandbox(Sandbox):
         max_file_mb: int = 64,
         reap: bool = True,
         http_timeout_s: float = 600.0,
-        session_pool: int = 8,
+        session_pool: int = 16,
     ) -> None:
         if pool_size < 1:
             raise ValueError("pool_size must be >= 1")
@@ -92,7 +93,8 @@ class DockerSandbox(Sandbox):
         self._idle_sessions: dict[Limits, list[Box]] = {}  # reset containers of closed pooled sessions
         self._closed = False
         self._stats_lock = threading.Lock()
-        self.stats = {"created": 0, "reused": 0, "discarded": 0, "retries": 0, "sessions_reused": 0, "sessions_discarded": 0}
+        self.stats = {"created": 0, "reused": 0, "discarded": 0, "retries": 0, "sessions_reused": 0, "sessions_discarded": 0,
+                      "sessions_prewarmed": 0}
         hold_until_closed(self)
         if prewarm:
             self.prewarm(prewarm)
@@ -264,9 +266,9 @@ class DockerSandbox(Sandbox):
         self._bump("discarded")
         self.remove_box(box)
 
-    def _bump(self, key: str) -> None:
+    def _bump(self, key: str, by: int = 1) -> None:
         with self._stats_lock:
-            self.stats[key] += 1
+            self.stats[key] += by
 
     # ------------------------------------------------------------ running
 
@@ -350,6 +352,34 @@ class DockerSandbox(Sandbox):
             except Infra as exc:
                 errors.append(str(exc))
         raise SandboxUnavailable(f"could not create a session container: {errors[-1]}")
+
+    def prewarm_sessions(self, n: int, memory_mb: int = 512, cpus: float = 1.0, pids: int = 64, network: bool = False,
+                         disk_mb: int | None = None) -> int:
+        """Start up to ``n`` idle session containers with these limits (at most ``session_pool`` idle in all), in
+        parallel, for ``session(pooled=True)`` to hand out; returns how many were added. Failures are not raised: a
+        pooled session that finds none idle starts its own."""
+        limits = Limits(memory_mb, cpus, pids, network, disk_mb)
+        with self._lock:
+            n = min(n, self.session_pool - sum(map(len, self._idle_sessions.values()))) if not self._closed else 0
+        if n <= 0:
+            return 0
+        with ThreadPoolExecutor(min(n, 8)) as ex:
+            futures = [ex.submit(self._create, limits) for _ in range(n)]
+        made, late = 0, []
+        for f in futures:
+            if f.exception() is not None:
+                continue
+            with self._lock:
+                idle = self._idle_sessions.setdefault(limits, [])
+                if not self._closed and sum(map(len, self._idle_sessions.values())) < self.session_pool:
+                    idle.append(f.result())
+                    made += 1
+                    continue
+            late.append(f.result())  # closed (or filled by closing sessions) meanwhile: not kept
+        for box in late:
+            self.remove_box(box)
+        self._bump("sessions_prewarmed", made)
+        return made
 
     def _idle_session_box(self, limits: Limits) -> Box | None:
         """A reset container of a closed pooled session with these limits, if one is idle."""

@@ -386,6 +386,14 @@ class PythonInterpreter:
         conn = self._holder.conn
         return conn.session if conn is not None else None
 
+    def prewarm(self, n: int) -> int:
+        """Have the provider start ``n`` sessions with this interpreter's limits for later pooled interpreters (none when
+        ``pooled=False``); returns how many it started. This interpreter's own session still opens on its first cell."""
+        if not self.pooled:
+            return 0
+        return self.sandbox.prewarm_sessions(n, memory_mb=self.memory_mb, cpus=self.cpus, pids=self.pids, network=False,
+                                             disk_mb=self.disk_mb)
+
     def run_cell(self, code: str, timeout_s: float = 10.0) -> CellResult:
         """Run one cell; never raises for what the code does or for a sandbox failure (status ``error``).
 

@@ -11,6 +11,7 @@ with math-verify against the problem's answer.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Literal
 
 from pydantic import Field
@@ -40,6 +41,9 @@ class ToolOptions(SandboxOptions):
     memory_mb: int = Field(1024, ge=64, description="memory limit of an episode's interpreter")
     disk_mb: int = Field(256, ge=1, description="most an episode's work dir may hold (Docker: in memory, within memory_mb)")
     max_output_chars: int = Field(2048, ge=64, description="tool output kept per call (the rest is cut with a marker)")
+    prewarm_sessions: int = Field(
+        16, ge=0, description="interpreter sessions started in the background when the task is checked, before the first episode"
+    )
 
 
 def model_text(trajectory) -> str:
@@ -89,6 +93,15 @@ class ToolTask(MathVerifyGraded, SandboxedTask):
             max_turns=opts.max_turns,
             timeout_s=opts.tool_timeout_s,
         )
+
+    def check_ready(self) -> None:
+        """The sandbox check, then ``prewarm_sessions`` interpreter sessions started in a background thread (so that a
+        run's first episodes take warm ones while the models load)."""
+        super().check_ready()
+        n = self.options.prewarm_sessions  # type: ignore[attr-defined]
+        if n:
+            interpreter = self.open_interpreter()
+            threading.Thread(target=interpreter.prewarm, args=(n,), name=f"{self.name}-prewarm", daemon=True).start()
 
     def open_interpreter(self):
         """A fresh persistent interpreter in this task's sandbox (no network; the task's memory and disk limits)."""
