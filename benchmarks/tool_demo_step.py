@@ -7,7 +7,7 @@ answer) stands in for the model, so only what the environment adds to a step is 
     figure in issue 25);
   - ``pooled``: pooled reset sessions as they were before pool prewarming (``session_pool`` 8, nothing started
     ahead): the first step starts its containers, and every step discards the sessions beyond 8 and starts them again;
-  - ``prewarmed``: today's defaults (``session_pool`` 16, and the task's ``prewarm_sessions`` 16 started before the
+  - ``prewarmed``: today's defaults (``session_pool`` 16, and ``prewarm_sessions`` 16 started before the
     first step; in a run ``check_ready`` starts them in the background while the models load, so the prewarm time
     printed here is hidden behind the teacher's SFT).
 Each way runs ``--steps`` consecutive steps (new problems each) on its sandbox; the first step and the mean of the
@@ -36,7 +36,8 @@ WAYS = ("fresh", "pooled", "prewarmed")
 def open_task(way: str):
     """The preset's task on a new Docker sandbox, set up the way ``way`` says."""
     session_pool = 8 if way == "pooled" else 16
-    task = make_task("arith_tool", {"arith_tool": {"n_train": 2000, "n_test": 100, "sandbox_options": {"session_pool": session_pool}}})
+    options = {"n_train": 2000, "n_test": 100, "prewarm_sessions": WORKERS, "sandbox_options": {"session_pool": session_pool}}
+    task = make_task("arith_tool", {"arith_tool": options})
     if way == "fresh":
         opts = task.options
         task.open_interpreter = lambda: PythonInterpreter(  # type: ignore[method-assign]

@@ -42,7 +42,7 @@ class ToolOptions(SandboxOptions):
     disk_mb: int = Field(256, ge=1, description="most an episode's work dir may hold (Docker: in memory, within memory_mb)")
     max_output_chars: int = Field(2048, ge=64, description="tool output kept per call (the rest is cut with a marker)")
     prewarm_sessions: int = Field(
-        16, ge=0, description="interpreter sessions started in the background when the task is checked, before the first episode"
+        0, ge=0, description="interpreter sessions started in the background when the task is checked, before the first episode"
     )
 
 
