@@ -7,7 +7,7 @@ answer) stands in for the model, so only what the environment adds to a step is 
     figure in issue 25);
   - ``pooled``: pooled reset sessions as they were before pool prewarming (``session_pool`` 8, nothing started
     ahead): the first step starts its containers, and every step discards the sessions beyond 8 and starts them again;
-  - ``prewarmed``: today's defaults (``session_pool`` 16, and ``prewarm_sessions`` 16 started before the
+  - ``prewarmed``: ``session_pool`` 16 (the default) and ``prewarm_sessions`` 16 (opt-in) started before the
     first step; in a run ``check_ready`` starts them in the background while the models load, so the prewarm time
     printed here is hidden behind the teacher's SFT).
 Each way runs ``--steps`` consecutive steps (new problems each) on its sandbox; the first step and the mean of the
