@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 import trainers.inprocess as ip
 import trainers.loop as ap
 from harness.cli import app
-from trainers.loop import BufferEntry, ReplayBuffer, WorkQueue, fixed_version, required_version
+from trainers.loop import BufferEntry, ReplayBuffer, Unit, WorkQueue, fixed_version, required_version
 
 runner = CliRunner()
 BASE = [
@@ -45,9 +45,18 @@ def run(out, *extra):
 
 def test_work_queue_hands_out_the_lowest_batch_once():
     queue = WorkQueue(start=2, steps=6)
-    assert [queue.claim(), queue.claim()] == [3, 4]  # two workers
-    queue.give_back([3])  # refused (a refresh) or lost with its replica
-    assert [queue.claim(), queue.claim(), queue.claim(), queue.claim()] == [3, 5, 6, None]
+    assert [queue.claim(), queue.claim()] == [Unit(3), Unit(4)]  # two workers
+    queue.give_back([Unit(3)])  # refused (a refresh) or lost with its replica
+    assert [queue.claim(), queue.claim(), queue.claim(), queue.claim()] == [Unit(3), Unit(5), Unit(6), None]
+
+
+def test_work_queue_hands_out_prompt_groups_batch_by_batch():
+    queue = WorkQueue(start=0, steps=2, groups=3)
+    claimed = [queue.claim() for _ in range(4)]
+    assert [(u.index, u.group, u.groups) for u in claimed] == [(1, 0, 3), (1, 1, 3), (1, 2, 3), (2, 0, 3)]
+    queue.give_back([Unit(1, 1)])  # a lost group comes back before the later batch's groups
+    assert queue.waiting_below(2) and not queue.waiting_below(1)
+    assert (queue.claim(), queue.claim()) == (Unit(1, 1), Unit(2, 1))
 
 
 class FakeRollout:
@@ -59,11 +68,11 @@ class FakeRollout:
     def load(self, version: int) -> None:
         self.version = version
 
-    def make(self, index: int):
+    def make(self, unit):
         with self.lock:
             pause = self.rng.uniform(0.0, 0.02)
         time.sleep(pause)
-        return None, {}
+        return None, {"rows": 1.0}
 
 
 @pytest.mark.parametrize("max_lag, fixed_lag, replicas", [(1, None, 3), (2, None, 3), (0, 2, 3), (1, None, 1)])
@@ -83,7 +92,7 @@ def test_admission_bounds_every_batch_across_workers(max_lag, fixed_lag, replica
         for step in range(1, steps + 1):
             entry = buffer.take(step)
             lags.append((step - 1) - entry.version)
-            makers.add(entry.worker)
+            makers.update(e.worker for e in entry.entries)
             time.sleep(rng.uniform(0.0, 0.01))
             board.publish_snapshot(step, None)
             if fixed_lag is None and step % 7 == 0:  # a refresh: stale batches go back to the queue
@@ -112,7 +121,7 @@ def test_refresh_drops_exactly_the_stale_batches():
     buffer = ReplayBuffer()
     for index, version in [(6, 5), (7, 5), (8, 6)]:  # learner at version 5: batch 6 is fresh, 7 and 8 stale
         assert buffer.put(entry(index, version))
-    assert buffer.drop_stale() == [7, 8]
+    assert buffer.drop_stale() == [Unit(7), Unit(8)]
     assert buffer.epoch == 1  # every worker re-syncs its weights before its next batch
     assert buffer.take(6).version == 5
     assert not buffer.put(entry(7, 5, epoch=0))  # generated before the refresh: refused

@@ -46,19 +46,21 @@ def sample_problems(cfg, train_problems: list, step: int) -> list:
 
 
 def make_batch(
-    plan, student: Backend, teacher: Backend, problems: list, step: int, metrics: dict, scorer: HFBackend | None = None
+    plan, student: Backend, teacher: Backend, problems: list, step: int, metrics: dict, scorer: HFBackend | None = None,
+    *, check_errors: bool = True,
 ) -> tuple[TensorBatch, list[Trajectory]]:
     """Roll out (or take references), grade when the method needs rewards, and score with the teacher."""
-    batch, trajectories = generate_batch(plan, student, problems, step, metrics, scorer)
+    batch, trajectories = generate_batch(plan, student, problems, step, metrics, scorer, check_errors=check_errors)
     teacher_phase(plan, teacher, batch, metrics, step=step)
     return batch, trajectories
 
 
 def generate_batch(
-    plan, student: Backend, problems: list, step: int, metrics: dict, scorer: HFBackend | None = None
+    plan, student: Backend, problems: list, step: int, metrics: dict, scorer: HFBackend | None = None, *, check_errors: bool = True
 ) -> tuple[TensorBatch, list[Trajectory]]:
     """The rollout role's half of :func:`make_batch`: sample (or take references), grade, and (when the
-    method reads π_old) score the sampled tokens under the behaviour weights; no teacher.
+    method reads π_old) score the sampled tokens under the behaviour weights; no teacher. ``metrics["rows"]`` counts
+    the samples; without ``check_errors`` the grading-error share is left to the caller (the loop checks whole batches).
 
     π_old is scored by ``scorer`` (:func:`open_behaviour_scorer`: the trainer's model holding the behaviour
     weights) when there is one, else by the engine ``student`` itself.
@@ -86,8 +88,9 @@ def generate_batch(
             errors = grade_error_count([s.status for s in scores])
             graded = [s.value for s in scores if s.status != "error"]
             metrics.update(grade_errors=float(errors), reward_mean=sum(graded) / len(graded) if graded else float("nan"))
-            enforce_grade_error_rate(errors, len(scores), cfg.trainer.max_grade_error_rate, step, task.name)
-    metrics.update(episode_step_metrics(task, trajectories))
+            if check_errors:
+                enforce_grade_error_rate(errors, len(scores), cfg.trainer.max_grade_error_rate, step, task.name)
+    metrics.update(episode_step_metrics(task, trajectories), rows=float(len(trajectories)))
     batch = to_tensor_batch(trajectories, student.pad_id)
     if "old_logprobs" in needs and method.on_policy:
         if scorer is not None and scorer.version != student.version:
