@@ -170,7 +170,7 @@ def test_max_lag_is_never_exceeded_under_random_timing(tmp_path, monkeypatch, ma
 def test_hard_refresh_regenerates_stale_batches(tmp_path, monkeypatch):
     buffers: list[ReplayBuffer] = []
     original_init, original_learn = ReplayBuffer.__init__, ip.learn
-    monkeypatch.setattr(ReplayBuffer, "__init__", lambda self: (original_init(self), buffers.append(self))[0])
+    monkeypatch.setattr(ReplayBuffer, "__init__", lambda self, *a: (original_init(self, *a), buffers.append(self))[0])
 
     def learn_after_the_worker_ran_ahead(plan, *args, **kwargs):
         """Each step but the last waits (up to 3 s) until the worker has buffered a later batch, so that refreshes
