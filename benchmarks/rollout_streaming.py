@@ -14,7 +14,7 @@ samples per unit, a batch's worth of units in flight per worker, each streamed i
 warmed up (a short untimed run), then measured ``--rounds`` times in alternating order; printed are the mean samples/s
 per side, their ratio and the per-round ratios.
 
-Usage: ``PYTHONPATH=. python benchmarks/rollout_streaming.py [--steps 12] [--prompts 8] [--samples 4] [--rounds 4]``
+Usage: ``PYTHONPATH=. python benchmarks/rollout_streaming.py [--steps 12] [--max-lag 1 3 8] [--rounds 4] [--engine serial]``
 """
 
 from __future__ import annotations
@@ -108,13 +108,19 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=50.0, help="an ordinary environment step")
     parser.add_argument("--slow-share", type=float, default=0.05, help="share of steps that are slow")
     parser.add_argument("--slow-factor", type=float, default=20.0, help="how much slower a slow step is")
-    parser.add_argument("--max-lag", type=int, default=3, help="the staleness bound (batches the workers may run ahead)")
+    parser.add_argument("--max-lag", type=int, nargs="+", default=[1, 3, 8], help="staleness bounds to measure, one comparison each")
     parser.add_argument("--train-ms", type=float, default=50.0, help="stand-in learner: time per optimizer step")
     parser.add_argument("--engine", choices=["batching", "serial"], default="batching")
     parser.add_argument("--call-ms", type=float, default=20.0, help="stand-in engine: cost of one generate call")
     parser.add_argument("--row-ms", type=float, default=0.2, help="stand-in engine: cost per row of a call")
     parser.add_argument("--rounds", type=int, default=4, help="measurements per side after the warm-up, in alternating order")
     args = parser.parse_args()
+    for max_lag in args.max_lag:
+        compare(argparse.Namespace(**{**vars(args), "max_lag": max_lag}))
+
+
+def compare(args: argparse.Namespace) -> None:
+    """Both sides under ``args.max_lag``: warm-up, then ``--rounds`` alternating measurements; prints the ratio."""
     names = list(SIDES)
     for side in names:  # warm-up, untimed
         samples_per_s(args, SIDES[side], 2, seed=-1)
@@ -129,8 +135,7 @@ def main() -> None:
         print(f"  {side:<6} {statistics.mean(rates[side]):7.2f} samples/s   (rounds: {', '.join(f'{x:.1f}' for x in rates[side])})")
     per_round = ", ".join(f"{g / b:.2f}x" for b, g in zip(rates["batch"], rates["group"]))
     print(f"  ratio group / batch {statistics.mean(rates['group']) / statistics.mean(rates['batch']):.2f}x   "
-          f"(per round, alternating order: {per_round})")
-
+          f"(per round, alternating order: {per_round})", flush=True)
 
 if __name__ == "__main__":
     main()

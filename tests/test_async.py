@@ -75,22 +75,28 @@ class FakeRollout:
         return None, {"rows": 1.0}
 
 
-@pytest.mark.parametrize("max_lag, fixed_lag, replicas", [(1, None, 3), (2, None, 3), (0, 2, 3), (1, None, 1)])
-def test_admission_bounds_every_batch_across_workers(max_lag, fixed_lag, replicas):
-    """Workers on one queue, a learner of random speed and refreshes: every batch is trained once, in order,
-    with lag ≤ max_lag (or exactly the fixed lag), and the workers really ran ahead and shared the work."""
+@pytest.mark.parametrize("max_lag, fixed_lag, replicas, groups",
+                         [(1, None, 3, 1), (2, None, 3, 1), (0, 2, 3, 1), (1, None, 1, 1), (2, None, 2, 3), (0, 2, 2, 3)])  # fmt: skip
+def test_admission_bounds_every_batch_across_workers(max_lag, fixed_lag, replicas, groups):
+    """Workers on one queue (whole batches, or 3 prompt groups per batch, several in flight per worker), a learner of
+    random speed and refreshes: every batch is trained once, in order, with lag ≤ max_lag (or exactly the fixed lag)
+    for every unit, and the workers really ran ahead and shared the work."""
     rng, steps = random.Random(max_lag), 30
     schedule = ap.Schedule(steps, max_lag=max_lag, fixed_lag=fixed_lag, sync_every=1)
-    board, buffer, queue, pause = ap.WeightBoard(schedule.keep), ReplayBuffer(), WorkQueue(0, steps), ap.threading.Event()
+    board, buffer, queue = ap.WeightBoard(schedule.keep), ReplayBuffer(groups), WorkQueue(0, steps, groups)
+    pause = ap.threading.Event()
     pause.set()
     board.publish_snapshot(0, None)
-    workers = [ap.RolloutWorker(schedule, FakeRollout(rng), board, buffer, queue, pause, n) for n in range(replicas)]
+    workers = [ap.RolloutWorker(schedule, FakeRollout(rng), board, buffer, queue, pause, n, inflight=groups) for n in range(replicas)]
     for worker in workers:
         worker.start()
     lags, makers = [], set()
     try:
         for step in range(1, steps + 1):
             entry = buffer.take(step)
+            assert [e.group for e in entry.entries] == list(range(groups))
+            if fixed_lag is not None:
+                assert {e.version for e in entry.entries} == {entry.version}  # every group of a batch: the same weights
             lags.append((step - 1) - entry.version)
             makers.update(e.worker for e in entry.entries)
             time.sleep(rng.uniform(0.0, 0.01))

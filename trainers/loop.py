@@ -95,6 +95,10 @@ class Schedule:
         """Weight versions the board must hold so that every allowed version is still there."""
         return max(self.max_lag, self.fixed_lag or 0, self.sync_every) + 2
 
+    def allows(self, index: int, version: int) -> bool:
+        """Whether weights ``version`` may still generate batch ``index`` under ``max_lag`` (not a fixed-lag run's rule)."""
+        return version >= max(required_version(index, self.max_lag), self.floor)
+
     def target_version(self, index: int, current: int, latest: int, force_sync: bool) -> int:
         """The weights batch ``index`` must be generated with, given the loaded and the newest version."""
         if self.fixed_lag is not None:
@@ -436,6 +440,9 @@ class RolloutWorker(threading.Thread):
         force_sync = epoch != self.synced_epoch
         waited = time.perf_counter()
         wanted = self.target_version(unit.index, force_sync)
+        current = self.rollout.version
+        if running and not fixed and not force_sync and wanted != current and self.schedule.allows(unit.index, current):
+            wanted = current  # a sync that is only due (sync_every) waits until no unit is in flight: a straggler must not stall the worker
         latest = self.board.wait_for(wanted, cancelled=lambda: self.buffer.epoch != epoch or self.queue.waiting_below(unit.index))
         if latest is None:
             self._add("wait", time.perf_counter() - waited)
