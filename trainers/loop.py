@@ -14,10 +14,15 @@ and has the worker regenerate them with the newest weights. **Sync mode is this 
 generate → train loop exactly.
 
 There may be several rollout workers (``trainer.layout.rollout.replicas`` under Ray), each with its own
-engine, all taking the lowest batch index still to make from one shared :class:`WorkQueue`; every rule
+engine, all taking the lowest unit still to make from one shared :class:`WorkQueue`; every rule
 above is applied per batch at admission, so it holds however many workers there are: each batch of a
 ``fixed_lag`` run is made by the same weights and seed whichever worker makes it (the same losses), and
 under ``max_lag`` no sample's lag exceeds it (which weights within the bound a batch gets depends on timing).
+
+What a worker claims is a :class:`Unit`: a whole batch, or with ``trainer.rollout_unit=group`` one prompt group (a
+prompt's samples). A worker keeps up to a batch's worth of units in flight, all with its loaded weights, streams each
+into the buffer as it finishes, and the learner takes batch b once all its units are in, in group order; the rules
+above apply per unit at admission (a group of batch b by batch b's rule), so a slow episode holds only its group.
 
 The loop is written against two small role interfaces, a rollout (``version``, ``load``, ``make``)
 and a learner (``train``, ``snapshot``, ``pull``). An *executor* is a factory of those roles,
