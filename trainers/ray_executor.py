@@ -4,8 +4,9 @@ Rollout actors (``trainer.layout.rollout.replicas`` of them, one per bundle of t
 group, each its own copy of the student behind its own engine) generate and grade batch b with the
 weights of version r, every actor fed every version it needs (an object ref to the learner's snapshot; an
 hf engine loads it directly, vLLM writes it to its own safetensors folder and reloads from there, as in
-process); a driver thread per actor takes batches
-from one shared queue; a teacher actor scores them; a learner actor (student, optimizer,
+process); a driver thread per actor takes units (whole batches, or prompt groups with
+``trainer.rollout_unit=group``, then several in flight per actor: a threaded actor) from one shared queue;
+a teacher actor scores them; a learner actor (student, optimizer,
 method state; learning rates from the driver's schedule), or W data-parallel learner ranks
 (``trainer.layout.learner.replicas``, :mod:`trainers.distributed`), trains on it and returns each version's
 weights as an object in the object store. The driver runs the very loop of the in-process
@@ -22,7 +23,7 @@ Results match the in-process executor for the same seed: sampling for batch b de
 so are the losses, with any number of rollout actors.
 
 Faults: a rollout actor that dies (its process killed) is restarted by Ray (``ROLLOUT_RESTARTS``); the
-driver re-queues the batch it had in flight and reloads its weights, so no step is lost or trained
+driver re-queues the units it had in flight (only those) and reloads its weights, so no step is lost or trained
 twice. Teacher actors (``trainer.layout.teacher.replicas``) sit behind one chooser (:class:`TeacherActors`):
 each batch goes to the replica with the fewest batches in flight, and one that dies is restarted by Ray
 while its batch is scored by another. An error raised inside an actor (e.g. ``TeacherFailed``) reaches the driver as itself, not
