@@ -111,3 +111,28 @@ def test_prompt_groups_give_the_losses_of_whole_batches_in_process(tmp_path):
     assert_same_run(whole, grouped)
     assert [grouped[s]["samples"] for s in grouped] == [8.0] * 4
     assert checkpoints[-1]["rollout_workers"][0]["samples"] == 32
+
+
+def test_an_engine_not_known_to_be_thread_safe_takes_one_call_at_a_time():
+    """Streamed groups call their worker's engine from several threads: engines other than hf and openai (vLLM's offline
+    LLM) get one lock around generate and score, so calls never overlap."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from trainers.pipeline import serialize_calls
+
+    class Engine:
+        def __init__(self) -> None:
+            self.active, self.most = 0, 0
+
+        def generate(self, prompts, params):
+            self.active += 1
+            self.most = max(self.most, self.active)
+            time.sleep(0.01)
+            self.active -= 1
+            return prompts
+
+    engine = Engine()
+    serialize_calls(engine)
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(lambda i: engine.generate([i], None), range(8))) == [[i] for i in range(8)]
+    assert engine.most == 1

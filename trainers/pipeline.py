@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,7 +179,30 @@ def open_rollout_backend(plan, student_path: str, *, model: torch.nn.Module | No
         options.setdefault("batch_size", cfg.generate_batch_size)
     backend = cls(model, tokenizer, **options) if (model is not None and cls is HFBackend) else cls.load(student_path, **options)
     backend.version = -1
+    if cfg.rollout_backend not in CONCURRENT_ENGINES:
+        serialize_calls(backend)
     return backend
+
+
+CONCURRENT_ENGINES = frozenset({"hf", "openai"})  # engines whose generate/score may be called from several threads at once
+
+
+def serialize_calls(backend: Backend) -> None:
+    """Make ``backend``'s generate and score take turns (one lock): a worker streaming prompt groups calls its engine from
+    several threads, and an engine such as vLLM's offline ``LLM`` is not safe for that (environment steps still overlap)."""
+    lock = threading.Lock()
+    for name in ("generate", "score"):
+        call = getattr(backend, name, None)
+        if call is not None:
+            setattr(backend, name, _locked(call, lock))
+
+
+def _locked(call: Callable, lock: threading.Lock) -> Callable:
+    def locked(*args, **kwargs):
+        with lock:
+            return call(*args, **kwargs)
+
+    return locked
 
 
 def close_rollout_backend(backend: Backend | None) -> None:
