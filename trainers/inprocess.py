@@ -14,6 +14,7 @@ from rich.console import Console
 from harness.trajectory import TensorBatch, concat_batches
 from trainers.loop import LearnResult, Roles, Unit, WeightBoard, state_snapshot, unit_problems
 from trainers.pipeline import (
+    CONCURRENT_ENGINES,
     Session,
     close_rollout_backend,
     learn,
@@ -23,6 +24,7 @@ from trainers.pipeline import (
     open_rollout_backend,
     response_lengths,
     sample_problems,
+    serialize_calls,
 )
 
 
@@ -32,6 +34,8 @@ class LocalRollout:
 
     def __init__(self, plan, session: Session, board: WeightBoard) -> None:
         self.plan, self.session, self.board = plan, session, board
+        if plan.config.trainer.rollout_unit == "group" and plan.config.teacher.backend not in CONCURRENT_ENGINES:
+            serialize_calls(session.teacher)  # streamed groups score from several threads: a vLLM teacher takes turns
         self.backend = open_rollout_backend(plan, session.student_path)
         self.scorer = open_behaviour_scorer(plan, self.backend, session.student_path)
 
