@@ -6,6 +6,7 @@ import math
 import os
 import signal
 import sqlite3
+import threading
 
 import pytest
 from typer.testing import CliRunner
@@ -164,16 +165,17 @@ def test_two_rollout_workers_on_two_nodes_survive_a_kill_with_inprocess_losses(s
 
     tmp_path, (inprocess, _) = shared_out, inprocess_lag
     killed: list[int] = []
-    original = rx.RayRollout.make
+    original, lock = rx.RayRollout.make, threading.Lock()
 
     def kill_first_replica_once(self, unit):
         index = unit.index
-        if index == 2 and not killed:
-            killed.append(ray.get(self.teacher.actors[0].pid.remote()))
-            os.kill(killed[-1], signal.SIGKILL)  # the least loaded teacher: this batch is likely sent to it, dead
-        if index == 3 and len(killed) == 1:
-            killed.append(ray.get(self.actor.pid.remote()))
-            os.kill(killed[-1], signal.SIGKILL)  # mid-run, with weights loaded: its next batch must not use the initial ones
+        with lock:  # groups are made from several threads at once: each kill happens once
+            if index == 2 and not killed:
+                killed.append(ray.get(self.teacher.actors[0].pid.remote()))
+                os.kill(killed[-1], signal.SIGKILL)  # the least loaded teacher: this batch is likely sent to it, dead
+            if index == 3 and len(killed) == 1:
+                killed.append(ray.get(self.actor.pid.remote()))
+                os.kill(killed[-1], signal.SIGKILL)  # mid-run, with weights loaded: its groups in flight are made again
         return original(self, unit)
 
     monkeypatch.setattr(rx.RayRollout, "make", kill_first_replica_once)
