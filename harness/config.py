@@ -240,6 +240,12 @@ class TrainerConfig(Strict):
     sync_every: int = Field(
         1, ge=1, description="async: rollout weights are refreshed every N learner steps (or sooner if max_lag requires)"
     )
+    rollout_unit: Literal["batch", "group"] = Field(
+        "batch",
+        description="what a rollout worker takes from the queue and streams back: a whole batch, or one prompt group (a prompt's "
+        "samples_per_prompt episodes); with group a worker keeps a batch's worth of groups in flight, so a slow episode holds only "
+        "its group",
+    )
     steps: int = Field(400, ge=1, description="optimizer steps")
     prompts_per_step: int = Field(64, ge=1)
     samples_per_prompt: int = Field(

@@ -153,3 +153,48 @@ def _flatten(traj: Trajectory) -> tuple[list[int], list[float], list[int], list[
         beh.extend(seg.behaviour_logprobs if is_model and seg.behaviour_logprobs else [0.0] * n)
         tea.extend(seg.teacher_logprobs if is_model and seg.teacher_logprobs else [0.0] * n)
     return ids, mask, step, beh, tea
+
+
+PAD_VALUES = {"step_index": -1}  # what a padded position holds per tensor (input_ids: the parts' own pad token; others 0)
+
+
+def pad_token(parts: list[TensorBatch]) -> int:
+    """The pad token the parts were packed with (read off a padded position; 0 when no part has padding)."""
+    for part in parts:
+        padded = part.input_ids[part.attention_mask == 0]
+        if padded.numel():
+            return int(padded[0])
+    return 0
+
+
+def concat_batches(parts: list[TensorBatch]) -> TensorBatch:
+    """One batch of ``parts``' rows in order, right-padded to the widest (what ``to_tensor_batch`` of all their
+    trajectories would give), group ids renumbered to stay distinct across parts."""
+    if len(parts) == 1:
+        return parts[0]
+    width, pad = max(p.shape[1] for p in parts), pad_token(parts)
+    offsets = torch.tensor([0] + [int(p.group_ids.max()) + 1 for p in parts[:-1]]).cumsum(0)
+    merged: dict[str, torch.Tensor | None] = {}
+    for name in TensorBatch.__dataclass_fields__:
+        values = [getattr(p, name) for p in parts]
+        if all(v is None for v in values):
+            merged[name] = None
+        elif any(v is None for v in values):
+            raise ValueError(f"cannot join batches where only some carry {name}")
+        elif name == "group_ids":
+            merged[name] = torch.cat([v + int(offset) for v, offset in zip(values, offsets, strict=True)])
+        elif values[0].dim() == 1:
+            merged[name] = torch.cat(values)
+        else:
+            fill = pad if name == "input_ids" else PAD_VALUES.get(name, 0)
+            merged[name] = torch.cat([_pad_width(v, width, fill) for v in values])
+    return TensorBatch(**merged)
+
+
+def _pad_width(tensor: torch.Tensor, width: int, fill: float) -> torch.Tensor:
+    """``tensor`` (B, T, ...) right-padded along T to ``width`` with ``fill``."""
+    missing = width - tensor.shape[1]
+    if missing == 0:
+        return tensor
+    shape = (tensor.shape[0], missing, *tensor.shape[2:])
+    return torch.cat([tensor, torch.full(shape, fill, dtype=tensor.dtype)], dim=1)

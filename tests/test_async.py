@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 import trainers.inprocess as ip
 import trainers.loop as ap
 from harness.cli import app
-from trainers.loop import BufferEntry, ReplayBuffer, WorkQueue, fixed_version, required_version
+from trainers.loop import BufferEntry, ReplayBuffer, Unit, WorkQueue, fixed_version, required_version
 
 runner = CliRunner()
 BASE = [
@@ -45,9 +45,18 @@ def run(out, *extra):
 
 def test_work_queue_hands_out_the_lowest_batch_once():
     queue = WorkQueue(start=2, steps=6)
-    assert [queue.claim(), queue.claim()] == [3, 4]  # two workers
-    queue.give_back([3])  # refused (a refresh) or lost with its replica
-    assert [queue.claim(), queue.claim(), queue.claim(), queue.claim()] == [3, 5, 6, None]
+    assert [queue.claim(), queue.claim()] == [Unit(3), Unit(4)]  # two workers
+    queue.give_back([Unit(3)])  # refused (a refresh) or lost with its replica
+    assert [queue.claim(), queue.claim(), queue.claim(), queue.claim()] == [Unit(3), Unit(5), Unit(6), None]
+
+
+def test_work_queue_hands_out_prompt_groups_batch_by_batch():
+    queue = WorkQueue(start=0, steps=2, groups=3)
+    claimed = [queue.claim() for _ in range(4)]
+    assert [(u.index, u.group, u.groups) for u in claimed] == [(1, 0, 3), (1, 1, 3), (1, 2, 3), (2, 0, 3)]
+    queue.give_back([Unit(1, 1)])  # a lost group comes back before the later batch's groups
+    assert queue.waiting_below(2) and not queue.waiting_below(1)
+    assert (queue.claim(), queue.claim()) == (Unit(1, 1), Unit(2, 1))
 
 
 class FakeRollout:
@@ -59,31 +68,37 @@ class FakeRollout:
     def load(self, version: int) -> None:
         self.version = version
 
-    def make(self, index: int):
+    def make(self, unit):
         with self.lock:
             pause = self.rng.uniform(0.0, 0.02)
         time.sleep(pause)
-        return None, {}
+        return None, {"rows": 1.0}
 
 
-@pytest.mark.parametrize("max_lag, fixed_lag, replicas", [(1, None, 3), (2, None, 3), (0, 2, 3), (1, None, 1)])
-def test_admission_bounds_every_batch_across_workers(max_lag, fixed_lag, replicas):
-    """Workers on one queue, a learner of random speed and refreshes: every batch is trained once, in order,
-    with lag ≤ max_lag (or exactly the fixed lag), and the workers really ran ahead and shared the work."""
+@pytest.mark.parametrize("max_lag, fixed_lag, replicas, groups",
+                         [(1, None, 3, 1), (2, None, 3, 1), (0, 2, 3, 1), (1, None, 1, 1), (2, None, 2, 3), (0, 2, 2, 3)])  # fmt: skip
+def test_admission_bounds_every_batch_across_workers(max_lag, fixed_lag, replicas, groups):
+    """Workers on one queue (whole batches, or 3 prompt groups per batch, several in flight per worker), a learner of
+    random speed and refreshes: every batch is trained once, in order, with lag ≤ max_lag (or exactly the fixed lag)
+    for every unit, and the workers really ran ahead and shared the work."""
     rng, steps = random.Random(max_lag), 30
     schedule = ap.Schedule(steps, max_lag=max_lag, fixed_lag=fixed_lag, sync_every=1)
-    board, buffer, queue, pause = ap.WeightBoard(schedule.keep), ReplayBuffer(), WorkQueue(0, steps), ap.threading.Event()
+    board, buffer, queue = ap.WeightBoard(schedule.keep), ReplayBuffer(groups), WorkQueue(0, steps, groups)
+    pause = ap.threading.Event()
     pause.set()
     board.publish_snapshot(0, None)
-    workers = [ap.RolloutWorker(schedule, FakeRollout(rng), board, buffer, queue, pause, n) for n in range(replicas)]
+    workers = [ap.RolloutWorker(schedule, FakeRollout(rng), board, buffer, queue, pause, n, inflight=groups) for n in range(replicas)]
     for worker in workers:
         worker.start()
     lags, makers = [], set()
     try:
         for step in range(1, steps + 1):
             entry = buffer.take(step)
+            assert [e.group for e in entry.entries] == list(range(groups))
+            if fixed_lag is not None:
+                assert {e.version for e in entry.entries} == {entry.version}  # every group of a batch: the same weights
             lags.append((step - 1) - entry.version)
-            makers.add(entry.worker)
+            makers.update(e.worker for e in entry.entries)
             time.sleep(rng.uniform(0.0, 0.01))
             board.publish_snapshot(step, None)
             if fixed_lag is None and step % 7 == 0:  # a refresh: stale batches go back to the queue
@@ -112,7 +127,7 @@ def test_refresh_drops_exactly_the_stale_batches():
     buffer = ReplayBuffer()
     for index, version in [(6, 5), (7, 5), (8, 6)]:  # learner at version 5: batch 6 is fresh, 7 and 8 stale
         assert buffer.put(entry(index, version))
-    assert buffer.drop_stale() == [7, 8]
+    assert buffer.drop_stale() == [Unit(7), Unit(8)]
     assert buffer.epoch == 1  # every worker re-syncs its weights before its next batch
     assert buffer.take(6).version == 5
     assert not buffer.put(entry(7, 5, epoch=0))  # generated before the refresh: refused
@@ -161,7 +176,7 @@ def test_max_lag_is_never_exceeded_under_random_timing(tmp_path, monkeypatch, ma
 def test_hard_refresh_regenerates_stale_batches(tmp_path, monkeypatch):
     buffers: list[ReplayBuffer] = []
     original_init, original_learn = ReplayBuffer.__init__, ip.learn
-    monkeypatch.setattr(ReplayBuffer, "__init__", lambda self: (original_init(self), buffers.append(self))[0])
+    monkeypatch.setattr(ReplayBuffer, "__init__", lambda self, *a: (original_init(self, *a), buffers.append(self))[0])
 
     def learn_after_the_worker_ran_ahead(plan, *args, **kwargs):
         """Each step but the last waits (up to 3 s) until the worker has buffered a later batch, so that refreshes

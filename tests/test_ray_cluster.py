@@ -6,6 +6,7 @@ import math
 import os
 import signal
 import sqlite3
+import threading
 
 import pytest
 from typer.testing import CliRunner
@@ -140,6 +141,7 @@ def test_a_sweep_point_whose_layout_the_cluster_cannot_hold_stops_the_sweep_befo
 
 
 TWO_ROLLOUTS = ["--set", "trainer.layout.rollout.replicas=2", "--set", "trainer.layout.rollout.strategy=spread"]
+GROUPS = ["--set", "trainer.rollout_unit=group"]  # prompt groups streamed (4 per batch), several in flight per actor
 TWO_TEACHERS = ["--set", "trainer.layout.teacher.replicas=2", "--set", "trainer.layout.teacher.num_cpus=0.5",
                 "--set", "trainer.layout.teacher.strategy=spread",
                 "--set", "trainer.layout.rollout.num_cpus=0.5"]  # fmt: skip  (per node: a rollout, a teacher; and the learner)
@@ -153,8 +155,9 @@ def _losses_per_step(db, run_id: str) -> list[tuple[int, int]]:
 
 @pytest.mark.slow
 def test_two_rollout_workers_on_two_nodes_survive_a_kill_with_inprocess_losses(shared_out, ray_cluster, inprocess_lag, monkeypatch):
-    """Two rollout actors on different nodes share the batches; one is SIGKILLed before batch 3: Ray restarts it, its
-    batch is made again with the right weights, and every step is trained once with the in-process losses (fixed_lag).
+    """Two rollout actors on different nodes stream the batches' prompt groups (the in-process run makes whole batches);
+    one is SIGKILLed before a group of batch 3: Ray restarts it, the groups it had in flight are made again with the
+    right weights, and every step is trained once with the in-process losses (fixed_lag).
     Two teacher actors score them; one is SIGKILLed before batch 2: its batches go to the other until it is back."""
     import ray
 
@@ -162,20 +165,22 @@ def test_two_rollout_workers_on_two_nodes_survive_a_kill_with_inprocess_losses(s
 
     tmp_path, (inprocess, _) = shared_out, inprocess_lag
     killed: list[int] = []
-    original = rx.RayRollout.make
+    original, lock = rx.RayRollout.make, threading.Lock()
 
-    def kill_first_replica_once(self, index):
-        if index == 2 and not killed:
-            killed.append(ray.get(self.teacher.actors[0].pid.remote()))
-            os.kill(killed[-1], signal.SIGKILL)  # the least loaded teacher: this batch is likely sent to it, dead
-        if index == 3 and len(killed) == 1:
-            killed.append(ray.get(self.actor.pid.remote()))
-            os.kill(killed[-1], signal.SIGKILL)  # mid-run, with weights loaded: its next batch must not use the initial ones
-        return original(self, index)
+    def kill_first_replica_once(self, unit):
+        index = unit.index
+        with lock:  # groups are made from several threads at once: each kill happens once
+            if index == 2 and not killed:
+                killed.append(ray.get(self.teacher.actors[0].pid.remote()))
+                os.kill(killed[-1], signal.SIGKILL)  # the least loaded teacher: this batch is likely sent to it, dead
+            if index == 3 and len(killed) == 1:
+                killed.append(ray.get(self.actor.pid.remote()))
+                os.kill(killed[-1], signal.SIGKILL)  # mid-run, with weights loaded: its groups in flight are made again
+        return original(self, unit)
 
     monkeypatch.setattr(rx.RayRollout, "make", kill_first_replica_once)
     on_cluster, checkpoints, _ = run(tmp_path, *LAG, "--executor", "ray", "--set", f"trainer.ray_address={ray_cluster.address}",
-                                     *TWO_ROLLOUTS, *TWO_TEACHERS)  # fmt: skip
+                                     *TWO_ROLLOUTS, *TWO_TEACHERS, *GROUPS)  # fmt: skip
     assert len(killed) == 2, "the kills never happened"
     assert_same_run(inprocess, on_cluster)
     run_id, _ = _last_train_run(tmp_path / "results.sqlite")

@@ -217,7 +217,7 @@ def test_a_lost_rollout_actor_is_waited_for_then_its_batch_is_given_back(monkeyp
     import ray.exceptions as rex
 
     import trainers.ray_executor as rx
-    from trainers.loop import RolloutLost
+    from trainers.loop import RolloutLost, Unit
 
     answers: list = []
 
@@ -244,15 +244,17 @@ def test_a_lost_rollout_actor_is_waited_for_then_its_batch_is_given_back(monkeyp
     monkeypatch.setattr(rx.time, "sleep", lambda s: None)
     rollout = rx.RayRollout(FakeRay(), SimpleNamespace(method=SimpleNamespace(needs=lambda h: set()), hparams=None), actor, None,
                             SimpleNamespace(get=lambda v: "weights"))  # fmt: skip
+    answers[:] = [None]  # the load is waited for (the actor may run several units at once)
     rollout.load(4)
+    assert rollout.version == 4 and answers == []
     unavailable = rex.ActorUnavailableError("restarting", None)
     answers[:] = [rex.ActorDiedError(), unavailable, unavailable, True]  # the batch dies; two tries while it restarts; back
     with pytest.raises(RolloutLost, match="batch 7"):
-        rollout.make(7)
+        rollout.make(Unit(7))
     assert rollout.version == -1 and answers == []  # reloaded before its next batch
     answers[:] = [rex.ActorDiedError(), rex.ActorDiedError()]  # dies again and is not restarted
     with pytest.raises(RuntimeError, match="Ray did not restart it"):
-        rollout.make(8)
+        rollout.make(Unit(8, 3, 4))
 
 
 def test_teacher_actors_take_batches_least_loaded_first_and_a_dead_one_s_batch_goes_to_another(monkeypatch):

@@ -11,9 +11,10 @@ from contextlib import contextmanager, nullcontext
 import torch
 from rich.console import Console
 
-from harness.trajectory import TensorBatch
-from trainers.loop import LearnResult, Roles, WeightBoard, state_snapshot
+from harness.trajectory import TensorBatch, concat_batches
+from trainers.loop import LearnResult, Roles, Unit, WeightBoard, state_snapshot, unit_problems
 from trainers.pipeline import (
+    CONCURRENT_ENGINES,
     Session,
     close_rollout_backend,
     learn,
@@ -23,6 +24,7 @@ from trainers.pipeline import (
     open_rollout_backend,
     response_lengths,
     sample_problems,
+    serialize_calls,
 )
 
 
@@ -32,6 +34,8 @@ class LocalRollout:
 
     def __init__(self, plan, session: Session, board: WeightBoard) -> None:
         self.plan, self.session, self.board = plan, session, board
+        if plan.config.trainer.rollout_unit == "group" and plan.config.teacher.backend not in CONCURRENT_ENGINES:
+            serialize_calls(session.teacher)  # streamed groups score from several threads: a vLLM teacher takes turns
         self.backend = open_rollout_backend(plan, session.student_path)
         self.scorer = open_behaviour_scorer(plan, self.backend, session.student_path)
 
@@ -42,10 +46,11 @@ class LocalRollout:
     def load(self, version: int) -> None:
         load_rollout_weights(self.backend, self.scorer, self.board.get(version), version)
 
-    def make(self, index: int) -> tuple[TensorBatch, dict[str, float]]:
+    def make(self, unit: Unit) -> tuple[TensorBatch, dict[str, float]]:
+        """Unit ``unit``'s samples (its share of batch ``unit.index``'s prompts), graded and teacher-scored."""
         metrics: dict[str, float] = {}
-        problems = sample_problems(self.plan.config, self.session.train_problems, index)
-        batch, _ = make_batch(self.plan, self.backend, self.session.teacher, problems, index, metrics, self.scorer)
+        problems = unit_problems(sample_problems(self.plan.config, self.session.train_problems, unit.index), unit)
+        batch, _ = make_batch(self.plan, self.backend, self.session.teacher, problems, unit.index, metrics, self.scorer, check_errors=False)
         return batch, metrics
 
     def close(self) -> None:
@@ -58,7 +63,8 @@ class LocalLearner:
     def __init__(self, plan, session: Session) -> None:
         self.plan, self.session = plan, session
 
-    def train(self, batch: TensorBatch, version: int) -> LearnResult:
+    def train(self, parts: list[TensorBatch], version: int) -> LearnResult:
+        batch = concat_batches(parts)
         metrics: dict[str, float] = {}
         learn(self.plan, self.session.student.model, self.session.optimizer, batch, self.session.method_state, version, metrics)
         return LearnResult(metrics, batch.policy_lag.tolist(), response_lengths(batch))

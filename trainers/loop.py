@@ -14,10 +14,15 @@ and has the worker regenerate them with the newest weights. **Sync mode is this 
 generate → train loop exactly.
 
 There may be several rollout workers (``trainer.layout.rollout.replicas`` under Ray), each with its own
-engine, all taking the lowest batch index still to make from one shared :class:`WorkQueue`; every rule
+engine, all taking the lowest unit still to make from one shared :class:`WorkQueue`; every rule
 above is applied per batch at admission, so it holds however many workers there are: each batch of a
 ``fixed_lag`` run is made by the same weights and seed whichever worker makes it (the same losses), and
 under ``max_lag`` no sample's lag exceeds it (which weights within the bound a batch gets depends on timing).
+
+What a worker claims is a :class:`Unit`: a whole batch, or with ``trainer.rollout_unit=group`` one prompt group (a
+prompt's samples). A worker keeps up to a batch's worth of units in flight, all with its loaded weights, streams each
+into the buffer as it finishes, and the learner takes batch b once all its units are in, in group order; the rules
+above apply per unit at admission (a group of batch b by batch b's rule), so a slow episode holds only its group.
 
 The loop is written against two small role interfaces, a rollout (``version``, ``load``, ``make``)
 and a learner (``train``, ``snapshot``, ``pull``). An *executor* is a factory of those roles,
@@ -32,6 +37,8 @@ import dataclasses
 import os
 import threading
 import time
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -45,6 +52,7 @@ from harness.progress import progress
 from harness.registry import EXECUTORS
 from harness.store import Store
 from harness.trajectory import TensorBatch
+from trainers.guards import enforce_grade_error_rate
 from trainers.pipeline import Session, add_rates
 
 
@@ -91,6 +99,10 @@ class Schedule:
     def keep(self) -> int:
         """Weight versions the board must hold so that every allowed version is still there."""
         return max(self.max_lag, self.fixed_lag or 0, self.sync_every) + 2
+
+    def allows(self, index: int, version: int) -> bool:
+        """Whether weights ``version`` may still generate batch ``index`` under ``max_lag`` (not a fixed-lag run's rule)."""
+        return version >= max(required_version(index, self.max_lag), self.floor)
 
     def target_version(self, index: int, current: int, latest: int, force_sync: bool) -> int:
         """The weights batch ``index`` must be generated with, given the loaded and the newest version."""
@@ -154,6 +166,28 @@ class WeightBoard:
             self._cond.notify_all()
 
 
+@dataclass(frozen=True, order=True)
+class Unit:
+    """What a rollout worker claims and streams back: prompt group ``group`` of the ``groups`` in batch ``index``
+    (``trainer.rollout_unit``: one prompt's k samples, or the whole batch when ``groups`` is 1)."""
+
+    index: int  # batch index b
+    group: int = 0
+    groups: int = field(default=1, compare=False)  # not part of its identity: (index, group) names a unit
+
+
+def unit_problems(problems: list, unit: Unit) -> list:
+    """The unit's prompts: its contiguous share of the batch's (one prompt each when there are as many groups as prompts)."""
+    n = len(problems)
+    return problems[unit.group * n // unit.groups : (unit.group + 1) * n // unit.groups]
+
+
+def batch_units(plan, train_problems: int) -> int:
+    """Units per batch: one per prompt (``trainer.rollout_unit=group``) or 1 (``batch``)."""
+    trainer = plan.config.trainer
+    return min(trainer.prompts_per_step, train_problems) if trainer.rollout_unit == "group" else 1
+
+
 @dataclass
 class BufferEntry:
     index: int  # batch index b: trained on at learner step b
@@ -162,72 +196,124 @@ class BufferEntry:
     batch: TensorBatch | Any  # a TensorBatch, or an object ref to one with Ray
     metrics: dict[str, float] = field(default_factory=dict)
     worker: int = 0  # the rollout worker that made it
+    group: int = 0  # its prompt group within batch ``index``
+    rows: int = 0  # samples in it
+
+    @property
+    def unit(self) -> Unit:
+        return Unit(self.index, self.group)
+
+
+SUMMED = ("grade_errors", "rows")
+
+
+def merge_metrics(entries: list[BufferEntry]) -> dict[str, float]:
+    """One batch's rollout metrics from its units': stage seconds (``time_*``) and counts added up, maxima the largest,
+    the rest averaged over the units' samples (NaN units left out, as a mean over the batch leaves out its NaN rows)."""
+    if len(entries) == 1:
+        return dict(entries[0].metrics)
+    merged: dict[str, float] = {}
+    for key in dict.fromkeys(k for e in entries for k in e.metrics):
+        values = [(e.metrics[key], max(e.rows, 1)) for e in entries if key in e.metrics]
+        if key.startswith("time_") or key in SUMMED:
+            merged[key] = float(sum(v for v, _ in values))
+        elif key.endswith("_max"):
+            merged[key] = float(max(v for v, _ in values))
+        else:
+            kept = [(v, w) for v, w in values if v == v]  # NaN != NaN
+            merged[key] = sum(v * w for v, w in kept) / sum(w for _, w in kept) if kept else float("nan")
+    return merged
+
+
+@dataclass
+class AssembledBatch:
+    """Batch ``index`` as the learner takes it: its units' entries in group order (a fixed order, whatever order they finished in)."""
+
+    index: int
+    entries: list[BufferEntry]
+
+    @property
+    def parts(self) -> list[Any]:
+        return [e.batch for e in self.entries]
+
+    @property
+    def version(self) -> int:
+        """The oldest behaviour version among its units (every sample carries its own)."""
+        return min(e.version for e in self.entries)
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return merge_metrics(self.entries)
 
 
 class WorkQueue:
-    """Batch indices still to generate, shared by every rollout worker: each claims the lowest one that is neither
-    buffered nor in flight; a batch refused by the buffer, dropped by a refresh or lost with a replica is given back."""
+    """Units still to generate, shared by every rollout worker: each claims the lowest (batch, group) that is neither
+    buffered nor in flight; a unit refused by the buffer, dropped by a refresh or lost with a replica is given back."""
 
-    def __init__(self, start: int, steps: int) -> None:
+    def __init__(self, start: int, steps: int, groups: int = 1) -> None:
         self._lock = threading.Lock()
-        self._pending = set(range(start + 1, steps + 1))
+        self._pending = {Unit(i, g, groups) for i in range(start + 1, steps + 1) for g in range(groups)}
+        self.groups = groups
 
-    def claim(self) -> int | None:
-        """The lowest index to make next (now this caller's), or None when nothing is left to make."""
+    def claim(self) -> Unit | None:
+        """The lowest unit to make next (now this caller's), or None when nothing is left to make."""
         with self._lock:
             if not self._pending:
                 return None
-            index = min(self._pending)
-            self._pending.remove(index)
-            return index
+            unit = min(self._pending)
+            self._pending.remove(unit)
+            return unit
 
-    def give_back(self, indices: list[int]) -> None:
+    def give_back(self, units: list[Unit]) -> None:
         with self._lock:
-            self._pending.update(indices)
+            self._pending.update(Unit(u.index, u.group, self.groups) for u in units)
 
     def waiting_below(self, index: int) -> bool:
-        """Whether a batch before ``index`` waits unclaimed (given back): the learner needs it first."""
+        """Whether a unit of a batch before ``index`` waits unclaimed (given back): the learner needs it first."""
         with self._lock:
-            return bool(self._pending) and min(self._pending) < index
+            return bool(self._pending) and min(self._pending).index < index
 
 
 class ReplayBuffer:
-    """Teacher-scored batches keyed by batch index, each tagged with its behaviour version."""
+    """Teacher-scored units keyed by (batch, group), each tagged with its behaviour version; the learner takes a
+    batch once all its ``groups`` units are in."""
 
-    def __init__(self) -> None:
+    def __init__(self, groups: int = 1) -> None:
         self._cond = threading.Condition()
-        self._entries: dict[int, BufferEntry] = {}
+        self._entries: dict[Unit, BufferEntry] = {}
+        self.groups = groups
         self.epoch = 0  # refreshes so far: a worker that sees it change re-syncs its weights
         self.error: BaseException | None = None
         self.stopped = False
 
     def put(self, entry: BufferEntry) -> bool:
-        """Store a finished batch; refused (False) if a refresh happened while it was generated."""
+        """Store a finished unit; refused (False) if a refresh happened while it was generated."""
         with self._cond:
             if entry.epoch != self.epoch:
                 return False
-            self._entries[entry.index] = entry
+            self._entries[entry.unit] = entry
             self._cond.notify_all()
             return True
 
-    def take(self, index: int) -> BufferEntry:
-        """Block until batch ``index`` is ready (re-raising a worker failure)."""
+    def take(self, index: int) -> AssembledBatch:
+        """Block until every unit of batch ``index`` is ready (re-raising a worker failure); its units in group order."""
+        units = [Unit(index, g) for g in range(self.groups)]
         with self._cond:
-            while index not in self._entries:
+            while not all(u in self._entries for u in units):
                 if self.error is not None:
                     raise self.error  # the rollout role's own error (its type and message), raised in the learner
                 if self.stopped:
                     raise PipelineStopped
                 self._cond.wait(timeout=0.5)
-            return self._entries.pop(index)
+            return AssembledBatch(index, [self._entries.pop(u) for u in units])
 
-    def drop_stale(self) -> list[int]:
-        """Refresh: drop every buffered batch that would be trained with lag > 0 (the caller re-queues them, to be
-        regenerated with the newest weights); a batch generated in flight is refused too (new epoch)."""
+    def drop_stale(self) -> list[Unit]:
+        """Refresh: drop every buffered unit that would be trained with lag > 0 (the caller re-queues them, to be
+        regenerated with the newest weights); a unit generated in flight is refused too (new epoch)."""
         with self._cond:
-            stale = sorted(i for i, e in self._entries.items() if (i - 1) - e.version > 0)
-            for i in stale:
-                del self._entries[i]
+            stale = sorted(u for u, e in self._entries.items() if (u.index - 1) - e.version > 0)
+            for u in stale:
+                del self._entries[u]
             self.epoch += 1
             self._cond.notify_all()
             return stale
@@ -262,13 +348,14 @@ class RoleClock:
 
 
 class Rollout(Protocol):
-    """The rollout role: generates and teacher-scores batches with weights fetched from the board."""
+    """The rollout role: generates and teacher-scores units (a batch's prompt groups, or whole batches) with weights
+    fetched from the board; ``make`` may be called from several threads at once, all with the loaded version."""
 
     version: int  # weights currently loaded (-1: none yet)
 
     def load(self, version: int) -> None: ...
 
-    def make(self, index: int) -> tuple[Any, dict[str, float]]: ...
+    def make(self, unit: Unit) -> tuple[Any, dict[str, float]]: ...
 
 
 @dataclass
@@ -283,7 +370,8 @@ class LearnResult:
 class Learner(Protocol):
     """The learner role: trains on batch b at version b − 1 and hands out its weights and state."""
 
-    def train(self, batch: Any, version: int) -> LearnResult: ...
+    def train(self, parts: list[Any], version: int) -> LearnResult:
+        """Train on the batch made of ``parts`` (its units, in group order: ``concat_batches``)."""
 
     def snapshot(self) -> Any: ...
 
@@ -291,8 +379,10 @@ class Learner(Protocol):
 
 
 class RolloutWorker(threading.Thread):
-    """One rollout worker: claims batches from the shared queue and generates and teacher-scores each with the
-    weight version the schedule allows; a batch whose replica was lost (:class:`RolloutLost`) goes back to the queue."""
+    """One rollout worker: claims units from the shared queue and generates and teacher-scores each with the weight
+    version the schedule allows, keeping up to ``inflight`` units in flight at once (all with the loaded weights: a unit
+    that needs other weights waits until those in flight are done) and streaming each into the buffer as it finishes;
+    a unit whose replica was lost (:class:`RolloutLost`) goes back to the queue."""
 
     def __init__(
         self,
@@ -303,12 +393,14 @@ class RolloutWorker(threading.Thread):
         queue: WorkQueue,
         pause: threading.Event,
         number: int = 0,
+        inflight: int = 1,
     ) -> None:
         super().__init__(name=f"rollout-worker-{number}", daemon=True)
         self.schedule, self.rollout, self.board, self.buffer, self.queue = schedule, rollout, board, buffer, queue
-        self.number = number
+        self.number, self.inflight = number, max(inflight, 1)
         self.pause = pause  # cleared while the learner evaluates
         self.clock = RoleClock()
+        self._clock_lock = threading.Lock()
         self.synced_epoch = 0  # the refresh epoch this worker's weights were last synced in
         self.losses = 0  # replica deaths survived
 
@@ -317,50 +409,103 @@ class RolloutWorker(threading.Thread):
         return self.schedule.target_version(index, self.rollout.version, self.board.latest, force_sync)
 
     def run(self) -> None:
+        pool = ThreadPoolExecutor(self.inflight, thread_name_prefix=f"{self.name}-unit")
         try:
-            self._loop()
+            self._loop(pool, {})
         except PipelineStopped:
             pass
         except BaseException as exc:  # surfaced to the learner by the buffer
             self.buffer.fail(exc)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
-    def _loop(self) -> None:
+    def _loop(self, pool: ThreadPoolExecutor, running: dict[Future, Unit]) -> None:
         while not self.buffer.stopped:
-            self.pause.wait()  # evaluation pauses are not idle time
-            epoch = self.buffer.epoch  # read before claiming: a refresh after this refuses the batch
-            index = self.queue.claim()
-            if index is None:
-                time.sleep(0.01)
+            self._collect(running, wait=len(running) >= self.inflight)
+            self.pause.wait()  # evaluation pauses are not idle time (units in flight finish meanwhile)
+            epoch = self.buffer.epoch  # read before claiming: a refresh after this refuses the unit
+            unit = self.queue.claim()
+            if unit is None:
+                self._collect(running, wait=bool(running), timeout=0.01) if running else time.sleep(0.01)
                 continue
             try:
-                made = self._make(index, epoch)
-            except RolloutLost:
-                self.losses += 1
-                if self.losses > MAX_ROLLOUT_LOSSES:
-                    raise
-                made = False
-            if not made:
-                self.queue.give_back([index])
+                version = self._admit(unit, epoch, running)
+            except RolloutLost:  # the replica died while loading weights
+                self._lost(running)
+                version = None
+            if version is None:
+                self.queue.give_back([unit])
+                continue
+            running[pool.submit(self._make, unit, version, epoch)] = unit
 
-    def _make(self, index: int, epoch: int) -> bool:
-        """Make batch ``index`` in refresh epoch ``epoch``; False if it must be made again (a refresh came first)."""
+    def _admit(self, unit: Unit, epoch: int, running: dict[Future, Unit]) -> int | None:
+        """The weights ``unit`` is made with, loaded (after the units in flight, when they differ); None if it must wait
+        in the queue (a refresh came first, or an earlier batch's unit was given back: the learner needs that one)."""
         fixed = self.schedule.fixed_lag is not None
         force_sync = epoch != self.synced_epoch
         waited = time.perf_counter()
-        wanted = self.target_version(index, force_sync)
-        latest = self.board.wait_for(wanted, cancelled=lambda: self.buffer.epoch != epoch or self.queue.waiting_below(index))
-        self.clock.add("wait", time.perf_counter() - waited)
+        wanted = self.target_version(unit.index, force_sync)
+        current = self.rollout.version
+        if running and not fixed and not force_sync and wanted != current and self.schedule.allows(unit.index, current):
+            wanted = current  # a sync that is only due (sync_every) waits until no unit is in flight: a straggler must not stall the worker
+        latest = self.board.wait_for(wanted, cancelled=lambda: self.buffer.epoch != epoch or self.queue.waiting_below(unit.index))
         if latest is None:
-            return False  # a refresh, or an earlier batch given back, while waiting: the learner needs that one first
+            self._add("wait", time.perf_counter() - waited)
+            return None
         if not fixed and wanted != self.rollout.version:
             wanted = latest  # syncing anyway: take the newest weights
         if self.rollout.version != wanted:
+            self._collect(running, wait=True, every=True)  # one engine holds one version: what is in flight finishes first
             self.rollout.load(wanted)
+        self._add("wait", time.perf_counter() - waited)
         self.synced_epoch = epoch
-        batch, metrics = self.rollout.make(index)
+        return wanted
+
+    def _make(self, unit: Unit, version: int, epoch: int) -> bool:
+        """Make ``unit`` with the loaded weights ``version`` and stream it into the buffer; False if it must be made
+        again (a refresh came first)."""
+        batch, metrics = self.rollout.make(unit)
+        rows = int(metrics.get("rows", 0))  # kept in the metrics too: a batch's grading-error share is over its rows
         for key in ("generate", "teacher", "reward"):
-            self.clock.add(key, metrics.get(f"time_{key}_s", 0.0))
-        return self.buffer.put(BufferEntry(index, wanted, epoch, batch, metrics, self.number))
+            self._add(key, metrics.get(f"time_{key}_s", 0.0))
+        return self.buffer.put(BufferEntry(unit.index, version, epoch, batch, metrics, self.number, unit.group, rows))
+
+    def _collect(self, running: dict[Future, Unit], wait: bool, every: bool = False, timeout: float | None = None) -> None:
+        """Handle finished units (all of them with ``every``, at least one with ``wait``): refused ones go back to the
+        queue, a lost replica's go back too (:meth:`_lost`), any other error is raised."""
+        if not running:
+            return
+        if wait:
+            futures.wait(list(running), timeout=timeout, return_when=futures.ALL_COMPLETED if every else futures.FIRST_COMPLETED)
+        lost = False
+        for future in [f for f in running if f.done()]:
+            unit = running.pop(future)
+            try:
+                made = future.result()
+            except RolloutLost:
+                made, lost = False, True
+            if not made:
+                self.queue.give_back([unit])
+        if lost:
+            self._lost(running)
+
+    def _lost(self, running: dict[Future, Unit]) -> None:
+        """The replica died: the units in flight with it come back too (re-queued), and the death counts once."""
+        for future in futures.as_completed(list(running)):
+            unit = running.pop(future)
+            try:
+                if future.result():
+                    continue
+            except RolloutLost:
+                pass
+            self.queue.give_back([unit])
+        self.losses += 1
+        if self.losses > MAX_ROLLOUT_LOSSES:
+            raise RolloutLost(f"rollout worker {self.number} lost its replica {self.losses} times")
+
+    def _add(self, stage: str, seconds: float) -> None:
+        with self._clock_lock:
+            self.clock.add(stage, seconds)
 
 
 def worker_accounts(workers: list[RolloutWorker], samples: Counter) -> list[dict]:
@@ -380,6 +525,14 @@ def pooled_clock(workers: list[RolloutWorker]) -> RoleClock:
     for worker in workers:
         pooled.seconds.update(worker.clock.seconds)
     return pooled
+
+
+def check_grade_errors(plan, metrics: dict[str, float], step: int) -> None:
+    """Stop the run when batch ``step``'s share of grading errors exceeds ``trainer.max_grade_error_rate`` (checked on
+    the whole batch, not on each of its units)."""
+    if "grade_errors" in metrics:
+        errors, rows = int(metrics["grade_errors"]), int(metrics.get("rows", 0))
+        enforce_grade_error_rate(errors, rows, plan.config.trainer.max_grade_error_rate, step, plan.task.name)
 
 
 def resumed_counters(session: Session) -> dict:
@@ -403,12 +556,14 @@ def drive(
     """The learner loop of every executor: take batch b, train, publish version b, refresh, record, checkpoint
     (with ``placement``, the node of each role an executor reports, in every checkpoint's metrics). Each of
     ``rollouts`` gets its own worker thread; they share one work queue."""
-    buffer, pause = ReplayBuffer(), threading.Event()
+    groups = batch_units(plan, len(session.train_problems))
+    buffer, pause = ReplayBuffer(groups), threading.Event()
     schedule = dataclasses.replace(schedule, floor=session.state.step)
     board.publish_snapshot(session.state.step, learner.snapshot())
     pause.set()
-    queue = WorkQueue(session.state.step, schedule.steps)
-    workers = [RolloutWorker(schedule, rollout, board, buffer, queue, pause, number) for number, rollout in enumerate(rollouts)]
+    queue = WorkQueue(session.state.step, schedule.steps, groups)
+    workers = [RolloutWorker(schedule, rollout, board, buffer, queue, pause, number, inflight=groups)
+               for number, rollout in enumerate(rollouts)]  # fmt: skip
     clock = RoleClock()
     carried = resumed_counters(session)
     staleness: Counter = Counter({int(k): v for k, v in carried.get("staleness_hist", {}).items()})
@@ -435,23 +590,27 @@ def drive(
             waited = time.perf_counter()
             entry = buffer.take(step)
             clock.add("wait", time.perf_counter() - waited)
-            result = learner.train(entry.batch, step - 1)
-            metrics = {**entry.metrics, **result.metrics}
+            rollout_metrics = entry.metrics
+            check_grade_errors(plan, rollout_metrics, step)
+            result = learner.train(entry.parts, step - 1)
+            metrics = {**rollout_metrics, **result.metrics}
+            metrics.pop("rows", None)
             clock.add("train", metrics["time_train_s"])
             board.publish_snapshot(step, learner.snapshot())
             staleness.update(result.lags)
-            made[entry.worker] += int(result.lengths.numel())
+            for unit in entry.entries:
+                made[unit.worker] += unit.rows
             if metrics.get("refresh_signal", 0.0) > 0 and schedule.fixed_lag is None:  # the lag study keeps its lag
                 refreshes += 1
                 stale = buffer.drop_stale()
                 queue.give_back(stale)
-                dropped += len(stale)
+                dropped += len({unit.index for unit in stale})
             now = time.perf_counter()
             add_rates(metrics, result.lengths, now - last_end)
             rollout_clock = pooled_clock(workers)
             metrics.update(behaviour_version=float(entry.version), buffer_size=float(len(buffer)), refreshes=float(refreshes),
                            dropped_batches=float(dropped), idle_ratio_rollout=rollout_clock.idle_ratio(),
-                           idle_ratio_learner=clock.idle_ratio(), rollout_worker=float(entry.worker))  # fmt: skip
+                           idle_ratio_learner=clock.idle_ratio(), rollout_worker=float(entry.entries[0].worker))  # fmt: skip
             pause.clear()  # the workers finish their current batches, then wait while we checkpoint/evaluate
             checkpoint_metrics = {
                 "staleness_hist": {str(k): v for k, v in sorted(staleness.items())},  # over all rollout workers

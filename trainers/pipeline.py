@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,19 +47,21 @@ def sample_problems(cfg, train_problems: list, step: int) -> list:
 
 
 def make_batch(
-    plan, student: Backend, teacher: Backend, problems: list, step: int, metrics: dict, scorer: HFBackend | None = None
+    plan, student: Backend, teacher: Backend, problems: list, step: int, metrics: dict, scorer: HFBackend | None = None,
+    *, check_errors: bool = True,
 ) -> tuple[TensorBatch, list[Trajectory]]:
     """Roll out (or take references), grade when the method needs rewards, and score with the teacher."""
-    batch, trajectories = generate_batch(plan, student, problems, step, metrics, scorer)
+    batch, trajectories = generate_batch(plan, student, problems, step, metrics, scorer, check_errors=check_errors)
     teacher_phase(plan, teacher, batch, metrics, step=step)
     return batch, trajectories
 
 
 def generate_batch(
-    plan, student: Backend, problems: list, step: int, metrics: dict, scorer: HFBackend | None = None
+    plan, student: Backend, problems: list, step: int, metrics: dict, scorer: HFBackend | None = None, *, check_errors: bool = True
 ) -> tuple[TensorBatch, list[Trajectory]]:
     """The rollout role's half of :func:`make_batch`: sample (or take references), grade, and (when the
-    method reads π_old) score the sampled tokens under the behaviour weights; no teacher.
+    method reads π_old) score the sampled tokens under the behaviour weights; no teacher. ``metrics["rows"]`` counts
+    the samples; without ``check_errors`` the grading-error share is left to the caller (the loop checks whole batches).
 
     π_old is scored by ``scorer`` (:func:`open_behaviour_scorer`: the trainer's model holding the behaviour
     weights) when there is one, else by the engine ``student`` itself.
@@ -86,8 +89,9 @@ def generate_batch(
             errors = grade_error_count([s.status for s in scores])
             graded = [s.value for s in scores if s.status != "error"]
             metrics.update(grade_errors=float(errors), reward_mean=sum(graded) / len(graded) if graded else float("nan"))
-            enforce_grade_error_rate(errors, len(scores), cfg.trainer.max_grade_error_rate, step, task.name)
-    metrics.update(episode_step_metrics(task, trajectories))
+            if check_errors:
+                enforce_grade_error_rate(errors, len(scores), cfg.trainer.max_grade_error_rate, step, task.name)
+    metrics.update(episode_step_metrics(task, trajectories), rows=float(len(trajectories)))
     batch = to_tensor_batch(trajectories, student.pad_id)
     if "old_logprobs" in needs and method.on_policy:
         if scorer is not None and scorer.version != student.version:
@@ -175,7 +179,30 @@ def open_rollout_backend(plan, student_path: str, *, model: torch.nn.Module | No
         options.setdefault("batch_size", cfg.generate_batch_size)
     backend = cls(model, tokenizer, **options) if (model is not None and cls is HFBackend) else cls.load(student_path, **options)
     backend.version = -1
+    if cfg.rollout_backend not in CONCURRENT_ENGINES:
+        serialize_calls(backend)
     return backend
+
+
+CONCURRENT_ENGINES = frozenset({"hf", "openai"})  # engines whose generate/score may be called from several threads at once
+
+
+def serialize_calls(backend: Backend) -> None:
+    """Make ``backend``'s generate and score take turns (one lock): a worker streaming prompt groups calls its engine from
+    several threads, and an engine such as vLLM's offline ``LLM`` is not safe for that (environment steps still overlap)."""
+    lock = threading.Lock()
+    for name in ("generate", "score"):
+        call = getattr(backend, name, None)
+        if call is not None:
+            setattr(backend, name, _locked(call, lock))
+
+
+def _locked(call: Callable, lock: threading.Lock) -> Callable:
+    def locked(*args, **kwargs):
+        with lock:
+            return call(*args, **kwargs)
+
+    return locked
 
 
 def close_rollout_backend(backend: Backend | None) -> None:

@@ -4,8 +4,9 @@ Rollout actors (``trainer.layout.rollout.replicas`` of them, one per bundle of t
 group, each its own copy of the student behind its own engine) generate and grade batch b with the
 weights of version r, every actor fed every version it needs (an object ref to the learner's snapshot; an
 hf engine loads it directly, vLLM writes it to its own safetensors folder and reloads from there, as in
-process); a driver thread per actor takes batches
-from one shared queue; a teacher actor scores them; a learner actor (student, optimizer,
+process); a driver thread per actor takes units (whole batches, or prompt groups with
+``trainer.rollout_unit=group``, then several in flight per actor: a threaded actor) from one shared queue;
+a teacher actor scores them; a learner actor (student, optimizer,
 method state; learning rates from the driver's schedule), or W data-parallel learner ranks
 (``trainer.layout.learner.replicas``, :mod:`trainers.distributed`), trains on it and returns each version's
 weights as an object in the object store. The driver runs the very loop of the in-process
@@ -22,7 +23,7 @@ Results match the in-process executor for the same seed: sampling for batch b de
 so are the losses, with any number of rollout actors.
 
 Faults: a rollout actor that dies (its process killed) is restarted by Ray (``ROLLOUT_RESTARTS``); the
-driver re-queues the batch it had in flight and reloads its weights, so no step is lost or trained
+driver re-queues the units it had in flight (only those) and reloads its weights, so no step is lost or trained
 twice. Teacher actors (``trainer.layout.teacher.replicas``) sit behind one chooser (:class:`TeacherActors`):
 each batch goes to the replica with the fewest batches in flight, and one that dies is restarted by Ray
 while its batch is scored by another. An error raised inside an actor (e.g. ``TeacherFailed``) reaches the driver as itself, not
@@ -46,11 +47,11 @@ from rich.console import Console
 
 from harness.backends.hf import HFBackend
 from harness.errors import TrainingAborted
-from harness.trajectory import TensorBatch
+from harness.trajectory import TensorBatch, concat_batches
 from harness.task import close_tasks
 from harness.config import LAYOUT_ROLES, ConfigError, Layout, RoleLayout
 from trainers.distributed import Shard, backend_for, data_parallel, join_group, rendezvous_port
-from trainers.loop import MAX_ROLLOUT_LOSSES, LearnResult, Roles, RolloutLost, WeightBoard, state_snapshot
+from trainers.loop import MAX_ROLLOUT_LOSSES, LearnResult, Roles, RolloutLost, Unit, WeightBoard, batch_units, state_snapshot, unit_problems
 from trainers.pipeline import (
     Session,
     close_rollout_backend,
@@ -258,14 +259,15 @@ class RolloutActor(ActorRole):
     def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
         load_rollout_weights(self.backend, self.scorer, weights, version)
 
-    def generate(self, index: int, version: int) -> tuple[TensorBatch, dict[str, float]]:
-        """Batch ``index`` from the loaded weights, which must be ``version`` (:class:`RolloutLost` if this actor was
-        restarted since they were loaded); sampling is seeded by (seed, index) only."""
+    def generate(self, unit: Unit, version: int) -> tuple[TensorBatch, dict[str, float]]:
+        """Unit ``unit`` (its share of batch ``unit.index``'s prompts) from the loaded weights, which must be ``version``
+        (:class:`RolloutLost` if this actor was restarted since they were loaded); each episode's sampling is seeded by
+        (seed, batch, problem, sample) only, so a unit's samples do not depend on the other units or the actor."""
         if self.backend.version != version:
             raise RolloutLost(f"rollout actor holds weights version {self.backend.version}, not {version} (restarted)")
         metrics: dict[str, float] = {}
-        problems = sample_problems(self.plan.config, self.train_problems, index)
-        batch, _ = generate_batch(self.plan, self.backend, problems, index, metrics, self.scorer)
+        problems = unit_problems(sample_problems(self.plan.config, self.train_problems, unit.index), unit)
+        batch, _ = generate_batch(self.plan, self.backend, problems, unit.index, metrics, self.scorer, check_errors=False)
         return batch, metrics
 
 
@@ -317,8 +319,10 @@ class LearnerActor(ActorRole):
     def pid(self) -> int:
         return os.getpid()
 
-    def train(self, batch: TensorBatch, version: int, lrs: list[float]) -> LearnResult:
-        """Train at learner version ``version`` with the learning rates of the driver's schedule (its ``Session`` steps it)."""
+    def train(self, version: int, lrs: list[float], *parts: TensorBatch) -> LearnResult:
+        """Train at learner version ``version`` with the learning rates of the driver's schedule (its ``Session`` steps it),
+        on the batch made of ``parts`` (its units in group order; Ray resolves each ref)."""
+        batch = concat_batches(list(parts))
         if self.shard is not None and batch.shape[0] < self.shard.world:
             raise ValueError(f"a batch of {batch.shape[0]} samples cannot be split over trainer.layout.learner.replicas="
                              f"{self.shard.world} ranks (each needs at least one)")  # fmt: skip
@@ -358,21 +362,26 @@ class RayRollout:
         self.version = -1
 
     def load(self, version: int) -> None:
-        self.actor.load_weights.remote(self.board.get(version), version)  # runs before the next generate (actor order)
+        """Load ``version`` and wait for it: the actor runs several units at once, so a later call is not ordered after it."""
+        self._get(self.actor.load_weights.remote(self.board.get(version), version), f"loading weights {version}")
         self.version = version
 
-    def make(self, index: int) -> tuple[Any, dict[str, float]]:
-        batch, metrics = self.actor.generate.options(num_returns=2).remote(index, self.version)
+    def make(self, unit: Unit) -> tuple[Any, dict[str, float]]:
+        batch, metrics = self.actor.generate.options(num_returns=2).remote(unit, self.version)
+        metrics = self._get(metrics, f"batch {unit.index}" + (f" (group {unit.group})" if unit.groups > 1 else ""))
+        return self.teacher.score(batch, metrics, unit.index) if self.score else (batch, metrics)
+
+    def _get(self, ref: Any, what: str) -> Any:
+        """The result of a call to the actor; :class:`RolloutLost` (weights to reload) if it was restarted or died."""
         try:
-            metrics = ray_get(self.ray, metrics)
+            return ray_get(self.ray, ref)
         except RolloutLost:
-            self.version = -1  # restarted before this batch: it holds the initial weights, reload before the next one
+            self.version = -1  # restarted before this call: it holds the initial weights, reload before the next one
             raise
         except self.ray.exceptions.RayActorError as exc:
-            self.version = -1  # died with the batch in flight; once restarted it needs weights again
-            await_restart(self.ray, self.actor, f"a rollout actor died with batch {index}", ROLLOUT_RESTARTS)
-            raise RolloutLost(f"rollout actor lost with batch {index} in flight: {type(exc).__name__}") from exc
-        return self.teacher.score(batch, metrics, index) if self.score else (batch, metrics)
+            self.version = -1  # died with the call in flight; once restarted it needs weights again
+            await_restart(self.ray, self.actor, f"a rollout actor died with {what}", ROLLOUT_RESTARTS)
+            raise RolloutLost(f"rollout actor lost with {what} in flight: {type(exc).__name__}") from exc
 
 
 def await_restart(ray: ModuleType, actor: Any, what: str, restarts: int) -> None:
@@ -445,9 +454,9 @@ class RayLearner:
     def actor(self) -> Any:
         return self.ranks[0]
 
-    def train(self, batch: Any, version: int) -> LearnResult:
+    def train(self, parts: list[Any], version: int) -> LearnResult:
         lrs = [group["lr"] for group in self.session.optimizer.param_groups]  # set by the session's scheduler
-        return self._get([rank.train.remote(batch, version, lrs) for rank in self.ranks], f"step {version + 1}")[0]
+        return self._get([rank.train.remote(version, lrs, *parts) for rank in self.ranks], f"step {version + 1}")[0]
 
     def form_group(self) -> tuple[str, str]:
         """The ranks join one process group at rank 0's node address and a free port there; (backend, address:port)."""
@@ -531,12 +540,13 @@ def start_actors(
     layout, groups = plan.config.trainer.layout, groups or {}
     student, teacher = session.student, session.teacher
 
-    def remote(cls: type, role: str, bundle: int = 0, **options: Any) -> Any:  # one call at a time, in order
-        return ray.remote(cls).options(max_concurrency=1, **options, **placement_options(layout, groups, role, bundle))
+    def remote(cls: type, role: str, bundle: int = 0, concurrency: int = 1, **options: Any) -> Any:  # one call at a time, in order
+        return ray.remote(cls).options(max_concurrency=concurrency, **options, **placement_options(layout, groups, role, bundle))
 
     shipped_student, problems = ray.put(student.model), ray.put(session.train_problems)
+    units = batch_units(plan, len(session.train_problems))  # a worker's units in flight, plus one for ready/pid/close
     rollouts = [
-        remote(RolloutActor, "rollout", i, max_restarts=ROLLOUT_RESTARTS).remote(
+        remote(RolloutActor, "rollout", i, concurrency=units + 1 if units > 1 else 1, max_restarts=ROLLOUT_RESTARTS).remote(
             config, shipped_student, student.tokenizer, session.student_path, problems, threads
         )
         for i in range(replicas_of(plan, "rollout"))
