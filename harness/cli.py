@@ -18,7 +18,7 @@ import yaml
 from rich.console import Console
 from rich.markup import escape
 
-from harness.config import ConfigError, RunConfig, build_config, deep_merge, parse_override
+from harness.config import PRESET_NOTES, ConfigError, RunConfig, build_config, deep_merge, parse_override
 from harness.errors import TrainingAborted
 from harness.jsonout import to_json
 from harness.registry import METHODS, TASKS, RegistryError
@@ -217,6 +217,8 @@ def run(
             store = Store(out)
             run_id = create_train_run(store, plan.config, plan)
         console.print(f"run [bold]{run_id}[/] → {store.path}")
+        if preset in PRESET_NOTES and not resume:
+            console.print(f"{preset}: {PRESET_NOTES[preset].format(models=out / 'cache' / 'models')}", highlight=False)
         execute_run(plan, store, run_id, resume=bool(resume), console=console)
     except ConfigError as exc:  # RunLocked, or a tracker of trainer.loggers that cannot start
         raise _fail(str(exc)) from None
@@ -294,6 +296,13 @@ def stored_summary(store, run_id: str, task: str) -> dict:
     return {**row["metrics"], **columns, "grader": f"{row['grader']}/{row['grader_version']}"}
 
 
+def eval_shards(problems: list, k: int, shard_size: int | None) -> int:
+    """How many shards ``harness eval`` rolls a task out in (its progress counts them)."""
+    from harness.evaluation import shard_problems
+
+    return len(shard_problems(problems, k, shard_size))
+
+
 @app.command("eval", epilog="Example: harness eval --model results/runs/RUN/checkpoints/step-000500 --task arith --k 4 --json")
 @_closes_tasks
 def eval_(
@@ -344,6 +353,7 @@ def eval_(
 
     from harness.backends import SamplingParams
     from harness.evaluation import EvalWorkersFailed, EvalWorkerSpec, LocalShards, ShardStage, describe_episodes, evaluate_task, store_eval
+    from harness.progress import progress
     from harness.leaderboard import leaderboard_rows, render_table
     from harness.plan import load_problems, make_task
     from harness.registry import BACKENDS, EVAL_EXECUTORS
@@ -438,8 +448,9 @@ def eval_(
                     summaries[t.name] = stored_summary(store, run_id, t.name)
                     continue
                 sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=t.options.max_new_tokens, seed=seed)
-                result = evaluate_task(None, t, problems_of[t.name], k=k or t.options.k, sampling=sampling, shard_size=shard_size,
-                                       runner=runner, stage=stage)  # fmt: skip
+                with progress(desc=f"eval {t.name} shards", total=eval_shards(problems_of[t.name], k or t.options.k, shard_size)) as bar:
+                    result = evaluate_task(None, t, problems_of[t.name], k=k or t.options.k, sampling=sampling, shard_size=shard_size,
+                                           runner=runner, stage=stage, on_shard=lambda done, _: bar.update(done - bar.n))  # fmt: skip
                 store_eval(store, run_id, 0, result)
                 stage.clear(t.name)
                 summaries[t.name] = {**result.summary, "grader": "/".join(result.grader), "shards": result.shards,

@@ -340,6 +340,10 @@ class RunConfig(Strict):
 
 
 PRESETS = ("smoke", "cpu-demo", "tool-demo")
+PRESET_NOTES = {  # what `harness run --preset NAME` says before it starts ({models}: where warmed-up models are cached)
+    "cpu-demo": "takes about 6 minutes on 2 CPU cores, the teacher's and student's SFT warm-ups included; both are cached "
+    "under {models}, so the next run loads them and skips the warm-ups",
+}
 
 
 def load_preset(name: str) -> dict:
