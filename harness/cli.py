@@ -18,13 +18,18 @@ import yaml
 from rich.console import Console
 from rich.markup import escape
 
-from harness.config import ConfigError, RunConfig, build_config, deep_merge, parse_override
+from harness.config import PRESET_NOTES, ConfigError, RunConfig, build_config, deep_merge, parse_override
 from harness.errors import TrainingAborted
 from harness.jsonout import to_json
 from harness.registry import METHODS, TASKS, RegistryError
 from harness.task import Task, TaskNotReady, close_tasks
 
-app = typer.Typer(help="Benchmark harness for on-policy distillation of language models.", no_args_is_help=True, add_completion=False)
+app = typer.Typer(
+    help="Benchmark harness for on-policy distillation of language models.",
+    epilog="Example: harness run --preset cpu-demo (then: harness leaderboard)",
+    no_args_is_help=True,
+    add_completion=False,
+)
 console = Console(stderr=True) if sys.stderr.isatty() else Console(stderr=True, width=160)
 stdout = Console() if sys.stdout.isatty() else Console(width=160)  # pipes get full-width tables
 
@@ -149,7 +154,7 @@ def tasks_with_data_dir(tasks: list, data_dir: Path | None) -> None:
             task.options = task.options.model_copy(update={"data_dir": str(data_dir)})
 
 
-@app.command()
+@app.command(epilog="Example: harness run --method opd --task arith --preset smoke --out results")
 @_closes_tasks
 def run(
     method: Annotated[str | None, typer.Option(help="training method (see `harness methods`)")] = None,
@@ -212,6 +217,8 @@ def run(
             store = Store(out)
             run_id = create_train_run(store, plan.config, plan)
         console.print(f"run [bold]{run_id}[/] → {store.path}")
+        if preset in PRESET_NOTES and not resume:
+            console.print(f"{preset}: {PRESET_NOTES[preset].format(models=out / 'cache' / 'models')}", highlight=False)
         execute_run(plan, store, run_id, resume=bool(resume), console=console)
     except ConfigError as exc:  # RunLocked, or a tracker of trainer.loggers that cannot start
         raise _fail(str(exc)) from None
@@ -289,7 +296,14 @@ def stored_summary(store, run_id: str, task: str) -> dict:
     return {**row["metrics"], **columns, "grader": f"{row['grader']}/{row['grader_version']}"}
 
 
-@app.command("eval")
+def eval_shards(problems: list, k: int, shard_size: int | None) -> int:
+    """How many shards ``harness eval`` rolls a task out in (its progress counts them)."""
+    from harness.evaluation import shard_problems
+
+    return len(shard_problems(problems, k, shard_size))
+
+
+@app.command("eval", epilog="Example: harness eval --model results/runs/RUN/checkpoints/step-000500 --task arith --k 4 --json")
 @_closes_tasks
 def eval_(
     model: Annotated[str, typer.Option(help="local model directory (or hub id) to evaluate")],
@@ -339,6 +353,7 @@ def eval_(
 
     from harness.backends import SamplingParams
     from harness.evaluation import EvalWorkersFailed, EvalWorkerSpec, LocalShards, ShardStage, describe_episodes, evaluate_task, store_eval
+    from harness.progress import progress
     from harness.leaderboard import leaderboard_rows, render_table
     from harness.plan import load_problems, make_task
     from harness.registry import BACKENDS, EVAL_EXECUTORS
@@ -433,8 +448,9 @@ def eval_(
                     summaries[t.name] = stored_summary(store, run_id, t.name)
                     continue
                 sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=t.options.max_new_tokens, seed=seed)
-                result = evaluate_task(None, t, problems_of[t.name], k=k or t.options.k, sampling=sampling, shard_size=shard_size,
-                                       runner=runner, stage=stage)  # fmt: skip
+                with progress(desc=f"eval {t.name} shards", total=eval_shards(problems_of[t.name], k or t.options.k, shard_size)) as bar:
+                    result = evaluate_task(None, t, problems_of[t.name], k=k or t.options.k, sampling=sampling, shard_size=shard_size,
+                                           runner=runner, stage=stage, on_shard=lambda done, _: bar.update(done - bar.n))  # fmt: skip
                 store_eval(store, run_id, 0, result)
                 stage.clear(t.name)
                 summaries[t.name] = {**result.summary, "grader": "/".join(result.grader), "shards": result.shards,
@@ -472,7 +488,7 @@ def eval_(
         raise _fail(f"grading error rate above --max-error-rate {max_error_rate:.1%}: {rates} (see the samples table for details)", 1)
 
 
-@app.command("serve")
+@app.command("serve", epilog="Example: harness serve --model results/runs/RUN/checkpoints/step-000500 --port 8000")
 def serve_(
     model: Annotated[str, typer.Option(help="local model directory (or hub id) to serve")],
     host: Annotated[str, typer.Option(help="interface to bind")] = "127.0.0.1",
@@ -508,7 +524,7 @@ def serve_(
         raise _fail(str(exc)) from None
 
 
-@app.command()
+@app.command(epilog="Example: harness tasks --json")
 def tasks(json_: Annotated[bool, typer.Option("--json", help="machine-readable list")] = False) -> None:
     """List registered tasks."""
     described = [cls.describe() for _, cls in TASKS.items()]
@@ -518,10 +534,11 @@ def tasks(json_: Annotated[bool, typer.Option("--json", help="machine-readable l
     for d in described:
         stdout.print(f"[bold]{d['name']}[/]  {plain_text(d['description'])}  (sandbox: {'yes' if d['needs_sandbox'] else 'no'})")
     for prefix in TASKS.prefixes():
-        stdout.print(f"[bold]{prefix}:<name>[/]  a family of tasks: {plain_text(TASKS.prefix_description(prefix))}")
+        what, naming = TASKS.prefix_description(prefix)
+        stdout.print(f"[bold]{prefix}:<name>[/]  a family of tasks: {plain_text(what)}" + (f"\n    {plain_text(naming)}" if naming else ""))
 
 
-@app.command()
+@app.command(epilog="Example: harness methods --json")
 def methods(json_: Annotated[bool, typer.Option("--json", help="machine-readable list")] = False) -> None:
     """List registered training methods with their hyper-parameters and declared inputs."""
     described = [spec.describe() for _, spec in METHODS.items()]
@@ -533,12 +550,13 @@ def methods(json_: Annotated[bool, typer.Option("--json", help="machine-readable
         stdout.print(f"[bold]{d['name']}[/]  {description}\n    needs: {', '.join(d['inputs'])}; defaults: {d['defaults']}")
 
 
-@app.command()
+@app.command(epilog="Example: harness leaderboard results --format html --out board.html")
 def leaderboard(
     directories: Annotated[
         list[Path] | None, typer.Argument(help="results roots holding results.sqlite (several merge into one board; default: results)")
     ] = None,
     format_: Annotated[str, typer.Option("--format", help="table, md, csv, json, or html (one self-contained page with plots)")] = "table",
+    json_: Annotated[bool, typer.Option("--json", help="print the rows as JSON to stdout (--format json)")] = False,
     run: Annotated[list[str] | None, typer.Option(help="only these run ids (repeatable; not for html)")] = None,
     out: Annotated[Path | None, typer.Option(help="write to this file instead of stdout")] = None,
     baseline_method: Annotated[str, typer.Option(help="html: the sync method relative throughput is normalised to")] = "opd",
@@ -550,6 +568,10 @@ def leaderboard(
 
     roots = directories or [Path("results")]
     renderers = {"md": render_markdown, "csv": render_csv, "json": render_json}
+    if json_:
+        if format_ not in ("table", "json"):
+            raise _fail(f"--json and --format {format_}: give one of them")
+        format_ = "json"
     if format_ not in {"table", "html", *renderers}:
         raise _fail(f"--format {format_!r}: choose one of table, md, csv, json, html")
     for root in roots:
@@ -581,8 +603,12 @@ def leaderboard(
         sys.stdout.write(renderers[format_](rows))
 
 
-@app.command()
+@app.command(
+    epilog="Example: harness gate --baseline RUN:0 --candidate RUN --task arith --json > gate.json",
+    context_settings={"allow_extra_args": True},
+)  # extra arguments: the old ``--json FILE`` form, refused by name
 def gate(
+    ctx: typer.Context,
     baseline: Annotated[
         str, typer.Option(help="the accepted checkpoint: RUN or RUN:STEP (default step: the run's last evaluated one), or a model path")
     ],
@@ -604,9 +630,8 @@ def gate(
     n_resamples: Annotated[int, typer.Option(min=100, help="paired bootstrap resamples")] = 10_000,
     bootstrap_seed: Annotated[int, typer.Option(min=0, help="bootstrap seed")] = 0,
     json_: Annotated[
-        str | None,
-        typer.Option("--json", help="write the JSON report to this file ('-' = stdout; the verdict paragraph then goes to stderr)"),
-    ] = None,
+        bool, typer.Option("--json", help="print the JSON report to stdout instead of the verdict paragraph (which goes to stderr)")
+    ] = False,
     k: Annotated[int | None, typer.Option(min=1, help="model paths: samples per problem (default: the task's k)")] = None,
     limit: Annotated[int | None, typer.Option(min=1, help="model paths: first N problems only")] = None,
     temperature: Annotated[float, typer.Option(min=0, help="model paths: sampling temperature")] = 1.0,
@@ -633,6 +658,13 @@ def gate(
     from harness.gate import gate as run_gate
     from harness.store import Store
 
+    if ctx.args:
+        raise _fail(
+            f"unexpected argument {ctx.args[0]!r}: --json is a flag printing the report to stdout, as in every command "
+            "(to keep it in a file: harness gate ... --json > gate.json)"
+            if json_
+            else f"unexpected argument {ctx.args[0]!r} (gate takes options only; see harness gate --help)"
+        )
     _quiet_libraries()
     tasks = [t.strip() for t in task.split(",") if t.strip()] if task else None
     paths = [ref for ref in (baseline, candidate) if Path(ref).exists()]
@@ -681,17 +713,15 @@ def gate(
             report.viewer = str(gate_page(store, report, html_))
             report.notes.append(f"comparison page (flipped problems, both transcripts side by side): {report.viewer}")
     paragraph = verdict_paragraph(report)
-    if json_ == "-":
+    if json_:
         print(to_json(report.to_dict()))
         print(paragraph, file=sys.stderr)
     else:
-        if json_:
-            Path(json_).write_text(to_json(report.to_dict()) + "\n")
         print(paragraph)
     raise typer.Exit(report.exit_code)
 
 
-@app.command()
+@app.command(epilog="Example: harness view opd-arith-20261129-101500-ab12:0 --against opd-arith-20261129-101500-ab12:500 --html view.html")
 def view(
     run: Annotated[str, typer.Argument(help="the run to show: RUN (every evaluated step) or RUN:STEP")],
     html_: Annotated[Path, typer.Option("--html", help="write the transcript page to this file")],
@@ -704,8 +734,6 @@ def view(
     """Write one self-contained page with every stored episode of RUN: prompt, turns, observations, outcome, grade, reason.
 
     Filter by grade, task and evaluation, search, and compare two evaluations on the same problems (flips, side by side).
-
-    Example: harness view opd-arith-20261129-101500-ab12:0 --against opd-arith-20261129-101500-ab12:500 --html view.html
     """
     from harness.gate import GateUsageError, split_ref
     from harness.store import Store
@@ -740,7 +768,7 @@ def view(
     console.print(f"transcripts of {len(payload['samples'])} samples → {path}")
 
 
-@app.command()
+@app.command(epilog="Example: harness sweep benchmarks/f_opd_cpu_study.yaml --out results --dry-run")
 def sweep(
     file: Annotated[Path, typer.Argument(help="sweep YAML: base (preset/config/set) and grid (dotted key -> list of values)")],
     out: Annotated[Path, typer.Option(help="results root")] = Path("results"),
@@ -768,11 +796,12 @@ def sweep(
         raise _fail(f"{len(result.failed)} run(s) failed: {', '.join(result.failed)}; re-run the sweep to resume them", 1)
 
 
-@app.command()
+@app.command(epilog="Example: harness report f-opd-cpu-study --out results --format md")
 def report(
     sweep_id: Annotated[str, typer.Argument(help="sweep id (the sweep file's `id`, default its stem)")],
     out: Annotated[Path, typer.Option(help="results root")] = Path("results"),
     format_: Annotated[str, typer.Option("--format", help="md or json")] = "md",
+    json_: Annotated[bool, typer.Option("--json", help="print the report as JSON to stdout (--format json)")] = False,
     task: Annotated[str | None, typer.Option(help="evaluation task (default: the training task)")] = None,
     collapse_threshold: Annotated[float, typer.Option(help="a run collapsed when final Avg@k < this x its peak Avg@k")] = 0.5,
     baseline_method: Annotated[str, typer.Option(help="sync method for relative throughput when a row has no sync run of its own")] = "opd",
@@ -781,6 +810,10 @@ def report(
     from harness.report import render_json, render_markdown, write_report
     from harness.sweep import SweepError
 
+    if json_:
+        if format_ not in ("md", "json"):
+            raise _fail(f"--json and --format {format_}: give one of them")
+        format_ = "json"
     if format_ not in ("md", "json"):
         raise _fail(f"--format {format_!r}: choose md or json")
     if not 0 < collapse_threshold <= 1:
@@ -792,7 +825,7 @@ def report(
     sys.stdout.write(render_markdown(result) if format_ == "md" else render_json(result) + "\n")
 
 
-@app.command()
+@app.command(epilog="Example: harness reproduce f-opd --scale cpu --dry-run")
 def reproduce(
     name: Annotated[str, typer.Argument(help="recipe: f-opd, sod, saf-opd, ap-opd (entry points opd_harness.recipes)")],
     scale: Annotated[str, typer.Option(help="cpu (a miniature that runs on CPU) or paper (the paper's grid)")] = "cpu",
@@ -821,11 +854,15 @@ def reproduce(
         raise _fail(f"{len(result.failed)} run(s) failed: {', '.join(result.failed)}; re-run to resume them", 1)
 
 
-sandbox_app = typer.Typer(help="The code sandbox: build its Docker image, remove leftover containers.", no_args_is_help=True)
+sandbox_app = typer.Typer(
+    help="The code sandbox: build its Docker image, remove leftover containers.",
+    epilog="Example: harness sandbox build",
+    no_args_is_help=True,
+)
 app.add_typer(sandbox_app, name="sandbox")
 
 
-@sandbox_app.command("build")
+@sandbox_app.command("build", epilog="Example: harness sandbox build --task swebench --data-dir data")
 def sandbox_build(
     tag: Annotated[str, typer.Option(help="image tag")] = "opd-sandbox:bookworm",
     force: Annotated[bool, typer.Option("--force", help="rebuild the rootfs tarball and re-import even if the image exists")] = False,
@@ -895,7 +932,7 @@ def _build_task_images(name: str, data_dir: Path | None, task_arg: list[str], fo
         raise _fail(f"{len(failed)} image(s) failed to build: {', '.join(failed)}", 1)
 
 
-@sandbox_app.command("cleanup")
+@sandbox_app.command("cleanup", epilog="Example: harness sandbox cleanup")
 def sandbox_cleanup(
     all_: Annotated[bool, typer.Option("--all", help="also containers of harness processes still running")] = False,
 ) -> None:

@@ -346,6 +346,10 @@ class RunConfig(Strict):
 
 
 PRESETS = ("smoke", "cpu-demo", "tool-demo")
+PRESET_NOTES = {  # what `harness run --preset NAME` says before it starts ({models}: where warmed-up models are cached)
+    "cpu-demo": "takes about 6 minutes on 2 CPU cores, the teacher's and student's SFT warm-ups included; both are cached "
+    "under {models}, so the next run loads them and skips the warm-ups",
+}
 
 
 def load_preset(name: str) -> dict:
@@ -480,6 +484,19 @@ def without_tiny_teacher(preset: dict, user: dict) -> dict:
     return {**preset, "teacher": {k: v for k, v in preset["teacher"].items() if k not in tiny}}
 
 
+def fitted_default_models(user: dict) -> dict:
+    """Without a preset, RunConfig's own tiny student and teacher as a preset layer, fitted to the task as a preset's
+    models are (no warm-up on a task without references, positions for its episode budget): only what the user sets is
+    refused. A role whose ``path`` or ``arch`` the user gives is the user's alone, as is a teacher on another backend."""
+    task = user.get("task") or RunConfig.model_fields["task"].default
+    defaults = {
+        role: RunConfig.model_fields[role].default_factory().model_dump(exclude_defaults=True)
+        for role in ("student", "teacher")
+        if not {"path", "arch"} & set(user.get(role) or {})
+    }
+    return without_tiny_teacher(fit_preset_models(defaults, task, (user.get("task_args") or {}).get(task, {})), user)
+
+
 def build_config(
     *, preset: str | None = None, config_file: Path | None = None, overrides: list[str] = (), cli: dict | None = None
 ) -> RunConfig:
@@ -493,7 +510,7 @@ def build_config(
     data = (
         deep_merge(without_tiny_teacher(retarget_preset(load_preset(preset), user.get("task"), user.get("task_args")), user), user)
         if preset
-        else user
+        else deep_merge(fitted_default_models(user), user)
     )
     try:
         return RunConfig.model_validate(data)

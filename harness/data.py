@@ -269,13 +269,16 @@ def _print_problems(results: list[CheckResult]) -> None:
 
 
 data_app = typer.Typer(
-    help="Benchmark files: download them into the layout the tasks read, check a data folder.", no_args_is_help=True, add_completion=False
+    help="Benchmark files: download them into the layout the tasks read, check a data folder.",
+    epilog="Example: harness data fetch math500 --to data",
+    no_args_is_help=True,
+    add_completion=False,
 )
 console = Console(stderr=True)
 out = Console() if sys.stdout.isatty() else Console(width=160)
 
 
-@data_app.command("check")
+@data_app.command("check", epilog="Example: harness data check data math500 aime24")
 def check(
     folder: Annotated[Path, typer.Argument(help="data folder to validate")],
     tasks: Annotated[list[str] | None, typer.Argument(help="only these tasks (then a missing one is an error)")] = None,
@@ -307,7 +310,7 @@ def check(
         raise typer.Exit(1)
 
 
-@data_app.command("fetch")
+@data_app.command("fetch", epilog="Example: harness data fetch math500 aime24 humaneval_plus --to data")
 def fetch(
     tasks: Annotated[list[str], typer.Argument(help="tasks whose files to download (see `harness data check DIR`)")],
     to: Annotated[Path | None, typer.Option("--to", help=f"data folder (default ${DATA_DIR_ENV}, else ./data)")] = None,

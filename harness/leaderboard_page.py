@@ -102,7 +102,7 @@ def _rows(store: Store, info: RunInfo, collapse_threshold: float) -> list[dict]:
                 "method": info.run.get("method") or "-", "mode": _mode(info.config) if info.run["kind"] == "train" else "-",
                 "seed": info.config.get("seed") if info.run["kind"] == "train" else None,
                 "model": info.run.get("model"), "task": task, "k": last["k"],
-                "grader": f"{last['grader']} {last['grader_version']}",
+                "grader": grader_label(last["grader"], last["grader_version"]),
                 "best": best, "last": last, "n_errors": last["n_errors"],
                 "samples_per_hour": last_ckpt.get("samples_per_hour"), "relative_throughput": None, "throughput_baseline": None,
                 "collapsed": summary["collapsed"] if summary and info.run["kind"] == "train" and len(scored) > 1 else None,
@@ -202,9 +202,23 @@ def _svg(fig) -> str:
     return text[text.index("<svg") :]
 
 
+def grader_label(name: str, version: str) -> str:
+    """The grader column: ``math-verify==0.9.0`` once, not after its own name again; ``tool-judge 2`` otherwise."""
+    return version if version.startswith(name) else f"{name} {version}"
+
+
+def short_label(text: str, limit: int = 28) -> str:
+    """A legend label that fits beside a plot: long ones keep their start and end around an ellipsis."""
+    return text if len(text) <= limit else f"{text[: limit // 2 - 1]}…{text[-(limit - limit // 2):]}"
+
+
 def _group(row: dict) -> str:
-    """The legend entry of a row: runs of one method and mode share a colour (seeds are lines of that colour)."""
-    return f"{row['run']} (eval)" if row["kind"] != "train" else f"{row['method']} {row['mode']}"
+    """The legend entry of a row: runs of one method and mode share a colour (seeds are lines of that colour); an
+    eval-only run is named by its model's folder (or file) name, not its long run id."""
+    if row["kind"] == "train":
+        return f"{row['method']} {row['mode']}"
+    model = str(row.get("model") or row["run"]).rstrip("/")
+    return f"eval {short_label(model.rsplit('/', 1)[-1])}"
 
 
 def _colours(rows: list[dict]) -> dict[str, str]:
@@ -212,8 +226,9 @@ def _colours(rows: list[dict]) -> dict[str, str]:
 
 
 def _legend(ax, handles_by_label: dict) -> None:
-    """One legend entry per method/mode, outside the axes so that many runs never hide the curves."""
-    ax.legend(handles_by_label.values(), handles_by_label.keys(), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    """One legend entry per method/mode, outside the axes so that many runs never hide the curves (10 pt: readable
+    where the page shows the plot at its width)."""
+    ax.legend(handles_by_label.values(), handles_by_label.keys(), fontsize=10, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
 
 
 def plot_avg_vs_step(board: Board, task: str) -> str:
@@ -244,9 +259,10 @@ def plot_avg_vs_step(board: Board, task: str) -> str:
 
 
 def plot_throughput_vs_accuracy(board: Board) -> str | None:
-    """Final Avg@k (with CI) against throughput, one marker per training run and task (the f-OPD paper's Fig. 4 view)."""
+    """Final Avg@k (with CI) against throughput, one marker per training run and task (the f-OPD paper's Fig. 4 view);
+    None under two runs, where it would be one lone point on a meaningless axis."""
     rows = [r for r in board.rows if r["kind"] == "train" and r["samples_per_hour"] and r["last"]["avg_at_k"] is not None]
-    if not rows:
+    if len({r["run"] for r in rows}) < 2:
         return None
     relative = all(r["relative_throughput"] for r in rows)
     fig = _figure()
@@ -273,23 +289,29 @@ def plot_throughput_vs_accuracy(board: Board) -> str | None:
 
 
 def plot_training_curves(board: Board, names: tuple[str, ...] = ("student_entropy", "teacher_kl")) -> str | None:
-    """Per-step student entropy and teacher KL of every training run that logged them (one colour per method and mode)."""
+    """Per-step student entropy and teacher KL of every training run that logged them (one colour per method and mode),
+    each plot with its y-axis label and its own legend."""
     runs = [info for info in board.runs if info.run["kind"] == "train" and any(n in m for m in info.steps.values() for n in names)]
     if not runs:
         return None
     fig = _figure(9.6, 3.4)
     axes = np.atleast_1d(fig.subplots(1, len(names)))
     groups = {info.key: f"{info.run.get('method')} {_mode(info.config)}" for info in runs}
-    colours, handles = {g: f"C{i % 10}" for i, g in enumerate(dict.fromkeys(groups.values()))}, {}
+    colours = {g: f"C{i % 10}" for i, g in enumerate(dict.fromkeys(groups.values()))}
     for ax, name in zip(axes, names, strict=True):
+        handles = {}
         for info in runs:
             points = [(step, m[name]) for step, m in sorted(info.steps.items()) if m.get(name) is not None]
             if points:
                 (handles[groups[info.key]],) = ax.plot(*zip(*points), color=colours[groups[info.key]], linewidth=1.0, alpha=0.8)
-        ax.set(xlabel="step", title=name.replace("_", " "))
+        ax.set(xlabel="step", ylabel=CURVE_LABELS.get(name, name.replace("_", " ")), title=name.replace("_", " "))
         ax.grid(alpha=0.3)
-    _legend(axes[-1], handles)
+        if handles:
+            ax.legend(handles.values(), handles.keys(), fontsize=10, loc="best", frameon=False)
     return _svg(fig)
+
+
+CURVE_LABELS = {"student_entropy": "student entropy (nats / token)", "teacher_kl": "reverse KL to teacher (nats / token)"}
 
 
 def plot_staleness(hist: dict[str, int]) -> str:

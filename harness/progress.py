@@ -25,12 +25,13 @@ class LogProgress:
         every_s: float = LOG_EVERY_S,
         file=None,
     ) -> None:
-        self.iterable, self.desc, self.n, self.every_s = iterable, desc, initial, every_s
+        self.iterable, self.desc, self.n, self.initial, self.every_s = iterable, desc, initial, initial, every_s
         self.total = total if total is not None else (len(iterable) + initial if hasattr(iterable, "__len__") else None)  # type: ignore[arg-type]
         self.file = file if file is not None else sys.stderr
         self.postfix = ""
         self.started = self.last = time.monotonic()
         self.closed = False
+        self.shown: tuple | None = None  # (count, postfix) of the last line written
 
     def __iter__(self) -> Iterator:
         for item in self.iterable or ():
@@ -49,13 +50,21 @@ class LogProgress:
     def emit(self) -> None:
         self.last = time.monotonic()
         done = f"{self.n}/{self.total}" if self.total is not None else str(self.n)
+        elapsed = self.last - self.started
+        if self.total is not None and self.initial < self.n < self.total:  # the rate of this session's steps
+            done += f" after {elapsed:.0f}s, ~{elapsed / (self.n - self.initial) * (self.total - self.n):.0f}s left"
+        else:
+            done += f" after {elapsed:.0f}s"
         tail = f" ({self.postfix})" if self.postfix else ""
-        print(f"{self.desc}: {done} after {self.last - self.started:.0f}s{tail}", file=self.file, flush=True)
+        print(f"{self.desc}: {done}{tail}", file=self.file, flush=True)
+        self.shown = (self.n, self.postfix)
 
     def close(self) -> None:
+        """The final line, unless the last one written already said the same (a last step slower than ``every_s``)."""
         if not self.closed:
             self.closed = True
-            self.emit()
+            if self.shown != (self.n, self.postfix):
+                self.emit()
 
     def __enter__(self) -> LogProgress:
         return self

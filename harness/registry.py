@@ -17,6 +17,7 @@ object that declares a different ``name`` of its own is refused.
 from __future__ import annotations
 
 import difflib
+import inspect
 import tomllib
 from collections.abc import Callable, Iterator
 from importlib.metadata import EntryPoint, entry_points
@@ -80,11 +81,13 @@ class Registry(Generic[T]):
             raise RegistryError(f"duplicate {self.kind} prefix {prefix!r}: already registered by {_describe(existing)}")
         self._prefixes[prefix] = factory
 
-    def prefix_description(self, prefix: str) -> str:
-        """The first line of a family's factory docstring (what ``harness tasks`` shows for ``prefix:<name>``)."""
+    def prefix_description(self, prefix: str) -> tuple[str, str]:
+        """What ``harness tasks`` shows for ``prefix:<name>``: the first paragraph of the family's factory docstring (what
+        the family is) and its second (how to name a member; "" when the docstring has none)."""
         self._load()
-        doc = (self._prefixes[prefix].__doc__ or "").strip()
-        return doc.splitlines()[0] if doc else ""
+        doc = inspect.cleandoc(self._prefixes[prefix].__doc__ or "")
+        paragraphs = [p.strip() for p in doc.split("\n\n") if p.strip()]
+        return (paragraphs[0] if paragraphs else ""), (paragraphs[1] if len(paragraphs) > 1 else "")
 
     def prefixes(self) -> list[str]:
         """Sorted registered prefixes (a name ``PREFIX:REST`` is built by that prefix's factory)."""

@@ -9,9 +9,10 @@ a list of trajectories into right-padded ``(B, T)`` tensors aligned with the tok
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:  # torch is imported by ``to_tensor_batch``, its one user at run time (tasks import this module)
+    import torch
 
 SegmentKind = Literal["model", "env"]
 
@@ -114,6 +115,8 @@ class TensorBatch:
 
 def to_tensor_batch(trajectories: list[Trajectory], pad_id: int) -> TensorBatch:
     """Pack trajectories into right-padded tensors; the loss mask covers model tokens only."""
+    import torch
+
     if not trajectories:
         raise ValueError("cannot build a tensor batch from zero trajectories")
     rows = [_flatten(t) for t in trajectories]

@@ -105,6 +105,16 @@ def benchmark_data_dir() -> Path:
     return Path(os.environ.get("HARNESS_DATA_DIR") or DEFAULT_DATA_DIR).expanduser()
 
 
+def missing_data_reason(missing: list[str], folder: Path, env_value: str | None) -> str:
+    """Why a test skips: the files missing, where ``HARNESS_DATA_DIR`` points (the folder ``--data-dir`` takes) and the
+    command that fetches them; never the fallback folder beside the checkout, which only this project's machines have."""
+    tasks = " ".join(sorted({name.split("/")[0] for name in missing}))
+    where = f"in HARNESS_DATA_DIR={folder}" if env_value else "(HARNESS_DATA_DIR is not set)"
+    target = folder if env_value else "DIR"
+    then = "" if env_value else ", then set HARNESS_DATA_DIR=DIR (the folder harness run/eval --data-dir DIR reads)"
+    return f"benchmark data missing {where}: {', '.join(missing)}; fetch with `harness data fetch {tasks} --to {target}`{then}"
+
+
 def data_unavailable(reason: str):
     """Skip with the reason, or fail loudly where benchmark data is required (CI)."""
     if REQUIRE_DATA:
@@ -125,11 +135,7 @@ def benchmark_data() -> Callable[..., Path]:
     def need(*files: str) -> Path:
         missing = [name for name in files if not (folder / name).is_file()]
         if missing:
-            tasks = " ".join(sorted({name.split("/")[0] for name in missing}))
-            data_unavailable(
-                f"benchmark data missing: {', '.join(str(folder / m) for m in missing)} "
-                f"(set HARNESS_DATA_DIR, or `harness data fetch {tasks} --to {folder}`)"
-            )
+            data_unavailable(missing_data_reason(missing, folder, os.environ.get("HARNESS_DATA_DIR")))
         return folder
 
     return need

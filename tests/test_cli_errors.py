@@ -291,6 +291,9 @@ def test_eval_json_with_every_sample_errored_is_strict_json(tmp_path):
     assert summary["n_errors"] == 1 and summary["avg_at_k"] is None
     board = runner.invoke(app, ["leaderboard", str(out), "--format", "json"])
     assert board.exit_code == 0 and strict_loads(board.stdout)[0]["avg_at_k"] is None
+    assert runner.invoke(app, ["leaderboard", str(out), "--json"]).stdout == board.stdout  # --json: one meaning in every command
+    both = runner.invoke(app, ["leaderboard", str(out), "--json", "--format", "csv"])
+    assert both.exit_code == 2 and "--json and --format csv" in both.output
 
 
 def test_leaderboard_and_report_json_renderers_write_null_for_non_finite_values():

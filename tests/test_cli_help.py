@@ -30,6 +30,12 @@ def test_help_shows_no_rst_quoting(words):
     assert "``" not in result.output, result.output
 
 
+@pytest.mark.parametrize("words", [(), *command_paths(app)], ids=lambda words: " ".join(words) or "harness")
+def test_help_shows_one_example_of_that_command(words):
+    text = " ".join(runner.invoke(app, [*words, "--help"], terminal_width=200).output.split()) + " "
+    assert f"Example: {' '.join(('harness', *words))} " in text, text
+
+
 def test_tasks_listing_shows_no_rst_quoting():
     result = runner.invoke(app, ["tasks"])
     assert result.exit_code == 0 and "lm_eval:<name>" in result.output, result.output

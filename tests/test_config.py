@@ -125,6 +125,26 @@ def test_a_preset_on_another_task_fits_its_models_to_that_task():
     assert (tool.student.sft_steps, tool.student.arch.max_positions) == (smoke.student.sft_steps, smoke.student.arch.max_positions)
 
 
+def test_without_a_preset_the_default_models_fit_the_task_and_only_what_the_user_sets_is_refused():
+    """README's headline, ``harness run --method f_opd --task swebench`` with no preset: the default config's warm-ups
+    (student 300, teacher 800 steps) need reference solutions swebench lacks, so they go, as a preset's do; a warm-up
+    the user sets is still refused, naming that key."""
+    from harness.config import RunConfig, build_config
+    from harness.plan import plan_run
+
+    cfg = build_config(cli={"task": "swebench", "method": "f_opd"})
+    assert (cfg.student.sft_steps, cfg.teacher.sft_steps) == (0, 0)
+    assert cfg.student.arch.max_positions == cfg.teacher.arch.max_positions == 32768
+    plan_run(cfg)
+    assert build_config().model_dump() == RunConfig().model_dump()  # arith has references: the defaults as they are
+    cfg = build_config(overrides=["student.sft_steps=50"], cli={"task": "swebench"})  # the default arch, the user's warm-up
+    assert (cfg.student.arch.hidden, cfg.student.sft_steps, cfg.teacher.sft_steps) == (128, 50, 0)
+    with pytest.raises(ConfigError, match=r"^student.sft_steps=50 trains on reference solutions"):
+        plan_run(cfg)
+    cfg = build_config(overrides=["student.path=/some/model"], cli={"task": "swebench"})  # the user's own model, nothing added
+    assert (cfg.student.path, cfg.student.arch, cfg.student.sft_steps) == ("/some/model", None, 0)
+
+
 def test_print_config_shows_every_default_round_trips_and_writes_nothing(tmp_path):
     import yaml
 

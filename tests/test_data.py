@@ -316,3 +316,19 @@ def test_a_hub_fetch_without_datasets_says_what_to_install(tmp_path: Path, monke
     ) as info:
         fetch_need(tmp_path, needs_of("math500")[0])
     assert info.value.status == "error" and list(tmp_path.iterdir()) == []
+
+
+def test_a_skip_for_missing_data_names_harness_data_dir_and_the_fetch_command(tmp_path):
+    from conftest import missing_data_reason
+
+    unset = missing_data_reason(["math500/test.jsonl"], tmp_path / "shared" / "data", None)
+    assert unset == (
+        "benchmark data missing (HARNESS_DATA_DIR is not set): math500/test.jsonl; fetch with `harness data fetch math500 --to DIR`, "
+        "then set HARNESS_DATA_DIR=DIR (the folder harness run/eval --data-dir DIR reads)"
+    )
+    assert "shared" not in unset
+    given = missing_data_reason(["aime24/test.jsonl", "math500/test.jsonl"], tmp_path, str(tmp_path))
+    assert given == (
+        f"benchmark data missing in HARNESS_DATA_DIR={tmp_path}: aime24/test.jsonl, math500/test.jsonl; "
+        f"fetch with `harness data fetch aime24 math500 --to {tmp_path}`"
+    )

@@ -105,7 +105,7 @@ def test_overall_test_catches_a_diffuse_regression_and_bonferroni_splits_alpha(t
             p = rng.random(150)
             _store_eval(store, "a", 0, task, (rng.random((150, 4)) < p[:, None]).astype(float))
             _store_eval(store, "b", 0, task, (rng.random((150, 4)) < np.clip(p - 0.04, 0, 1)[:, None]).astype(float))
-    result = runner.invoke(app, ["gate", "--baseline", "a", "--candidate", "b", "--out", str(tmp_path), "--json", "-"])
+    result = runner.invoke(app, ["gate", "--baseline", "a", "--candidate", "b", "--out", str(tmp_path), "--json"])
     report = json.loads(result.stdout)
     assert [t["alpha"] for t in report["tasks"]] == [pytest.approx(0.01)] * 4  # 4 tasks + overall = 5 tests
     assert [t["verdict"] for t in report["tasks"]] == ["pass"] * 4
@@ -178,12 +178,10 @@ def demo_store(tmp_path):
 
 
 def test_gate_cli_improvement_passes_and_regression_fails(demo_store, tmp_path):
-    improved = runner.invoke(
-        app, ["gate", "--baseline", "demo:0", "--candidate", "demo", "--out", str(demo_store), "--json", str(tmp_path / "gate.json")]
-    )
+    improved = runner.invoke(app, ["gate", "--baseline", "demo:0", "--candidate", "demo", "--out", str(demo_store), "--json"])
     assert improved.exit_code == 0, improved.output
-    assert improved.output.startswith("PASS")
-    report = json.loads((tmp_path / "gate.json").read_text())
+    assert improved.stderr.startswith("PASS")  # --json: the report on stdout, the paragraph on stderr
+    report = json.loads(improved.stdout)
     assert report["candidate"] == "demo:500"  # no step: the run's last evaluated one
     assert report["verdict"] == "pass" and report["exit_code"] == 0 and [t["task"] for t in report["tasks"]] == ["t1", "t2"]
     assert report["overall"]["verdict"] == "pass" and report["tasks"][0]["alpha"] == pytest.approx(
@@ -191,7 +189,7 @@ def test_gate_cli_improvement_passes_and_regression_fails(demo_store, tmp_path):
     )  # Bonferroni: 2 tasks + overall
 
     regressed = runner.invoke(
-        app, ["gate", "--baseline", "demo:500", "--candidate", "demo:0", "--task", "t1", "--out", str(demo_store), "--json", "-"]
+        app, ["gate", "--baseline", "demo:500", "--candidate", "demo:0", "--task", "t1", "--out", str(demo_store), "--json"]
     )
     assert regressed.exit_code == 1, regressed.output
     report = json.loads(regressed.stdout)
@@ -284,11 +282,10 @@ def test_gate_evaluates_model_paths_first_and_reuses_the_evaluations(tmp_path):
         "--out",
         str(out),
         "--json",
-        str(tmp_path / "g.json"),
     ]
     regressed = runner.invoke(app, [*args, "--baseline", str(good), "--candidate", str(worse)])
     assert regressed.exit_code == 1, regressed.output
-    report = json.loads((tmp_path / "g.json").read_text())
+    report = json.loads(regressed.stdout)
     task = report["tasks"][0]
     assert (task["avg_baseline"], task["avg_candidate"], task["n_problems"]) == (1.0, pytest.approx(0.6), 30)
     assert (task["worst_case"]["test"], task["worst_case"]["worse"], task["worst_case"]["better"]) == ("exact McNemar", 12, 0)
@@ -298,15 +295,26 @@ def test_gate_evaluates_model_paths_first_and_reuses_the_evaluations(tmp_path):
 
     improved = runner.invoke(app, [*args, "--baseline", str(worse), "--candidate", str(good)])
     assert improved.exit_code == 0, improved.output
-    assert "reused its evaluation" in json.dumps(json.loads((tmp_path / "g.json").read_text())["notes"])
+    assert "reused its evaluation" in json.dumps(json.loads(improved.stdout)["notes"])
     with Store(out) as store:
         assert len(store.runs()) == 2  # both evaluations reused: same model, tasks, k, limit, sampling and seed
 
     # A stored baseline against a path evaluated on fewer problems: the 10 problems it lacks are missing samples.
     stored = runner.invoke(app, [*args, "--baseline", f"{runs[0]}:0", "--candidate", str(worse), "--limit", "20"])
-    assert stored.exit_code == 3 and "10 of 30 samples errored or missing" in " ".join(stored.output.split()), stored.output
+    assert stored.exit_code == 3 and "10 of 30 samples errored or missing" in " ".join(stored.stderr.split()), stored.output
     with Store(out) as store:
         assert len(store.runs()) == 3
+
+
+def test_gate_json_is_a_flag_and_the_old_file_argument_is_refused_by_name(demo_store, tmp_path):
+    """``--json`` prints to stdout in every command; the old ``--json FILE`` would now leave FILE unwritten, so it exits 2
+    saying how to keep the report in a file, and nothing is written."""
+    for old in (str(tmp_path / "gate.json"), "-"):
+        result = runner.invoke(app, ["gate", "--baseline", "demo:0", "--candidate", "demo", "--out", str(demo_store), "--json", old])
+        assert result.exit_code == 2 and "--json is a flag" in result.output and "--json > gate.json" in result.output, result.output
+    assert not (tmp_path / "gate.json").exists()
+    stray = runner.invoke(app, ["gate", "--baseline", "demo:0", "--candidate", "demo", "--out", str(demo_store), "extra"])
+    assert stray.exit_code == 2 and "unexpected argument 'extra'" in stray.output
 
 
 def test_gate_on_a_model_path_needs_tasks_and_a_loadable_model(tmp_path):

@@ -372,3 +372,22 @@ def test_page_in_headless_chromium_tables_plots_sorting_and_screenshot(chromium,
     (tmp_path / "leaderboard.png").write_bytes(png)
     if os.environ.get("HARNESS_SCREENSHOT_DIR"):
         Path(os.environ["HARNESS_SCREENSHOT_DIR"], "leaderboard.png").write_bytes(png)
+
+
+def test_plots_have_readable_legends_axis_labels_and_no_lone_point(roots):
+    """Legends at 10 px with short labels (an eval run by its model's name, not its run id), a y-axis label and a legend
+    on both training-curve plots, no throughput scatter for one run, and the grader named once."""
+    from harness.leaderboard_page import grader_label, load_board, plot_avg_vs_step, plot_throughput_vs_accuracy, plot_training_curves
+
+    board = load_board([roots[0]])
+    curves = plot_training_curves(board)
+    assert "student entropy (nats / token)" in curves and "reverse KL to teacher (nats / token)" in curves
+    assert curves.count(">opd sync<") == 2 and curves.count(">f_opd async<") == 2  # one legend per plot
+    tools = plot_avg_vs_step(board, "tools")
+    assert ">eval student<" in tools and "agent-eval" not in tools
+    legend_sizes = set(re.findall(r"font-size: (\d+)px", plot_avg_vs_step(board, "arith")))
+    assert legend_sizes and min(int(size) for size in legend_sizes) >= 10, legend_sizes
+    assert plot_throughput_vs_accuracy(load_board([roots[1]])) is None  # one run: no lone point on a 0.96-1.04 axis
+    assert plot_throughput_vs_accuracy(board) is not None
+    assert grader_label("math-verify", "math-verify==0.9.0") == "math-verify==0.9.0"
+    assert grader_label("tool-judge", "2") == "tool-judge 2"

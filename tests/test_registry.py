@@ -274,3 +274,5 @@ def test_harness_tasks_lists_the_task_families():
     out = " ".join(CliRunner().invoke(app, ["tasks"]).output.split())
     assert "retool:<name> a family of tasks: Any math task solved with a Python code interpreter" in out
     assert "lm_eval:<name> a family of tasks: Any lm-evaluation-harness task" in out
+    assert "Name one retool:<task> with a math task graded by math-verify, e.g. retool:aime24" in out  # how to name one
+    assert "Name one lm_eval:<task> with an lm-eval task name, e.g. lm_eval:gsm8k (lm-eval ls tasks lists them)" in out

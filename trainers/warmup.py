@@ -10,6 +10,7 @@ import hashlib
 import json
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -43,6 +44,8 @@ def prepare_model(spec: ModelSpec, role: str, task, problems: list, cache_root: 
     target = Path(cache_root) / "cache" / "models" / f"{role}-{cache_key(spec, task)}"
     if (target / READY_MARKER).exists():
         model, tokenizer = load_model_and_tokenizer(target)
+        if spec.sft_steps and show_progress:
+            print(f"{role}: loaded from {target} ({spec.sft_steps} SFT steps done by an earlier run)", file=sys.stderr, flush=True)
         return model, tokenizer, str(target)
     tokenizer = build_char_tokenizer()
     model = build_tiny_model(spec.arch, len(tokenizer), pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, seed=spec.seed)
@@ -54,6 +57,8 @@ def prepare_model(spec: ModelSpec, role: str, task, problems: list, cache_root: 
     (tmp / READY_MARKER).write_text(json.dumps(spec.model_dump(), sort_keys=True))
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
+    if spec.sft_steps and show_progress:
+        print(f"{role}: cached at {target}; the next run with the same {role} and task loads it from there", file=sys.stderr, flush=True)
     return model, tokenizer, str(target)
 
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:  # annotations only: importing the backend types (as the CLI does) does not load torch
+    import torch
 
 SCORE_FIELDS = ("logprobs", "entropy", "topk", "full")
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+if TYPE_CHECKING:  # torch, tokenizers and transformers are imported where used: ``TinyArch`` (read by the config) stays cheap
+    import torch
+    from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 CHARSET = string.printable.replace("\x0b", "").replace("\x0c", "").replace("\r", "")
@@ -32,6 +34,9 @@ class TinyArch(BaseModel):
 
 def build_char_tokenizer(charset: str = CHARSET) -> PreTrainedTokenizerFast:
     """A character-level tokenizer: one token per character of ``charset`` plus pad/eos/unk."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {PAD: 0, EOS: 1, UNK: 2}
     for ch in dict.fromkeys(charset):
         vocab.setdefault(ch, len(vocab))
@@ -45,6 +50,9 @@ def build_char_tokenizer(charset: str = CHARSET) -> PreTrainedTokenizerFast:
 
 def build_tiny_model(arch: TinyArch, vocab_size: int, *, pad_id: int, eos_id: int, seed: int) -> Qwen3ForCausalLM:
     """A randomly initialised Qwen3 causal LM, deterministic under ``seed``."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
     if arch.hidden % arch.heads or arch.heads % arch.kv_heads:
         raise ValueError(f"hidden ({arch.hidden}) must divide by heads ({arch.heads}) and heads by kv_heads ({arch.kv_heads})")
     config = Qwen3Config(
@@ -69,11 +77,13 @@ def build_tiny_model(arch: TinyArch, vocab_size: int, *, pad_id: int, eos_id: in
     return model
 
 
-def load_model_and_tokenizer(path: str | Path, *, dtype: torch.dtype = torch.float32):
-    """Load a causal LM and its tokenizer; padding side is set to left (transformers 5 does not save it).
-
-    ``path`` is a local directory, or a hub id of the form ``owner/name`` (needs the hub).
+def load_model_and_tokenizer(path: str | Path, *, dtype: torch.dtype | None = None):
+    """Load a causal LM and its tokenizer (``dtype`` default float32); padding side is set to left (transformers 5 does
+    not save it). ``path`` is a local directory, or a hub id of the form ``owner/name`` (needs the hub).
     """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     local = Path(path)
     looks_like_hub_id = str(path).count("/") == 1 and not str(path).startswith((".", "/", "~"))
     if not local.exists() and not looks_like_hub_id:
@@ -82,7 +92,7 @@ def load_model_and_tokenizer(path: str | Path, *, dtype: torch.dtype = torch.flo
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32 if dtype is None else dtype)
     return model, tokenizer
 
 

@@ -37,7 +37,10 @@ class RetoolTask(ToolTask):
 
 
 def make_retool_task(name: str) -> type[RetoolTask]:
-    """Any math task solved with a Python code interpreter in the sandbox, multi-turn (e.g. ``retool:aime24``).
+    """Any math task solved with a Python code interpreter in the sandbox, multi-turn.
+
+    Name one ``retool:<task>`` with a math task graded by math-verify, e.g. ``retool:aime24`` (also arith, math500, aime25,
+    amc23, olympiadbench, minerva, gsm8k, dapo_math); its options are the math task's and the tool loop's.
 
     Builds the task class ``retool:<name>`` wrapping the registered math task ``name``."""
     try:
