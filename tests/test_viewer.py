@@ -98,11 +98,11 @@ def test_gate_html_writes_the_comparison_page_and_the_json_report_names_it(tool_
     """Run ids with a colon (`eval-retool:aime24-…`) are whole references (they exited 2 as a malformed RUN:STEP); the
     report carries each task's flips and the page it wrote, which opens on that comparison."""
     out, run_a, run_b = tool_runs
-    page, report = tmp_path / "gate.html", tmp_path / "gate.json"
-    args = ["gate", "--baseline", run_a, "--candidate", run_b, "--out", str(out), "--html", str(page), "--json", str(report)]
+    page = tmp_path / "gate.html"
+    args = ["gate", "--baseline", run_a, "--candidate", run_b, "--out", str(out), "--html", str(page), "--json"]
     result = runner.invoke(app, args)
     assert result.exit_code == 3, result.output  # 2 problems < --min-problems: inconclusive
-    written = json.loads(report.read_text())
+    written = json.loads(result.stdout)
     with Store(out) as store:
         ids = [s["problem_id"] for s in store.samples(run_a, 0, "retool:aime24")]
     assert written["viewer"] == str(page) and str(page) in " ".join(result.output.split())
