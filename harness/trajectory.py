@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-if TYPE_CHECKING:  # torch is imported by ``to_tensor_batch``, its one user at run time (tasks import this module)
+if TYPE_CHECKING:  # torch is imported inside the functions that build tensors (tasks import this module)
     import torch
 
 SegmentKind = Literal["model", "env"]
@@ -173,6 +173,8 @@ def pad_token(parts: list[TensorBatch]) -> int:
 def concat_batches(parts: list[TensorBatch]) -> TensorBatch:
     """One batch of ``parts``' rows in order, right-padded to the widest (what ``to_tensor_batch`` of all their
     trajectories would give), group ids renumbered to stay distinct across parts."""
+    import torch
+
     if len(parts) == 1:
         return parts[0]
     width, pad = max(p.shape[1] for p in parts), pad_token(parts)
@@ -196,6 +198,8 @@ def concat_batches(parts: list[TensorBatch]) -> TensorBatch:
 
 def _pad_width(tensor: torch.Tensor, width: int, fill: float) -> torch.Tensor:
     """``tensor`` (B, T, ...) right-padded along T to ``width`` with ``fill``."""
+    import torch
+
     missing = width - tensor.shape[1]
     if missing == 0:
         return tensor
