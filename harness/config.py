@@ -170,13 +170,22 @@ class RoleLayout(Strict):
         return self
 
 
+class EvalRoleLayout(RoleLayout):
+    """``trainer.layout.eval``: the evaluation workers of a run's checkpoint evaluations, and how many sandboxes they may
+    hold open at once on one node."""
+
+    max_sandboxes: int | None = Field(
+        None, ge=1, description="most evaluation workers of the run holding a task sandbox open at once on one node (default: no bound)"
+    )
+
+
 class Layout(Strict):
     """``trainer.layout``: the Ray placement of every role (``--executor ray``); roles left out take the defaults."""
 
     rollout: RoleLayout = Field(default_factory=RoleLayout)
     teacher: RoleLayout = Field(default_factory=RoleLayout)
     learner: RoleLayout = Field(default_factory=RoleLayout)
-    eval: RoleLayout | None = Field(
+    eval: EvalRoleLayout | None = Field(
         None,
         description="evaluation workers of the run's checkpoint evaluations (their shards, in this role's placement group); "
         "unset: the driver evaluates",

@@ -27,6 +27,8 @@ LAG = ["--method", "f_opd", "--mode", "async", "--set", "trainer.fixed_lag=1", "
         ("trainer.layout.rollout.replicas=-1", "trainer.layout.rollout.replicas"),
         ("trainer.layout.rollout.strategy=scatter", "trainer.layout.rollout.strategy"),
         ("trainer.layout.learner.num_cpus=0", "trainer.layout.learner"),
+        ("trainer.layout.eval.replicas=0", "trainer.layout.eval.replicas"),
+        ("eval.shard_size=0", "eval.shard_size"),
     ],
 )
 def test_bad_layouts_are_refused_at_config_time(tmp_path, override, key):
@@ -37,12 +39,17 @@ def test_bad_layouts_are_refused_at_config_time(tmp_path, override, key):
     assert not (tmp_path / "results.sqlite").exists()
 
 
-def test_layout_needs_ray_and_eval_is_recorded_only():
+def test_layout_needs_ray_and_eval_is_placed_only_when_given():
+    from trainers.ray_executor import local_cpus, placed_roles
+
     with pytest.raises(ConfigError, match="trainer.layout places the roles on a Ray cluster"):
         build_config(overrides=["trainer.layout.learner.num_cpus=1"])
     layout = build_config(overrides=["trainer.executor=ray", "trainer.layout.eval.replicas=4"]).trainer.layout
     assert layout.eval.replicas == 4 and layout.learner.replicas == 1
-    assert build_config(overrides=["trainer.executor=ray", "trainer.layout.rollout.replicas=3"]).trainer.layout.rollout.replicas == 3
+    assert placed_roles(layout) == ("rollout", "teacher", "learner", "eval") and local_cpus(layout, 1) == 7
+    without = build_config(overrides=["trainer.executor=ray", "trainer.layout.rollout.replicas=3"]).trainer.layout
+    assert without.rollout.replicas == 3 and without.eval is None  # no eval role: the driver evaluates, as before
+    assert placed_roles(without) == ("rollout", "teacher", "learner") and local_cpus(without, 1) == 5
     assert build_config(overrides=["trainer.executor=ray"]).trainer.layout is None  # no layout: today's actors, no placement groups
 
 
@@ -58,6 +65,7 @@ def test_shortfall_names_the_role_key_and_resource():
     assert "trainer.layout.rollout.resources.node_b" in layout_shortfall(layout("trainer.layout.rollout.resources={node_b: 1}"), nodes)
     both = layout("trainer.layout.rollout.num_gpus=1", "trainer.layout.rollout.resources={node_a: 1}")  # each exists, not on one node
     assert "trainer.layout.rollout: no single node" in layout_shortfall(both, nodes)
+    assert "trainer.layout.eval.num_gpus" in layout_shortfall(layout("trainer.layout.eval.num_gpus=2"), nodes)
 
 
 def _last_train_run(db) -> tuple[str, dict]:
@@ -215,3 +223,4 @@ def test_the_f_opd_16_gpu_layout_file_validates_and_fills_two_8_gpu_nodes():
     node = lambda label: {"Alive": True, "Resources": {"CPU": 64.0, "GPU": 8.0, label: 8.0}}  # noqa: E731
     assert layout_shortfall(layout, [node("node_a"), node("node_b")]) is None
     assert "trainer.layout.teacher.resources.node_b" in layout_shortfall(layout, [node("node_a")])
+

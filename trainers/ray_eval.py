@@ -18,6 +18,7 @@ executor is ray.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections import Counter, deque
@@ -93,7 +94,11 @@ class EvalWorker(ActorRole):
         from that checkpoint's weights (:class:`StaleWeights` otherwise)."""
         if version is not None and self.backend.version != version:
             raise StaleWeights(f"evaluation worker holds weights version {self.backend.version}, not {version} (restarted)")
-        rows, _ = evaluate_shard(self.backend, self._task(task), problems, k=k, sampling=sampling, index=index, show_progress=False)
+        try:
+            rows, _ = evaluate_shard(self.backend, self._task(task), problems, k=k, sampling=sampling, index=index, show_progress=False)
+        finally:
+            if self.spec.sandbox_per_shard and task in self.tasks and self.tasks[task].needs_sandbox:
+                self.tasks[task].close()  # its containers go now; the next shard opens the sandbox again
         return rows
 
     def close(self) -> None:
@@ -108,12 +113,28 @@ def task_error(ray: ModuleType, exc: Exception) -> Exception:
 
 
 class RayShards:
-    """The driver's side of the workers: a queue of shards, one in flight per worker, re-queued when its worker dies."""
+    """The driver's side of the workers: a queue of shards, one in flight per worker, re-queued when its worker dies.
 
-    def __init__(self, ray: ModuleType, workers: list[Any], console: Console) -> None:
-        self.ray, self.workers, self.console = ray, workers, console
+    With ``max_sandboxes``, a shard of a sandboxed task goes to an idle worker only on a node where fewer than that many
+    of its shards are in flight; the workers close such a task's sandbox after each shard (``sandbox_per_shard``), so
+    at most ``max_sandboxes`` of these workers hold a sandbox open on one node at once. ``peak_sandboxes`` counts, per
+    node, the most shards of a sandboxed task in flight there at once (bounded or not)."""
+
+    def __init__(self, ray: ModuleType, workers: list[Any], console: Console, max_sandboxes: int | None = None) -> None:
+        self.ray, self.workers, self.console, self.max_sandboxes = ray, workers, console, max_sandboxes
         self.requeued = 0  # shards handed out again after their worker died (or lost its checkpoint's weights)
         self.weights: tuple[Any, int] | None = None  # (object ref, version) every worker must hold: a run's checkpoint
+        self.node_of = dict(zip(map(id, workers), ray.get([w.node_id.remote() for w in workers]), strict=True))  # id(worker) -> node
+        self.peak_sandboxes: Counter = Counter()  # node -> most sandboxed shards in flight there at once
+
+    def _next_worker(self, idle: deque, open_on: Counter | None) -> Any:
+        """An idle worker to hand the next shard to (for a sandboxed task under ``max_sandboxes``, one on a node where
+        fewer are in flight), or None."""
+        for worker in idle:
+            if open_on is None or self.max_sandboxes is None or open_on[self.node_of[id(worker)]] < self.max_sandboxes:
+                idle.remove(worker)
+                return worker
+        return None
 
     def load(self, weights: Any, version: int) -> None:
         """Every worker holds checkpoint ``version``'s weights (an object ref) before its next shard."""
@@ -127,12 +148,17 @@ class RayShards:
         pending, idle, attempts = deque(shards), deque(self.workers), Counter()
         inflight: dict[Any, tuple[int, Any]] = {}  # shard call -> (shard, worker)
         probes: dict[Any, Any] = {}  # ``ready`` call -> a worker that died, until it is back
+        open_on: Counter | None = Counter() if task.needs_sandbox else None  # node -> this task's shards in flight there
         try:
             while pending or inflight:
-                while pending and idle:
-                    index, worker = pending.popleft(), idle.popleft()
+                while pending and (worker := self._next_worker(idle, open_on)) is not None:
+                    index = pending.popleft()
                     version = self.weights[1] if self.weights is not None else None
                     inflight[worker.run_shard.remote(task.name, shards[index], k, sampling, index, version)] = (index, worker)
+                    if open_on is not None:
+                        node = self.node_of[id(worker)]
+                        open_on[node] += 1
+                        self.peak_sandboxes[node] = max(self.peak_sandboxes[node], open_on[node])
                 if not inflight and not probes:
                     raise EvalWorkersFailed(f"{task.name}: every evaluation worker died for good ({len(pending)} shards left)")
                 (ref,), _ = ray.wait([*inflight, *probes], num_returns=1)
@@ -140,6 +166,8 @@ class RayShards:
                     self._probed(ref, probes, idle)
                     continue
                 index, worker = inflight.pop(ref)
+                if open_on is not None:  # finished or lost: its worker closed its sandbox (a killed one's are reaped on restart)
+                    open_on[self.node_of[id(worker)]] -= 1
                 try:
                     rows = ray.get(ref)
                 except ray.exceptions.RayTaskError as exc:
@@ -178,6 +206,7 @@ class RayShards:
         if failure is None:
             if self.weights is not None:  # restarted: it holds the shipped copy, not the checkpoint's weights
                 worker.load_weights.remote(*self.weights)
+            self.node_of[id(worker)] = ray.get(worker.node_id.remote())  # restarted, maybe elsewhere
             idle.append(worker)
 
     def _requeue(self, task: Task, index: int, attempts: Counter, pending: deque, what: str) -> None:
@@ -244,11 +273,14 @@ class RayEvalExecutor:
     run's evaluation workers (``trainer.layout.eval``) come from :meth:`for_run`."""
 
     @contextmanager
-    def open(self, spec: EvalWorkerSpec, *, workers: int, address: str | None, console: Console) -> Iterator[RayShards]:
+    def open(
+        self, spec: EvalWorkerSpec, *, workers: int, address: str | None, console: Console, max_sandboxes: int | None = None
+    ) -> Iterator[RayShards]:
+        spec = dataclasses.replace(spec, sandbox_per_shard=max_sandboxes is not None)
         with ray_runtime(address, WORKER_THREADS, console, cpus=workers * WORKER_THREADS) as ray:
             started = start_workers(ray, spec, workers, console)
             try:
-                yield RayShards(ray, started, console)
+                yield RayShards(ray, started, console, max_sandboxes)
             finally:
                 stop_workers(ray, started, console)
 
@@ -261,14 +293,16 @@ class RayEvalExecutor:
         there while the run lasts (its teacher's reference evaluation stays in the driver). Their nodes go into
         ``placement`` as ``eval`` (``eval.0``, ``eval.1``, … for several)."""
         cfg, layout = plan.config, plan.config.trainer.layout
-        spec = EvalWorkerSpec("hf", session.student_path, {"batch_size": cfg.trainer.generate_batch_size}, cfg.task_args)
+        bound = layout.eval.max_sandboxes
+        spec = EvalWorkerSpec("hf", session.student_path, {"batch_size": cfg.trainer.generate_batch_size}, cfg.task_args,
+                              sandbox_per_shard=bound is not None)  # fmt: skip
         shipped = ray.put(session.student.model)  # kept until the workers are gone: a restarted worker is built from it again
         placed = lambda i: placement_options(layout, groups, "eval", i)  # noqa: E731
         workers = start_workers(ray, spec, layout.eval.replicas, console, threads=cfg.threads or 1, placed=placed, model=shipped,
                                 tokenizer=session.student.tokenizer)  # fmt: skip
         try:
             placement.update(zip(replica_names("eval", len(workers)), ray.get([w.node_id.remote() for w in workers]), strict=True))
-            session.shard_runner = CheckpointShards(ray, RayShards(ray, workers, console))
+            session.shard_runner = CheckpointShards(ray, RayShards(ray, workers, console, bound))
             yield
         finally:
             session.shard_runner = None
