@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sqlite3
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -346,3 +347,28 @@ def test_ray_eval_of_a_swebench_replay_grades_on_the_worker(tiny, tmp_path, ray_
     assert stored_samples(tmp_path / "ray") == stored_samples(tmp_path / "inproc")
     assert [row[-1] for row in stored_samples(tmp_path / "ray")] == ["pass", "fail"]
 
+
+@pytest.mark.slow
+def test_max_sandboxes_bounds_the_sandboxed_shards_in_flight_per_node(tmp_path, ray_cluster):
+    """4 workers on the two nodes (2 each) and a sandboxed tool task (the local sandbox): unbounded, both workers of a
+    node hold a shard (and its sandbox) at once; with max_sandboxes 1, one per node at a time. Both store exactly the
+    in-process eval's samples."""
+    from rich.console import Console
+
+    from harness.backends.replay import ReplayBackend
+    from harness.evaluation import EvalWorkerSpec
+    from trainers.ray_eval import RAY_EVAL
+
+    model, args = tool_replay(tmp_path, 4)
+    task_of = lambda: TASKS.get("arith_tool")(TASKS.get("arith_tool").Options(**args["arith_tool"]))  # noqa: E731
+    problems = task_of().load("test")[:4]
+    rows = lambda result: [(s.problem_id, s.sample_index, s.completion, s.status) for s in result.samples]  # noqa: E731
+    reference = rows(evaluate_task(ReplayBackend.load(str(model)), task_of(), problems, k=1, sampling=SamplingParams(), shard_size=1))
+    assert [r[-1] for r in reference] == ["pass", "fail", "pass", "fail"]
+    spec = EvalWorkerSpec("replay", str(model), {}, args)
+    for bound, peak in ((None, 2), (1, 1)):
+        with RAY_EVAL.open(spec, workers=4, address=ray_cluster.address, console=Console(stderr=True), max_sandboxes=bound) as shards:
+            assert sorted(Counter(shards.node_of.values()).values()) == [2, 2]  # SPREAD: two workers on each node
+            result = evaluate_task(None, task_of(), problems, k=1, sampling=SamplingParams(), shard_size=1, runner=shards)
+            assert rows(result) == reference
+            assert dict(shards.peak_sandboxes) == {node: peak for node in ray_cluster.node_ids.values()}, shards.peak_sandboxes
