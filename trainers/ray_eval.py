@@ -137,9 +137,14 @@ class RayShards:
         return None
 
     def load(self, weights: Any, version: int) -> None:
-        """Every worker holds checkpoint ``version``'s weights (an object ref) before its next shard."""
+        """Every worker holds checkpoint ``version``'s weights (an object ref) before its next shard; one Ray is restarting
+        (or gave up on) is passed over: it refuses its next shard (:class:`StaleWeights`) and is loaded again then."""
         self.weights = (weights, version)
-        ray_get(self.ray, [worker.load_weights.remote(weights, version) for worker in self.workers])
+        for call in [worker.load_weights.remote(weights, version) for worker in self.workers]:
+            try:
+                ray_get(self.ray, call)
+            except self.ray.exceptions.RayActorError:
+                pass
 
     def run(
         self, task: Task, shards: dict[int, list[Problem]], *, k: int, sampling: SamplingParams
