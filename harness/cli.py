@@ -259,10 +259,10 @@ def _print_run_summary(store, run_id: str, plan, seconds: float) -> None:
     stdout.print(f"wall time: {seconds:.0f}s")
 
 
-EVAL_EXECUTOR_KEYS = ("executor", "workers", "ray_address")  # config keys that say where an eval ran, not what it measured
+EVAL_EXECUTOR_KEYS = ("executor", "workers", "ray_address", "max_sandboxes")  # where an eval ran, not what it measured
 
 
-def check_eval_executor(executor: str, workers: int | None, ray_address: str | None) -> None:
+def check_eval_executor(executor: str, workers: int | None, ray_address: str | None, max_sandboxes: int | None = None) -> None:
     """``harness eval``'s placement flags: exit 2 naming the flag when the executor is unknown or a flag needs ``--executor ray``."""
     if executor != "inprocess":
         from harness.registry import EVAL_EXECUTORS
@@ -271,8 +271,8 @@ def check_eval_executor(executor: str, workers: int | None, ray_address: str | N
             EVAL_EXECUTORS.get(executor)
         except RegistryError as exc:
             raise ConfigError(f"--executor {executor!r}: {exc} (or inprocess)") from None
-    elif workers is not None or ray_address is not None:
-        flag = "--workers" if workers is not None else "--ray-address"
+    elif workers is not None or ray_address is not None or max_sandboxes is not None:
+        flag = "--workers" if workers is not None else "--ray-address" if ray_address is not None else "--max-sandboxes"
         raise ConfigError(f"{flag} needs --executor ray (the in-process evaluation runs in this process)")
 
 
@@ -341,6 +341,10 @@ def eval_(
     shard_size: Annotated[
         int | None, typer.Option(min=1, help="problems per shard, all k samples of a problem in one (default: as many as fill 64 samples)")
     ] = None,
+    max_sandboxes: Annotated[
+        int | None,
+        typer.Option(min=1, help="most workers holding a task sandbox open at once on one node (--executor ray; default: no bound)"),
+    ] = None,
     resume: Annotated[str | None, typer.Option(help="continue the interrupted eval RUN_ID (same options); staged shards are kept")] = None,
 ) -> None:
     """Evaluate one model or checkpoint on one or more tasks; rows go to the store.
@@ -368,7 +372,7 @@ def eval_(
     except ValueError as exc:
         raise _fail(f"--logger: {exc}") from None
     try:
-        check_eval_executor(executor, workers, ray_address)
+        check_eval_executor(executor, workers, ray_address, max_sandboxes)
         check_data_dir(data_dir)
         task_args: dict = {}
         for item in task_arg or []:
@@ -403,6 +407,7 @@ def eval_(
         "executor": executor,
         "workers": workers,
         "ray_address": ray_address,
+        "max_sandboxes": max_sandboxes,
     }
     store = Store(out) if resume else None  # a new eval's store is opened once the model is loaded
     try:
@@ -416,7 +421,9 @@ def eval_(
         shards = lambda: nullcontext(LocalShards(backend_cls.load(model, **options)))  # noqa: E731
     else:
         spec = EvalWorkerSpec(backend, model, options, task_args, data_dir)
-        shards = lambda: EVAL_EXECUTORS.get(executor).open(spec, workers=workers or 1, address=ray_address, console=console)  # noqa: E731
+        shards = lambda: EVAL_EXECUTORS.get(executor).open(  # noqa: E731
+            spec, workers=workers or 1, address=ray_address, console=console, max_sandboxes=max_sandboxes
+        )
     errors: tuple[type[BaseException], ...] = (ValueError,)
     if backend == "openai":
         import openai

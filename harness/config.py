@@ -170,14 +170,25 @@ class RoleLayout(Strict):
         return self
 
 
+class EvalRoleLayout(RoleLayout):
+    """``trainer.layout.eval``: the evaluation workers of a run's checkpoint evaluations, and how many sandboxes they may
+    hold open at once on one node."""
+
+    max_sandboxes: int | None = Field(
+        None, ge=1, description="most evaluation workers of the run holding a task sandbox open at once on one node (default: no bound)"
+    )
+
+
 class Layout(Strict):
     """``trainer.layout``: the Ray placement of every role (``--executor ray``); roles left out take the defaults."""
 
     rollout: RoleLayout = Field(default_factory=RoleLayout)
     teacher: RoleLayout = Field(default_factory=RoleLayout)
     learner: RoleLayout = Field(default_factory=RoleLayout)
-    eval: RoleLayout = Field(
-        default_factory=RoleLayout, description="validated and recorded; not placed yet (evaluation runs in the driver)"
+    eval: EvalRoleLayout | None = Field(
+        None,
+        description="evaluation workers of the run's checkpoint evaluations (their shards, in this role's placement group); "
+        "unset: the driver evaluates",
     )
 
 
@@ -327,6 +338,9 @@ class EvalConfig(Strict):
     before_training: bool = Field(True, description="evaluate the initial student as checkpoint 0")
     teacher: bool = Field(True, description="evaluate the teacher once, as a reference row")
     n_resamples: int = Field(10_000, ge=100, description="bootstrap resamples for confidence intervals")
+    shard_size: int | None = Field(
+        None, ge=1, description="problems per evaluation shard, all k samples of a problem in one (default: as many as fill 64 samples)"
+    )
     seed: int = 0
 
 

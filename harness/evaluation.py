@@ -242,13 +242,17 @@ class EvalWorkerSpec:
     backend_options: dict
     task_args: dict
     data_dir: Path | None = None
+    sandbox_per_shard: bool = False  # close a sandboxed task's sandbox after each shard (a node's open ones: its shards in flight)
 
 
 class EvalExecutor(Protocol):
     """Where an evaluation's shards run besides this process (``harness eval --executor NAME``, an ``eval_executors``
-    entry point): ``open`` starts ``workers`` workers (on the cluster at ``address``) for the command's duration."""
+    entry point): ``open`` starts ``workers`` workers (on the cluster at ``address``) for the command's duration, at most
+    ``max_sandboxes`` of them on one node holding a task sandbox open at once."""
 
-    def open(self, spec: EvalWorkerSpec, *, workers: int, address: str | None, console) -> AbstractContextManager[ShardRunner]: ...
+    def open(
+        self, spec: EvalWorkerSpec, *, workers: int, address: str | None, console, max_sandboxes: int | None = None
+    ) -> AbstractContextManager[ShardRunner]: ...
 
 
 class ShardStage:

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from harness.report import match_key, dotted_get, plot_lag_curve, run_curve, summarize_run, sweep_report
+from harness.config import LAYOUT_ROLES
 from harness.evaluation import GENERIC_SUMMARY_KEYS
 from harness.store import Store
 from harness.viewer import EvalRef, merge_payloads, viewer_payload, viewer_section
@@ -460,6 +461,34 @@ def _mean_of(window: list[dict[str, float]], name: str) -> float | None:
     return float(np.mean(values)) if values else None
 
 
+def _role_nodes(role: str, placement: dict[str, str]) -> list[str]:
+    """The distinct nodes the run's placement puts ``role`` on (keys ``role``, ``role.<i>``, ``learner_rank_<i>``)."""
+    keys = [k for k in placement if k == role or k.startswith(f"{role}.") or k.startswith(f"{role}_rank_")]
+    return sorted({placement[k] for k in keys})
+
+
+def layout_rows(config: dict, placement: dict[str, str]) -> list[dict[str, str]]:
+    """One row per placed role of a run's record: replicas, what each asks for, strategy and the nodes it ran on
+    (from ``trainer.layout`` and the last checkpoint's ``placement``; a role without a layout shows only its nodes)."""
+    layout = dotted_get(config, "trainer.layout", None) or {}
+    rows = []
+    for role in LAYOUT_ROLES:
+        spec, nodes = layout.get(role), _role_nodes(role, placement)
+        if spec is None and not nodes:
+            continue
+        asks = "-"
+        if spec is not None:
+            resources = {"CPU": spec.get("num_cpus", 0), "GPU": spec.get("num_gpus", 0), **(spec.get("resources") or {})}
+            asks = ", ".join(f"{amount:g} {name}" for name, amount in resources.items() if amount) or "-"
+            if spec.get("max_sandboxes"):
+                asks += f"; max {spec['max_sandboxes']} sandboxes per node"
+        replicas = spec.get("replicas", 1) if spec is not None else len([k for k in placement if k.split(".")[0] == role]) or 1
+        rows.append({"role": role, "replicas": str(replicas), "per replica": asks,
+                     "strategy": spec.get("strategy", "-") if spec is not None else "-",
+                     "nodes": ", ".join(node[:12] for node in nodes) or "-"})  # fmt: skip
+    return rows
+
+
 def run_section(info: RunInfo) -> str:
     """The drill-down of one run: config, method record, per-checkpoint metrics, staleness, stage timings."""
     parts = [
@@ -530,6 +559,10 @@ def run_section(info: RunInfo) -> str:
         parts.append("<h4>stage timings (cumulative seconds)</h4><table><tr><th>role</th><th>stage</th><th>seconds</th></tr>" + "".join(
             f"<tr><td>{e(role.split('_')[0])}</td><td>{e(stage)}</td>{_num(float(s), 1)}</tr>"
             for role, stage, s in timings) + "</table>")  # fmt: skip
+    roles = layout_rows(info.config, last.get("placement") or {})
+    if roles:
+        parts.append("<h4>layout</h4><table><tr>" + "".join(f"<th>{e(h)}</th>" for h in roles[0]) + "</tr>" + "".join(
+            "<tr>" + "".join(f"<td>{e(v)}</td>" for v in row.values()) + "</tr>" for row in roles) + "</table>")  # fmt: skip
     workers = last.get("rollout_workers") or []
     if len(workers) > 1:
         parts.append("<h4>rollout workers</h4><table><tr><th>worker</th><th>samples</th><th>samples/s</th><th>idle</th></tr>" + "".join(

@@ -44,6 +44,7 @@ def _train_run(
         f"trainer.mode={mode}",
         f"seed={seed}",
         *([f"trainer.fixed_lag={fixed_lag}"] if fixed_lag is not None else []),
+        *(LAYOUT if method == "f_opd" else []),
     ]
     cfg = build_config(preset="smoke", overrides=overrides).model_dump()
     store.create_run(run_id, kind="train", config=cfg, method=method, task="arith")
@@ -65,7 +66,8 @@ def _train_run(
                        "learner_seconds": {"train": 0.5 * step, "wait": 0.1 * step}, "refreshes": i,
                        "idle_ratio_rollout": 0.1, "idle_ratio_learner": 0.4,
                        "rollout_workers": [{"samples": 40 * step, "samples_per_s": 2.5, "idle_ratio": 0.25},
-                                           {"samples": 24 * step, "samples_per_s": 1.5, "idle_ratio": 0.5}]}  # fmt: skip
+                                           {"samples": 24 * step, "samples_per_s": 1.5, "idle_ratio": 0.5}],
+                       **({"placement": PLACEMENT} if method == "f_opd" else {})}  # fmt: skip
             store.add_checkpoint(
                 run_id, step, path=None, samples_seen=int(samples_per_hour * step / 100), train_seconds=36.0 * step, metrics=metrics
             )
@@ -79,6 +81,12 @@ def _train_run(
                                                                      "hparams": {"kl_coef": 1.0}, "notes": {"kl_coef": "a note on kl_coef"},
                                                                      "warnings": []}))  # fmt: skip
     store.set_status(run_id, "done")
+
+
+LAYOUT = ["trainer.executor=ray", "trainer.layout.rollout.replicas=2", "trainer.layout.rollout.strategy=spread",
+          "trainer.layout.learner.num_gpus=1", "trainer.layout.eval.replicas=2", "trainer.layout.eval.max_sandboxes=1",
+          "trainer.layout.eval.resources={node_b: 1}"]  # fmt: skip  (the f_opd run's)
+PLACEMENT = {"rollout.0": "a" * 28, "rollout.1": "b" * 28, "teacher": "a" * 28, "learner": "b" * 28, "eval.0": "b" * 28, "eval.1": "b" * 28}
 
 
 def _agentic_eval(store: Store, run_id: str) -> None:
@@ -203,6 +211,13 @@ def test_drill_down_has_config_method_checkpoints_staleness_and_timings(page):
     assert "staleness (to step 300)" in section and "<svg" in section and "generate" in section
     workers = section[section.index("<h4>rollout workers</h4>") :]
     assert '<td>1</td><td class="num" data-sort="7200">7200</td><td class="num" data-sort="1.5">1.5</td>' in workers
+    layout = section[section.index("<h4>layout</h4>") : section.index("<h4>rollout workers</h4>")]
+    a, b = "a" * 12, "b" * 12
+    assert f"<tr><td>rollout</td><td>2</td><td>1 CPU</td><td>spread</td><td>{a}, {b}</td></tr>" in layout
+    assert f"<tr><td>learner</td><td>1</td><td>1 CPU, 1 GPU</td><td>pack</td><td>{b}</td></tr>" in layout
+    assert f"<tr><td>eval</td><td>2</td><td>1 CPU, 1 node_b; max 1 sandboxes per node</td><td>pack</td><td>{b}</td></tr>" in layout
+    other = html[html.index('<details id="run-0">') :]
+    assert "<h4>layout</h4>" not in other[: other.index("</details>")]  # an in-process run has no layout
 
 
 def test_html_needs_out_and_a_store(roots, tmp_path):

@@ -28,6 +28,8 @@ LAG = ["--method", "f_opd", "--mode", "async", "--set", "trainer.fixed_lag=1", "
         ("trainer.layout.rollout.replicas=-1", "trainer.layout.rollout.replicas"),
         ("trainer.layout.rollout.strategy=scatter", "trainer.layout.rollout.strategy"),
         ("trainer.layout.learner.num_cpus=0", "trainer.layout.learner"),
+        ("trainer.layout.eval.replicas=0", "trainer.layout.eval.replicas"),
+        ("eval.shard_size=0", "eval.shard_size"),
     ],
 )
 def test_bad_layouts_are_refused_at_config_time(tmp_path, override, key):
@@ -38,12 +40,17 @@ def test_bad_layouts_are_refused_at_config_time(tmp_path, override, key):
     assert not (tmp_path / "results.sqlite").exists()
 
 
-def test_layout_needs_ray_and_eval_is_recorded_only():
+def test_layout_needs_ray_and_eval_is_placed_only_when_given():
+    from trainers.ray_executor import local_cpus, placed_roles
+
     with pytest.raises(ConfigError, match="trainer.layout places the roles on a Ray cluster"):
         build_config(overrides=["trainer.layout.learner.num_cpus=1"])
     layout = build_config(overrides=["trainer.executor=ray", "trainer.layout.eval.replicas=4"]).trainer.layout
     assert layout.eval.replicas == 4 and layout.learner.replicas == 1
-    assert build_config(overrides=["trainer.executor=ray", "trainer.layout.rollout.replicas=3"]).trainer.layout.rollout.replicas == 3
+    assert placed_roles(layout) == ("rollout", "teacher", "learner", "eval") and local_cpus(layout, 1) == 7
+    without = build_config(overrides=["trainer.executor=ray", "trainer.layout.rollout.replicas=3"]).trainer.layout
+    assert without.rollout.replicas == 3 and without.eval is None  # no eval role: the driver evaluates, as before
+    assert placed_roles(without) == ("rollout", "teacher", "learner") and local_cpus(without, 1) == 5
     assert build_config(overrides=["trainer.executor=ray"]).trainer.layout is None  # no layout: today's actors, no placement groups
 
 
@@ -59,6 +66,7 @@ def test_shortfall_names_the_role_key_and_resource():
     assert "trainer.layout.rollout.resources.node_b" in layout_shortfall(layout("trainer.layout.rollout.resources={node_b: 1}"), nodes)
     both = layout("trainer.layout.rollout.num_gpus=1", "trainer.layout.rollout.resources={node_a: 1}")  # each exists, not on one node
     assert "trainer.layout.rollout: no single node" in layout_shortfall(both, nodes)
+    assert "trainer.layout.eval.num_gpus" in layout_shortfall(layout("trainer.layout.eval.num_gpus=2"), nodes)
 
 
 def _last_train_run(db) -> tuple[str, dict]:
@@ -220,3 +228,71 @@ def test_the_f_opd_16_gpu_layout_file_validates_and_fills_two_8_gpu_nodes():
     node = lambda label: {"Alive": True, "Resources": {"CPU": 64.0, "GPU": 8.0, label: 8.0}}  # noqa: E731
     assert layout_shortfall(layout, [node("node_a"), node("node_b")]) is None
     assert "trainer.layout.teacher.resources.node_b" in layout_shortfall(layout, [node("node_a")])
+
+
+EVAL_WORKERS = ["--set", "trainer.layout.eval.replicas=2", "--set", "trainer.layout.eval.num_cpus=0.5",
+                "--set", "trainer.layout.eval.strategy=spread", "--set", "trainer.layout.rollout.num_cpus=0.5",
+                "--set", "trainer.layout.teacher.num_cpus=0.5", "--set", "eval.shard_size=2"]  # fmt: skip  (4 shards a checkpoint)
+
+
+def _samples(db, run_id: str) -> list[tuple]:
+    with sqlite3.connect(db) as conn:
+        return conn.execute("SELECT step, task, problem_id, sample_index, completion, score, status FROM samples WHERE run_id=? "
+                            "ORDER BY 1, 2, 3, 4", (run_id,)).fetchall()  # fmt: skip
+
+
+def _inprocess_run(db) -> str:
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute("SELECT run_id, config_json FROM runs WHERE kind='train'").fetchall()
+    (run_id,) = [r for r, config in rows if json.loads(config)["trainer"]["executor"] == "inprocess"]
+    return run_id
+
+
+@pytest.mark.slow
+def test_checkpoint_evaluations_run_on_eval_workers_and_resume_without_redoing_staged_shards(
+    shared_out, ray_cluster, inprocess_lag, monkeypatch
+):
+    """trainer.layout.eval: every checkpoint's shards on 2 evaluation workers (one per node), none in the driver. One
+    worker is SIGKILLed once step 2's first shard is staged (Ray restarts it; it must get step 2's weights again); the
+    run is interrupted once step 4's first shard is staged, and resumed: that shard is not redone. Every stored sample
+    equals the in-process run's."""
+    import ray
+
+    import harness.evaluation
+    import trainers.ray_eval as re_
+
+    db = shared_out / "results.sqlite"
+    in_driver, staged, runners, killed = [], [], [], []
+    real_shard, real_save, real_call = harness.evaluation.evaluate_shard, harness.evaluation.ShardStage.save, re_.CheckpointShards.__call__
+    monkeypatch.setattr(harness.evaluation, "evaluate_shard", lambda *a, **kw: (in_driver.append(kw["index"]), real_shard(*a, **kw))[1])
+    monkeypatch.setattr(re_.CheckpointShards, "__call__", lambda self, *a: (runners.append(self), real_call(self, *a))[1])
+
+    def save(self, key, samples, interrupt: bool):
+        real_save(self, key, samples)
+        staged.append((self.folder.name, key["index"]))
+        if self.folder.name == "step2" and not killed:
+            killed.append(ray.get(runners[-1].shards.workers[0].pid.remote()))
+            os.kill(killed[-1], signal.SIGKILL)
+        if interrupt and self.folder.name == "step4":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(harness.evaluation.ShardStage, "save", lambda self, key, samples: save(self, key, samples, True))
+    cluster = ["--executor", "ray", "--set", f"trainer.ray_address={ray_cluster.address}", *EVAL_WORKERS]
+    result = runner.invoke(app, [*BASE, "--out", str(shared_out), *LAG, *cluster])
+    assert result.exit_code == 130 and "--resume" in result.output, result.output
+    run_id, _ = _last_train_run(db)
+    assert killed and staged[-1][0] == "step4" and [s for s in staged if s[0] == "step4"] == staged[-1:]
+    first = staged[-1]
+    monkeypatch.setattr(harness.evaluation.ShardStage, "save", lambda self, key, samples: save(self, key, samples, False))
+    resumed = runner.invoke(app, ["run", "--resume", run_id, "--out", str(shared_out)])
+    assert resumed.exit_code == 0, resumed.output
+    assert in_driver == []  # no shard of the student ran in the driver
+    step4 = [s for s in staged if s[0] == "step4"]
+    assert sorted(i for _, i in step4) == [0, 1, 2, 3] and step4.count(first) == 1  # the staged shard was not redone
+    assert sorted(i for f, i in staged if f == "step2") == [0, 1, 2, 3]
+    assert not (shared_out / "runs" / run_id / "eval_shards").exists()
+    assert _samples(db, run_id) == _samples(db, _inprocess_run(db)) and {row[0] for row in _samples(db, run_id)} == {2, 4}
+    with sqlite3.connect(db) as conn:
+        (metrics,) = conn.execute("SELECT metrics_json FROM checkpoints WHERE run_id=? AND step=2", (run_id,)).fetchone()
+    placement = json.loads(metrics)["placement"]
+    assert {placement["eval.0"], placement["eval.1"]} == set(ray_cluster.node_ids.values())

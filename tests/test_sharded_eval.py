@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sqlite3
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,8 @@ def test_shards_hold_whole_problems_and_sample_independently_of_the_others(tiny_
         (["--ray-address", "127.0.0.1:1"], "--ray-address"),
         (["--executor", "dask"], "--executor"),
         (["--shard-size", "0"], "--shard-size"),
+        (["--max-sandboxes", "2"], "--max-sandboxes"),
+        (["--executor", "ray", "--max-sandboxes", "0"], "--max-sandboxes"),
     ],
 )
 def test_bad_placement_flags_exit_2_naming_the_flag_before_anything_is_written(tmp_path, flags, named):
@@ -159,6 +162,42 @@ def test_an_eval_killed_with_sigkill_resumes_from_its_staged_shards(tmp_path, ti
     assert json.loads(resumed.stdout)["tasks"]["arith"]["shards_reused"] >= len(staged)  # a shard staged during the kill counts too
     fresh = runner.invoke(app, [*args, "--out", str(tmp_path / "fresh")])
     assert fresh.exit_code == 0 and stored_samples(out) == stored_samples(tmp_path / "fresh") and len(stored_samples(out)) == 12
+
+
+def tool_replay(tmp_path: Path, n: int = 4) -> tuple[Path, dict]:
+    """A replay file of agents that answer the first ``n`` arith_tool test problems with one interpreter call (every other
+    one wrongly), and the task options that run their calls in the local sandbox."""
+    args = {"arith_tool": {"sandbox": "local"}}
+    problems = TASKS.get("arith_tool")(TASKS.get("arith_tool").Options(**args["arith_tool"])).load("test")[:n]
+    call, boxed = "<code>\n```python\nprint({})\n```\n</code>", "<answer>\\boxed{{{}}}</answer>"
+    rows = [{"task": "arith_tool", "id": p.id, "turns": [call.format(p.meta.get("expression", "1")), boxed.format(int(p.answer) + i % 2)]}
+            for i, p in enumerate(problems)]  # fmt: skip
+    path = tmp_path / "tool_agents.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path, args
+
+
+def test_an_eval_worker_under_max_sandboxes_closes_its_sandbox_after_each_shard(tmp_path):
+    """The worker side of ``max_sandboxes``: a sandboxed task's sandbox is open only while a shard runs (the next shard
+    opens it again); without the bound it stays open for the next shard, as before."""
+    import torch
+
+    from harness.evaluation import EvalWorkerSpec
+    from trainers.ray_eval import EvalWorker
+
+    model, args = tool_replay(tmp_path, 2)
+    problems = TASKS.get("arith_tool")(TASKS.get("arith_tool").Options(**args["arith_tool"])).load("test")[:2]
+    threads = torch.get_num_threads()
+    try:
+        for per_shard in (True, False):
+            worker = EvalWorker(EvalWorkerSpec("replay", str(model), {}, args, sandbox_per_shard=per_shard), 1)
+            assert worker.ready() is None
+            rows = [row for i in range(2) for row in worker.run_shard("arith_tool", problems[i : i + 1], 1, SamplingParams(), i)]
+            assert [row.status for row in rows] == ["pass", "fail"]
+            assert (worker.tasks["arith_tool"]._sandbox is None) is per_shard
+            worker.close()
+    finally:
+        torch.set_num_threads(threads)
 
 
 # ---- on the two-node test cluster
@@ -307,3 +346,29 @@ def test_ray_eval_of_a_swebench_replay_grades_on_the_worker(tiny, tmp_path, ray_
     assert sharded.exit_code == 0, sharded.output
     assert stored_samples(tmp_path / "ray") == stored_samples(tmp_path / "inproc")
     assert [row[-1] for row in stored_samples(tmp_path / "ray")] == ["pass", "fail"]
+
+
+@pytest.mark.slow
+def test_max_sandboxes_bounds_the_sandboxed_shards_in_flight_per_node(tmp_path, ray_cluster):
+    """4 workers on the two nodes (2 each) and a sandboxed tool task (the local sandbox): unbounded, both workers of a
+    node hold a shard (and its sandbox) at once; with max_sandboxes 1, one per node at a time. Both store exactly the
+    in-process eval's samples."""
+    from rich.console import Console
+
+    from harness.backends.replay import ReplayBackend
+    from harness.evaluation import EvalWorkerSpec
+    from trainers.ray_eval import RAY_EVAL
+
+    model, args = tool_replay(tmp_path, 4)
+    task_of = lambda: TASKS.get("arith_tool")(TASKS.get("arith_tool").Options(**args["arith_tool"]))  # noqa: E731
+    problems = task_of().load("test")[:4]
+    rows = lambda result: [(s.problem_id, s.sample_index, s.completion, s.status) for s in result.samples]  # noqa: E731
+    reference = rows(evaluate_task(ReplayBackend.load(str(model)), task_of(), problems, k=1, sampling=SamplingParams(), shard_size=1))
+    assert [r[-1] for r in reference] == ["pass", "fail", "pass", "fail"]
+    spec = EvalWorkerSpec("replay", str(model), {}, args)
+    for bound, peak in ((None, 2), (1, 1)):
+        with RAY_EVAL.open(spec, workers=4, address=ray_cluster.address, console=Console(stderr=True), max_sandboxes=bound) as shards:
+            assert sorted(Counter(shards.node_of.values()).values()) == [2, 2]  # SPREAD: two workers on each node
+            result = evaluate_task(None, task_of(), problems, k=1, sampling=SamplingParams(), shard_size=1, runner=shards)
+            assert rows(result) == reference
+            assert dict(shards.peak_sandboxes) == {node: peak for node in ray_cluster.node_ids.values()}, shards.peak_sandboxes

@@ -18,7 +18,7 @@ from rich.console import Console
 
 from harness.backends import Backend, SamplingParams
 from harness.backends.hf import HFBackend
-from harness.evaluation import ShardStage, describe_episodes, evaluate_task, grade_episodes, store_eval, summarize_episodes
+from harness.evaluation import ShardRunner, ShardStage, describe_episodes, evaluate_task, grade_episodes, store_eval, summarize_episodes
 from harness.plan import load_plan_data
 from harness.registry import BACKENDS
 from harness.rollout import reference_trajectories, rollout
@@ -285,6 +285,7 @@ class Session:
     state: TrainState
     method_state: object | None
     train_problems: list = field(default_factory=list)
+    shard_runner: Callable[[Backend, int], ShardRunner] | None = None  # the student's shards at a step run there (Ray eval workers)
 
     @classmethod
     def open(cls, plan, store: Store, run_id: str, *, resume: bool, console: Console, threads: int | None = None) -> "Session":
@@ -407,7 +408,9 @@ class Session:
                 temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, max_new_tokens=task.options.max_new_tokens, seed=cfg.eval.seed
             )
             stage = ShardStage.of_run(store, run_id, step)  # a killed run's resume reuses finished shards
-            result = evaluate_task(backend, task, problems, k=k, sampling=sampling, n_resamples=cfg.eval.n_resamples, stage=stage)
+            runner = self.shard_runner(backend, step) if self.shard_runner is not None and backend is self.student else None
+            result = evaluate_task(backend, task, problems, k=k, sampling=sampling, n_resamples=cfg.eval.n_resamples, stage=stage,
+                                   shard_size=cfg.eval.shard_size, runner=runner)  # fmt: skip
             store_eval(store, run_id, step, result)
             stage.clear(task.name)
             s = result.summary

@@ -7,29 +7,37 @@ shards (``harness.evaluation.evaluate_shard``); the driver hands a shard to each
 one and stores a task's results in one transaction. A worker that dies is restarted by Ray (``max_restarts``) and
 the shard it held goes back to the queue: a shard is staged once, from the one attempt that finished, so none is
 lost or counted twice. Samples depend only on (seed, shard), so the scores equal the in-process evaluation's.
-Ray is imported here only, and this module only when the executor is ray.
+
+A training run's checkpoint evaluations use the same workers and queue (:meth:`RayEvalExecutor.for_run`, with
+``trainer.layout.eval``): ``trainer.layout.eval.replicas`` workers in the eval role's placement group, each holding a
+copy of the student shipped once; before a checkpoint is evaluated its weights go to every worker through the object
+store (as the rollout actors get theirs) and a worker that does not hold them (restarted by Ray since) refuses the
+shard, which is re-queued while the weights are loaded again. Ray is imported here only, and this module only when the
+executor is ray.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
 from rich.console import Console
 
-from harness.backends import SamplingParams
+from harness.backends import Backend, SamplingParams
+from harness.backends.hf import HFBackend
 from harness.evaluation import EvalWorkersFailed, EvalWorkerSpec, evaluate_shard
 from harness.plan import make_task
 from harness.registry import BACKENDS
 from harness.store import SampleRow
 from harness.task import Problem, Task, close_tasks
 from trainers.pipeline import close_rollout_backend
-from trainers.ray_executor import CLOSE_TIMEOUT_S, ActorRole, _setup_actor, ray_runtime
+from trainers.ray_executor import CLOSE_TIMEOUT_S, ActorRole, _setup_actor, placement_options, ray_get, ray_runtime, replica_names
 
 MAX_RESTARTS = 3  # Ray restarts a dead evaluation worker this often
 PROBE_INTERVAL_S = 0.5  # how often a restarting worker is asked whether it is back
@@ -37,16 +45,31 @@ MAX_SHARD_ATTEMPTS = 3  # a shard whose worker died this often stops the evaluat
 WORKER_THREADS = 1  # torch threads (and Ray CPUs) per worker
 
 
-class EvalWorker(ActorRole):
-    """One evaluation worker: its own backend and task instances; rolls out and grades the shards it is handed."""
+class StaleWeights(RuntimeError):
+    """An evaluation worker asked for a checkpoint's shard does not hold that checkpoint's weights (Ray restarted it)."""
 
-    def __init__(self, spec: EvalWorkerSpec, threads: int) -> None:
+
+class EvalWorker(ActorRole):
+    """One evaluation worker: its own backend and task instances; rolls out and grades the shards it is handed.
+
+    Given ``model`` (a training run's student, shipped), it wraps it in an hf backend holding no checkpoint's weights
+    (version -1) until :meth:`load_weights`; otherwise it loads ``spec.model`` on ``spec.backend``."""
+
+    def __init__(self, spec: EvalWorkerSpec, threads: int, model: Any = None, tokenizer: Any = None) -> None:
         _setup_actor(threads)
         self.spec, self.tasks, self.backend, self.failure = spec, {}, None, None
         try:  # a start-up failure (a missing model folder) is reported by ``ready`` as one line, not a creation traceback
-            self.backend = BACKENDS.get(spec.backend).load(spec.model, **spec.backend_options)
+            if model is not None:
+                self.backend = HFBackend(model, tokenizer, **spec.backend_options)
+                self.backend.version = -1
+            else:
+                self.backend = BACKENDS.get(spec.backend).load(spec.model, **spec.backend_options)
         except Exception as exc:  # noqa: BLE001 - reported to the driver, which stops the evaluation
             self.failure = f"{type(exc).__name__}: {exc}"
+
+    def load_weights(self, weights: dict, version: int) -> None:
+        """Hold the weights of checkpoint ``version`` (a training run's evaluation workers)."""
+        self.backend.load_weights(weights, version)
 
     def ready(self) -> str | None:  # type: ignore[override]
         """None once the backend is loaded, else why it could not be."""
@@ -64,9 +87,18 @@ class EvalWorker(ActorRole):
             self.tasks[name] = task
         return self.tasks[name]
 
-    def run_shard(self, task: str, problems: list[Problem], k: int, sampling: SamplingParams, index: int) -> list[SampleRow]:
-        """Shard ``index``'s graded rows (its trajectories stay here: the driver stores rows only)."""
-        rows, _ = evaluate_shard(self.backend, self._task(task), problems, k=k, sampling=sampling, index=index, show_progress=False)
+    def run_shard(
+        self, task: str, problems: list[Problem], k: int, sampling: SamplingParams, index: int, version: int | None = None
+    ) -> list[SampleRow]:
+        """Shard ``index``'s graded rows (its trajectories stay here: the driver stores rows only); with ``version``, only
+        from that checkpoint's weights (:class:`StaleWeights` otherwise)."""
+        if version is not None and self.backend.version != version:
+            raise StaleWeights(f"evaluation worker holds weights version {self.backend.version}, not {version} (restarted)")
+        try:
+            rows, _ = evaluate_shard(self.backend, self._task(task), problems, k=k, sampling=sampling, index=index, show_progress=False)
+        finally:
+            if self.spec.sandbox_per_shard and task in self.tasks and self.tasks[task].needs_sandbox:
+                self.tasks[task].close()  # its containers go now; the next shard opens the sandbox again
         return rows
 
     def close(self) -> None:
@@ -81,11 +113,38 @@ def task_error(ray: ModuleType, exc: Exception) -> Exception:
 
 
 class RayShards:
-    """The driver's side of the workers: a queue of shards, one in flight per worker, re-queued when its worker dies."""
+    """The driver's side of the workers: a queue of shards, one in flight per worker, re-queued when its worker dies.
 
-    def __init__(self, ray: ModuleType, workers: list[Any], console: Console) -> None:
-        self.ray, self.workers, self.console = ray, workers, console
-        self.requeued = 0  # shards handed out again after their worker died
+    With ``max_sandboxes``, a shard of a sandboxed task goes to an idle worker only on a node where fewer than that many
+    of its shards are in flight; the workers close such a task's sandbox after each shard (``sandbox_per_shard``), so
+    at most ``max_sandboxes`` of these workers hold a sandbox open on one node at once. ``peak_sandboxes`` counts, per
+    node, the most shards of a sandboxed task in flight there at once (bounded or not)."""
+
+    def __init__(self, ray: ModuleType, workers: list[Any], console: Console, max_sandboxes: int | None = None) -> None:
+        self.ray, self.workers, self.console, self.max_sandboxes = ray, workers, console, max_sandboxes
+        self.requeued = 0  # shards handed out again after their worker died (or lost its checkpoint's weights)
+        self.weights: tuple[Any, int] | None = None  # (object ref, version) every worker must hold: a run's checkpoint
+        self.node_of = dict(zip(map(id, workers), ray.get([w.node_id.remote() for w in workers]), strict=True))  # id(worker) -> node
+        self.peak_sandboxes: Counter = Counter()  # node -> most sandboxed shards in flight there at once
+
+    def _next_worker(self, idle: deque, open_on: Counter | None) -> Any:
+        """An idle worker to hand the next shard to (for a sandboxed task under ``max_sandboxes``, one on a node where
+        fewer are in flight), or None."""
+        for worker in idle:
+            if open_on is None or self.max_sandboxes is None or open_on[self.node_of[id(worker)]] < self.max_sandboxes:
+                idle.remove(worker)
+                return worker
+        return None
+
+    def load(self, weights: Any, version: int) -> None:
+        """Every worker holds checkpoint ``version``'s weights (an object ref) before its next shard; one Ray is restarting
+        (or gave up on) is passed over: it refuses its next shard (:class:`StaleWeights`) and is loaded again then."""
+        self.weights = (weights, version)
+        for call in [worker.load_weights.remote(weights, version) for worker in self.workers]:
+            try:
+                ray_get(self.ray, call)
+            except self.ray.exceptions.RayActorError:
+                pass
 
     def run(
         self, task: Task, shards: dict[int, list[Problem]], *, k: int, sampling: SamplingParams
@@ -94,11 +153,17 @@ class RayShards:
         pending, idle, attempts = deque(shards), deque(self.workers), Counter()
         inflight: dict[Any, tuple[int, Any]] = {}  # shard call -> (shard, worker)
         probes: dict[Any, Any] = {}  # ``ready`` call -> a worker that died, until it is back
+        open_on: Counter | None = Counter() if task.needs_sandbox else None  # node -> this task's shards in flight there
         try:
             while pending or inflight:
-                while pending and idle:
-                    index, worker = pending.popleft(), idle.popleft()
-                    inflight[worker.run_shard.remote(task.name, shards[index], k, sampling, index)] = (index, worker)
+                while pending and (worker := self._next_worker(idle, open_on)) is not None:
+                    index = pending.popleft()
+                    version = self.weights[1] if self.weights is not None else None
+                    inflight[worker.run_shard.remote(task.name, shards[index], k, sampling, index, version)] = (index, worker)
+                    if open_on is not None:
+                        node = self.node_of[id(worker)]
+                        open_on[node] += 1
+                        self.peak_sandboxes[node] = max(self.peak_sandboxes[node], open_on[node])
                 if not inflight and not probes:
                     raise EvalWorkersFailed(f"{task.name}: every evaluation worker died for good ({len(pending)} shards left)")
                 (ref,), _ = ray.wait([*inflight, *probes], num_returns=1)
@@ -106,18 +171,20 @@ class RayShards:
                     self._probed(ref, probes, idle)
                     continue
                 index, worker = inflight.pop(ref)
+                if open_on is not None:  # finished or lost: its worker closed its sandbox (a killed one's are reaped on restart)
+                    open_on[self.node_of[id(worker)]] -= 1
                 try:
                     rows = ray.get(ref)
                 except ray.exceptions.RayTaskError as exc:
-                    raise task_error(ray, exc) from None
+                    error = task_error(ray, exc)
+                    if not isinstance(error, StaleWeights) or self.weights is None:
+                        raise error from None
+                    self._requeue(task, index, attempts, pending, "lost its checkpoint's weights (restarted)")
+                    worker.load_weights.remote(*self.weights)  # runs before its next shard (one call at a time, in order)
+                    idle.append(worker)
+                    continue
                 except ray.exceptions.RayActorError as exc:  # the worker died (Ray restarts it): the shard goes back
-                    attempts[index] += 1
-                    if attempts[index] >= MAX_SHARD_ATTEMPTS:
-                        raise EvalWorkersFailed(f"{task.name} shard {index}: its evaluation worker died {attempts[index]} times") from None
-                    self.requeued += 1
-                    self.console.print(f"[yellow]warning:[/] {task.name} shard {index}: evaluation worker died "
-                                       f"({type(exc).__name__}); shard re-queued")  # fmt: skip
-                    pending.appendleft(index)
+                    self._requeue(task, index, attempts, pending, f"died ({type(exc).__name__})")
                     probes[worker.ready.remote()] = worker
                     continue
                 idle.append(worker)
@@ -142,15 +209,38 @@ class RayShards:
             probes[worker.ready.remote()] = worker
             return
         if failure is None:
+            if self.weights is not None:  # restarted: it holds the shipped copy, not the checkpoint's weights
+                worker.load_weights.remote(*self.weights)
+            self.node_of[id(worker)] = ray.get(worker.node_id.remote())  # restarted, maybe elsewhere
             idle.append(worker)
 
+    def _requeue(self, task: Task, index: int, attempts: Counter, pending: deque, what: str) -> None:
+        """Shard ``index`` (its worker ``what``) back to the front of the queue, or :class:`EvalWorkersFailed` when that
+        happened to it :data:`MAX_SHARD_ATTEMPTS` times (something kills every attempt)."""
+        attempts[index] += 1
+        if attempts[index] >= MAX_SHARD_ATTEMPTS:
+            raise EvalWorkersFailed(f"{task.name} shard {index}: its evaluation worker {what} {attempts[index]} times") from None
+        self.requeued += 1
+        self.console.print(f"[yellow]warning:[/] {task.name} shard {index}: evaluation worker {what}; shard re-queued")
+        pending.appendleft(index)
 
-def start_workers(ray: ModuleType, spec: EvalWorkerSpec, count: int, console: Console) -> list[Any]:
-    """``count`` workers spread over the cluster's nodes (Ray's SPREAD strategy), each restarted when it dies."""
-    cls = ray.remote(EvalWorker).options(
-        num_cpus=WORKER_THREADS, max_concurrency=1, max_restarts=MAX_RESTARTS, max_task_retries=0, scheduling_strategy="SPREAD"
-    )
-    workers = [cls.remote(spec, WORKER_THREADS) for _ in range(count)]
+
+def spread(index: int) -> dict[str, Any]:
+    """Placement of ``harness eval``'s workers: one CPU each, spread over the cluster's nodes (Ray's SPREAD strategy)."""
+    return {"num_cpus": WORKER_THREADS, "scheduling_strategy": "SPREAD"}
+
+
+def start_workers(
+    ray: ModuleType, spec: EvalWorkerSpec, count: int, console: Console, *, threads: int = WORKER_THREADS,
+    placed: Callable[[int], dict[str, Any]] = spread, model: Any = None, tokenizer: Any = None,
+) -> list[Any]:
+    """``count`` workers, worker i placed by ``placed(i)``, each restarted when it dies; ``model`` (an object ref) is a
+    training run's student, shipped instead of loading ``spec.model``."""
+    workers = [
+        ray.remote(EvalWorker).options(max_concurrency=1, max_restarts=MAX_RESTARTS, max_task_retries=0, **placed(i))
+        .remote(spec, threads, model, tokenizer)
+        for i in range(count)
+    ]  # fmt: skip
     failures = [f for f in ray.get([w.ready.remote() for w in workers]) if f]
     if failures:
         stop_workers(ray, workers, console)
@@ -170,17 +260,59 @@ def stop_workers(ray: ModuleType, workers: list[Any], console: Console) -> None:
         ray.kill(worker, no_restart=True)
 
 
+class CheckpointShards:
+    """A training run's checkpoint evaluations on its evaluation workers (``Session.shard_runner``): the student's
+    weights at a step go to every worker through the object store once, then that step's shards run on them."""
+
+    def __init__(self, ray: ModuleType, shards: RayShards) -> None:
+        self.ray, self.shards = ray, shards
+
+    def __call__(self, backend: Backend, step: int) -> RayShards:
+        if self.shards.weights is None or self.shards.weights[1] != step:
+            self.shards.load(self.ray.put(backend.model.state_dict()), step)
+        return self.shards
+
+
 class RayEvalExecutor:
-    """``harness eval --executor ray``: a local Ray, or the cluster at ``address``; N workers for the command."""
+    """``harness eval --executor ray``: a local Ray, or the cluster at ``address``; N workers for the command. A training
+    run's evaluation workers (``trainer.layout.eval``) come from :meth:`for_run`."""
 
     @contextmanager
-    def open(self, spec: EvalWorkerSpec, *, workers: int, address: str | None, console: Console) -> Iterator[RayShards]:
+    def open(
+        self, spec: EvalWorkerSpec, *, workers: int, address: str | None, console: Console, max_sandboxes: int | None = None
+    ) -> Iterator[RayShards]:
+        spec = dataclasses.replace(spec, sandbox_per_shard=max_sandboxes is not None)
         with ray_runtime(address, WORKER_THREADS, console, cpus=workers * WORKER_THREADS) as ray:
             started = start_workers(ray, spec, workers, console)
             try:
-                yield RayShards(ray, started, console)
+                yield RayShards(ray, started, console, max_sandboxes)
             finally:
                 stop_workers(ray, started, console)
+
+    @contextmanager
+    def for_run(
+        self, ray: ModuleType, plan, session, groups: dict[str, Any], placement: dict[str, str], console: Console
+    ) -> Iterator[None]:
+        """``trainer.layout.eval.replicas`` workers, worker i in bundle i of the eval role's placement group, holding the
+        session's student (shipped once) and the run's eval tasks; the session's checkpoint evaluations run their shards
+        there while the run lasts (its teacher's reference evaluation stays in the driver). Their nodes go into
+        ``placement`` as ``eval`` (``eval.0``, ``eval.1``, … for several)."""
+        cfg, layout = plan.config, plan.config.trainer.layout
+        bound = layout.eval.max_sandboxes
+        spec = EvalWorkerSpec("hf", session.student_path, {"batch_size": cfg.trainer.generate_batch_size}, cfg.task_args,
+                              sandbox_per_shard=bound is not None)  # fmt: skip
+        shipped = ray.put(session.student.model)  # kept until the workers are gone: a restarted worker is built from it again
+        placed = lambda i: placement_options(layout, groups, "eval", i)  # noqa: E731
+        workers = start_workers(ray, spec, layout.eval.replicas, console, threads=cfg.threads or 1, placed=placed, model=shipped,
+                                tokenizer=session.student.tokenizer)  # fmt: skip
+        try:
+            placement.update(zip(replica_names("eval", len(workers)), ray.get([w.node_id.remote() for w in workers]), strict=True))
+            session.shard_runner = CheckpointShards(ray, RayShards(ray, workers, console, bound))
+            yield
+        finally:
+            session.shard_runner = None
+            stop_workers(ray, workers, console)
+            del shipped
 
 
 RAY_EVAL = RayEvalExecutor()

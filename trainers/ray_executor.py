@@ -38,7 +38,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import ModuleType
 from typing import Any
 
@@ -47,6 +47,7 @@ from rich.console import Console
 
 from harness.backends.hf import HFBackend
 from harness.errors import TrainingAborted
+from harness.registry import EVAL_EXECUTORS
 from harness.trajectory import TensorBatch, concat_batches
 from harness.task import close_tasks
 from harness.config import LAYOUT_ROLES, ConfigError, Layout, RoleLayout
@@ -73,7 +74,7 @@ OBJECT_STORE_BYTES = 512 * 2**20  # caps /dev/shm use of a local Ray
 ROLES = 3  # rollout, teacher, learner
 CLOSE_TIMEOUT_S = 60.0  # how long the actors get to release their tasks' sandboxes before they are killed
 PLACEMENT_TIMEOUT_S = 60.0  # how long a role's placement group may take to be reserved before the layout is refused
-PLACED_ROLES = tuple(role for role in LAYOUT_ROLES if role != "eval")  # roles with actors (eval is validated, not placed yet)
+PLACED_ROLES = tuple(role for role in LAYOUT_ROLES if role != "eval")  # roles every layout places (eval: only when it is given)
 ROLLOUT_RESTARTS = MAX_ROLLOUT_LOSSES  # Ray restarts a dead rollout actor this often; the driver re-queues its batch
 RESTART_TIMEOUT_S = 180.0  # how long a dead rollout actor may take to come back (imports, plan, model) before the run fails
 TEACHER_RESTARTS = 3  # Ray restarts a dead teacher actor this often; its batch is scored by another replica meanwhile
@@ -106,10 +107,15 @@ def _layout_key(role: str, resource: str) -> str:
     return f"trainer.layout.{role}." + LAYOUT_KEYS.get(resource, f"resources.{resource}")
 
 
+def placed_roles(layout: Layout) -> tuple[str, ...]:
+    """The roles ``layout`` places: rollout, teacher and learner, and eval when the layout gives it (evaluation workers)."""
+    return PLACED_ROLES + (("eval",) if layout.eval is not None else ())
+
+
 def layout_shortfall(layout: Layout, nodes: list[dict]) -> str | None:
     """Why no alive node can hold one replica of some role (key, resource, the most any node has), or None."""
     capacity = [node["Resources"] for node in nodes if node.get("Alive")]
-    for role in PLACED_ROLES:
+    for role in placed_roles(layout):
         bundle = role_bundle(getattr(layout, role))
         for resource, amount in bundle.items():
             most = max((node.get(resource, 0.0) for node in capacity), default=0.0)
@@ -125,7 +131,7 @@ def local_cpus(layout: Layout | None, threads: int) -> int:
     """Logical CPUs of a local Ray: one per role thread, or what the layout's placed roles ask for, whichever is more."""
     if layout is None:
         return ROLES * threads
-    asked = sum(getattr(layout, role).num_cpus * getattr(layout, role).replicas for role in PLACED_ROLES)
+    asked = sum(getattr(layout, role).num_cpus * getattr(layout, role).replicas for role in placed_roles(layout))
     return max(ROLES * threads, math.ceil(asked))
 
 
@@ -142,7 +148,7 @@ def reserve_layout(ray: ModuleType, layout: Layout, timeout_s: float | None = No
 
     groups: dict[str, Any] = {}
     try:
-        for role in PLACED_ROLES:
+        for role in placed_roles(layout):
             spec = getattr(layout, role)
             bundle = role_bundle(spec)
             groups[role] = placement_group([bundle] * spec.replicas, strategy=STRATEGIES[spec.strategy])
@@ -579,6 +585,17 @@ def wait_ready(ray: ModuleType, actors: list, names: list[str], console: Console
     console.print("ray placement: " + ", ".join(f"{role} on node {node[:12]}" for role, node in placement.items()))
 
 
+def checkpoint_evaluation(
+    ray: ModuleType, plan, session: Session, groups: dict[str, Any], placement: dict[str, str], console: Console
+) -> AbstractContextManager[None]:
+    """The run's checkpoint evaluations on the ``trainer.layout.eval`` workers of the eval executor of the same name
+    (``trainers.ray_eval``, found through the registry), in the eval role's placement group; in the driver without one."""
+    layout = plan.config.trainer.layout
+    if layout is None or layout.eval is None:
+        return nullcontext()
+    return EVAL_EXECUTORS.get(plan.config.trainer.executor).for_run(ray, plan, session, groups, placement, console)
+
+
 class RayExecutor:
     """Roles as Ray actors (rollout, teacher-scorer, learner) on a local Ray or the cluster at ``trainer.ray_address``,
     placed by ``trainer.layout`` when given. Ray is one per process, and so are the run's placement groups (``groups``)."""
@@ -619,7 +636,8 @@ class RayExecutor:
         ray_learner, teachers = RayLearner(ray, learners, session), TeacherActors(ray, scorers)
         placement: dict[str, str] = {}
         try:
-            with warnings.catch_warnings():  # the session's optimizer mirrors the learner's, so only its scheduler steps
+            with checkpoint_evaluation(ray, plan, session, self.groups, placement, console), warnings.catch_warnings():
+                # the session's optimizer mirrors the learner's, so only its scheduler steps
                 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before", category=UserWarning)
                 yield Roles(
                     [RayRollout(ray, plan, rollout, teachers, board) for rollout in rollouts],
