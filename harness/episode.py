@@ -3,7 +3,8 @@
 An environment gives the opening context (``reset``), consumes one model turn at a time (``step``) and
 answers with an :class:`Observation` or nothing, and says when the episode is over. Each turn's stop
 strings come from the environment (``Env.stop``, e.g. ``</code>``). ``close`` is always called, also when
-the episode or the whole rollout fails, so an environment may own a sandbox session for its episode.
+the episode or the whole rollout fails, so an environment may own a sandbox session for its episode; ``prepare`` lets it
+start that session while the model writes its first turn.
 
 Observations are environment tokens (loss mask 0). They enter the context in the role the model expects:
 ``inline`` text is appended verbatim (the model continues its own turn, as in ReTool's ``<interpreter>``
@@ -57,6 +58,11 @@ class Env(ABC):
     @abstractmethod
     def step(self, model_text: str) -> StepResult:
         """Consume one model turn; return the observation to append (or None) and whether the episode is over."""
+
+    def prepare(self) -> None:
+        """Start, in the background, what the first ``step`` needs (e.g. the episode's sandbox), so that it overlaps
+        with the first generation; the rollout calls it after ``reset`` when a model generates. ``step`` waits for it,
+        and ``close`` ends it, also while it is still starting."""
 
     def metrics(self) -> dict[str, float]:
         """Per-episode counters for the evaluation table (e.g. ``tool_calls``, ``invalid_tool_calls``, ``tool_errors``)."""

@@ -6,7 +6,8 @@ returns. The episodes whose step (or opening) has returned are generated togethe
 of stop strings); the generator waits for more only while steps keep returning (a ``batch_window_s`` idle gap)
 or until none is left running, so a slow step holds up only its own episode. Environment openings, steps and
 closes run in a bounded thread pool. Every environment is closed, whatever happens (interrupts included); an
-episode's environment is closed as soon as the episode ends.
+episode's environment is closed as soon as the episode ends. When a model generates (not a replay), each environment's
+``prepare`` runs right after its opening, so what its first step needs (a container) starts during the first generation.
 
 Determinism: with ``params.seed`` every turn of every episode samples with its own seed, :func:`turn_seed`
 of (seed, task, problem id, its occurrence among equal ids, sample index, turn), passed to the backend as
@@ -105,12 +106,13 @@ def run_episodes(
     use_template = task.options.use_chat_template
     budgeted = getattr(backend, "counts_tokens", True)  # replayed turns are characters, not the model's tokens: no token budgets
     limit = context_limit(backend, task) if budgeted else None
+    prepare = generates(backend)
     episodes = new_episodes(task, problems, params.n)
     closes: dict[int, Future] = {}  # episode index -> its close, submitted when the episode ended
     finished = False
     pool = ThreadPoolExecutor(max_workers=max(1, env_workers), thread_name_prefix="env")
     try:
-        running: dict[Future, int] = {pool.submit(open_episode, e, task, tokenizer, limit): i for i, e in enumerate(episodes)}
+        running: dict[Future, int] = {pool.submit(open_episode, e, task, tokenizer, limit, prepare): i for i, e in enumerate(episodes)}
         while running:
             ready = returned(running, batch_window_s)
             live = [i for i in ready if episodes[i].live]
@@ -185,9 +187,16 @@ class ContextOverflow(ValueError):
     """An episode's opening context leaves no room for the model's first token: the model was never asked."""
 
 
-def open_episode(episode: Episode, task: Task, tokenizer, limit: int | None = None) -> None:
-    """Create the environment and take its opening context; a failure, or an opening context that does not fit the
-    budget, ends the episode as an ``error`` (not measured), never as the model's fail."""
+def generates(backend: Backend) -> bool:
+    """Whether the backend's turns take a model's time (environments then ``prepare`` during the first generation); one
+    that serves stored turns (replay) answers at once, and a stored prediction may need no sandbox at all."""
+    return not getattr(backend, "needs_episode_keys", False)
+
+
+def open_episode(episode: Episode, task: Task, tokenizer, limit: int | None = None, prepare: bool = False) -> None:
+    """Create the environment and take its opening context, then (``prepare``) let it start what its first step needs
+    while the model generates; a failure, or an opening context that does not fit the budget, ends the episode as an
+    ``error`` (not measured), never as the model's fail."""
     started = time.perf_counter()
     try:
         episode.env = task.env(episode.problem, tokenizer)
@@ -199,6 +208,8 @@ def open_episode(episode: Episode, task: Task, tokenizer, limit: int | None = No
                 f"the opening context is {len(episode.traj.prompt_ids)} tokens, the context budget {limit} "
                 "(the smaller of the model's positions and the task's max_context_tokens); raise the model's context or shorten the prompt"
             )
+        if prepare:
+            episode.env.prepare()
     except Exception as exc:  # noqa: BLE001 - one broken environment must not take the batch down
         episode.fail("reset", exc)
     add_time(episode.traj, "env_s", time.perf_counter() - started)

@@ -119,3 +119,26 @@ def test_rollout_workers_warms_up_both_then_alternates_their_order(monkeypatch, 
     bench.main()
     assert runs == [("init", 4), (5, 1), (5, 2), (6, 1), (6, 2), (6, 2), (6, 1), ("shutdown", 0)]
     assert "ratio 2.00x" in capsys.readouterr().out
+
+
+def test_agent_step_latency_warms_up_then_alternates_which_episode_start_runs_first(monkeypatch):
+    """Episode wall times: one warm-up pair excluded, then the overlapped start and the start on the first command
+    alternate which runs first; the ratio is of the medians."""
+    bench = load_benchmark("agent_step_latency")
+    order, walls = [], iter([9.0, 9.0, 4.0, 6.0, 6.0, 4.0, 5.0, 7.0])
+
+    class Traj:
+        metadata: dict = {}
+        num_steps = 2
+
+    def fake_rollout(model, task, problems, params):
+        order.append(type(task).__name__)
+        return [Traj()]
+
+    monkeypatch.setattr(bench, "rollout", fake_rollout)
+    monkeypatch.setattr(bench, "timed", lambda fn: (fn(), next(walls))[1])
+    result = bench.measure_episodes(None, None, rounds=3, turns=2, think_s=0.0)
+    first = ["StartOnFirstCommand", "SwebenchTask"]
+    assert order == [*first, *first[::-1], *first, *first[::-1]]
+    assert result["wall_s"] == {"overlapped": [4.0, 4.0, 5.0], "start_on_first_command": [6.0, 6.0, 7.0]}
+    assert result["ratio_start_on_first_command_over_overlapped"] == 1.5

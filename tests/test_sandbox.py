@@ -308,6 +308,26 @@ def test_local_parallel_threads(local_sb):
 
 
 @pytest.mark.docker
+def test_docker_served_session_runs_through_the_exec_server_and_is_removed_on_close(docker_client, monkeypatch):
+    """A served session's runs are exec-server requests (no docker exec) that keep its files and background processes;
+    closed, its container is removed, not reset for another session."""
+    import docker
+
+    with sandbox.open_sandbox("docker", image=IMAGE, pool_size=1) as sb:
+        s = sb.session(served=True)
+        execs, create = [], sb.client().api.exec_create
+        monkeypatch.setattr(sb.client().api, "exec_create", lambda *a, **k: execs.append(a) or create(*a, **k))
+        assert s.run(ExecRequest(argv=["sh", "-c", "touch kept && (setsid sleep 300 > /dev/null 2>&1 &)"])).success
+        r = s.run(ExecRequest(argv=["sh", "-c", "ls; grep -l '^sleep' /proc/[0-9]*/comm | wc -l"]))
+        assert r.stdout.split() == ["kept", "1"] and execs == [], r
+        first = s.container_id
+        s.close()
+        assert not sb._idle_sessions.get(s._box.limits) and sb.stats["sessions_discarded"] == 0
+        with pytest.raises(docker.errors.NotFound):
+            docker_client.containers.get(first)
+
+
+@pytest.mark.docker
 def test_docker_pooled_session_keeps_state_between_runs_and_is_reset_or_removed_on_close(docker_client):
     """A pooled session's runs keep its files and background processes; closed, its container is reset and handed to
     the next pooled session; closed while a run is in flight, it is removed instead (the run fails)."""

@@ -339,6 +339,98 @@ def test_open_instance_session_runs_in_the_repository(tiny):
         assert net.exit_code != 0
 
 
+def agent_env(task: SwebenchTask, problem, **limits):
+    """An agent episode on the tiny instance, its container opened by the task (as in ``task.env``)."""
+    from tasks.agentic.shell_env import AgentLimits
+    from tasks.swebench.agent import SwebenchAgentEnv
+    from tasks.swebench.task import AGENT_WORKDIR
+
+    return SwebenchAgentEnv("", lambda: task.open_session(problem.meta), workdir=AGENT_WORKDIR, limits=AgentLimits(**limits))
+
+
+def test_agent_commands_are_exec_server_requests_that_keep_the_session_semantics(tiny, monkeypatch):
+    """With ``agent_exec_server`` an agent's command in the instance container is a request to its exec server, not a
+    `docker exec` (benchmarks/agent_step_latency.py), and keeps what agents rely on: the working directory and exported variables
+    persist; a background process neither holds its command up nor dies with it; a command past its limit is killed
+    and leaves the session's state as it was; long output is cut head+tail; the network is off."""
+    import time
+
+    root, _ = tiny
+    task = SwebenchTask(tiny_task(root).options.model_copy(update={"agent_exec_server": True}))
+    (problem,) = task.load()
+    env = agent_env(task, problem, command_timeout_s=2.0, max_output_chars=300)
+    try:
+        env.prepare()
+        api = env.session()._inner._sb.client().api
+        execs, create = [], api.exec_create
+        monkeypatch.setattr(api, "exec_create", lambda *a, **k: execs.append(a) or create(*a, **k))
+
+        def run(command: str) -> str:
+            return env.step(f"```bash\n{command}\n```").observation.content
+
+        assert run("mkdir -p sub && cd sub && export FLAVOUR=mint && echo ready").endswith("\nready\n</output>")
+        assert run('echo "$PWD $FLAVOUR"').endswith("/testbed/sub mint\n</output>")
+        started = time.monotonic()
+        assert "started" in run("sleep 60 & echo $! > /tmp/bg.pid; echo started")
+        assert time.monotonic() - started < 10  # not held up by the background process's open stdout
+        timed_out = run("export LOST=1; cd ..; echo partial; sleep 30")
+        assert "timed out after 2 s" in timed_out and "partial" in timed_out and env.metrics()["command_timeouts"] == 1
+        assert run('echo "$PWD $FLAVOUR ${LOST:-unset}"; kill -0 "$(cat /tmp/bg.pid)" && echo bg-alive').endswith(
+            "/testbed/sub mint unset\nbg-alive\n</output>"
+        )
+        long = run("seq 1 5000")
+        assert "characters elided" in long and "\n1\n2\n" in long and long.endswith("5000\n</output>")
+        offline = run("echo > /dev/tcp/1.1.1.1/53")
+        assert "<returncode>1</returncode>" in offline and "unreachable" in offline
+        run("cd /testbed && sed -i 's/(len(values) - 1)/len(values)/' calc.py")
+        assert "+    return sum(values) / len(values)" in env.outcome()["patch"]
+        assert execs == []
+    finally:
+        env.close()
+
+
+def test_the_instance_container_starts_while_the_model_writes_its_first_turn(tiny, docker_client):
+    """Through the rollout with a generating model, the episode's container is up before its first generation returns
+    (that generation waits up to 120 s for it), the first command runs in it, and it is removed when the episode ends;
+    one still starting when its episode is closed is removed too."""
+    import os
+    import time
+
+    from scripted_model import ScriptedModel
+
+    from harness.backends import SamplingParams
+    from harness.registry import TASKS
+    from harness.rollout import rollout
+    from sandbox.docker import LABEL, OWNER_LABEL
+    from tasks.swebench.agent import SUBMIT
+
+    def mine() -> list[str]:
+        found = docker_client.api.containers(all=True, filters={"label": f"{LABEL}=1"})
+        return [c["Id"] for c in found if (c.get("Labels") or {}).get(OWNER_LABEL, "").split(":")[-2:-1] == [str(os.getpid())]]
+
+    def wait_for_container(call: int) -> None:
+        deadline = time.monotonic() + 120
+        while call == 0 and not mine() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        up.append(bool(mine()))
+
+    root, _ = tiny
+    TASKS.get("swebench")  # names the class
+    task = tiny_task(root)
+    (problem,) = task.load()
+    assert mine() == []
+    up: list[bool] = []
+    model = ScriptedModel(["```bash\ngit log -1 --format=%s\n```", f"```bash\necho {SUBMIT}\n```"], think=wait_for_container)
+    (traj,) = rollout(model, task, [problem], SamplingParams())
+    assert up[0] and "env_error" not in traj.metadata, traj.metadata
+    assert "<output>\nbase\n" in traj.segments[1].text and traj.metadata["outcome"]["patch"] == ""  # the image's commit message
+    assert mine() == []
+    env = agent_env(task, problem)
+    env.prepare()
+    env.close()
+    assert mine() == []
+
+
 def test_staged_data_loads_from_csv_and_save_to_disk_alike(benchmark_data):
     data = benchmark_data("swebench/verified_mini_50.csv", "swebench/verified_mini_hf/test/data-00000-of-00001.arrow")
     csv_rows = load_rows(data / "swebench" / "verified_mini_50.csv")

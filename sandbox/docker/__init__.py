@@ -44,7 +44,10 @@ Runs:
     started when the sandbox opens.
   - Infrastructure failures (daemon unreachable, create/exec errors) are retried ``retries`` [2]
     times with a growing delay [``retry_delay_s``, 0.5], then returned as status ``error``.
-  - Sessions get their own container (not counted in the pool), removed by ``Session.close``.
+  - Sessions get their own container (not counted in the pool), removed by ``Session.close``; each
+    run is a ``docker exec`` of a wrapper, or with ``session(served=True)`` a request to the
+    container's exec server that skips the clean-up (as a pooled session's, below; the container
+    is still removed on close).
     ``session(pooled=True)`` (the interpreter's) may take an idle container a closed pooled session
     left: its runs are requests to the exec server that skip the clean-up (files and background
     processes stay for the session's next run), ``Session.relay`` hands bytes to a socket a process

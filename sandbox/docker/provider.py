@@ -311,13 +311,15 @@ class DockerSandbox(Sandbox):
             self._checkin(box, reusable)
 
     def session(self, memory_mb: int = 512, cpus: float = 1.0, pids: int = 64, network: bool = False,
-                disk_mb: int | None = None, pooled: bool = False) -> DockerSession:
+                disk_mb: int | None = None, pooled: bool = False, served: bool = False) -> DockerSession:
         """A dedicated container for several commands (not part of the pool); with ``disk_mb`` its work root is a tmpfs
         volume of that size (held in memory: its files count against ``memory_mb``).
 
         ``pooled``: the container may be one a closed pooled session left (reset: every process of the sandbox user
         killed, the work root, /tmp, /dev/shm and /dev/mqueue emptied), runs are requests to its exec server instead of
         a ``docker exec`` each, and ``close`` resets it and keeps it for the next (up to ``session_pool`` idle).
+        ``served`` (implied by ``pooled``): runs are requests to the container's exec server (no process per run but the
+        program; files and background processes stay), the container is still removed on ``close``.
 
         Raises:
             SandboxUnavailable: the container could not be created after the retries.
@@ -329,7 +331,7 @@ class DockerSandbox(Sandbox):
             raise ValueError(f"disk_mb must be a positive int (MiB) or None, got {disk_mb!r}")
         limits = Limits(memory_mb, cpus, pids, network, disk_mb)
         box = (self._idle_session_box(limits) if pooled else None) or self._create_session_box(limits)
-        s = DockerSession(self, box, pooled)
+        s = DockerSession(self, box, pooled, served)
         with self._lock:
             closed = self._closed
             if not closed:

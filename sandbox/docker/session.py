@@ -1,6 +1,6 @@
-"""A session: a dedicated container where commands run in turn (each one a ``docker exec`` of the wrapper), or a pooled
-one: a container of the provider's session pool whose commands are requests to its exec server and which is reset and
-returned to that pool on ``close``."""
+"""A session: a dedicated container where commands run in turn (each one a ``docker exec`` of the wrapper, or with
+``served`` a request to its exec server), or a pooled one: a container of the provider's session pool whose commands are
+requests to its exec server and which is reset and returned to that pool on ``close``."""
 
 from __future__ import annotations
 
@@ -32,13 +32,14 @@ class SessionHost(Host, Protocol):
 class DockerSession(Session):
     """A dedicated container; see ``Session``. Commands run one at a time (a lock serialises them).
 
-    ``pooled``: runs go through the container's exec server (state kept between them), and ``close`` hands the container
-    back to the provider, which resets it (every process of the sandbox user killed, the work root and /tmp emptied)
-    before another session may take it."""
+    ``served``: runs are requests to the container's exec server (files and background processes kept between them)
+    instead of a ``docker exec`` each. ``pooled`` (implies ``served``): ``close`` hands the container back to the
+    provider, which resets it (every process of the sandbox user killed, the work root and /tmp emptied) before another
+    session may take it; otherwise ``close`` removes it."""
 
-    def __init__(self, sb: SessionHost, box: Box, pooled: bool = False) -> None:
+    def __init__(self, sb: SessionHost, box: Box, pooled: bool = False, served: bool = False) -> None:
         super().__init__(WORKDIR)
-        self._sb, self._box, self.pooled = sb, box, pooled
+        self._sb, self._box, self.pooled, self.served = sb, box, pooled, served or pooled
         self._lock = threading.Lock()
         self._closed = False
 
@@ -55,14 +56,14 @@ class DockerSession(Session):
             if self._closed:
                 raise RuntimeError("session is closed")
             try:
-                result, _ = execute(self._sb, self._box, request, self._cwd, served=self.pooled, keep=True)
+                result, _ = execute(self._sb, self._box, request, self._cwd, served=self.served, keep=True)
                 return result
             except Infra as exc:
                 return ExecResult.failed(str(exc))
 
     def relay(self, name: str, data: bytes, timeout_s: float, max_bytes: int) -> ExecResult | None:
-        """Through the container's exec server (pooled sessions only; None otherwise); see ``Session.relay``."""
-        if not self.pooled:
+        """Through the container's exec server (served sessions only; None otherwise); see ``Session.relay``."""
+        if not self.served:
             return None
         self._sb.check_timeout(ExecRequest(argv=["relay"], timeout_s=timeout_s))
         with self._lock:

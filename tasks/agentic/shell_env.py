@@ -1,11 +1,12 @@
 """A mini-swe-agent-style shell agent: one bash command per turn in a sandbox session, with budgets and metrics.
 
 Every reply must hold exactly one command (``action_format``: ``fenced`` = one ```bash block, as mini-swe-agent;
-``tagged`` = one ``<command>…</command>``). It runs in the episode's sandbox session (opened on the first command)
-with its working directory and exported variables carried over to the next turn (mini-swe-agent runs each command
-in a fresh subshell; persistence is the better default here). The observation, a ``user`` message, is
-``<returncode>N</returncode>`` and ``<output>…</output>``, head and tail kept when the output exceeds
-``max_output_chars``. A reply with no command or several is a format error (the model is told why);
+``tagged`` = one ``<command>…</command>``). It runs in the episode's sandbox session (opened on the first command, or
+in the background from :meth:`ShellAgentEnv.prepare`, during the model's first turn; a failure to open it is the
+first command's infrastructure error; at most 16 sessions opening at once) with its working directory and exported variables
+carried over to the next turn (mini-swe-agent runs each command in a fresh subshell; persistence is the better default
+here). The observation, a ``user`` message, is ``<returncode>N</returncode>`` and ``<output>…</output>``, head and tail
+kept when the output exceeds ``max_output_chars``. A reply with no command or several is a format error (the model is told why);
 ``max_format_errors`` in a row end the episode. The agent submits with ``echo <submit_word>``; the step and
 wall-time limits also end the episode.
 
@@ -23,9 +24,11 @@ from __future__ import annotations
 import posixpath
 import re
 import shlex
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from harness.episode import Env, Observation, StepResult
@@ -36,6 +39,7 @@ TEST_COMMAND = re.compile(
     r"\b(pytest|runtests\.py|unittest|tox|nosetests|manage\.py\s+test|python3?\s+-m\s+(pytest|unittest)|test_\w+\.py)\b"
 )
 LOOP_REPEATS = 3  # the same command this many times in a row is a loop
+OPENINGS = threading.BoundedSemaphore(16)  # sessions opening in the background at once (prepare), across episodes
 
 SYSTEM_PROMPT = """You are a helpful assistant that can interact with a computer shell to solve programming tasks.
 Your response must contain exactly ONE {block} with ONE command (or commands connected with && or ||).
@@ -129,6 +133,7 @@ class ShellAgentEnv(Env):
         self.max_turns = limits.max_steps
         self._open_session = open_session
         self._session = None
+        self._opening: Future | None = None  # the session being opened in the background (prepare)
         self._state = f"/tmp/.agent-{uuid.uuid4().hex[:12]}"  # outside the work directory, so never part of what it produced
         self._started = time.monotonic()
         self.commands: list[str] = []
@@ -178,11 +183,34 @@ class ShellAgentEnv(Env):
     def observation(self, text: str) -> Observation:
         return Observation(content=text, role="user", raw=f"\n{text}\n")
 
+    def prepare(self) -> None:
+        """Open the session in a background thread (the first command waits for it)."""
+        if self._session is None and self._opening is None:
+            self._opening = Future()
+            threading.Thread(target=self._open_into, args=(self._opening,), name="agent-session-open", daemon=True).start()
+
+    def _open_into(self, opening: Future) -> None:
+        try:
+            with OPENINGS:
+                opening.set_result(self._open())
+        except BaseException as exc:  # noqa: BLE001 - raised again where the session is needed
+            opening.set_exception(exc)
+
+    def _open(self):
+        """A new session, with :meth:`on_session_open` run on it (closed again if that fails)."""
+        session = self._open_session()
+        try:
+            self.on_session_open(session)
+        except BaseException:
+            session.close()
+            raise
+        return session
+
     def session(self):
-        """The episode's session, opened on first use (then :meth:`on_session_open` runs on it)."""
+        """The episode's session, opened on first use or awaited from :meth:`prepare` (then :meth:`on_session_open` has
+        run on it); a failed opening raises here."""
         if self._session is None:
-            self._session = self._open_session()
-            self.on_session_open(self._session)
+            self._session = self._opening.result() if self._opening is not None else self._open()
         return self._session
 
     def on_session_open(self, session) -> None:
@@ -222,6 +250,13 @@ class ShellAgentEnv(Env):
         return {"status": result.status, "exit_code": result.exit_code, "output": output}
 
     def close(self) -> None:
+        """Close the session; one still opening (:meth:`prepare`) is awaited and closed."""
+        opening, self._opening = self._opening, None
         session, self._session = self._session, None
+        if session is None and opening is not None:
+            try:
+                session = opening.result()
+            except BaseException:  # noqa: BLE001 - it never opened: nothing to close
+                session = None
         if session is not None:
             session.close()

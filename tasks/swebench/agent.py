@@ -97,7 +97,7 @@ class SwebenchAgentEnv(ShellAgentEnv):
 
         if self.submitted_patch is not None:
             return {"patch": self.submitted_patch, "commands": []}
-        if self._session is None:  # no command ever ran: the repository is untouched
+        if self._session is None:  # no command ever ran (a session opened by prepare is unused): the repository is untouched
             return {"patch": "", "commands": list(self.commands)}
         limit = self.limits.max_patch_bytes
         script = patch_script(self.workdir, self.base_commit or "HEAD", limit)

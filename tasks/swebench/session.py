@@ -45,12 +45,16 @@ class InstanceSession(Session):
 
 
 def open_session_on(
-    image: str, *, memory_mb: int = 4096, cpus: float = 2.0, pids: int = 1024, tmpfs_mb: int = 1024, max_command_s: float = 1800.0
+    image: str, *, memory_mb: int = 4096, cpus: float = 2.0, pids: int = 1024, tmpfs_mb: int = 1024, max_command_s: float = 1800.0,
+    served: bool = False,
 ) -> InstanceSession:
-    """A session in a fresh container of an instance ``image`` (network off); closing it closes its sandbox."""
-    sb = sandbox.open_sandbox("docker", image=image, tmpfs_mb=tmpfs_mb, http_timeout_s=max_command_s + 120)
+    """A session in a fresh container of an instance ``image`` (network off); closing it closes its sandbox. Its commands
+    are each a ``docker exec``, or with ``served`` requests to the container's exec server (a command past its limit is
+    killed by the server, the session stays; only a server that does not answer ``grace_s`` later is taken down with
+    its container)."""
+    sb = sandbox.open_sandbox("docker", image=image, tmpfs_mb=tmpfs_mb, http_timeout_s=max_command_s + 120, grace_s=5.0)
     try:
-        inner = sb.session(memory_mb=memory_mb, cpus=cpus, pids=pids, network=False)
+        inner = sb.session(memory_mb=memory_mb, cpus=cpus, pids=pids, network=False, served=served)
     except BaseException:
         sb.close()
         raise

@@ -76,6 +76,10 @@ class SwebenchOptions(TaskOptions):
     memory_mb: int = Field(4096, ge=256, description="memory of a grading or agent container")
     max_steps: int = Field(30, ge=1, description="agent: model turns (one bash command each) per episode")
     command_timeout_s: float = Field(60.0, gt=0, description="agent: wall-clock limit of one command")
+    agent_exec_server: bool = Field(
+        False, description="agent: commands as requests to the container's exec server instead of a docker exec each (~10x cheaper; "
+        "a SIGTERM then waits for the running command's limit)"
+    )
     wall_time_s: float = Field(1800.0, gt=0, description="agent: wall-clock limit of an episode")
     max_format_errors: int = Field(3, ge=1, description="agent: consecutive replies without exactly one command that end the episode")
     max_output_chars: int = Field(10_000, ge=200, description="agent: command output kept per observation (head and tail)")
@@ -297,7 +301,10 @@ class SwebenchTask(Task):
 
     def open_session(self, row: dict):
         """A session in a fresh container of the instance image (network off), closed with the episode."""
-        return open_session_on(self.ensure_image(row).tag, memory_mb=self.opts.memory_mb, max_command_s=self.opts.command_timeout_s)
+        opts = self.opts
+        return open_session_on(
+            self.ensure_image(row).tag, memory_mb=opts.memory_mb, max_command_s=opts.command_timeout_s, served=opts.agent_exec_server
+        )
 
     def grade_trajectories(self, problems: list[Problem], trajectories: list) -> list[Score]:
         """Grade each episode's patch (the agent's final ``git diff``, or the submitted diff) and flag premature stops:
