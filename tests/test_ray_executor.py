@@ -180,7 +180,7 @@ def test_actors_release_their_tasks_and_engines_before_they_are_killed(monkeypat
     monkeypatch.setattr(rx, "start_actors", lambda *a, **k: actors)
     monkeypatch.setattr(rx, "RayRollout", lambda *a, **k: "rollout role")
     monkeypatch.setattr(rx, "RayLearner", lambda *a, **k: learner_role)
-    plan = SimpleNamespace(config=SimpleNamespace(threads=1))
+    plan = SimpleNamespace(config=SimpleNamespace(threads=1, trainer=SimpleNamespace(layout=None)))  # no eval workers
     session = SimpleNamespace(optimizer=None)
     with rx.RayExecutor().roles(plan, session, board=None, console=rx.Console(quiet=True)) as roles:
         assert roles.rollouts == ["rollout role"] and roles.learner is learner_role and log == []

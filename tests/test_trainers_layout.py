@@ -46,4 +46,4 @@ def test_sync_and_async_are_one_pipeline_and_executors_are_registered():
     assert type(PIPELINES.get("sync")) is type(PIPELINES.get("async"))
     assert {"inprocess", "ray"} <= set(EXECUTORS.names())
     loop_imports = imported_trainer_modules(TRAINERS / "loop.py")
-    assert loop_imports == {"trainers.pipeline"}  # executors are looked up by name, never imported by the loop
+    assert loop_imports == {"trainers.pipeline", "trainers.guards"}  # executors are looked up by name, never imported by the loop
