@@ -294,8 +294,8 @@ def run_data_test(data_dir: Path, require: bool) -> subprocess.CompletedProcess:
 def test_data_tests_skip_with_the_reason_or_fail_when_data_is_required(tmp_path: Path) -> None:
     skipped = run_data_test(tmp_path, require=False)
     assert skipped.returncode == 0 and "1 skipped" in skipped.stdout, skipped.stdout
-    assert f"benchmark data missing: {tmp_path}/humaneval_plus/HumanEvalPlus-v0.1.10.jsonl.gz" in skipped.stdout
-    assert "harness data fetch humaneval_plus mbpp_plus" in skipped.stdout
+    assert f"benchmark data missing in HARNESS_DATA_DIR={tmp_path}: humaneval_plus/HumanEvalPlus-v0.1.10.jsonl.gz" in skipped.stdout
+    assert f"harness data fetch humaneval_plus mbpp_plus --to {tmp_path}" in skipped.stdout
     failed = run_data_test(tmp_path, require=True)
     assert failed.returncode == 1 and "1 failed" in failed.stdout and "HARNESS_REQUIRE_DATA=1 but benchmark data missing" in failed.stdout
 
