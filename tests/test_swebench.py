@@ -256,7 +256,7 @@ def test_cli_sandbox_build_and_replay_eval(tiny, tmp_path, monkeypatch):
         ],
     )
     assert result.exit_code == 0, result.output
-    summary = json.loads(result.output[result.output.index("{"):])
+    summary = json.loads(result.stdout)
     got = summary["tasks"]["swebench"]
     assert (got["n_pass"], got["n_fail"], got["n_errors"]) == (1, 0, 0), got
 

@@ -292,7 +292,7 @@ def test_retool_aime24_eval_with_replay_cli(tmp_path, benchmark_data):
     args += ["--task-arg", "retool:aime24.sandbox=local", "--data-dir", str(data), "--out", str(tmp_path / "out"), "--json"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    summary = json.loads(result.output)["tasks"]["retool:aime24"]
+    summary = json.loads(result.stdout)["tasks"]["retool:aime24"]
     assert summary["n_pass"] == 1 and summary["invalid_tool_rate"] == 0.5 and summary["mean_tool_calls"] == 1.0
     from harness.store import Store
 
