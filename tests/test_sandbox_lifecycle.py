@@ -148,7 +148,10 @@ def run_rows(out: Path) -> list[tuple]:
     if not db.exists():
         return []
     with sqlite3.connect(db) as conn:
-        return conn.execute("SELECT run_id, kind, status FROM runs").fetchall()
+        try:
+            return conn.execute("SELECT run_id, kind, status FROM runs").fetchall()
+        except sqlite3.OperationalError:  # the store is being created (no tables yet): no run row yet
+            return []
 
 
 # ---------------------------------------------------------------- readiness (item: missing image / daemon)
