@@ -288,6 +288,19 @@ def test_interpreters_are_independent_and_run_concurrently(sb):
             interp.close()
 
 
+def _ready_containers(sb, wait_s: float = 60.0) -> set[str]:
+    """Containers holding a supervisor started ahead for the next episode, once no such start is in flight."""
+    from sandbox.interpreter import _READY
+
+    pool = _READY.get(sb)
+    if pool is None:
+        return set()
+    deadline = time.monotonic() + wait_s
+    while sum(pool.pending.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return {c.session.container_id for conns in pool.ready.values() for c in conns}
+
+
 def _session_gone(sb, session) -> bool:
     """Whether the session's container (docker) or directory and processes (local) are gone; a pooled docker session's
     container may stay, reset: idle in the pool with no process but its exec server (PID 1) and an empty work root."""
@@ -299,8 +312,11 @@ def _session_gone(sb, session) -> bool:
         except docker.errors.NotFound:
             return True
         idle = [b.container.id for boxes in sb._idle_sessions.values() for b in boxes]
-        return (session.container_id in idle and len(container.top()["Processes"]) == 1
-                and container.exec_run(["ls", "-A", "/box", "/tmp"]).output.split() == [b"/box:", b"/tmp:"])
+        ready = _ready_containers(sb)  # or, reset, holding the next episode's supervisor and worker (ready_ahead)
+        processes = [p[-1] for p in container.top()["Processes"]]
+        return ((session.container_id in idle and len(processes) == 1)
+                or (session.container_id in ready and len(processes) == 3 and not any(p.startswith("sleep") for p in processes))) and (
+                container.exec_run(["ls", "-A", "/box", "/tmp"]).output.split() == [b"/box:", b"/tmp:"])
     from sandbox.local import uid_tasks
 
     return not session.host_path.exists() and (session._uid is None or not uid_tasks(session._uid)[0])
@@ -429,7 +445,8 @@ print(json.dumps({'files': [p for p in ('/box/planted.txt', '/tmp/planted', '/de
 def test_a_pooled_session_shows_nothing_of_the_previous_episode(docker_sb):
     """Issue 25 #2: episodes reuse warm containers; what one plants (files in the work dir, /tmp and /dev/shm, a
     background process, a variable, a System V shared memory segment) is gone when the next one takes the same
-    container."""
+    container (limits no other test uses: the next interpreter takes this episode's container, reset, with a
+    supervisor started in it ahead, not one an earlier test left ready)."""
     import json
 
     from sandbox import ExecRequest
@@ -441,7 +458,7 @@ def test_a_pooled_session_shows_nothing_of_the_previous_episode(docker_sb):
         "threading.Thread(target=lambda: (time.sleep(0.3), subprocess.Popen(['sleep', '4243'], start_new_session=True)),"
         " daemon=True).start()"  # started after the cell's sweep: it outlives the cell
     )
-    with PythonInterpreter(docker_sb) as first:
+    with PythonInterpreter(docker_sb, memory_mb=384) as first:
         ok(first.run_cell(plant))
         session = first.session
         assert session.run(ExecRequest(argv=["sh", "-c", "setsid sleep 4242 >/dev/null 2>&1 < /dev/null &"])).success
@@ -450,10 +467,53 @@ def test_a_pooled_session_shows_nothing_of_the_previous_episode(docker_sb):
         assert seen == {"files": ["/box/planted.txt", "/tmp/planted", "/dev/shm/planted"], "processes": ["4242", "4243"],
                         "variable": False, "shm": 1}, seen  # (planted: all there before the episode ends)
         container = session.container_id
-    with PythonInterpreter(docker_sb) as second:
+    with PythonInterpreter(docker_sb, memory_mb=384) as second:
         seen = json.loads(ok(second.run_cell(_PROBE)))
         assert second.session.container_id == container  # the same warm container, reset
     assert seen == {"files": [], "processes": [], "variable": False, "shm": 0}, seen
+
+
+@pytest.mark.docker
+def test_a_closed_pooled_interpreter_leaves_a_ready_supervisor_for_the_next_episode(docker_sb, monkeypatch):
+    """``ready_ahead``: on close the reset session gets the next episode's supervisor in the background; the next
+    pooled interpreter with the same limits starts no supervisor of its own, in the same container, with a fresh worker
+    (and with ``ready_ahead=False`` nothing is started ahead)."""
+    import sandbox.interpreter as interp
+
+    with PythonInterpreter(docker_sb, memory_mb=352) as first:
+        ok(first.run_cell("x = 1"))
+        container = first.session.container_id
+    assert container in _ready_containers(docker_sb)
+    starts = []
+    monkeypatch.setattr(interp._Connection, "start", lambda self: starts.append(self) or (_ for _ in ()).throw(interp._Infra("no")))
+    with PythonInterpreter(docker_sb, memory_mb=352, ready_ahead=False) as second:
+        assert ok(second.run_cell("print('x' in globals())")) == "False\n"
+        assert second.session.container_id == container and not starts
+    assert container not in _ready_containers(docker_sb)
+    assert _ready_pool_count(docker_sb, 352) == 0
+
+
+def _ready_pool_count(sb, memory_mb: int) -> int:
+    from sandbox.interpreter import _ready_pool
+
+    return _ready_pool(sb).count((memory_mb, 1.0, 64, 256))
+
+
+@pytest.mark.docker
+def test_a_ready_supervisor_that_died_is_replaced_not_a_crash(docker_sb):
+    """A supervisor started ahead that is gone when taken (killed, or past its idle time) is replaced: the next
+    interpreter's first cell runs normally, no crash and no lost state reported."""
+    from sandbox import ExecRequest
+    from sandbox.interpreter import _ready_pool
+
+    with PythonInterpreter(docker_sb, memory_mb=336) as first:
+        ok(first.run_cell("x = 1"))
+    assert _ready_containers(docker_sb) and _ready_pool_count(docker_sb, 336) == 1
+    ready = _ready_pool(docker_sb).ready[(336, 1.0, 64, 256)][0]
+    assert ready.session.run(ExecRequest(argv=["sh", "-c", "kill -9 -1; true"])).status in ("ok", "crash")
+    with PythonInterpreter(docker_sb, memory_mb=336) as second:
+        r = second.run_cell("print(1)")
+        assert (r.status, r.output, r.state_lost) == ("ok", "1\n", False), r
 
 
 @pytest.mark.docker

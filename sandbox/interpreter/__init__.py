@@ -101,6 +101,8 @@ CONTROL_DIR = ".opd-interp"  # files transport: requests and replies (in the ses
 _INTERRUPT_GRACE_S = 2.0  # after the timeout: how long the worker has to stop before it is killed
 _SLACK_S = 15.0  # host-side wait beyond timeout_s + grace: worker restart, process start, transport
 _START_TIMEOUT_S = 30.0
+_PING_TIMEOUT_S = 10.0  # a ready supervisor taken from the pool answers a ping within this
+_READY_IDLE_S = 3600.0  # a ready supervisor nobody takes within this exits (the one who takes it then starts its own)
 _SERVE_TIMEOUT_S = 7 * 24 * 3600.0  # files transport: the supervisor's run lasts the session
 _ARGV_CHUNK = 100_000  # exec transport: a request travels in argv strings of this size (Linux caps one at 128 KiB)...
 _ARGV_PAYLOAD_MAX = 1_000_000  # ...in one run up to this size (ARG_MAX is ~2 MB); larger ones are sent in parts first
@@ -148,8 +150,8 @@ class _Dead(Exception):
 class _Connection:
     """One session with a running supervisor, and the way to hand it requests."""
 
-    def __init__(self, sandbox: Sandbox, session: Session, transport: str) -> None:
-        self.sandbox, self.session, self.transport = sandbox, session, transport
+    def __init__(self, sandbox: Sandbox, session: Session, transport: str, idle_s: float = 60.0) -> None:
+        self.sandbox, self.session, self.transport, self.idle_s = sandbox, session, transport, idle_s
         self.key = f"opd-interp-{uuid.uuid4().hex}"
         self.seq = 0
         self.answered = 0  # requests the supervisor answered: before the first, no cell has run in this session
@@ -162,7 +164,8 @@ class _Connection:
     def start(self) -> None:
         """Start the supervisor. Raises ``_Infra`` when it cannot start, ``_NoDaemon`` when detached processes die."""
         if self.transport == "exec":
-            argv = [self.sandbox.python, "-I", "-S", "-c", _SUPERVISOR, "daemon", self.key, _WORKER, str(_INTERRUPT_GRACE_S)]
+            argv = [self.sandbox.python, "-I", "-S", "-c", _SUPERVISOR, "daemon", self.key, _WORKER, str(_INTERRUPT_GRACE_S),
+                    str(self.idle_s)]
             try:
                 r = self.session.run(ExecRequest(argv=argv, timeout_s=_START_TIMEOUT_S, max_output_bytes=4096))
             except Exception as exc:  # noqa: BLE001
@@ -335,6 +338,77 @@ class _Holder:
             conn.close()
 
 
+class _ReadyPool:
+    """Started supervisors in freshly reset pooled sessions, per limits, waiting for the next episode of one sandbox."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.cond = threading.Condition()
+        self.ready: dict[tuple, list[_Connection]] = {}
+        self.pending: dict[tuple, int] = {}  # starts in flight
+
+    def count(self, key: tuple) -> int:
+        """Ready supervisors with these limits now."""
+        with self.cond:
+            return len(self.ready.get(key, ()))
+
+    def reserve(self, key: tuple) -> bool:
+        """Claim a place for one more start (False when ready + starting already fill ``cap``)."""
+        with self.cond:
+            if sum(map(len, self.ready.values())) + sum(self.pending.values()) >= self.cap:
+                return False
+            self.pending[key] = self.pending.get(key, 0) + 1
+            return True
+
+    def settle(self, key: tuple, conn: _Connection | None) -> None:
+        """A reserved start ended: its connection (None when it failed) becomes ready."""
+        with self.cond:
+            self.pending[key] -= 1
+            if conn is not None:
+                self.ready.setdefault(key, []).append(conn)
+            self.cond.notify_all()
+
+    def take(self, key: tuple, wait_s: float) -> _Connection | None:
+        """A ready connection, waiting up to ``wait_s`` for one being started; None when there is none."""
+        deadline = time.monotonic() + wait_s
+        with self.cond:
+            while not self.ready.get(key) and self.pending.get(key, 0) > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.cond.wait(left)
+            conns = self.ready.get(key)
+            return conns.pop() if conns else None
+
+
+_READY: weakref.WeakKeyDictionary[Sandbox, _ReadyPool] = weakref.WeakKeyDictionary()
+
+
+def _ready_pool(sandbox: Sandbox) -> _ReadyPool:
+    """The sandbox's pool of ready supervisors (at most its ``session_pool``, 16 where it has none)."""
+    with _TRANSPORTS_LOCK:
+        pool = _READY.get(sandbox)
+        if pool is None:
+            pool = _READY[sandbox] = _ReadyPool(int(getattr(sandbox, "session_pool", 16)))
+        return pool
+
+
+def _start_ready(sandbox: Sandbox, key: tuple, pool: _ReadyPool) -> None:
+    """Open a pooled (reset) session with limits ``key``, start a supervisor in it and put it in ``pool``; a failure
+    only leaves the pool without it (whoever needs one starts their own)."""
+    conn = None
+    try:
+        memory_mb, cpus, pids, disk_mb = key
+        session = sandbox.session(memory_mb=memory_mb, cpus=cpus, pids=pids, network=False, disk_mb=disk_mb, pooled=True)
+        conn = _Connection(sandbox, session, "exec", idle_s=_READY_IDLE_S)
+        conn.start()
+    except Exception:  # noqa: BLE001 - a closed sandbox, a container that could not start
+        if conn is not None:
+            conn.close()
+        conn = None
+    pool.settle(key, conn)
+
+
 class PythonInterpreter:
     """A persistent Python interpreter in one sandbox session (one per episode); see the module docstring.
 
@@ -347,6 +421,8 @@ class PythonInterpreter:
         display_last_expr: print the repr of a final expression statement, as Jupyter does.
         pooled: take the session from the provider's pool of reset sessions and give it back on ``close`` (Docker: a
             warm container whose cells go through its exec server, not a ``docker exec`` each); False: a fresh one.
+        ready_ahead: (pooled, exec transport) on ``close`` start the next episode's supervisor in the just reset session
+            in the background, so that the next pooled interpreter with these limits starts with a ready one.
     """
 
     def __init__(
@@ -360,6 +436,7 @@ class PythonInterpreter:
         max_output_chars: int = 4096,
         display_last_expr: bool = False,
         pooled: bool = True,
+        ready_ahead: bool = True,
     ) -> None:
         if max_output_chars < 1:
             raise ValueError(f"max_output_chars must be >= 1, got {max_output_chars}")
@@ -369,6 +446,7 @@ class PythonInterpreter:
         self.sandbox = sandbox
         self.memory_mb, self.cpus, self.pids, self.disk_mb = memory_mb, cpus, pids, disk_mb
         self.max_output_chars, self.display_last_expr, self.pooled = max_output_chars, display_last_expr, pooled
+        self.ready_ahead = ready_ahead
         self._lock = threading.Lock()
         self._holder = _Holder()
         self._finalizer = weakref.finalize(self, self._holder.close)
@@ -463,6 +541,9 @@ class PythonInterpreter:
         """The open connection, or a new session with a started supervisor. Raises ``_Infra``."""
         if self._holder.conn is not None:
             return self._holder.conn
+        ready = self._take_ready()
+        if ready is not None:
+            return ready
         with _TRANSPORTS_LOCK:
             transport = _TRANSPORTS.get(self.sandbox, "exec")
         try:
@@ -484,6 +565,37 @@ class PythonInterpreter:
             raise _Infra(f"the interpreter did not start: {type(exc).__name__}: {exc}") from exc
         return conn
 
+    @property
+    def _limits(self) -> tuple:
+        return (self.memory_mb, self.cpus, self.pids, self.disk_mb)
+
+    def _take_ready(self) -> _Connection | None:
+        """A supervisor started ahead in a reset pooled session (see ``ready_ahead``) that answers a ping, if any."""
+        if not self.pooled or not _exec_confirmed(self.sandbox) or getattr(self.sandbox, "closed", False):
+            return None
+        conn = _ready_pool(self.sandbox).take(self._limits, _START_TIMEOUT_S)
+        if conn is None:
+            return None
+        try:
+            if conn.request({"op": "ping"}, _PING_TIMEOUT_S).get("status") != "pong":
+                raise _Dead("crash", "no pong")
+        except (_Dead, _Infra, _NoDaemon):  # it died meanwhile (or the sandbox is closing): start one as before
+            conn.close()
+            return None
+        if self._closed:
+            conn.close()
+            raise _Infra("the interpreter was closed")
+        self._holder.conn = conn
+        return conn
+
+    def _ready_next(self) -> None:
+        """After ``close``: start a supervisor for the next episode in the background (its session is reset first)."""
+        if getattr(self.sandbox, "closed", False):
+            return
+        pool = _ready_pool(self.sandbox)
+        if pool.reserve(self._limits):
+            threading.Thread(target=_start_ready, args=(self.sandbox, self._limits, pool), name="opd-interp-ready", daemon=True).start()
+
     def _drop(self) -> None:
         """Destroy the current session (its state is lost); the next cell opens a new one."""
         self._holder.close()
@@ -491,7 +603,11 @@ class PythonInterpreter:
     def close(self) -> None:
         """Destroy the session and refuse further cells (a cell running in another thread ends as ``error``). Idempotent."""
         self._closed = True  # not under the lock: a cell in flight ends (as an error) instead of delaying this
+        conn = self._holder.conn
+        ahead = self.ready_ahead and self.pooled and conn is not None and conn.transport == "exec" and not self._lock.locked()
         self._finalizer()
+        if ahead:
+            self._ready_next()
 
     def __enter__(self) -> PythonInterpreter:
         return self

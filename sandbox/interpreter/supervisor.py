@@ -1,10 +1,12 @@
-"""The interpreter's supervisor (see ``sandbox.interpreter``): ``python -I -S -c <this file> MODE KEY WORKER_SOURCE GRACE``.
+"""The interpreter's supervisor (see ``sandbox.interpreter``): ``python -I -S -c <this file> MODE KEY WORKER_SOURCE GRACE
+[IDLE]``.
 
 MODE ``daemon``: fork a detached copy that listens on the abstract socket ``"\\0KEY"``, print ``READY <pid>`` once it
-does, exit. MODE ``serve``: stay in the foreground and take requests from the files of the folder KEY (``req.json``
-and ``go``), answering in ``out.json``. Either way it runs the worker (``python -c WORKER_SOURCE``), hands it cells,
-reads their output, enforces the timeout (the worker gets GRACE seconds to stop after the interrupt), restarts it when
-it dies and ends every other process below it after each cell. Stdlib only; it never runs model code.
+does, exit; it exits when nobody connects within IDLE seconds (60) of its start. MODE ``serve``: stay in the
+foreground and take requests from the files of the folder KEY (``req.json`` and ``go``), answering in ``out.json``.
+Either way it runs the worker (``python -c WORKER_SOURCE``), hands it cells, reads their output, enforces the timeout
+(the worker gets GRACE seconds to stop after the interrupt), restarts it when it dies and ends every other process
+below it after each cell. Stdlib only; it never runs model code.
 """
 
 import codecs
@@ -288,8 +290,8 @@ def handle(raw):
     return run_cell(req)
 
 
-def serve_socket(srv):
-    srv.settimeout(60.0)  # nobody connects within a minute: the host lost us (e.g. it fell back to files)
+def serve_socket(srv, idle_s):
+    srv.settimeout(idle_s)  # nobody connects in time: the host lost us (e.g. it fell back to files)
     while True:
         try:
             conn, _ = srv.accept()
@@ -368,6 +370,7 @@ def main():
     global WORKER, GRACE
     mode, key, WORKER = sys.argv[1], sys.argv[2], sys.argv[3]
     GRACE = float(sys.argv[4])
+    idle_s = float(sys.argv[5]) if len(sys.argv) > 5 else 60.0
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     if mode == "daemon":
         r, w = os.pipe()
@@ -389,7 +392,7 @@ def main():
         os.write(w, f"READY {os.getpid()}".encode())
         os.close(w)
         try:
-            serve_socket(srv)
+            serve_socket(srv, idle_s)
         finally:
             if worker is not None:
                 worker.kill()
