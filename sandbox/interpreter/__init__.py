@@ -72,7 +72,11 @@ Sessions (``pooled``, default True): the session comes from the provider's pool 
 ``close()``. Docker resets the container first with its exec server's clean-up after a pooled run (every process of
 the sandbox user killed, ``/box``, ``/tmp``, ``/dev/shm`` and ``/dev/mqueue`` emptied; a container it cannot clean is
 removed), so the next episode sees no file, process or variable of this one; the local provider makes a fresh
-directory either way. ``pooled=False``: a fresh container, removed on ``close()``.
+directory either way. ``pooled=False``: a fresh container, removed on ``close()``. With ``ready_ahead`` (default, exec
+transport only) ``close()`` then starts, in the background, a supervisor (and its fresh worker) in a reset pooled
+session for the next episode; a later pooled interpreter with the same limits takes it (waiting for one being started,
+and checking it with a ping: one that died is closed and replaced by a start of its own) instead of starting its own.
+At most the provider's ``session_pool`` are kept ready or starting per sandbox; one nobody takes within an hour exits.
 
 ``close()`` destroys the session (or, pooled, resets it for the next episode; idempotent; also ``with``; a cell running meanwhile in another
 thread ends as ``error``); a closed interpreter refuses cells (``RuntimeError``). An interpreter
