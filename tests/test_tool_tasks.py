@@ -204,9 +204,12 @@ def test_the_swebench_agent_reports_the_same_tool_use_view(local_sb):
     assert (metrics["tool_calls"], metrics["invalid_tool_calls"], metrics["executed_tool_calls"], metrics["tool_errors"]) == (3, 1, 2, 1)
 
 
-def test_reference_episodes_render_like_live_ones():
-    """The SFT traces of arith_tool are token-for-token what a live episode with the same turns produces."""
-    with make_task("local") as task:
+@pytest.mark.parametrize("value_width", [0, 10])
+def test_reference_episodes_render_like_live_ones(value_width):
+    """The SFT traces of arith_tool are token-for-token what a live episode with the same turns produces (also with the
+    value printed zero-padded, whose padded answer grades as the value)."""
+    operands = {"min_operand": 100, "max_operand": 999} if value_width else {}
+    with make_task("local", value_width=value_width, **operands) as task:
         problem = task.load("train")[0]
         (ref,) = reference_trajectories(task, [problem], ReplayBackend({}).tokenizer)
         turns = [t["model"] for t in problem.meta["reference_turns"]]
@@ -214,6 +217,17 @@ def test_reference_episodes_render_like_live_ones():
         (live,) = rollout(replay, task, [problem], SamplingParams())
     assert ref.prompt_ids + ref.response_ids == live.prompt_ids + live.response_ids + [replay.tokenizer.eos_token_id]
     assert task.grade(problem, live).status == "pass"
+
+
+def test_value_width_pads_the_reference_print_to_a_fixed_offset_and_refuses_a_narrow_one():
+    with make_task("local", min_operand=100, max_operand=999, value_width=10) as task:
+        problems = task.load("test")
+    answers = [p.meta["reference_turns"][-1]["model"] for p in problems]
+    assert {len(a) for a in answers} == {len(answer("0" * 10))}
+    assert all(a == answer(f"{int(p.answer):010d}") for a, p in zip(answers, problems))
+    narrow = make_task("local", min_operand=100, max_operand=999, value_width=3)
+    with pytest.raises(ValueError, match="value_width 3 is too narrow"), narrow as task:
+        task.load("test")
 
 
 def leftover_containers(docker_client) -> list[str]:

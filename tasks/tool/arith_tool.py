@@ -32,6 +32,13 @@ class ArithToolOptions(ToolOptions):
     operators: str = Field("+-*", pattern=r"^[+\-*]+$", description="operators to draw from")
     min_operand: int = Field(100, ge=0, description="operands are drawn from min_operand..max_operand")
     max_operand: int = Field(99999, ge=1, description="operands are drawn from min_operand..max_operand")
+    value_width: int = Field(
+        0,
+        ge=0,
+        le=32,
+        description="reference episodes print the value zero-padded to this many characters and answer it so (a copy at a fixed "
+        "offset, which tiny models learn quickly); 0: the plain value",
+    )
     seed: int = 4321
     n_train: int = Field(5000, ge=1)
     n_test: int = Field(200, ge=1)
@@ -49,6 +56,16 @@ def evaluate_expression(expression: str) -> int:
     if not set(expression) <= set("0123456789+-*"):
         raise ValueError(f"not an integer +-* expression: {expression!r}")
     return int(eval(expression, {"__builtins__": {}}, {}))  # noqa: S307 - digits and + - * only, checked above
+
+
+def reference_print(expression: str, value: int, width: int) -> tuple[str, str]:
+    """(what the reference code prints, the code): the plain value, or with ``width`` the value zero-padded to that width."""
+    if not width:
+        return str(value), f"print({expression})"
+    printed = f"{value:0{width}d}"
+    if len(printed) > width:
+        raise ValueError(f"arith_tool: value_width {width} is too narrow for {expression} = {value}; raise value_width")
+    return printed, f'print(f"{{{expression}:0{width}d}}")'
 
 
 class ArithToolTask(ToolTask):
@@ -69,8 +86,10 @@ class ArithToolTask(ToolTask):
 
     def problem(self, problem_id: str, expression: str) -> Problem:
         """The problem for ``expression`` with its reference episode (one tool call printing it, then the answer)."""
+        opts: ArithToolOptions = self.options  # type: ignore[assignment]
         value = str(evaluate_expression(expression))
-        turns = self.reference_turns(value, f"print({expression})")
+        printed, code = reference_print(expression, int(value), opts.value_width)
+        turns = self.reference_turns(printed, code)
         return Problem(
             problem_id, f"Compute {expression}.\n", value, solution="".join(t["model"] for t in turns), meta={"reference_turns": turns}
         )
