@@ -1,4 +1,4 @@
-"""CLI start-up: wall time of ``harness --help``, ``harness tasks`` and ``harness leaderboard ROOT`` for this tree and an
+"""CLI start-up: wall time of ``harness --help``, ``run --help``, ``tasks``, ``methods`` and ``leaderboard ROOT`` for this tree and an
 older one (default: the tree at git ref ``main``), measured side by side in one run: one warm-up of each, then the two
 trees alternate which runs first in every round. Each command is ``python -m harness.cli ...`` run in the tree's root, so
 that tree's ``harness`` is the one imported (both with this interpreter and its packages).
@@ -52,7 +52,13 @@ def main() -> None:
 
             root = Path(tmp) / "results"
             Store(root).close()
-        commands = {"--help": ["--help"], "tasks": ["tasks"], "leaderboard": ["leaderboard", str(root.resolve())]}
+        commands = {
+            "--help": ["--help"],
+            "run --help": ["run", "--help"],
+            "tasks": ["tasks"],
+            "methods": ["methods"],
+            "leaderboard": ["leaderboard", str(root.resolve())],
+        }
         trees = {"before": before, "after": HERE}
         times: dict[str, dict[str, list[float]]] = {command: {side: [] for side in trees} for command in commands}
         for argv in commands.values():  # warm-up: the file cache holds both trees' modules

@@ -499,7 +499,7 @@ def eval_(
 def serve_(
     model: Annotated[str, typer.Option(help="local model directory (or hub id) to serve")],
     host: Annotated[str, typer.Option(help="interface to bind")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port")] = 8000,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="TCP port")] = 8000,
     max_batch: Annotated[int, typer.Option(help="most sequences (prompt x sample, from any number of requests) decoded together")] = 64,
     max_batch_tokens: Annotated[
         int, typer.Option(help="most padded positions per batch: sequences x (longest prompt + max_tokens)")

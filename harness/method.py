@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
-import torch
 from pydantic import BaseModel, ConfigDict
 
-from harness.trajectory import TensorBatch
+if TYPE_CHECKING:  # torch stays unloaded until an objective runs: listing methods reads only their specs
+    import torch
+
+    from harness.trajectory import TensorBatch
 
 # Inputs a method may declare; the pipeline provides each or refuses the run up front.
 INPUTS = {
@@ -54,7 +56,7 @@ class MethodState(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-Objective = Callable[[TensorBatch, StudentOutputs, HParams, object], tuple[torch.Tensor, dict[str, float]]]
+Objective: TypeAlias = Callable[["TensorBatch", StudentOutputs, HParams, object], "tuple[torch.Tensor, dict[str, float]]"]
 
 
 @dataclass(frozen=True)

@@ -505,3 +505,10 @@ def test_out_of_range_numeric_flags_exit_2_naming_the_flag_and_write_nothing(tmp
     result = runner.invoke(app, [*command, str(model), "--out", str(out), flag, value])
     assert result.exit_code == 2 and f"'{flag}'" in result.output, result.output
     assert not out.exists()
+
+
+
+@pytest.mark.parametrize("port", ["70000", "-1"])
+def test_serve_port_out_of_range_exits_2_naming_the_flag_before_loading_a_model(tmp_path, port):
+    result = runner.invoke(app, ["serve", "--model", str(tmp_path), "--port", port])
+    assert result.exit_code == 2 and "'--port'" in result.output, result.output

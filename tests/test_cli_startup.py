@@ -1,20 +1,37 @@
-"""The CLI starts without loading torch: ``harness --help``, ``tasks`` and ``leaderboard`` answer in well under a second."""
+"""The CLI starts without loading torch: ``harness --help``, ``run --help``, ``tasks``, ``methods`` and ``leaderboard``
+answer in well under a second."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+HEAVY = ("torch", "transformers", "tokenizers")
 
 
-def test_importing_the_cli_loads_neither_torch_nor_transformers():
-    """``harness --help``, ``tasks`` and ``leaderboard`` start in well under a second only while ``harness.cli`` and
-    the task classes import no torch (about 2 s) or transformers (6 s more): a fresh interpreter checks sys.modules."""
+def modules_after(code: str) -> list[str]:
+    """The heavy modules (torch, transformers, tokenizers) a fresh interpreter holds after running ``code``."""
+    probe = f"{code}\nimport json, sys\nprint(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True)
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_listing_commands_load_neither_torch_nor_transformers(tmp_path: Path):
+    """The commands as typed, in a fresh interpreter: ``harness.cli`` and what it imports, every task class (``tasks``)
+    and every method's spec (``methods``: the objectives reach torch only when they compute) load no torch (about 2 s)
+    and no transformers (6 s more); each command exits 0 with output."""
+    from harness.store import Store
+
+    Store(tmp_path).close()
+    commands = [["--help"], ["run", "--help"], ["eval", "--help"], ["tasks"], ["methods"], ["methods", "--json"]]
+    commands.append(["leaderboard", str(tmp_path)])
     code = (
-        "import json, sys, harness.cli\n"
-        "from harness.registry import TASKS\n"
-        "[cls for _, cls in TASKS.items()]\n"  # `harness tasks` loads every task class
-        "print(json.dumps(sorted(m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules)))"
+        "from typer.testing import CliRunner\n"
+        "from harness.cli import app\n"
+        f"for argv in {commands!r}:\n"
+        "    result = CliRunner().invoke(app, argv)\n"
+        "    assert result.exit_code == 0 and result.output.strip(), (argv, result.exit_code, result.output, result.exception)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
-    assert json.loads(result.stdout) == []
+    assert modules_after(code) == []

@@ -6,7 +6,14 @@ spec's name) that declares the inputs it needs; this package holds the helpers o
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+from harness.lazy import lazy_import
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported on first use: `harness methods` and config validation read the method's spec without torch
+    torch = lazy_import("torch")
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

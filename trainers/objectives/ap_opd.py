@@ -16,16 +16,21 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, TypeAlias
 
-import torch
 from pydantic import Field, field_validator
 
+from harness.lazy import lazy_import
 from harness.method import HParams, MethodSpec, StudentOutputs
 from harness.trajectory import TensorBatch
 from trainers.objectives import masked_mean, masked_sum
 from trainers.objectives.common import dual_clipped, old_logprobs, ppo_clip_per_token
 from trainers.objectives.grpo import DUAL_CLIP, check_dual_clip
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported on first use: `harness methods` and config validation read the method's spec without torch
+    torch = lazy_import("torch")
 
 Detector = Literal["z", "topk", "z_and_topk"]
 CountsAs = Literal["blocks", "boundaries"]
@@ -143,7 +148,7 @@ def magnitude_cap_block_weights(blocks: Blocks, d_mean: float, alpha: float, cou
     return weights, len(chosen)
 
 
-BlockRule = Callable[[Blocks, torch.Tensor], tuple[torch.Tensor, int]]
+BlockRule: TypeAlias = Callable[[Blocks, "torch.Tensor"], "tuple[torch.Tensor, int]"]
 
 
 def blockwise_weights(

@@ -4,13 +4,17 @@ surrogate, the k3 KL estimator and masked reductions. Pure tensor functions, no 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
-
+from harness.lazy import lazy_import
 from harness.method import StudentOutputs
 from harness.trajectory import TensorBatch
 from trainers.objectives import masked_mean, masked_sum
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported on first use: `harness methods` and config validation read the method's spec without torch
+    torch = lazy_import("torch")
 
 Aggregation = Literal["token-mean", "sum"]
 

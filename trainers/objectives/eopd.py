@@ -15,16 +15,21 @@ g_t = clamp(H_t / H_max, 0, 1).
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import Field
 
+from harness.lazy import lazy_import
 from harness.method import HParams, MethodSpec, StudentOutputs
 from harness.trajectory import TensorBatch
 from trainers.objectives import masked_mean, masked_sum
 from trainers.objectives.common import old_logprobs
 from trainers.objectives.gkd import entropy, kl, require_full, teacher_top_k
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported on first use: `harness methods` and config validation read the method's spec without torch
+    torch = lazy_import("torch")
 
 
 class EOPDParams(HParams):

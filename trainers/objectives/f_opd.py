@@ -20,20 +20,25 @@ is an ordinary function of the student log-probs, which is what the gradcheck te
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, TypeAlias
 
-import torch
 from pydantic import Field
 
+from harness.lazy import lazy_import
 from harness.method import HParams, MethodSpec, StudentOutputs
 from harness.trajectory import TensorBatch
 from trainers.objectives.common import k3
 from trainers.objectives.opd import exact_reverse_kl
 
+if TYPE_CHECKING:
+    import torch
+else:  # imported on first use: `harness methods` and config validation read the method's spec without torch
+    torch = lazy_import("torch")
+
 FreshnessForm = Literal["exp", "reciprocal", "product"]
 RefreshRule = Literal["freshness", "freshness_or_coverage", "periodic"]
 Xi = float | Literal["batch_mean"]
-Result = tuple[torch.Tensor, dict[str, float]]  # (loss, diagnostics)
+Result: TypeAlias = "tuple[torch.Tensor, dict[str, float]]"  # (loss, diagnostics); a string: torch is imported on first use
 
 LOG_RATIO_CLAMP = 20.0  # |s − q| bound inside exponentials (verl's k3 uses the same ±20)
 
@@ -229,9 +234,9 @@ class AsyncStats:
         return self.teacher_fresh if self.teacher_fresh is not None else self.teacher_stale
 
 
-def policy_lag(batch: TensorBatch, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """τ_i per sample (B,); 0 when the batch carries none (sync). Negative lags are an error."""
-    device = batch.loss_mask.device
+def policy_lag(batch: TensorBatch, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """τ_i per sample (B,) in ``dtype`` (default float32); 0 when the batch carries none (sync). Negative lags are an error."""
+    device, dtype = batch.loss_mask.device, dtype or torch.float32
     if batch.policy_lag is None:
         return torch.zeros(batch.shape[0], dtype=dtype, device=device)
     lag = batch.policy_lag.to(device=device, dtype=dtype)

@@ -11,14 +11,21 @@ from the student, i.e. λ = 1.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
 from pydantic import Field
 
+from harness.lazy import lazy_import
 from harness.method import HParams, MethodSpec, StudentOutputs
 from harness.trajectory import TensorBatch
 from trainers.objectives import masked_sum
+
+if TYPE_CHECKING:
+    import torch
+    import torch.nn.functional as F
+else:  # imported on first use: `harness methods` and config validation read the method's spec without torch
+    torch = lazy_import("torch")
+    F = lazy_import("torch.nn.functional")
 
 
 class GKDParams(HParams):

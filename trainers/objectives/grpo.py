@@ -7,13 +7,20 @@ clip hyper-parameters live here and are imported by them.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
 from pydantic import Field, field_validator
 
+from harness.lazy import lazy_import
 from harness.method import HParams, MethodSpec, StudentOutputs
 from harness.trajectory import TensorBatch
 from trainers.objectives import masked_mean
 from trainers.objectives.common import clipped_surrogate, graded, graded_reward_mean, grpo_advantages, old_logprobs
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported on first use: `harness methods` and config validation read the method's spec without torch
+    torch = lazy_import("torch")
 
 DUAL_CLIP = 3.0  # verl's clip_ratio_c default (Ye et al. 2020)
 

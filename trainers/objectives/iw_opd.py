@@ -8,13 +8,21 @@ mean of 1 per sequence; the loss is the same weighted token-mean OPD surrogate a
 
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
+from typing import TYPE_CHECKING
+
 from pydantic import Field
 
+from harness.lazy import lazy_import
 from harness.method import MethodSpec, StudentOutputs
 from harness.trajectory import TensorBatch
 from trainers.objectives.ap_opd import SurrogateParams, ap_opd_needs, penalty, sampled_log_ratio, weighted_opd_loss
+
+if TYPE_CHECKING:
+    import torch
+    import torch.nn.functional as F
+else:  # imported on first use: `harness methods` and config validation read the method's spec without torch
+    torch = lazy_import("torch")
+    F = lazy_import("torch.nn.functional")
 
 
 class IWOPDParams(SurrogateParams):

@@ -14,14 +14,19 @@ Two per-token estimators of the reverse KL(π_θ ‖ π_T):
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from pydantic import Field, model_validator
 
+from harness.lazy import lazy_import
 from harness.method import HParams, MethodSpec, StudentOutputs
 from harness.trajectory import TensorBatch
 from trainers.objectives import masked_mean, masked_sum
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported on first use: `harness methods` and config validation read the method's spec without torch
+    torch = lazy_import("torch")
 
 
 class OPDParams(HParams):

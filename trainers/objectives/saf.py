@@ -16,15 +16,21 @@ checkpoints. Its KL signal K_s is the token-mean k3 between the current student 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
 from pydantic import Field
 
+from harness.lazy import lazy_import
 from harness.method import MethodSpec, StudentOutputs
 from harness.trajectory import TensorBatch
 from trainers.objectives import masked_mean
 from trainers.objectives.common import clipped_surrogate, graded_reward_mean, k3, old_logprobs, opd_advantage
 from trainers.objectives.grpo import DUAL_CLIP_NOTE, ClipParams, GroupParams, grpo_sequence_advantages
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported on first use: `harness methods` and config validation read the method's spec without torch
+    torch = lazy_import("torch")
 
 
 class SAFParams(ClipParams, GroupParams):

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
+from harness.lazy import lazy_import
 from harness.method import HParams, MethodSpec, StudentOutputs
 from harness.trajectory import TensorBatch
 from trainers.objectives import masked_mean
+
+if TYPE_CHECKING:
+    import torch
+else:  # imported on first use: `harness methods` and config validation read the method's spec without torch
+    torch = lazy_import("torch")
 
 
 class SFTParams(HParams):

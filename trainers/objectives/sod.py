@@ -14,17 +14,23 @@ followed by the shared PPO-clip surrogate (one ratio, one clip on the fused adva
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
-import torch.nn.functional as F
 from pydantic import Field
 
+from harness.lazy import lazy_import
 from harness.method import MethodSpec, StudentOutputs
 from harness.trajectory import TensorBatch
 from trainers.objectives import masked_mean
 from trainers.objectives.common import clipped_surrogate, graded_reward_mean, old_logprobs, opd_advantage
 from trainers.objectives.grpo import DUAL_CLIP_NOTE, ClipParams, GroupParams, grpo_sequence_advantages
+
+if TYPE_CHECKING:
+    import torch
+    import torch.nn.functional as F
+else:  # imported on first use: `harness methods` and config validation read the method's spec without torch
+    torch = lazy_import("torch")
+    F = lazy_import("torch.nn.functional")
 
 WeightRule = Literal["telescoped", "recursive"]
 StepSource = Literal["mask_runs", "step_index"]
