@@ -460,6 +460,7 @@ class RayLearner:
 
     def __init__(self, ray: ModuleType, ranks: list[Any], session: Session, sharding: str = "ddp") -> None:
         self.ray, self.ranks, self.session = ray, ranks, session
+        self.sharding = sharding
         self.sharded = sharding == "fsdp2" and len(ranks) > 1  # weights and state are then read from every rank at once
         self.killed = False
 
@@ -593,7 +594,7 @@ def wait_ready(ray: ModuleType, actors: list, names: list[str], console: Console
         backend, rendezvous = learner.form_group()
         nodes = ray.get([rank.node_id.remote() for rank in learner.ranks])
         placement.update({f"learner_rank_{i}": node for i, node in enumerate(nodes)})
-        console.print(f"learner: {len(learner.ranks)} data-parallel ranks ({backend}, rendezvous {rendezvous})")
+        console.print(f"learner: {len(learner.ranks)} data-parallel ranks ({learner.sharding}, {backend}, rendezvous {rendezvous})")
     console.print(f"ray actors ready ({', '.join(names)}); waited {time.perf_counter() - started:.1f}s after the step-0 evaluation")
     console.print("ray placement: " + ", ".join(f"{role} on node {node[:12]}" for role, node in placement.items()))
 
