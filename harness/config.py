@@ -170,6 +170,40 @@ class RoleLayout(Strict):
         return self
 
 
+def fsdp2_unsupported() -> str | None:
+    """Why this torch cannot shard a learner with FSDP2 (``torch.distributed.fsdp.fully_shard``), or None."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return "this torch build has no torch.distributed"
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401 - torch >= 2.6
+    except ImportError:
+        import torch
+
+        return f"torch {torch.__version__} has no torch.distributed.fsdp.fully_shard (FSDP2 needs torch >= 2.6)"
+    return None
+
+
+class LearnerLayout(RoleLayout):
+    """``trainer.layout.learner``: the data-parallel learner ranks and how their model is split over them."""
+
+    sharding: Literal["ddp", "fsdp2"] = Field(
+        "ddp",
+        description="with replicas >= 2: ddp (a full copy of weights, gradients and AdamW state per rank) or fsdp2 "
+        "(torch's fully_shard: parameters, gradients and optimizer state sharded over the ranks)",
+    )
+
+    @field_validator("sharding")
+    @classmethod
+    def _torch_supports(cls, sharding: str) -> str:
+        """FSDP2 only where this torch has it (checked here, at config time; the learner's device is checked when it joins)."""
+        why = fsdp2_unsupported() if sharding == "fsdp2" else None
+        if why:
+            raise ValueError(f"fsdp2 is not supported here: {why}; use ddp")
+        return sharding
+
+
 class EvalRoleLayout(RoleLayout):
     """``trainer.layout.eval``: the evaluation workers of a run's checkpoint evaluations, and how many sandboxes they may
     hold open at once on one node."""
@@ -184,7 +218,7 @@ class Layout(Strict):
 
     rollout: RoleLayout = Field(default_factory=RoleLayout)
     teacher: RoleLayout = Field(default_factory=RoleLayout)
-    learner: RoleLayout = Field(default_factory=RoleLayout)
+    learner: LearnerLayout = Field(default_factory=LearnerLayout)
     eval: EvalRoleLayout | None = Field(
         None,
         description="evaluation workers of the run's checkpoint evaluations (their shards, in this role's placement group); "

@@ -1,8 +1,10 @@
 """The data-parallel learner step without Ray: 2 gloo ranks (processes) on one global batch give the losses, gradient
-norms, diagnostics, method state and weights of 1 rank on the same batch, for token-mean, sequence-level and group methods."""
+norms, diagnostics, method state and weights of 1 rank on the same batch, for token-mean, sequence-level and group methods,
+with DDP and with FSDP2; an FSDP2 checkpoint (full state, read by rank 0) resumes on one rank."""
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -12,10 +14,10 @@ import pytest
 from harness.models.tiny import TinyArch, build_tiny_model
 from harness.registry import METHODS
 from harness.trajectory import TensorBatch
-from trainers.distributed import Shard, data_parallel, join_group, leave_group, rendezvous_port, shard_bounds
+from trainers.distributed import Shard, data_parallel, full_state, full_weights, join_group, leave_group, rendezvous_port, shard_bounds
 from trainers.learner import train_step
 
-RANKS_TIMEOUT_S = 120.0
+RANKS_TIMEOUT_S = 300.0  # 2 forked ranks, 8 method runs (DDP and FSDP2): ~60 s at load 10, longer on a busier machine
 VOCAB, ROWS, LENGTH, STEPS = 24, 5, 9, 3  # 5 rows over 2 ranks: uneven shards (3 + 2), a GRPO group split across them
 METHODS_UNDER_TEST = {
     "opd": {},  # token-mean over the batch's tokens
@@ -53,19 +55,39 @@ def synthetic_batch(seed: int) -> TensorBatch:
     )
 
 
-def method_steps(name: str, shard: Shard | None) -> dict:
-    """``STEPS`` optimizer steps of method ``name`` (one rank's part with a shard); metrics per step and the final weights."""
+SHARDINGS = ("ddp", "fsdp2")
+FSDP2_METHODS = ("opd", "opd_full", "f_opd")  # token-mean, full distributions, sequence-level + state: FSDP2 changes only the model
+CHECKPOINT_AFTER = STEPS - 1  # the FSDP2 ranks' full state after this many steps resumes on one rank for the last step
+
+
+def tiny_student() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = build_tiny_model(TinyArch(hidden=16, layers=2, heads=2, kv_heads=1, ffn=32), VOCAB, pad_id=0, eos_id=1, seed=3)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+def method_steps(name: str, shard: Shard | None, sharding: str = "ddp", start: dict | None = None) -> dict:
+    """``STEPS`` optimizer steps of method ``name`` (one rank's part with a shard), or the steps after a checkpoint
+    ``start``; metrics per step, the final (full) weights and method state, and the checkpoint after ``CHECKPOINT_AFTER``."""
     torch.manual_seed(0)
     spec = METHODS.get(name.removesuffix("_full"))
     hparams = spec.hparams(**METHODS_UNDER_TEST[name])
-    model = build_tiny_model(TinyArch(hidden=16, layers=1, heads=2, kv_heads=1, ffn=32), VOCAB, pad_id=0, eos_id=1, seed=3)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = tiny_student()
     state = spec.make_state(hparams) if spec.make_state else None
-    trained = data_parallel(model) if shard is not None else model
-    metrics = [train_step(trained, optimizer, synthetic_batch(step), spec, hparams, state, grad_clip=0.05, shard=shard)
-               for step in range(STEPS)]  # fmt: skip
+    if start is not None:
+        model.load_state_dict(start["model"])
+        optimizer.load_state_dict(start["optimizer"])
+        if state is not None:
+            state.load_state_dict(start["method_state"])
+    trained, optimizer = data_parallel(model, optimizer, sharding) if shard is not None else (model, optimizer)
+    metrics, checkpoint = [], None
+    for step in range(CHECKPOINT_AFTER if start is not None else 0, STEPS):
+        if step == CHECKPOINT_AFTER and start is None:
+            checkpoint = full_state(trained, optimizer, sharding) if shard is not None else None
+            checkpoint = checkpoint and copy.deepcopy({**checkpoint, "method_state": state.state_dict() if state is not None else None})
+        metrics.append(train_step(trained, optimizer, synthetic_batch(step), spec, hparams, state, grad_clip=0.05, shard=shard))
     method_state = state.state_dict() if state is not None else None
-    return {"metrics": metrics, "weights": {k: v.clone() for k, v in model.state_dict().items()}, "state": method_state}
+    weights = full_weights(trained, sharding) if shard is not None else {k: v.clone() for k, v in model.state_dict().items()}
+    return {"metrics": metrics, "weights": weights, "state": method_state, "checkpoint": checkpoint}
 
 
 def _rank(rank: int, world: int, port: int, out: str) -> None:
@@ -73,7 +95,9 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     shard = Shard(rank, world)
     join_group("127.0.0.1", port, shard, "gloo")
     try:
-        torch.save({name: method_steps(name, shard) for name in METHODS_UNDER_TEST}, f"{out}/rank{rank}.pt")
+        results = {(name, "ddp"): method_steps(name, shard) for name in METHODS_UNDER_TEST}
+        results |= {(name, "fsdp2"): method_steps(name, shard, "fsdp2") for name in FSDP2_METHODS}
+        torch.save(results, f"{out}/rank{rank}.pt")
     finally:
         leave_group()
 
@@ -88,9 +112,11 @@ def _close(a, b, tol: float = 1e-5) -> bool:
     return a == pytest.approx(b, abs=tol, rel=tol, nan_ok=True)
 
 
-def test_two_ranks_give_the_update_of_one_rank(tmp_path):
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    """Each of 2 gloo ranks' results of every method under DDP (and of ``FSDP2_METHODS`` under FSDP2)."""
     torch.set_num_threads(1)
-    single = {name: method_steps(name, None) for name in METHODS_UNDER_TEST}
+    tmp_path = tmp_path_factory.mktemp("ranks")
     ranks = mp.start_processes(_rank, args=(2, rendezvous_port(), str(tmp_path)), nprocs=2, join=False, start_method="fork")
     deadline = time.monotonic() + RANKS_TIMEOUT_S  # forked (imports inherited: ~2 s, not ~40 s); a hang fails, it never blocks CI
     while not ranks.join(timeout=1.0):
@@ -98,17 +124,34 @@ def test_two_ranks_give_the_update_of_one_rank(tmp_path):
             for process in ranks.processes:
                 process.kill()
             pytest.fail(f"the 2 ranks did not finish in {RANKS_TIMEOUT_S:.0f}s")
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    for name, expected in single.items():
-        for rank in results:
-            got = rank[name]
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def single() -> dict[str, dict]:
+    torch.set_num_threads(1)
+    return {name: method_steps(name, None) for name in METHODS_UNDER_TEST}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_two_ranks_give_the_update_of_one_rank(two_ranks, single, sharding):
+    names = METHODS_UNDER_TEST if sharding == "ddp" else FSDP2_METHODS
+    for name in names:
+        expected = single[name]
+        for rank, results in enumerate(two_ranks):
+            got = results[name, sharding]
             for step, (want, have) in enumerate(zip(expected["metrics"], got["metrics"], strict=True)):
                 assert set(want) == set(have), (name, step)
                 assert have["loss"] != 0.0 and have["grad_norm"] > 0.05, (name, step, have)  # a real update, clipped
                 bad = {k: (want[k], have[k]) for k in want if not k.startswith("time_") and not _close(want[k], have[k])}
                 assert not bad, (name, step, bad)
-            for key, weight in expected["weights"].items():
-                assert torch.allclose(got["weights"][key], weight, atol=1e-5, rtol=1e-5), (name, key)
+            if sharding == "fsdp2" and rank > 0:  # full weights are gathered to rank 0 only
+                assert got["weights"] == {} and got["checkpoint"]["model"] == {}
+            else:
+                assert expected["weights"].keys() == got["weights"].keys()
+                for key, weight in expected["weights"].items():
+                    assert torch.allclose(got["weights"][key], weight, atol=1e-5, rtol=1e-5), (name, key)
             assert _same_state(got["state"], expected["state"]), (name, got["state"], expected["state"])
 
 
@@ -121,3 +164,19 @@ def _same_state(a, b) -> bool:
     if isinstance(a, float):
         return _close(a, b)
     return a == b
+
+
+@pytest.mark.slow
+def test_an_fsdp2_checkpoint_resumes_on_one_rank(two_ranks, single):
+    """Rank 0's full state after step 2 of 2 FSDP2 ranks, loaded into a plain model and optimizer (W = 1, the driver's
+    checkpoint), trains step 3 with the uninterrupted run's loss and weights."""
+    for name in FSDP2_METHODS:
+        checkpoint = two_ranks[0][name, "fsdp2"]["checkpoint"]
+        assert sorted(checkpoint["optimizer"]["state"]) == list(range(len(checkpoint["optimizer"]["state"])))
+        resumed = method_steps(name, None, start=checkpoint)
+        want = single[name]
+        assert len(resumed["metrics"]) == STEPS - CHECKPOINT_AFTER
+        assert _close(resumed["metrics"][0]["loss"], want["metrics"][CHECKPOINT_AFTER]["loss"]), name
+        for key, weight in want["weights"].items():
+            assert torch.allclose(resumed["weights"][key], weight, atol=1e-5, rtol=1e-5), (name, key)
+        assert _same_state(resumed["state"], want["state"]), name

@@ -30,6 +30,7 @@ LAG = ["--method", "f_opd", "--mode", "async", "--set", "trainer.fixed_lag=1", "
         ("trainer.layout.learner.num_cpus=0", "trainer.layout.learner"),
         ("trainer.layout.eval.replicas=0", "trainer.layout.eval.replicas"),
         ("eval.shard_size=0", "eval.shard_size"),
+        ("trainer.layout.learner.sharding=zero3", "trainer.layout.learner.sharding"),
     ],
 )
 def test_bad_layouts_are_refused_at_config_time(tmp_path, override, key):
@@ -37,6 +38,18 @@ def test_bad_layouts_are_refused_at_config_time(tmp_path, override, key):
         build_config(overrides=["trainer.executor=ray", override])
     result = runner.invoke(app, [*BASE, "--out", str(tmp_path), "--executor", "ray", "--set", override])
     assert result.exit_code == 2 and key in " ".join(result.output.split()), result.output
+    assert not (tmp_path / "results.sqlite").exists()
+
+
+def test_fsdp2_where_torch_lacks_it_exits_2_naming_the_key(tmp_path, monkeypatch):
+    import harness.config
+
+    config = build_config(overrides=["trainer.executor=ray", "trainer.layout.learner.sharding=fsdp2"])
+    assert config.trainer.layout.learner.sharding == "fsdp2"  # torch 2.13 has fully_shard
+    monkeypatch.setattr(harness.config, "fsdp2_unsupported", lambda: "torch 2.4.0 has no torch.distributed.fsdp.fully_shard")
+    result = runner.invoke(app, [*BASE, "--out", str(tmp_path), "--executor", "ray", "--set", "trainer.layout.learner.sharding=fsdp2"])
+    line = " ".join(result.output.split())
+    assert result.exit_code == 2 and "trainer.layout.learner.sharding" in line and "torch 2.4.0 has no" in line, result.output
     assert not (tmp_path / "results.sqlite").exists()
 
 

@@ -1,7 +1,7 @@
-"""A data-parallel learner on the two-node test cluster: 2 learner ranks on different nodes give the losses, gradient
-norms and evaluations of one in-process learner; a rank killed with SIGKILL stops the run failed with one clear line,
-and its last checkpoint resumes onto 1 rank with the losses of the uninterrupted run. (The exactness of the step for
-every kind of method is tested without Ray in test_distributed_learner.py.)"""
+"""A data-parallel learner on the two-node test cluster: 2 learner ranks on different nodes (DDP or FSDP2) give the losses,
+gradient norms and evaluations of one in-process learner; a rank killed with SIGKILL stops the run failed with one clear
+line, and its last checkpoint (full weights, from rank 0) resumes onto 1 rank with the losses of the uninterrupted run.
+(The exactness of the step for every kind of method is tested without Ray in test_distributed_learner.py.)"""
 
 import json
 import os
@@ -93,7 +93,8 @@ def _metric(db, run_id: str, name: str) -> dict[int, float]:
 
 
 @pytest.mark.slow
-def test_a_killed_learner_rank_fails_the_run_and_it_resumes_onto_one_rank(tmp_path, ray_cluster, monkeypatch):
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp2"])
+def test_a_killed_learner_rank_fails_the_run_and_it_resumes_onto_one_rank(tmp_path, ray_cluster, monkeypatch, sharding):
     import ray
 
     import trainers.ray_executor as rx
@@ -109,8 +110,10 @@ def test_a_killed_learner_rank_fails_the_run_and_it_resumes_onto_one_rank(tmp_pa
     monkeypatch.setattr(rx.RayLearner, "train", kill_rank_1_at_step_3)
     out = tmp_path / "killed"
     db = out / "results.sqlite"
-    result = runner.invoke(app, [*BASE, "--out", str(out), *two_ranks(ray_cluster.address)])
+    sharded = ["--set", f"trainer.layout.learner.sharding={sharding}"]
+    result = runner.invoke(app, [*BASE, "--out", str(out), *two_ranks(ray_cluster.address), *sharded])
     assert result.exit_code == 1, result.output
+    assert f"learner: 2 data-parallel ranks ({sharding}, gloo" in " ".join(result.output.split())
     line = " ".join(result.output.split())
     assert "learner rank 1 of 2 died while step 3; continue from its last checkpoint (step 2) with: harness run --resume" in line
     assert "Traceback" not in result.output

@@ -1,13 +1,18 @@
-"""A data-parallel learner step: W ranks in one torch.distributed process group, the model wrapped in DDP.
+"""A data-parallel learner step: W ranks in one torch.distributed process group, the model wrapped in DDP or sharded
+with FSDP2 (``trainer.layout.learner.sharding``).
 
 Each rank runs the student's forward and backward on its contiguous shard of the global batch's rows (the
 costly part), then :func:`gather_rows` assembles the global student log-probs (and full distribution, entropy)
 on every rank, so the method's objective runs on the whole batch on every rank: token-mean and sequence-level
 normalisations, GRPO groups, batch means and method state (SAF schedule, f-OPD refresh signal, AP-OPD
 statistics) are the global ones, identical on every rank, with no per-method code. Backward sends each rank its
-own rows' gradient, scaled by W so that DDP's averaging all-reduce leaves every rank the gradient of the global
-loss; gradient clipping (``clip_grad_norm_`` after the all-reduce) then sees the global norm, and one optimizer
-step on W ranks is the step of one rank on the same batch (up to float summation order).
+own rows' gradient, scaled by W so that DDP's averaging all-reduce (FSDP2's averaging reduce-scatter) leaves every
+rank the gradient of the global loss (FSDP2: its shard of it); gradient clipping (``clip_grad_norm_`` after the
+reduction, over DTensors under FSDP2) then sees the global norm, and one optimizer step on W ranks is the step of
+one rank on the same batch (up to float summation order).
+
+FSDP2 shards parameters, gradients and optimizer state (dim 0 of each, per decoder layer); it all-gathers a layer's
+parameters for its forward and backward. It does not shard the activations beyond DDP's row split, nor the objective.
 
 The objective's inputs are global on every rank: for a method that reads the student's full distribution
 (B×T×V) that tensor is gathered whole, so data parallelism shards the model's activations, not the objective's.
@@ -99,12 +104,82 @@ def join_group(address: str, port: int, shard: Shard, backend: str, timeout_s: f
     )
 
 
-def data_parallel(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` wrapped in DDP over the joined group (rank 0's weights are broadcast; every rank starts from the same copy)."""
+def data_parallel(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharding: str = "ddp"
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """``model`` made data-parallel over the joined group, and the optimizer that trains it.
+
+    ``ddp``: wrapped in DDP (rank 0's weights are broadcast), ``optimizer`` unchanged. ``fsdp2``: sharded in place with
+    :func:`fully_shard` (:func:`shard_fully`) and a new optimizer of the same kind over the shards, holding its part of
+    ``optimizer``'s state (every rank must start from the same weights and state: they are shipped from one copy)."""
+    if sharding == "fsdp2":
+        return shard_fully(model, optimizer)
     from torch.nn.parallel import DistributedDataParallel
 
     device = next(model.parameters()).device
-    return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+    return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None), optimizer
+
+
+def shard_fully(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """FSDP2: each decoder layer (the model's ``_no_split_modules``) and then the root sharded over the group (dim 0 of every
+    parameter, as DTensors); the optimizer rebuilt over those parameters with ``optimizer``'s groups and state."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    # keyed by parameter names, which survive the sharding; a fresh optimizer stays fresh (reading or loading a state first
+    # takes a zero step to make one, which would count as Adam's step 1)
+    by_name = get_optimizer_state_dict(model, optimizer) if optimizer.state else None
+    mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if type(module).__name__ in blocks:
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    if len(groups) != 1:
+        raise ValueError(f"fsdp2 rebuilds the learner's optimizer from one parameter group, not {len(groups)}")
+    sharded = type(optimizer)(model.parameters())
+    sharded.param_groups[0].update(groups[0])  # every hyperparameter as it was (some, like AdamW's, are not constructor arguments)
+    if by_name is not None:
+        set_optimizer_state_dict(model, sharded, by_name, options=StateDictOptions(full_state_dict=True))
+    return model, sharded
+
+
+def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, sharding: str) -> dict[str, dict]:
+    """The unsharded weights and optimizer state (the optimizer's own ``state_dict`` layout, parameters numbered in order).
+
+    ``ddp``: this rank's (identical) copies. ``fsdp2``: a collective, every rank must call it; rank 0 gets the full
+    tensors on the CPU, the other ranks empty dicts. Some tensors may be the live ones (Ray copies a result when it returns)."""
+    module = getattr(model, "module", model)  # DDP's wrapped model
+    if sharding != "fsdp2":
+        return {"model": module.state_dict(), "optimizer": optimizer.state_dict()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=options)
+    if not optimizer.state:  # fresh (no step yet): nothing sharded to gather, and reading it would take a zero step first
+        return {"model": weights, "optimizer": optimizer.state_dict() if weights else {}}
+    by_name = get_optimizer_state_dict(model, optimizer, options=options)
+    return {"model": weights, "optimizer": numbered_optimizer_state(by_name) if weights else {}}
+
+
+def numbered_optimizer_state(by_name: dict) -> dict:
+    """An optimizer state dict keyed by parameter names (torch.distributed.checkpoint's) in ``Optimizer.state_dict``'s
+    layout: parameters numbered 0, 1, … in their groups' order."""
+    numbers: dict[str, int] = {}
+    groups = [{**group, "params": [numbers.setdefault(name, len(numbers)) for name in group["params"]]}
+              for group in by_name["param_groups"]]  # fmt: skip
+    return {"state": {numbers[name]: state for name, state in by_name["state"].items()}, "param_groups": groups}
+
+
+def full_weights(model: torch.nn.Module, sharding: str) -> dict[str, torch.Tensor]:
+    """A detached unsharded copy of the weights (``fsdp2``: a collective; rank 0 gets them, the others an empty dict)."""
+    if sharding != "fsdp2":
+        return {k: v.detach().clone() for k, v in getattr(model, "module", model).state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def leave_group() -> None:

@@ -45,8 +45,8 @@ def train_step(
 ) -> dict[str, float]:
     """One optimizer step of ``method`` on ``batch``; returns loss, grad norm, entropy and diagnostics.
 
-    With a ``shard`` (``model`` wrapped in DDP) this is one rank's part of the data-parallel step on the global ``batch``:
-    the same loss, global gradient norm, diagnostics and update on every rank (:mod:`trainers.distributed`).
+    With a ``shard`` (``model`` wrapped in DDP or sharded with FSDP2) this is one rank's part of the data-parallel step on
+    the global ``batch``: the same loss, global gradient norm, diagnostics and update on every rank (:mod:`trainers.distributed`).
 
     A non-finite loss or gradient norm is never applied: the update is skipped and reported as
     ``nonfinite = skipped = 1``; the driver then stops or goes on (``trainer.on_nonfinite``).
@@ -58,6 +58,7 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip) if grad_clip > 0 else total_grad_norm(model)
+    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a replicated DTensor
     finite = bool(torch.isfinite(loss.detach())) and bool(torch.isfinite(grad_norm))
     if finite:
         optimizer.step()
@@ -75,5 +76,5 @@ def train_step(
 
 def total_grad_norm(model: torch.nn.Module) -> torch.Tensor:
     """L2 norm of all gradients, without clipping (``grad_clip = 0`` still guards against non-finite gradients)."""
-    grads = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
-    return torch.linalg.vector_norm(torch.stack(grads)) if grads else torch.tensor(0.0)
+    grads = [p.grad.detach().float() for p in model.parameters() if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads) if grads else torch.tensor(0.0)  # over DTensors too (FSDP2's shards)

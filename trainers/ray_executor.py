@@ -51,7 +51,7 @@ from harness.registry import EVAL_EXECUTORS
 from harness.trajectory import TensorBatch, concat_batches
 from harness.task import close_tasks
 from harness.config import LAYOUT_ROLES, ConfigError, Layout, RoleLayout
-from trainers.distributed import Shard, backend_for, data_parallel, join_group, rendezvous_port
+from trainers.distributed import Shard, backend_for, data_parallel, full_state, full_weights, join_group, rendezvous_port
 from trainers.loop import MAX_ROLLOUT_LOSSES, LearnResult, Roles, RolloutLost, Unit, WeightBoard, batch_units, state_snapshot, unit_problems
 from trainers.pipeline import (
     Session,
@@ -300,14 +300,17 @@ class LearnerActor(ActorRole):
 
     One of ``world`` data-parallel ranks when ``world`` > 1: after :meth:`join` every rank trains its shard of each
     global batch in one torch.distributed group (:mod:`trainers.distributed`); all ranks then hold the same weights,
-    optimizer and method state, and the driver reads rank 0's."""
+    optimizer and method state, and the driver reads rank 0's. With ``sharding`` fsdp2 each rank holds a shard of them, and
+    reading the weights or the state is a collective: the driver calls every rank, rank 0 returns the full tensors."""
 
     def __init__(self, config: dict, parts: tuple, threads: int, rank: int = 0, world: int = 1) -> None:
         _setup_actor(threads)
         self.plan = _plan(config)
         self.model, self.optimizer, self.method_state = parts  # one pickle: the optimizer still holds this model's parameters
         self.shard = Shard(rank, world) if world > 1 else None
-        self.trained = self.model  # the DDP wrapper once the rank has joined its group
+        layout = self.plan.config.trainer.layout
+        self.sharding = layout.learner.sharding if layout is not None and world > 1 else "ddp"
+        self.trained = self.model  # the DDP wrapper once the rank has joined its group (FSDP2 shards the model in place)
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0's node address and a free port on it: where the group's ranks meet."""
@@ -316,10 +319,11 @@ class LearnerActor(ActorRole):
         return ray.util.get_node_ip_address(), rendezvous_port()
 
     def join(self, address: str, port: int) -> str:
-        """Join the learner ranks' process group at ``address:port`` and wrap the model in DDP; returns the backend."""
+        """Join the learner ranks' process group at ``address:port`` and wrap the model in DDP (or shard it with FSDP2,
+        the optimizer rebuilt over the shards); returns the backend."""
         backend = backend_for(self.model)
         join_group(address, port, self.shard, backend)
-        self.trained = data_parallel(self.model)
+        self.trained, self.optimizer = data_parallel(self.model, self.optimizer, self.sharding)
         return backend
 
     def pid(self) -> int:
@@ -339,12 +343,14 @@ class LearnerActor(ActorRole):
         return LearnResult(metrics, batch.policy_lag.tolist(), response_lengths(batch))
 
     def weights(self) -> dict[str, torch.Tensor]:
-        return state_snapshot(self.model)
+        """A copy of the full weights (fsdp2: every rank must be called; the others return an empty dict)."""
+        return full_weights(self.model, self.sharding) if self.shard is not None else state_snapshot(self.model)
 
     def state(self) -> dict[str, Any]:
-        """Weights, optimizer and method state, for the driver's checkpoints and evaluations."""
+        """Full (unsharded) weights, optimizer and method state, for the driver's checkpoints and evaluations (fsdp2: every
+        rank must be called; rank 0's answer holds them)."""
         method_state = self.method_state.state_dict() if self.method_state is not None else None
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "method_state": method_state}
+        return {**full_state(self.model, self.optimizer, self.sharding), "method_state": method_state}
 
 
 def ray_get(ray: ModuleType, refs: Any, **options: Any) -> Any:
@@ -452,8 +458,10 @@ class RayLearner:
     state pulled into the session come from rank 0. A rank that fails kills the others (they would wait for it in
     their collectives) and stops the run with :class:`LearnerRankFailed`."""
 
-    def __init__(self, ray: ModuleType, ranks: list[Any], session: Session) -> None:
+    def __init__(self, ray: ModuleType, ranks: list[Any], session: Session, sharding: str = "ddp") -> None:
         self.ray, self.ranks, self.session = ray, ranks, session
+        self.sharding = sharding
+        self.sharded = sharding == "fsdp2" and len(ranks) > 1  # weights and state are then read from every rank at once
         self.killed = False
 
     @property
@@ -471,11 +479,17 @@ class RayLearner:
         return backends[0], f"{address}:{port}"
 
     def snapshot(self) -> Any:
-        return self.actor.weights.remote()  # an object ref: the weights stay in the object store
+        """Rank 0's weights as an object ref (they stay in the object store); under fsdp2 every rank takes part."""
+        if not self.sharded:
+            return self.actor.weights.remote()
+        refs = [rank.weights.remote() for rank in self.ranks]
+        self._get(refs[1:], "gathering its weights", first=1)  # their answers are empty; rank 0's stays in the object store
+        return refs[0]
 
     def pull(self) -> None:
         """Copy the learner's weights, optimizer and method state into the session before it checkpoints/evaluates."""
-        state = self._get([self.actor.state.remote()], "reading its state")[0]
+        readers = self.ranks if self.sharded else [self.actor]
+        state = self._get([rank.state.remote() for rank in readers], "reading its state")[0]
         optimizer = self.session.optimizer
         lrs = [group["lr"] for group in optimizer.param_groups]  # the schedule is the session's: it stepped already
         self.session.student.model.load_state_dict(state["model"])
@@ -485,9 +499,9 @@ class RayLearner:
         if self.session.method_state is not None:
             self.session.method_state.load_state_dict(state["method_state"])
 
-    def _get(self, refs: list[Any], doing: str) -> list[Any]:
-        """Every rank's result, or :class:`LearnerRankFailed` as soon as one rank fails (a dead rank named before one whose
-        collective failed because of it)."""
+    def _get(self, refs: list[Any], doing: str, first: int = 0) -> list[Any]:
+        """Every rank's result (``refs``: ranks ``first``, ``first`` + 1, …), or :class:`LearnerRankFailed` as soon as one rank
+        fails (a dead rank named before one whose collective failed because of it)."""
         ray, pending, failures = self.ray, list(refs), {}
         while pending and not failures:
             done, pending = ray.wait(pending, num_returns=1)
@@ -495,14 +509,14 @@ class RayLearner:
                 try:
                     ray.get(ref)
                 except Exception as exc:  # noqa: BLE001 - any rank's failure stops the run, reported below
-                    failures[refs.index(ref)] = exc
+                    failures[first + refs.index(ref)] = exc
         if failures:
             if pending:  # the others fail soon after, or wait for the failed rank forever
                 for ref in ray.wait(pending, num_returns=len(pending), timeout=2.0)[0]:
                     try:
                         ray.get(ref)
                     except Exception as exc:  # noqa: BLE001
-                        failures[refs.index(ref)] = exc
+                        failures[first + refs.index(ref)] = exc
             self.kill()
             raise LearnerRankFailed(self._failure_line(ray, failures, doing)) from None
         return ray.get(refs)
@@ -580,7 +594,7 @@ def wait_ready(ray: ModuleType, actors: list, names: list[str], console: Console
         backend, rendezvous = learner.form_group()
         nodes = ray.get([rank.node_id.remote() for rank in learner.ranks])
         placement.update({f"learner_rank_{i}": node for i, node in enumerate(nodes)})
-        console.print(f"learner: {len(learner.ranks)} data-parallel ranks ({backend}, rendezvous {rendezvous})")
+        console.print(f"learner: {len(learner.ranks)} data-parallel ranks ({learner.sharding}, {backend}, rendezvous {rendezvous})")
     console.print(f"ray actors ready ({', '.join(names)}); waited {time.perf_counter() - started:.1f}s after the step-0 evaluation")
     console.print("ray placement: " + ", ".join(f"{role} on node {node[:12]}" for role, node in placement.items()))
 
@@ -633,7 +647,8 @@ class RayExecutor:
         rollouts, scorers, learners, pinned = start_actors(ray, plan, session, plan.config.threads or 1, self.groups)  # during step-0 eval
         actors = [*rollouts, *scorers, learners[0]]
         names = [*replica_names("rollout", len(rollouts)), *replica_names("teacher", len(scorers)), "learner"]
-        ray_learner, teachers = RayLearner(ray, learners, session), TeacherActors(ray, scorers)
+        sharding = plan.config.trainer.layout.learner.sharding if plan.config.trainer.layout is not None else "ddp"
+        ray_learner, teachers = RayLearner(ray, learners, session, sharding), TeacherActors(ray, scorers)
         placement: dict[str, str] = {}
         try:
             with checkpoint_evaluation(ray, plan, session, self.groups, placement, console), warnings.catch_warnings():
