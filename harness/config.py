@@ -283,6 +283,13 @@ class TrainerConfig(Strict):
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up")
     grad_clip: float = Field(1.0, ge=0, description="max gradient norm; 0 disables")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="the learner's forward/backward: fp32, or bf16 autocast (weights, gradients and AdamW state stay float32)",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="recompute each decoder layer's activations in the backward pass (less memory, about 1/3 more compute)"
+    )
     checkpoint_every: int = Field(100, ge=1)
     temperature: float = Field(1.0, gt=0, description="rollout sampling temperature")
     top_p: float = Field(1.0, gt=0, le=1)
