@@ -38,6 +38,8 @@ STEP_KEYS = {
     "response_length": "response_length/mean",
     "tokens_per_s": "perf/throughput",
     "samples_per_s": "perf/samples_per_s",
+    "learner_tokens_per_s": "perf/learner_tokens_per_s",
+    "mfu": "perf/mfu/actor",
     "model_tokens": "perf/total_num_tokens",
     "samples": "perf/samples",
     "lag_mean": "staleness/lag_mean",

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
 import torch
 
 from harness.backends.hf import scores_from_logits
@@ -12,15 +15,17 @@ from trainers.objectives import masked_mean
 
 
 def student_outputs(
-    model: torch.nn.Module, batch: TensorBatch, full: bool, shard: Shard | None = None
+    model: torch.nn.Module, batch: TensorBatch, full: bool, shard: Shard | None = None, precision: str = "fp32"
 ) -> tuple[StudentOutputs, torch.Tensor]:
     """Current-student log-probs (and full distribution if asked) with gradient, plus detached entropy.
 
     With a ``shard`` the forward runs on this rank's rows only and the outputs are gathered into the global batch's
-    (:mod:`trainers.distributed`), so the objective sees every row."""
+    (:mod:`trainers.distributed`), so the objective sees every row. ``precision="bf16"``: the forward (and so its
+    backward) under bfloat16 autocast."""
     rows = batch.input_ids.shape[0]
     ids, attention = local_rows(batch.input_ids, shard), local_rows(batch.attention_mask, shard)
-    logits = model(input_ids=ids, attention_mask=attention).logits.float()
+    with autocast(ids.device, precision):
+        logits = model(input_ids=ids, attention_mask=attention).logits.float()
     want = ("logprobs", "full") if full else ("logprobs", "entropy")
     scores = scores_from_logits(logits, ids, want)
     if full:
@@ -42,6 +47,7 @@ def train_step(
     *,
     grad_clip: float = 1.0,
     shard: Shard | None = None,
+    precision: str = "fp32",
 ) -> dict[str, float]:
     """One optimizer step of ``method`` on ``batch``; returns loss, grad norm, entropy and diagnostics.
 
@@ -50,10 +56,14 @@ def train_step(
 
     A non-finite loss or gradient norm is never applied: the update is skipped and reported as
     ``nonfinite = skipped = 1``; the driver then stops or goes on (``trainer.on_nonfinite``).
+
+    The batch goes to the model's device (a model on CUDA learns from the CPU batch the rollout made);
+    ``precision="bf16"`` is autocast with float32 master weights, gradients and optimizer state.
     """
     model.train()
     needs = method.needs(hparams)
-    outputs, entropy = student_outputs(model, batch, full="student_full" in needs, shard=shard)
+    batch = batch_to(batch, next(model.parameters()).device)
+    outputs, entropy = student_outputs(model, batch, full="student_full" in needs, shard=shard, precision=precision)
     loss, diagnostics = method.objective(batch, outputs, hparams, state)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
@@ -72,6 +82,23 @@ def train_step(
         "skipped": float(not finite),
         **diagnostics,
     }
+
+
+def autocast(device: torch.device, precision: str):
+    """bfloat16 autocast on ``device`` for ``precision="bf16"``; nothing for ``fp32``."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    if precision != "bf16":
+        raise ValueError(f"precision {precision!r}: choose fp32 or bf16")
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+def batch_to(batch: TensorBatch, device: torch.device) -> TensorBatch:
+    """``batch`` with every tensor on ``device`` (itself when they are there already)."""
+    if batch.input_ids.device == device:
+        return batch
+    moved = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    return dataclasses.replace(batch, **{k: v.to(device) for k, v in moved.items() if isinstance(v, torch.Tensor)})
 
 
 def total_grad_norm(model: torch.nn.Module) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from harness.trajectory import TensorBatch, Trajectory, to_tensor_batch
 from trainers.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from trainers.guards import enforce_finite, enforce_grade_error_rate, grade_error_count
 from trainers.learner import train_step
+from trainers.perf import flop_params, step_perf
 from trainers.objectives import masked_mean
 from trainers.objectives.common import k3
 from trainers.teacher import open_remote_teacher, score_teacher, teacher_label, teacher_wants, wrap_hf_teacher
@@ -234,12 +236,25 @@ def learn(plan, model, optimizer, batch: TensorBatch, method_state, learner_vers
     batch.policy_lag = torch.where(known, learner_version - batch.policy_version, 0).clamp(min=0)
     metrics["lag_mean"] = float(batch.policy_lag.float().mean())
     metrics["lag_max"] = float(batch.policy_lag.max())
+    trainer, started = plan.config.trainer, time.perf_counter()
     with timed("train", metrics):
         metrics.update(
             train_step(
-                model, optimizer, batch, plan.method, plan.hparams, method_state, grad_clip=plan.config.trainer.grad_clip, shard=shard
+                model, optimizer, batch, plan.method, plan.hparams, method_state, grad_clip=trainer.grad_clip, shard=shard,
+                precision=trainer.precision,
             )
         )
+    metrics.update(learner_perf(model, batch, time.perf_counter() - started, shard))
+
+
+def learner_perf(model, batch: TensorBatch, seconds: float, shard=None) -> dict[str, float]:
+    """This rank's learner tokens/s (every position it ran forward and backward) and MFU on a device in the peak table."""
+    from trainers.distributed import local_rows
+
+    inner = getattr(model, "module", model)  # DDP's wrapped model
+    param = next(inner.parameters())
+    name = torch.cuda.get_device_name(param.device) if param.is_cuda else None
+    return step_perf(flop_params(inner), int(local_rows(batch.attention_mask, shard).sum()), seconds, name)
 
 
 def response_lengths(batch: TensorBatch) -> torch.Tensor:
@@ -260,7 +275,14 @@ def add_rates(metrics: dict, lengths: torch.Tensor, seconds: float) -> None:
 
 
 def _optimizer_factory(cfg):
-    return lambda model: torch.optim.AdamW(model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay)
+    """AdamW over the student's (float32) parameters; PyTorch's fused kernel when they are on CUDA."""
+    return lambda model: torch.optim.AdamW(
+        model.parameters(), lr=cfg.trainer.lr, weight_decay=cfg.trainer.weight_decay, fused=True if _on_cuda(model) else None
+    )
+
+
+def _on_cuda(model) -> bool:
+    return next(model.parameters()).is_cuda
 
 
 def _scheduler_factory(cfg):
@@ -299,6 +321,8 @@ class Session:
         if local_teacher:
             teacher_model, tokenizer, teacher_path = prepare_model(cfg.teacher, "teacher", plan.task, plan.train_problems, store.root)
         student_model, student_tok, student_path = prepare_model(cfg.student, "student", plan.task, plan.train_problems, store.root)
+        if cfg.trainer.activation_checkpointing:
+            student_model.gradient_checkpointing_enable()
         if local_teacher and student_tok.get_vocab() != tokenizer.get_vocab():
             raise ValueError("student and teacher tokenizers differ; per-token distillation needs a shared vocabulary")
         optimizer_factory, scheduler_factory = _optimizer_factory(cfg), _scheduler_factory(cfg)
