@@ -14,7 +14,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from harness.models.shapes import SHAPES
 from harness.models.tiny import TinyArch
+
+ShapeName = Literal[tuple(SHAPES)]  # type: ignore[valid-type]  # a published Qwen3 shape, built with random weights
 
 
 class ConfigError(ValueError):
@@ -29,11 +32,25 @@ class ModelSpec(Strict):
     """Either a pretrained model (``path``: local dir or hub id) or a tiny model built from ``arch``."""
 
     path: str | None = Field(None, description="local directory or Hugging Face hub id")
-    arch: TinyArch | None = Field(None, description="build a tiny Qwen3 model from this shape")
+    arch: TinyArch | ShapeName | None = Field(
+        None,
+        description=(
+            "build a Qwen3 model here: a tiny shape (hidden, layers, ...) or a published one by name "
+            f"({', '.join(SHAPES)}: random weights, for cost measurements only, never accuracy)"
+        ),
+    )
     sft_steps: int = Field(0, ge=0, description="supervised warm-up steps on the training task's reference solutions")
     sft_lr: float = Field(3e-3, gt=0)
     sft_batch_size: int = Field(64, ge=1)
     seed: int = 0
+
+    @field_validator("arch", mode="before")
+    @classmethod
+    def _known_shape(cls, value: Any) -> Any:
+        """A shape given by name must be one of :data:`SHAPES` (one line naming them, not pydantic's union error)."""
+        if isinstance(value, str) and value not in SHAPES:
+            raise ValueError(f"unknown model shape {value!r}; give a tiny shape (hidden, layers, ...) or one of {', '.join(SHAPES)}")
+        return value
 
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSpec":
@@ -478,7 +495,7 @@ def fit_preset_models(preset: dict, task: str, options: dict) -> dict:
         if spec.get("sft_steps", 0) > 0 and not cls.provides_references:
             spec["sft_steps"] = 0
         if (
-            "arch" in spec
+            isinstance(spec.get("arch"), dict)
             and isinstance(budget, int)
             and spec["arch"].get("max_positions", TinyArch.model_fields["max_positions"].default) < budget
         ):

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from harness.config import ModelSpec
+from harness.models.shapes import build_shape_model, build_shape_tokenizer, get_shape
 from harness.models.tiny import build_char_tokenizer, build_tiny_model, load_model_and_tokenizer, save_model_and_tokenizer
 from harness.progress import progress
 from harness.rollout import reference_trajectories
@@ -47,8 +48,8 @@ def prepare_model(spec: ModelSpec, role: str, task, problems: list, cache_root: 
         if spec.sft_steps and show_progress:
             print(f"{role}: loaded from {target} ({spec.sft_steps} SFT steps done by an earlier run)", file=sys.stderr, flush=True)
         return model, tokenizer, str(target)
-    tokenizer = build_char_tokenizer()
-    model = build_tiny_model(spec.arch, len(tokenizer), pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, seed=spec.seed)
+    model, tokenizer = build_model(spec)
+    model = model.float() if spec.sft_steps else model
     if spec.sft_steps:
         supervised_warmup(model, tokenizer, task, problems, spec, desc=f"SFT {role}", show_progress=show_progress)
     tmp = target.with_name(target.name + ".tmp")
@@ -57,9 +58,20 @@ def prepare_model(spec: ModelSpec, role: str, task, problems: list, cache_root: 
     (tmp / READY_MARKER).write_text(json.dumps(spec.model_dump(), sort_keys=True))
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
+    model = model.float()  # a published shape is saved in bfloat16 (half the disk) and trained from float32 weights
     if spec.sft_steps and show_progress:
         print(f"{role}: cached at {target}; the next run with the same {role} and task loads it from there", file=sys.stderr, flush=True)
     return model, tokenizer, str(target)
+
+
+def build_model(spec: ModelSpec):
+    """(model, tokenizer) built from ``spec.arch``: a tiny shape (float32, character tokenizer) or a published Qwen3
+    shape by name (bfloat16, random weights, a stand-in tokenizer with its 151,936-id vocabulary)."""
+    if isinstance(spec.arch, str):
+        return build_shape_model(spec.arch, seed=spec.seed), build_shape_tokenizer(get_shape(spec.arch).vocab)
+    tokenizer = build_char_tokenizer()
+    model = build_tiny_model(spec.arch, len(tokenizer), pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, seed=spec.seed)
+    return model, tokenizer
 
 
 def warmup_schedule(optimizer: torch.optim.Optimizer, lr: float, steps: int):

@@ -1,0 +1,159 @@
+"""Qwen3 models at the published shapes (0.6B, 1.7B, 4B, 8B) with random weights, built without the hub.
+
+For cost measurements only (step time, tokens/s, MFU, memory): the weights are random, so nothing measured with
+them says anything about accuracy. A real checkpoint (``path:`` a hub id or folder) goes through the same model
+class (``Qwen3ForCausalLM``) and the same learner/engine code.
+
+Every number below is copied from the ``config.json`` of the Qwen organisation's repositories on the Hugging Face
+hub (``Qwen/Qwen3-0.6B``, ``Qwen/Qwen3-1.7B``, ``Qwen/Qwen3-4B``, ``Qwen/Qwen3-8B``; transformers 4.51 era):
+``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim`` (128 in all
+four), ``intermediate_size``, ``vocab_size`` (151,936), ``rope_theta`` (1,000,000), ``max_position_embeddings``
+(40,960), ``rms_norm_eps`` (1e-6) and ``tie_word_embeddings`` (true for 0.6B, 1.7B and 4B; false for 8B). The
+parameter counts in ``published_params`` are the model cards' "Number of Parameters" lines (0.6B, 1.7B, 4.0B,
+8.2B); ``tests/test_shapes.py`` checks the built models against them.
+
+torch and transformers are imported where used, so the config (which reads ``SHAPES``) stays cheap to import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerFast, Qwen3ForCausalLM
+
+
+@dataclass(frozen=True)
+class QwenShape:
+    """One published Qwen3 configuration (dense)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    tie_word_embeddings: bool
+    published_params: float  # the model card's "Number of Parameters", incl. embeddings
+    source: str
+    head_dim: int = 128
+    vocab: int = 151_936
+    rope_theta: float = 1_000_000.0
+    max_positions: int = 40_960
+    rms_norm_eps: float = 1e-6
+
+
+SHAPES: dict[str, QwenShape] = {
+    "qwen3-0.6b-shape": QwenShape(28, 1024, 16, 8, 3072, True, 0.6e9, "Qwen/Qwen3-0.6B config.json"),
+    "qwen3-1.7b-shape": QwenShape(28, 2048, 16, 8, 6144, True, 1.7e9, "Qwen/Qwen3-1.7B config.json"),
+    "qwen3-4b-shape": QwenShape(36, 2560, 32, 8, 9728, True, 4.0e9, "Qwen/Qwen3-4B config.json"),
+    "qwen3-8b-shape": QwenShape(36, 4096, 32, 8, 12288, False, 8.2e9, "Qwen/Qwen3-8B config.json"),
+}
+
+# Special ids of the stand-in tokenizer (the rest of the id space is one character per id).
+PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
+
+
+def get_shape(arch: str) -> QwenShape:
+    """The shape called ``arch``; a clear error listing the names otherwise."""
+    try:
+        return SHAPES[arch]
+    except KeyError:
+        raise ValueError(f"unknown model shape {arch!r}; known shapes: {', '.join(SHAPES)}") from None
+
+
+def shape_config(arch: str, *, layers: int | None = None, pad_id: int = PAD_ID, eos_id: int = EOS_ID):
+    """``Qwen3Config`` of shape ``arch``; ``layers`` keeps only the first that many decoder layers (a slice)."""
+    from transformers import Qwen3Config
+
+    shape = get_shape(arch)
+    if layers is not None and not 1 <= layers <= shape.layers:
+        raise ValueError(f"layers={layers}: a slice of {arch} has 1..{shape.layers} layers")
+    return Qwen3Config(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        num_hidden_layers=shape.layers if layers is None else layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        intermediate_size=shape.intermediate,
+        max_position_embeddings=shape.max_positions,
+        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta},
+        rms_norm_eps=shape.rms_norm_eps,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        bos_token_id=None,
+    )
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    import torch
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_shape_model(
+    arch: str, *, device: str = "cpu", dtype: torch.dtype | None = None, layers: int | None = None, seed: int = 0
+) -> Qwen3ForCausalLM:
+    """A randomly initialised ``Qwen3ForCausalLM`` of shape ``arch`` on ``device`` (``meta``: no memory) in ``dtype``
+    (default bfloat16); ``layers`` builds a slice; deterministic under ``seed`` on one device type."""
+    import torch
+    from transformers import Qwen3ForCausalLM
+
+    config = shape_config(arch, layers=layers)
+    dtype = torch.bfloat16 if dtype is None else dtype
+    with torch.random.fork_rng(devices=[]), torch.device(device), _default_dtype(dtype):
+        torch.manual_seed(seed)
+        if device != "cpu" and torch.device(device).type == "cuda":
+            torch.cuda.manual_seed_all(seed)
+        model = Qwen3ForCausalLM(config)
+    model.generation_config.pad_token_id = PAD_ID
+    model.generation_config.eos_token_id = EOS_ID
+    return model
+
+
+def standin_characters(vocab_size: int) -> list[str]:
+    """One distinct character per id after the three specials: printable ASCII first (so task text encodes readably),
+    then code points from U+00A1 on that are not controls, surrogates, separators, combining or format characters."""
+    import unicodedata
+
+    from harness.models.tiny import CHARSET
+
+    chars = list(dict.fromkeys(CHARSET))
+    seen = set(chars)
+    code = 0xA1
+    while len(chars) < vocab_size - 3:
+        ch = chr(code)
+        code += 1
+        if ch in seen or unicodedata.category(ch) in {"Cc", "Cs", "Cf", "Zs", "Zl", "Zp", "Mn", "Mc", "Me", "Cn"}:
+            continue
+        chars.append(ch)
+    return chars
+
+
+def build_shape_tokenizer(vocab_size: int = 151_936) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer over ``vocab_size`` ids (pad 0, eos 1, unk 2): encode/decode round-trip exactly for
+    any text of its characters, so random ids decode to text that encodes back to the same ids."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from harness.models.tiny import EOS, PAD, UNK
+
+    vocab = {PAD: PAD_ID, EOS: EOS_ID, UNK: UNK_ID}
+    for ch in standin_characters(vocab_size):
+        vocab[ch] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK)
+    fast.padding_side = "left"
+    return fast
