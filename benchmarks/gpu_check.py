@@ -90,6 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     shapes.add_argument("--score-len", type=int, default=4096, help="tokens per scored row")
     shapes.add_argument("--top-k", type=int, default=64, help="k of the top-k teacher scoring")
     shapes.add_argument("--learn-lens", type=int, nargs="+", default=[4096, 8192], help="learner sequence lengths (one row each)")
+    shapes.add_argument("--dry-shapes", action="store_true", help="dry mode: also the shape sections, on one layer of the first shape")
+    shapes.add_argument("--opd-teacher", default="qwen3-1.7b-shape", help="teacher shape of the 10-step opd run (student: the first shape)")
     shapes.add_argument("--shape-layers", type=int, default=None, help="build only this many layers of each shape (default: all)")
     shapes.add_argument("--budget-s", type=float, default=450.0, help="wall-clock budget of the whole check (later sections are skipped)")
     shapes.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
@@ -292,23 +294,9 @@ DRY_SHAPE_SIZES = {
     "score_len": 16,
     "top_k": 4,
     "learn_lens": [16],
+    "opd_teacher": "qwen3-0.6b-shape",
     "shape_layers": 1,
 }
-
-
-class IdTokenizer:
-    """What the engines need of a tokenizer when prompts are random ids (throughput only): pad/EOS ids, no text."""
-
-    padding_side = "left"
-
-    def __init__(self, vocab_size: int, pad_id: int = 0, eos_id: int = 1) -> None:
-        self.vocab_size, self.pad_token_id, self.eos_token_id = vocab_size, pad_id, eos_id
-
-    def __len__(self) -> int:
-        return self.vocab_size
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return ""
 
 
 def hbm_bandwidth(device_name: str | None) -> float | None:
@@ -329,17 +317,25 @@ def decode_bound(config, parameters: int, batch: int, mean_context: float, bandw
 
 
 def random_prompts(rows: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    """Random token ids (never the special ids 0 and 1): the shapes carry random weights, so text means nothing."""
+    """Random token ids (never the special ids 0–2): the shapes carry random weights, so text means nothing."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(2, vocab, (rows, length), generator=g).tolist()
+    return torch.randint(3, vocab, (rows, length), generator=g).tolist()
 
 
 def shape_model(arch: str, device: str, layers: int | None):
-    """A bf16 shape model from harness/models/shapes.py (random weights), in eval mode, and its parameter count."""
+    """A shape model from harness/models/shapes.py (random weights) in eval mode, and its parameter count: bf16 on CUDA,
+    float32 in the CPU dry mode (bf16 matrix products at a 152k vocabulary take minutes on a CPU)."""
     from harness.models.shapes import build_shape_model
 
-    model = build_shape_model(arch, device=device, dtype=torch.bfloat16, layers=layers).eval()
+    model = build_shape_model(arch, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32, layers=layers).eval()
     return model, count_parameters(model)
+
+
+def shape_tokenizer(vocab_size: int):
+    """The shapes' stand-in tokenizer (pad 0, EOS 1; random ids decode to characters)."""
+    from harness.models.shapes import build_shape_tokenizer
+
+    return build_shape_tokenizer(vocab_size)
 
 
 def plain_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int, device: str) -> float:
@@ -362,7 +358,7 @@ def rollout_section(arch: str, args: argparse.Namespace, device: str, out: dict,
     from harness.backends.hf_static import StaticCacheBackend
 
     model, parameters = shape_model(arch, device, args.shape_layers)
-    tokenizer = IdTokenizer(model.config.vocab_size)
+    tokenizer = shape_tokenizer(model.config.vocab_size)
     bandwidth = hbm_bandwidth(torch.cuda.get_device_name(0) if device == "cuda" else None)
     out.update(parameters=parameters, prompt_len=args.prompt_len, new_tokens=args.rollout_new_tokens, batches={})
     for batch in args.rollout_batches:
@@ -409,7 +405,7 @@ def engine_logprob_gap(engine, prompts: list[list[int]], completions: list[Compl
 def scoring_section(arch: str, args: argparse.Namespace, device: str, out: dict, deadline: float) -> None:
     """Teacher scoring tokens/s of ``score_rows`` × ``score_len`` tokens: log-probs + top-k, then log-probs + the full distribution."""
     model, parameters = shape_model(arch, device, args.shape_layers)
-    scorer = HFBackend(model, IdTokenizer(model.config.vocab_size), device=device)
+    scorer = HFBackend(model, shape_tokenizer(model.config.vocab_size), device=device)
     ids = torch.tensor(random_prompts(args.score_rows, args.score_len, model.config.vocab_size), device=device)
     out.update(parameters=parameters, rows=args.score_rows, seq_len=args.score_len)
     for name, want in (("topk", ("logprobs", "topk")), ("full", ("logprobs", "full"))):
@@ -468,7 +464,52 @@ def learner_section(arch: str, args: argparse.Namespace, device: str, out: dict,
         del batch
 
 
-SHAPE_SECTIONS = {"rollout": rollout_section, "scoring": scoring_section, "learner": learner_section}
+OPD_RUN = ["run", "--task", "arith", "--preset", "smoke", "--method", "opd", "--set", "trainer.steps=10",
+           "--set", "student.sft_steps=0", "--set", "teacher.sft_steps=0", "--set", "eval.before_training=false",
+           "--set", "eval.teacher=false"]  # fmt: skip
+
+
+def learner_device_key() -> str | None:
+    """The config key that puts the learner on a device, where this tree has one (#28 item 2); else None."""
+    from harness.config import ModelSpec, TrainerConfig
+
+    for owner, model in (("trainer", TrainerConfig), ("student", ModelSpec)):
+        if "device" in model.model_fields:
+            return f"{owner}.device"
+    return None
+
+
+def opd_run_section(arch: str, args: argparse.Namespace, device: str, out: dict, deadline: float) -> None:
+    """A 10-step ``harness run --method opd`` with ``arch`` as the student and ``--opd-teacher`` as the teacher on the
+    GPU, end to end: exit code, wall seconds and the mean of every perf/… step metric from the run's store."""
+    import sqlite3
+    import tempfile
+
+    key = learner_device_key()
+    if key is None:
+        out["skipped"] = "this tree has no config key that puts the learner on a GPU (#28 item 2): the run would train on the CPU"
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        models = ["--set", f"student.arch={arch}", "--set", f"teacher.arch={args.opd_teacher}"]
+        command = [sys.executable, "-m", "harness.cli", *OPD_RUN, *models, "--set", f"{key}={device}", "--out", tmp]
+        started, cap_s = time.perf_counter(), max(1.0, deadline - time.monotonic())
+        try:
+            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=cap_s)
+            out.update(returncode=done.returncode, output_tail=(done.stdout + done.stderr)[-2000:])
+        except subprocess.TimeoutExpired:
+            out.update(timed_out=True, cap_s=cap_s)
+        out["seconds"] = time.perf_counter() - started
+        store = Path(tmp) / "results.sqlite"
+        if store.exists():
+            with sqlite3.connect(store) as conn:
+                rows = conn.execute("SELECT name, AVG(value), COUNT(*) FROM step_metrics WHERE name LIKE 'perf/%' GROUP BY name").fetchall()
+                out["steps"] = conn.execute("SELECT COUNT(DISTINCT step) FROM step_metrics").fetchone()[0]
+            out["perf_mean"] = {name: mean for name, mean, _ in rows}
+    if out.get("returncode", 0) != 0:
+        out["error"] = f"harness run exited {out['returncode']}\n{out.get('output_tail', '')}"
+
+
+SHAPE_SECTIONS = {"rollout": rollout_section, "scoring": scoring_section, "learner": learner_section, "opd_run": opd_run_section}
 _PARTIAL: dict = {}  # where a section in a child process writes its partial results
 
 
@@ -561,9 +602,10 @@ def vllm_skip_reason(device: str, skip: bool) -> str | None:
 
 
 def dry_sizes(args: argparse.Namespace) -> argparse.Namespace:
-    """The toy sizes, the demo pair and the first shape only (one layer of it): the CPU run checks the code path, its
-    numbers mean nothing."""
-    return argparse.Namespace(**{**vars(args), **DRY_SIZES, "models": ["demo"], "shapes": args.shapes[:1], "big_shapes": False})
+    """The toy sizes and the demo pair (with ``--dry-shapes`` one layer of the first shape too): the CPU run checks the code
+    path, its numbers mean nothing."""
+    shapes = args.shapes[:1] if args.dry_shapes else []
+    return argparse.Namespace(**{**vars(args), **DRY_SIZES, "models": ["demo"], "shapes": shapes, "big_shapes": False})
 
 
 def section_plan(args: argparse.Namespace) -> list[tuple[str, str | None]]:
@@ -572,7 +614,7 @@ def section_plan(args: argparse.Namespace) -> list[tuple[str, str | None]]:
     if not shapes:
         return []
     first, rest = shapes[0], shapes[1:]
-    plan = [("rollout", first), ("learner", first), ("scoring", first)]
+    plan = [("rollout", first), ("learner", first), ("opd_run", first), ("scoring", first)]
     for arch in rest:
         plan += [("rollout", arch), ("learner", arch), ("scoring", arch)]
     return plan

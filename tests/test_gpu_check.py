@@ -33,16 +33,7 @@ def test_dry_mode_runs_the_whole_check_on_the_cpu(tmp_path):
     assert demo["logprob_check"]["ok"] and demo["logprob_check"]["max_abs_diff"] == 0.0  # CPU against CPU in dry mode
     assert demo["student_parameters"] < demo["teacher_parameters"]
     assert report["vllm_tests"] == {"ran": False, "reason": "no CUDA (dry mode)"}
-    # the shape sections, at toy sizes on one layer of the first shape, in this process
-    assert list(report["sections"]) == ["rollout:qwen3-0.6b-shape", "learner:qwen3-0.6b-shape", "scoring:qwen3-0.6b-shape"]
-    rollout = report["sections"]["rollout:qwen3-0.6b-shape"]["batches"]["2"]
-    assert rollout["plain_generate"]["tokens_per_s"] > 0 and rollout["hf_static"]["tokens"] > 0
-    assert rollout["hf_static"]["logprob_vs_score_max_abs_diff"] <= report["bf16_tolerance"]
-    assert rollout["decode_bound"]["kv_bytes_per_token"] == 2 * 1 * 8 * 128 * 2  # one layer, 8 KV heads, head_dim 128, bf16
-    learner = report["sections"]["learner:qwen3-0.6b-shape"]["lengths"]["16"]
-    assert learner["tokens_per_s"] > 0 and learner["loss"] == learner["loss"]  # not NaN
-    scoring = report["sections"]["scoring:qwen3-0.6b-shape"]
-    assert scoring["topk"]["tokens_per_s"] > 0 and scoring["full"]["tokens_per_s"] > 0
+    assert report["sections"] == {}  # the shape sections run in the dry mode only with --dry-shapes (not yet checked on CPU)
 
 
 def test_without_pydantic_or_wheels_it_stops_with_exit_2(tmp_path):
