@@ -69,16 +69,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=default_out, help="where to write the JSON results")
     parser.add_argument("--dry-run", action="store_true", help="run on the CPU at toy sizes even where CUDA is available")
-    parser.add_argument("--models", nargs="+", choices=sorted(MODEL_PAIRS), default=["demo", "wide"], help="model pairs to measure")
+    parser.add_argument("--models", nargs="*", choices=sorted(MODEL_PAIRS), default=["demo"],
+                        help="float32 model pairs to measure (GPU against CPU log-probs); 'wide' adds a hidden-1024 pair")  # fmt: skip
     parser.add_argument("--prompts", type=int, default=64, help="prompts per generation batch")
     parser.add_argument("--samples", type=int, default=4, help="samples per prompt")
     parser.add_argument("--new-tokens", type=int, default=64, help="new tokens per sample")
     parser.add_argument("--steps", type=int, default=3, help="timed learner steps (after one warm-up step)")
     parser.add_argument("--reference-rows", type=int, default=32, help="rows of the batch scored on the CPU for the log-prob comparison")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="largest allowed |GPU − CPU| log-prob difference")
+    parser.add_argument("--bf16-tolerance", type=float, default=0.1,
+                        help="largest allowed |hf_static − score| log-prob of a sampled token, bf16 shape models (nats)")  # fmt: skip
     parser.add_argument("--skip-vllm", action="store_true", help="do not run the vLLM GPU tests even where vllm imports")
+    shapes = parser.add_argument_group("real shapes (bf16, random weights; harness/models/shapes.py)")
+    shapes.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES, help="shape archs to measure (none: skip the shape sections)")
+    shapes.add_argument("--big-shapes", action="store_true", help=f"also {' and '.join(BIG_SHAPES)} (each within its section caps)")
+    shapes.add_argument("--rollout-batches", type=int, nargs="+", default=[256, 64], help="rollout batch sizes, in this order")
+    shapes.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per rollout row")
+    shapes.add_argument("--rollout-new-tokens", type=int, default=1024, help="new tokens per rollout row")
+    shapes.add_argument("--score-rows", type=int, default=4, help="rows of teacher scoring")
+    shapes.add_argument("--score-len", type=int, default=4096, help="tokens per scored row")
+    shapes.add_argument("--top-k", type=int, default=64, help="k of the top-k teacher scoring")
+    shapes.add_argument("--learn-lens", type=int, nargs="+", default=[4096, 8192], help="learner sequence lengths (one row each)")
+    shapes.add_argument("--dry-shapes", action="store_true", help="dry mode: also the shape sections, on one layer of the first shape")
+    shapes.add_argument("--opd-teacher", default="qwen3-1.7b-shape", help="teacher shape of the 10-step opd run (student: the first shape)")
+    shapes.add_argument("--shape-layers", type=int, default=None, help="build only this many layers of each shape (default: all)")
+    shapes.add_argument("--budget-s", type=float, default=450.0, help="wall-clock budget of the whole check (later sections are skipped)")
+    shapes.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
+                        help="each shape section in its own process, killed at its cap (default: on with CUDA)")  # fmt: skip
+    for name in ("section", "section-shape", "section-out"):  # internal: the child side of one isolated section
+        parser.add_argument(f"--{name}", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--section-cap-s", type=float, default=0.0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    for name in ("prompts", "samples", "new_tokens", "steps", "reference_rows"):
+    args.raw_argv = [a for a in (sys.argv[1:] if argv is None else argv)]
+    for name in ("prompts", "samples", "new_tokens", "steps", "reference_rows", "prompt_len", "rollout_new_tokens", "score_rows",
+                 "score_len", "top_k"):  # fmt: skip
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     return args
@@ -252,6 +276,302 @@ def learner_steps(model: torch.nn.Module, batch: TensorBatch, steps: int, device
     }
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Real shapes (harness/models/shapes.py): rollout, teacher scoring and learner throughput in bf16, each section in its
+# own process with its own time cap on the GPU, so a slow part (a long compile) cannot eat the others' time.
+
+DEFAULT_SHAPES = ["qwen3-0.6b-shape", "qwen3-1.7b-shape"]
+BIG_SHAPES = ["qwen3-4b-shape", "qwen3-8b-shape"]
+SECTION_CAPS_S = {"rollout": 110, "scoring": 35, "learner": 50, "opd_run": 100}  # wall-clock cap of each section (per shape)
+MIN_SECTION_S = 20  # a section does not start with less of the budget left
+# HBM bandwidth by device name (bytes/s, vendor data sheets): the decode bound's denominator
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 NVL": 3.9e12, "H100": 3.35e12, "A100-SXM4-80GB": 2.039e12, "A100": 1.555e12, "L40S": 0.864e12}
+DRY_SHAPE_SIZES = {
+    "rollout_batches": [2],
+    "prompt_len": 8,
+    "rollout_new_tokens": 4,
+    "score_rows": 1,
+    "score_len": 16,
+    "top_k": 4,
+    "learn_lens": [16],
+    "opd_teacher": "qwen3-0.6b-shape",
+    "shape_layers": 1,
+}
+
+
+def hbm_bandwidth(device_name: str | None) -> float | None:
+    """The device's HBM bandwidth in bytes/s from :data:`HBM_BYTES_PER_S` (first name contained in ``device_name``)."""
+    if not device_name:
+        return None
+    return next((bw for name, bw in HBM_BYTES_PER_S.items() if name.lower() in device_name.lower()), None)
+
+
+def decode_bound(config, parameters: int, batch: int, mean_context: float, bandwidth: float | None, dtype_bytes: int = 2) -> dict:
+    """The memory-bandwidth bound of decoding: per step the weights once plus every row's KV cache up to its context."""
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * dtype_bytes
+    step_bytes = parameters * dtype_bytes + batch * mean_context * kv_per_token
+    bound = {"weight_bytes": parameters * dtype_bytes, "kv_bytes_per_token": kv_per_token, "step_bytes": step_bytes}
+    if bandwidth:
+        bound.update(bandwidth_bytes_per_s=bandwidth, step_s=step_bytes / bandwidth, tokens_per_s=batch * bandwidth / step_bytes)
+    return bound
+
+
+def random_prompts(rows: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """Random token ids (never the special ids 0–2): the shapes carry random weights, so text means nothing."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (rows, length), generator=g).tolist()
+
+
+def shape_model(arch: str, device: str, layers: int | None):
+    """A shape model from harness/models/shapes.py (random weights) in eval mode, and its parameter count: bf16 on CUDA,
+    float32 in the CPU dry mode (bf16 matrix products at a 152k vocabulary take minutes on a CPU)."""
+    from harness.models.shapes import build_shape_model
+
+    model = build_shape_model(arch, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32, layers=layers).eval()
+    return model, count_parameters(model)
+
+
+def shape_tokenizer(vocab_size: int):
+    """The shapes' stand-in tokenizer (pad 0, EOS 1; random ids decode to characters)."""
+    from harness.models.shapes import build_shape_tokenizer
+
+    return build_shape_tokenizer(vocab_size)
+
+
+def plain_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int, device: str) -> float:
+    """Seconds of transformers' own sampling (dynamic cache, eager) for exactly ``new_tokens`` per row."""
+    ids = torch.tensor(prompts, device=device)
+    synchronize(device)
+    started = time.perf_counter()
+    with torch.no_grad():
+        model.generate(
+            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+            max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=pad_id,
+        )  # fmt: skip
+    synchronize(device)
+    return time.perf_counter() - started
+
+
+def rollout_section(arch: str, args: argparse.Namespace, device: str, out: dict, deadline: float) -> None:
+    """Rollout tokens/s per batch size: plain ``model.generate`` against the hf_static engine (first call compiles on
+    CUDA, timed separately), with the decode bandwidth bound and the share of it reached."""
+    from harness.backends.hf_static import StaticCacheBackend
+
+    model, parameters = shape_model(arch, device, args.shape_layers)
+    tokenizer = shape_tokenizer(model.config.vocab_size)
+    bandwidth = hbm_bandwidth(torch.cuda.get_device_name(0) if device == "cuda" else None)
+    out.update(parameters=parameters, prompt_len=args.prompt_len, new_tokens=args.rollout_new_tokens, batches={})
+    for batch in args.rollout_batches:
+        if time.monotonic() > deadline:
+            out["batches"][str(batch)] = {"skipped": "section time cap reached"}
+            continue
+        row: dict = out["batches"].setdefault(str(batch), {})
+        prompts = random_prompts(batch, args.prompt_len, model.config.vocab_size)
+        reset_peak_memory(device)
+        seconds = plain_generate(model, prompts, args.rollout_new_tokens, tokenizer.pad_token_id, device)
+        tokens_per_s = batch * args.rollout_new_tokens / seconds
+        row["plain_generate"] = {"seconds": seconds, "tokens_per_s": tokens_per_s, "peak_mib": peak_memory_mib(device)}
+        yield_partial(out)
+        engine = StaticCacheBackend(model, tokenizer, batch_size=batch, device=device)
+        params = SamplingParams(temperature=1.0, max_new_tokens=args.rollout_new_tokens, seed=0)
+        _, first = timed_generate(engine, prompts, params, device)  # compiles the decode step on CUDA
+        reset_peak_memory(device)
+        completions, seconds = timed_generate(engine, prompts, params.model_copy(update={"seed": 1}), device)
+        tokens = sum(len(c.token_ids) for c in completions)
+        mean_context = args.prompt_len + tokens / len(completions) / 2
+        bound = decode_bound(model.config, parameters, batch, mean_context, bandwidth)
+        row["hf_static"] = {
+            "first_call_s": first, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+            "peak_mib": peak_memory_mib(device), "logprob_vs_score_max_abs_diff": engine_logprob_gap(engine, prompts, completions[:2]),
+        }  # fmt: skip
+        row["speedup_vs_plain"] = row["hf_static"]["tokens_per_s"] / row["plain_generate"]["tokens_per_s"]
+        row["decode_bound"] = bound
+        if "tokens_per_s" in bound:
+            row["hf_static"]["share_of_bound"] = row["hf_static"]["tokens_per_s"] / bound["tokens_per_s"]
+        yield_partial(out)
+        del engine
+
+
+def engine_logprob_gap(engine, prompts: list[list[int]], completions: list[Completion]) -> float:
+    """Largest |engine log-prob − ``score`` log-prob| of the sampled tokens of ``completions`` (same model, same dtype)."""
+    gap = 0.0
+    for c in completions:
+        ids = torch.tensor([prompts[c.prompt_index] + c.token_ids], device=engine.device)
+        scored = engine.score(ids, torch.ones_like(ids))["logprobs"][0, len(prompts[c.prompt_index]) :].float().cpu()
+        gap = max(gap, float((scored - torch.tensor(c.logprobs)).abs().max()))
+    return gap
+
+
+def scoring_section(arch: str, args: argparse.Namespace, device: str, out: dict, deadline: float) -> None:
+    """Teacher scoring tokens/s of ``score_rows`` × ``score_len`` tokens: log-probs + top-k, then log-probs + the full distribution."""
+    model, parameters = shape_model(arch, device, args.shape_layers)
+    scorer = HFBackend(model, shape_tokenizer(model.config.vocab_size), device=device)
+    ids = torch.tensor(random_prompts(args.score_rows, args.score_len, model.config.vocab_size), device=device)
+    out.update(parameters=parameters, rows=args.score_rows, seq_len=args.score_len)
+    for name, want in (("topk", ("logprobs", "topk")), ("full", ("logprobs", "full"))):
+        if time.monotonic() > deadline:
+            out[name] = {"skipped": "section time cap reached"}
+            continue
+        for timed in (False, True):  # one untimed call first (kernels, allocator)
+            reset_peak_memory(device)
+            synchronize(device)
+            started = time.perf_counter()
+            with torch.no_grad():
+                scores = scorer.score(ids, torch.ones_like(ids), want=want, top_k=args.top_k)
+            synchronize(device)
+            seconds = time.perf_counter() - started
+            del scores
+        out[name] = {"seconds": seconds, "tokens_per_s": ids.numel() / seconds, "peak_mib": peak_memory_mib(device)}
+        yield_partial(out)
+
+
+def learner_section(arch: str, args: argparse.Namespace, device: str, out: dict, deadline: float) -> None:
+    """Learner tokens/s and peak memory of ``opd`` (full reverse KL) steps on one sequence of each length in
+    ``learn_lens``, with the step's own perf/… metrics (MFU) as ``train_step`` reports them."""
+    model, parameters = shape_model(arch, device, args.shape_layers)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, **({"fused": True} if device == "cuda" else {}))
+    out.update(parameters=parameters, lengths={})
+    vocab = model.config.vocab_size
+    for length in args.learn_lens:
+        if time.monotonic() > deadline:
+            out["lengths"][str(length)] = {"skipped": "section time cap reached"}
+            continue
+        ids = torch.tensor(random_prompts(1, length, vocab), device=device)
+        half = length // 2  # a prompt half and a response half, the loss on the response
+        loss_mask = torch.zeros((1, length), device=device)
+        loss_mask[:, half:] = 1.0
+        batch = TensorBatch(
+            input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=loss_mask,
+            step_index=torch.where(loss_mask > 0, 0, -1), behaviour_logprobs=torch.zeros((1, length), device=device),
+            teacher_logprobs=torch.zeros((1, length), device=device), rewards=torch.full((1,), float("nan"), device=device),
+            policy_version=torch.zeros(1, dtype=torch.long, device=device), group_ids=torch.zeros(1, dtype=torch.long, device=device),
+            teacher_full=torch.log_softmax(torch.randn((1, length, vocab), device=device), dim=-1),
+        )  # fmt: skip
+        hparams = OPDParams(estimator="full")
+        train_step(model, optimizer, batch, OPD_SPEC, hparams)  # warm-up
+        reset_peak_memory(device)
+        synchronize(device)
+        started = time.perf_counter()
+        metrics = train_step(model, optimizer, batch, OPD_SPEC, hparams)
+        synchronize(device)
+        seconds = time.perf_counter() - started
+        out["lengths"][str(length)] = {
+            "step_s": seconds, "tokens_per_s": length / seconds, "peak_mib": peak_memory_mib(device),
+            "perf": {k: v for k, v in metrics.items() if k.startswith("perf/")}, "loss": metrics["loss"],
+        }  # fmt: skip
+        yield_partial(out)
+        del batch
+
+
+OPD_RUN = ["run", "--task", "arith", "--preset", "smoke", "--method", "opd", "--set", "trainer.steps=10",
+           "--set", "student.sft_steps=0", "--set", "teacher.sft_steps=0", "--set", "eval.before_training=false",
+           "--set", "eval.teacher=false"]  # fmt: skip
+
+
+def learner_device_key() -> str | None:
+    """The config key that puts the learner on a device, where this tree has one (#28 item 2); else None."""
+    from harness.config import ModelSpec, TrainerConfig
+
+    for owner, model in (("trainer", TrainerConfig), ("student", ModelSpec)):
+        if "device" in model.model_fields:
+            return f"{owner}.device"
+    return None
+
+
+def opd_run_section(arch: str, args: argparse.Namespace, device: str, out: dict, deadline: float) -> None:
+    """A 10-step ``harness run --method opd`` with ``arch`` as the student and ``--opd-teacher`` as the teacher on the
+    GPU, end to end: exit code, wall seconds and the mean of every perf/… step metric from the run's store."""
+    import sqlite3
+    import tempfile
+
+    key = learner_device_key()
+    if key is None:
+        out["skipped"] = "this tree has no config key that puts the learner on a GPU (#28 item 2): the run would train on the CPU"
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        models = ["--set", f"student.arch={arch}", "--set", f"teacher.arch={args.opd_teacher}"]
+        command = [sys.executable, "-m", "harness.cli", *OPD_RUN, *models, "--set", f"{key}={device}", "--out", tmp]
+        started, cap_s = time.perf_counter(), max(1.0, deadline - time.monotonic())
+        try:
+            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=cap_s)
+            out.update(returncode=done.returncode, output_tail=(done.stdout + done.stderr)[-2000:])
+        except subprocess.TimeoutExpired:
+            out.update(timed_out=True, cap_s=cap_s)
+        out["seconds"] = time.perf_counter() - started
+        store = Path(tmp) / "results.sqlite"
+        if store.exists():
+            with sqlite3.connect(store) as conn:
+                rows = conn.execute("SELECT name, AVG(value), COUNT(*) FROM step_metrics WHERE name LIKE 'perf/%' GROUP BY name").fetchall()
+                out["steps"] = conn.execute("SELECT COUNT(DISTINCT step) FROM step_metrics").fetchone()[0]
+            out["perf_mean"] = {name: mean for name, mean, _ in rows}
+    if out.get("returncode", 0) != 0:
+        out["error"] = f"harness run exited {out['returncode']}\n{out.get('output_tail', '')}"
+
+
+SHAPE_SECTIONS = {"rollout": rollout_section, "scoring": scoring_section, "learner": learner_section, "opd_run": opd_run_section}
+_PARTIAL: dict = {}  # where a section in a child process writes its partial results
+
+
+def yield_partial(out: dict) -> None:
+    """Write a section's results so far (a child process killed at its cap still leaves them)."""
+    path = _PARTIAL.get("path")
+    if path is not None:
+        Path(path).write_text(json.dumps(out, indent=1) + "\n")
+
+
+def run_section(name: str, arch: str | None, args: argparse.Namespace, device: str, cap_s: float) -> dict:
+    """One section, in a child process with a wall-clock cap on the GPU (``--isolate``), else in this process."""
+    if not args.isolate:
+        out: dict = {}
+        started = time.perf_counter()
+        try:
+            SHAPE_SECTIONS[name](arch, args, device, out, time.monotonic() + cap_s)
+        except Exception:
+            out["error"] = traceback.format_exc()
+        out["section_s"] = time.perf_counter() - started
+        return out
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        partial = Path(tmp) / "section.json"
+        command = [sys.executable, str(Path(__file__).resolve()), *args.raw_argv, "--section", name, "--section-shape", arch or "",
+                   "--section-out", str(partial), "--section-cap-s", str(cap_s)]  # fmt: skip
+        started = time.perf_counter()
+        try:
+            done = subprocess.run(command, cwd=ROOT, timeout=cap_s + 30, capture_output=True, text=True)  # +30 s: start-up
+            status = {"returncode": done.returncode}
+            if done.returncode != 0:
+                status["stderr_tail"] = done.stderr[-3000:]
+        except subprocess.TimeoutExpired:
+            status = {"timed_out": True, "cap_s": cap_s}
+        out = json.loads(partial.read_text()) if partial.exists() else {}
+    out.update(status, section_s=time.perf_counter() - started)
+    return out
+
+
+def section_child(args: argparse.Namespace, device: str) -> int:
+    """The child side of :func:`run_section`: run one section, writing its partial results to ``--section-out``."""
+    _PARTIAL["path"] = args.section_out
+    out: dict = {}
+    try:
+        SHAPE_SECTIONS[args.section](args.section_shape or None, args, device, out, time.monotonic() + args.section_cap_s)
+    except Exception:
+        out["error"] = traceback.format_exc()
+    yield_partial(out)
+    return 1 if "error" in out else 0
+
+
+def shapes_available() -> str | None:
+    """None when harness/models/shapes.py imports, else why the shape sections are skipped."""
+    try:
+        import harness.models.shapes  # noqa: F401
+    except ImportError as exc:
+        return f"harness.models.shapes does not import ({exc})"
+    return None
+
+
+
 def run_vllm_tests(skip_reason: str | None) -> dict:
     """``pytest -m gpu tests/test_vllm_backend.py`` where vllm imports; otherwise why not."""
     if skip_reason is not None:
@@ -282,18 +602,42 @@ def vllm_skip_reason(device: str, skip: bool) -> str | None:
 
 
 def dry_sizes(args: argparse.Namespace) -> argparse.Namespace:
-    """The toy sizes and the demo pair only: the CPU run checks the code path, its numbers mean nothing."""
-    return argparse.Namespace(**{**vars(args), **DRY_SIZES, "models": ["demo"]})
+    """The toy sizes and the demo pair (with ``--dry-shapes`` one layer of the first shape too): the CPU run checks the code
+    path, its numbers mean nothing."""
+    shapes = args.shapes[:1] if args.dry_shapes else []
+    return argparse.Namespace(**{**vars(args), **DRY_SIZES, "models": ["demo"], "shapes": shapes, "big_shapes": False})
 
 
-def check_failures(report: dict, tolerance: float) -> list[str]:
-    """Every failed check, one line each: a pair that raised, log-probs off by more than ``tolerance``, failed vLLM tests."""
+def section_plan(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """(section, shape) in priority order: the smallest shape's rollout and learner first, then the end-to-end run, then the rest."""
+    shapes = list(args.shapes) + (BIG_SHAPES if args.big_shapes else [])
+    if not shapes:
+        return []
+    first, rest = shapes[0], shapes[1:]
+    plan = [("rollout", first), ("learner", first), ("opd_run", first), ("scoring", first)]
+    for arch in rest:
+        plan += [("rollout", arch), ("learner", arch), ("scoring", arch)]
+    return plan
+
+
+def check_failures(report: dict, tolerance: float, bf16_tolerance: float = 0.1) -> list[str]:
+    """Every failed check, one line each: a pair that raised, log-probs off by more than ``tolerance``, a shape section that
+    raised or was killed at its cap, engine log-probs off their scoring by more than ``bf16_tolerance``, failed vLLM tests."""
     failures = []
     for name, measured in report["models"].items():
         if "error" in measured:
             failures.append(f"{name}: raised {measured['error'].strip().splitlines()[-1]}")
         elif not measured["logprob_check"]["ok"]:
             failures.append(f"{name}: GPU vs CPU log-probs differ by {measured['logprob_check']['max_abs_diff']:.2e} > {tolerance}")
+    for key, section in report.get("sections", {}).items():
+        if "error" in section:
+            failures.append(f"{key}: raised {section['error'].strip().splitlines()[-1]}")
+        elif section.get("timed_out"):
+            failures.append(f"{key}: killed at its cap of {section['cap_s']:.0f} s")
+        for batch, row in section.get("batches", {}).items():
+            gap = row.get("hf_static", {}).get("logprob_vs_score_max_abs_diff")
+            if gap is not None and gap > bf16_tolerance:
+                failures.append(f"{key} batch {batch}: hf_static log-probs differ from scoring by {gap:.3f} > {bf16_tolerance}")
     if report["vllm_tests"].get("ran") and not report["vllm_tests"].get("ok"):
         failures.append(f"vLLM GPU tests failed: {report['vllm_tests']}")
     return failures
@@ -307,10 +651,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cuda = torch.cuda.is_available() and not args.dry_run
     device = "cuda" if cuda else "cpu"
+    if args.section:  # the child side of an isolated section (sizes already resolved by the parent's arguments)
+        return section_child(dry_sizes(args) if not cuda else args, device)
+    if args.isolate is None:
+        args.isolate = cuda
     if not cuda:
         why = "--dry-run" if args.dry_run else "torch.cuda.is_available() is False"
         print(
-            f"DRY MODE ({why}): skipping every CUDA measurement; running the demo pair on the CPU at toy sizes, the vLLM tests are not run",
+            f"DRY MODE ({why}): skipping every CUDA measurement; running the demo pair and one layer of the first shape on the CPU "
+            "at toy sizes, the vLLM tests are not run",
             flush=True,
         )
         args = dry_sizes(args)
@@ -323,11 +672,16 @@ def main(argv: list[str] | None = None) -> int:
         "device": device,
         "environment": environment(),
         "tolerance": args.tolerance,
+        "bf16_tolerance": args.bf16_tolerance,
         "tf32": False if cuda else None,
         "models": {},
+        "sections": {},
     }
-    report["sizes"] = {k: getattr(args, k) for k in ("prompts", "samples", "new_tokens", "steps", "reference_rows")}
+    sizes = ("prompts", "samples", "new_tokens", "steps", "reference_rows", "rollout_batches", "prompt_len", "rollout_new_tokens",
+             "score_rows", "score_len", "top_k", "learn_lens", "shape_layers", "budget_s")  # fmt: skip
+    report["sizes"] = {k: getattr(args, k) for k in sizes}
     started = time.perf_counter()
+    deadline = time.monotonic() + args.budget_s
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.models:
         print(f"measuring {name} on {device} ...", flush=True)
@@ -337,9 +691,22 @@ def main(argv: list[str] | None = None) -> int:
             report["models"][name] = {"error": traceback.format_exc()}
         print(json.dumps({name: report["models"][name]}, indent=1), flush=True)
         write_report(report, args.out)  # partial results survive a later crash or time-out
+    if cuda:
+        torch.cuda.empty_cache()
+    missing = shapes_available()
+    for name, arch in section_plan(args):
+        key = f"{name}:{arch}"
+        left = deadline - time.monotonic()
+        if missing is not None or left < MIN_SECTION_S:
+            report["sections"][key] = {"skipped": missing or f"budget: {left:.0f} s left of --budget-s {args.budget_s:.0f}"}
+            continue
+        print(f"section {key} (cap {min(SECTION_CAPS_S[name], left):.0f} s) ...", flush=True)
+        report["sections"][key] = run_section(name, arch, args, device, min(SECTION_CAPS_S[name], left))
+        print(json.dumps({key: report["sections"][key]}, indent=1), flush=True)
+        write_report(report, args.out)
     report["vllm_tests"] = run_vllm_tests(vllm_skip_reason(device, args.skip_vllm))
     report["total_s"] = time.perf_counter() - started
-    report["failures"] = failures = check_failures(report, args.tolerance)
+    report["failures"] = failures = check_failures(report, args.tolerance, args.bf16_tolerance)
     write_report(report, args.out)
     print(f"wrote {args.out}; vLLM tests: {report['vllm_tests']}")
     for failure in failures:

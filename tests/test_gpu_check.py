@@ -33,6 +33,7 @@ def test_dry_mode_runs_the_whole_check_on_the_cpu(tmp_path):
     assert demo["logprob_check"]["ok"] and demo["logprob_check"]["max_abs_diff"] == 0.0  # CPU against CPU in dry mode
     assert demo["student_parameters"] < demo["teacher_parameters"]
     assert report["vllm_tests"] == {"ran": False, "reason": "no CUDA (dry mode)"}
+    assert report["sections"] == {}  # the shape sections run in the dry mode only with --dry-shapes (not yet checked on CPU)
 
 
 def test_without_pydantic_or_wheels_it_stops_with_exit_2(tmp_path):
@@ -45,11 +46,7 @@ def test_without_pydantic_or_wheels_it_stops_with_exit_2(tmp_path):
 
 
 def test_every_failed_check_is_reported():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
+    gpu_check = load_gpu_check()
     report = {
         "models": {
             "demo": {"error": "Traceback (most recent call last):\nRuntimeError: CUDA error"},
@@ -62,3 +59,44 @@ def test_every_failed_check_is_reported():
     assert failures[:2] == ["demo: raised RuntimeError: CUDA error", "wide: GPU vs CPU log-probs differ by 3.00e-03 > 0.0001"]
     assert len(failures) == 3 and failures[2].startswith("vLLM GPU tests failed")
     assert gpu_check.check_failures({"models": {"fine": report["models"]["fine"]}, "vllm_tests": {"ran": False}}, 1e-4) == []
+
+
+def load_gpu_check():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_decode_bound_is_weights_plus_kv_over_bandwidth():
+    from types import SimpleNamespace
+
+    gpu_check = load_gpu_check()
+    config = SimpleNamespace(num_hidden_layers=28, num_key_value_heads=8, head_dim=128)  # Qwen3-0.6B
+    bound = gpu_check.decode_bound(config, 600_000_000, batch=256, mean_context=640, bandwidth=4.8e12)
+    kv = 2 * 28 * 8 * 128 * 2  # K and V, bf16: 114,688 bytes per token
+    assert bound["kv_bytes_per_token"] == kv and bound["step_bytes"] == 1.2e9 + 256 * 640 * kv
+    assert bound["tokens_per_s"] == pytest.approx(256 * 4.8e12 / (1.2e9 + 256 * 640 * kv))
+    assert gpu_check.hbm_bandwidth("NVIDIA H200") == 4.8e12 and gpu_check.hbm_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
+    assert gpu_check.hbm_bandwidth("Some GPU") is None and "tokens_per_s" not in gpu_check.decode_bound(config, 1, 1, 1, None)
+
+
+def test_shape_sections_report_errors_caps_and_logprob_gaps():
+    gpu_check = load_gpu_check()
+    report = {
+        "models": {},
+        "sections": {
+            "rollout:a": {"batches": {"256": {"hf_static": {"logprob_vs_score_max_abs_diff": 0.3}}, "64": {"skipped": "cap"}}},
+            "learner:a": {"timed_out": True, "cap_s": 50},
+            "scoring:a": {"error": "Traceback\ntorch.OutOfMemoryError: CUDA out of memory"},
+            "rollout:b": {"skipped": "budget"},
+        },
+        "vllm_tests": {"ran": False},
+    }
+    assert gpu_check.check_failures(report, 1e-4, 0.1) == [
+        "rollout:a batch 256: hf_static log-probs differ from scoring by 0.300 > 0.1",
+        "learner:a: killed at its cap of 50 s",
+        "scoring:a: raised torch.OutOfMemoryError: CUDA out of memory",
+    ]

@@ -177,7 +177,7 @@ def open_rollout_backend(plan, student_path: str, *, model: torch.nn.Module | No
     cfg = plan.config.trainer
     cls = BACKENDS.get(cfg.rollout_backend)
     options = dict(cfg.rollout_backend_options)
-    if cls is HFBackend:
+    if issubclass(cls, HFBackend):  # hf and the engines built on it (hf_static)
         options.setdefault("batch_size", cfg.generate_batch_size)
     backend = cls(model, tokenizer, **options) if (model is not None and cls is HFBackend) else cls.load(student_path, **options)
     backend.version = -1

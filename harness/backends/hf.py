@@ -69,7 +69,7 @@ class HFBackend:
         self, prompts: list[list[int]], chunk: list[tuple[int, int]], seeds: list[int], params: SamplingParams
     ) -> list[Completion]:
         started = time.perf_counter()
-        ids, attn = left_pad([prompts[p] for p, _ in chunk], self.pad_id)
+        ids, attn = left_pad([prompts[p] for p, _ in chunk], self.pad_id, width_multiple=self.width_multiple)
         stops = SampledLengths(self.stop_criteria(params.stop), prompt_width=ids.shape[1])
         kwargs = dict(
             max_new_tokens=params.max_new_tokens,
@@ -78,14 +78,8 @@ class HFBackend:
             eos_token_id=self.eos_id,
             stopping_criteria=StoppingCriteriaList([stops]),
             return_dict_in_generate=True,
-            output_logits=True,
         )
-        if not params.greedy:
-            kwargs.update(logits_processor=LogitsProcessorList([RowSampler(seeds, params.temperature, params.top_p, self.device)]))
-        result = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
-        new_tokens = result.sequences[:, ids.shape[1] :].cpu()
-        logits = torch.stack(result.logits, dim=1).float().cpu()  # (b, new, V) raw logits
-        logprobs = F.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        new_tokens, logprobs = self._sample(ids, attn, seeds, params, kwargs)
         lengths = stops.lengths(len(chunk))
         elapsed = time.perf_counter() - started
         completions = []
@@ -105,6 +99,19 @@ class HFBackend:
                 )
             )
         return completions
+
+    width_multiple = 1  # prompts are left-padded to a multiple of this width (1: the longest prompt's)
+
+    def _sample(
+        self, ids: torch.Tensor, attn: torch.Tensor, seeds: list[int], params: SamplingParams, kwargs: dict
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``model.generate``; the new tokens (b, new) and their untempered log-probs, from the stacked raw logits."""
+        if not params.greedy:
+            kwargs.update(logits_processor=LogitsProcessorList([RowSampler(seeds, params.temperature, params.top_p, self.device)]))
+        result = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), output_logits=True, **kwargs)
+        new_tokens = result.sequences[:, ids.shape[1] :].cpu()
+        logits = torch.stack(result.logits, dim=1).float().cpu()  # (b, new, V) raw logits
+        return new_tokens, F.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
 
     def stop_criteria(self, stop: tuple[str, ...]) -> StoppingCriteriaList:
         """What ends a row: its EOS (kept, so the loss covers it) or a completed stop string (as transformers matches it)."""
@@ -184,9 +191,10 @@ def scores_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, want: tupl
     return out
 
 
-def left_pad(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-pad token lists for batched generation (decoder-only models continue on the right)."""
-    width = max(len(s) for s in seqs)
+def left_pad(seqs: list[list[int]], pad_id: int, *, width_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token lists for batched generation (decoder-only models continue on the right), to the longest
+    prompt's width rounded up to ``width_multiple`` (few distinct shapes for a compiled forward)."""
+    width = -(-max(len(s) for s in seqs) // width_multiple) * width_multiple
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, s in enumerate(seqs):

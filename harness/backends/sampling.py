@@ -39,3 +39,26 @@ class RowSampler(LogitsProcessor):
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         chosen = torch.cat([draw(row, self.temperature, self.top_p, g) for row, g in zip(scores, self.generators, strict=True)])
         return torch.full_like(scores, float("-inf")).scatter_(-1, chosen[:, None], 0.0)
+
+
+class ScoredRowSampler(RowSampler):
+    """:class:`RowSampler` (or the argmax when ``temperature`` is 0) that also keeps each chosen token's log-prob under
+    the untempered distribution of the scores it is given, one (b,) tensor per step on the scores' device: the
+    sampled-token log-probs without keeping every step's (b, V) logits."""
+
+    def __init__(self, seeds: list[int], temperature: float, top_p: float, device: str | torch.device) -> None:
+        super().__init__(seeds, temperature, top_p, device)
+        self.chosen_logprobs: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.float()
+        if self.temperature == 0.0:
+            chosen = scores.argmax(-1)
+        else:
+            chosen = torch.cat([draw(row, self.temperature, self.top_p, g) for row, g in zip(scores, self.generators, strict=True)])
+        self.chosen_logprobs.append(torch.log_softmax(scores, dim=-1).gather(-1, chosen[:, None]).squeeze(-1))
+        return torch.full_like(scores, float("-inf")).scatter_(-1, chosen[:, None], 0.0)
+
+    def logprobs(self) -> torch.Tensor:
+        """(b, steps) log-probs of the tokens chosen so far."""
+        return torch.stack(self.chosen_logprobs, dim=1)
