@@ -41,19 +41,29 @@ def test_each_shape_on_the_meta_device_has_its_published_parameter_count(arch):
         assert abs(total - 0.6e9) / 0.6e9 < 0.01  # 596,049,920
 
 
-@pytest.mark.slow  # about 40 s (fp32) and minutes (bf16: torch's CPU backward in bf16 is slow) on a loaded 2-core machine
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_two_layer_slice_runs_forward_and_backward_on_cpu(dtype):
-    model = build_shape_model("qwen3-0.6b-shape", dtype=dtype, layers=2, seed=0)
+@pytest.mark.slow  # about 40 s on a loaded 2-core machine
+def test_a_two_layer_slice_runs_forward_and_backward_on_cpu():
+    model = build_shape_model("qwen3-0.6b-shape", dtype=torch.float32, layers=2, seed=0)
     assert model.config.num_hidden_layers == 2 and model.config.hidden_size == 1024
     ids = torch.randint(3, 151_936, (2, 12), generator=torch.Generator().manual_seed(0))
     out = model(input_ids=ids, labels=ids)
-    assert out.logits.shape == (2, 12, 151_936) and out.logits.dtype == dtype
+    assert out.logits.shape == (2, 12, 151_936) and out.logits.dtype == torch.float32
     out.loss.backward()
     assert torch.isfinite(out.loss) and 10 < float(out.loss.detach()) < 13  # random weights: about ln(151,936) = 11.9
     grads = {name: p.grad for name, p in model.named_parameters()}
     assert all(g is not None and torch.isfinite(g).all() for g in grads.values())
     assert float(grads["model.layers.1.mlp.down_proj.weight"].abs().sum()) > 0
+
+
+@pytest.mark.slow
+def test_a_two_layer_bf16_slice_runs_forward_on_cpu():
+    """bf16 forward only: torch's CPU backward in bf16 at this vocabulary takes minutes (the GPU check runs it on CUDA)."""
+    model = build_shape_model("qwen3-0.6b-shape", dtype=torch.bfloat16, layers=2, seed=0)
+    ids = torch.randint(3, 151_936, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=ids)
+    assert out.logits.shape == (2, 12, 151_936) and out.logits.dtype == torch.bfloat16
+    assert torch.isfinite(out.loss) and 10 < float(out.loss) < 13
 
 
 def test_a_slice_is_refused_outside_the_shapes_layers():
