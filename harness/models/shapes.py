@@ -143,17 +143,6 @@ def standin_characters(vocab_size: int) -> list[str]:
 def build_shape_tokenizer(vocab_size: int = 151_936) -> PreTrainedTokenizerFast:
     """A character-level tokenizer over ``vocab_size`` ids (pad 0, eos 1, unk 2): encode/decode round-trip exactly for
     any text of its characters, so random ids decode to text that encodes back to the same ids."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from harness.models.tiny import build_char_tokenizer
 
-    from harness.models.tiny import EOS, PAD, UNK
-
-    vocab = {PAD: PAD_ID, EOS: EOS_ID, UNK: UNK_ID}
-    for ch in standin_characters(vocab_size):
-        vocab[ch] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK)
-    fast.padding_side = "left"
-    return fast
+    return build_char_tokenizer("".join(standin_characters(vocab_size)))  # pad 0, eos 1, unk 2, then one id per character
