@@ -37,8 +37,12 @@ class RowSampler(LogitsProcessor):
         self.temperature, self.top_p = temperature, top_p
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        chosen = torch.cat([draw(row, self.temperature, self.top_p, g) for row, g in zip(scores, self.generators, strict=True)])
+        chosen = self.choose(scores)
         return torch.full_like(scores, float("-inf")).scatter_(-1, chosen[:, None], 0.0)
+
+    def choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """Every row's next token id, shape (b,), each drawn from that row's own generator."""
+        return torch.cat([draw(row, self.temperature, self.top_p, g) for row, g in zip(scores, self.generators, strict=True)])
 
 
 class ScoredRowSampler(RowSampler):
@@ -50,14 +54,12 @@ class ScoredRowSampler(RowSampler):
         super().__init__(seeds, temperature, top_p, device)
         self.chosen_logprobs: list[torch.Tensor] = []
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    def choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """The rows' next tokens (the argmax at temperature 0), recording their untempered log-probs."""
         scores = scores.float()
-        if self.temperature == 0.0:
-            chosen = scores.argmax(-1)
-        else:
-            chosen = torch.cat([draw(row, self.temperature, self.top_p, g) for row, g in zip(scores, self.generators, strict=True)])
+        chosen = scores.argmax(-1) if self.temperature == 0.0 else super().choose(scores)
         self.chosen_logprobs.append(torch.log_softmax(scores, dim=-1).gather(-1, chosen[:, None]).squeeze(-1))
-        return torch.full_like(scores, float("-inf")).scatter_(-1, chosen[:, None], 0.0)
+        return chosen
 
     def logprobs(self) -> torch.Tensor:
         """(b, steps) log-probs of the tokens chosen so far."""
