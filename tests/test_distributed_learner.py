@@ -16,6 +16,7 @@ from harness.registry import METHODS
 from harness.trajectory import TensorBatch
 from trainers.distributed import Shard, data_parallel, full_state, full_weights, join_group, leave_group, rendezvous_port, shard_bounds
 from trainers.learner import train_step
+from trainers.loop import state_snapshot
 
 RANKS_TIMEOUT_S = 300.0  # 2 forked ranks, 8 method runs (DDP and FSDP2): ~60 s at load 10, longer on a busier machine
 VOCAB, ROWS, LENGTH, STEPS = 24, 5, 9, 3  # 5 rows over 2 ranks: uneven shards (3 + 2), a GRPO group split across them
@@ -86,7 +87,7 @@ def method_steps(name: str, shard: Shard | None, sharding: str = "ddp", start: d
             checkpoint = checkpoint and copy.deepcopy({**checkpoint, "method_state": state.state_dict() if state is not None else None})
         metrics.append(train_step(trained, optimizer, synthetic_batch(step), spec, hparams, state, grad_clip=0.05, shard=shard))
     method_state = state.state_dict() if state is not None else None
-    weights = full_weights(trained, sharding) if shard is not None else {k: v.clone() for k, v in model.state_dict().items()}
+    weights = full_weights(trained) if shard is not None and sharding == "fsdp2" else state_snapshot(model)
     return {"metrics": metrics, "weights": weights, "state": method_state, "checkpoint": checkpoint}
 
 

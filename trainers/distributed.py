@@ -173,10 +173,8 @@ def numbered_optimizer_state(by_name: dict) -> dict:
     return {"state": {numbers[name]: state for name, state in by_name["state"].items()}, "param_groups": groups}
 
 
-def full_weights(model: torch.nn.Module, sharding: str) -> dict[str, torch.Tensor]:
-    """A detached unsharded copy of the weights (``fsdp2``: a collective; rank 0 gets them, the others an empty dict)."""
-    if sharding != "fsdp2":
-        return {k: v.detach().clone() for k, v in getattr(model, "module", model).state_dict().items()}
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """An unsharded copy of an FSDP2 model's weights: a collective; rank 0 gets them on the CPU, the others an empty dict."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -344,7 +344,7 @@ class LearnerActor(ActorRole):
 
     def weights(self) -> dict[str, torch.Tensor]:
         """A copy of the full weights (fsdp2: every rank must be called; the others return an empty dict)."""
-        return full_weights(self.model, self.sharding) if self.shard is not None else state_snapshot(self.model)
+        return full_weights(self.model) if self.sharding == "fsdp2" else state_snapshot(self.model)
 
     def state(self) -> dict[str, Any]:
         """Full (unsharded) weights, optimizer and method state, for the driver's checkpoints and evaluations (fsdp2: every
