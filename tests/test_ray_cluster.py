@@ -215,12 +215,78 @@ def test_two_rollout_workers_on_two_nodes_survive_a_kill_with_inprocess_losses(s
     assert sum(w["samples"] for w in workers) == sum(on_cluster[s]["samples"] for s in on_cluster)
 
 
+TWO_AND_TWO = [*TWO_ROLLOUTS, "--set", "trainer.layout.rollout.num_cpus=0.5", "--set", "trainer.layout.teacher.num_cpus=0.5",
+               "--set", "trainer.layout.learner.replicas=2", "--set", "trainer.layout.learner.strategy=spread"]  # fmt: skip
+# per node: a rollout worker (0.5 CPU) and a learner rank (1 CPU); the teacher (0.5 CPU) on either
+
+
+def _assert_both_roles_on_both_nodes(placement: dict[str, str], nodes: dict[str, str]) -> None:
+    """Rollout workers 0 and 1 on different nodes, and so learner ranks 0 and 1 (node ids as Ray reports them)."""
+    assert {placement["rollout.0"], placement["rollout.1"]} == set(nodes.values()), placement
+    assert {placement["learner_rank_0"], placement["learner_rank_1"]} == set(nodes.values()), placement
+
+
 @pytest.mark.slow
 def test_two_rollout_workers_keep_every_sample_within_max_lag(shared_out, ray_cluster):
+    """max_lag 1 with 2 rollout workers (and 2 learner ranks), one of each per node: no sample of any worker is older."""
     on_cluster, checkpoints, _ = run(shared_out, "--method", "f_opd", "--mode", "async", "--set", "trainer.max_lag=1",
-                                     "--executor", "ray", "--set", f"trainer.ray_address={ray_cluster.address}", *TWO_ROLLOUTS)  # fmt: skip
+                                     "--executor", "ray", "--set", f"trainer.ray_address={ray_cluster.address}", *TWO_AND_TWO)  # fmt: skip
     assert sorted(on_cluster) == [1, 2, 3, 4] and all(on_cluster[s]["lag_max"] <= 1 for s in on_cluster)
     assert set(checkpoints[-1]["staleness_hist"]) <= {"0", "1"}  # every sample, whichever worker made it
+    _assert_both_roles_on_both_nodes(checkpoints[-1]["placement"], ray_cluster.node_ids)
+    assert len(checkpoints[-1]["rollout_workers"]) == 2
+
+
+def _interrupted_then_resumed(out, monkeypatch, args: list[str], resume: list[str]) -> tuple[str, dict[int, dict[str, float]]]:
+    """A run of ``args`` interrupted (as by Ctrl-C) when step 3 is recorded, i.e. after its step-2 checkpoint, then resumed
+    with ``resume``: (run id, step metrics of the whole run)."""
+    import trainers.pipeline as tp
+
+    original = tp.Session.record_step
+
+    def interrupt_at_step_3(self, step, *a, **kw):
+        if step == 3:
+            raise KeyboardInterrupt
+        return original(self, step, *a, **kw)
+
+    db = out / "results.sqlite"
+    monkeypatch.setattr(tp.Session, "record_step", interrupt_at_step_3)
+    interrupted = runner.invoke(app, [*BASE, "--out", str(out), *args])
+    monkeypatch.setattr(tp.Session, "record_step", original)
+    assert interrupted.exit_code == 130 and "--resume" in interrupted.output, interrupted.output
+    run_id, _ = _last_train_run(db)
+    resumed = runner.invoke(app, ["run", "--resume", run_id, "--out", str(out), *resume])
+    assert resumed.exit_code == 0, resumed.output
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute("SELECT step, name, value FROM step_metrics WHERE run_id=?", (run_id,)).fetchall()
+    metrics: dict[int, dict[str, float]] = {}
+    for step, name, value in rows:
+        metrics.setdefault(step, {})[name] = value
+    return run_id, metrics
+
+
+@pytest.mark.slow
+def test_two_rollout_workers_and_two_learner_ranks_on_two_nodes_resume_onto_one_rank(tmp_path, ray_cluster, monkeypatch):
+    """The issue's combined layout: 2 rollout workers and 2 learner ranks, one of each per node, under fixed_lag 1.
+    The run is interrupted after its step-2 checkpoint and resumed onto 1 learner rank (the 2 workers stay). Every
+    step's loss, gradient norm, behaviour version and lag equal an in-process run interrupted and resumed the same way
+    (its steps 1–2 are the uninterrupted run's; after a resume only the checkpoint's weights exist, so batch 3 is made
+    with version 2 in both, and the lag ramps back up)."""
+    _, inprocess = _interrupted_then_resumed(tmp_path, monkeypatch, LAG, [])
+    cluster = ["--executor", "ray", "--set", f"trainer.ray_address={ray_cluster.address}", *TWO_AND_TWO]
+    one_rank = ["--set", "trainer.layout.learner.replicas=1"]
+    run_id, on_cluster = _interrupted_then_resumed(tmp_path, monkeypatch, [*LAG, *cluster], one_rank)
+    assert_same_run(inprocess, on_cluster)
+    assert [on_cluster[s]["behaviour_version"] for s in (1, 2, 3, 4)] == [0, 0, 2, 2]  # the resume's ramp: lag 1, then 0, 1
+    assert [on_cluster[s]["grad_norm"] for s in (1, 2, 3, 4)] == pytest.approx([inprocess[s]["grad_norm"] for s in (1, 2, 3, 4)], abs=1e-5)
+    assert _losses_per_step(tmp_path / "results.sqlite", run_id) == [(1, 1), (2, 1), (3, 1), (4, 1)]  # each step trained once
+    with sqlite3.connect(tmp_path / "results.sqlite") as conn:
+        placements = [json.loads(m)["placement"] for (m,) in conn.execute(
+            "SELECT metrics_json FROM checkpoints WHERE run_id=? ORDER BY step", (run_id,))]  # fmt: skip
+    assert len(placements) == 2
+    _assert_both_roles_on_both_nodes(placements[0], ray_cluster.node_ids)  # step 2: before the interruption
+    resumed = placements[1]  # step 4: one learner rank, the two workers still on both nodes
+    assert "learner_rank_1" not in resumed and {resumed["rollout.0"], resumed["rollout.1"]} == set(ray_cluster.node_ids.values())
 
 
 def test_the_f_opd_16_gpu_layout_file_validates_and_fills_two_8_gpu_nodes():
