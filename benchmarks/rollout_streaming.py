@@ -10,11 +10,15 @@ lets concurrent calls overlap (a GPU engine that batches concurrent requests), `
 engine that does not: the pessimistic case for many small units).
 
 Sides: ``batch`` (``trainer.rollout_unit=batch``: a worker makes one whole batch at a time) and ``group`` (one prompt's
-samples per unit, a batch's worth of units in flight per worker, each streamed into the buffer when done). Each side is
+samples per unit, a batch's worth of units in flight per worker, each streamed into the buffer when done); with
+``--sides batch group swap`` also ``swap``, group streaming whose worker loads new weights without waiting for its groups in
+flight (they finish on their own version): the most a swap between groups could gain, since a real worker would need an
+engine holding two versions at once. Each side is
 warmed up (a short untimed run), then measured ``--rounds`` times in alternating order; printed are the mean samples/s
 per side, their ratio and the per-round ratios.
 
-Usage: ``PYTHONPATH=. python benchmarks/rollout_streaming.py [--steps 12] [--max-lag 1 3 8] [--rounds 4] [--engine serial]``
+Usage: ``PYTHONPATH=. python benchmarks/rollout_streaming.py [--steps 12] [--max-lag 1 3 8] [--rounds 4] [--engine serial]
+[--sides batch group swap]``
 """
 
 from __future__ import annotations
@@ -34,7 +38,15 @@ from trainers.loop import ReplayBuffer, RolloutWorker, Schedule, Unit, WeightBoa
 sys.path.insert(0, str(Path(__file__).parent))
 from episode_scheduling import StandInEngine, TailOptions, TailTask  # noqa: E402
 
-SIDES = {"batch": False, "group": True}
+SIDES = {"batch": False, "group": True, "swap": True}  # side -> units are prompt groups
+
+
+class SwappingWorker(RolloutWorker):
+    """Group streaming whose weights switch under groups in flight (they finish on the version they were admitted with):
+    an upper bound for a swap between groups, since only a rollout holding two versions at once could do it."""
+
+    def _drain(self, running) -> None:
+        pass
 
 
 class SerialEngine(StandInEngine):
@@ -66,18 +78,19 @@ class StandInRollout:
         return None, {"rows": float(len(trajectories))}
 
 
-def samples_per_s(args, grouped: bool, steps: int, seed: int) -> float:
+def samples_per_s(args, side: str, steps: int, seed: int) -> float:
     """One run of the loop's scheduling (``steps`` batches, ``--workers`` workers): trained samples per second."""
     options = TailOptions(turns=args.turns, step_s=args.step_ms / 1e3, slow_share=args.slow_share, slow_factor=args.slow_factor,
                           seed=seed)  # fmt: skip
-    task, groups = TailTask(options), args.prompts if grouped else 1
+    task, groups = TailTask(options), args.prompts if SIDES[side] else 1
+    worker_cls = SwappingWorker if side == "swap" else RolloutWorker
     engine_cls = SerialEngine if args.engine == "serial" else StandInEngine
     schedule = Schedule(steps, max_lag=args.max_lag, fixed_lag=None, sync_every=1)
     board, buffer, queue, pause = WeightBoard(schedule.keep), ReplayBuffer(groups), WorkQueue(0, steps, groups), threading.Event()
     pause.set()
     board.publish_snapshot(0, None)
     workers = [
-        RolloutWorker(schedule, StandInRollout(engine_cls(args.call_ms / 1e3, args.row_ms / 1e3), task, args.prompts, args.samples,
+        worker_cls(schedule, StandInRollout(engine_cls(args.call_ms / 1e3, args.row_ms / 1e3), task, args.prompts, args.samples,
                                                args.prompts * args.samples), board, buffer, queue, pause, n, inflight=groups)
         for n in range(args.workers)
     ]  # fmt: skip
@@ -114,6 +127,8 @@ def main() -> None:
     parser.add_argument("--call-ms", type=float, default=20.0, help="stand-in engine: cost of one generate call")
     parser.add_argument("--row-ms", type=float, default=0.2, help="stand-in engine: cost per row of a call")
     parser.add_argument("--rounds", type=int, default=4, help="measurements per side after the warm-up, in alternating order")
+    parser.add_argument("--sides", nargs="+", choices=list(SIDES), default=["batch", "group"],
+                        help="what to compare (swap: group streaming with weights swapped under groups in flight, an upper bound)")
     args = parser.parse_args()
     for max_lag in args.max_lag:
         compare(argparse.Namespace(**{**vars(args), "max_lag": max_lag}))
@@ -121,21 +136,22 @@ def main() -> None:
 
 def compare(args: argparse.Namespace) -> None:
     """Both sides under ``args.max_lag``: warm-up, then ``--rounds`` alternating measurements; prints the ratio."""
-    names = list(SIDES)
+    names = args.sides
     for side in names:  # warm-up, untimed
-        samples_per_s(args, SIDES[side], 2, seed=-1)
+        samples_per_s(args, side, 2, seed=-1)
     rates: dict[str, list[float]] = {side: [] for side in names}
     for r in range(args.rounds):
         for side in names if r % 2 == 0 else names[::-1]:
-            rates[side].append(samples_per_s(args, SIDES[side], args.steps, seed=r))
+            rates[side].append(samples_per_s(args, side, args.steps, seed=r))
     print(f"{args.steps} steps x {args.prompts} prompts x {args.samples} samples, {args.turns} turns, steps {args.step_ms:g} ms "
           f"({args.slow_share:.0%} x{args.slow_factor:g}), {args.workers} rollout workers, max_lag {args.max_lag}, "
           f"train {args.train_ms:g} ms, engine {args.engine} ({args.call_ms:g} ms/call + {args.row_ms:g} ms/row)")  # fmt: skip
     for side in names:
         print(f"  {side:<6} {statistics.mean(rates[side]):7.2f} samples/s   (rounds: {', '.join(f'{x:.1f}' for x in rates[side])})")
-    per_round = ", ".join(f"{g / b:.2f}x" for b, g in zip(rates["batch"], rates["group"]))
-    print(f"  ratio group / batch {statistics.mean(rates['group']) / statistics.mean(rates['batch']):.2f}x   "
-          f"(per round, alternating order: {per_round})", flush=True)
+    for side in [s for s in names if s != "batch"] if "batch" in names else []:
+        per_round = ", ".join(f"{g / b:.2f}x" for b, g in zip(rates["batch"], rates[side]))
+        print(f"  ratio {side} / batch {statistics.mean(rates[side]) / statistics.mean(rates['batch']):.2f}x   "
+              f"(per round, alternating order: {per_round})", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -142,3 +142,32 @@ def test_agent_step_latency_warms_up_then_alternates_which_episode_start_runs_fi
     assert order == [*first, *first[::-1], *first, *first[::-1]]
     assert result["wall_s"] == {"overlapped": [4.0, 4.0, 5.0], "start_on_first_command": [6.0, 6.0, 7.0]}
     assert result["ratio_start_on_first_command_over_overlapped"] == 1.5
+
+
+def test_rollout_streaming_warms_up_every_side_then_alternates_their_order(monkeypatch, capsys):
+    bench = load_benchmark("rollout_streaming")
+    runs: list[tuple[str, int, int]] = []
+
+    def fake_rate(args, side, steps, seed):
+        runs.append((side, steps, seed))
+        return {"batch": 10.0, "group": 8.0, "swap": 12.0}[side]
+
+    monkeypatch.setattr(bench, "samples_per_s", fake_rate)
+    argv = ["--steps", "6", "--rounds", "2", "--max-lag", "1", "--sides", "batch", "group", "swap"]
+    monkeypatch.setattr(sys, "argv", ["rollout_streaming.py", *argv])
+    bench.main()
+    assert runs == [("batch", 2, -1), ("group", 2, -1), ("swap", 2, -1),
+                    ("batch", 6, 0), ("group", 6, 0), ("swap", 6, 0), ("swap", 6, 1), ("group", 6, 1), ("batch", 6, 1)]  # fmt: skip
+    out = capsys.readouterr().out
+    assert "ratio group / batch 0.80x" in out and "ratio swap / batch 1.20x" in out
+
+
+def test_rollout_streaming_runs_every_side_through_the_loop():
+    """Each side (the swap side's worker loads weights under its groups in flight) trains every batch of a short run."""
+    import argparse
+
+    bench = load_benchmark("rollout_streaming")
+    args = argparse.Namespace(turns=2, step_ms=1.0, slow_share=0.2, slow_factor=5.0, prompts=2, samples=2, max_lag=1,
+                              engine="batching", call_ms=1.0, row_ms=0.0, workers=2, train_ms=1.0)  # fmt: skip
+    for side in bench.SIDES:
+        assert bench.samples_per_s(args, side, 4, seed=0) > 0, side

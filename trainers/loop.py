@@ -455,11 +455,15 @@ class RolloutWorker(threading.Thread):
         if not fixed and wanted != self.rollout.version:
             wanted = latest  # syncing anyway: take the newest weights
         if self.rollout.version != wanted:
-            self._collect(running, wait=True, every=True)  # one engine holds one version: what is in flight finishes first
+            self._drain(running)
             self.rollout.load(wanted)
         self._add("wait", time.perf_counter() - waited)
         self.synced_epoch = epoch
         return wanted
+
+    def _drain(self, running: dict[Future, Unit]) -> None:
+        """Before other weights are loaded: one engine holds one version, so the units in flight finish first."""
+        self._collect(running, wait=True, every=True)
 
     def _make(self, unit: Unit, version: int, epoch: int) -> bool:
         """Make ``unit`` with the loaded weights ``version`` and stream it into the buffer; False if it must be made
