@@ -145,3 +145,61 @@ def test_replayed_turns_open_nothing_up_front():
     replay = ReplayBackend({(task.name, "p0"): [[bash(f"echo {SUBMIT}")]]})
     (traj,) = rollout(replay, task, task.load(), SamplingParams())
     assert traj.metadata["episode"]["stop_reason"] == "done" and not opener.started.is_set()
+
+
+def test_close_while_a_step_opens_the_session_closes_it_and_runs_no_command():
+    """Without ``prepare`` (replayed turns) the first command opens the session in its step's thread. An interrupt's
+    close meanwhile waits for that opening and closes the session, and the step raises instead of starting the
+    command; so no interrupted rollout waits for a command's limit (SIGTERM mid-opening took 60-70 s before)."""
+    from tasks.agentic.shell_env import EpisodeClosed
+
+    opener = Opener(delay_s=0.5)
+    env = ShellAgentEnv("p", opener, workdir="/w", limits=AgentLimits(), submit_word=SUBMIT)
+    raised: list[BaseException] = []
+
+    def step() -> None:
+        try:
+            env.step(bash("sleep 120"))
+        except BaseException as exc:  # noqa: BLE001 - recorded for the assertion
+            raised.append(exc)
+
+    stepping = threading.Thread(target=step)
+    stepping.start()
+    assert opener.started.wait(5)
+    env.close()
+    (session,) = opener.sessions  # close returned after the opening, having closed what it opened
+    assert session.closed
+    stepping.join(5)
+    assert not stepping.is_alive() and session.commands == []
+    assert len(raised) == 1 and isinstance(raised[0], EpisodeClosed)
+    with pytest.raises(EpisodeClosed):  # closed before any opening began: none begins
+        closed = ShellAgentEnv("p", Opener(), workdir="/w", limits=AgentLimits(), submit_word=SUBMIT)
+        closed.close()
+        closed.step(bash("ls"))
+
+
+
+def test_an_interrupted_replay_closes_the_session_its_first_step_was_opening(monkeypatch):
+    """The rollout is interrupted (a failed generation for another episode) while a replayed episode's first step opens
+    its session: the rollout ends as soon as that opening is done, the session closed and its command (which would
+    block for 20 s here) never started."""
+    opener = Opener(delay_s=0.5)
+    task = AgentTask(opener)
+    replay = ReplayBackend({(task.name, "p0"): [[bash("sleep 120")], ["no command", "no command"]]})
+    generate, calls = replay.generate, []
+
+    def generate_then_interrupt(prompts, params, keys=None):
+        calls.append(len(prompts))
+        if len(calls) > 1:  # the second episode's second turn: the first one's step is opening its session by now
+            assert opener.started.wait(5)
+            raise KeyboardInterrupt
+        return generate(prompts, params, keys)
+
+    monkeypatch.setattr(replay, "generate", generate_then_interrupt)
+    monkeypatch.setattr(StubSession, "run", lambda self, request: (self.commands.append(request.argv[-1]), time.sleep(20))[0])
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        rollout(replay, task, task.load(), SamplingParams(n=2))
+    assert time.monotonic() - started < 10
+    (session,) = opener.sessions
+    assert session.closed and session.commands == []

@@ -171,3 +171,22 @@ def test_rollout_streaming_runs_every_side_through_the_loop():
                               engine="batching", call_ms=1.0, row_ms=0.0, workers=2, train_ms=1.0)  # fmt: skip
     for side in bench.SIDES:
         assert bench.samples_per_s(args, side, 4, seed=0) > 0, side
+
+
+def test_tool_demo_run_step_alternates_the_trees_and_leaves_out_each_runs_first_step(monkeypatch, capsys, tmp_path):
+    bench = load_benchmark("tool_demo_run_step")
+    order = []
+
+    def fake_run(tree, out, student, steps, lr):
+        side = "old" if tree == tmp_path / "old" else "new"
+        order.append((side, steps, lr))
+        seconds = {"old": 40.0, "new": 10.0}[side]
+        return {1: {"time_step_s": 999.0}, **{s: {"time_step_s": seconds, "mean_tool_calls": 1.0} for s in range(2, steps + 1)}}
+
+    monkeypatch.setattr(bench, "run_once", fake_run)
+    monkeypatch.setattr(sys, "argv", ["x", "--old", str(tmp_path / "old"), "--new", str(tmp_path / "new"), "--student", "s",
+                                      "--steps", "3", "--rounds", "3"])  # fmt: skip
+    bench.main()
+    assert [side for side, _, _ in order] == ["old", "new", "new", "old", "old", "new"]
+    assert {(steps, lr) for _, steps, lr in order} == {(3, 1e-9)}
+    assert "old 40.00 s, new 10.00 s: 4.00x" in capsys.readouterr().out  # the 999 s first steps are left out

@@ -261,10 +261,11 @@ def test_cli_sandbox_build_and_replay_eval(tiny, tmp_path, monkeypatch):
     assert (got["n_pass"], got["n_fail"], got["n_errors"]) == (1, 0, 0), got
 
 
-@pytest.mark.parametrize("how", ["sigterm", "sigkill"])
+@pytest.mark.parametrize("how", ["sigterm", "sigkill", "sigterm-served"])
 def test_nothing_is_left_running_after_a_crash_mid_episode(how, tiny, tmp_path, docker_client):
     """An agent is inside `sleep 300` in its instance container when `harness eval` is stopped: SIGTERM removes the
-    container before the exit; after SIGKILL the orphan is reaped by the next process that opens a sandbox."""
+    container before the exit, within seconds, whether the command is a `docker exec` or a request to the container's exec
+    server (``sigterm-served``); after SIGKILL the orphan is reaped by the next process that opens a sandbox."""
     import os
     import signal
     import sys
@@ -278,7 +279,8 @@ def test_nothing_is_left_running_after_a_crash_mid_episode(how, tiny, tmp_path, 
     turns.write_text(json.dumps({"task": "swebench", "id": IID, "turns": ["```bash\nsleep 300\n```"]}) + "\n")
     args = ["eval", "--task", "swebench", "--backend", "replay", "--model", str(turns), "--k", "1", "--out", str(tmp_path / "out"),
             "--data-dir", str(data), "--task-arg", f"swebench.dataset={data / 'swebench' / 'tiny.jsonl'}",
-            "--task-arg", f"swebench.cache_dir={root / 'cache'}"]  # fmt: skip
+            "--task-arg", f"swebench.cache_dir={root / 'cache'}",
+            "--task-arg", f"swebench.agent_exec_server={str(how == 'sigterm-served').lower()}"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     code = (
         f"from tasks.swebench import upstream; upstream.register_repo({REPO!r}, {{{VERSION!r}: "
@@ -299,10 +301,10 @@ def test_nothing_is_left_running_after_a_crash_mid_episode(how, tiny, tmp_path, 
             )
             time.sleep(0.2)
         time.sleep(1.0)  # the command is running in it
-        proc.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
+        proc.send_signal(signal.SIGKILL if how == "sigkill" else signal.SIGTERM)
         signalled = time.monotonic()
         proc.wait(timeout=120)
-        if how == "sigterm":  # at once: not after the command's 60 s limit (no patch is read from an interrupted episode)
+        if how != "sigkill":  # at once: not after the command's 60 s limit (no patch is read from an interrupted episode)
             assert proc.returncode == 128 + signal.SIGTERM and mine() == []
             assert time.monotonic() - signalled < 30, f"exit took {time.monotonic() - signalled:.0f} s after SIGTERM"
         else:
@@ -348,15 +350,18 @@ def agent_env(task: SwebenchTask, problem, **limits):
     return SwebenchAgentEnv("", lambda: task.open_session(problem.meta), workdir=AGENT_WORKDIR, limits=AgentLimits(**limits))
 
 
-def test_agent_commands_are_exec_server_requests_that_keep_the_session_semantics(tiny, monkeypatch):
-    """With ``agent_exec_server`` an agent's command in the instance container is a request to its exec server, not a
-    `docker exec` (benchmarks/agent_step_latency.py), and keeps what agents rely on: the working directory and exported variables
-    persist; a background process neither holds its command up nor dies with it; a command past its limit is killed
-    and leaves the session's state as it was; long output is cut head+tail; the network is off."""
+@pytest.mark.parametrize("served", [True, False], ids=["exec_server", "docker_exec"])
+def test_agent_commands_are_exec_server_requests_that_keep_the_session_semantics(served, tiny, monkeypatch):
+    """With ``agent_exec_server`` (the default) an agent's command in the instance container is a request to its exec
+    server, not a `docker exec` (benchmarks/agent_step_latency.py), and keeps what agents rely on, as the `docker exec`
+    path (``false``) does: the working directory and exported variables persist; a background process neither holds
+    its command up nor dies with it; a command past its limit is killed and leaves the session's state as it was; long
+    output is cut head+tail; the network is off."""
     import time
 
     root, _ = tiny
-    task = SwebenchTask(tiny_task(root).options.model_copy(update={"agent_exec_server": True}))
+    assert tiny_task(root).options.agent_exec_server
+    task = SwebenchTask(tiny_task(root).options.model_copy(update={"agent_exec_server": served}))
     (problem,) = task.load()
     env = agent_env(task, problem, command_timeout_s=2.0, max_output_chars=300)
     try:
@@ -384,7 +389,7 @@ def test_agent_commands_are_exec_server_requests_that_keep_the_session_semantics
         assert "<returncode>1</returncode>" in offline and "unreachable" in offline
         run("cd /testbed && sed -i 's/(len(values) - 1)/len(values)/' calc.py")
         assert "+    return sum(values) / len(values)" in env.outcome()["patch"]
-        assert execs == []
+        assert (execs == []) == served
     finally:
         env.close()
 

@@ -112,6 +112,10 @@ def persistent(command: str, workdir: str, state: str) -> str:
     )
 
 
+class EpisodeClosed(RuntimeError):
+    """The episode was closed (an interrupt) while its step waited for its session."""
+
+
 class ShellAgentEnv(Env):
     """One agent episode in one sandbox session opened on the first command (``open_session()``)."""
 
@@ -133,7 +137,8 @@ class ShellAgentEnv(Env):
         self.max_turns = limits.max_steps
         self._open_session = open_session
         self._session = None
-        self._opening: Future | None = None  # the session being opened in the background (prepare)
+        self._opening: Future | None = None  # the session being opened (in the background by prepare, or by a step)
+        self._closed = False  # close() was called: a session still opening is closed, no command starts
         self._state = f"/tmp/.agent-{uuid.uuid4().hex[:12]}"  # outside the work directory, so never part of what it produced
         self._started = time.monotonic()
         self.commands: list[str] = []
@@ -185,7 +190,7 @@ class ShellAgentEnv(Env):
 
     def prepare(self) -> None:
         """Open the session in a background thread (the first command waits for it)."""
-        if self._session is None and self._opening is None:
+        if self._session is None and self._opening is None and not self._closed:
             self._opening = Future()
             threading.Thread(target=self._open_into, args=(self._opening,), name="agent-session-open", daemon=True).start()
 
@@ -207,10 +212,21 @@ class ShellAgentEnv(Env):
         return session
 
     def session(self):
-        """The episode's session, opened on first use or awaited from :meth:`prepare` (then :meth:`on_session_open` has
-        run on it); a failed opening raises here."""
+        """The episode's session, opened on first use (in this thread) or awaited from :meth:`prepare` (then
+        :meth:`on_session_open` has run on it); a failed opening raises here, and so does an episode closed meanwhile
+        (:meth:`close` closed the session as soon as it was open: a command is never started in it)."""
         if self._session is None:
-            self._session = self._opening.result() if self._opening is not None else self._open()
+            opening = self._opening
+            if opening is None:  # opened here, but through a Future as prepare's: close() can find it and close it
+                opening = self._opening = Future()
+                if self._closed:
+                    opening.set_exception(EpisodeClosed("the episode was closed before its session opened"))
+                else:
+                    self._open_into(opening)
+            session = opening.result()
+            if self._closed:
+                raise EpisodeClosed("the episode was closed while its session opened")
+            self._session = session
         return self._session
 
     def on_session_open(self, session) -> None:
@@ -250,7 +266,8 @@ class ShellAgentEnv(Env):
         return {"status": result.status, "exit_code": result.exit_code, "output": output}
 
     def close(self) -> None:
-        """Close the session; one still opening (:meth:`prepare`) is awaited and closed."""
+        """Close the session; one still opening (:meth:`prepare`, or a step's first command) is awaited and closed."""
+        self._closed = True
         opening, self._opening = self._opening, None
         session, self._session = self._session, None
         if session is None and opening is not None:

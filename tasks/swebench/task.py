@@ -77,8 +77,8 @@ class SwebenchOptions(TaskOptions):
     max_steps: int = Field(30, ge=1, description="agent: model turns (one bash command each) per episode")
     command_timeout_s: float = Field(60.0, gt=0, description="agent: wall-clock limit of one command")
     agent_exec_server: bool = Field(
-        False, description="agent: commands as requests to the container's exec server instead of a docker exec each (~10x cheaper; "
-        "a SIGTERM then waits for the running command's limit)"
+        True, description="agent: commands as requests to the container's exec server (3.5x cheaper per command), or a docker exec "
+        "each (false); same semantics (cwd, exports, time limits, output cut, network off)"
     )
     wall_time_s: float = Field(1800.0, gt=0, description="agent: wall-clock limit of an episode")
     max_format_errors: int = Field(3, ge=1, description="agent: consecutive replies without exactly one command that end the episode")
