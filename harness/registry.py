@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import tomllib
 from collections.abc import Callable, Iterator
-from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:  # importlib.metadata (and tomllib) load with the first lookup: `harness --help` looks nothing up
+    from importlib.metadata import Distribution, EntryPoint
 
 T = TypeVar("T")
 
@@ -173,14 +174,23 @@ def _describe_entry_point(ep: EntryPoint) -> str:
     return f"{ep.name} = {ep.value}{origin}"
 
 
-def _is_this_project(ep: EntryPoint) -> bool:
-    dist = getattr(ep, "dist", None)
-    return dist is not None and (dist.name or "").lower().replace("_", "-") == PROJECT
+def _is_this_project(ep: EntryPoint, names: dict[int, str]) -> bool:
+    """Whether ``ep`` comes from this project's installed distribution; ``names`` memoises each distribution's name by
+    identity (reading a name parses its metadata, this project's README included: once per distribution, not per entry)."""
+    dist: Distribution | None = getattr(ep, "dist", None)
+    if dist is None:
+        return False
+    if id(dist) not in names:
+        names[id(dist)] = (dist.name or "").lower().replace("_", "-")
+    return names[id(dist)] == PROJECT
 
 
 def source_tree_entry_points(group: str, pyproject: Path | None = None) -> list[EntryPoint] | None:
     """The entry points this project's pyproject.toml declares in ``group`` when the code runs from a
     source checkout (it sits beside ``harness/``); None for an installed wheel."""
+    import tomllib
+    from importlib.metadata import EntryPoint
+
     pyproject = pyproject or Path(__file__).resolve().parent.parent / "pyproject.toml"
     if not pyproject.is_file():
         return None
@@ -194,11 +204,14 @@ def source_tree_entry_points(group: str, pyproject: Path | None = None) -> list[
 def declared_entry_points(group: str) -> list[EntryPoint]:
     """Every entry point of ``group``: this project's (from its source checkout's pyproject.toml when there
     is one, so a stale or missing install cannot hide a built-in) and every other installed package's."""
+    from importlib.metadata import entry_points
+
     installed = list(entry_points(group=group))
     source = source_tree_entry_points(group)
     if source is None:
         return installed
-    return source + [ep for ep in installed if not _is_this_project(ep)]
+    names: dict[int, str] = {}  # the entries hold their distributions alive, so an id names one for this call
+    return source + [ep for ep in installed if not _is_this_project(ep, names)]
 
 
 def unique_entry_points(group: str) -> list[EntryPoint]:
