@@ -27,12 +27,13 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from harness.datadir import DATA_DIR_ENV, resolve_data_dir
 from harness.registry import TASKS, RegistryError
 
 if TYPE_CHECKING:  # the task classes load with the tasks a command checks or fetches (`harness --help` imports this module)
+    from rich.table import Table
+
     from harness.task import DataNeed
 
 Status = Literal["ok", "missing", "invalid", "error"]  # error: the download itself failed (network, hub), not the data
@@ -253,6 +254,8 @@ def _known_tasks(tasks: Iterable[str]) -> list[str]:
 
 def _table(results: list[CheckResult], folder: Path) -> Table:
     """A table of check/fetch results: task, split, status, problems, files (what is wrong is printed below it)."""
+    from rich.table import Table
+
     colour = {"ok": "green", "missing": "yellow", "invalid": "bold red", "error": "bold red"}
     table = Table("task", "split", "status", "problems", "files")
     for r in results:

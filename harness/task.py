@@ -9,14 +9,16 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, final
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, final
 
 from pydantic import BaseModel, ConfigDict
 
-from harness.backends import Backend, SamplingParams
 from harness.datadir import DATA_DIR_ENV, resolve_data_dir  # noqa: F401 - DATA_DIR_ENV re-exported: tasks name it from here
 from harness.episode import Env, SingleTurnEnv
-from harness.trajectory import Trajectory
+
+if TYPE_CHECKING:  # annotations only: `harness tasks` lists the task classes without the backend models
+    from harness.backends import Backend, SamplingParams
+    from harness.trajectory import Trajectory
 
 Status = Literal["pass", "fail", "error"]
 

@@ -37,9 +37,14 @@ import threading
 import weakref
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
-import pebble
+from harness.lazy import lazy_import
+
+if TYPE_CHECKING:
+    import pebble
+else:  # imported with the first pool: `harness tasks` lists the math tasks without it
+    pebble = lazy_import("pebble")
 
 GRADER_NAME = "math-verify"
 """Name recorded next to every math score (graders differ; see docs/graders.md)."""
