@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 if TYPE_CHECKING:  # importlib.metadata (and tomllib) load with the first lookup: `harness --help` looks nothing up
-    from importlib.metadata import Distribution, EntryPoint
+    from importlib.metadata import EntryPoint
 
 T = TypeVar("T")
 
@@ -174,15 +174,16 @@ def _describe_entry_point(ep: EntryPoint) -> str:
     return f"{ep.name} = {ep.value}{origin}"
 
 
-def _is_this_project(ep: EntryPoint, names: dict[int, str]) -> bool:
-    """Whether ``ep`` comes from this project's installed distribution; ``names`` memoises each distribution's name by
-    identity (reading a name parses its metadata, this project's README included: once per distribution, not per entry)."""
-    dist: Distribution | None = getattr(ep, "dist", None)
-    if dist is None:
-        return False
-    if id(dist) not in names:
-        names[id(dist)] = (dist.name or "").lower().replace("_", "-")
-    return names[id(dist)] == PROJECT
+def installed_project_entry_points() -> list[EntryPoint]:
+    """The entry points this project's installed distribution declares (none when it is not installed). Found by
+    name (``importlib.metadata.distribution`` matches the metadata folder's name), so no distribution's metadata is
+    parsed: reading a distribution's ``name`` parses its whole metadata file, this project's README included."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        return list(distribution(PROJECT).entry_points)
+    except PackageNotFoundError:
+        return []
 
 
 def source_tree_entry_points(group: str, pyproject: Path | None = None) -> list[EntryPoint] | None:
@@ -210,8 +211,8 @@ def declared_entry_points(group: str) -> list[EntryPoint]:
     source = source_tree_entry_points(group)
     if source is None:
         return installed
-    names: dict[int, str] = {}  # the entries hold their distributions alive, so an id names one for this call
-    return source + [ep for ep in installed if not _is_this_project(ep, names)]
+    ours = installed_project_entry_points()  # a stale install's declarations: the checkout's pyproject.toml wins
+    return source + [ep for ep in installed if ep not in ours]
 
 
 def unique_entry_points(group: str) -> list[EntryPoint]:
