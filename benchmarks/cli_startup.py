@@ -10,7 +10,10 @@ its own (``PYTHONPYCACHEPREFIX``; ``PYTHONDONTWRITEBYTECODE`` is dropped for the
     python benchmarks/cli_startup.py [--before-ref main] [--rounds 5] [--root results] [--out FILE.json]
 
 Prints the median wall and CPU (user + system) seconds per command for each tree, the ratio before / after of the
-wall medians (above 1: this tree starts faster), and the load average before and after the measurement.
+wall medians (above 1: this tree starts faster), and the load average before and after the measurement. It also
+times the framework's own floor, measured in the same rounds: a two-command typer app whose command has one ``--json``
+flag and prints one line with rich (what any command of this CLI pays before ours runs: the interpreter, typer, rich,
+and pydantic, which typer imports to convert a command's options).
 """
 
 from __future__ import annotations
@@ -27,6 +30,25 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parents[1]
+FLOOR = """
+import typer
+from rich.console import Console
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def methods(json_: bool = typer.Option(False, "--json")) -> None:
+    Console().print("[bold]one[/] line")
+
+
+@app.command()
+def other() -> None:
+    pass
+
+
+app()
+"""
 
 
 def export_tree(ref: str, into: Path) -> Path:
@@ -43,11 +65,13 @@ def child_env(pycache: Path) -> dict[str, str]:
     return {**env, "PYTHONPYCACHEPREFIX": str(pycache)}
 
 
-def seconds(tree: Path, args: list[str], env: dict[str, str]) -> tuple[float, float]:
-    """(wall, CPU) seconds of one ``python -m harness.cli ARGS`` in ``tree`` (its output discarded; a failure raises)."""
+def seconds(tree: Path, args: list[str], env: dict[str, str], command: list[str] | None = None) -> tuple[float, float]:
+    """(wall, CPU) seconds of one ``python -m harness.cli ARGS`` (or of ``command``) in ``tree`` (its output
+    discarded; a failure raises)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=tree, capture_output=True, check=True, env=env)
+    argv = command or [sys.executable, "-m", "harness.cli", *args]
+    subprocess.run(argv, cwd=tree, capture_output=True, check=True, env=env)
     wall = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -84,9 +108,13 @@ def main() -> None:
         for argv in commands.values():  # warm-up: the file cache holds both trees' modules, their .pyc files are written
             for side, tree in trees.items():
                 seconds(tree, argv, envs[side])
+        floor_argv = [sys.executable, "-c", FLOOR, "methods"]
+        seconds(Path(tmp), [], envs["after"], floor_argv)
+        floor: list[tuple[float, float]] = []
         load_before = os.getloadavg()
         for round_ in range(args.rounds):
             order = list(trees) if round_ % 2 == 0 else list(reversed(trees))
+            floor.append(seconds(Path(tmp), [], envs["after"], floor_argv))
             for command, argv in commands.items():
                 for side in order:
                     times[command][side].append(seconds(trees[side], argv, envs[side]))
@@ -110,10 +138,12 @@ def main() -> None:
             f"harness {command}: before {r['before_s']:.2f}s (CPU {r['before_cpu_s']:.2f}s), "
             f"after {r['after_s']:.2f}s (CPU {r['after_cpu_s']:.2f}s), ratio {r['ratio']:.1f}x"
         )
+    floor_s = {"wall_s": median(floor, 0), "cpu_s": median(floor, 1)}
+    print(f"framework floor (typer + rich + pydantic, one flag): {floor_s['wall_s']:.2f}s (CPU {floor_s['cpu_s']:.2f}s)")
     loads = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in load_after]}
     print(f"load average (1, 5, 15 min): {loads['before']} before, {loads['after']} after; {os.cpu_count()} cores")
     if args.out:
-        report = {"rounds": args.rounds, "before_ref": args.before_ref, "load_average": loads, "results": result}
+        report = {"rounds": args.rounds, "before_ref": args.before_ref, "load_average": loads, "floor": floor_s, "results": result}
         args.out.write_text(json.dumps(report, indent=2) + "\n")
 
 
