@@ -27,10 +27,8 @@ As with any spawn/forkserver pool, the entry script needs an
 from __future__ import annotations
 
 import atexit
-import concurrent.futures as cf
 import logging
 import math
-import multiprocessing
 import os
 import re
 import threading
@@ -42,8 +40,13 @@ from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 from harness.lazy import lazy_import
 
 if TYPE_CHECKING:
+    import concurrent.futures as cf
+    import multiprocessing
+
     import pebble
-else:  # imported with the first pool: `harness tasks` lists the math tasks without it
+else:  # imported with the first pool: `harness tasks` lists the math tasks without them
+    cf = lazy_import("concurrent.futures")
+    multiprocessing = lazy_import("multiprocessing")
     pebble = lazy_import("pebble")
 
 GRADER_NAME = "math-verify"

@@ -12,6 +12,9 @@ HEAVY = ("torch", "transformers", "tokenizers")
 # what the listing commands used to import and no longer need: the run-config models (harness.config builds ~40 pydantic
 # models, with harness.models.*), yaml, the math grader's process pool (pebble) and the backend models
 UNUSED_BY_LISTINGS = ("harness.config", "harness.models.tiny", "harness.models.shapes", "yaml", "pebble", "harness.backends")
+# standard-library modules that task modules import only where they grade or run (a process or thread pool, an archive,
+# a setup.cfg, a pickled test case) and the sandbox image builder's argument parser: listing the tasks loads none of them
+STDLIB_UNUSED_BY_LISTINGS = ("multiprocessing", "concurrent.futures", "tarfile", "configparser", "pickletools", "argparse")
 # `harness --help` alone builds no command's options: no pydantic, no task classes, no entry-point scan
 UNUSED_BY_HELP = ("pydantic", "harness.task", "importlib.metadata", "tomllib")
 LISTINGS = [["--help"], ["run", "--help"], ["eval", "--help"], ["leaderboard", "--help"], ["tasks"], ["methods"], ["methods", "--json"]]
@@ -59,3 +62,12 @@ def test_top_level_help_loads_no_pydantic_no_task_classes_and_scans_no_entry_poi
     """``harness --help`` lists the commands only: typer builds no command's options (so no pydantic), and neither the
     task classes nor ``importlib.metadata``/``tomllib`` (the registry imports them for its first lookup) are loaded."""
     assert modules_after(invoking([["--help"]]), UNUSED_BY_HELP) == []
+
+
+def test_listing_commands_load_no_pools_archives_or_parsers_of_the_task_modules(tmp_path):
+    """Importing every task class (``harness tasks``) leaves the standard library's process and thread pools, tarfile,
+    configparser, pickletools and argparse unloaded: the task modules import them in the functions that use them."""
+    from harness.store import Store
+
+    Store(tmp_path).close()
+    assert modules_after(invoking([*LISTINGS, ["leaderboard", str(tmp_path)]]), STDLIB_UNUSED_BY_LISTINGS) == []
