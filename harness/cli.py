@@ -11,18 +11,19 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-import yaml
 from rich.console import Console
 from rich.markup import escape
 
-from harness.config import PRESET_NOTES, ConfigError, RunConfig, build_config, deep_merge, parse_override
-from harness.errors import TrainingAborted
+from harness.errors import ConfigError, TrainingAborted
 from harness.jsonout import to_json
 from harness.registry import METHODS, TASKS, RegistryError
-from harness.task import Task, TaskNotReady, close_tasks
+
+if TYPE_CHECKING:  # the config models and the task classes are imported by the commands that use them (start-up)
+    from harness.config import RunConfig
+    from harness.task import Task
 
 app = typer.Typer(
     help="Benchmark harness for on-policy distillation of language models.",
@@ -91,7 +92,10 @@ def _closes_tasks(command: Callable) -> Callable:
             return command(*args, **kwargs)
         finally:
             tasks, _tasks_to_close[:] = list(_tasks_to_close), []
-            close_tasks(tasks)
+            if tasks:
+                from harness.task import close_tasks
+
+                close_tasks(tasks)
 
     return wrapper
 
@@ -99,6 +103,8 @@ def _closes_tasks(command: Callable) -> Callable:
 def _prepare_tasks(tasks: list[Task]) -> None:
     """Have ``tasks`` closed when the command ends, and check each can run here (e.g. its sandbox image is built):
     exit 2 with what to do, before any run row or output exists."""
+    from harness.task import TaskNotReady
+
     _tasks_to_close.extend(tasks)
     try:
         for task in tasks:
@@ -180,6 +186,9 @@ def run(
 
     Everything (config, plan, every task's data) is validated before the output folder or the store is created.
     """
+    import yaml
+
+    from harness.config import PRESET_NOTES, build_config
     from harness.plan import load_plan_data, plan_run
     from harness.store import Store
     from harness.runs import create_train_run, execute_run, plan_resume, resolved_config
@@ -355,7 +364,10 @@ def eval_(
     """
     from contextlib import ExitStack, nullcontext
 
+    import yaml
+
     from harness.backends import SamplingParams
+    from harness.config import deep_merge, parse_override
     from harness.evaluation import EvalWorkersFailed, EvalWorkerSpec, LocalShards, ShardStage, describe_episodes, evaluate_task, store_eval
     from harness.progress import progress
     from harness.leaderboard import leaderboard_rows, render_table
@@ -661,6 +673,9 @@ def gate(
     Paired per problem: exact McNemar test for k = 1, paired bootstrap otherwise; errored or missing samples never count as passes.
     A model path is evaluated first (same problems, k, sampling and seed for both sides; an identical earlier evaluation is reused).
     """
+    import yaml
+
+    from harness.config import deep_merge, parse_override
     from harness.gate import EvalSpec, GateUsageError, verdict_paragraph
     from harness.gate import gate as run_gate
     from harness.store import Store
@@ -901,7 +916,9 @@ def _build_task_images(name: str, data_dir: Path | None, task_arg: list[str], fo
     """``sandbox build --task NAME``: the task's own ``build_images`` with a progress bar; exit 1 if one failed."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from harness.config import deep_merge, parse_override
     from harness.plan import make_task
+    from harness.task import Task
 
     task_args: dict = {}
     for item in task_arg:

@@ -14,14 +14,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from harness.errors import ConfigError
 from harness.models.shapes import SHAPES
 from harness.models.tiny import TinyArch
 
 ShapeName = Literal[tuple(SHAPES)]  # type: ignore[valid-type]  # a published Qwen3 shape, built with random weights
-
-
-class ConfigError(ValueError):
-    """A bad configuration value; the CLI prints it and exits with code 2."""
 
 
 class Strict(BaseModel):

@@ -18,20 +18,23 @@ import os
 import shutil
 import sys
 import tempfile
-import urllib.request
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatch
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
+from harness.datadir import DATA_DIR_ENV, resolve_data_dir
 from harness.registry import TASKS, RegistryError
-from harness.task import DATA_DIR_ENV, DataNeed, resolve_data_dir
+
+if TYPE_CHECKING:  # the task classes load with the tasks a command checks or fetches (`harness --help` imports this module)
+    from rich.table import Table
+
+    from harness.task import DataNeed
 
 Status = Literal["ok", "missing", "invalid", "error"]  # error: the download itself failed (network, hub), not the data
 
@@ -201,6 +204,8 @@ def hub_dataset_rows(dataset: str, config: str | None, split: str) -> Iterable[d
 
 def download_url(url: str, dest: Path, *, gunzipped_sha256: str | None = None, timeout: float = 60.0) -> Path:
     """Download ``url`` to ``dest`` (progress bar on a terminal); check the SHA-256 of its gunzipped content if given."""
+    import urllib.request
+
     from tqdm import tqdm
 
     dest.parent.mkdir(parents=True, exist_ok=True)
@@ -249,6 +254,8 @@ def _known_tasks(tasks: Iterable[str]) -> list[str]:
 
 def _table(results: list[CheckResult], folder: Path) -> Table:
     """A table of check/fetch results: task, split, status, problems, files (what is wrong is printed below it)."""
+    from rich.table import Table
+
     colour = {"ok": "green", "missing": "yellow", "invalid": "bold red", "error": "bold red"}
     table = Table("task", "split", "status", "problems", "files")
     for r in results:

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import tomllib
 from collections.abc import Callable, Iterator
-from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
+
+if TYPE_CHECKING:  # importlib.metadata (and tomllib) load with the first lookup: `harness --help` looks nothing up
+    from importlib.metadata import EntryPoint
 
 T = TypeVar("T")
 
@@ -173,14 +174,24 @@ def _describe_entry_point(ep: EntryPoint) -> str:
     return f"{ep.name} = {ep.value}{origin}"
 
 
-def _is_this_project(ep: EntryPoint) -> bool:
-    dist = getattr(ep, "dist", None)
-    return dist is not None and (dist.name or "").lower().replace("_", "-") == PROJECT
+def installed_project_entry_points() -> list[EntryPoint]:
+    """The entry points this project's installed distribution declares (none when it is not installed). Found by
+    name (``importlib.metadata.distribution`` matches the metadata folder's name), so no distribution's metadata is
+    parsed: reading a distribution's ``name`` parses its whole metadata file, this project's README included."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        return list(distribution(PROJECT).entry_points)
+    except PackageNotFoundError:
+        return []
 
 
 def source_tree_entry_points(group: str, pyproject: Path | None = None) -> list[EntryPoint] | None:
     """The entry points this project's pyproject.toml declares in ``group`` when the code runs from a
     source checkout (it sits beside ``harness/``); None for an installed wheel."""
+    import tomllib
+    from importlib.metadata import EntryPoint
+
     pyproject = pyproject or Path(__file__).resolve().parent.parent / "pyproject.toml"
     if not pyproject.is_file():
         return None
@@ -194,11 +205,14 @@ def source_tree_entry_points(group: str, pyproject: Path | None = None) -> list[
 def declared_entry_points(group: str) -> list[EntryPoint]:
     """Every entry point of ``group``: this project's (from its source checkout's pyproject.toml when there
     is one, so a stale or missing install cannot hide a built-in) and every other installed package's."""
+    from importlib.metadata import entry_points
+
     installed = list(entry_points(group=group))
     source = source_tree_entry_points(group)
     if source is None:
         return installed
-    return source + [ep for ep in installed if not _is_this_project(ep)]
+    ours = installed_project_entry_points()  # a stale install's declarations: the checkout's pyproject.toml wins
+    return source + [ep for ep in installed if ep not in ours]
 
 
 def unique_entry_points(group: str) -> list[EntryPoint]:

@@ -4,33 +4,23 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sized
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, final
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, final
 
 from pydantic import BaseModel, ConfigDict
 
-from harness.backends import Backend, SamplingParams
+from harness.datadir import DATA_DIR_ENV, resolve_data_dir  # noqa: F401 - DATA_DIR_ENV re-exported: tasks name it from here
 from harness.episode import Env, SingleTurnEnv
-from harness.trajectory import Trajectory
+
+if TYPE_CHECKING:  # annotations only: `harness tasks` lists the task classes without the backend models
+    from harness.backends import Backend, SamplingParams
+    from harness.trajectory import Trajectory
 
 Status = Literal["pass", "fail", "error"]
-
-DATA_DIR_ENV = "HARNESS_DATA_DIR"  # names the data root (DIR/<task>/...) when no argument or option does
-DEFAULT_DATA_DIR = Path("data")  # the data root when nothing names one (where `harness data fetch` writes without --to)
-
-
-def resolve_data_dir(argument: Path | str | None = None, option: Path | str | None = None) -> tuple[Path, str]:
-    """(the data root, how it was chosen): the argument, else the option, else ``$HARNESS_DATA_DIR``, else ``./data``."""
-    chosen = (("the data_dir argument", argument), ("options.data_dir", option), (f"${DATA_DIR_ENV}", os.environ.get(DATA_DIR_ENV)))
-    for how, value in chosen:
-        if value:
-            return Path(value).expanduser(), how
-    return DEFAULT_DATA_DIR, f"no data_dir argument, options.data_dir or ${DATA_DIR_ENV} set: the default ./{DEFAULT_DATA_DIR}"
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ Usage: ``python -m sandbox.build [--force] [--tag opd-sandbox:bookworm]``.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import shutil
@@ -130,6 +129,8 @@ def build_base_image(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    import argparse  # here: a task that names the image tag (`harness tasks`) does not load it
+
     parser = argparse.ArgumentParser(prog="python -m sandbox.build", description=__doc__.splitlines()[0])
     parser.add_argument("--tag", default=DEFAULT_TAG, help=f"image tag (default {DEFAULT_TAG})")
     parser.add_argument("--force", action="store_true", help="rebuild the rootfs and re-import even if the image exists")

@@ -27,19 +27,27 @@ As with any spawn/forkserver pool, the entry script needs an
 from __future__ import annotations
 
 import atexit
-import concurrent.futures as cf
 import logging
 import math
-import multiprocessing
 import os
 import re
 import threading
 import weakref
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
-import pebble
+from harness.lazy import lazy_import
+
+if TYPE_CHECKING:
+    import concurrent.futures as cf
+    import multiprocessing
+
+    import pebble
+else:  # imported with the first pool: `harness tasks` lists the math tasks without them
+    cf = lazy_import("concurrent.futures")
+    multiprocessing = lazy_import("multiprocessing")
+    pebble = lazy_import("pebble")
 
 GRADER_NAME = "math-verify"
 """Name recorded next to every math score (graders differ; see docs/graders.md)."""

@@ -10,6 +10,7 @@ import pytest
 
 from harness.registry import (
     BACKENDS, EVAL_EXECUTORS, EXECUTORS, METHODS, PIPELINES, TASKS, Registry, RegistryError, source_tree_entry_points,
+    unique_entry_points,
 )
 
 
@@ -189,6 +190,16 @@ def test_identical_declarations_are_merged(tmp_path, monkeypatch):
     reg: Registry = Registry("things")
     assert reg.names() == ["widget"] and reg.get("widget").__name__ == "Widget"
     sys.modules.pop("twin_mod", None)
+
+
+def test_a_stale_install_of_this_project_yields_to_the_checkout(tmp_path, monkeypatch):
+    """An installed opd-harness ahead on sys.path declaring an old ``arith``: the checkout's pyproject.toml declares
+    the built-ins, the install's declarations are dropped (not a duplicate), another package's plug-in stays."""
+    _plugin_dist(tmp_path, "opd_harness", "[opd_harness.tasks]\narith = stale_mod:OldArith\n")
+    _plugin_dist(tmp_path, "other-plugin", "[opd_harness.tasks]\nother = other_mod:Other\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    declared = {ep.name: ep.value for ep in unique_entry_points("opd_harness.tasks")}
+    assert declared["arith"] == _declared("opd_harness.tasks")["arith"] and declared["other"] == "other_mod:Other"
 
 
 def test_module_entry_points_and_prefix_families(tmp_path, monkeypatch):

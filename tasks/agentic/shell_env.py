@@ -28,10 +28,13 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from harness.episode import Env, Observation, StepResult
+
+if TYPE_CHECKING:  # a Future is made with the first session
+    from concurrent.futures import Future
 
 FENCED_BASH = re.compile(r"```(?:bash|sh|shell)?[ \t]*\n(.*?)```", re.DOTALL)
 TAGGED = re.compile(r"<command>(.*?)</command>", re.DOTALL)
@@ -191,6 +194,8 @@ class ShellAgentEnv(Env):
     def prepare(self) -> None:
         """Open the session in a background thread (the first command waits for it)."""
         if self._session is None and self._opening is None and not self._closed:
+            from concurrent.futures import Future  # with the first session: `harness tasks` does not load it
+
             self._opening = Future()
             threading.Thread(target=self._open_into, args=(self._opening,), name="agent-session-open", daemon=True).start()
 
@@ -218,6 +223,8 @@ class ShellAgentEnv(Env):
         if self._session is None:
             opening = self._opening
             if opening is None:  # opened here, but through a Future as prepare's: close() can find it and close it
+                from concurrent.futures import Future
+
                 opening = self._opening = Future()
                 if self._closed:
                     opening.set_exception(EpisodeClosed("the episode was closed before its session opened"))

@@ -14,7 +14,6 @@ import os
 import re
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
@@ -148,6 +147,8 @@ class SandboxedCodeTask(SandboxedTask):
 
         if n == 0:
             return []
+        from concurrent.futures import ThreadPoolExecutor  # with the first batch: `harness tasks` does not load it
+
         pool = ThreadPoolExecutor(max_workers=max(1, min(self.workers, n)))
         try:
             return list(pool.map(safe, range(n)))

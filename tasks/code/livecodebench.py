@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import base64
 import json
-import pickletools
 import re
 import zlib
 from collections.abc import Iterator, Mapping
@@ -72,6 +71,8 @@ class LiveCodeBenchOptions(CodeOptions):
 
 def decode_pickled_str(data: bytes) -> str:
     """The ``str`` held by a pickle, read without unpickling; any other pickle raises ``ValueError``."""
+    import pickletools  # with the first pickled test case: `harness tasks` does not load it
+
     value = None
     ops = list(pickletools.genops(data))  # parses only; raises ValueError on a malformed pickle
     for opcode, _arg, _pos in ops:

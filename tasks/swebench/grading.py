@@ -28,7 +28,6 @@ import hashlib
 import io
 import re
 import shlex
-import tarfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -194,6 +193,8 @@ def eval_script(row: Mapping, spec: Mapping, *, sectioned: list[str] = (), tampe
 def stdin_bundle(files: Mapping[str, str]) -> bytes:
     """A tar of ``{name: text}``, given to the container on stdin and unpacked into ``/tmp/opd``."""
     buf = io.BytesIO()
+    import tarfile  # with the first archive: `harness tasks` does not load it
+
     with tarfile.open(fileobj=buf, mode="w") as tf:
         for name, text in files.items():
             data = text.encode(errors="surrogateescape")

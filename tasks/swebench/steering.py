@@ -9,7 +9,6 @@ differ. A file that does not parse on either side counts as changed when its tex
 
 from __future__ import annotations
 
-import configparser
 import subprocess
 import sys
 import tomllib
@@ -20,6 +19,8 @@ ENTRY_GROUP = "pytest11"
 
 def cfg_sections(text: str) -> dict:
     """setup.cfg's test sections and its pytest11 entry points."""
+    import configparser  # with the first setup.cfg: `harness tasks` does not load it
+
     parser = configparser.RawConfigParser(strict=False, interpolation=None)
     parser.read_string(text)
     out = {name: dict(parser[name]) for name in parser.sections() if name in CFG_SECTIONS}
@@ -45,6 +46,8 @@ def changed(path: str, base: str | None, now: str | None) -> bool:
     """Whether the test-run sections of ``path`` differ between ``base`` and ``now`` (None: the file is absent)."""
     if base == now:
         return False
+    import configparser
+
     try:
         return test_sections(path, base or "") != test_sections(path, now or "")
     except (configparser.Error, tomllib.TOMLDecodeError, ValueError):

@@ -8,7 +8,6 @@ built on :func:`open_instance_session` and :func:`grade_instance_patch`.
 from __future__ import annotations
 
 import dataclasses
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal
@@ -271,6 +270,8 @@ class SwebenchTask(Task):
                 self.ensure_image(row)
             except Exception:  # noqa: BLE001 - reported per problem by grade_patch
                 pass
+        from concurrent.futures import ThreadPoolExecutor  # with the first grading: `harness tasks` does not load it
+
         with ThreadPoolExecutor(self.opts.grade_workers) as pool:
             outcomes = list(pool.map(self.grade_patch, rows, completions))
         return [outcome_score(o, c) for o, c in zip(outcomes, completions, strict=True)]
