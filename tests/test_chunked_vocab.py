@@ -131,3 +131,19 @@ def test_a_non_positive_chunk_is_refused(tiny_model_factory):
 
     with pytest.raises(ValueError, match="vocab_chunk 0"):
         ChunkedVocabulary(torch.zeros(1, 2, 3), torch.nn.Linear(3, 4), 0, lambda: None)
+
+
+def test_teacher_scoring_in_chunks_of_positions_equals_whole_scoring(tiny_model_factory, char_tokenizer):
+    from harness.backends.hf import HFBackend
+
+    model = tiny_model_factory(seed=7)
+    batch = batch_for(model.config.vocab_size, seed=2)
+    want = ("logprobs", "entropy", "topk", "full")
+    whole = HFBackend(model, char_tokenizer).score(batch.input_ids, batch.attention_mask, want=want, top_k=TOP_K)
+    chunked = HFBackend(model, char_tokenizer, score_chunk=CHUNK).score(batch.input_ids, batch.attention_mask, want=want, top_k=TOP_K)
+    assert whole.keys() == chunked.keys() == {"logprobs", "entropy", "topk_logprobs", "topk_ids", "full"}
+    for name, value in whole.items():
+        torch.testing.assert_close(chunked[name], value, rtol=0, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    assert model.get_output_embeddings() is not None and isinstance(model.lm_head, torch.nn.Linear)  # the head is back
+    with pytest.raises(ValueError, match="score_chunk -1"):
+        HFBackend(model, char_tokenizer, score_chunk=-1)

@@ -14,28 +14,13 @@ per-position terms with a graph and reduce them as on the unchunked path, to the
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 PositionFn = Callable[..., torch.Tensor]  # fn(log-distribution (n, V), *aligned (n, ...)) -> (n,) or (n, k)
-
-
-@contextlib.contextmanager
-def without_output_head(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
-    """``model``'s output head swapped for an identity while the block runs (its forward then returns the last hidden states
-    as ``logits``); yields the head. Tied weights stay tied: the head module is put back, its parameter never left the model."""
-    head = model.get_output_embeddings()
-    if head is None:
-        raise ValueError(f"{type(model).__name__} has no output head (get_output_embeddings): trainer.vocab_chunk needs one")
-    model.set_output_embeddings(torch.nn.Identity())
-    try:
-        yield head
-    finally:
-        model.set_output_embeddings(head)
 
 
 def chunk_bounds(length: int, size: int) -> list[tuple[int, int]]:

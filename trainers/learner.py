@@ -7,10 +7,10 @@ import dataclasses
 
 import torch
 
-from harness.backends.hf import scores_from_logits
+from harness.backends.hf import scores_from_logits, without_output_head
 from harness.method import HParams, MethodSpec, StudentOutputs
 from harness.trajectory import TensorBatch
-from trainers.chunked_vocab import ChunkedVocabulary, token_logprob_and_entropy, without_output_head
+from trainers.chunked_vocab import ChunkedVocabulary, token_logprob_and_entropy
 from trainers.distributed import Shard, gather_rows, local_rows
 from trainers.objectives import masked_mean
 

@@ -356,7 +356,7 @@ class Session:
         student = HFBackend(student_model, student_tok, batch_size=cfg.trainer.generate_batch_size, device=device)
         student.version = state.step
         if local_teacher:
-            options = {"device": device, **cfg.teacher.backend_options}
+            options = {"device": device, "score_chunk": cfg.trainer.vocab_chunk, **cfg.teacher.backend_options}
             teacher = wrap_hf_teacher(teacher_model, tokenizer, cfg.trainer.generate_batch_size, options)
         else:  # served or loaded elsewhere; it shares the student's vocabulary (the student's tokenizer encodes for it)
             teacher, teacher_path = open_remote_teacher(cfg.teacher, student_path), teacher_label(cfg.teacher, None)
