@@ -4,10 +4,10 @@
 
 The model is a slice of the Qwen3-0.6B shape (its 151,936-way tied output head, ``--layers`` decoder layers, float32); the
 batch is one sequence of ``--length`` random tokens, the loss on its second half, with a random (1, T, V) float32 teacher
-distribution. Each way runs in a fresh process: build, one warm-up step, then the kernel's peak-RSS mark is reset
-(``/proc/self/clear_refs``) and one more step is measured, so the number is that step's own peak above what the process
-already held (weights, batch, teacher distribution). SGD at lr 0 keeps optimizer state out of it. The GPU's own number
-(``torch.cuda.max_memory_allocated``) comes from ``benchmarks/gpu_check.py``'s learner section. Linux only.
+distribution. Each way runs in a fresh process: build, then the kernel's peak-RSS mark is reset (``/proc/self/clear_refs``)
+and the first step is measured, so the number is that step's own peak above what the process already held (weights, batch,
+teacher distribution); it includes the parameters' gradients (the same in both ways). SGD at lr 0 keeps optimizer state
+out. The GPU's own number (``torch.cuda.max_memory_allocated``) comes from ``benchmarks/gpu_check.py``'s learner section. Linux only.
 """
 
 from __future__ import annotations
@@ -56,8 +56,6 @@ def one_way(args: argparse.Namespace) -> dict:
     )  # fmt: skip
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     hparams = OPDParams(estimator="full")
-    train_step(model, optimizer, batch, OPD_SPEC, hparams, vocab_chunk=args.chunk)  # warm-up: gradients allocated, allocator primed
-    optimizer.zero_grad(set_to_none=True)
     before = rss_mib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark (VmHWM) to the current RSS
     started = time.perf_counter()
@@ -84,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                    str(args.layers), "--threads", str(args.threads)]  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True, check=True)
         results["whole" if chunk == 0 else "chunked"] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(json.dumps({"whole" if chunk == 0 else "chunked": results["whole" if chunk == 0 else "chunked"]}), flush=True)
     whole, chunked = results["whole"], results["chunked"]
     results["saved_mib"] = whole["step_peak_above_mib"] - chunked["step_peak_above_mib"]
     results["loss_abs_diff"] = abs(whole["loss"] - chunked["loss"])
