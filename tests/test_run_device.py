@@ -66,7 +66,7 @@ def test_vocab_chunk_is_refused_with_fsdp2_and_cuda_with_the_ray_executor(monkey
         build_config(overrides=["trainer.device=cuda:1"])
 
 
-@pytest.mark.slow  # two tiny runs in subprocesses: ~40 s at load ~10 on 2 cores
+@pytest.mark.slow  # two tiny runs in subprocesses: 160 s at load 15–35 on 2 shared cores
 def test_cpu_and_auto_run_and_a_chunked_run_trains_like_an_unchunked_one(tmp_path):
     plain = run_losses(tmp_path / "plain", "trainer.device=cpu")
     chunked = run_losses(tmp_path / "chunked", "trainer.device=auto", "trainer.vocab_chunk=5")
