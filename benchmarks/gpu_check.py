@@ -59,7 +59,7 @@ MODEL_PAIRS: dict[str, tuple[TinyArch, TinyArch]] = {
         TinyArch(hidden=1024, layers=8, heads=16, kv_heads=8, ffn=4096),
     ),
 }
-DRY_SIZES = {"prompts": 4, "samples": 2, "new_tokens": 8, "steps": 1, "reference_rows": 4}
+DRY_SIZES = {"prompts": 4, "samples": 2, "new_tokens": 8, "steps": 1, "reference_rows": 4, "opd_steps": 2, "vocab_chunk": 5}
 VLLM_TEST_TIMEOUT_S = 900
 
 
@@ -90,7 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     shapes.add_argument("--score-len", type=int, default=4096, help="tokens per scored row")
     shapes.add_argument("--top-k", type=int, default=64, help="k of the top-k teacher scoring")
     shapes.add_argument("--learn-lens", type=int, nargs="+", default=[4096, 8192], help="learner sequence lengths (one row each)")
+    shapes.add_argument("--vocab-chunk", type=int, default=1024,
+                        help="trainer.vocab_chunk of the chunked learner step (beside the whole one) and of the opd run")  # fmt: skip
     shapes.add_argument("--dry-shapes", action="store_true", help="dry mode: also the shape sections, on one layer of the first shape")
+    shapes.add_argument("--opd-steps", type=int, default=10, help="optimizer steps of the end-to-end opd run")
     shapes.add_argument("--opd-teacher", default="qwen3-1.7b-shape", help="teacher shape of the 10-step opd run (student: the first shape)")
     shapes.add_argument("--shape-layers", type=int, default=None, help="build only this many layers of each shape (default: all)")
     shapes.add_argument("--budget-s", type=float, default=450.0, help="wall-clock budget of the whole check (later sections are skipped)")
@@ -282,7 +285,8 @@ def learner_steps(model: torch.nn.Module, batch: TensorBatch, steps: int, device
 
 DEFAULT_SHAPES = ["qwen3-0.6b-shape", "qwen3-1.7b-shape"]
 BIG_SHAPES = ["qwen3-4b-shape", "qwen3-8b-shape"]
-SECTION_CAPS_S = {"rollout": 110, "scoring": 35, "learner": 50, "opd_run": 100}  # wall-clock cap of each section (per shape)
+SECTION_CAPS_S = {"rollout": 110, "scoring": 35, "learner": 70, "opd_run": 150}  # wall-clock cap of each section (per shape)
+DRY_SECTION_CAP_S = 300  # the CPU dry mode's cap of every section (a loaded CI machine; the numbers mean nothing there)
 MIN_SECTION_S = 20  # a section does not start with less of the budget left
 # HBM bandwidth by device name (bytes/s, vendor data sheets): the decode bound's denominator
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 NVL": 3.9e12, "H100": 3.35e12, "A100-SXM4-80GB": 2.039e12, "A100": 1.555e12, "L40S": 0.864e12}
@@ -427,7 +431,9 @@ def scoring_section(arch: str, args: argparse.Namespace, device: str, out: dict,
 
 def learner_section(arch: str, args: argparse.Namespace, device: str, out: dict, deadline: float) -> None:
     """Learner tokens/s and peak memory of ``opd`` (full reverse KL) steps on one sequence of each length in
-    ``learn_lens``, with the step's own perf/… metrics (MFU) as ``train_step`` reports them."""
+    ``learn_lens``, with the step's own perf/… metrics (MFU) as ``train_step`` reports them: the whole (1, T, V) distribution
+    (``vocab_chunk`` 0) and chunked (``--vocab-chunk``), and the peak memory the chunks save. Both peaks include the batch's
+    (1, T, V) float32 teacher distribution, which chunking does not remove."""
     model, parameters = shape_model(arch, device, args.shape_layers)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, **({"fused": True} if device == "cuda" else {}))
@@ -449,24 +455,41 @@ def learner_section(arch: str, args: argparse.Namespace, device: str, out: dict,
             teacher_full=torch.log_softmax(torch.randn((1, length, vocab), device=device), dim=-1),
         )  # fmt: skip
         hparams = OPDParams(estimator="full")
-        train_step(model, optimizer, batch, OPD_SPEC, hparams)  # warm-up
-        reset_peak_memory(device)
-        synchronize(device)
-        started = time.perf_counter()
-        metrics = train_step(model, optimizer, batch, OPD_SPEC, hparams)
-        synchronize(device)
-        seconds = time.perf_counter() - started
-        out["lengths"][str(length)] = {
-            "step_s": seconds, "tokens_per_s": length / seconds, "peak_mib": peak_memory_mib(device),
-            "perf": {k: v for k, v in metrics.items() if k.startswith("perf/")}, "loss": metrics["loss"],
-        }  # fmt: skip
+        row: dict = {"teacher_full_mib": batch.teacher_full.numel() * 4 / 2**20}
+        for way, chunk in (("whole", 0), ("chunked", args.vocab_chunk)):
+            if time.monotonic() > deadline:
+                row[way] = {"skipped": "section time cap reached"}
+                continue
+            row[way] = timed_learner_step(model, optimizer, batch, hparams, chunk, device)
+            out["lengths"][str(length)] = row
+            yield_partial(out)
+        whole, chunked = row.get("whole", {}).get("peak_mib"), row.get("chunked", {}).get("peak_mib")
+        if whole is not None and chunked is not None:
+            row["chunk_saves_mib"] = whole - chunked
+        out["lengths"][str(length)] = row
         yield_partial(out)
         del batch
 
 
-OPD_RUN = ["run", "--task", "arith", "--preset", "smoke", "--method", "opd", "--set", "trainer.steps=10",
+def timed_learner_step(model, optimizer, batch: TensorBatch, hparams: OPDParams, vocab_chunk: int, device: str) -> dict:
+    """One warm-up and one timed ``opd`` step: seconds, tokens/s, peak memory and the step's perf/… metrics."""
+    train_step(model, optimizer, batch, OPD_SPEC, hparams, vocab_chunk=vocab_chunk)  # warm-up
+    reset_peak_memory(device)
+    synchronize(device)
+    started = time.perf_counter()
+    metrics = train_step(model, optimizer, batch, OPD_SPEC, hparams, vocab_chunk=vocab_chunk)
+    synchronize(device)
+    seconds = time.perf_counter() - started
+    length = batch.input_ids.numel()
+    return {
+        "vocab_chunk": vocab_chunk, "step_s": seconds, "tokens_per_s": length / seconds, "peak_mib": peak_memory_mib(device),
+        "perf": {k: v for k, v in metrics.items() if k.startswith("perf/")}, "loss": metrics["loss"],
+    }  # fmt: skip
+
+
+OPD_RUN = ["run", "--task", "arith", "--preset", "smoke", "--method", "opd",
            "--set", "student.sft_steps=0", "--set", "teacher.sft_steps=0", "--set", "eval.before_training=false",
-           "--set", "eval.teacher=false"]  # fmt: skip
+           "--set", "eval.teacher=false", "--set", "trainer.checkpoint_every=10"]  # fmt: skip
 
 
 def learner_device_key() -> str | None:
@@ -479,32 +502,39 @@ def learner_device_key() -> str | None:
     return None
 
 
-def opd_run_section(arch: str, args: argparse.Namespace, device: str, out: dict, deadline: float) -> None:
-    """A 10-step ``harness run --method opd`` with ``arch`` as the student and ``--opd-teacher`` as the teacher on the
-    GPU, end to end: exit code, wall seconds and the mean of every perf/… step metric from the run's store."""
+def opd_run_section(arch: str | None, args: argparse.Namespace, device: str, out: dict, deadline: float) -> None:
+    """A 10-step ``harness run --method opd`` (full estimator, ``trainer.vocab_chunk``) with ``arch`` as the student and
+    ``--opd-teacher`` as the teacher on ``device`` (``trainer.device``; bf16 autocast on CUDA), end to end: exit code, wall
+    seconds and the mean of every perf/… and timing_s/… step metric of the run. ``arch`` None (the dry mode): the smoke preset's
+    tiny models."""
     import sqlite3
     import tempfile
+
+    from harness.tracking import step_key
 
     key = learner_device_key()
     if key is None:
         out["skipped"] = "this tree has no config key that puts the learner on a GPU (#28 item 2): the run would train on the CPU"
         return
     with tempfile.TemporaryDirectory() as tmp:
-        models = ["--set", f"student.arch={arch}", "--set", f"teacher.arch={args.opd_teacher}"]
-        command = [sys.executable, "-m", "harness.cli", *OPD_RUN, *models, "--set", f"{key}={device}", "--out", tmp]
+        models = ["--set", f"student.arch={arch}", "--set", f"teacher.arch={args.opd_teacher}"] if arch else []
+        learner = ["--set", f"{key}={device}", "--set", f"trainer.vocab_chunk={args.vocab_chunk}"]
+        learner += ["--set", f"trainer.steps={args.opd_steps}"]
+        learner += ["--set", "trainer.precision=bf16"] if device == "cuda" else []
+        out["command"] = command = [sys.executable, "-m", "harness.cli", *OPD_RUN, *models, *learner, "--out", tmp]
         started, cap_s = time.perf_counter(), max(1.0, deadline - time.monotonic())
         try:
             done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=cap_s)
             out.update(returncode=done.returncode, output_tail=(done.stdout + done.stderr)[-2000:])
         except subprocess.TimeoutExpired:
             out.update(timed_out=True, cap_s=cap_s)
-        out["seconds"] = time.perf_counter() - started
+        out["seconds"], out["expected_steps"] = time.perf_counter() - started, args.opd_steps
         store = Path(tmp) / "results.sqlite"
         if store.exists():
             with sqlite3.connect(store) as conn:
-                rows = conn.execute("SELECT name, AVG(value), COUNT(*) FROM step_metrics WHERE name LIKE 'perf/%' GROUP BY name").fetchall()
-                out["steps"] = conn.execute("SELECT COUNT(DISTINCT step) FROM step_metrics").fetchone()[0]
-            out["perf_mean"] = {name: mean for name, mean, _ in rows}
+                rows = conn.execute("SELECT name, AVG(value), COUNT(*) FROM step_metrics GROUP BY name").fetchall()
+                out["steps"] = conn.execute("SELECT COUNT(DISTINCT step) FROM step_metrics WHERE name='loss'").fetchone()[0]
+            out["perf_mean"] = {step_key(name): mean for name, mean, _ in rows if step_key(name).startswith(("perf/", "timing_s/"))}
     if out.get("returncode", 0) != 0:
         out["error"] = f"harness run exited {out['returncode']}\n{out.get('output_tail', '')}"
 
@@ -605,12 +635,15 @@ def dry_sizes(args: argparse.Namespace) -> argparse.Namespace:
     """The toy sizes and the demo pair (with ``--dry-shapes`` one layer of the first shape too): the CPU run checks the code
     path, its numbers mean nothing."""
     shapes = args.shapes[:1] if args.dry_shapes else []
-    return argparse.Namespace(**{**vars(args), **DRY_SIZES, "models": ["demo"], "shapes": shapes, "big_shapes": False})
+    sizes = {**DRY_SIZES, **(DRY_SHAPE_SIZES if args.dry_shapes else {})}
+    return argparse.Namespace(**{**vars(args), **sizes, "models": ["demo"], "shapes": shapes, "big_shapes": False, "dry": True})
 
 
 def section_plan(args: argparse.Namespace) -> list[tuple[str, str | None]]:
     """(section, shape) in priority order: the smallest shape's rollout and learner first, then the end-to-end run, then the rest."""
     shapes = list(args.shapes) + (BIG_SHAPES if args.big_shapes else [])
+    if getattr(args, "dry", False):  # the end-to-end run on the smoke preset's tiny models (harness run builds whole shapes)
+        return [(name, shapes[0]) for name in ("rollout", "learner", "scoring") if shapes] + [("opd_run", None)]
     if not shapes:
         return []
     first, rest = shapes[0], shapes[1:]
@@ -634,6 +667,8 @@ def check_failures(report: dict, tolerance: float, bf16_tolerance: float = 0.1) 
             failures.append(f"{key}: raised {section['error'].strip().splitlines()[-1]}")
         elif section.get("timed_out"):
             failures.append(f"{key}: killed at its cap of {section['cap_s']:.0f} s")
+        elif "expected_steps" in section and section.get("steps") != section["expected_steps"]:
+            failures.append(f"{key}: the run stored {section.get('steps')} of its {section['expected_steps']} steps")
         for batch, row in section.get("batches", {}).items():
             gap = row.get("hf_static", {}).get("logprob_vs_score_max_abs_diff")
             if gap is not None and gap > bf16_tolerance:
@@ -678,7 +713,7 @@ def main(argv: list[str] | None = None) -> int:
         "sections": {},
     }
     sizes = ("prompts", "samples", "new_tokens", "steps", "reference_rows", "rollout_batches", "prompt_len", "rollout_new_tokens",
-             "score_rows", "score_len", "top_k", "learn_lens", "shape_layers", "budget_s")  # fmt: skip
+             "score_rows", "score_len", "top_k", "learn_lens", "vocab_chunk", "opd_steps", "shape_layers", "budget_s")  # fmt: skip
     report["sizes"] = {k: getattr(args, k) for k in sizes}
     started = time.perf_counter()
     deadline = time.monotonic() + args.budget_s
@@ -695,13 +730,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     missing = shapes_available()
     for name, arch in section_plan(args):
-        key = f"{name}:{arch}"
+        key = f"{name}:{arch or 'smoke'}"
         left = deadline - time.monotonic()
         if missing is not None or left < MIN_SECTION_S:
             report["sections"][key] = {"skipped": missing or f"budget: {left:.0f} s left of --budget-s {args.budget_s:.0f}"}
             continue
-        print(f"section {key} (cap {min(SECTION_CAPS_S[name], left):.0f} s) ...", flush=True)
-        report["sections"][key] = run_section(name, arch, args, device, min(SECTION_CAPS_S[name], left))
+        cap = min(SECTION_CAPS_S[name] if cuda else DRY_SECTION_CAP_S, left)
+        print(f"section {key} (cap {cap:.0f} s) ...", flush=True)
+        report["sections"][key] = run_section(name, arch, args, device, cap)
         print(json.dumps({key: report["sections"][key]}, indent=1), flush=True)
         write_report(report, args.out)
     report["vllm_tests"] = run_vllm_tests(vllm_skip_reason(device, args.skip_vllm))

@@ -199,6 +199,22 @@ def fsdp2_unsupported() -> str | None:
     return None
 
 
+def device_unavailable(device: str) -> str | None:
+    """Why ``trainer.device`` cannot be used here (an unknown name, no CUDA, an index past the device count), else None."""
+    if device in ("cpu", "auto"):
+        return None
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        return f"trainer.device={device!r}: choose cpu, cuda, cuda:N or auto"
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"trainer.device={device!r}: torch sees no CUDA device here (torch {torch.__version__}); use cpu or auto"
+    if index and int(index) >= torch.cuda.device_count():
+        return f"trainer.device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
+
+
 class LearnerLayout(RoleLayout):
     """``trainer.layout.learner``: the data-parallel learner ranks and how their model is split over them."""
 
@@ -321,6 +337,17 @@ class TrainerConfig(Strict):
     activation_checkpointing: bool = Field(
         False, description="recompute each decoder layer's activations in the backward pass (less memory, about 1/3 more compute)"
     )
+    vocab_chunk: int = Field(
+        0,
+        ge=0,
+        description="full-vocabulary methods: compute the student's distribution and the method's per-position terms this many "
+        "positions at a time under activation checkpointing, so no (B, T, V) logits or log-probs are kept (0: the whole tensor)",
+    )
+    device: str = Field(
+        "cpu",
+        description="where the executor inprocess puts the student (learner), the hf/hf_static rollout engine and the in-process "
+        "teacher: cpu, cuda, cuda:N, or auto (cuda when torch sees one, else cpu)",
+    )
     checkpoint_every: int = Field(100, ge=1)
     temperature: float = Field(1.0, gt=0, description="rollout sampling temperature")
     top_p: float = Field(1.0, gt=0, le=1)
@@ -370,6 +397,25 @@ class TrainerConfig(Strict):
                 f"backend {name!r} cannot be a rollout engine: it has no load_weights(state, version) to receive the learner's weights"
             )
         return name
+
+    @field_validator("device")
+    @classmethod
+    def _device_here(cls, device: str) -> str:
+        """cpu, auto, or a CUDA device this machine has (torch is imported only to check a CUDA one)."""
+        why = device_unavailable(device)
+        if why:
+            raise ValueError(why)
+        return device
+
+    @model_validator(mode="after")
+    def _device_and_chunks_fit_the_executor(self) -> "TrainerConfig":
+        if self.executor == "ray" and self.device not in ("cpu", "auto"):
+            raise ValueError(f"trainer.device={self.device!r} places the in-process executor's models; with --executor ray the "
+                             "actors keep theirs on the CPU in this version (use the in-process executor for a GPU run)")  # fmt: skip
+        if self.vocab_chunk and self.layout is not None and self.layout.learner.sharding == "fsdp2":
+            raise ValueError(f"trainer.vocab_chunk={self.vocab_chunk} is not supported with trainer.layout.learner.sharding=fsdp2 "
+                             "(the chunks run the output head outside the sharded forward); use ddp or vocab_chunk=0")  # fmt: skip
+        return self
 
     @model_validator(mode="after")
     def _address_needs_ray(self) -> "TrainerConfig":

@@ -45,7 +45,25 @@ class StudentOutputs:
     """Current-student quantities computed by the learner with gradient enabled."""
 
     logprobs: torch.Tensor  # (B, T) log π_θ(token t | prefix)
-    full: torch.Tensor | None = None  # (B, T, V) log π_θ(· | prefix), when the method needs it
+    full: torch.Tensor | None = None  # (B, T, V) log π_θ(· | prefix), when the method needs it (unchunked)
+    # trainer.vocab_chunk > 0: map(fn, *aligned) runs fn over the distribution a chunk of positions at a time instead
+    vocab_map: Callable[..., torch.Tensor] | None = None
+
+    @property
+    def has_full(self) -> bool:
+        """Whether the full distribution was computed (whole, or as a chunked map)."""
+        return self.full is not None or self.vocab_map is not None
+
+    def over_vocabulary(self, fn: Callable[..., torch.Tensor], *aligned: torch.Tensor) -> torch.Tensor:
+        """``fn(log π_θ(· | prefix), *aligned)`` at every (B, T) position: per-position terms (B, T) or (B, T, k) of the full
+        distribution (last dim V) and ``aligned`` (B, T, ...) tensors such as the teacher's. Objectives read the full
+        distribution only through this, so ``trainer.vocab_chunk`` can run ``fn`` a chunk of positions at a time (it must
+        treat positions independently); the caller reduces the terms over positions."""
+        if self.vocab_map is not None:
+            return self.vocab_map(fn, *aligned)
+        if self.full is None:
+            raise ValueError("the full student distribution was not computed: the method must declare student_full")
+        return fn(self.full, *aligned)
 
 
 class MethodState(Protocol):

@@ -23,6 +23,7 @@ VOCAB, ROWS, LENGTH, STEPS = 24, 5, 9, 3  # 5 rows over 2 ranks: uneven shards (
 METHODS_UNDER_TEST = {
     "opd": {},  # token-mean over the batch's tokens
     "opd_full": {"estimator": "full"},  # full distributions gathered
+    "opd_full_chunked": {"estimator": "full"},  # the same chunked (trainer.vocab_chunk): each rank's map, its outputs gathered
     "f_opd": {},  # per-sample means, then the mean over selected samples; refresh monitor state
     "grpo": {},  # group-normalised rewards (group 1 spans both ranks), PPO-clip token-mean
     "saf_opd": {},  # schedule state advanced from the batch's KL
@@ -58,6 +59,7 @@ def synthetic_batch(seed: int) -> TensorBatch:
 
 SHARDINGS = ("ddp", "fsdp2")
 FSDP2_METHODS = ("opd", "opd_full", "f_opd")  # token-mean, full distributions, sequence-level + state: FSDP2 changes only the model
+VOCAB_CHUNK = 3  # positions per chunk: divides neither T = 9 nor the 8 predicted positions
 CHECKPOINT_AFTER = STEPS - 1  # the FSDP2 ranks' full state after this many steps resumes on one rank for the last step
 
 
@@ -70,7 +72,7 @@ def method_steps(name: str, shard: Shard | None, sharding: str = "ddp", start: d
     """``STEPS`` optimizer steps of method ``name`` (one rank's part with a shard), or the steps after a checkpoint
     ``start``; metrics per step, the final (full) weights and method state, and the checkpoint after ``CHECKPOINT_AFTER``."""
     torch.manual_seed(0)
-    spec = METHODS.get(name.removesuffix("_full"))
+    spec = METHODS.get(name.removesuffix("_chunked").removesuffix("_full"))
     hparams = spec.hparams(**METHODS_UNDER_TEST[name])
     model, optimizer = tiny_student()
     state = spec.make_state(hparams) if spec.make_state else None
@@ -85,7 +87,8 @@ def method_steps(name: str, shard: Shard | None, sharding: str = "ddp", start: d
         if step == CHECKPOINT_AFTER and start is None:
             checkpoint = full_state(trained, optimizer, sharding) if shard is not None else None
             checkpoint = checkpoint and copy.deepcopy({**checkpoint, "method_state": state.state_dict() if state is not None else None})
-        metrics.append(train_step(trained, optimizer, synthetic_batch(step), spec, hparams, state, grad_clip=0.05, shard=shard))
+        metrics.append(train_step(trained, optimizer, synthetic_batch(step), spec, hparams, state, grad_clip=0.05, shard=shard,
+                                  vocab_chunk=VOCAB_CHUNK if name.endswith("_chunked") else 0))
     method_state = state.state_dict() if state is not None else None
     weights = full_weights(trained) if shard is not None and sharding == "fsdp2" else state_snapshot(model)
     return {"metrics": metrics, "weights": weights, "state": method_state, "checkpoint": checkpoint}
@@ -131,7 +134,7 @@ def two_ranks(tmp_path_factory) -> list[dict]:
 @pytest.fixture(scope="module")
 def single() -> dict[str, dict]:
     torch.set_num_threads(1)
-    return {name: method_steps(name, None) for name in METHODS_UNDER_TEST}
+    return {name: method_steps(name, None) for name in METHODS_UNDER_TEST if not name.endswith("_chunked")}
 
 
 @pytest.mark.slow
@@ -139,7 +142,7 @@ def single() -> dict[str, dict]:
 def test_two_ranks_give_the_update_of_one_rank(two_ranks, single, sharding):
     names = METHODS_UNDER_TEST if sharding == "ddp" else FSDP2_METHODS
     for name in names:
-        expected = single[name]
+        expected = single[name.removesuffix("_chunked")]  # a chunked DDP run against the unchunked single rank
         for rank, results in enumerate(two_ranks):
             got = results[name, sharding]
             for step, (want, have) in enumerate(zip(expected["metrics"], got["metrics"], strict=True)):

@@ -33,7 +33,12 @@ def test_dry_mode_runs_the_whole_check_on_the_cpu(tmp_path):
     assert demo["logprob_check"]["ok"] and demo["logprob_check"]["max_abs_diff"] == 0.0  # CPU against CPU in dry mode
     assert demo["student_parameters"] < demo["teacher_parameters"]
     assert report["vllm_tests"] == {"ran": False, "reason": "no CUDA (dry mode)"}
-    assert report["sections"] == {}  # the shape sections run in the dry mode only with --dry-shapes (not yet checked on CPU)
+    # the shape sections run in the dry mode only with --dry-shapes; the end-to-end opd run always, on the smoke models
+    assert list(report["sections"]) == ["opd_run:smoke"]
+    run = report["sections"]["opd_run:smoke"]
+    assert run["returncode"] == 0 and run["steps"] == run["expected_steps"] == 2, run
+    assert {"trainer.device=cpu", "trainer.vocab_chunk=5"} <= set(run["command"])
+    assert run["perf_mean"]["perf/learner_tokens_per_s"] > 0 and "perf/mfu/actor" not in run["perf_mean"]  # no MFU on a CPU
 
 
 def test_without_pydantic_or_wheels_it_stops_with_exit_2(tmp_path):
@@ -92,6 +97,8 @@ def test_shape_sections_report_errors_caps_and_logprob_gaps():
             "learner:a": {"timed_out": True, "cap_s": 50},
             "scoring:a": {"error": "Traceback\ntorch.OutOfMemoryError: CUDA out of memory"},
             "rollout:b": {"skipped": "budget"},
+            "opd_run:a": {"returncode": 0, "steps": 7, "expected_steps": 10},
+            "opd_run:b": {"returncode": 0, "steps": 10, "expected_steps": 10},
         },
         "vllm_tests": {"ran": False},
     }
@@ -99,4 +106,5 @@ def test_shape_sections_report_errors_caps_and_logprob_gaps():
         "rollout:a batch 256: hf_static log-probs differ from scoring by 0.300 > 0.1",
         "learner:a: killed at its cap of 50 s",
         "scoring:a: raised torch.OutOfMemoryError: CUDA out of memory",
+        "opd_run:a: the run stored 7 of its 10 steps",
     ]

@@ -63,9 +63,11 @@ def restore_scheduler(optimizer, scheduler_factory, state: dict):
     return scheduler
 
 
-def load_checkpoint(path: Path, optimizer_factory, scheduler_factory):
-    """(model, tokenizer, optimizer, scheduler, state, extra) restored from a checkpoint folder."""
+def load_checkpoint(path: Path, optimizer_factory, scheduler_factory, device: str = "cpu"):
+    """(model, tokenizer, optimizer, scheduler, state, extra) restored from a checkpoint folder, the model (and so the
+    optimizer's state) on ``device``."""
     model, tokenizer = load_model_and_tokenizer(path)
+    model.to(device)
     payload = torch.load(Path(path) / STATE_FILE, weights_only=False)
     optimizer = optimizer_factory(model)
     optimizer.load_state_dict(payload["optimizer"])

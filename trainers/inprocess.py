@@ -23,6 +23,7 @@ from trainers.pipeline import (
     open_behaviour_scorer,
     open_rollout_backend,
     response_lengths,
+    run_device,
     sample_problems,
     serialize_calls,
 )
@@ -36,8 +37,9 @@ class LocalRollout:
         self.plan, self.session, self.board = plan, session, board
         if plan.config.trainer.rollout_unit == "group" and plan.config.teacher.backend not in CONCURRENT_ENGINES:
             serialize_calls(session.teacher)  # streamed groups score from several threads: a vLLM teacher takes turns
-        self.backend = open_rollout_backend(plan, session.student_path)
-        self.scorer = open_behaviour_scorer(plan, self.backend, session.student_path)
+        device = run_device(plan.config.trainer.device)
+        self.backend = open_rollout_backend(plan, session.student_path, device=device)
+        self.scorer = open_behaviour_scorer(plan, self.backend, session.student_path, device=device)
 
     @property
     def version(self) -> int:

@@ -7,21 +7,30 @@ import dataclasses
 
 import torch
 
-from harness.backends.hf import scores_from_logits
+from harness.backends.hf import scores_from_logits, without_output_head
 from harness.method import HParams, MethodSpec, StudentOutputs
 from harness.trajectory import TensorBatch
+from trainers.chunked_vocab import ChunkedVocabulary, token_logprob_and_entropy
 from trainers.distributed import Shard, gather_rows, local_rows
 from trainers.objectives import masked_mean
 
 
 def student_outputs(
-    model: torch.nn.Module, batch: TensorBatch, full: bool, shard: Shard | None = None, precision: str = "fp32"
+    model: torch.nn.Module,
+    batch: TensorBatch,
+    full: bool,
+    shard: Shard | None = None,
+    precision: str = "fp32",
+    vocab_chunk: int = 0,
 ) -> tuple[StudentOutputs, torch.Tensor]:
     """Current-student log-probs (and full distribution if asked) with gradient, plus detached entropy.
 
     With a ``shard`` the forward runs on this rank's rows only and the outputs are gathered into the global batch's
     (:mod:`trainers.distributed`), so the objective sees every row. ``precision="bf16"``: the forward (and so its
-    backward) under bfloat16 autocast."""
+    backward) under bfloat16 autocast. ``vocab_chunk`` > 0 with ``full``: the distribution is never materialised whole;
+    the objective gets it chunk by chunk of positions (:mod:`trainers.chunked_vocab`)."""
+    if full and vocab_chunk:
+        return chunked_student_outputs(model, batch, vocab_chunk, shard=shard, precision=precision)
     rows = batch.input_ids.shape[0]
     ids, attention = local_rows(batch.input_ids, shard), local_rows(batch.attention_mask, shard)
     with autocast(ids.device, precision):
@@ -37,6 +46,27 @@ def student_outputs(
     return StudentOutputs(logprobs=logprobs, full=dist_full), gather_rows(entropy, shard, rows)
 
 
+def chunked_student_outputs(
+    model: torch.nn.Module, batch: TensorBatch, vocab_chunk: int, shard: Shard | None = None, precision: str = "fp32"
+) -> tuple[StudentOutputs, torch.Tensor]:
+    """:func:`student_outputs` with the full distribution as a chunked map (``StudentOutputs.over_vocabulary``): the forward
+    stops at the last hidden states, and log-probs, entropy and the method's terms are computed ``vocab_chunk`` positions at a
+    time; a shard's map runs on its rows of the aligned tensors and gathers its outputs into the global batch's."""
+    rows = batch.input_ids.shape[0]
+    ids, attention = local_rows(batch.input_ids, shard), local_rows(batch.attention_mask, shard)
+    inner = getattr(model, "module", model)  # DDP's wrapped model; the forward still goes through the wrapper
+    with autocast(ids.device, precision), without_output_head(inner) as head:
+        hidden = model(input_ids=ids, attention_mask=attention).logits  # the head is an identity: the last hidden states
+    chunks = ChunkedVocabulary(hidden, head, vocab_chunk, lambda: autocast(ids.device, precision))
+
+    def vocab_map(fn, *aligned: torch.Tensor) -> torch.Tensor:
+        return gather_rows(chunks.map(fn, *(local_rows(a, shard) for a in aligned)), shard, rows)
+
+    both = chunks.map(token_logprob_and_entropy, ids)
+    logprobs, entropy = gather_rows(both[..., 0], shard, rows), gather_rows(both[..., 1].detach(), shard, rows)
+    return StudentOutputs(logprobs=logprobs, vocab_map=vocab_map), entropy
+
+
 def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -48,6 +78,7 @@ def train_step(
     grad_clip: float = 1.0,
     shard: Shard | None = None,
     precision: str = "fp32",
+    vocab_chunk: int = 0,
 ) -> dict[str, float]:
     """One optimizer step of ``method`` on ``batch``; returns loss, grad norm, entropy and diagnostics.
 
@@ -58,12 +89,14 @@ def train_step(
     ``nonfinite = skipped = 1``; the driver then stops or goes on (``trainer.on_nonfinite``).
 
     The batch goes to the model's device (a model on CUDA learns from the CPU batch the rollout made);
-    ``precision="bf16"`` is autocast with float32 master weights, gradients and optimizer state.
+    ``precision="bf16"`` is autocast with float32 master weights, gradients and optimizer state; ``vocab_chunk`` > 0
+    computes a full-vocabulary method's terms that many positions at a time (:mod:`trainers.chunked_vocab`).
     """
     model.train()
     needs = method.needs(hparams)
     batch = batch_to(batch, next(model.parameters()).device)
-    outputs, entropy = student_outputs(model, batch, full="student_full" in needs, shard=shard, precision=precision)
+    outputs, entropy = student_outputs(model, batch, full="student_full" in needs, shard=shard, precision=precision,
+                                      vocab_chunk=vocab_chunk)
     loss, diagnostics = method.objective(batch, outputs, hparams, state)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()

@@ -125,7 +125,7 @@ def needs_behaviour_scorer(plan, engine: Backend) -> bool:
 
 
 def open_behaviour_scorer(
-    plan, engine: Backend, student_path: str, *, model: torch.nn.Module | None = None, tokenizer=None
+    plan, engine: Backend, student_path: str, *, model: torch.nn.Module | None = None, tokenizer=None, device: str = "cpu"
 ) -> HFBackend | None:
     """The trainer's model beside a non-hf engine, fed the same weight versions, that recomputes π_old (methods.md's
     ``o``) under the behaviour weights; None when the engine's own scores are used (:func:`needs_behaviour_scorer`).
@@ -137,9 +137,9 @@ def open_behaviour_scorer(
         return None
     batch_size = plan.config.trainer.generate_batch_size
     if model is not None:
-        scorer = HFBackend(model, tokenizer, batch_size=batch_size)
+        scorer = HFBackend(model, tokenizer, batch_size=batch_size, device=device)
     else:
-        scorer = HFBackend.load(student_path, batch_size=batch_size)
+        scorer = HFBackend.load(student_path, batch_size=batch_size, device=device)
     scorer.version = -1
     return scorer
 
@@ -167,18 +167,29 @@ def behaviour_logprobs(backend: Backend, batch: TensorBatch) -> torch.Tensor:
     return scores["logprobs"].float().cpu() * batch.loss_mask
 
 
-def open_rollout_backend(plan, student_path: str, *, model: torch.nn.Module | None = None, tokenizer=None) -> Backend:
+def run_device(device: str) -> str:
+    """``trainer.device`` as a torch device name: ``auto`` is cuda where torch sees one, else cpu (validated at config time)."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def open_rollout_backend(
+    plan, student_path: str, *, model: torch.nn.Module | None = None, tokenizer=None, device: str = "cpu"
+) -> Backend:
     """The rollout role's inference engine, ``trainer.rollout_backend``, with no weights version yet (-1).
 
     ``hf`` wraps ``model`` when one is given (a copy shipped to a Ray actor); otherwise, and for every other
     backend (e.g. vLLM on a GPU), the engine is loaded from the student's folder. Either way the loop pushes
-    the learner's weights through ``load_weights(state, version)`` before the first batch.
+    the learner's weights through ``load_weights(state, version)`` before the first batch. An hf-family engine runs on
+    ``device`` (the in-process executor passes ``trainer.device``; a Ray actor's stays on the CPU).
     """
     cfg = plan.config.trainer
     cls = BACKENDS.get(cfg.rollout_backend)
     options = dict(cfg.rollout_backend_options)
     if issubclass(cls, HFBackend):  # hf and the engines built on it (hf_static)
         options.setdefault("batch_size", cfg.generate_batch_size)
+        options.setdefault("device", device)
     backend = cls(model, tokenizer, **options) if (model is not None and cls is HFBackend) else cls.load(student_path, **options)
     backend.version = -1
     if cfg.rollout_backend not in CONCURRENT_ENGINES:
@@ -241,7 +252,7 @@ def learn(plan, model, optimizer, batch: TensorBatch, method_state, learner_vers
         metrics.update(
             train_step(
                 model, optimizer, batch, plan.method, plan.hparams, method_state, grad_clip=trainer.grad_clip, shard=shard,
-                precision=trainer.precision,
+                precision=trainer.precision, vocab_chunk=trainer.vocab_chunk,
             )
         )
     metrics.update(learner_perf(model, batch, time.perf_counter() - started, shard))
@@ -321,6 +332,8 @@ class Session:
         if local_teacher:
             teacher_model, tokenizer, teacher_path = prepare_model(cfg.teacher, "teacher", plan.task, plan.train_problems, store.root)
         student_model, student_tok, student_path = prepare_model(cfg.student, "student", plan.task, plan.train_problems, store.root)
+        device = run_device(cfg.trainer.device)
+        student_model.to(device)  # before the optimizer is built (fused AdamW on CUDA) or a checkpoint's state loaded into it
         if cfg.trainer.activation_checkpointing:
             student_model.gradient_checkpointing_enable()
         if local_teacher and student_tok.get_vocab() != tokenizer.get_vocab():
@@ -331,7 +344,7 @@ class Session:
         last = _last_checkpoint(store, run_id) if resume else None
         if last is not None:
             student_model, student_tok, optimizer, scheduler, state, extra = load_checkpoint(
-                Path(last["path"]), optimizer_factory, scheduler_factory
+                Path(last["path"]), optimizer_factory, scheduler_factory, device=device
             )
             if method_state is not None:
                 method_state.load_state_dict(extra["method_state"])
@@ -340,10 +353,11 @@ class Session:
             optimizer = optimizer_factory(student_model)
             scheduler = scheduler_factory(optimizer)
         store.delete_steps_after(run_id, state.step)
-        student = HFBackend(student_model, student_tok, batch_size=cfg.trainer.generate_batch_size)
+        student = HFBackend(student_model, student_tok, batch_size=cfg.trainer.generate_batch_size, device=device)
         student.version = state.step
         if local_teacher:
-            teacher = wrap_hf_teacher(teacher_model, tokenizer, cfg.trainer.generate_batch_size, cfg.teacher.backend_options)
+            options = {"device": device, "score_chunk": cfg.trainer.vocab_chunk, **cfg.teacher.backend_options}
+            teacher = wrap_hf_teacher(teacher_model, tokenizer, cfg.trainer.generate_batch_size, options)
         else:  # served or loaded elsewhere; it shares the student's vocabulary (the student's tokenizer encodes for it)
             teacher, teacher_path = open_remote_teacher(cfg.teacher, student_path), teacher_label(cfg.teacher, None)
         return cls(

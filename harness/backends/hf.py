@@ -7,7 +7,9 @@ calls draw each row's seed from torch's global RNG."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -23,8 +25,13 @@ class HFBackend:
 
     score_fields = SCORE_FIELDS  # ``score`` returns any of them
 
-    def __init__(self, model, tokenizer, *, batch_size: int = 64, device: str = "cpu", show_progress: bool = False) -> None:
+    def __init__(
+        self, model, tokenizer, *, batch_size: int = 64, device: str = "cpu", show_progress: bool = False, score_chunk: int = 0
+    ) -> None:
+        if score_chunk < 0:
+            raise ValueError(f"score_chunk {score_chunk}: positions per chunk must be 0 (off) or more")
         self.model = model.to(device)
+        self.score_chunk = score_chunk  # > 0: ``score`` without gradient computes the logits this many positions at a time
         self.tokenizer = tokenizer
         self.tokenizer.padding_side = "left"
         self.batch_size = batch_size
@@ -139,9 +146,28 @@ class HFBackend:
         unknown = set(want) - set(SCORE_FIELDS)
         if unknown:
             raise ValueError(f"unknown score fields {sorted(unknown)}; allowed: {SCORE_FIELDS}")
+        if self.score_chunk and not grad:
+            return self._score_in_chunks(input_ids.to(self.device), attention_mask.to(self.device), want, top_k)
         with torch.set_grad_enabled(grad):
             logits = self.model(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)).logits
             return scores_from_logits(logits.float(), input_ids.to(self.device), want, top_k)
+
+    @torch.no_grad()
+    def _score_in_chunks(self, ids: torch.Tensor, attention: torch.Tensor, want: tuple[str, ...], top_k: int) -> dict[str, torch.Tensor]:
+        """:meth:`score` with the output head run ``score_chunk`` positions at a time into preallocated outputs: the whole
+        (B, T, V) logits and their float32 copy never exist, only the ``full`` output when it is asked for."""
+        with without_output_head(self.model) as head:
+            hidden = self.model(input_ids=ids, attention_mask=attention).logits  # the last hidden states
+        rows, length = ids.shape
+        out = empty_scores(rows, length, int(head.weight.shape[0]), want, top_k, ids.device)
+        for b in range(rows):
+            for start in range(0, length - 1, self.score_chunk):
+                stop = min(start + self.score_chunk, length - 1)  # hidden start..stop-1 predict tokens start+1..stop
+                logits = head(hidden[b : b + 1, start : stop + 1]).float()  # the last one predicts past the chunk, and is dropped
+                chunk = scores_from_logits(logits, ids[b : b + 1, start : stop + 1], want, top_k)
+                for name, value in chunk.items():
+                    out[name][b, start + 1 : stop + 1] = value[0, 1:]  # the chunk's own position 0 is its context token
+        return out
 
 
 def row_seed(params: SamplingParams, prompt_index: int, sample_index: int) -> int:
@@ -189,6 +215,29 @@ def scores_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, want: tupl
     if "full" in want:
         out["full"] = pad(logp)
     return out
+
+
+def empty_scores(rows: int, length: int, vocab: int, want: tuple[str, ...], top_k: int, device) -> dict[str, torch.Tensor]:
+    """Zero tensors for every field of ``want`` (position 0 keeps its 0, as :func:`scores_from_logits` pads it)."""
+    f32, long = torch.float32, torch.long
+    shapes = {"logprobs": [("logprobs", (rows, length), f32)], "entropy": [("entropy", (rows, length), f32)],
+              "full": [("full", (rows, length, vocab), f32)],
+              "topk": [("topk_logprobs", (rows, length, top_k), f32), ("topk_ids", (rows, length, top_k), long)]}  # fmt: skip
+    return {name: torch.zeros(shape, dtype=dtype, device=device) for field in want for name, shape, dtype in shapes[field]}
+
+
+@contextlib.contextmanager
+def without_output_head(model) -> Iterator[torch.nn.Module]:
+    """``model``'s output head swapped for an identity while the block runs (its forward then returns the last hidden states
+    as ``logits``); yields the head. Tied weights stay tied: the head module is put back, its parameter never left the model."""
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no output head (get_output_embeddings) to run in chunks")
+    model.set_output_embeddings(torch.nn.Identity())
+    try:
+        yield head
+    finally:
+        model.set_output_embeddings(head)
 
 
 def left_pad(seqs: list[list[int]], pad_id: int, *, width_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,6 +10,7 @@ from the student, i.e. λ = 1.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -80,20 +81,21 @@ def gkd_per_token(student_full: torch.Tensor, teacher_full: torch.Tensor, hp: GK
     return generalized_jsd(student_log, teacher_log, hp.beta)
 
 
-def require_full(batch: TensorBatch, student: StudentOutputs, method: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (student, teacher) full log-distributions, or a clear error when the pipeline did not provide them."""
-    if student.full is None or batch.teacher_full is None:
+def require_full(batch: TensorBatch, student: StudentOutputs, method: str) -> torch.Tensor:
+    """The teacher's full log-distribution when the student's was computed too (read through ``student.over_vocabulary``),
+    or a clear error when the pipeline did not provide them."""
+    if not student.has_full or batch.teacher_full is None:
         raise ValueError(f"{method} needs full student and teacher distributions (student_full, teacher_full)")
-    return student.full, batch.teacher_full
+    return batch.teacher_full
 
 
 def gkd_objective(
     batch: TensorBatch, student: StudentOutputs, hp: GKDParams, state: object = None
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GKD loss: generalized JSD summed over kept positions / number of kept positions ("batchmean")."""
-    student_full, teacher_full = require_full(batch, student, "gkd")
+    teacher_full = require_full(batch, student, "gkd")
     mask = batch.loss_mask
-    per_token = gkd_per_token(student_full, teacher_full, hp)
+    per_token = student.over_vocabulary(functools.partial(gkd_per_token, hp=hp), teacher_full)
     loss = masked_sum(per_token, mask) / mask.sum().clamp(min=1.0)
     return loss, {"jsd": float(loss.detach()), "tokens": float(mask.sum())}
 

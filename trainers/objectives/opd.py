@@ -56,7 +56,7 @@ def sampled_reverse_kl(behaviour_logp: torch.Tensor, teacher_logp: torch.Tensor,
 
 def full_reverse_kl(student_full: torch.Tensor, teacher_full: torch.Tensor) -> torch.Tensor:
     """Exact per-position KL(π_θ ‖ π_T) = Σ_v π_θ(v)(log π_θ(v) − log π_T(v)); shape (B, T)."""
-    return (student_full.exp() * (student_full - teacher_full)).sum(-1)
+    return (student_full.exp() * (student_full - teacher_full.to(student_full.dtype))).sum(-1)
 
 
 def topk_reverse_kl(student_full: torch.Tensor, teacher_topk_ids: torch.Tensor, teacher_topk_logp: torch.Tensor) -> torch.Tensor:
@@ -81,12 +81,12 @@ def exact_reverse_kl(batch: TensorBatch, student: StudentOutputs, teacher_top_k:
     """Per-position KL(π_θ ‖ π_T) from the full distributions (or the teacher's top-k); a clear error when a pipeline did not
     provide them."""
     if teacher_top_k:
-        if student.full is None or batch.teacher_topk_ids is None or batch.teacher_topk_logprobs is None:
+        if not student.has_full or batch.teacher_topk_ids is None or batch.teacher_topk_logprobs is None:
             raise ValueError("estimator 'full' with teacher_top_k needs the full student distribution and the teacher's top-k log-probs")
-        return topk_reverse_kl(student.full, batch.teacher_topk_ids, batch.teacher_topk_logprobs)
-    if student.full is None or batch.teacher_full is None:
+        return student.over_vocabulary(topk_reverse_kl, batch.teacher_topk_ids, batch.teacher_topk_logprobs)
+    if not student.has_full or batch.teacher_full is None:
         raise ValueError("estimator 'full' needs full student and teacher distributions")
-    return full_reverse_kl(student.full, batch.teacher_full)
+    return student.over_vocabulary(full_reverse_kl, batch.teacher_full)
 
 
 def opd_objective(
