@@ -66,9 +66,24 @@ def test_vocab_chunk_is_refused_with_fsdp2_and_cuda_with_the_ray_executor(monkey
         build_config(overrides=["trainer.device=cuda:1"])
 
 
-@pytest.mark.slow  # two tiny runs in subprocesses: 160 s at load 15–35 on 2 shared cores
-def test_cpu_and_auto_run_and_a_chunked_run_trains_like_an_unchunked_one(tmp_path):
+@pytest.mark.slow  # two tiny runs (one in a subprocess): 160 s at load 15–35 on 2 shared cores
+def test_cpu_and_auto_run_and_a_chunked_run_trains_like_an_unchunked_one(tmp_path, monkeypatch):
+    import trainers.learner
+
+    chunk_sizes: list[int] = []
+    chunked_outputs = trainers.learner.chunked_student_outputs
+
+    def spy(model, batch, vocab_chunk, **kwargs):
+        chunk_sizes.append(vocab_chunk)
+        return chunked_outputs(model, batch, vocab_chunk, **kwargs)
+
+    monkeypatch.setattr(trainers.learner, "chunked_student_outputs", spy)
     plain = run_losses(tmp_path / "plain", "trainer.device=cpu")
-    chunked = run_losses(tmp_path / "chunked", "trainer.device=auto", "trainer.vocab_chunk=5")
+    overrides = ["trainer.device=auto", "trainer.vocab_chunk=5"]
+    result = runner.invoke(app, [*TINY_RUN, *(a for o in overrides for a in ("--set", o)), "--out", str(tmp_path / "chunked")])
+    assert result.exit_code == 0, result.output[-3000:]
+    with sqlite3.connect(tmp_path / "chunked" / "results.sqlite") as conn:
+        chunked = [v for (v,) in conn.execute("SELECT value FROM step_metrics WHERE name='loss' ORDER BY step")]
+    assert chunk_sizes == [5, 5]  # the key reached each training step's forward (the in-process run)
     assert len(plain) == len(chunked) == 2 and plain[0] != 0.0
     assert chunked == pytest.approx(plain, abs=1e-5)  # step 2 after an update from chunked gradients
