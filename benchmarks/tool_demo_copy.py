@@ -8,7 +8,9 @@ on that temperature's Avg@1 when the tool prints what the reference shows), and 
 greedy choice (greedy decoding would solve it). No sandbox: the observations are the reference's.
 
 Usage: ``PYTHONPATH=. python benchmarks/tool_demo_copy.py [--hidden 192 --layers 3 --ffn 384] [--steps 400]
-[--task-arg min_operand=100 --task-arg max_operand=999 --task-arg value_width=10]``
+[--task-arg min_operand=100 --task-arg max_operand=999 --task-arg value_width=10]`` (those task options are the
+tool-demo preset's). Measured 2026-12-02 with them (the preset teacher's shape, 1 thread, load average 3-10): P(episode)
+at T 1.0 / greedy share 0.000 / 0.00 at step 50, 0.008 / 0.06 at 100, 0.402 / 0.46 at 150, 0.948 / 1.00 at 200.
 """
 
 from __future__ import annotations
