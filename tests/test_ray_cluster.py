@@ -311,7 +311,11 @@ def test_the_f_opd_16_gpu_layout_file_validates_and_fills_two_8_gpu_nodes():
 
 EVAL_WORKERS = ["--set", "trainer.layout.eval.replicas=2", "--set", "trainer.layout.eval.num_cpus=0.5",
                 "--set", "trainer.layout.eval.strategy=spread", "--set", "trainer.layout.rollout.num_cpus=0.5",
-                "--set", "trainer.layout.teacher.num_cpus=0.5", "--set", "eval.shard_size=2"]  # fmt: skip  (4 shards a checkpoint)
+                "--set", "trainer.layout.teacher.num_cpus=0.5", "--set", "eval.shard_size=2",
+                "--set", "trainer.layout.learner.resources={node_a: 0.1}", "--set", "trainer.layout.rollout.resources={node_b: 0.1}",
+                "--set", "trainer.layout.teacher.resources={node_b: 0.1}"]  # fmt: skip
+# 4 shards a checkpoint; the other roles pinned so that each node keeps 1 CPU for an eval worker: `spread` is Ray's soft
+# SPREAD, which packs both eval workers on one node when the scheduler has put learner, rollout and teacher on the other
 
 
 def _samples(db, run_id: str) -> list[tuple]:
