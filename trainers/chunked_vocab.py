@@ -20,12 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from harness.backends.hf import chunk_bounds
+
 PositionFn = Callable[..., torch.Tensor]  # fn(log-distribution (n, V), *aligned (n, ...)) -> (n,) or (n, k)
-
-
-def chunk_bounds(length: int, size: int) -> list[tuple[int, int]]:
-    """[start, stop) ranges of at most ``size`` covering ``range(length)``."""
-    return [(start, min(start + size, length)) for start in range(0, length, size)]
 
 
 class ChunkedVocabulary:

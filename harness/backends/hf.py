@@ -161,8 +161,7 @@ class HFBackend:
         rows, length = ids.shape
         out = empty_scores(rows, length, int(head.weight.shape[0]), want, top_k, ids.device)
         for b in range(rows):
-            for start in range(0, length - 1, self.score_chunk):
-                stop = min(start + self.score_chunk, length - 1)  # hidden start..stop-1 predict tokens start+1..stop
+            for start, stop in chunk_bounds(length - 1, self.score_chunk):  # hidden start..stop-1 predict tokens start+1..stop
                 logits = head(hidden[b : b + 1, start : stop + 1]).float()  # the last one predicts past the chunk, and is dropped
                 chunk = scores_from_logits(logits, ids[b : b + 1, start : stop + 1], want, top_k)
                 for name, value in chunk.items():
@@ -215,6 +214,11 @@ def scores_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, want: tupl
     if "full" in want:
         out["full"] = pad(logp)
     return out
+
+
+def chunk_bounds(length: int, size: int) -> list[tuple[int, int]]:
+    """[start, stop) ranges of at most ``size`` covering ``range(length)``."""
+    return [(start, min(start + size, length)) for start in range(0, length, size)]
 
 
 def empty_scores(rows: int, length: int, vocab: int, want: tuple[str, ...], top_k: int, device) -> dict[str, torch.Tensor]:
