@@ -194,10 +194,14 @@ class ShellAgentEnv(Env):
     def prepare(self) -> None:
         """Open the session in a background thread (the first command waits for it)."""
         if self._session is None and self._opening is None and not self._closed:
-            from concurrent.futures import Future  # with the first session: `harness tasks` does not load it
+            threading.Thread(target=self._open_into, args=(self._new_opening(),), name="agent-session-open", daemon=True).start()
 
-            self._opening = Future()
-            threading.Thread(target=self._open_into, args=(self._opening,), name="agent-session-open", daemon=True).start()
+    def _new_opening(self) -> Future:
+        """A fresh opening for :meth:`close` to find: the Future the session is delivered through."""
+        from concurrent.futures import Future  # with the first session: `harness tasks` does not load it
+
+        self._opening = Future()
+        return self._opening
 
     def _open_into(self, opening: Future) -> None:
         try:
@@ -223,9 +227,7 @@ class ShellAgentEnv(Env):
         if self._session is None:
             opening = self._opening
             if opening is None:  # opened here, but through a Future as prepare's: close() can find it and close it
-                from concurrent.futures import Future
-
-                opening = self._opening = Future()
+                opening = self._new_opening()
                 if self._closed:
                     opening.set_exception(EpisodeClosed("the episode was closed before its session opened"))
                 else:
