@@ -17,14 +17,17 @@ Usage: ``PYTHONPATH=. python benchmarks/serve_engine.py [--rounds 2] [--clients 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
 from harness.serve import engine as new
@@ -79,8 +82,9 @@ def decode_work_new(tokenizer, tokens: list[int]) -> float:
     return time.perf_counter() - start
 
 
-def staggered(module, model, tokenizer, *, clients: int, tokens: int, gap_s: float, max_batch: int) -> tuple[float, float]:
-    """(generated tokens per second, median seconds to first token) for ``clients`` streamed requests ``gap_s`` apart."""
+def staggered(module, model, tokenizer, *, lengths: list[int], gap_s: float, max_batch: int) -> tuple[float, float]:
+    """(generated tokens per second, median seconds to first token) for one streamed request per entry of ``lengths``
+    (its ``max_tokens``), sent ``gap_s`` apart."""
     engine = module.Engine(model, tokenizer, device="cpu", max_batch=max_batch, batch_wait_s=0.002)
     first_at: dict[int, float] = {}
     sent_at: dict[int, float] = {}
@@ -92,7 +96,7 @@ def staggered(module, model, tokenizer, *, clients: int, tokens: int, gap_s: flo
         if kind in ("done", "error"):
             done.release()
 
-    seqs = [module.Sequence(prompt=[5 + i % 50, 6], max_tokens=tokens, temperature=1.0, seed=i, stream=True) for i in range(clients)]
+    seqs = [module.Sequence(prompt=[5 + i % 50, 6], max_tokens=n, temperature=1.0, seed=i, stream=True) for i, n in enumerate(lengths)]
     start = time.perf_counter()
     try:
         for i, seq in enumerate(seqs):
@@ -107,8 +111,101 @@ def staggered(module, model, tokenizer, *, clients: int, tokens: int, gap_s: flo
         elapsed = time.perf_counter() - start
     finally:
         engine.close()
-    assert all(len(s.tokens) == tokens for s in seqs), "a client stopped early"
-    return clients * tokens / elapsed, statistics.median(first_at[id(s)] - sent_at[id(s)] for s in seqs)
+    assert all(len(s.tokens) == n for s, n in zip(seqs, lengths, strict=True)), "a client stopped early"
+    return sum(lengths) / elapsed, statistics.median(first_at[id(s)] - sent_at[id(s)] for s in seqs)
+
+
+def mixed_lengths(clients: int, short: int, long: int, long_every: int, seed: int = 0) -> list[int]:
+    """``clients`` output lengths: one in ``long_every`` is ``long``, the rest ``short``, in a seeded random order."""
+    lengths = [long if i % long_every == 0 else short for i in range(clients)]
+    random.Random(seed).shuffle(lengths)
+    return lengths
+
+
+class Clock:
+    """Seconds spent in wrapped callables by name, counted while the number of decode forward passes so far is in
+    ``window``; and every decode forward pass's (start, end). A forward pass without a cache is a prefill."""
+
+    def __init__(self, window: range) -> None:
+        self.window = window
+        self.spent: dict[str, float] = {}
+        self.forwards: list[tuple[float, float]] = []
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            counted = len(self.forwards) in self.window
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                end = time.perf_counter()
+                if name == "forward" and args[3] is not None:  # _forward(ids, attn, positions, cache, all_logits)
+                    self.forwards.append((start, end))
+                elif counted:
+                    key = "prefill" if name == "forward" else name
+                    self.spent[key] = self.spent.get(key, 0.0) + end - start
+
+        return timed
+
+
+@contextlib.contextmanager
+def patched(clock: Clock, targets: dict[str, tuple[object, str]]) -> Iterator[Clock]:
+    """Wrap ``getattr(owner, attr)`` with ``clock`` under each name for the duration."""
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr in targets.values()]
+    try:
+        for name, (owner, attr) in targets.items():
+            setattr(owner, attr, clock.wrap(name, getattr(owner, attr)))
+        yield clock
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
+
+
+PER_EVENT = ("keep", "join", "prefill")  # once per row leaving / joining, not per step
+
+
+def step_costs(module, model, tokenizer, *, batch: int, kv: int, window: int) -> dict[str, float]:
+    """Milliseconds per decode step of ``batch`` streamed sequences over ``window`` steps from KV length ``kv``: the
+    median step and forward pass, and per step on average the cache update inside the forward, sampling
+    (``_choose``) and each row's bookkeeping and text (``_step``). On the new engine a 2-token newcomer is submitted
+    every 4 steps of the window, and its prefill, its ``join`` and its ``keep`` when it leaves are timed per event."""
+    engine = module.Engine(model, tokenizer, device="cpu", max_batch=batch + 1, batch_wait_s=0.05)
+    prompt_len = 2
+    first = kv - prompt_len - 1  # decode forward j attends over prompt_len + j + 1 positions
+    last = first + window
+    seqs = [module.Sequence(prompt=[5 + i % 50, 6], max_tokens=last + 2, temperature=1.0, seed=i, stream=True) for i in range(batch)]
+    continuous = hasattr(module, "SlotLayer")
+    arrivals = {j: module.Sequence(prompt=[7, 8], max_tokens=2, temperature=1.0, seed=j, stream=True) for j in range(first, last - 4, 4)}
+    newcomers = list(arrivals.values()) if continuous else []
+    done = threading.Semaphore(0)
+    clock = Clock(range(first, last))
+    targets = {"forward": (engine, "_forward"), "sampling": (engine, "_choose"), "_step": (engine, "_step")}
+    if continuous:
+        targets |= {"cache update": (module.SlotLayer, "update"), "keep": (module._Batch, "keep"), "join": (module._Batch, "join")}
+    else:
+        targets["cache update"] = (DynamicLayer, "update")
+
+    def on_event(seq, kind: str, delta) -> None:
+        if kind in ("done", "error"):
+            done.release()
+        if continuous and seq is seqs[0] and (newcomer := arrivals.pop(len(clock.forwards), None)) is not None:
+            newcomer.on_event = on_event
+            engine.submit([newcomer])
+
+    for seq in seqs:
+        seq.on_event = on_event
+    with patched(clock, targets):
+        try:
+            engine.submit(seqs)
+            for _ in range(batch + len(newcomers)):
+                done.acquire()
+        finally:
+            engine.close()
+    ends = [end for _, end in clock.forwards]
+    steps = [ends[j] - ends[j - 1] for j in range(first, last)]
+    inside = [end - start for start, end in clock.forwards[first:last]]
+    costs = {k: v * 1000 / (len(newcomers) if k in PER_EVENT else window) for k, v in clock.spent.items()}
+    return {"step": statistics.median(steps) * 1000, "forward": statistics.median(inside) * 1000, **costs}
 
 
 def main() -> None:
@@ -121,6 +218,13 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (a shared 2-core machine: 1)")
     parser.add_argument("--skip-clients", action="store_true")
+    parser.add_argument("--mixed-clients", type=int, default=128, help="the mixed-length row's clients (0: skip it)")
+    parser.add_argument("--short", type=int, default=16, help="the mixed row's short output length (the long one is --tokens)")
+    parser.add_argument("--long-every", type=int, default=8, help="the mixed row: one client in this many is long")
+    parser.add_argument("--step-costs", action="store_true", help="also time a decode step of each engine and its parts")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64], help="--step-costs: batch sizes")
+    parser.add_argument("--kv", type=int, default=128, help="--step-costs: KV length at the window's start")
+    parser.add_argument("--window", type=int, default=32, help="--step-costs: decode steps timed")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tokenizer = build_char_tokenizer()
@@ -140,26 +244,56 @@ def main() -> None:
         per_token = f"{o / length * 1e6:>10.1f} {n / length * 1e6:>10.1f}"
         print(f"{length:>7} {per_token} {o / n:>8.1f}   (old {o:.2f} s, new {n:.3f} s per sequence)")
 
-    if args.skip_clients:
+    if args.skip_clients and not args.step_costs:
         return
     arch = TinyArch(hidden=128, layers=2, heads=4, kv_heads=2, ffn=256, max_positions=1024)
     model = NoEos(build_tiny_model(arch, len(tokenizer), pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, seed=0),
                   tokenizer.eos_token_id).eval()  # fmt: skip
-    gap_s = args.gap_ms / 1000
-    kwargs = {"clients": args.clients, "tokens": args.tokens, "gap_s": gap_s, "max_batch": args.max_batch}
+    if args.step_costs:
+        print_step_costs(model, tokenizer, batches=args.batches, kv=args.kv, window=args.window, rounds=args.rounds)
+    if args.skip_clients:
+        return
+    rows = [(f"{args.clients} streamed clients, {args.tokens} tokens each", [args.tokens] * args.clients)]
+    if args.mixed_clients:
+        lengths = mixed_lengths(args.mixed_clients, args.short, args.tokens, args.long_every)
+        title = f"{args.mixed_clients} streamed clients, 1 in {args.long_every} of {args.tokens} tokens, the rest {args.short}"
+        rows.append((title, lengths))
     for module in (old, new):  # warm-up
-        staggered(module, model, tokenizer, **{**kwargs, "clients": 4, "tokens": 16})
-    results: dict[str, list[tuple[float, float]]] = {"old": [], "new": []}
-    for r in range(args.rounds):
-        sides = [("old", old), ("new", new)]
-        for name, module in sides if r % 2 == 0 else sides[::-1]:
-            results[name].append(staggered(module, model, tokenizer, **kwargs))
-    print(f"\n{args.clients} streamed clients, {args.tokens} tokens each, {args.gap_ms:g} ms apart, max batch {args.max_batch}")
-    rates = {k: statistics.mean(r[0] for r in v) for k, v in results.items()}
-    ttft = {k: statistics.mean(r[1] for r in v) for k, v in results.items()}
-    for name in ("old", "new"):
-        print(f"  {name}: {rates[name]:8.0f} tokens/s, median time to first token {ttft[name] * 1000:8.1f} ms")
-    print(f"  new/old tokens/s: {rates['new'] / rates['old']:.2f}; old/new median TTFT: {ttft['old'] / ttft['new']:.1f}")
+        staggered(module, model, tokenizer, lengths=[16] * 4, gap_s=args.gap_ms / 1000, max_batch=args.max_batch)
+    gap_s = args.gap_ms / 1000
+    for title, lengths in rows:
+        results: dict[str, list[tuple[float, float]]] = {"old": [], "new": []}
+        for r in range(args.rounds):
+            sides = [("old", old), ("new", new)]
+            for name, module in sides if r % 2 == 0 else sides[::-1]:
+                results[name].append(staggered(module, model, tokenizer, lengths=lengths, gap_s=gap_s, max_batch=args.max_batch))
+        print(f"\n{title}, {args.gap_ms:g} ms apart, max batch {args.max_batch} ({sum(lengths)} tokens)")
+        rates = {k: statistics.mean(r[0] for r in v) for k, v in results.items()}
+        ttft = {k: statistics.mean(r[1] for r in v) for k, v in results.items()}
+        for name in ("old", "new"):
+            each = ", ".join(f"{r[0]:.0f}" for r in results[name])
+            print(f"  {name}: {rates[name]:8.0f} tokens/s ({each}), median time to first token {ttft[name] * 1000:8.1f} ms")
+        print(f"  new/old tokens/s: {rates['new'] / rates['old']:.2f}; old/new median TTFT: {ttft['old'] / ttft['new']:.1f}")
+
+
+def print_step_costs(model, tokenizer, *, batches: list[int], kv: int, window: int, rounds: int) -> None:
+    """The table of ``step_costs`` for both engines at each batch size, warmed up, sides alternated, means of ``rounds``."""
+    for module in (old, new):  # warm-up
+        step_costs(module, model, tokenizer, batch=4, kv=16, window=8)
+    columns = ["step", "forward", "cache update", "sampling", "_step", *PER_EVENT]
+    print(f"\ndecode step costs at KV length {kv} (ms; mean of {rounds}; a step and its forward: median over {window} steps;")
+    print(f"cache update, sampling, _step: per step; {', '.join(PER_EVENT)}: per event, new engine only)")
+    print(f"{'engine':>6} {'batch':>5} " + " ".join(f"{c:>12}" for c in columns) + f" {'step/row':>9}")
+    for batch in batches:
+        results: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
+        for r in range(rounds):
+            sides = [("old", old), ("new", new)]
+            for name, module in sides if r % 2 == 0 else sides[::-1]:
+                results[name].append(step_costs(module, model, tokenizer, batch=batch, kv=kv, window=window))
+        for name in ("old", "new"):
+            mean = {c: statistics.mean(run.get(c, float("nan")) for run in results[name]) for c in columns}
+            cells = " ".join(f"{mean[c]:>12.3f}" if mean[c] == mean[c] else f"{'-':>12}" for c in columns)
+            print(f"{name:>6} {batch:>5} {cells} {mean['step'] / batch:>9.3f}")
 
 
 if __name__ == "__main__":

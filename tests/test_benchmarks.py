@@ -83,17 +83,45 @@ def test_serve_engine_warms_up_both_engines_then_alternates_their_order(monkeypa
     monkeypatch.setattr(bench, "decode_work_old", lambda tok, tokens: calls.append(("old", len(tokens))) or 4.0)
     monkeypatch.setattr(bench, "decode_work_new", lambda tok, tokens: calls.append(("new", len(tokens))) or 1.0)
 
-    def fake_staggered(module, model, tokenizer, *, clients, tokens, gap_s, max_batch):
-        calls.append(("old" if module is bench.old else "new", clients))
+    def fake_staggered(module, model, tokenizer, *, lengths, gap_s, max_batch):
+        calls.append(("old" if module is bench.old else "new", len(lengths), sum(lengths)))
         return (100.0, 1.0) if module is bench.old else (300.0, 0.1)
 
     monkeypatch.setattr(bench, "staggered", fake_staggered)
-    monkeypatch.setattr(sys, "argv", ["serve_engine.py", "--rounds", "2", "--lengths", "64", "--clients", "8"])
+    argv = ["serve_engine.py", "--rounds", "2", "--lengths", "64", "--clients", "8", "--mixed-clients", "16", "--long-every", "4"]
+    monkeypatch.setattr(sys, "argv", argv)
     bench.main()
+    mixed = 4 * 256 + 12 * 16  # one client in 4 long, the rest short
     assert calls == [("old", 256), ("new", 256), ("old", 64), ("new", 64), ("new", 64), ("old", 64),
-                     ("old", 4), ("new", 4), ("old", 8), ("new", 8), ("new", 8), ("old", 8)]  # fmt: skip
+                     ("old", 4, 64), ("new", 4, 64),
+                     ("old", 8, 8 * 256), ("new", 8, 8 * 256), ("new", 8, 8 * 256), ("old", 8, 8 * 256),
+                     ("old", 16, mixed), ("new", 16, mixed), ("new", 16, mixed), ("old", 16, mixed)]  # fmt: skip
     out = capsys.readouterr().out
-    assert "new/old tokens/s: 3.00; old/new median TTFT: 10.0" in out and "4.0" in out
+    assert out.count("new/old tokens/s: 3.00; old/new median TTFT: 10.0") == 2 and "4.0" in out
+
+
+def test_serve_engine_step_costs_time_both_engines_at_each_batch_size_alternating(monkeypatch, capsys):
+    bench = load_benchmark("serve_engine")
+    calls: list[tuple[str, int, int]] = []
+
+    def fake_step_costs(module, model, tokenizer, *, batch, kv, window):
+        calls.append(("old" if module is bench.old else "new", batch, kv))
+        return {"step": 2.0 * batch, "forward": 1.0} if module is bench.old else {"step": 1.0 * batch, "forward": 1.0, "keep": 0.5}
+
+    monkeypatch.setattr(bench, "step_costs", fake_step_costs)
+    argv = ["serve_engine.py", "--lengths", "--skip-clients", "--step-costs", "--batches", "1", "8", "--kv", "64"]
+    monkeypatch.setattr(sys, "argv", argv)
+    bench.main()
+    assert calls == [("old", 4, 16), ("new", 4, 16), ("old", 1, 64), ("new", 1, 64), ("new", 1, 64), ("old", 1, 64),
+                     ("old", 8, 64), ("new", 8, 64), ("new", 8, 64), ("old", 8, 64)]  # fmt: skip
+    out = capsys.readouterr().out
+    assert "   old     8       16.000" in out and "   new     8        8.000" in out
+
+
+def test_mixed_lengths_are_seeded_and_one_in_n_long():
+    bench = load_benchmark("serve_engine")
+    lengths = bench.mixed_lengths(64, 16, 256, 8, seed=3)
+    assert sorted(lengths) == [16] * 56 + [256] * 8 and lengths == bench.mixed_lengths(64, 16, 256, 8, seed=3)
 
 
 def test_rollout_workers_warms_up_both_then_alternates_their_order(monkeypatch, capsys):

@@ -11,11 +11,12 @@ import pytest
 import torch
 from serving import post, post_stream, running
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import DynamicCache, PreTrainedTokenizerFast
 
+from harness.backends.sampling import draw, draw_rows
 from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
 from harness.serve import make_app
-from harness.serve.engine import Detokenizer, Engine
+from harness.serve.engine import Detokenizer, Engine, SlotLayer, fill_holes, with_slots
 from harness.serve.engine import Sequence as Seq
 
 MODEL = "tiny"
@@ -319,3 +320,102 @@ def test_a_failed_decode_step_decodes_its_sequences_again_alone(chars):
         alone.close()
     assert [s.error for s in retried] == [None, None]
     assert [s.tokens for s in retried] == [s.tokens for s in expected]
+
+
+# ----------------------------------------------------------------------------- the running batch's cost per step
+
+
+def test_many_rows_joining_and_leaving_at_random_steps_each_equal_themselves_alone(chars):
+    """Rows of mixed prompt and output lengths arrive while others decode, so leavers' places are refilled from the end
+    of the batch, newcomers go into spare cache rows and the cache outgrows its buffers: each equals itself alone."""
+    model = NoEos(chars.model, chars.tokenizer.eos_token_id)
+
+    def seqs() -> list[Seq]:
+        return [Seq(prompt=[5 + i % 7] * (1 + i % 5), max_tokens=3 + (7 * i) % 23, temperature=1.0, seed=i) for i in range(16)]
+
+    together = seqs()
+    engine = Engine(model, chars.tokenizer, device="cpu", max_batch=12, batch_wait_s=0.0)
+    try:
+        events = [collect(engine, [seq]) for seq in together[:4]]
+        for seq in together[4:]:
+            deadline = time.monotonic() + 10
+            passes = engine.stats.forward_passes
+            while engine.stats.forward_passes < passes + 2 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            events.append(collect(engine, [seq]))
+        assert all(event.wait(60) for event in events)
+    finally:
+        engine.close()
+    assert engine.stats.waves > 4 and engine.stats.max_wave > 4  # rows joined a running batch
+    alone_engine = Engine(model, chars.tokenizer, device="cpu", max_batch=1, batch_wait_s=0.0)
+    try:
+        alone = seqs()
+        for seq in alone:
+            assert collect(alone_engine, [seq]).wait(30)
+    finally:
+        alone_engine.close()
+    assert [s.tokens for s in together] == [s.tokens for s in alone]
+    for mine, theirs in zip(together, alone, strict=True):
+        assert mine.logprobs == pytest.approx(theirs.logprobs, abs=1e-5)
+
+
+def reference_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts`` stacked by row, right-aligned, left-padded with zeros (what the batch's cache must hold)."""
+    width = max(p.shape[2] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p, (0, 0, width - p.shape[2], 0)) for p in parts])
+
+
+def test_the_slot_layer_holds_what_concatenation_would_through_steps_leavers_and_joiners():
+    torch.manual_seed(0)
+    rows = torch.randn(3, 2, 5, 4)
+    cache = DynamicCache()
+    cache.update(rows, rows + 1, 0)
+    layer = with_slots(cache).layers[0]
+    assert isinstance(layer, SlotLayer)
+    keys, values = rows, rows + 1
+    for step in range(70):  # past the first buffer's 64 columns
+        new = torch.randn(keys.shape[0], 2, 1, 4)
+        got = layer.update(new, new * 2)
+        keys, values = torch.cat([keys, new], dim=2), torch.cat([values, new * 2], dim=2)
+        assert torch.equal(got[0], keys) and torch.equal(got[1], values)
+        if step == 10:  # two rows join, shorter than the batch
+            joiner = torch.randn(2, 2, 3, 4)
+            layer.add_rows(joiner, -joiner)
+            keys, values = reference_rows([keys, joiner]), reference_rows([values, -joiner])
+        if step == 20:  # a row joins, longer than the batch
+            joiner = torch.randn(1, 2, 40, 4)
+            layer.add_rows(joiner, -joiner)
+            keys, values = reference_rows([keys, joiner]), reference_rows([values, -joiner])
+        if step in (30, 50):  # rows 0 and 2 leave: the last rows fill their places; the first column goes
+            order = fill_holes(keys.shape[0], [i for i in range(keys.shape[0]) if i not in (0, 2)])
+            layer.move_rows(order, 1)
+            keys, values = keys[order, :, 1:], values[order, :, 1:]
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+        assert layer.get_seq_length() == keys.shape[2]
+
+
+def test_fill_holes_moves_rows_from_the_end_into_the_places_of_leavers():
+    assert fill_holes(6, [0, 2, 3, 5]) == [0, 5, 2, 3]
+    assert fill_holes(4, [1, 2, 3]) == [3, 1, 2]
+    assert fill_holes(3, [0, 1, 2]) == [0, 1, 2] and fill_holes(3, []) == []
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9)])
+def test_a_batched_draw_samples_each_row_as_multinomial_with_its_own_generator(temperature, top_p):
+    torch.manual_seed(1)
+    logits = torch.randn(6, 50) * 3
+    batched = [torch.Generator().manual_seed(s) for s in range(6)]
+    single = [torch.Generator().manual_seed(s) for s in range(6)]
+    for _ in range(20):
+        tokens, valid = draw_rows(logits, temperature, top_p, batched)
+        assert valid.all()
+        assert tokens.tolist() == [int(draw(row, temperature, top_p, g)) for row, g in zip(logits, single, strict=True)]
+
+
+def test_a_batched_draw_flags_rows_multinomial_would_refuse():
+    logits = torch.zeros(3, 10)
+    logits[1, 3] = float("nan")
+    _, valid = draw_rows(logits, 1.0, 1.0, [torch.Generator() for _ in range(3)])
+    assert valid.tolist() == [True, False, True]
+    with pytest.raises(RuntimeError):
+        draw(logits[1], 1.0, 1.0, torch.Generator())

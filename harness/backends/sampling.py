@@ -20,12 +20,35 @@ def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generat
 
 def draw(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
     """:func:`sample_token`'s draw at a positive temperature, as a one-element tensor on the logits' device (no sync)."""
+    return torch.multinomial(nucleus_probs(logits, temperature, top_p), 1, generator=generator)
+
+
+def nucleus_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """``softmax(logits / temperature)`` over the last dimension with the tokens outside the ``top_p`` nucleus zeroed."""
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         outside = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p  # the mass above a token already reaches top_p
         probs = probs.masked_fill(outside.scatter(-1, order, outside), 0.0)
-    return torch.multinomial(probs, 1, generator=generator)
+    return probs
+
+
+def draw_rows(
+    logits: torch.Tensor, temperature: float, top_p: float, generators: list[torch.Generator]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`draw` for every row of ``logits`` (b, V) at once, row ``i`` from ``generators[i]``: (token ids (b,), valid (b,)).
+
+    ``torch.multinomial`` draws one sample as ``argmax(probs / q)`` with ``q`` exponential noise from the generator;
+    drawing each row's noise from its own generator and taking one batched argmax gives the same tokens at a fraction
+    of the per-row cost. ``valid`` is False for rows whose probabilities ``multinomial`` would refuse (inf, nan,
+    negative, or summing to zero); their token is meaningless.
+    """
+    probs = nucleus_probs(logits, temperature, top_p)
+    noise = torch.empty_like(probs)
+    for row, generator in zip(noise, generators, strict=True):
+        row.exponential_(1, generator=generator)
+    valid = torch.isfinite(probs).all(-1) & (probs >= 0).all(-1) & (probs.sum(-1) > 0)
+    return (probs / noise).argmax(-1), valid
 
 
 class RowSampler(LogitsProcessor):

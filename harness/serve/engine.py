@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from transformers.cache_utils import DynamicLayer
 
-from harness.backends.sampling import sample_token
+from harness.backends.sampling import draw_rows
 
 log = logging.getLogger("harness.serve")
 
@@ -199,17 +200,23 @@ class _Batch:
     logits: torch.Tensor | None = None  # (rows, vocab)
 
     def keep(self, index: list[int]) -> None:
-        """Keep only rows ``index``, dropping cache columns that are padding in every row left."""
-        self.rows = [self.rows[i] for i in index]
+        """Keep only rows ``index`` (in an order of ``fill_holes``: rows from the end move into the places of rows that
+        left, so the cache moves a row per leaver rather than all of them), dropping cache columns that are padding in
+        every row left."""
+        order = fill_holes(len(self.rows), index)
+        self.rows = [self.rows[i] for i in order]
         if not self.rows:
             self.cache = self.attn = self.positions = self.logits = None
             return
-        at = torch.tensor(index, device=self.attn.device)
+        at = torch.tensor(order, device=self.attn.device)
         self.attn, self.positions, self.logits = self.attn[at], self.positions[at], self.logits[at]
         first = int(self.attn.any(0).nonzero()[0])  # every row has a real token
         self.attn = self.attn[:, first:]
         for layer in cache_layers(self.cache):
-            layer.keys, layer.values = layer.keys[at, :, first:], layer.values[at, :, first:]
+            if isinstance(layer, SlotLayer):
+                layer.move_rows(order, first)
+            else:
+                layer.keys, layer.values = layer.keys[at, :, first:], layer.values[at, :, first:]
 
     def join(self, other: "_Batch") -> None:
         """Append ``other``'s rows, left-padding the shorter cache with masked zeros."""
@@ -220,11 +227,116 @@ class _Batch:
         width = max(self.attn.shape[1], other.attn.shape[1])
         self.attn = torch.cat([left_pad(self.attn, width), left_pad(other.attn, width)])
         for mine, theirs in zip(cache_layers(self.cache), cache_layers(other.cache), strict=True):
-            mine.keys = torch.cat([left_pad(mine.keys, width, dim=2), left_pad(theirs.keys, width, dim=2)])
-            mine.values = torch.cat([left_pad(mine.values, width, dim=2), left_pad(theirs.values, width, dim=2)])
+            if isinstance(mine, SlotLayer):
+                mine.add_rows(theirs.keys, theirs.values)
+            else:
+                mine.keys = torch.cat([left_pad(mine.keys, width, dim=2), left_pad(theirs.keys, width, dim=2)])
+                mine.values = torch.cat([left_pad(mine.values, width, dim=2), left_pad(theirs.values, width, dim=2)])
         self.positions = torch.cat([self.positions, other.positions])
         self.logits = torch.cat([self.logits, other.logits])
         self.rows = self.rows + other.rows
+
+
+def fill_holes(size: int, index: list[int]) -> list[int]:
+    """An arrangement of the rows ``index`` (ascending, of ``size`` rows) as the source row of each new place: rows
+    below ``len(index)`` stay where they are, and the kept rows beyond it fill the places of those that left."""
+    count, kept = len(index), set(index)
+    holes = [i for i in range(count) if i not in kept]
+    movers = [i for i in index if i >= count]
+    order = list(range(count))
+    for hole, mover in zip(holes, movers, strict=True):
+        order[hole] = mover
+    return order
+
+
+class SlotLayer(DynamicLayer):
+    """A ``DynamicLayer`` that keeps its keys and values in buffers with spare rows and columns, as views
+    ``buffer[:rows, :, start:end]``: a decode step writes its column in place (``DynamicLayer`` copies the whole cache
+    into a new tensor each step), a row leaving moves one other row into its place, and rows joining are written into
+    spare rows. Only a full buffer is copied into a new one, twice the size (so the copies are amortised)."""
+
+    buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+    rows = start = end = 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if not self._owns_views() or key_states.shape[0] != self.rows:
+            self._reallocate([self.keys] if self.keys.numel() else [], [self.values] if self.values.numel() else [], key_states)
+        new = key_states.shape[2]
+        if self.end + new > self.buffers[0].shape[2]:
+            self._reallocate([self.keys], [self.values], key_states, extra=new)
+        for buffer, states in zip(self.buffers, (key_states, value_states), strict=True):
+            buffer[: self.rows, :, self.end : self.end + new] = states
+        self.end += new
+        self._set_views()
+        return self.keys, self.values
+
+    def move_rows(self, order: list[int], first: int) -> None:
+        """Keep rows ``order`` (``order[i]``: the row that goes to place ``i``) and drop the first ``first`` columns."""
+        if not self._owns_views():
+            self.keys, self.values = self.keys[order, :, first:], self.values[order, :, first:]
+            return
+        for place, row in enumerate(order):
+            if place != row:
+                for buffer in self.buffers:
+                    buffer[place, :, self.start : self.end] = buffer[row, :, self.start : self.end]
+        self.rows, self.start = len(order), self.start + first
+        self._set_views()
+
+    def add_rows(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append rows ``keys`` / ``values`` (b, h, length, d), right-aligned; the shorter side is left-padded with zeros."""
+        width = max(self.end - self.start, keys.shape[2]) if self._owns_views() else 0
+        fits = width and self.rows + keys.shape[0] <= self.buffers[0].shape[0] and self.end - width >= 0
+        if not fits:
+            self._reallocate([self.keys, keys], [self.values, values], keys)
+            self._set_views()
+            return
+        start = self.end - width
+        for buffer, states in zip(self.buffers, (keys, values), strict=True):
+            buffer[: self.rows, :, start : self.start] = 0  # masked padding: finite, so masked attention scores stay finite
+            added = buffer[self.rows : self.rows + states.shape[0]]
+            added[:, :, start : self.end - states.shape[2]] = 0
+            added[:, :, self.end - states.shape[2] : self.end] = states
+        self.rows, self.start = self.rows + keys.shape[0], start
+        self._set_views()
+
+    def _owns_views(self) -> bool:
+        """Whether ``keys`` / ``values`` are still this layer's views (not replaced from outside)."""
+        return self.buffers is not None and self.keys is self._views[0] and self.values is self._views[1]
+
+    def _set_views(self) -> None:
+        self.keys, self.values = (buffer[: self.rows, :, self.start : self.end] for buffer in self.buffers)
+        self._views = (self.keys, self.values)
+
+    def _reallocate(self, keys: list[torch.Tensor], values: list[torch.Tensor], like: torch.Tensor, extra: int = 0) -> None:
+        """New buffers holding ``keys`` / ``values`` (parts of rows) stacked by row, right-aligned, left-padded with zeros,
+        with twice the rows and columns needed (``extra`` columns more to be written next)."""
+        rows = sum(part.shape[0] for part in keys) or like.shape[0]
+        width = max((part.shape[2] for part in keys), default=0)
+        shape = (max(2 * rows, 8), like.shape[1], max(2 * (width + extra), 64), like.shape[3])
+        self.buffers = (like.new_empty(shape), like.new_empty(shape))
+        for buffer, parts in zip(self.buffers, (keys, values), strict=True):
+            row = 0
+            for part in parts:
+                buffer[row : row + part.shape[0], :, : width - part.shape[2]] = 0  # masked padding (see add_rows)
+                buffer[row : row + part.shape[0], :, width - part.shape[2] : width] = part
+                row += part.shape[0]
+        self.rows, self.start, self.end = rows, 0, width
+        self.is_initialized, self.device = True, like.device
+        self._set_views()
+
+
+def with_slots(cache):
+    """``cache`` with each plain ``DynamicLayer`` (not sliding-window or other kinds) a :class:`SlotLayer` holding the
+    same keys and values."""
+    for index, layer in enumerate(cache_layers(cache)):
+        if type(layer) is DynamicLayer and layer.is_initialized:
+            slot = SlotLayer()
+            slot.lazy_initialization(layer.keys, layer.values)
+            slot._reallocate([layer.keys], [layer.values], layer.keys)
+            cache.layers[index] = slot
+    return cache
 
 
 def cache_layers(cache) -> list:
@@ -452,12 +564,15 @@ class Engine:
         for row in rows:
             if row.seq.max_tokens == 0:
                 self._finish(row, "length")
-        return _Batch(rows, cache, attn, positions[:, -1:], logits[:, -1])
+        return _Batch(rows, with_slots(cache), attn, positions[:, -1:], logits[:, -1])
 
     @contextlib.contextmanager
     def _eval(self) -> Iterator[None]:
         """Run the model in eval mode, then put its training flag back."""
         was_training = self.model.training
+        if not was_training:  # (toggling walks every module: a cost per decode step)
+            yield
+            return
         self.model.eval()
         try:
             yield
@@ -479,7 +594,7 @@ class Engine:
             for row, i in enumerate(live):
                 top = list(zip(top_ids[row], top_values[row], strict=True))[: batch.rows[i].seq.top_n]
                 self._step(batch.rows[i], tokens[row], chosen[row], top)
-        token_of = dict(zip(live, tokens, strict=True))
+        token_of = {id(batch.rows[i]): token for i, token in zip(live, tokens, strict=True)}
         going = [i for i, r in enumerate(batch.rows) if not r.seq.over]
         if len(going) < len(batch.rows):  # (keeping every row would copy the whole cache for nothing)
             for r in batch.rows:
@@ -488,7 +603,7 @@ class Engine:
             batch.keep(going)
         if not batch.rows:
             return
-        next_ids = torch.tensor([token_of[i] for i in going], dtype=torch.long, device=self.device)[:, None]
+        next_ids = torch.tensor([token_of[id(r)] for r in batch.rows], dtype=torch.long, device=self.device)[:, None]
         batch.attn = torch.cat([batch.attn, batch.attn.new_ones((len(going), 1))], dim=1)
         batch.positions = batch.positions + 1
         try:
@@ -509,24 +624,32 @@ class Engine:
             batch.keep([])
 
     def _choose(self, batch: _Batch, live: list[int]) -> dict[int, int]:
-        """The next token of each live row, by batch index: greedy rows by one batched argmax, sampled rows by their
-        own generator; EOS is masked for rows short of ``min_tokens``. A row whose sampling fails fails alone."""
+        """The next token of each live row, by batch index: greedy rows by one batched argmax, sampled rows that share
+        temperature and top_p by one batched draw (each row from its own generator); EOS is masked for rows short of
+        ``min_tokens``. A row whose probabilities cannot be sampled (e.g. a temperature that overflows) fails alone."""
         logits = batch.logits
         early = [i for i in live if len(batch.rows[i].seq.tokens) < batch.rows[i].seq.min_tokens]
         if early and self.eos_id is not None:
             logits = logits.clone()
             logits[early, self.eos_id] = float("-inf")
-        greedy = logits[live].argmax(-1).tolist() if live else []
+        groups: dict[tuple[float, float], list[int]] = {}
+        for i in live:
+            seq = batch.rows[i].seq
+            groups.setdefault((seq.temperature, 1.0 if seq.temperature == 0.0 else seq.top_p), []).append(i)
         chosen = {}
-        for row, i in enumerate(live):
-            r = batch.rows[i]
-            seq = r.seq
-            try:
-                chosen[i] = greedy[row] if seq.temperature == 0.0 else sample_token(logits[i], seq.temperature, seq.top_p, r.generator)
-            except RuntimeError as exc:  # e.g. "probability tensor contains either inf, nan or element < 0"
-                log.warning("sampling one sequence failed: %s", exc)
-                self._fail(seq, exc)
-        return chosen
+        for (temperature, top_p), rows in groups.items():
+            at = torch.tensor(rows, device=logits.device)
+            if temperature == 0.0:
+                chosen.update(zip(rows, logits[at].argmax(-1).tolist(), strict=True))
+                continue
+            tokens, valid = draw_rows(logits[at], temperature, top_p, [batch.rows[i].generator for i in rows])
+            for i, token, ok in zip(rows, tokens.tolist(), valid.tolist(), strict=True):
+                if ok:
+                    chosen[i] = token
+                else:
+                    log.warning("sampling one sequence failed: its probabilities contain inf, nan or an element < 0")
+                    self._fail(batch.rows[i].seq, RuntimeError("probability tensor contains either inf, nan or element < 0"))
+        return dict(sorted(chosen.items()))
 
     def _seed(self, seq: Sequence) -> int:
         return random.SystemRandom().getrandbits(63) if seq.seed is None else seq.seed % 2**64
