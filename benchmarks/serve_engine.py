@@ -218,7 +218,8 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (a shared 2-core machine: 1)")
     parser.add_argument("--skip-clients", action="store_true")
-    parser.add_argument("--mixed-clients", type=int, default=128, help="the mixed-length row's clients (0: skip it)")
+    parser.add_argument("--mixed-clients", type=int, default=192, help="the mixed-length row's clients (0: skip it)")
+    parser.add_argument("--mixed-gap-ms", type=float, default=2.0, help="the mixed row's arrival gap")
     parser.add_argument("--short", type=int, default=16, help="the mixed row's short output length (the long one is --tokens)")
     parser.add_argument("--long-every", type=int, default=8, help="the mixed row: one client in this many is long")
     parser.add_argument("--step-costs", action="store_true", help="also time a decode step of each engine and its parts")
@@ -253,21 +254,20 @@ def main() -> None:
         print_step_costs(model, tokenizer, batches=args.batches, kv=args.kv, window=args.window, rounds=args.rounds)
     if args.skip_clients:
         return
-    rows = [(f"{args.clients} streamed clients, {args.tokens} tokens each", [args.tokens] * args.clients)]
+    rows = [(f"{args.clients} streamed clients, {args.tokens} tokens each", [args.tokens] * args.clients, args.gap_ms)]
     if args.mixed_clients:
         lengths = mixed_lengths(args.mixed_clients, args.short, args.tokens, args.long_every)
         title = f"{args.mixed_clients} streamed clients, 1 in {args.long_every} of {args.tokens} tokens, the rest {args.short}"
-        rows.append((title, lengths))
+        rows.append((title, lengths, args.mixed_gap_ms))
     for module in (old, new):  # warm-up
         staggered(module, model, tokenizer, lengths=[16] * 4, gap_s=args.gap_ms / 1000, max_batch=args.max_batch)
-    gap_s = args.gap_ms / 1000
-    for title, lengths in rows:
+    for title, lengths, gap_ms in rows:
         results: dict[str, list[tuple[float, float]]] = {"old": [], "new": []}
         for r in range(args.rounds):
             sides = [("old", old), ("new", new)]
             for name, module in sides if r % 2 == 0 else sides[::-1]:
-                results[name].append(staggered(module, model, tokenizer, lengths=lengths, gap_s=gap_s, max_batch=args.max_batch))
-        print(f"\n{title}, {args.gap_ms:g} ms apart, max batch {args.max_batch} ({sum(lengths)} tokens)")
+                results[name].append(staggered(module, model, tokenizer, lengths=lengths, gap_s=gap_ms / 1000, max_batch=args.max_batch))
+        print(f"\n{title}, {gap_ms:g} ms apart, max batch {args.max_batch} ({sum(lengths)} tokens)")
         rates = {k: statistics.mean(r[0] for r in v) for k, v in results.items()}
         ttft = {k: statistics.mean(r[1] for r in v) for k, v in results.items()}
         for name in ("old", "new"):

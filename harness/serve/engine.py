@@ -7,10 +7,14 @@ and ``max_batch_tokens``): they are prefilled together and their cache rows are 
 running batch's (left-padded to a common length), so a request that arrives while long ones decode
 joins at the next step and a short one finishes first. A finished or cancelled sequence leaves the
 batch at once. Sequences report each step to their request, so streaming is truly incremental.
+The cache's layers are ``SlotLayer``s (buffers with spare rows and columns), so a step writes one column
+in place, a leaver's place is refilled by the last row and joiners go into spare rows; nothing copies
+the whole cache per step or per arrival.
 
 Every sequence samples with its own ``torch.Generator`` seeded from its request's seed, so a
 request's tokens do not depend on what it was batched with (up to float rounding of batched matmuls,
-which only matters at exact ties). Log-probs are those of the untempered model distribution, as the
+which only matters at exact ties); rows that share temperature and top-p are drawn in one batched
+``draw_rows``. Log-probs are those of the untempered model distribution, as the
 HF backend computes them; prompt log-probs come from the same prefill. Text is detokenised
 incrementally (``Detokenizer``: a few tokens' decode per step), only for sequences that stream or
 have stop strings.
