@@ -124,16 +124,17 @@ def mixed_lengths(clients: int, short: int, long: int, long_every: int, seed: in
 
 class Clock:
     """Seconds spent in wrapped callables by name, counted while the number of decode forward passes so far is in
-    ``window``; and every decode forward pass's (start, end). A forward pass without a cache is a prefill."""
+    ``window`` (``events`` for the per-event names); and every decode forward pass's (start, end). A forward pass
+    without a cache is a prefill."""
 
-    def __init__(self, window: range) -> None:
-        self.window = window
+    def __init__(self, window: range, events: range) -> None:
+        self.window, self.events = window, events
         self.spent: dict[str, float] = {}
         self.forwards: list[tuple[float, float]] = []
 
     def wrap(self, name: str, fn):
         def timed(*args, **kwargs):
-            counted = len(self.forwards) in self.window
+            counted = len(self.forwards) in (self.events if name in PER_EVENT or name == "forward" else self.window)
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
@@ -167,18 +168,22 @@ PER_EVENT = ("keep", "join", "prefill")  # once per row leaving / joining, not p
 def step_costs(module, model, tokenizer, *, batch: int, kv: int, window: int) -> dict[str, float]:
     """Milliseconds per decode step of ``batch`` streamed sequences over ``window`` steps from KV length ``kv``: the
     median step and forward pass, and per step on average the cache update inside the forward, sampling
-    (``_choose``) and each row's bookkeeping and text (``_step``). On the new engine a 2-token newcomer is submitted
-    every 4 steps of the window, and its prefill, its ``join`` and its ``keep`` when it leaves are timed per event."""
+    (``_choose``) and each row's bookkeeping and text (``_step``). On the new engine a 2-token newcomer then arrives
+    every 4 steps for ``window`` more steps, and its prefill, its ``join`` and its ``keep`` when it leaves are timed
+    per event."""
     engine = module.Engine(model, tokenizer, device="cpu", max_batch=batch + 1, batch_wait_s=0.05)
     prompt_len = 2
     first = kv - prompt_len - 1  # decode forward j attends over prompt_len + j + 1 positions
     last = first + window
-    seqs = [module.Sequence(prompt=[5 + i % 50, 6], max_tokens=last + 2, temperature=1.0, seed=i, stream=True) for i in range(batch)]
+    seqs = [
+        module.Sequence(prompt=[5 + i % 50, 6], max_tokens=last + window + 2, temperature=1.0, seed=i, stream=True) for i in range(batch)
+    ]
     continuous = hasattr(module, "SlotLayer")
-    arrivals = {j: module.Sequence(prompt=[7, 8], max_tokens=2, temperature=1.0, seed=j, stream=True) for j in range(first, last - 4, 4)}
+    arrive_at = range(last, last + window - 4, 4)
+    arrivals = {j: module.Sequence(prompt=[7, 8], max_tokens=2, temperature=1.0, seed=j, stream=True) for j in arrive_at}
     newcomers = list(arrivals.values()) if continuous else []
     done = threading.Semaphore(0)
-    clock = Clock(range(first, last))
+    clock = Clock(range(first, last), range(last, last + window))
     targets = {"forward": (engine, "_forward"), "sampling": (engine, "_choose"), "_step": (engine, "_step")}
     if continuous:
         targets |= {"cache update": (module.SlotLayer, "update"), "keep": (module._Batch, "keep"), "join": (module._Batch, "join")}

@@ -47,7 +47,8 @@ def draw_rows(
     noise = torch.empty_like(probs)
     for row, generator in zip(noise, generators, strict=True):
         row.exponential_(1, generator=generator)
-    valid = torch.isfinite(probs).all(-1) & (probs >= 0).all(-1) & (probs.sum(-1) > 0)
+    total = probs.sum(-1)  # a softmax is never negative: an inf or nan makes the sum non-finite
+    valid = total.isfinite() & (total > 0)
     return (probs / noise).argmax(-1), valid
 
 
