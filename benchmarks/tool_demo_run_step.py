@@ -78,7 +78,8 @@ def main() -> None:
             print(f"round {r + 1} {side}: steps after the first {line} s  (tool calls/episode {calls}; run {wall:.0f} s,"
                   f" load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
     for side in ("old", "new"):
-        means = {k: statistics.mean(m.get(k, float("nan")) for m in later[side]) for k in (*STAGES, "mean_tool_calls")}
+        means = {k: statistics.mean(m.get(k, 0.0 if k in STAGES else float("nan")) for m in later[side])  # a stage not run took 0 s
+                 for k in (*STAGES, "mean_tool_calls")}
         print(f"{side}: " + "  ".join(f"{k.removeprefix('time_').removesuffix('_s')} {v:.2f}" for k, v in means.items()))
     old, new = (statistics.mean(m["time_step_s"] for m in later[s]) for s in ("old", "new"))
     print(f"step time after the first: old {old:.2f} s, new {new:.2f} s: {old / new:.2f}x (load {os.getloadavg()[0]:.1f} at the end)")
