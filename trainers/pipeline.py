@@ -121,11 +121,11 @@ def open_behaviour_scorer(
     """
     if not needs_behaviour_scorer(plan, engine):
         return None
-    batch_size = plan.config.trainer.generate_batch_size
+    options = {"batch_size": plan.config.trainer.generate_batch_size, "device": device, "score_tokens": plan.config.trainer.forward_tokens}
     if model is not None:
-        scorer = HFBackend(model, tokenizer, batch_size=batch_size, device=device)
+        scorer = HFBackend(model, tokenizer, **options)
     else:
-        scorer = HFBackend.load(student_path, batch_size=batch_size, device=device)
+        scorer = HFBackend.load(student_path, **options)
     scorer.version = -1
     return scorer
 
@@ -176,6 +176,8 @@ def open_rollout_backend(
     if issubclass(cls, HFBackend):  # hf and the engines built on it (hf_static)
         options.setdefault("batch_size", cfg.generate_batch_size)
         options.setdefault("device", device)
+        if cls is HFBackend:  # its π_old scoring (async with a lag) runs on length-sorted row groups, as the learner's forward
+            options.setdefault("score_tokens", cfg.forward_tokens)
     backend = cls(model, tokenizer, **options) if (model is not None and cls is HFBackend) else cls.load(student_path, **options)
     backend.version = -1
     if cfg.rollout_backend not in CONCURRENT_ENGINES:
