@@ -12,7 +12,12 @@ the old tree's fresh containers fail a few cells' grading, which would stop its 
 times are read from the run's store (``step_metrics``: ``time_step_s`` and its stages, ``timing_s/<stage>`` in
 trackers), with the tool calls per episode.
 
-Usage: ``PYTHONPATH=. python benchmarks/tool_demo_run_step.py --old /tmp/old-tree --student DIR [--steps 4] [--rounds 2]``
+The preset itself may have changed between the trees (since 2e29556: 3-digit operands, ``value_width`` 10, 5 warm-up
+steps, evaluation top_p 0.95); ``--new-set KEY=VALUE`` puts the newer side back on the old preset's task and schedule, so
+both sides run the same problems and config (the README's command does).
+
+Usage: ``PYTHONPATH=. python benchmarks/tool_demo_run_step.py --old /tmp/old-tree --student DIR [--steps 4] [--rounds 2]
+[--new-set KEY=VALUE ...]``
 (``--old`` is a checkout with its own ``.venv``; this tree runs with ``.venv/bin/python`` here).
 """
 
@@ -31,11 +36,11 @@ from pathlib import Path
 STAGES = ("time_step_s", "time_generate_s", "time_reward_s", "time_teacher_s", "time_old_logprobs_s", "time_train_s")
 
 
-def run_once(tree: Path, out: Path, student: str, steps: int, lr: float) -> dict[int, dict[str, float]]:
-    """One ``harness run`` in ``tree`` (its own ``.venv``); {step: {metric: value}} from its store."""
+def run_once(tree: Path, out: Path, student: str, steps: int, lr: float, extra: list[str] = ()) -> dict[int, dict[str, float]]:
+    """One ``harness run`` in ``tree`` (its own ``.venv``), with ``extra`` ``--set`` overrides; {step: {metric: value}}."""
     sets = [f"trainer.steps={steps}", "teacher.sft_steps=0", "student.arch=null", f"student.path={student}", "student.sft_steps=0",
             f"trainer.lr={lr}", "trainer.checkpoint_every=100000", "eval.before_training=false", "eval.teacher=false",
-            "eval.limit=1", "eval.k=1", "trainer.max_grade_error_rate=1.0"]  # fmt: skip
+            "eval.limit=1", "eval.k=1", "trainer.max_grade_error_rate=1.0", *extra]  # fmt: skip
     cmd = [str(tree / ".venv/bin/python"), "-m", "harness.cli", "run", "--preset", "tool-demo", "--out", str(out)]
     for s in sets:
         cmd += ["--set", s]
@@ -59,6 +64,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="training steps per run (the first is excluded)")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each tree, in alternating order")
     parser.add_argument("--lr", type=float, default=1e-9, help="trainer.lr of both sides")
+    parser.add_argument("--new-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override for the newer tree only (repeatable): puts back what its preset changed since the old "
+                        "tree, e.g. task_args.arith_tool.max_operand=99999")  # fmt: skip
     args = parser.parse_args()
     if args.steps < 2:
         parser.error("--steps must be at least 2 (the first step is excluded)")
@@ -69,7 +77,8 @@ def main() -> None:
     for r in range(args.rounds):
         for side in ("old", "new") if r % 2 == 0 else ("new", "old"):
             started = time.perf_counter()
-            steps = run_once(sides[side], root / f"{side}-{r}", args.student, args.steps, args.lr)
+            extra = args.new_set if side == "new" else []
+            steps = run_once(sides[side], root / f"{side}-{r}", args.student, args.steps, args.lr, extra)
             kept = [steps[s] for s in sorted(steps) if s > min(steps)]
             later[side] += kept
             line = " ".join(f"{m['time_step_s']:6.2f}" for m in kept)
@@ -78,7 +87,8 @@ def main() -> None:
             print(f"round {r + 1} {side}: steps after the first {line} s  (tool calls/episode {calls}; run {wall:.0f} s,"
                   f" load {os.getloadavg()[0]:.1f})", flush=True)  # fmt: skip
     for side in ("old", "new"):
-        means = {k: statistics.mean(m.get(k, float("nan")) for m in later[side]) for k in (*STAGES, "mean_tool_calls")}
+        means = {k: statistics.mean(m.get(k, 0.0 if k in STAGES else float("nan")) for m in later[side])  # a stage not run took 0 s
+                 for k in (*STAGES, "mean_tool_calls")}
         print(f"{side}: " + "  ".join(f"{k.removeprefix('time_').removesuffix('_s')} {v:.2f}" for k, v in means.items()))
     old, new = (statistics.mean(m["time_step_s"] for m in later[s]) for s in ("old", "new"))
     print(f"step time after the first: old {old:.2f} s, new {new:.2f} s: {old / new:.2f}x (load {os.getloadavg()[0]:.1f} at the end)")

@@ -337,6 +337,13 @@ class TrainerConfig(Strict):
     activation_checkpointing: bool = Field(
         False, description="recompute each decoder layer's activations in the backward pass (less memory, about 1/3 more compute)"
     )
+    forward_tokens: int = Field(
+        2048,
+        ge=0,
+        description="the learner's forward and the in-process teacher's scoring run on length-sorted row groups of at most this many "
+        "padded tokens (a longer row alone), one backward over all of them: the same results with less padding computed "
+        "(0: the whole batch in one forward)",
+    )
     vocab_chunk: int = Field(
         0,
         ge=0,

@@ -205,15 +205,16 @@ def test_tool_demo_run_step_alternates_the_trees_and_leaves_out_each_runs_first_
     bench = load_benchmark("tool_demo_run_step")
     order = []
 
-    def fake_run(tree, out, student, steps, lr):
+    def fake_run(tree, out, student, steps, lr, extra):
         side = "old" if tree == tmp_path / "old" else "new"
         order.append((side, steps, lr))
+        assert list(extra) == (["task_args.arith_tool.value_width=0"] if side == "new" else [])  # --new-set: the newer side only
         seconds = {"old": 40.0, "new": 10.0}[side]
         return {1: {"time_step_s": 999.0}, **{s: {"time_step_s": seconds, "mean_tool_calls": 1.0} for s in range(2, steps + 1)}}
 
     monkeypatch.setattr(bench, "run_once", fake_run)
     monkeypatch.setattr(sys, "argv", ["x", "--old", str(tmp_path / "old"), "--new", str(tmp_path / "new"), "--student", "s",
-                                      "--steps", "3", "--rounds", "3"])  # fmt: skip
+                                      "--steps", "3", "--rounds", "3", "--new-set", "task_args.arith_tool.value_width=0"])  # fmt: skip
     bench.main()
     assert [side for side, _, _ in order] == ["old", "new", "new", "old", "old", "new"]
     assert {(steps, lr) for _, steps, lr in order} == {(3, 1e-9)}

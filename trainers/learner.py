@@ -7,12 +7,13 @@ import dataclasses
 
 import torch
 
-from harness.backends.hf import scores_from_logits, without_output_head
+from harness.backends.hf import bucketed, scores_from_logits, without_output_head
 from harness.method import HParams, MethodSpec, StudentOutputs
 from harness.trajectory import TensorBatch
 from trainers.chunked_vocab import ChunkedVocabulary, token_logprob_and_entropy
 from trainers.distributed import Shard, gather_rows, local_rows
 from trainers.objectives import masked_mean
+from trainers.objectives.common import k3
 
 
 def student_outputs(
@@ -22,21 +23,28 @@ def student_outputs(
     shard: Shard | None = None,
     precision: str = "fp32",
     vocab_chunk: int = 0,
+    forward_tokens: int = 0,
 ) -> tuple[StudentOutputs, torch.Tensor]:
     """Current-student log-probs (and full distribution if asked) with gradient, plus detached entropy.
 
     With a ``shard`` the forward runs on this rank's rows only and the outputs are gathered into the global batch's
     (:mod:`trainers.distributed`), so the objective sees every row. ``precision="bf16"``: the forward (and so its
     backward) under bfloat16 autocast. ``vocab_chunk`` > 0 with ``full``: the distribution is never materialised whole;
-    the objective gets it chunk by chunk of positions (:mod:`trainers.chunked_vocab`)."""
+    the objective gets it chunk by chunk of positions (:mod:`trainers.chunked_vocab`). ``forward_tokens`` > 0: the
+    forward runs on length-sorted row groups of at most that many padded tokens (:func:`harness.backends.hf.bucketed`),
+    one graph and one backward over all of them: the same loss and gradients with less padding computed."""
     if full and vocab_chunk:
         return chunked_student_outputs(model, batch, vocab_chunk, shard=shard, precision=precision)
     rows = batch.input_ids.shape[0]
     ids, attention = local_rows(batch.input_ids, shard), local_rows(batch.attention_mask, shard)
-    with autocast(ids.device, precision):
-        logits = model(input_ids=ids, attention_mask=attention).logits.float()
     want = ("logprobs", "full") if full else ("logprobs", "entropy")
-    scores = scores_from_logits(logits, ids, want)
+
+    def forward(ids: torch.Tensor, attention: torch.Tensor) -> dict[str, torch.Tensor]:
+        with autocast(ids.device, precision):
+            logits = model(input_ids=ids, attention_mask=attention).logits.float()
+        return scores_from_logits(logits, ids, want)
+
+    scores = bucketed(forward, ids, attention, forward_tokens) if forward_tokens else forward(ids, attention)
     if full:
         entropy = -(scores["full"].exp() * scores["full"]).sum(-1).detach()
     else:
@@ -79,6 +87,7 @@ def train_step(
     shard: Shard | None = None,
     precision: str = "fp32",
     vocab_chunk: int = 0,
+    forward_tokens: int = 0,
 ) -> dict[str, float]:
     """One optimizer step of ``method`` on ``batch``; returns loss, grad norm, entropy and diagnostics.
 
@@ -90,14 +99,20 @@ def train_step(
 
     The batch goes to the model's device (a model on CUDA learns from the CPU batch the rollout made);
     ``precision="bf16"`` is autocast with float32 master weights, gradients and optimizer state; ``vocab_chunk`` > 0
-    computes a full-vocabulary method's terms that many positions at a time (:mod:`trainers.chunked_vocab`).
+    computes a full-vocabulary method's terms that many positions at a time (:mod:`trainers.chunked_vocab`);
+    ``forward_tokens`` > 0 runs the forward on length-sorted row groups (:func:`student_outputs`).
+
+    A method that reads π_old on a batch without ``old_logprobs`` (:func:`old_logprobs_redundant`: they equal this
+    forward's log-probs, detached) gets the engine/trainer mismatch measured against this forward instead.
     """
     model.train()
     needs = method.needs(hparams)
     batch = batch_to(batch, next(model.parameters()).device)
     outputs, entropy = student_outputs(model, batch, full="student_full" in needs, shard=shard, precision=precision,
-                                      vocab_chunk=vocab_chunk)
+                                      vocab_chunk=vocab_chunk, forward_tokens=forward_tokens)
     loss, diagnostics = method.objective(batch, outputs, hparams, state)
+    if "old_logprobs" in needs and batch.old_logprobs is None and batch.behaviour_logprobs is not None:
+        diagnostics = {**diagnostics, **behaviour_mismatch(batch.behaviour_logprobs, outputs.logprobs.detach(), batch.loss_mask)}
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip) if grad_clip > 0 else total_grad_norm(model)
@@ -114,6 +129,27 @@ def train_step(
         "nonfinite": float(not finite),
         "skipped": float(not finite),
         **diagnostics,
+    }
+
+
+def old_logprobs_redundant(trainer) -> bool:
+    """Whether π_old equals the training forward's log-probs (detached), so the rollout need not score it (verl and TRL
+    skip it likewise): every batch is trained by the policy that sampled it (sync, or async with max_lag or fixed_lag 0),
+    with one optimizer step (the learner's only kind), π_old is the trainer's model's (``behaviour_logprobs=recompute``)
+    and both forwards run in float32 (bf16 autocast would score the training forward differently)."""
+    lag_zero = trainer.mode == "sync" or trainer.fixed_lag == 0 or (trainer.fixed_lag is None and trainer.max_lag == 0)
+    return lag_zero and trainer.behaviour_logprobs == "recompute" and trainer.precision == "fp32"
+
+
+def behaviour_mismatch(engine_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the engine's sampling-time log-probs q are from the trainer's recomputed o on the trained tokens:
+    ``behaviour_mismatch_kl``, the k3 estimate of KL(π_engine ‖ π_trainer) on the engine's samples (verl's and
+    AReaL's training/inference mismatch metric; ≥ 0, 0 when they agree), and the largest |q − o|."""
+    engine_logp, trainer_logp = engine_logp.float(), trainer_logp.float()
+    gap = torch.where(mask > 0, (engine_logp - trainer_logp).abs(), 0.0)
+    return {
+        "behaviour_mismatch_kl": float(masked_mean(k3(engine_logp, trainer_logp), mask)),
+        "behaviour_mismatch_max": float(gap.max()) if gap.numel() else 0.0,
     }
 
 

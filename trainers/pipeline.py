@@ -28,10 +28,8 @@ from harness.timing import timed
 from harness.trajectory import TensorBatch, Trajectory, to_tensor_batch
 from trainers.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from trainers.guards import enforce_finite, enforce_grade_error_rate, grade_error_count
-from trainers.learner import train_step
+from trainers.learner import behaviour_mismatch, old_logprobs_redundant, train_step
 from trainers.perf import flop_params, step_perf
-from trainers.objectives import masked_mean
-from trainers.objectives.common import k3
 from trainers.teacher import open_remote_teacher, score_teacher, teacher_label, teacher_wants, wrap_hf_teacher
 from trainers.warmup import prepare_model
 
@@ -95,7 +93,7 @@ def generate_batch(
                 enforce_grade_error_rate(errors, len(scores), cfg.trainer.max_grade_error_rate, step, task.name)
     metrics.update(episode_step_metrics(task, trajectories), rows=float(len(trajectories)))
     batch = to_tensor_batch(trajectories, student.pad_id)
-    if "old_logprobs" in needs and method.on_policy:
+    if "old_logprobs" in needs and method.on_policy and not old_logprobs_redundant(cfg.trainer):
         if scorer is not None and scorer.version != student.version:
             raise RuntimeError(f"the behaviour scorer holds weights version {scorer.version}, the rollout engine {student.version}")
         with timed("old_logprobs", metrics):
@@ -103,18 +101,6 @@ def generate_batch(
         if cfg.trainer.behaviour_logprobs == "recompute":
             metrics.update(behaviour_mismatch(batch.behaviour_logprobs, batch.old_logprobs, batch.loss_mask))
     return batch, trajectories
-
-
-def behaviour_mismatch(engine_logp: torch.Tensor, trainer_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """How far the engine's sampling-time log-probs q are from the trainer's recomputed o on the trained tokens:
-    ``behaviour_mismatch_kl``, the k3 estimate of KL(π_engine ‖ π_trainer) on the engine's samples (verl's and
-    AReaL's training/inference mismatch metric; ≥ 0, 0 when they agree), and the largest |q − o|."""
-    engine_logp, trainer_logp = engine_logp.float(), trainer_logp.float()
-    gap = torch.where(mask > 0, (engine_logp - trainer_logp).abs(), 0.0)
-    return {
-        "behaviour_mismatch_kl": float(masked_mean(k3(engine_logp, trainer_logp), mask)),
-        "behaviour_mismatch_max": float(gap.max()) if gap.numel() else 0.0,
-    }
 
 
 def needs_behaviour_scorer(plan, engine: Backend) -> bool:
@@ -135,11 +121,11 @@ def open_behaviour_scorer(
     """
     if not needs_behaviour_scorer(plan, engine):
         return None
-    batch_size = plan.config.trainer.generate_batch_size
+    options = {"batch_size": plan.config.trainer.generate_batch_size, "device": device, "score_tokens": plan.config.trainer.forward_tokens}
     if model is not None:
-        scorer = HFBackend(model, tokenizer, batch_size=batch_size, device=device)
+        scorer = HFBackend(model, tokenizer, **options)
     else:
-        scorer = HFBackend.load(student_path, batch_size=batch_size, device=device)
+        scorer = HFBackend.load(student_path, **options)
     scorer.version = -1
     return scorer
 
@@ -190,6 +176,8 @@ def open_rollout_backend(
     if issubclass(cls, HFBackend):  # hf and the engines built on it (hf_static)
         options.setdefault("batch_size", cfg.generate_batch_size)
         options.setdefault("device", device)
+        if cls is HFBackend:  # its π_old scoring (async with a lag) runs on length-sorted row groups, as the learner's forward
+            options.setdefault("score_tokens", cfg.forward_tokens)
     backend = cls(model, tokenizer, **options) if (model is not None and cls is HFBackend) else cls.load(student_path, **options)
     backend.version = -1
     if cfg.rollout_backend not in CONCURRENT_ENGINES:
@@ -252,7 +240,7 @@ def learn(plan, model, optimizer, batch: TensorBatch, method_state, learner_vers
         metrics.update(
             train_step(
                 model, optimizer, batch, plan.method, plan.hparams, method_state, grad_clip=trainer.grad_clip, shard=shard,
-                precision=trainer.precision, vocab_chunk=trainer.vocab_chunk,
+                precision=trainer.precision, vocab_chunk=trainer.vocab_chunk, forward_tokens=trainer.forward_tokens,
             )
         )
     metrics.update(learner_perf(model, batch, time.perf_counter() - started, shard))
@@ -356,7 +344,8 @@ class Session:
         student = HFBackend(student_model, student_tok, batch_size=cfg.trainer.generate_batch_size, device=device)
         student.version = state.step
         if local_teacher:
-            options = {"device": device, "score_chunk": cfg.trainer.vocab_chunk, **cfg.teacher.backend_options}
+            options = {"device": device, "score_chunk": cfg.trainer.vocab_chunk, "score_tokens": cfg.trainer.forward_tokens,
+                       **cfg.teacher.backend_options}  # fmt: skip
             teacher = wrap_hf_teacher(teacher_model, tokenizer, cfg.trainer.generate_batch_size, options)
         else:  # served or loaded elsewhere; it shares the student's vocabulary (the student's tokenizer encodes for it)
             teacher, teacher_path = open_remote_teacher(cfg.teacher, student_path), teacher_label(cfg.teacher, None)

@@ -286,7 +286,9 @@ class TeacherActor(ActorRole):
         self.plan = _plan(config)
         spec = self.plan.config.teacher
         if model is not None:
-            self.backend = wrap_hf_teacher(model, tokenizer, self.plan.config.trainer.generate_batch_size, spec.backend_options)
+            trainer = self.plan.config.trainer
+            options = {"score_tokens": trainer.forward_tokens, **spec.backend_options}
+            self.backend = wrap_hf_teacher(model, tokenizer, trainer.generate_batch_size, options)
         else:
             self.backend = open_remote_teacher(spec, student_path)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -26,12 +26,16 @@ class HFBackend:
     score_fields = SCORE_FIELDS  # ``score`` returns any of them
 
     def __init__(
-        self, model, tokenizer, *, batch_size: int = 64, device: str = "cpu", show_progress: bool = False, score_chunk: int = 0
+        self, model, tokenizer, *, batch_size: int = 64, device: str = "cpu", show_progress: bool = False, score_chunk: int = 0,
+        score_tokens: int = 0,
     ) -> None:
         if score_chunk < 0:
             raise ValueError(f"score_chunk {score_chunk}: positions per chunk must be 0 (off) or more")
+        if score_tokens < 0:
+            raise ValueError(f"score_tokens {score_tokens}: padded tokens per forward must be 0 (off) or more")
         self.model = model.to(device)
         self.score_chunk = score_chunk  # > 0: ``score`` without gradient computes the logits this many positions at a time
+        self.score_tokens = score_tokens  # > 0: ``score`` without gradient runs length-sorted row groups of this many padded tokens
         self.tokenizer = tokenizer
         self.tokenizer.padding_side = "left"
         self.batch_size = batch_size
@@ -141,11 +145,22 @@ class HFBackend:
         """Per-position scores for right-padded sequences (position 0 has no prefix and scores 0).
 
         ``want`` ⊆ {"logprobs", "entropy", "topk", "full"}: log-prob of each given token, entropy of
-        the predictive distribution, top-k (values, indices) and the full log-distribution.
+        the predictive distribution, top-k (values, indices) and the full log-distribution. With ``score_tokens`` (and
+        no gradient) rows run in length-sorted groups cut to their longest row (:func:`length_buckets`); positions past a
+        row's length hold the model's guesses after padding, or 0 past its group's longest row (nothing reads them).
         """
         unknown = set(want) - set(SCORE_FIELDS)
         if unknown:
             raise ValueError(f"unknown score fields {sorted(unknown)}; allowed: {SCORE_FIELDS}")
+        if self.score_tokens and not grad:
+            return bucketed(lambda ids, mask: self._score_whole(ids, mask, want, top_k, grad), input_ids, attention_mask,
+                            self.score_tokens)  # fmt: skip
+        return self._score_whole(input_ids, attention_mask, want, top_k, grad)
+
+    def _score_whole(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, want: tuple[str, ...], top_k: int, grad: bool
+    ) -> dict[str, torch.Tensor]:
+        """:meth:`score` of all rows in one forward (or one chunked pass)."""
         if self.score_chunk and not grad:
             return self._score_in_chunks(input_ids.to(self.device), attention_mask.to(self.device), want, top_k)
         with torch.set_grad_enabled(grad):
@@ -214,6 +229,40 @@ def scores_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, want: tupl
     if "full" in want:
         out["full"] = pad(logp)
     return out
+
+
+def length_buckets(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Row indices sorted longest first and cut into groups whose padded size (rows × the group's longest row) stays
+    within ``token_budget`` (a longer row is a group of its own): forwards that skip most of a batch's padding."""
+    order = sorted(range(len(lengths)), key=lambda row: (-lengths[row], row))
+    groups: list[list[int]] = []
+    for row in order:
+        if groups and (len(groups[-1]) + 1) * max(lengths[groups[-1][0]], 1) <= token_budget:
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    return groups
+
+
+def bucketed(
+    score: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]],
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    token_budget: int,
+) -> dict[str, torch.Tensor]:
+    """``score(ids, mask)`` of right-padded rows, run per :func:`length_buckets` group on the group's columns only and put
+    back in row order, zero-padded to the full width (autograd flows through when ``score`` keeps a graph)."""
+    width = input_ids.shape[1]
+    lengths = attention_mask.sum(-1).tolist()
+    groups = length_buckets([int(n) for n in lengths], token_budget)
+    parts: dict[str, list[torch.Tensor]] = {}
+    for rows in groups:
+        index = torch.tensor(rows, device=input_ids.device)
+        cols = max(int(lengths[rows[0]]), 1)
+        for name, value in score(input_ids[index, :cols], attention_mask[index, :cols]).items():
+            parts.setdefault(name, []).append(F.pad(value, (0, 0) * (value.dim() - 2) + (0, width - cols)))
+    inverse = torch.argsort(torch.tensor([row for rows in groups for row in rows], device=input_ids.device))
+    return {name: torch.cat(values)[inverse] for name, values in parts.items()}
 
 
 def chunk_bounds(length: int, size: int) -> list[tuple[int, int]]:
