@@ -67,6 +67,18 @@ def reference_nll(student: HFBackend, refs) -> float:
     return -float(masked_mean(logp, refs.loss_mask))
 
 
+def demo_task_and_models(student_dir: str, teacher_dir: str) -> tuple:
+    """The tool-demo preset's ``arith_tool`` (its interpreter in-process, no sandbox) and the student and teacher
+    backends loaded from their directories, on one torch thread."""
+    torch.set_num_threads(1)
+    cfg = build_config(preset="tool-demo")
+    task = make_task("arith_tool", {"arith_tool": {**cfg.task_args["arith_tool"], "sandbox": "local"}})
+    task.open_interpreter = ArithInterpreter  # no sandbox
+    student_model, tok = load_model_and_tokenizer(student_dir)
+    teacher_model, _ = load_model_and_tokenizer(teacher_dir)
+    return task, HFBackend(student_model, tok), HFBackend(teacher_model, tok)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--student", required=True)
@@ -76,13 +88,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    cfg = build_config(preset="tool-demo")
-    task = make_task("arith_tool", {"arith_tool": {**cfg.task_args["arith_tool"], "sandbox": "local"}})
-    task.open_interpreter = ArithInterpreter  # no sandbox
-    student_model, tok = load_model_and_tokenizer(args.student)
-    teacher_model, _ = load_model_and_tokenizer(args.teacher)
-    student, teacher = HFBackend(student_model, tok), HFBackend(teacher_model, tok)
+    task, student, teacher = demo_task_and_models(args.student, args.teacher)
+    student_model, teacher_model, tok = student.model, teacher.model, student.tokenizer
     problems = random.Random(args.seed).sample(task.read_problems("train", Path(".")), args.problems)
     trajs = rollout(student, task, problems, SamplingParams(temperature=1.0, max_new_tokens=64, n=4, seed=args.seed))
     batch = to_tensor_batch(trajs, student.pad_id)

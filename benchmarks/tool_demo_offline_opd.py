@@ -21,12 +21,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.tool_demo_kl_positions import ArithInterpreter, reference_nll
+from benchmarks.tool_demo_kl_positions import demo_task_and_models, reference_nll
 from harness.backends import SamplingParams
 from harness.backends.hf import HFBackend
-from harness.config import build_config
-from harness.models.tiny import load_model_and_tokenizer
-from harness.plan import make_task
 from harness.rollout import reference_trajectories, rollout
 from harness.trajectory import to_tensor_batch
 from trainers.learner import train_step
@@ -59,14 +56,9 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=10)
     parser.add_argument("--teacher-top-k", type=int, default=0, help="OPD's teacher_top_k (0: the full distribution)")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    cfg = build_config(preset="tool-demo")
-    task = make_task("arith_tool", {"arith_tool": {**cfg.task_args["arith_tool"], "sandbox": "local"}})
-    task.open_interpreter = ArithInterpreter  # no sandbox
-    student_model, tok = load_model_and_tokenizer(args.student)
-    teacher_model, _ = load_model_and_tokenizer(args.teacher)
-    teacher_model.requires_grad_(False)
-    student, teacher = HFBackend(student_model, tok), HFBackend(teacher_model, tok)
+    task, student, teacher = demo_task_and_models(args.student, args.teacher)
+    student_model, tok = student.model, student.tokenizer
+    teacher.model.requires_grad_(False)
     train, test = task.read_problems("train", Path(".")), task.read_problems("test", Path("."))[:25]
     refs = to_tensor_batch(reference_trajectories(task, test, tok), student.pad_id)
     hparams = OPDParams(estimator="full", teacher_top_k=args.teacher_top_k)

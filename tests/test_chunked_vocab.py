@@ -47,12 +47,13 @@ def batch_for(vocab: int, seed: int = 0) -> TensorBatch:
     )  # fmt: skip
 
 
-def loss_and_grads(model, batch: TensorBatch, name: str, args: dict, vocab_chunk: int):
-    """The objective's loss, diagnostics and the gradients of every parameter, with or without chunking."""
+def loss_and_grads(model, batch: TensorBatch, name: str, args: dict, **forward: int):
+    """The objective's loss, diagnostics and the gradients of every parameter, with ``student_outputs`` options
+    ``forward`` (``vocab_chunk``, ``forward_tokens``)."""
     spec = METHODS.get(name)
     hp = spec.hparams(**args)
     model.zero_grad(set_to_none=True)
-    outputs, entropy = student_outputs(model, batch, full="student_full" in spec.needs(hp), vocab_chunk=vocab_chunk)
+    outputs, entropy = student_outputs(model, batch, full="student_full" in spec.needs(hp), **forward)
     state = spec.make_state(hp) if spec.make_state else None
     loss, diagnostics = spec.objective(batch, outputs, hp, state)
     loss.backward()

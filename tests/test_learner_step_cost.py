@@ -9,10 +9,11 @@ import torch
 
 from harness.backends.hf import HFBackend, length_buckets
 from harness.config import TrainerConfig
-from harness.registry import METHODS
 from harness.trajectory import TensorBatch
-from trainers.learner import old_logprobs_redundant, student_outputs
+from trainers.learner import old_logprobs_redundant
 from trainers.pipeline import behaviour_logprobs
+
+from test_chunked_vocab import loss_and_grads
 
 LENGTHS = [11, 4, 9, 2, 11, 6, 7, 3]  # right-padded rows of very different lengths, two of the longest
 
@@ -32,17 +33,6 @@ def ragged_batch(vocab: int, seed: int = 0) -> TensorBatch:
         policy_version=torch.zeros(rows, dtype=torch.long), group_ids=torch.arange(rows) // 2,
         policy_lag=torch.zeros(rows, dtype=torch.long),
     )  # fmt: skip
-
-
-def loss_and_grads(model, batch: TensorBatch, name: str, args: dict, forward_tokens: int = 0):
-    spec = METHODS.get(name)
-    hp = spec.hparams(**args)
-    model.zero_grad(set_to_none=True)
-    outputs, entropy = student_outputs(model, batch, full="student_full" in spec.needs(hp), forward_tokens=forward_tokens)
-    state = spec.make_state(hp) if spec.make_state else None
-    loss, diagnostics = spec.objective(batch, outputs, hp, state)
-    loss.backward()
-    return loss.detach(), diagnostics, entropy, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def assert_same(a, b, real: torch.Tensor, atol: float = 1e-5) -> None:
