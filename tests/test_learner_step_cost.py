@@ -4,14 +4,17 @@ where it equals the training forward's log-probs (then loss and gradients are th
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from harness.backends.hf import HFBackend, length_buckets
 from harness.config import TrainerConfig
+from harness.registry import METHODS
 from harness.trajectory import TensorBatch
 from trainers.learner import old_logprobs_redundant
-from trainers.pipeline import behaviour_logprobs
+from trainers.pipeline import behaviour_logprobs, needs_behaviour_scorer, scores_old_logprobs
 
 from test_chunked_vocab import loss_and_grads
 
@@ -107,3 +110,12 @@ def test_without_pi_old_the_one_update_step_has_the_loss_and_gradients_of_the_sc
 )
 def test_pi_old_is_skipped_only_where_it_equals_the_training_forward(sets, redundant):
     assert old_logprobs_redundant(TrainerConfig(**sets)) is redundant
+
+
+@pytest.mark.parametrize(("sets", "scorer"), [({}, False), ({"mode": "async"}, True), ({"behaviour_logprobs": "engine"}, False)])
+def test_a_non_hf_engine_gets_a_behaviour_scorer_only_where_pi_old_is_scored(sets, scorer):
+    """A skipped π_old needs no trainer model beside the engine (its weights would be loaded every step for nothing)."""
+    spec = METHODS.get("sod")
+    plan = SimpleNamespace(method=spec, hparams=spec.hparams(), config=SimpleNamespace(trainer=TrainerConfig(**sets)))
+    assert scores_old_logprobs(plan) is (sets != {})  # sync, recompute, fp32: the training forward's log-probs are π_old
+    assert needs_behaviour_scorer(plan, engine=object()) is scorer

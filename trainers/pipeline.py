@@ -93,7 +93,7 @@ def generate_batch(
                 enforce_grade_error_rate(errors, len(scores), cfg.trainer.max_grade_error_rate, step, task.name)
     metrics.update(episode_step_metrics(task, trajectories), rows=float(len(trajectories)))
     batch = to_tensor_batch(trajectories, student.pad_id)
-    if "old_logprobs" in needs and method.on_policy and not old_logprobs_redundant(cfg.trainer):
+    if scores_old_logprobs(plan):
         if scorer is not None and scorer.version != student.version:
             raise RuntimeError(f"the behaviour scorer holds weights version {scorer.version}, the rollout engine {student.version}")
         with timed("old_logprobs", metrics):
@@ -103,11 +103,18 @@ def generate_batch(
     return batch, trajectories
 
 
-def needs_behaviour_scorer(plan, engine: Backend) -> bool:
-    """Whether the rollout role needs the trainer's model beside its engine to recompute π_old: the method reads
-    π_old, ``trainer.behaviour_logprobs`` is ``recompute`` and the engine is not the trainer's own model class (hf)."""
+def scores_old_logprobs(plan) -> bool:
+    """Whether the rollout role scores π_old: the method reads it on its own samples and it is not the training
+    forward's log-probs already (:func:`trainers.learner.old_logprobs_redundant`)."""
     needs_old = plan.method.on_policy and "old_logprobs" in plan.method.needs(plan.hparams)
-    return needs_old and plan.config.trainer.behaviour_logprobs == "recompute" and not isinstance(engine, HFBackend)
+    return needs_old and not old_logprobs_redundant(plan.config.trainer)
+
+
+def needs_behaviour_scorer(plan, engine: Backend) -> bool:
+    """Whether the rollout role needs the trainer's model beside its engine to recompute π_old: it scores π_old
+    (:func:`scores_old_logprobs`), ``trainer.behaviour_logprobs`` is ``recompute`` and the engine is not the trainer's
+    own model class (hf)."""
+    return scores_old_logprobs(plan) and plan.config.trainer.behaviour_logprobs == "recompute" and not isinstance(engine, HFBackend)
 
 
 def open_behaviour_scorer(
