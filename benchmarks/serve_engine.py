@@ -213,6 +213,19 @@ def step_costs(module, model, tokenizer, *, batch: int, kv: int, window: int) ->
     return {"step": statistics.median(steps) * 1000, "forward": statistics.median(inside) * 1000, **costs}
 
 
+ENGINES = {"old": old, "new": new}
+
+
+def alternated(rounds: int, sides: dict[str, object], measure) -> dict[str, list]:
+    """``measure(side)`` of every side once per round, the sides' order reversed every other round: {name: results}."""
+    results: dict[str, list] = {name: [] for name in sides}
+    names = list(sides)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            results[name].append(measure(sides[name]))
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
@@ -241,11 +254,7 @@ def main() -> None:
         decode_work_old(tokenizer, token_stream(tokenizer, 256)), decode_work_new(tokenizer, token_stream(tokenizer, 256))  # warm-up
     for length in args.lengths:
         stream = token_stream(tokenizer, length, seed=length)
-        times: dict[str, list[float]] = {"old": [], "new": []}
-        for r in range(args.rounds):
-            sides = [("old", decode_work_old), ("new", decode_work_new)]
-            for name, work in sides if r % 2 == 0 else sides[::-1]:
-                times[name].append(work(tokenizer, stream))
+        times = alternated(args.rounds, {"old": decode_work_old, "new": decode_work_new}, lambda work: work(tokenizer, stream))
         o, n = statistics.mean(times["old"]), statistics.mean(times["new"])
         per_token = f"{o / length * 1e6:>10.1f} {n / length * 1e6:>10.1f}"
         print(f"{length:>7} {per_token} {o / n:>8.1f}   (old {o:.2f} s, new {n:.3f} s per sequence)")
@@ -267,11 +276,8 @@ def main() -> None:
     for module in (old, new):  # warm-up
         staggered(module, model, tokenizer, lengths=[16] * 4, gap_s=args.gap_ms / 1000, max_batch=args.max_batch)
     for title, lengths, gap_ms in rows:
-        results: dict[str, list[tuple[float, float]]] = {"old": [], "new": []}
-        for r in range(args.rounds):
-            sides = [("old", old), ("new", new)]
-            for name, module in sides if r % 2 == 0 else sides[::-1]:
-                results[name].append(staggered(module, model, tokenizer, lengths=lengths, gap_s=gap_ms / 1000, max_batch=args.max_batch))
+        results = alternated(args.rounds, ENGINES, lambda module: staggered(module, model, tokenizer, lengths=lengths,
+                                                                             gap_s=gap_ms / 1000, max_batch=args.max_batch))
         print(f"\n{title}, {gap_ms:g} ms apart, max batch {args.max_batch} ({sum(lengths)} tokens)")
         rates = {k: statistics.mean(r[0] for r in v) for k, v in results.items()}
         ttft = {k: statistics.mean(r[1] for r in v) for k, v in results.items()}
@@ -290,11 +296,7 @@ def print_step_costs(model, tokenizer, *, batches: list[int], kv: int, window: i
     print(f"cache update, sampling, _step: per step; {', '.join(PER_EVENT)}: per event, new engine only)")
     print(f"{'engine':>6} {'batch':>5} " + " ".join(f"{c:>12}" for c in columns) + f" {'step/row':>9}")
     for batch in batches:
-        results: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
-        for r in range(rounds):
-            sides = [("old", old), ("new", new)]
-            for name, module in sides if r % 2 == 0 else sides[::-1]:
-                results[name].append(step_costs(module, model, tokenizer, batch=batch, kv=kv, window=window))
+        results = alternated(rounds, ENGINES, lambda module: step_costs(module, model, tokenizer, batch=batch, kv=kv, window=window))
         for name in ("old", "new"):
             mean = {c: statistics.mean(run.get(c, float("nan")) for run in results[name]) for c in columns}
             cells = " ".join(f"{mean[c]:>12.3f}" if mean[c] == mean[c] else f"{'-':>12}" for c in columns)
