@@ -21,6 +21,7 @@ import torch
 
 from harness.backends import SamplingParams
 from harness.backends.hf import HFBackend
+from harness.config import build_config
 from harness.models.tiny import load_model_and_tokenizer
 from harness.plan import make_task
 from harness.registry import METHODS
@@ -28,9 +29,6 @@ from harness.rollout import rollout
 from harness.trajectory import TensorBatch, to_tensor_batch
 from trainers.learner import student_outputs
 from trainers.teacher import score_teacher
-
-ARITH = {"arith": {"max_operand": 50, "max_mul_operand": 9, "n_test": 200}}  # the cpu-demo preset's task_args
-
 
 def flat_gradient(model: torch.nn.Module, batch: TensorBatch, estimator: str) -> torch.Tensor:
     """d loss / d θ of ``opd`` with ``estimator`` on ``batch``, flattened."""
@@ -57,7 +55,7 @@ def main() -> None:
     student_model, tokenizer = load_model_and_tokenizer(next(args.models.glob("student-*")))
     teacher_model, teacher_tok = load_model_and_tokenizer(next(args.models.glob("teacher-*")))
     student, teacher = HFBackend(student_model, tokenizer), HFBackend(teacher_model, teacher_tok)
-    task = make_task("arith", ARITH)
+    task = make_task("arith", build_config(preset="cpu-demo").task_args)  # the task the cpu-demo models were warmed up on
     problems = task.load("train")
     rows, grads = [], []
     for b in range(args.batches):
