@@ -18,6 +18,8 @@ from harness.trajectory import TensorBatch
 from trainers.learner import student_outputs
 from trainers.teacher import score_teacher, teacher_wants
 
+from test_chunked_vocab import loss_and_grads
+
 VOCAB = 12  # a small vocabulary (ids 0..11 of the character tokenizer: pad, eos, unk and 9 characters)
 PREFIX = [5, 7, 3, 9, 11]  # a fixed prompt; the response is the one token after it
 
@@ -57,15 +59,9 @@ def one_token_batch(token: int, q: float = 0.0) -> TensorBatch:
 def gradient(model: torch.nn.Module, teacher: HFBackend, batch: TensorBatch, method: str, args: dict) -> torch.Tensor:
     """d loss / d θ of ``method`` (the registered spec, default hyper-parameters but ``args``) on ``batch``, flattened."""
     spec = METHODS.get(method)
-    hp = spec.hparams(**args)
-    needs = spec.needs(hp)
-    score_teacher(teacher, batch, want=teacher_wants(needs))
-    state = spec.make_state(hp) if spec.make_state else None
-    outputs, _ = student_outputs(model, batch, full="student_full" in needs)
-    loss, _ = spec.objective(batch, outputs, hp, state)
-    model.zero_grad(set_to_none=True)
-    loss.backward()
-    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    score_teacher(teacher, batch, want=teacher_wants(spec.needs(spec.hparams(**args))))
+    grads = loss_and_grads(model, batch, method, args)[3]
+    return torch.cat([g.flatten() for g in grads.values()])
 
 
 def engine_logprobs(engine: HFBackend, vocab: int) -> torch.Tensor:
