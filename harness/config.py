@@ -162,8 +162,10 @@ class RoleLayout(Strict):
     resources: dict[str, float] = Field(
         default_factory=dict, description="custom Ray resources per replica, e.g. a node label {node_a: 1} given to ray start --resources"
     )
-    strategy: Literal["pack", "spread"] = Field(
-        "pack", description="the role's placement group strategy: pack its replicas on few nodes, or spread them over many"
+    strategy: Literal["pack", "spread", "strict_pack", "strict_spread"] = Field(
+        "pack",
+        description="the role's placement group strategy: pack its replicas on few nodes or spread them over many (best "
+        "effort), or strict_pack (all on one node) / strict_spread (each on its own node), reserved so or refused",
     )
 
     @field_validator("resources")

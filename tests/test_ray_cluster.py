@@ -80,6 +80,13 @@ def test_shortfall_names_the_role_key_and_resource():
     both = layout("trainer.layout.rollout.num_gpus=1", "trainer.layout.rollout.resources={node_a: 1}")  # each exists, not on one node
     assert "trainer.layout.rollout: no single node" in layout_shortfall(both, nodes)
     assert "trainer.layout.eval.num_gpus" in layout_shortfall(layout("trainer.layout.eval.num_gpus=2"), nodes)
+    spread = lambda n: layout(f"trainer.layout.learner.replicas={n}", "trainer.layout.learner.strategy=strict_spread")  # noqa: E731
+    assert layout_shortfall(spread(2), nodes) is None  # one rank on each of the two alive nodes
+    assert "trainer.layout.learner.strategy=strict_spread: 3 replicas" in layout_shortfall(spread(3), nodes)
+    assert layout_shortfall(layout("trainer.layout.learner.replicas=3", "trainer.layout.learner.strategy=spread"), nodes) is None
+    pack = lambda n: layout(f"trainer.layout.rollout.replicas={n}", "trainer.layout.rollout.strategy=strict_pack")  # noqa: E731
+    assert layout_shortfall(pack(2), nodes) is None  # 2 × 1 CPU on one 2-CPU node
+    assert "trainer.layout.rollout.strategy=strict_pack: no single node" in layout_shortfall(pack(3), nodes)
 
 
 def _last_train_run(db) -> tuple[str, dict]:
@@ -161,10 +168,10 @@ def test_a_sweep_point_whose_layout_the_cluster_cannot_hold_stops_the_sweep_befo
     assert not (tmp_path / "out").exists()
 
 
-TWO_ROLLOUTS = ["--set", "trainer.layout.rollout.replicas=2", "--set", "trainer.layout.rollout.strategy=spread"]
+TWO_ROLLOUTS = ["--set", "trainer.layout.rollout.replicas=2", "--set", "trainer.layout.rollout.strategy=strict_spread"]
 GROUPS = ["--set", "trainer.rollout_unit=group"]  # prompt groups streamed (4 per batch), several in flight per actor
 TWO_TEACHERS = ["--set", "trainer.layout.teacher.replicas=2", "--set", "trainer.layout.teacher.num_cpus=0.5",
-                "--set", "trainer.layout.teacher.strategy=spread",
+                "--set", "trainer.layout.teacher.strategy=strict_spread",
                 "--set", "trainer.layout.rollout.num_cpus=0.5"]  # fmt: skip  (per node: a rollout, a teacher; and the learner)
 
 
@@ -216,7 +223,7 @@ def test_two_rollout_workers_on_two_nodes_survive_a_kill_with_inprocess_losses(s
 
 
 TWO_AND_TWO = [*TWO_ROLLOUTS, "--set", "trainer.layout.rollout.num_cpus=0.5", "--set", "trainer.layout.teacher.num_cpus=0.5",
-               "--set", "trainer.layout.learner.replicas=2", "--set", "trainer.layout.learner.strategy=spread"]  # fmt: skip
+               "--set", "trainer.layout.learner.replicas=2", "--set", "trainer.layout.learner.strategy=strict_spread"]  # fmt: skip
 # per node: a rollout worker (0.5 CPU) and a learner rank (1 CPU); the teacher (0.5 CPU) on either
 
 
@@ -310,12 +317,12 @@ def test_the_f_opd_16_gpu_layout_file_validates_and_fills_two_8_gpu_nodes():
 
 
 EVAL_WORKERS = ["--set", "trainer.layout.eval.replicas=2", "--set", "trainer.layout.eval.num_cpus=0.5",
-                "--set", "trainer.layout.eval.strategy=spread", "--set", "trainer.layout.rollout.num_cpus=0.5",
+                "--set", "trainer.layout.eval.strategy=strict_spread", "--set", "trainer.layout.rollout.num_cpus=0.5",
                 "--set", "trainer.layout.teacher.num_cpus=0.5", "--set", "eval.shard_size=2",
                 "--set", "trainer.layout.learner.resources={node_a: 0.1}", "--set", "trainer.layout.rollout.resources={node_b: 0.1}",
                 "--set", "trainer.layout.teacher.resources={node_b: 0.1}"]  # fmt: skip
-# 4 shards a checkpoint; the other roles pinned so that each node keeps 1 CPU for an eval worker: `spread` is Ray's soft
-# SPREAD, which packs both eval workers on one node when the scheduler has put learner, rollout and teacher on the other
+# 4 shards a checkpoint; the other roles pinned so that each node keeps 1 CPU for an eval worker, which strict_spread
+# puts one on each node (Ray's soft SPREAD could pack both on one node when the scheduler had filled the other)
 
 
 def _samples(db, run_id: str) -> list[tuple]:

@@ -22,7 +22,7 @@ def two_ranks(address: str) -> list[str]:
     return [
         "--executor", "ray", "--set", f"trainer.ray_address={address}",
         "--set", "trainer.layout.rollout.resources={node_a: 1}", "--set", "trainer.layout.teacher.resources={node_b: 1}",
-        "--set", "trainer.layout.learner.replicas=2", "--set", "trainer.layout.learner.strategy=spread",
+        "--set", "trainer.layout.learner.replicas=2", "--set", "trainer.layout.learner.strategy=strict_spread",
     ]  # fmt: skip
 
 

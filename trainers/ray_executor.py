@@ -78,7 +78,8 @@ PLACED_ROLES = tuple(role for role in LAYOUT_ROLES if role != "eval")  # roles e
 ROLLOUT_RESTARTS = MAX_ROLLOUT_LOSSES  # Ray restarts a dead rollout actor this often; the driver re-queues its batch
 RESTART_TIMEOUT_S = 180.0  # how long a dead rollout actor may take to come back (imports, plan, model) before the run fails
 TEACHER_RESTARTS = 3  # Ray restarts a dead teacher actor this often; its batch is scored by another replica meanwhile
-STRATEGIES = {"pack": "PACK", "spread": "SPREAD"}  # soft: best effort across nodes, never unschedulable for the strategy alone
+# pack/spread are soft (best effort, never unschedulable for the strategy alone); strict_* are Ray's hard versions
+STRATEGIES = {"pack": "PACK", "spread": "SPREAD", "strict_pack": "STRICT_PACK", "strict_spread": "STRICT_SPREAD"}
 LAYOUT_KEYS = {"CPU": "num_cpus", "GPU": "num_gpus"}
 
 
@@ -122,8 +123,26 @@ def layout_shortfall(layout: Layout, nodes: list[dict]) -> str | None:
             if most < amount:
                 return (f"{_layout_key(role, resource)}: a {role} replica asks for {amount:g} {resource}, but no node of the cluster "
                         f"has that much (the most on one node: {most:g})")  # fmt: skip
-        if not any(all(node.get(r, 0.0) >= a for r, a in bundle.items()) for node in capacity):
+        if not _nodes_holding(bundle, 1, capacity):
             return f"trainer.layout.{role}: no single node of the cluster has all of {bundle} (one replica runs on one node)"
+        strict = _strict_shortfall(getattr(layout, role), bundle, capacity)
+        if strict:
+            return f"trainer.layout.{role}.strategy={strict}"
+    return None
+
+
+def _nodes_holding(bundle: dict[str, float], copies: int, capacity: list[dict[str, float]]) -> int:
+    """How many nodes have room for ``copies`` of ``bundle`` (total resources, not what is free now)."""
+    return sum(all(node.get(r, 0.0) >= copies * a for r, a in bundle.items()) for node in capacity)
+
+
+def _strict_shortfall(spec: RoleLayout, bundle: dict[str, float], capacity: list[dict[str, float]]) -> str | None:
+    """Why a strict strategy can never be reserved on these nodes (too few nodes for strict_spread, no node big
+    enough for strict_pack), or None."""
+    if spec.strategy == "strict_spread" and spec.replicas > (holding := _nodes_holding(bundle, 1, capacity)):
+        return f"strict_spread: {spec.replicas} replicas need as many nodes, but only {holding} can hold one {bundle}"
+    if spec.strategy == "strict_pack" and not _nodes_holding(bundle, spec.replicas, capacity):
+        return f"strict_pack: no single node of the cluster can hold all {spec.replicas} replicas of {bundle}"
     return None
 
 
