@@ -114,18 +114,21 @@ def placed_roles(layout: Layout) -> tuple[str, ...]:
 
 
 def layout_shortfall(layout: Layout, nodes: list[dict]) -> str | None:
-    """Why no alive node can hold one replica of some role (key, resource, the most any node has), or None."""
+    """Why the alive nodes can never hold some role: no node holds one replica (key, resource, the most any node has),
+    or too few nodes / no node big enough for its strict strategy; None when they can."""
     capacity = [node["Resources"] for node in nodes if node.get("Alive")]
     for role in placed_roles(layout):
-        bundle = role_bundle(getattr(layout, role))
+        spec = getattr(layout, role)
+        bundle = role_bundle(spec)
         for resource, amount in bundle.items():
             most = max((node.get(resource, 0.0) for node in capacity), default=0.0)
             if most < amount:
                 return (f"{_layout_key(role, resource)}: a {role} replica asks for {amount:g} {resource}, but no node of the cluster "
                         f"has that much (the most on one node: {most:g})")  # fmt: skip
-        if not _nodes_holding(bundle, 1, capacity):
+        holding = _nodes_holding(bundle, 1, capacity)
+        if not holding:
             return f"trainer.layout.{role}: no single node of the cluster has all of {bundle} (one replica runs on one node)"
-        strict = _strict_shortfall(getattr(layout, role), bundle, capacity)
+        strict = _strict_shortfall(spec, bundle, holding, capacity)
         if strict:
             return f"trainer.layout.{role}.strategy={strict}"
     return None
@@ -136,10 +139,10 @@ def _nodes_holding(bundle: dict[str, float], copies: int, capacity: list[dict[st
     return sum(all(node.get(r, 0.0) >= copies * a for r, a in bundle.items()) for node in capacity)
 
 
-def _strict_shortfall(spec: RoleLayout, bundle: dict[str, float], capacity: list[dict[str, float]]) -> str | None:
-    """Why a strict strategy can never be reserved on these nodes (too few nodes for strict_spread, no node big
-    enough for strict_pack), or None."""
-    if spec.strategy == "strict_spread" and spec.replicas > (holding := _nodes_holding(bundle, 1, capacity)):
+def _strict_shortfall(spec: RoleLayout, bundle: dict[str, float], holding: int, capacity: list[dict[str, float]]) -> str | None:
+    """Why a strict strategy can never be reserved on these nodes, ``holding`` of which hold one replica (too few for
+    strict_spread, none big enough for strict_pack), or None."""
+    if spec.strategy == "strict_spread" and spec.replicas > holding:
         return f"strict_spread: {spec.replicas} replicas need as many nodes, but only {holding} can hold one {bundle}"
     if spec.strategy == "strict_pack" and not _nodes_holding(bundle, spec.replicas, capacity):
         return f"strict_pack: no single node of the cluster can hold all {spec.replicas} replicas of {bundle}"
