@@ -17,6 +17,7 @@ import pytest
 
 import sandbox
 from sandbox import ExecRequest, ExecResult
+from sandbox.docker.provider import DEFAULT_SESSION_POOL
 
 from conftest import SANDBOX_IMAGE as IMAGE  # noqa: E402
 from conftest import docker_unavailable as _unavailable  # noqa: E402
@@ -356,6 +357,22 @@ def test_docker_pooled_session_keeps_state_between_runs_and_is_reset_or_removed_
         assert not sb._idle_sessions.get(s._box.limits)
         with pytest.raises(docker.errors.NotFound):
             docker_client.containers.get(first)
+
+
+@pytest.mark.docker
+def test_docker_idle_session_pool_follows_the_most_pooled_sessions_open_at_once(docker_client):
+    """By default (``session_pool`` None) every session of a round with more open at once than the 16 kept at least goes
+    back to the pool on close, so the next round of as many creates no container (a rollout step's episodes hold
+    their sessions across turns: all of a step are open at once)."""
+    n = DEFAULT_SESSION_POOL + 2
+    with sandbox.open_sandbox("docker", image=IMAGE) as sb, ThreadPoolExecutor(6) as pool:
+        for round_ in range(2):
+            sessions = list(pool.map(lambda _: sb.session(memory_mb=128, pooled=True), range(n)))
+            created = sb.stats["created"]
+            list(pool.map(lambda s: s.close(), sessions))
+            assert sb.stats["sessions_discarded"] == 0 and len(sb._idle_sessions[sessions[0]._box.limits]) == n
+            assert sb.idle_session_cap() == n
+        assert created == n and sb.stats["sessions_reused"] == n  # the second round took the first round's containers
 
 
 @pytest.mark.docker

@@ -54,8 +54,8 @@ Runs:
     of the session listens on with no process started, and ``close`` resets the container with the
     clean-up above (every process of the sandbox user killed; ``/box``, ``/tmp``, ``/dev/shm`` and
     ``/dev/mqueue`` emptied; System V IPC objects removed) and keeps it idle for the next (at most
-    ``session_pool`` [8]); one that cannot be cleaned, or is closed while a run is in flight, is
-    removed.
+    ``session_pool`` [None: the most pooled sessions open at once so far, at least 16]); one that cannot
+    be cleaned, or is closed while a run is in flight, is removed.
 
 Modules: ``provider`` (``DockerSandbox``: container creation and the warm pool), ``transport`` (a run through the
 exec server or the session wrapper, the outer guard, the classification), ``frames`` (the exec server's wire format

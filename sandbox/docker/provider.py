@@ -39,6 +39,9 @@ def _work_mount(disk_mb: int | None) -> Mount:
     return Mount(target=WORKDIR, source=None, type="volume", driver_config=DriverConfig("local", options))
 
 
+DEFAULT_SESSION_POOL = 16  # idle reset sessions kept (and prewarmed) at least, when session_pool follows the peak
+
+
 class DockerSandbox(Sandbox):
     """Docker provider (see the package docstring, ``sandbox.docker``, for the isolation and the limits).
 
@@ -54,8 +57,9 @@ class DockerSandbox(Sandbox):
         max_file_mb: largest file a program may write (RLIMIT_FSIZE; past it the program gets SIGXFSZ).
         http_timeout_s: read timeout of Docker API calls; ``timeout_s + grace_s`` must stay below it.
         reap: remove leftovers of dead owners when first connecting.
-        session_pool: most reset session containers kept idle for ``session(pooled=True)`` (16: a rollout's concurrent
-            episodes, ``env_workers``, so that a training step's sessions all go back to the pool).
+        session_pool: most reset session containers kept idle for ``session(pooled=True)``; None (default): as many as
+            the most pooled sessions open at once so far, at least 16 (a rollout's episodes hold their sessions across
+            their turns, so a step's sessions all go back to the pool and the next step creates no container).
     """
 
     python = "python3"
@@ -73,12 +77,12 @@ class DockerSandbox(Sandbox):
         max_file_mb: int = 64,
         reap: bool = True,
         http_timeout_s: float = 600.0,
-        session_pool: int = 16,
+        session_pool: int | None = None,
     ) -> None:
         if pool_size < 1:
             raise ValueError("pool_size must be >= 1")
-        if isinstance(session_pool, bool) or not isinstance(session_pool, int) or session_pool < 0:
-            raise ValueError(f"session_pool must be an int >= 0, got {session_pool!r}")
+        if session_pool is not None and (isinstance(session_pool, bool) or not isinstance(session_pool, int) or session_pool < 0):
+            raise ValueError(f"session_pool must be an int >= 0 or None (as many as were open at once), got {session_pool!r}")
         self.image, self.pool_size, self.base_url = image, pool_size, base_url
         self.retries, self.retry_delay_s, self.grace_s = retries, retry_delay_s, grace_s
         self.tmpfs_mb, self.max_file_mb, self.reap, self.http_timeout_s = tmpfs_mb, max_file_mb, reap, http_timeout_s
@@ -90,6 +94,8 @@ class DockerSandbox(Sandbox):
         self._busy: set[Box] = set()  # pooled containers running a program now (removed by close())
         self._sessions: set[DockerSession] = set()  # open sessions (strong: each is closed by close())
         self.session_pool = session_pool
+        self._pooled_open = 0  # pooled sessions open now...
+        self._pooled_peak = 0  # ...and the most open at once so far (the idle cap when session_pool is None)
         self._idle_sessions: dict[Limits, list[Box]] = {}  # reset containers of closed pooled sessions
         self._closed = False
         self._stats_lock = threading.Lock()
@@ -317,7 +323,7 @@ class DockerSandbox(Sandbox):
 
         ``pooled``: the container may be one a closed pooled session left (reset: every process of the sandbox user
         killed, the work root, /tmp, /dev/shm and /dev/mqueue emptied), runs are requests to its exec server instead of
-        a ``docker exec`` each, and ``close`` resets it and keeps it for the next (up to ``session_pool`` idle).
+        a ``docker exec`` each, and ``close`` resets it and keeps it for the next (up to :meth:`idle_session_cap` idle).
         ``served`` (implied by ``pooled``): runs are requests to the container's exec server (no process per run but the
         program; files and background processes stay), the container is still removed on ``close``.
 
@@ -336,6 +342,9 @@ class DockerSandbox(Sandbox):
             closed = self._closed
             if not closed:
                 self._sessions.add(s)
+                if pooled:
+                    self._pooled_open += 1
+                    self._pooled_peak = max(self._pooled_peak, self._pooled_open)
         if closed:  # close() ran while the container was starting
             s.close()
             raise RuntimeError("sandbox is closed")
@@ -357,12 +366,12 @@ class DockerSandbox(Sandbox):
 
     def prewarm_sessions(self, n: int, memory_mb: int = 512, cpus: float = 1.0, pids: int = 64, network: bool = False,
                          disk_mb: int | None = None) -> int:
-        """Start up to ``n`` idle session containers with these limits (at most ``session_pool`` idle in all), in
+        """Start up to ``n`` idle session containers with these limits (at most :meth:`idle_session_cap` idle in all), in
         parallel, for ``session(pooled=True)`` to hand out; returns how many were added. Failures are not raised: a
         pooled session that finds none idle starts its own."""
         limits = Limits(memory_mb, cpus, pids, network, disk_mb)
         with self._lock:
-            n = min(n, self.session_pool - sum(map(len, self._idle_sessions.values()))) if not self._closed else 0
+            n = min(n, self._idle_cap() - sum(map(len, self._idle_sessions.values()))) if not self._closed else 0
         if n <= 0:
             return 0
         with ThreadPoolExecutor(min(n, 8)) as ex:
@@ -373,7 +382,7 @@ class DockerSandbox(Sandbox):
                 continue
             with self._lock:
                 idle = self._idle_sessions.setdefault(limits, [])
-                if not self._closed and sum(map(len, self._idle_sessions.values())) < self.session_pool:
+                if not self._closed and sum(map(len, self._idle_sessions.values())) < self._idle_cap():
                     idle.append(f.result())
                     made += 1
                     continue
@@ -404,7 +413,7 @@ class DockerSandbox(Sandbox):
                 reusable = False
         with self._lock:
             idle = self._idle_sessions.setdefault(box.limits, [])
-            if reusable and not self._closed and sum(map(len, self._idle_sessions.values())) < self.session_pool:
+            if reusable and not self._closed and sum(map(len, self._idle_sessions.values())) < self._idle_cap():
                 idle.append(box)
                 return
         self._bump("sessions_discarded")
@@ -413,7 +422,18 @@ class DockerSandbox(Sandbox):
     def forget_session(self, session: DockerSession) -> None:
         """A session closed itself: ``close()`` need not close it."""
         with self._lock:
+            if session in self._sessions and session.pooled:
+                self._pooled_open -= 1
             self._sessions.discard(session)
+
+    def idle_session_cap(self) -> int:
+        """Most reset session containers kept idle: ``session_pool``, or (None) the most pooled sessions open at once, ≥ 16."""
+        with self._lock:
+            return self._idle_cap()
+
+    def _idle_cap(self) -> int:
+        """:meth:`idle_session_cap` with the lock held."""
+        return self.session_pool if self.session_pool is not None else max(DEFAULT_SESSION_POOL, self._pooled_peak)
 
     def close(self) -> None:
         """Remove every container: idle ones, open sessions, and busy ones (their runs end as ``error``)."""

@@ -76,7 +76,8 @@ directory either way. ``pooled=False``: a fresh container, removed on ``close()`
 transport only) ``close()`` then starts, in the background, a supervisor (and its fresh worker) in a reset pooled
 session for the next episode; a later pooled interpreter with the same limits takes it (waiting for one being started,
 and checking it with a ping: one that died is closed and replaced by a start of its own) instead of starting its own.
-At most the provider's ``session_pool`` are kept ready or starting per sandbox; one nobody takes within an hour exits.
+At most as many as the provider keeps idle sessions (``idle_session_cap``, 16 where it has none) are kept ready or starting
+per sandbox; one nobody takes within an hour exits.
 
 ``close()`` destroys the session (or, pooled, resets it for the next episode; idempotent; also ``with``; a cell running meanwhile in another
 thread ends as ``error``); a closed interpreter refuses cells (``RuntimeError``). An interpreter
@@ -345,8 +346,7 @@ class _Holder:
 class _ReadyPool:
     """Started supervisors in freshly reset pooled sessions, per limits, waiting for the next episode of one sandbox."""
 
-    def __init__(self, cap: int) -> None:
-        self.cap = cap
+    def __init__(self) -> None:
         self.cond = threading.Condition()
         self.ready: dict[tuple, list[_Connection]] = {}
         self.pending: dict[tuple, int] = {}  # starts in flight
@@ -356,10 +356,10 @@ class _ReadyPool:
         with self.cond:
             return len(self.ready.get(key, ()))
 
-    def reserve(self, key: tuple) -> bool:
+    def reserve(self, key: tuple, cap: int) -> bool:
         """Claim a place for one more start (False when ready + starting already fill ``cap``)."""
         with self.cond:
-            if sum(map(len, self.ready.values())) + sum(self.pending.values()) >= self.cap:
+            if sum(map(len, self.ready.values())) + sum(self.pending.values()) >= cap:
                 return False
             self.pending[key] = self.pending.get(key, 0) + 1
             return True
@@ -389,12 +389,18 @@ _READY: weakref.WeakKeyDictionary[Sandbox, _ReadyPool] = weakref.WeakKeyDictiona
 
 
 def _ready_pool(sandbox: Sandbox) -> _ReadyPool:
-    """The sandbox's pool of ready supervisors (at most its ``session_pool``, 16 where it has none)."""
+    """The sandbox's pool of ready supervisors."""
     with _TRANSPORTS_LOCK:
         pool = _READY.get(sandbox)
         if pool is None:
-            pool = _READY[sandbox] = _ReadyPool(int(getattr(sandbox, "session_pool", 16)))
+            pool = _READY[sandbox] = _ReadyPool()
         return pool
+
+
+def _ready_cap(sandbox: Sandbox) -> int:
+    """Most supervisors kept ready or starting: as many as the provider keeps idle sessions (16 where it cannot say)."""
+    cap = getattr(sandbox, "idle_session_cap", None)
+    return int(cap()) if callable(cap) else 16
 
 
 def _start_ready(sandbox: Sandbox, key: tuple, pool: _ReadyPool) -> None:
@@ -597,7 +603,7 @@ class PythonInterpreter:
         if getattr(self.sandbox, "closed", False):
             return
         pool = _ready_pool(self.sandbox)
-        if pool.reserve(self._limits):
+        if pool.reserve(self._limits, _ready_cap(self.sandbox)):
             threading.Thread(target=_start_ready, args=(self.sandbox, self._limits, pool), name="opd-interp-ready", daemon=True).start()
 
     def _drop(self) -> None:
