@@ -93,6 +93,7 @@ class DockerSandbox(Sandbox):
         self._count = 0  # containers in the pool, idle + busy
         self._busy: set[Box] = set()  # pooled containers running a program now (removed by close())
         self._sessions: set[DockerSession] = set()  # open sessions (strong: each is closed by close())
+        self._resetting: set[Box] = set()  # closed pooled sessions' containers being reset (removed by close())
         self.session_pool = session_pool
         self._pooled_open = 0  # pooled sessions open now...
         self._pooled_peak = 0  # ...and the most open at once so far (the idle cap when session_pool is None)
@@ -405,13 +406,18 @@ class DockerSandbox(Sandbox):
         """Reset a closed pooled session's container and keep it idle (or remove it: the reset failed, the idle
         sessions are full, the sandbox is closed). The reset is the exec server's clean-up after a pooled run."""
         reusable = False
-        if not self._closed:
+        with self._lock:
+            resetting = not self._closed
+            if resetting:
+                self._resetting.add(box)  # close() removes it under the reset (which then fails)
+        if resetting:
             try:
                 result, reusable = execute(self, box, ExecRequest(argv=["true"], timeout_s=10.0), WORKDIR, served=True)
                 reusable = reusable and result.status == "ok"
             except Infra:
                 reusable = False
         with self._lock:
+            self._resetting.discard(box)
             idle = self._idle_sessions.setdefault(box.limits, [])
             if reusable and not self._closed and sum(map(len, self._idle_sessions.values())) < self._idle_cap():
                 idle.append(box)
@@ -444,7 +450,7 @@ class DockerSandbox(Sandbox):
             self._count -= len(boxes)
             boxes += [b for lst in self._idle_sessions.values() for b in lst]
             self._idle_sessions.clear()
-            busy = list(self._busy)  # checked in (and counted down) by their runs
+            busy = list(self._busy) + list(self._resetting)  # checked in (and counted down) by their runs; resets fail
             sessions = list(self._sessions)
         jobs = [lambda b=b: self.remove_box(b) for b in boxes + busy] + [s.close for s in sessions]
         try:

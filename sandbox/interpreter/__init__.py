@@ -73,9 +73,10 @@ Sessions (``pooled``, default True): the session comes from the provider's pool 
 the sandbox user killed, ``/box``, ``/tmp``, ``/dev/shm`` and ``/dev/mqueue`` emptied; a container it cannot clean is
 removed), so the next episode sees no file, process or variable of this one; the local provider makes a fresh
 directory either way. ``pooled=False``: a fresh container, removed on ``close()``. With ``ready_ahead`` (default, exec
-transport only) ``close()`` then starts, in the background, a supervisor (and its fresh worker) in a reset pooled
-session for the next episode; a later pooled interpreter with the same limits takes it (waiting for one being started,
-and checking it with a ping: one that died is closed and replaced by a start of its own) instead of starting its own.
+transport only) ``close()`` returns at once and a background thread resets the session, then starts a supervisor (and
+its fresh worker) in a reset pooled session for the next episode; a later pooled interpreter with the same limits takes
+it (waiting for one being started, and checking it with a ping: one that died is closed and replaced by a start of its
+own) instead of starting its own.
 At most as many as the provider keeps idle sessions (``idle_session_cap``, 16 where it has none) are kept ready or starting
 per sandbox; one nobody takes within an hour exits.
 
@@ -403,9 +404,12 @@ def _ready_cap(sandbox: Sandbox) -> int:
     return int(cap()) if callable(cap) else 16
 
 
-def _start_ready(sandbox: Sandbox, key: tuple, pool: _ReadyPool) -> None:
-    """Open a pooled (reset) session with limits ``key``, start a supervisor in it and put it in ``pool``; a failure
-    only leaves the pool without it (whoever needs one starts their own)."""
+def _start_ready(sandbox: Sandbox, key: tuple, pool: _ReadyPool, closing: _Connection | None = None) -> None:
+    """Reset ``closing`` (a closed interpreter's pooled session: the provider's clean-up, then idle), open a pooled (reset)
+    session with limits ``key``, start a supervisor in it and put it in ``pool``; a failure only leaves the pool without
+    it (whoever needs one starts their own)."""
+    if closing is not None:
+        closing.close()
     conn = None
     try:
         memory_mb, cpus, pids, disk_mb = key
@@ -598,26 +602,25 @@ class PythonInterpreter:
         self._holder.conn = conn
         return conn
 
-    def _ready_next(self) -> None:
-        """After ``close``: start a supervisor for the next episode in the background (its session is reset first)."""
-        if getattr(self.sandbox, "closed", False):
-            return
-        pool = _ready_pool(self.sandbox)
-        if pool.reserve(self._limits, _ready_cap(self.sandbox)):
-            threading.Thread(target=_start_ready, args=(self.sandbox, self._limits, pool), name="opd-interp-ready", daemon=True).start()
-
     def _drop(self) -> None:
         """Destroy the current session (its state is lost); the next cell opens a new one."""
         self._holder.close()
 
     def close(self) -> None:
-        """Destroy the session and refuse further cells (a cell running in another thread ends as ``error``). Idempotent."""
+        """Destroy the session and refuse further cells (a cell running in another thread ends as ``error``). Idempotent.
+
+        With ``ready_ahead`` (pooled, exec transport, no cell in flight) the session's reset and the next episode's
+        supervisor start run in one background thread, so ``close`` returns at once; a pooled interpreter opened
+        meanwhile with these limits waits for that start (the reset session is never handed out before its reset)."""
         self._closed = True  # not under the lock: a cell in flight ends (as an error) instead of delaying this
         conn = self._holder.conn
         ahead = self.ready_ahead and self.pooled and conn is not None and conn.transport == "exec" and not self._lock.locked()
+        pool = _ready_pool(self.sandbox) if ahead and not getattr(self.sandbox, "closed", False) else None
+        if pool is not None and pool.reserve(self._limits, _ready_cap(self.sandbox)):
+            self._holder.conn = None  # reset in the background, before the start it is reserved for
+            args = (self.sandbox, self._limits, pool, conn)
+            threading.Thread(target=_start_ready, args=args, name="opd-interp-ready", daemon=True).start()
         self._finalizer()
-        if ahead:
-            self._ready_next()
 
     def __enter__(self) -> PythonInterpreter:
         return self
