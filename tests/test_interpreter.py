@@ -529,3 +529,16 @@ def test_an_unpooled_interpreter_runs_in_a_fresh_container_removed_on_close(dock
         container = py.session.container_id
     with pytest.raises(docker.errors.NotFound):
         docker.from_env().containers.get(container)
+
+
+@pytest.mark.docker
+def test_the_worker_sees_the_path_of_python_c_site_packages_and_the_work_dir(docker_sb):
+    """The worker is forked from the supervisor (``-I -S``) but set up as ``python -c`` runs: the same ``sys.path`` as a
+    ``python3 -c`` of the session (site-packages and the current directory), so numpy and a module the cell wrote import."""
+    from sandbox import ExecRequest
+
+    with PythonInterpreter(docker_sb) as py:
+        ok(py.run_cell("open('helper_mod.py', 'w').write('VALUE = 41')"))
+        seen = ok(py.run_cell("import sys, numpy, helper_mod\nprint(sys.path)\nprint(helper_mod.VALUE + 1, numpy.__name__)"))
+        plain = py.session.run(ExecRequest(argv=["python3", "-c", "import sys; print(sys.path)"])).stdout
+    assert seen == plain + "42 numpy\n", (seen, plain)

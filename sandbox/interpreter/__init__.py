@@ -13,7 +13,8 @@ Inside the session (network off; memory / CPU / process / disk limits from the c
   - the *supervisor* (stdlib only, never runs model code): receives a cell, hands it to the worker,
     reads the worker's output, enforces the timeout, restarts the worker when it dies, and after
     every cell ends every other process below it (it is their child subreaper, so orphans stay below it);
-  - the *worker*: a Python process whose ``__main__`` namespace lives across cells. Its stdout and
+  - the *worker*: a Python process (forked from the supervisor, which has run no cell of another episode: no
+    second interpreter start) whose ``__main__`` namespace lives across cells. Its stdout and
     stderr are one pipe (one line-buffered stream, restored before every cell), so the output keeps
     the order it was written in. Each cell runs in a process group of its own, led by the worker;
     when the cell ends the worker steps out of it and SIGKILLs it (a subprocess, a fork bomb), then

@@ -4,7 +4,8 @@
 MODE ``daemon``: fork a detached copy that listens on the abstract socket ``"\\0KEY"``, print ``READY <pid>`` once it
 does, exit; it exits when nobody connects within IDLE seconds (60) of its start. MODE ``serve``: stay in the
 foreground and take requests from the files of the folder KEY (``req.json`` and ``go``), answering in ``out.json``.
-Either way it runs the worker (``python -c WORKER_SOURCE``), hands it cells, reads their output, enforces the timeout
+Either way it runs the worker (WORKER_SOURCE in a child forked from it, set up as ``python -c`` runs it: no second
+interpreter start per episode), hands it cells, reads their output, enforces the timeout
 (the worker gets GRACE seconds to stop after the interrupt), restarts it when it dies and ends every other process
 below it after each cell. Stdlib only; it never runs model code.
 """
@@ -17,7 +18,6 @@ import select
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import time
 
@@ -94,6 +94,66 @@ def sweep(keep):
     return False
 
 
+class Forked:
+    """A forked worker's process, with the part of ``subprocess.Popen``'s interface the supervisor uses."""
+
+    def __init__(self, pid):
+        self.pid, self.returncode = pid, None
+
+    def _record(self, status):
+        self.returncode = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+    def poll(self):
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere (a sweep): gone, its status unknown
+                self.returncode = 0
+            else:
+                if pid:
+                    self._record(status)
+        return self.returncode
+
+    def wait(self):
+        while self.returncode is None:
+            try:
+                self._record(os.waitpid(self.pid, 0)[1])
+            except ChildProcessError:
+                self.returncode = 0
+            except InterruptedError:
+                continue
+        return self.returncode
+
+    def kill(self):
+        if self.returncode is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def run_forked_worker(null, w_out, r_cell, w_done, pgid):
+    """In the forked child: become ``python -c WORKER CELL_FD DONE_FD SUP_PGID`` without starting a new interpreter (the
+    supervisor has run no cell when it starts its episode's worker; after a crash only this episode's): its own process
+    group, stdin /dev/null, stdout and stderr the output pipe, no other descriptor but the two pipes; ``site`` and the
+    current directory on ``sys.path``, as ``python -c`` has them and the supervisor (``-I -S``) has not. Never returns."""
+    try:
+        os.setpgrp()
+        os.dup2(null, 0)
+        os.dup2(w_out, 1)
+        os.dup2(w_out, 2)
+        low, high = sorted((r_cell, w_done))
+        os.closerange(3, low)
+        os.closerange(low + 1, high)
+        os.closerange(high + 1, os.sysconf("SC_OPEN_MAX"))
+        import site
+
+        site.main()
+        sys.path.insert(0, "")
+        sys.argv = ["-c", str(r_cell), str(w_done), str(pgid)]
+        exec(compile(WORKER, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    except BaseException:  # noqa: BLE001 - the child must never return into the supervisor's code
+        os._exit(1)
+    os._exit(0)
+
+
 class Worker:
     def __init__(self):
         r_cell, self.w_cell = os.pipe()
@@ -101,9 +161,11 @@ class Worker:
         self.r_out, w_out = os.pipe()
         null = os.open(os.devnull, os.O_RDONLY)
         try:
-            argv = [sys.executable, "-c", WORKER, str(r_cell), str(w_done), str(os.getpgrp())]
-            self.proc = subprocess.Popen(argv, stdin=null, stdout=w_out, stderr=w_out, pass_fds=(r_cell, w_done),
-                                         preexec_fn=os.setpgrp, close_fds=True)
+            pgid = os.getpgrp()
+            pid = os.fork()
+            if pid == 0:
+                run_forked_worker(null, w_out, r_cell, w_done, pgid)
+            self.proc = Forked(pid)
         except BaseException:
             for fd in (self.w_cell, self.r_done, self.r_out):
                 os.close(fd)
