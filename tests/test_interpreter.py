@@ -542,3 +542,19 @@ def test_the_worker_sees_the_path_of_python_c_site_packages_and_the_work_dir(doc
         seen = ok(py.run_cell("import sys, numpy, helper_mod\nprint(sys.path)\nprint(helper_mod.VALUE + 1, numpy.__name__)"))
         plain = py.session.run(ExecRequest(argv=["python3", "-c", "import sys; print(sys.path)"])).stdout
     assert seen == plain + "42 numpy\n", (seen, plain)
+
+
+@pytest.mark.docker
+def test_the_supervisor_starts_from_code_compiled_once_per_sandbox_or_from_source(docker_sb, monkeypatch):
+    """A sandbox's first start compiles the supervisor with the sandbox's Python and later starts load that code; where
+    the compile fails the supervisor starts from its source, and cells run either way."""
+    import weakref
+
+    import sandbox.interpreter as interp
+
+    for compile_code, cached in (("import sys; sys.exit(1)", False), (interp._COMPILE, True)):
+        monkeypatch.setattr(interp, "_COMPILED", weakref.WeakKeyDictionary())
+        monkeypatch.setattr(interp, "_COMPILE", compile_code)
+        with PythonInterpreter(docker_sb, pooled=False) as py:
+            assert ok(py.run_cell("print(6 * 7)")) == "42\n"
+        assert bool(interp._COMPILED[docker_sb]) is cached

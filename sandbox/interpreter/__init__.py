@@ -171,8 +171,7 @@ class _Connection:
     def start(self) -> None:
         """Start the supervisor. Raises ``_Infra`` when it cannot start, ``_NoDaemon`` when detached processes die."""
         if self.transport == "exec":
-            argv = [self.sandbox.python, "-I", "-S", "-c", _SUPERVISOR, "daemon", self.key, _WORKER, str(_INTERRUPT_GRACE_S),
-                    str(self.idle_s)]
+            argv = [*_supervisor_argv(self.sandbox, self.session), "daemon", self.key, _WORKER, str(_INTERRUPT_GRACE_S), str(self.idle_s)]
             try:
                 r = self.session.run(ExecRequest(argv=argv, timeout_s=_START_TIMEOUT_S, max_output_bytes=4096))
             except Exception as exc:  # noqa: BLE001
@@ -315,6 +314,30 @@ class _Connection:
             pass
         if self.server_thread is not None and self.server_thread is not threading.current_thread():  # a finalizer runs anywhere
             self.server_thread.join(timeout=5.0)
+
+
+_COMPILE = ("import binascii,marshal,sys;"
+            "sys.stdout.write(binascii.b2a_base64(marshal.dumps(compile(sys.argv[1],'<string>','exec'))).decode())")
+_LOAD = "import binascii,marshal,sys;exec(marshal.loads(binascii.a2b_base64(sys.argv.pop(1))))"
+_COMPILED: weakref.WeakKeyDictionary[Sandbox, str] = weakref.WeakKeyDictionary()  # per sandbox: the supervisor's code, or ""
+
+
+def _supervisor_argv(sandbox: Sandbox, session: Session) -> list[str]:
+    """How a session starts the supervisor (its arguments follow): its code compiled once per sandbox by the sandbox's own
+    Python (marshal is per Python version) and loaded, so a start parses no source; its source where that failed."""
+    with _TRANSPORTS_LOCK:
+        code = _COMPILED.get(sandbox)
+    if code is None:
+        try:
+            request = ExecRequest(argv=[sandbox.python, "-I", "-S", "-c", _COMPILE, _SUPERVISOR], timeout_s=_START_TIMEOUT_S,
+                                  max_output_bytes=_ARGV_CHUNK)  # fmt: skip
+            r = session.run(request)
+            code = r.stdout.strip() if r.status == "ok" and r.exit_code == 0 and not r.stdout_truncated else ""
+        except Exception:  # noqa: BLE001 - the start itself reports what is wrong with the session
+            code = ""
+        with _TRANSPORTS_LOCK:
+            code = _COMPILED.setdefault(sandbox, code)
+    return [sandbox.python, "-I", "-S", "-c", _LOAD, code] if code else [sandbox.python, "-I", "-S", "-c", _SUPERVISOR]
 
 
 class _NoDaemon(Exception):
