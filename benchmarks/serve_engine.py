@@ -2,7 +2,8 @@
 
 Two measurements, each warmed up on both sides (untimed) and then run ``--rounds`` times in alternating order:
   - **decode work**: the engine thread's per-token text work for one streamed sequence with a stop string that never
-    matches, at 1k / 2k / 4k tokens: each side's ``_step`` fed the same token stream (no model), so only the
+    matches, at 1k / 2k / 4k tokens: each side's per-token text step (old ``_step``, new ``_take``, which runs in the
+    engine's text thread) fed the same token stream (no model), so only the
     detokenisation (stop-string search, stream deltas) is timed. Reported as µs per token and the old / new ratio;
     linear work keeps the per-token figure flat as the length grows.
   - **staggered clients**: ``--clients`` streamed requests of ``--tokens`` tokens each (EOS masked in the model, so
@@ -71,21 +72,22 @@ def decode_work_old(tokenizer, tokens: list[int]) -> float:
 
 
 def decode_work_new(tokenizer, tokens: list[int]) -> float:
-    """Seconds of the new engine's per-token text work for one streamed sequence."""
+    """Seconds of the new engine's per-token text work (its text thread's) for one streamed sequence."""
     engine = new.Engine.__new__(new.Engine)
     engine.tokenizer, engine.tokenizer_lock, engine.eos_id = tokenizer, threading.Lock(), tokenizer.eos_token_id
+    engine._fast_decode = new.fast_decoder(tokenizer)
     seq = new.Sequence(prompt=[0], max_tokens=len(tokens) + 1, stop=NEVER, stream=True)
     row = new._Row(seq, torch.Generator(), new.Detokenizer(lambda t: engine.decode(t)), new._TextState())
     start = time.perf_counter()
     for token in tokens:
-        engine._step(row, token, 0.0, [])
+        engine._take(row, token, 0.0, [], None)
     return time.perf_counter() - start
 
 
-def staggered(module, model, tokenizer, *, lengths: list[int], gap_s: float, max_batch: int) -> tuple[float, float]:
+def staggered(module, model, tokenizer, *, lengths: list[int], gap_s: float, max_batch: int, **options) -> tuple[float, float]:
     """(generated tokens per second, median seconds to first token) for one streamed request per entry of ``lengths``
-    (its ``max_tokens``), sent ``gap_s`` apart."""
-    engine = module.Engine(model, tokenizer, device="cpu", max_batch=max_batch, batch_wait_s=0.002)
+    (its ``max_tokens``), sent ``gap_s`` apart; ``options`` go to the engine."""
+    engine = module.Engine(model, tokenizer, device="cpu", max_batch=max_batch, batch_wait_s=0.002, **options)
     first_at: dict[int, float] = {}
     sent_at: dict[int, float] = {}
     done = threading.Semaphore(0)
@@ -168,7 +170,8 @@ PER_EVENT = ("keep", "join", "prefill")  # once per row leaving / joining, not p
 def step_costs(module, model, tokenizer, *, batch: int, kv: int, window: int) -> dict[str, float]:
     """Milliseconds per decode step of ``batch`` streamed sequences over ``window`` steps from KV length ``kv``: the
     median step and forward pass, and per step on average the cache update inside the forward, sampling
-    (``_choose``) and each row's bookkeeping and text (``_step``). On the new engine a 2-token newcomer then arrives
+    (``_choose``) and each row's bookkeeping and text (``text``: the old ``_step`` in the decode loop, the new ``_take``
+    in the text thread, beside it). On the new engine a 2-token newcomer then arrives
     every 4 steps for ``window`` more steps, and its prefill, its ``join`` and its ``keep`` when it leaves are timed
     per event."""
     engine = module.Engine(model, tokenizer, device="cpu", max_batch=batch + 1, batch_wait_s=0.05)
@@ -184,7 +187,7 @@ def step_costs(module, model, tokenizer, *, batch: int, kv: int, window: int) ->
     newcomers = list(arrivals.values()) if continuous else []
     done = threading.Semaphore(0)
     clock = Clock(range(first, last), range(last, last + window))
-    targets = {"forward": (engine, "_forward"), "sampling": (engine, "_choose"), "_step": (engine, "_step")}
+    targets = {"forward": (engine, "_forward"), "sampling": (engine, "_choose"), "text": (engine, "_take" if continuous else "_step")}
     if continuous:
         targets |= {"cache update": (module.SlotLayer, "update"), "keep": (module._Batch, "keep"), "join": (module._Batch, "join")}
     else:
@@ -236,6 +239,7 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (a shared 2-core machine: 1)")
     parser.add_argument("--skip-clients", action="store_true")
+    parser.add_argument("--text-thread", action="store_true", help="client rows: also the new engine with its text work in a thread")
     parser.add_argument("--mixed-clients", type=int, default=192, help="the mixed-length row's clients (0: skip it)")
     parser.add_argument("--mixed-gap-ms", type=float, default=2.0, help="the mixed row's arrival gap")
     parser.add_argument("--short", type=int, default=16, help="the mixed row's short output length (the long one is --tokens)")
@@ -273,27 +277,29 @@ def main() -> None:
         lengths = mixed_lengths(args.mixed_clients, args.short, args.tokens, args.long_every)
         title = f"{args.mixed_clients} streamed clients, 1 in {args.long_every} of {args.tokens} tokens, the rest {args.short}"
         rows.append((title, lengths, args.mixed_gap_ms))
-    for module in (old, new):  # warm-up
-        staggered(module, model, tokenizer, lengths=[16] * 4, gap_s=args.gap_ms / 1000, max_batch=args.max_batch)
+    sides = {"old": (old, {}), "new": (new, {})} | ({"new, text thread": (new, {"text_thread": True})} if args.text_thread else {})
+    for module, options in sides.values():  # warm-up
+        staggered(module, model, tokenizer, lengths=[16] * 4, gap_s=args.gap_ms / 1000, max_batch=args.max_batch, **options)
     for title, lengths, gap_ms in rows:
-        results = alternated(args.rounds, ENGINES, lambda module: staggered(module, model, tokenizer, lengths=lengths,
-                                                                             gap_s=gap_ms / 1000, max_batch=args.max_batch))
+        results = alternated(args.rounds, sides, lambda side: staggered(side[0], model, tokenizer, lengths=lengths,
+                                                                         gap_s=gap_ms / 1000, max_batch=args.max_batch, **side[1]))
         print(f"\n{title}, {gap_ms:g} ms apart, max batch {args.max_batch} ({sum(lengths)} tokens)")
         rates = {k: statistics.mean(r[0] for r in v) for k, v in results.items()}
         ttft = {k: statistics.mean(r[1] for r in v) for k, v in results.items()}
-        for name in ("old", "new"):
+        for name in sides:
             each = ", ".join(f"{r[0]:.0f}" for r in results[name])
             print(f"  {name}: {rates[name]:8.0f} tokens/s ({each}), median time to first token {ttft[name] * 1000:8.1f} ms")
-        print(f"  new/old tokens/s: {rates['new'] / rates['old']:.2f}; old/new median TTFT: {ttft['old'] / ttft['new']:.1f}")
+        for name in list(sides)[1:]:
+            print(f"  {name} / old tokens/s: {rates[name] / rates['old']:.2f}; old / {name} median TTFT: {ttft['old'] / ttft[name]:.1f}")
 
 
 def print_step_costs(model, tokenizer, *, batches: list[int], kv: int, window: int, rounds: int) -> None:
     """The table of ``step_costs`` for both engines at each batch size, warmed up, sides alternated, means of ``rounds``."""
     for module in (old, new):  # warm-up
         step_costs(module, model, tokenizer, batch=4, kv=16, window=8)
-    columns = ["step", "forward", "cache update", "sampling", "_step", *PER_EVENT]
+    columns = ["step", "forward", "cache update", "sampling", "text", *PER_EVENT]
     print(f"\ndecode step costs at KV length {kv} (ms; mean of {rounds}; a step and its forward: median over {window} steps;")
-    print(f"cache update, sampling, _step: per step; {', '.join(PER_EVENT)}: per event, new engine only)")
+    print(f"cache update, sampling, text: per step; {', '.join(PER_EVENT)}: per event, new engine only)")
     print(f"{'engine':>6} {'batch':>5} " + " ".join(f"{c:>12}" for c in columns) + f" {'step/row':>9}")
     for batch in batches:
         results = alternated(rounds, ENGINES, lambda module: step_costs(module, model, tokenizer, batch=batch, kv=kv, window=window))

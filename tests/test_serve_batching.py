@@ -112,10 +112,11 @@ def collect(engine: Engine, seqs: list[Seq], order: list[Seq] | None = None) -> 
 # ----------------------------------------------------------------------------- continuous batching
 
 
-def test_a_request_arriving_mid_batch_joins_it_finishes_first_and_equals_itself_alone(chars):
+@pytest.mark.parametrize("text_thread", [False, True], ids=["text-in-loop", "text-thread"])
+def test_a_request_arriving_mid_batch_joins_it_finishes_first_and_equals_itself_alone(chars, text_thread):
     encode = chars.tokenizer
     model = NoEos(chars.model, chars.tokenizer.eos_token_id)
-    engine = Engine(Slow(model), chars.tokenizer, device="cpu", batch_wait_s=0.05)
+    engine = Engine(Slow(model), chars.tokenizer, device="cpu", batch_wait_s=0.05, text_thread=text_thread)
     try:
         long_ones = [
             Seq(prompt=encode(p, add_special_tokens=False)["input_ids"], max_tokens=80, temperature=1.0, seed=s)
@@ -224,6 +225,78 @@ def test_detokenisation_work_per_token_does_not_grow_with_length(chars):
     assert len(seq.tokens) == 300 and decoded[0] < 20 * 300
 
 
+class CountsForwards(torch.nn.Module):
+    """The model (EOS masked), setting ``drawn_all`` once the engine has made ``passes`` forward passes."""
+
+    def __init__(self, inner: torch.nn.Module, eos_id: int, passes: int) -> None:
+        super().__init__()
+        self.inner, self.config, self.passes, self.count = NoEos(inner, eos_id), inner.config, passes, 0
+        self.drawn_all = threading.Event()
+
+    def forward(self, cache=None, **kwargs):
+        self.count += 1
+        if self.count >= self.passes:
+            self.drawn_all.set()
+        return self.inner(cache=cache, **kwargs)
+
+
+def decode_after(engine: Engine, event: threading.Event) -> list[bool]:
+    """Make ``engine``'s detokenisation wait for ``event``; the list records whether each wait saw it set."""
+    waits, plain = [], engine.decode
+
+    def waiting(tokens: list[int], **kwargs) -> str:
+        waits.append(event.wait(20))
+        return plain(tokens, **kwargs)
+
+    engine.decode = waiting
+    return waits
+
+
+def test_text_work_runs_off_the_decode_loop(chars):
+    """Detokenisation that cannot go on until the loop has drawn every token does not hold the loop up (in the loop it
+    would wait for a forward pass that never comes)."""
+    tokens = 24
+    model = CountsForwards(chars.model, chars.tokenizer.eos_token_id, passes=tokens)  # a prefill and 23 decode steps
+    engine = Engine(model, chars.tokenizer, device="cpu", batch_wait_s=0.0, text_thread=True)
+    waits = decode_after(engine, model.drawn_all)
+    try:
+        seq = Seq(prompt=[5, 6], max_tokens=tokens, temperature=1.0, seed=3, stream=True, stop=("\x00never",))
+        assert collect(engine, [seq]).wait(60)
+    finally:
+        engine.close()
+    assert waits and all(waits) and len(seq.tokens) == tokens and seq.finish_reason == "length"
+
+
+def test_a_stop_string_found_behind_the_loop_cuts_the_tokens_drawn_after_it(chars):
+    """The text thread finds the stop string after the loop has drawn every token: the sequence ends at the stop string
+    with the tokens, log-probs and text it has when nothing lags."""
+    model = NoEos(chars.model, chars.tokenizer.eos_token_id)
+
+    def request(stop: tuple[str, ...] = ()) -> Seq:
+        return Seq(prompt=[5, 6], max_tokens=40, temperature=1.0, seed=11, stream=True, stop=stop)
+
+    free = Engine(model, chars.tokenizer, device="cpu", batch_wait_s=0.0)
+    try:
+        full = request()
+        assert collect(free, [full]).wait(60)
+        stop = (full.text[8],)  # its first occurrence is at most 8 characters in
+        cut = request(stop)
+        assert collect(free, [cut]).wait(60)
+    finally:
+        free.close()
+    assert cut.finish_reason == "stop" and len(cut.tokens) < 10 and full.text.startswith(cut.text) and stop[0] not in cut.text
+    lagging = CountsForwards(chars.model, chars.tokenizer.eos_token_id, passes=40)
+    engine = Engine(lagging, chars.tokenizer, device="cpu", batch_wait_s=0.0, text_thread=True)
+    waits = decode_after(engine, lagging.drawn_all)
+    try:
+        behind = request(stop)
+        assert collect(engine, [behind]).wait(60)
+    finally:
+        engine.close()
+    assert all(waits) and lagging.count >= 40  # the loop drew all 40 tokens before the stop string was seen
+    assert (behind.text, behind.tokens, behind.logprobs, behind.finish_reason) == (cut.text, cut.tokens, cut.logprobs, "stop")
+
+
 # ----------------------------------------------------------------------------- ignore_eos and min_tokens
 
 
@@ -300,11 +373,12 @@ class FailsOneStep(torch.nn.Module):
         return self.inner(cache=cache, **kwargs)
 
 
-def test_a_failed_decode_step_decodes_its_sequences_again_alone(chars):
+@pytest.mark.parametrize("text_thread", [False, True], ids=["text-in-loop", "text-thread"])
+def test_a_failed_decode_step_decodes_its_sequences_again_alone(chars, text_thread):
     def seqs() -> list[Seq]:
         return [Seq(prompt=[5 + i, 6], max_tokens=5, temperature=1.0, seed=i) for i in range(2)]
 
-    engine = Engine(FailsOneStep(chars.model), chars.tokenizer, device="cpu", batch_wait_s=0.5)
+    engine = Engine(FailsOneStep(chars.model), chars.tokenizer, device="cpu", batch_wait_s=0.5, text_thread=text_thread)
     try:
         retried = seqs()
         assert collect(engine, retried).wait(30)
@@ -325,7 +399,8 @@ def test_a_failed_decode_step_decodes_its_sequences_again_alone(chars):
 # ----------------------------------------------------------------------------- the running batch's cost per step
 
 
-def test_many_rows_joining_and_leaving_at_random_steps_each_equal_themselves_alone(chars):
+@pytest.mark.parametrize("text_thread", [False, True], ids=["text-in-loop", "text-thread"])
+def test_many_rows_joining_and_leaving_at_random_steps_each_equal_themselves_alone(chars, text_thread):
     """Rows of mixed prompt and output lengths arrive while others decode, so leavers' places are refilled from the end
     of the batch, newcomers go into spare cache rows and the cache outgrows its buffers: each equals itself alone."""
     model = NoEos(chars.model, chars.tokenizer.eos_token_id)
@@ -334,7 +409,7 @@ def test_many_rows_joining_and_leaving_at_random_steps_each_equal_themselves_alo
         return [Seq(prompt=[5 + i % 7] * (1 + i % 5), max_tokens=3 + (7 * i) % 23, temperature=1.0, seed=i) for i in range(16)]
 
     together = seqs()
-    engine = Engine(model, chars.tokenizer, device="cpu", max_batch=12, batch_wait_s=0.0)
+    engine = Engine(model, chars.tokenizer, device="cpu", max_batch=12, batch_wait_s=0.0, text_thread=text_thread)
     try:
         events = [collect(engine, [seq]) for seq in together[:4]]
         for seq in together[4:]:

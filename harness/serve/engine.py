@@ -7,6 +7,10 @@ and ``max_batch_tokens``): they are prefilled together and their cache rows are 
 running batch's (left-padded to a common length), so a request that arrives while long ones decode
 joins at the next step and a short one finishes first. A finished or cancelled sequence leaves the
 batch at once. Sequences report each step to their request, so streaming is truly incremental.
+The decode loop only draws tokens and ends rows at EOS or ``max_tokens``; the text work (appending tokens,
+detokenising, stop strings, reporting) runs in a second thread (``TextThread``), beside the next forward pass.
+A stop string found there ends its sequence, and the loop drops the row at its next step: the tokens drawn
+in between are never shown or returned.
 The cache's layers are ``SlotLayer``s (buffers with spare rows and columns), so a step writes one column
 in place, a leaver's place is refilled by the last row and joiners go into spare rows; nothing copies
 the whole cache per step or per arrival.
@@ -16,8 +20,8 @@ request's tokens do not depend on what it was batched with (up to float rounding
 which only matters at exact ties); rows that share temperature and top-p are drawn in one batched
 ``draw_rows``. Log-probs are those of the untempered model distribution, as the
 HF backend computes them; prompt log-probs come from the same prefill. Text is detokenised
-incrementally (``Detokenizer``: a few tokens' decode per step), only for sequences that stream or
-have stop strings.
+incrementally (``Detokenizer``: a few tokens' decode per step, through the Rust tokenizer directly where
+that decodes as the HF wrapper does), only for sequences that stream or have stop strings.
 """
 
 from __future__ import annotations
@@ -178,18 +182,99 @@ class Detokenizer:
         return bisect.bisect_right(self.ends, self.ends[first]) if first < len(self.ends) else len(self.ends)
 
 
+def run_text_work(work: list[tuple[Callable, tuple]]) -> None:
+    """Run text work (``(function, args)`` pairs) in order; one that fails is logged and the rest still run."""
+    for function, args in work:
+        try:
+            function(*args)
+        except Exception:  # noqa: BLE001 - one sequence's text must not stop the others'
+            log.exception("text work for a sequence failed")
+
+
+class InlineText:
+    """The engine's text work in its decode loop: each step's work runs as it is handed over."""
+
+    def post(self, work: list[tuple[Callable, tuple]]) -> None:
+        run_text_work(work)
+
+    def drain(self) -> None:
+        """Nothing waits: all the work ran when it was posted."""
+
+    def stop(self) -> None:
+        """Nothing to stop."""
+
+    def join(self, timeout_s: float) -> None:
+        """Nothing to wait for."""
+
+
+class TextThread:
+    """The engine's text work off its decode loop: a thread that runs, in order, the work the loop hands over (each
+    decode step's tokens in one message). The loop only draws tokens; appending them to their sequences,
+    detokenising, matching stop strings and reporting to the requests happen here, beside the next forward pass."""
+
+    def __init__(self, name: str = "harness-serve-text") -> None:
+        self._work: queue.Queue[list[tuple[Callable, tuple]] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def post(self, work: list[tuple[Callable, tuple]]) -> None:
+        """Queue ``work`` (``(function, args)`` pairs), run after everything posted before it."""
+        if work:
+            self._work.put(work)
+
+    def drain(self) -> None:
+        """Wait until everything posted so far has run."""
+        self._work.join()
+
+    def stop(self) -> None:
+        """End the thread once everything posted so far has run."""
+        self._work.put(None)
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        while (work := self._work.get()) is not None:
+            try:
+                run_text_work(work)
+            finally:
+                self._work.task_done()
+        self._work.task_done()
+
+
+def fast_decoder(tokenizer) -> Callable[..., str] | None:
+    """The Rust tokenizer's own ``decode`` where the HF wrapper's adds nothing to it (a ``TokenizersBackend`` with
+    its stock ``decode`` and no clean-up of spaces), else None: a per-token saving for the detokeniser."""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    kind = type(tokenizer)
+    stock = kind.decode is PreTrainedTokenizerBase.decode and getattr(kind, "_decode", None) is TokenizersBackend._decode
+    if not stock or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return tokenizer.backend_tokenizer.decode
+
+
 class Overloaded(Exception):
     """``submit`` refused: the sequences would take the engine's load past the caller's limit."""
 
 
 @dataclass
 class _Row:
-    """A sequence in the running batch: its sampler and text state."""
+    """A sequence in the running batch: its sampler, its text state (the text thread's) and what the decode loop
+    knows of it (tokens drawn, and why it ends when that needs no text: EOS, ``max_tokens``, a failure)."""
 
     seq: Sequence
     generator: torch.Generator
     detok: Detokenizer | None  # None: nothing looks at the text before the end
     shown: "_TextState"
+    drawn: int = 0
+    ending: str | None = None  # "stop" (EOS), "length", "error": the row leaves at this step
+
+    @property
+    def live(self) -> bool:
+        """Still decoding: no ending drawn here, and not finished (a stop string), failed or cancelled elsewhere."""
+        return self.ending is None and not self.seq.over
 
 
 @dataclass
@@ -368,10 +453,23 @@ class Engine:
     sequences that fail alone get the error; a decode step that fails puts the batch's sequences not
     streamed yet back in the queue (once), to be decoded again; a sequence whose sampling fails (e.g. a
     temperature that overflows its logits) fails alone without stopping the rest of its batch.
+
+    ``text_thread``: the text work in its own thread (True) or in the decode loop (False); by default in a thread on an
+    accelerator, where the loop waits for the device outside the GIL, and in the loop on a CPU, where the forward pass
+    holds the GIL for most of a step and a second Python thread only takes turns with it (measured: 0.90x the tokens/s
+    at 64 rows, README).
     """
 
     def __init__(
-        self, model, tokenizer, *, device: str, max_batch: int = 64, max_batch_tokens: int | None = None, batch_wait_s: float = 0.002
+        self,
+        model,
+        tokenizer,
+        *,
+        device: str,
+        max_batch: int = 64,
+        max_batch_tokens: int | None = None,
+        batch_wait_s: float = 0.002,
+        text_thread: bool | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
@@ -383,6 +481,7 @@ class Engine:
         self.max_batch = max_batch
         self.max_batch_tokens = max_batch_tokens
         self.batch_wait_s = batch_wait_s
+        self.text_thread = torch.device(device).type != "cpu" if text_thread is None else text_thread
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_id = tokenizer.eos_token_id
         self.stats = EngineStats()
@@ -393,7 +492,9 @@ class Engine:
         self._closed = False
         self._held: list[Sequence] = []  # taken from the queue (or put back) ahead of it: decoded first
         self._worker: threading.Thread | None = None
+        self._text: TextThread | InlineText | None = None  # made by the decode loop, stopped when it ends
         self._start_lock = threading.Lock()
+        self._fast_decode = fast_decoder(tokenizer)
         accepted = inspect.signature(model.forward).parameters
         self._keep_logits = "logits_to_keep" in accepted
         self._cache_arg = "cache" if "cache" in accepted else "past_key_values"  # transformers 5 renamed it
@@ -406,6 +507,8 @@ class Engine:
 
     def decode(self, tokens: list[int], *, skip_special: bool = True) -> str:
         with self.tokenizer_lock:
+            if self._fast_decode is not None:
+                return self._fast_decode(tokens, skip_special_tokens=skip_special)
             return self.tokenizer.decode(tokens, skip_special_tokens=skip_special)
 
     def pieces(self, tokens: list[int]) -> list[str]:
@@ -447,11 +550,15 @@ class Engine:
                 self._load -= 1
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Stop the worker: the batch in progress fails at its next step, queued sequences are dropped."""
+        """Stop the worker: the batch in progress fails at its next step, queued sequences are dropped; then the text
+        thread, once it has reported all that."""
         self._closed = True
         self._queue.put(None)
         if self._worker is not None:
+            deadline = time.monotonic() + timeout_s
             self._worker.join(timeout_s)
+            if self._text is not None:
+                self._text.join(max(0.0, deadline - time.monotonic()))
 
     # -- admission
 
@@ -498,6 +605,7 @@ class Engine:
     # -- the loop
 
     def _loop(self) -> None:
+        self._text = TextThread() if self.text_thread else InlineText()
         batch = _Batch()
         try:
             while not self._closed:
@@ -508,9 +616,10 @@ class Engine:
                     self._advance(batch)
         finally:
             for row in batch.rows:
-                if not row.seq.over:
+                if row.live:
                     self._fail(row.seq, RuntimeError("the server is shutting down"))
                 self._release(row.seq)
+            self._text.stop()
 
     def _prefill_into(self, batch: _Batch, group: list[Sequence]) -> None:
         """Prefill ``group`` and join it to ``batch``; a failing group is prefilled again one sequence at a time."""
@@ -565,9 +674,9 @@ class Engine:
             generator = torch.Generator(device=self.device).manual_seed(self._seed(s))
             detok = Detokenizer(lambda t: self.decode(t)) if s.stream or s.stop else None
             rows.append(_Row(s, generator, detok, _TextState()))
+        self._text.post([(self._end, (row, "length")) for row in rows if row.seq.max_tokens == 0])
         for row in rows:
-            if row.seq.max_tokens == 0:
-                self._finish(row, "length")
+            row.ending = "length" if row.seq.max_tokens == 0 else None
         return _Batch(rows, with_slots(cache), attn, positions[:, -1:], logits[:, -1])
 
     @contextlib.contextmanager
@@ -585,8 +694,9 @@ class Engine:
 
     @torch.no_grad()
     def _advance(self, batch: _Batch) -> None:
-        """Choose each live row's next token, report it, drop the rows that are over, then one forward pass."""
-        live = [i for i, r in enumerate(batch.rows) if not r.seq.over]
+        """Choose each live row's next token, hand it to the text thread, drop the rows that are over, then one forward
+        pass."""
+        live = [i for i, r in enumerate(batch.rows) if r.live]
         chosen_by_row = self._choose(batch, live)
         live, tokens = list(chosen_by_row), list(chosen_by_row.values())
         if live:
@@ -595,14 +705,19 @@ class Engine:
             k = min(max(batch.rows[i].seq.top_n for i in live), logp.shape[-1])
             top_values, top_ids = logp.topk(k) if k else (logp[:, :0], logp[:, :0].long())
             top_values, top_ids = top_values.tolist(), top_ids.tolist()
-            for row, i in enumerate(live):
-                top = list(zip(top_ids[row], top_values[row], strict=True))[: batch.rows[i].seq.top_n]
-                self._step(batch.rows[i], tokens[row], chosen[row], top)
+            work = []
+            for at, i in enumerate(live):
+                row = batch.rows[i]
+                top = list(zip(top_ids[at], top_values[at], strict=True))[: row.seq.top_n]
+                row.drawn += 1
+                row.ending = self._ending(row, tokens[at])
+                work.append((self._take, (row, tokens[at], chosen[at], top, row.ending)))
+            self._text.post(work)
         token_of = {id(batch.rows[i]): token for i, token in zip(live, tokens, strict=True)}
-        going = [i for i, r in enumerate(batch.rows) if not r.seq.over]
+        going = [i for i, r in enumerate(batch.rows) if r.live]
         if len(going) < len(batch.rows):  # (keeping every row would copy the whole cache for nothing)
             for r in batch.rows:
-                if r.seq.over:
+                if not r.live:
                     self._release(r.seq)
             batch.keep(going)
         if not batch.rows:
@@ -617,8 +732,11 @@ class Engine:
         except Exception as exc:  # noqa: BLE001 - reported to the sequences it concerns
             if not self._closed:
                 log.exception("a decode step of %d sequences failed", len(batch.rows))
+            self._text.drain()  # which sequences streamed (or ended at a stop string) is the text thread's to say
             for r in batch.rows:
-                if self._closed or r.seq.streamed_out or r.seq.retried or len(batch.rows) == 1:
+                if r.seq.over:
+                    self._release(r.seq)
+                elif self._closed or r.seq.streamed_out or r.seq.retried or len(batch.rows) == 1:
                     self._fail(r.seq, RuntimeError("the server is shutting down") if self._closed else exc)
                     self._release(r.seq)
                 else:
@@ -632,7 +750,7 @@ class Engine:
         temperature and top_p by one batched draw (each row from its own generator); EOS is masked for rows short of
         ``min_tokens``. A row whose probabilities cannot be sampled (e.g. a temperature that overflows) fails alone."""
         logits = batch.logits
-        early = [i for i in live if len(batch.rows[i].seq.tokens) < batch.rows[i].seq.min_tokens]
+        early = [i for i in live if batch.rows[i].drawn < batch.rows[i].seq.min_tokens]
         if early and self.eos_id is not None:
             logits = logits.clone()
             logits[early, self.eos_id] = float("-inf")
@@ -652,6 +770,7 @@ class Engine:
                     chosen[i] = token
                 else:
                     log.warning("sampling one sequence failed: its probabilities contain inf, nan or an element < 0")
+                    batch.rows[i].ending = "error"
                     self._fail(batch.rows[i].seq, RuntimeError("probability tensor contains either inf, nan or element < 0"))
         return dict(sorted(chosen.items()))
 
@@ -665,9 +784,21 @@ class Engine:
         seq.prompt_lps = [None, *logp.gather(-1, targets[:, None]).squeeze(-1).tolist()]
         seq.prompt_tops = [None, *(top_list(row, seq.top_n) for row in logp)]
 
+    def _ending(self, row: _Row, token: int) -> str | None:
+        """Why ``row`` ends with ``token``, where that needs no text: EOS (``stop``; masked before ``min_tokens``), or
+        ``max_tokens`` reached (``length``)."""
+        if token == self.eos_id and not row.seq.ignore_eos:
+            return "stop"
+        return "length" if row.drawn >= row.seq.max_tokens else None
+
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
-        seq.error = exc
-        self._emit(seq, "error")
+        """Fail ``seq``, reported by the text thread after the work posted before it (unless that finished it)."""
+        self._text.post([(self._report_failure, (seq, exc))])
+
+    def _report_failure(self, seq: Sequence, exc: BaseException) -> None:
+        if seq.finish_reason is None:
+            seq.error = exc
+            self._emit(seq, "error")
 
     def _emit(self, seq: Sequence, kind: str, delta: Delta | None = None) -> None:
         if seq.on_event is not None:
@@ -676,19 +807,22 @@ class Engine:
             except Exception:  # noqa: BLE001 - a callback must not take the engine down
                 log.exception("a request callback failed")
 
-    def _step(self, row: _Row, token: int, logprob: float, top: TopList) -> None:
-        """Record ``token``; finish on EOS, a stop string or ``max_tokens``, else report what is safe to show."""
+    def _take(self, row: _Row, token: int, logprob: float, top: TopList, ending: str | None) -> None:
+        """(Text thread.) Record ``token``; finish on ``ending`` (the decode loop's: EOS or ``max_tokens``) or a stop
+        string, else report what is safe to show. A sequence already over takes no more tokens: those the loop drew
+        after its stop string, before it dropped the row, are not its."""
         seq, detok = row.seq, row.detok
+        if seq.over:
+            return
         seq.tokens.append(token)
         seq.logprobs.append(logprob)
         seq.tops.append(top)
-        at_limit = len(seq.tokens) >= seq.max_tokens
-        if token == self.eos_id and not seq.ignore_eos:  # EOS is masked before min_tokens
+        if ending == "stop":
             self._finish(row, "stop")
             return
         if detok is None:  # nothing to look at in the text before the end
-            if at_limit:
-                self._finish(row, "length")
+            if ending is not None:
+                self._finish(row, ending)
             return
         before = len(detok.text)
         detok.add(token)
@@ -698,14 +832,20 @@ class Engine:
         if hit:
             at, stop = hit
             self._finish(row, "stop", text[: at + len(stop)] if seq.include_stop else text[:at], strip=not seq.include_stop)
-        elif at_limit:
-            self._finish(row, "length")
+        elif ending is not None:
+            self._finish(row, ending)
         elif (delta := row.shown.advance(seq, detok, safe_prefix(text, seq.stop))) is not None:
             seq.streamed_out = seq.streamed_out or seq.stream
             self._emit(seq, "step", delta)
 
+    def _end(self, row: _Row, reason: str) -> None:
+        """(Text thread.) End ``row``'s sequence with the tokens it has (a prompt scored with ``max_tokens`` 0)."""
+        if not row.seq.over:
+            self._finish(row, reason)
+
     def _finish(self, row: _Row, reason: str, text: str | None = None, *, strip: bool = False) -> None:
-        """End ``row``'s sequence: its text is ``text`` (a stop-string cut) or the full decode of its tokens (once)."""
+        """(Text thread.) End ``row``'s sequence: its text is ``text`` (a stop-string cut) or the full decode of its
+        tokens (once)."""
         seq = row.seq
         seq.text = self.decode(seq.tokens) if text is None else text
         if strip:  # keep the shortest token prefix whose text still covers the kept text
