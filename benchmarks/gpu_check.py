@@ -96,6 +96,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     shapes.add_argument("--opd-steps", type=int, default=10, help="optimizer steps of the end-to-end opd run")
     shapes.add_argument("--opd-teacher", default="qwen3-1.7b-shape", help="teacher shape of the 10-step opd run (student: the first shape)")
     shapes.add_argument("--shape-layers", type=int, default=None, help="build only this many layers of each shape (default: all)")
+    shapes.add_argument("--serve-clients", type=int, default=64, help="serve: streamed clients (and the engines' max batch)")
+    shapes.add_argument("--serve-tokens", type=int, default=256, help="serve: tokens per client")
+    shapes.add_argument("--serve-gap-ms", type=float, default=10.0, help="serve: milliseconds between arrivals")
+    shapes.add_argument("--serve-rounds", type=int, default=2, help="serve: rounds of the three engines, order alternated")
     shapes.add_argument("--budget-s", type=float, default=450.0, help="wall-clock budget of the whole check (later sections are skipped)")
     shapes.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                         help="each shape section in its own process, killed at its cap (default: on with CUDA)")  # fmt: skip
@@ -105,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.raw_argv = [a for a in (sys.argv[1:] if argv is None else argv)]
     for name in ("prompts", "samples", "new_tokens", "steps", "reference_rows", "prompt_len", "rollout_new_tokens", "score_rows",
-                 "score_len", "top_k"):  # fmt: skip
+                 "score_len", "top_k", "serve_clients", "serve_tokens", "serve_rounds"):  # fmt: skip
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     return args
@@ -285,7 +289,7 @@ def learner_steps(model: torch.nn.Module, batch: TensorBatch, steps: int, device
 
 DEFAULT_SHAPES = ["qwen3-0.6b-shape", "qwen3-1.7b-shape"]
 BIG_SHAPES = ["qwen3-4b-shape", "qwen3-8b-shape"]
-SECTION_CAPS_S = {"rollout": 110, "scoring": 35, "learner": 70, "opd_run": 150}  # wall-clock cap of each section (per shape)
+SECTION_CAPS_S = {"rollout": 110, "scoring": 35, "learner": 70, "opd_run": 150, "serve": 90}  # wall-clock cap of a section (per shape)
 DRY_SECTION_CAP_S = 300  # the CPU dry mode's cap of every section (a loaded CI machine; the numbers mean nothing there)
 MIN_SECTION_S = 20  # a section does not start with less of the budget left
 # HBM bandwidth by device name (bytes/s, vendor data sheets): the decode bound's denominator
@@ -300,6 +304,9 @@ DRY_SHAPE_SIZES = {
     "learn_lens": [16],
     "opd_teacher": "qwen3-0.6b-shape",
     "shape_layers": 1,
+    "serve_clients": 4,
+    "serve_tokens": 8,
+    "serve_rounds": 1,
 }
 
 
@@ -539,7 +546,50 @@ def opd_run_section(arch: str | None, args: argparse.Namespace, device: str, out
         out["error"] = f"harness run exited {out['returncode']}\n{out.get('output_tail', '')}"
 
 
-SHAPE_SECTIONS = {"rollout": rollout_section, "scoring": scoring_section, "learner": learner_section, "opd_run": opd_run_section}
+def serve_section(arch: str, args: argparse.Namespace, device: str, out: dict, deadline: float) -> None:
+    """``harness serve``'s engine before and after continuous batching (``benchmarks/serve_engine.py``'s client row):
+    ``--serve-clients`` streamed clients of ``--serve-tokens`` tokens each (EOS masked), ``--serve-gap-ms`` apart, through
+    the old engine, the new one with its text work in a thread (the accelerator default) and the new one with it inline;
+    tokens/s and median time to first token of each, every side warmed up, ``--serve-rounds`` rounds in alternating order."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # serve_engine and the old engine beside it
+    import serve_engine
+
+    model, parameters = shape_model(arch, device, args.shape_layers)
+    tokenizer = shape_tokenizer(model.config.vocab_size)
+    model = serve_engine.NoEos(model, tokenizer.eos_token_id)
+    sides = {"old": (serve_engine.old, {}), "new": (serve_engine.new, {"text_thread": True}),
+             "new_inline": (serve_engine.new, {"text_thread": False})}  # fmt: skip
+    lengths = [args.serve_tokens] * args.serve_clients
+    out.update(parameters=parameters, clients=args.serve_clients, tokens=args.serve_tokens, gap_ms=args.serve_gap_ms, sides={})
+
+    def run(side: tuple, lengths: list[int]) -> tuple[float, float] | None:
+        if time.monotonic() > deadline:
+            return None
+        module, options = side
+        gap_s, clients = args.serve_gap_ms / 1000, len(lengths)
+        return serve_engine.staggered(module, model, tokenizer, lengths=lengths, gap_s=gap_s, max_batch=clients, device=device, **options)
+
+    for side in sides.values():  # warm-up: kernels, the allocator, both engines' first prefill and joins
+        run(side, lengths[:4])
+    results = serve_engine.alternated(args.serve_rounds, sides, lambda side: run(side, lengths))
+    for name, runs in results.items():
+        done = [r for r in runs if r is not None]
+        row = {"tokens_per_s": [r[0] for r in done], "median_ttft_s": [r[1] for r in done]}
+        if done:
+            row.update(tokens_per_s_mean=sum(row["tokens_per_s"]) / len(done), median_ttft_s_mean=sum(row["median_ttft_s"]) / len(done))
+        if len(done) < len(runs):
+            row["skipped_rounds"] = len(runs) - len(done)
+        out["sides"][name] = row
+    old = out["sides"]["old"].get("tokens_per_s_mean")
+    for name in ("new", "new_inline"):
+        mean = out["sides"][name].get("tokens_per_s_mean")
+        if old and mean:
+            out[f"{name}_over_old"] = mean / old
+    yield_partial(out)
+
+
+SHAPE_SECTIONS = {"rollout": rollout_section, "scoring": scoring_section, "learner": learner_section, "opd_run": opd_run_section,
+                  "serve": serve_section}  # fmt: skip
 _PARTIAL: dict = {}  # where a section in a child process writes its partial results
 
 
@@ -643,11 +693,11 @@ def section_plan(args: argparse.Namespace) -> list[tuple[str, str | None]]:
     """(section, shape) in priority order: the smallest shape's rollout and learner first, then the end-to-end run, then the rest."""
     shapes = list(args.shapes) + (BIG_SHAPES if args.big_shapes else [])
     if getattr(args, "dry", False):  # the end-to-end run on the smoke preset's tiny models (harness run builds whole shapes)
-        return [(name, shapes[0]) for name in ("rollout", "learner", "scoring") if shapes] + [("opd_run", None)]
+        return [(name, shapes[0]) for name in ("rollout", "learner", "scoring", "serve") if shapes] + [("opd_run", None)]
     if not shapes:
         return []
     first, rest = shapes[0], shapes[1:]
-    plan = [("rollout", first), ("learner", first), ("opd_run", first), ("scoring", first)]
+    plan = [("rollout", first), ("learner", first), ("opd_run", first), ("scoring", first), ("serve", first)]
     for arch in rest:
         plan += [("rollout", arch), ("learner", arch), ("scoring", arch)]
     return plan
@@ -713,7 +763,8 @@ def main(argv: list[str] | None = None) -> int:
         "sections": {},
     }
     sizes = ("prompts", "samples", "new_tokens", "steps", "reference_rows", "rollout_batches", "prompt_len", "rollout_new_tokens",
-             "score_rows", "score_len", "top_k", "learn_lens", "vocab_chunk", "opd_steps", "shape_layers", "budget_s")  # fmt: skip
+             "score_rows", "score_len", "top_k", "learn_lens", "vocab_chunk", "opd_steps", "shape_layers", "budget_s",
+             "serve_clients", "serve_tokens", "serve_gap_ms", "serve_rounds")  # fmt: skip
     report["sizes"] = {k: getattr(args, k) for k in sizes}
     started = time.perf_counter()
     deadline = time.monotonic() + args.budget_s

@@ -84,10 +84,12 @@ def decode_work_new(tokenizer, tokens: list[int]) -> float:
     return time.perf_counter() - start
 
 
-def staggered(module, model, tokenizer, *, lengths: list[int], gap_s: float, max_batch: int, **options) -> tuple[float, float]:
+def staggered(
+    module, model, tokenizer, *, lengths: list[int], gap_s: float, max_batch: int, device: str = "cpu", **options
+) -> tuple[float, float]:
     """(generated tokens per second, median seconds to first token) for one streamed request per entry of ``lengths``
     (its ``max_tokens``), sent ``gap_s`` apart; ``options`` go to the engine."""
-    engine = module.Engine(model, tokenizer, device="cpu", max_batch=max_batch, batch_wait_s=0.002, **options)
+    engine = module.Engine(model, tokenizer, device=device, max_batch=max_batch, batch_wait_s=0.002, **options)
     first_at: dict[int, float] = {}
     sent_at: dict[int, float] = {}
     done = threading.Semaphore(0)

@@ -108,3 +108,35 @@ def test_shape_sections_report_errors_caps_and_logprob_gaps():
         "scoring:a: raised torch.OutOfMemoryError: CUDA out of memory",
         "opd_run:a: the run stored 7 of its 10 steps",
     ]
+
+
+def test_the_serve_section_measures_three_engines_and_stops_at_its_deadline(monkeypatch):
+    """The serve section (#25's client row on a GPU) on a tiny model on the CPU: every side's rounds, their means and the
+    ratios to the old engine; past its deadline the rounds left are counted as skipped, not run."""
+    import argparse
+    import time
+
+    from harness.models.tiny import TinyArch, build_tiny_model
+
+    gpu_check = load_gpu_check()
+
+    def tiny_shape(arch, device, layers):
+        tokenizer = gpu_check.shape_tokenizer(64)
+        model = build_tiny_model(TinyArch(hidden=32, layers=1, heads=2, kv_heads=1, ffn=64), len(tokenizer),
+                                 pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id, seed=0)  # fmt: skip
+        model.config.vocab_size = len(tokenizer)
+        return model.eval(), 1234
+
+    monkeypatch.setattr(gpu_check, "shape_model", tiny_shape)
+    args = argparse.Namespace(shape_layers=None, serve_clients=4, serve_tokens=6, serve_gap_ms=1.0, serve_rounds=2)
+    out: dict = {}
+    gpu_check.serve_section("qwen3-0.6b-shape", args, "cpu", out, time.monotonic() + 600)
+    assert (out["parameters"], out["clients"], out["tokens"]) == (1234, 4, 6) and set(out["sides"]) == {"old", "new", "new_inline"}
+    for side in out["sides"].values():
+        assert len(side["tokens_per_s"]) == 2 and all(rate > 0 for rate in side["tokens_per_s"]) and "skipped_rounds" not in side
+        assert side["tokens_per_s_mean"] == pytest.approx(sum(side["tokens_per_s"]) / 2)
+    assert out["new_over_old"] == pytest.approx(out["sides"]["new"]["tokens_per_s_mean"] / out["sides"]["old"]["tokens_per_s_mean"])
+    late: dict = {}
+    gpu_check.serve_section("qwen3-0.6b-shape", args, "cpu", late, time.monotonic() - 1)
+    assert all(side == {"tokens_per_s": [], "median_ttft_s": [], "skipped_rounds": 2} for side in late["sides"].values())
+    assert "new_over_old" not in late

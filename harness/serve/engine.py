@@ -64,7 +64,7 @@ class Sequence:
     top_n: int = 0  # alternatives per position
     prompt_logprobs: bool = False
     stream: bool = False  # report text as it is decoded (otherwise only stop strings need the text before the end)
-    on_event: Callable[["Sequence", str, "Delta | None"], None] | None = None  # from the engine thread: "step", "done", "error"
+    on_event: Callable[["Sequence", str, "Delta | None"], None] | None = None  # from the engine (text) thread: "step", "done", "error"
     # results
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
