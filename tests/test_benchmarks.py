@@ -83,9 +83,10 @@ def test_serve_engine_warms_up_both_engines_then_alternates_their_order(monkeypa
     monkeypatch.setattr(bench, "decode_work_old", lambda tok, tokens: calls.append(("old", len(tokens))) or 4.0)
     monkeypatch.setattr(bench, "decode_work_new", lambda tok, tokens: calls.append(("new", len(tokens))) or 1.0)
 
-    def fake_staggered(module, model, tokenizer, *, lengths, gap_s, max_batch):
-        calls.append(("old" if module is bench.old else "new", len(lengths), sum(lengths)))
-        return (100.0, 1.0) if module is bench.old else (300.0, 0.1)
+    def fake_staggered(module, model, tokenizer, *, lengths, gap_s, max_batch, **options):
+        name = "old" if module is bench.old else "thread" if options.get("text_thread") else "new"
+        calls.append((name, len(lengths), sum(lengths)))
+        return {"old": (100.0, 1.0), "new": (300.0, 0.1), "thread": (250.0, 0.2)}[name]
 
     monkeypatch.setattr(bench, "staggered", fake_staggered)
     argv = ["serve_engine.py", "--rounds", "2", "--lengths", "64", "--clients", "8", "--mixed-clients", "16", "--long-every", "4"]
@@ -97,7 +98,14 @@ def test_serve_engine_warms_up_both_engines_then_alternates_their_order(monkeypa
                      ("old", 8, 8 * 256), ("new", 8, 8 * 256), ("new", 8, 8 * 256), ("old", 8, 8 * 256),
                      ("old", 16, mixed), ("new", 16, mixed), ("new", 16, mixed), ("old", 16, mixed)]  # fmt: skip
     out = capsys.readouterr().out
-    assert out.count("new/old tokens/s: 3.00; old/new median TTFT: 10.0") == 2 and "4.0" in out
+    assert out.count("new / old tokens/s: 3.00; old / new median TTFT: 10.0") == 2 and "4.0" in out and "thread" not in out
+    calls.clear()
+    monkeypatch.setattr(sys, "argv", [*argv[:4], "--text-thread", "--mixed-clients", "0", "--clients", "8"])
+    bench.main()
+    row = ("old", 8, 8 * 256), ("new", 8, 8 * 256), ("thread", 8, 8 * 256)
+    assert calls[3:] == [*row, *row[::-1]]  # the third side joins the alternation, warmed up with the others
+    assert [c[0] for c in calls[:3]] == ["old", "new", "thread"] and all(c[1] == 4 for c in calls[:3])
+    assert "new, text thread / old tokens/s: 2.50; old / new, text thread median TTFT: 5.0" in capsys.readouterr().out
 
 
 def test_serve_engine_step_costs_time_both_engines_at_each_batch_size_alternating(monkeypatch, capsys):
