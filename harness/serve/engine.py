@@ -8,9 +8,10 @@ running batch's (left-padded to a common length), so a request that arrives whil
 joins at the next step and a short one finishes first. A finished or cancelled sequence leaves the
 batch at once. Sequences report each step to their request, so streaming is truly incremental.
 The decode loop only draws tokens and ends rows at EOS or ``max_tokens``; the text work (appending tokens,
-detokenising, stop strings, reporting) runs in a second thread (``TextThread``), beside the next forward pass.
-A stop string found there ends its sequence, and the loop drops the row at its next step: the tokens drawn
-in between are never shown or returned.
+detokenising, stop strings, reporting) is handed over once per step, to a second thread (``TextThread``, beside
+the next forward pass; the default on an accelerator) or run in the loop (``InlineText``, the default on a CPU).
+A stop string found in the thread ends its sequence, and the loop drops the row at its next step: the tokens
+drawn in between are never shown or returned.
 The cache's layers are ``SlotLayer``s (buffers with spare rows and columns), so a step writes one column
 in place, a leaver's place is refilled by the last row and joiners go into spare rows; nothing copies
 the whole cache per step or per arrival.
@@ -456,8 +457,8 @@ class Engine:
 
     ``text_thread``: the text work in its own thread (True) or in the decode loop (False); by default in a thread on an
     accelerator, where the loop waits for the device outside the GIL, and in the loop on a CPU, where the forward pass
-    holds the GIL for most of a step and a second Python thread only takes turns with it (measured: 0.90x the tokens/s
-    at 64 rows, README).
+    holds the GIL for most of a step and a second Python thread only takes turns with it (measured: 0.84-0.93x the
+    tokens/s at 64-192 clients, README).
     """
 
     def __init__(
