@@ -551,7 +551,8 @@ def serve_section(arch: str, args: argparse.Namespace, device: str, out: dict, d
     ``--serve-clients`` streamed clients of ``--serve-tokens`` tokens each (EOS masked), ``--serve-gap-ms`` apart, through
     the old engine, the new one with its text work in a thread (the accelerator default) and the new one with it inline;
     tokens/s and median time to first token of each, every side warmed up, ``--serve-rounds`` rounds in alternating order."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # serve_engine and the old engine beside it
+    if str(ROOT / "benchmarks") not in sys.path:  # serve_engine and the old engine beside it
+        sys.path.insert(0, str(ROOT / "benchmarks"))
     import serve_engine
 
     model, parameters = shape_model(arch, device, args.shape_layers)

@@ -675,9 +675,10 @@ class Engine:
             generator = torch.Generator(device=self.device).manual_seed(self._seed(s))
             detok = Detokenizer(lambda t: self.decode(t)) if s.stream or s.stop else None
             rows.append(_Row(s, generator, detok, _TextState()))
-        self._text.post([(self._end, (row, "length")) for row in rows if row.seq.max_tokens == 0])
-        for row in rows:
-            row.ending = "length" if row.seq.max_tokens == 0 else None
+        scored_only = [row for row in rows if row.seq.max_tokens == 0]
+        for row in scored_only:
+            row.ending = "length"
+        self._text.post([(self._end, (row, "length")) for row in scored_only])
         return _Batch(rows, with_slots(cache), attn, positions[:, -1:], logits[:, -1])
 
     @contextlib.contextmanager
