@@ -47,12 +47,12 @@ def one_way(args: argparse.Namespace) -> dict:
     ids = torch.randint(3, vocab, (1, length), generator=g)
     mask = torch.zeros((1, length))
     mask[:, length // 2 :] = 1.0
-    teacher_full = torch.randn((1, length, vocab), generator=g)
-    teacher_full = teacher_full.log_softmax(-1)
+    teacher_dist = torch.randn((1, length, vocab), generator=g)
+    teacher_dist = teacher_dist.log_softmax(-1)
     batch = TensorBatch(
         input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=mask, step_index=torch.where(mask > 0, 0, -1),
         behaviour_logprobs=torch.zeros((1, length)), teacher_logprobs=torch.zeros((1, length)), rewards=torch.full((1,), float("nan")),
-        policy_version=torch.zeros(1, dtype=torch.long), group_ids=torch.zeros(1, dtype=torch.long), teacher_full=teacher_full,
+        policy_version=torch.zeros(1, dtype=torch.long), group_ids=torch.zeros(1, dtype=torch.long), teacher_dist=teacher_dist,
     )  # fmt: skip
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     hparams = OPDParams(estimator="full")
@@ -62,7 +62,7 @@ def one_way(args: argparse.Namespace) -> dict:
     metrics = train_step(model, optimizer, batch, OPD_SPEC, hparams, vocab_chunk=args.chunk)
     seconds = time.perf_counter() - started
     return {"vocab_chunk": args.chunk, "rss_before_mib": before, "step_peak_above_mib": rss_mib("VmHWM") - before,
-            "step_s": seconds, "loss": metrics["loss"], "teacher_full_mib": teacher_full.numel() * 4 / 2**20}  # fmt: skip
+            "step_s": seconds, "loss": metrics["loss"], "teacher_dist_mib": teacher_dist.numel() * 4 / 2**20}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

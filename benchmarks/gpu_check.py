@@ -254,7 +254,7 @@ def measure_pair(name: str, args: argparse.Namespace, device: str, tokenizer) ->
         scores = scorer.score(batch.input_ids, batch.attention_mask, want=("logprobs", "full"))
     synchronize(device)
     result["teacher_score_s"] = time.perf_counter() - started
-    batch.teacher_logprobs, batch.teacher_full = scores["logprobs"] * batch.loss_mask, scores["full"]
+    batch.teacher_logprobs, batch.teacher_dist = scores["logprobs"] * batch.loss_mask, scores["full"]
 
     result["learner"] = learner_steps(student, batch, args.steps, device)
     result["learner"]["batch_shape"] = list(batch.shape)
@@ -459,10 +459,10 @@ def learner_section(arch: str, args: argparse.Namespace, device: str, out: dict,
             step_index=torch.where(loss_mask > 0, 0, -1), behaviour_logprobs=torch.zeros((1, length), device=device),
             teacher_logprobs=torch.zeros((1, length), device=device), rewards=torch.full((1,), float("nan"), device=device),
             policy_version=torch.zeros(1, dtype=torch.long, device=device), group_ids=torch.zeros(1, dtype=torch.long, device=device),
-            teacher_full=torch.log_softmax(torch.randn((1, length, vocab), device=device), dim=-1),
+            teacher_dist=torch.log_softmax(torch.randn((1, length, vocab), device=device), dim=-1),
         )  # fmt: skip
         hparams = OPDParams(estimator="full")
-        row: dict = {"teacher_full_mib": batch.teacher_full.numel() * 4 / 2**20}
+        row: dict = {"teacher_dist_mib": batch.teacher_dist.numel() * 4 / 2**20}
         for way, chunk in (("whole", 0), ("chunked", args.vocab_chunk)):
             if time.monotonic() > deadline:
                 row[way] = {"skipped": "section time cap reached"}

@@ -32,8 +32,8 @@ def synthetic_batch(batch: int, length: int, vocab: int, seed: int = 0) -> tuple
     mask[:, split + 8 :] = 1
     steps = torch.full((batch, length), -1)
     steps[:, prompt:split], steps[:, split + 8 :] = 0, 1
-    teacher_full = F.log_softmax(torch.randn(batch, length, vocab, generator=g) * 2, dim=-1)
-    teacher = teacher_full.gather(-1, ids.unsqueeze(-1)).squeeze(-1) * mask
+    teacher_dist = F.log_softmax(torch.randn(batch, length, vocab, generator=g) * 2, dim=-1)
+    teacher = teacher_dist.gather(-1, ids.unsqueeze(-1)).squeeze(-1) * mask
     student_logits = torch.randn(batch, length, vocab, generator=g) * 2
     behaviour = F.log_softmax(student_logits, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1) * mask
     tb = TensorBatch(
@@ -46,7 +46,7 @@ def synthetic_batch(batch: int, length: int, vocab: int, seed: int = 0) -> tuple
         rewards=torch.randint(0, 2, (batch,), generator=g).float(),
         policy_version=torch.zeros(batch, dtype=torch.long),
         group_ids=torch.arange(batch) // 4,
-        teacher_full=teacher_full,
+        teacher_dist=teacher_dist,
         policy_lag=torch.randint(0, 4, (batch,), generator=g),
     )
     return tb, student_logits

@@ -62,7 +62,7 @@ def main() -> None:
         chosen = problems[b * args.prompts : (b + 1) * args.prompts]
         params = SamplingParams(temperature=1.0, max_new_tokens=task.options.max_new_tokens, n=1, seed=1000 + b)
         batch = to_tensor_batch(rollout(student, task, chosen, params), student.pad_id)
-        score_teacher(teacher, batch, want=("logprobs", "full"))
+        score_teacher(teacher, batch, kind="full")
         student_model.train()
         sampled, full = flat_gradient(student_model, batch, "sampled"), flat_gradient(student_model, batch, "full")
         grads.append((sampled, full))

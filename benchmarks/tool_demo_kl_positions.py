@@ -93,12 +93,12 @@ def main() -> None:
     problems = random.Random(args.seed).sample(task.read_problems("train", Path(".")), args.problems)
     trajs = rollout(student, task, problems, SamplingParams(temperature=1.0, max_new_tokens=64, n=4, seed=args.seed))
     batch = to_tensor_batch(trajs, student.pad_id)
-    score_teacher(teacher, batch, want=("logprobs", "full"))
+    score_teacher(teacher, batch, kind="full")
     trained = batch.loss_mask > 0
     with torch.no_grad():
         own = student.score(batch.input_ids, batch.attention_mask, want=("full",))["full"]
     gap_t = gap_s = 0.0
-    kl = (own.exp() * (own - batch.teacher_full)).sum(-1)
+    kl = (own.exp() * (own - batch.teacher_dist)).sum(-1)
     classes: dict[str, list[float]] = {}
     for row, traj in enumerate(trajs):
         ids = traj.prompt_ids + traj.response_ids
@@ -106,7 +106,7 @@ def main() -> None:
             direct_t = torch.log_softmax(teacher_model(input_ids=torch.tensor([ids])).logits[0, :-1].float(), -1)
             direct_s = torch.log_softmax(student_model(input_ids=torch.tensor([ids])).logits[0, :-1].float(), -1)
         on = trained[row, 1 : len(ids)]
-        gap_t = max(gap_t, float((batch.teacher_full[row, 1 : len(ids)] - direct_t)[on].abs().max()))
+        gap_t = max(gap_t, float((batch.teacher_dist[row, 1 : len(ids)] - direct_t)[on].abs().max()))
         gap_s = max(gap_s, float((own[row, 1 : len(ids)] - direct_s)[on].abs().max()))
         at = len(traj.prompt_ids)
         for segment in traj.segments:
@@ -123,9 +123,9 @@ def main() -> None:
         values = classes[name]
         print(f"  {name:<18} {sum(values) / len(values):6.3f} nats  ({len(values)} tokens)")
     digits = torch.tensor(tok.convert_tokens_to_ids(list("0123456789")))
-    best = batch.teacher_full.max(-1)
+    best = batch.teacher_dist.max(-1)
     copies = trained & torch.isin(best.indices, digits) & (best.values.exp() > 0.9)
-    geometric = torch.softmax(batch.teacher_full[copies].mean(0), -1)
+    geometric = torch.softmax(batch.teacher_dist[copies].mean(0), -1)
     print(f"digit-copy positions (teacher's top token a digit at p > 0.9): {int(copies.sum())}")
     print(f"  normalised geometric mean of the teacher there: mass off digits {1 - float(geometric[digits].sum()):.3f}")
     refs_problems = task.read_problems("test", Path("."))[:25]

@@ -54,15 +54,15 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--every", type=int, default=10)
-    parser.add_argument("--teacher-top-k", type=int, default=0, help="OPD's teacher_top_k (0: the full distribution)")
+    parser.add_argument("--teacher-top-k", type=int, default=0, help="a top-k teacher signal of this k (0: the full distribution)")
     args = parser.parse_args()
     task, student, teacher = demo_task_and_models(args.student, args.teacher)
     student_model, tok = student.model, student.tokenizer
     teacher.model.requires_grad_(False)
     train, test = task.read_problems("train", Path(".")), task.read_problems("test", Path("."))[:25]
     refs = to_tensor_batch(reference_trajectories(task, test, tok), student.pad_id)
-    hparams = OPDParams(estimator="full", teacher_top_k=args.teacher_top_k)
-    want = ("logprobs", "topk") if args.teacher_top_k else ("logprobs", "full")
+    hparams = OPDParams(estimator="full")
+    kind = "topk" if args.teacher_top_k else "full"
     optimizer = torch.optim.AdamW(student_model.parameters(), lr=args.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 5))
     print(f"step 0: {evaluate(student, task, test, refs)}", flush=True)
@@ -71,7 +71,7 @@ def main() -> None:
         sampling = SamplingParams(temperature=1.0, max_new_tokens=64, n=4, seed=step)
         trajs = rollout(student, task, random.Random(step).sample(train, 16), sampling)
         batch = to_tensor_batch(trajs, student.pad_id)
-        score_teacher(teacher, batch, want=want, top_k=args.teacher_top_k)
+        score_teacher(teacher, batch, kind=kind, top_k=args.teacher_top_k)
         metrics = train_step(student_model, optimizer, batch, OPD_SPEC, hparams)
         schedule.step()
         invalid = sum(t.metadata["episode"].get("invalid_tool_calls", 0) > 0 for t in trajs) / len(trajs)

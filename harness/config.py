@@ -82,10 +82,18 @@ class TeacherSpec(ModelSpec):
             "retry_backoff_s, concurrency, api_key, tokenizer"
         ),
     )
-    top_k: int = Field(
-        20,
-        ge=1,
-        description="teacher log-probs per position asked of a backend without full distributions (openai, vllm) when a method needs them",
+    signal: Literal["auto", "sampled", "topk", "student_topk", "full"] = Field(
+        "auto",
+        description=(
+            "what the teacher gives a method that reads its distribution (harness.teacher_signal): full (the exact distribution, "
+            "carried as last hidden states + the output head), topk (its top-k log-probs + a tail bucket), student_topk (its "
+            "log-probs on the student's top-k tokens + tail), sampled (the sampled token's log-prob only); auto: the first kind "
+            "the method accepts that the backend gives (hf: full; openai, vllm: topk)"
+        ),
+    )
+    top_k: int = Field(20, ge=1, description="k of the topk and student_topk signals")
+    signal_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32", description="dtype of the full signal's hidden states in a batch (log-probs stay float32)"
     )
     step_retries: int = Field(
         1,

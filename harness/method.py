@@ -23,8 +23,8 @@ INPUTS = {
     "old_logprobs": "π_old: log-probs of the sampled tokens under the behaviour weights, recomputed by the trainer's model "
     "(trainer.behaviour_logprobs=recompute) or the rollout engine's (engine); PPO-style ratios, methods.md §0",
     "teacher_logprobs": "teacher log-probs of the sampled tokens",
-    "teacher_full": "full teacher distribution over the vocabulary at every position",
-    "teacher_topk": "the teacher's top-k log-probs and token ids at every position (k: the method's teacher_top_k)",
+    "teacher_dist": "the teacher's distribution at every position, in a kind the method accepts (MethodSpec.teacher_kinds: "
+    "full, topk, student_topk; teacher.signal chooses, harness.teacher_signal)",
     "student_full": "full current-student distribution (with gradient)",
     "rewards": "a scalar outcome reward per trajectory (the task's grade)",
     "step_boundaries": "step index per token (multi-step trajectories)",
@@ -56,14 +56,17 @@ class StudentOutputs:
 
     def over_vocabulary(self, fn: Callable[..., torch.Tensor], *aligned: torch.Tensor) -> torch.Tensor:
         """``fn(log π_θ(· | prefix), *aligned)`` at every (B, T) position: per-position terms (B, T) or (B, T, k) of the full
-        distribution (last dim V) and ``aligned`` (B, T, ...) tensors such as the teacher's. Objectives read the full
+        distribution (last dim V) and ``aligned`` (B, T, ...) tensors; the teacher's distribution among them may be a compact one
+        (:mod:`harness.teacher_signal`: ``fn`` then gets both log-distributions as that kind gives them). Objectives read the full
         distribution only through this, so ``trainer.vocab_chunk`` can run ``fn`` a chunk of positions at a time (it must
         treat positions independently); the caller reduces the terms over positions."""
         if self.vocab_map is not None:
             return self.vocab_map(fn, *aligned)
         if self.full is None:
             raise ValueError("the full student distribution was not computed: the method must declare student_full")
-        return fn(self.full, *aligned)
+        from harness.teacher_signal import apply_terms
+
+        return apply_terms(fn, self.full, *(a.to(self.full.device) for a in aligned))
 
 
 class MethodState(Protocol):
@@ -93,11 +96,22 @@ class MethodSpec:
     # Methods with a group-centred reward advantage (GRPO family): samples per prompt when the config sets none.
     # Their baseline needs ≥ 2 samples per prompt; config validation refuses 1 unless hparams.allow_single_sample.
     group_size: int | None = None
+    # The kinds of the teacher's distribution (harness.teacher_signal.DISTRIBUTION_KINDS) a method reading teacher_dist
+    # accepts, preferred first; teacher.signal=auto takes the first one the teacher's backend produces.
+    teacher_kinds: Callable[[HParams], tuple[str, ...]] = lambda hp: ("full",)
     name: str = ""  # set by the registry from the method's entry-point name (a method is named once)
 
     def group_baseline(self, hparams: HParams) -> bool:
         """Whether this method, with these hyper-parameters, centres rewards on a per-prompt group mean."""
         return self.group_size is not None and "rewards" in self.needs(hparams)
+
+    def accepted_signals(self, hparams: HParams) -> tuple[str, ...]:
+        """The teacher signal kinds a run of this method can use: its distribution kinds when it reads ``teacher_dist``,
+        ``sampled`` when it reads only the teacher's log-probs of the sampled tokens, none when it reads no teacher."""
+        needs = self.needs(hparams)
+        if "teacher_dist" in needs:
+            return tuple(self.teacher_kinds(hparams))
+        return ("sampled",) if "teacher_logprobs" in needs else ()
 
     def describe(self, hparams: HParams | None = None) -> dict:
         """Name, description, defaults, declared inputs and notes, for ``harness methods --json``; given a
@@ -109,6 +123,7 @@ class MethodSpec:
             "description": self.description,
             "defaults": defaults.model_dump(),
             "inputs": sorted(self.needs(chosen)),
+            "teacher_kinds": list(self.accepted_signals(chosen)),
             "on_policy": self.on_policy,
             "modes": list(self.modes),
             "stateful": self.make_state is not None,

@@ -13,6 +13,7 @@ from harness.config import ConfigError, RunConfig, format_validation_error
 from harness.method import HParams, MethodSpec
 from harness.registry import BACKENDS, METHODS, PIPELINES, TASKS, RegistryError
 from harness.store import Store
+from harness.teacher_signal import SCORE_FIELD
 from harness.task import DataError, Problem, Task
 
 
@@ -168,7 +169,7 @@ def plan_run(cfg: RunConfig) -> Plan:
             hparams = validated
     hparams = hparams if hparams is not None else method.hparams()
     apply_group_size(cfg, method, hparams)
-    hparams, teacher_warnings = fit_teacher_distribution(cfg, method, hparams)
+    teacher_warnings = choose_teacher_signal(cfg, method, hparams)
     task = make_task(cfg.task, cfg.task_args)
     eval_tasks = [make_task(name, cfg.task_args) for name in cfg.eval.tasks]
     if cfg.trainer.mode not in method.modes:
@@ -185,25 +186,36 @@ def plan_run(cfg: RunConfig) -> Plan:
     return Plan(cfg, method, hparams, task, eval_tasks, pipeline, warnings=[*teacher_warnings, *pipeline.warnings(method, hparams, task)])
 
 
-def fit_teacher_distribution(cfg: RunConfig, method: MethodSpec, hparams: HParams) -> tuple[HParams, list[str]]:
-    """A teacher backend that returns no full distribution (a served teacher, vLLM): a method reading ``teacher_full``
-    takes the teacher's top-k log-probs instead when its hyper-parameters offer ``teacher_top_k`` (k = teacher.top_k,
-    recorded in the run's method_args); any other such method is refused, naming the flag."""
+def choose_teacher_signal(cfg: RunConfig, method: MethodSpec, hparams: HParams) -> list[str]:
+    """Resolve ``teacher.signal`` (auto: the first kind the method accepts that the teacher's backend gives) and refuse a kind
+    the method does not accept or the backend cannot give; the chosen kind is written into the run's config."""
+    accepted = method.accepted_signals(hparams)
+    chosen = cfg.teacher.signal
+    if not accepted:
+        if chosen != "auto":
+            raise ConfigError(f"teacher.signal={chosen}: method {method.name!r} reads no teacher signal; leave it auto")
+        return []
+    if chosen == "student_topk":  # the teacher side exists (score field at_ids); no rollout engine returns the ids yet
+        raise ConfigError("teacher.signal=student_topk: no rollout engine returns the student's top-k tokens yet; use topk or full")
     fields = getattr(BACKENDS.get(cfg.teacher.backend), "score_fields", ())
-    if "teacher_full" not in method.needs(hparams) or "full" in fields:
-        return hparams, []
-    if "teacher_top_k" in type(hparams).model_fields and "topk" in fields:
-        hparams = hparams.model_copy(update={"teacher_top_k": cfg.teacher.top_k})
-        return hparams, [
-            f"teacher.backend={cfg.teacher.backend} returns only top-k log-probs: method {method.name!r} uses the teacher's "
-            f"top-{cfg.teacher.top_k} (teacher.top_k) plus a tail bucket instead of its full distribution "
-            f"(method_args.{method.name}.teacher_top_k={cfg.teacher.top_k})"
-        ]
-    raise ConfigError(
-        f"teacher.backend={cfg.teacher.backend}: method {method.name!r} needs the teacher's full distribution (teacher_full), "
-        f"which that backend cannot return (it scores {list(fields)}); "
-        "use teacher.backend=hf or a method that reads only teacher log-probs"
-    )
+    given = [kind for kind in accepted if kind == "sampled" or (kind != "student_topk" and SCORE_FIELD[kind] in fields)]
+    if chosen == "auto":
+        if not given:
+            raise ConfigError(
+                f"teacher.backend={cfg.teacher.backend}: method {method.name!r} reads the teacher's distribution as one of "
+                f"{list(accepted)}, and that backend gives none of them (it scores {list(fields)}); use teacher.backend=hf "
+                "or a method that reads only teacher log-probs"
+            )
+        cfg.teacher.signal = given[0]
+        return [] if given[0] == accepted[0] else [
+            f"teacher.backend={cfg.teacher.backend} gives no {accepted[0]} teacher signal: method {method.name!r} uses "
+            f"teacher.signal={given[0]} (k = teacher.top_k = {cfg.teacher.top_k})"
+        ]  # fmt: skip
+    if chosen not in accepted:
+        raise ConfigError(f"teacher.signal={chosen}: method {method.name!r} with these method_args accepts {list(accepted)}")
+    if chosen not in given:
+        raise ConfigError(f"teacher.signal={chosen}: teacher.backend={cfg.teacher.backend} cannot give it (it scores {list(fields)})")
+    return []
 
 
 def apply_group_size(cfg: RunConfig, method: MethodSpec, hparams: HParams) -> None:

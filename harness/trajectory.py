@@ -9,7 +9,7 @@ a list of trajectories into right-padded ``(B, T)`` tensors aligned with the tok
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:  # torch is imported inside the functions that build tensors (tasks import this module)
     import torch
@@ -101,9 +101,10 @@ class TensorBatch:
     rewards: torch.Tensor  # (B,) float, NaN where absent
     policy_version: torch.Tensor  # (B,) long, -1 where unknown
     group_ids: torch.Tensor  # (B,) long: trajectories of the same problem share an id
-    teacher_full: torch.Tensor | None = None  # (B, T, V) teacher log-distribution, when a method needs it
-    teacher_topk_logprobs: torch.Tensor | None = None  # (B, T, k) the teacher's k most likely log-probs, descending (teacher_topk)
-    teacher_topk_ids: torch.Tensor | None = None  # (B, T, k) their token ids
+    # the teacher's distribution when a method reads it: a compact one (harness.teacher_signal: hidden states + head, or
+    # top-k + tail), or a dense (B, T, V) log-distribution (tests and references)
+    teacher_dist: Any = None
+    student_topk_ids: torch.Tensor | None = None  # (B, T, k) the student's top-k tokens at sampling time (student_topk signal)
     old_logprobs: torch.Tensor | None = None  # (B, T) trainer-recomputed π_old; None ⇒ the current student, detached
     teacher_fresh_logprobs: torch.Tensor | None = None  # (B, T) teacher re-scored at learner time (async)
     policy_lag: torch.Tensor | None = None  # (B,) learner version − behaviour version; None ⇒ 0 (sync)
@@ -175,6 +176,8 @@ def concat_batches(parts: list[TensorBatch]) -> TensorBatch:
     trajectories would give), group ids renumbered to stay distinct across parts."""
     import torch
 
+    from harness.teacher_signal import is_distribution
+
     if len(parts) == 1:
         return parts[0]
     width, pad = max(p.shape[1] for p in parts), pad_token(parts)
@@ -186,6 +189,8 @@ def concat_batches(parts: list[TensorBatch]) -> TensorBatch:
             merged[name] = None
         elif any(v is None for v in values):
             raise ValueError(f"cannot join batches where only some carry {name}")
+        elif is_distribution(values[0]):
+            merged[name] = type(values[0]).concat(values, width)
         elif name == "group_ids":
             merged[name] = torch.cat([v + int(offset) for v, offset in zip(values, offsets, strict=True)])
         elif values[0].dim() == 1:

@@ -7,7 +7,7 @@ import torch
 from harness.trajectory import TensorBatch
 
 
-def make_batch(mask, behaviour, teacher, teacher_full=None, old=None, *, fresh=None, lag=None, dtype=torch.float32) -> TensorBatch:
+def make_batch(mask, behaviour, teacher, teacher_dist=None, old=None, *, fresh=None, lag=None, dtype=torch.float32) -> TensorBatch:
     """A (B, T) batch from nested lists; optional trainer log-probs, fresh teacher scores and lags."""
     mask = torch.as_tensor(mask, dtype=dtype)
     b, t = mask.shape
@@ -21,7 +21,7 @@ def make_batch(mask, behaviour, teacher, teacher_full=None, old=None, *, fresh=N
         rewards=torch.full((b,), float("nan")),
         policy_version=torch.zeros(b, dtype=torch.long),
         group_ids=torch.arange(b),
-        teacher_full=teacher_full,
+        teacher_dist=teacher_dist,
         old_logprobs=None if old is None else torch.as_tensor(old, dtype=dtype),
         teacher_fresh_logprobs=None if fresh is None else torch.as_tensor(fresh, dtype=dtype),
         policy_lag=None if lag is None else torch.as_tensor(lag, dtype=torch.long),

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from harness.registry import METHODS
+from harness.teacher_signal import TopKDistribution
 from harness.trajectory import TensorBatch
 from trainers.learner import student_outputs
 
@@ -16,7 +17,7 @@ TOP_K = 5
 # (method, hyper-parameters): every configuration that turns on the full student distribution.
 CASES = [
     ("opd", {"estimator": "full"}),
-    ("opd", {"estimator": "full", "teacher_top_k": TOP_K, "aggregation": "sum"}),
+    ("opd", {"estimator": "full", "aggregation": "sum"}),  # with a top-k teacher signal (batch_for's row seed 1: see below)
     ("gkd", {}),
     ("gkd", {"beta": 0.0, "temperature": 0.7, "top_k": TOP_K}),
     ("gkd", {"beta": 1.0}),
@@ -26,8 +27,9 @@ CASES = [
 ]
 
 
-def batch_for(vocab: int, seed: int = 0) -> TensorBatch:
-    """A (3, 11) batch of random tokens with a prompt part, one padded row, teacher log-probs, full distribution and top-k."""
+def batch_for(vocab: int, seed: int = 0, top_k_signal: bool = False) -> TensorBatch:
+    """A (3, 11) batch of random tokens with a prompt part, one padded row, teacher log-probs and the full distribution (or
+    its top-k signal)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (ROWS, LENGTH), generator=g)
     attention = torch.ones((ROWS, LENGTH), dtype=torch.long)
@@ -35,14 +37,14 @@ def batch_for(vocab: int, seed: int = 0) -> TensorBatch:
     mask = torch.zeros((ROWS, LENGTH))
     mask[:, 3:] = 1.0
     mask[2, 8:] = 0.0
-    teacher_full = torch.log_softmax(2.0 * torch.randn((ROWS, LENGTH, vocab), generator=g), dim=-1)
-    teacher_logp = teacher_full.gather(-1, ids.unsqueeze(-1)).squeeze(-1) * mask
-    topk = teacher_full.topk(TOP_K, dim=-1)
+    teacher_dist = torch.log_softmax(2.0 * torch.randn((ROWS, LENGTH, vocab), generator=g), dim=-1)
+    teacher_logp = teacher_dist.gather(-1, ids.unsqueeze(-1)).squeeze(-1) * mask
+    topk = teacher_dist.topk(TOP_K, dim=-1)
     return TensorBatch(
         input_ids=ids, attention_mask=attention, loss_mask=mask, step_index=torch.where(mask > 0, 0, -1),
         behaviour_logprobs=(teacher_logp - 0.3 * torch.rand((ROWS, LENGTH), generator=g)) * mask, teacher_logprobs=teacher_logp,
         rewards=torch.full((ROWS,), float("nan")), policy_version=torch.zeros(ROWS, dtype=torch.long), group_ids=torch.arange(ROWS),
-        teacher_full=teacher_full, teacher_topk_logprobs=topk.values, teacher_topk_ids=topk.indices,
+        teacher_dist=TopKDistribution(topk.indices, topk.values) if top_k_signal else teacher_dist,
         policy_lag=torch.tensor([0, 1, 2]), teacher_fresh_logprobs=teacher_logp + 0.05 * mask,
     )  # fmt: skip
 
@@ -78,7 +80,7 @@ def test_the_cases_cover_every_method_that_reads_the_full_student_distribution()
 def test_chunked_equals_unchunked_loss_and_gradients(tiny_model_factory, name, args):
     torch.manual_seed(0)
     model = tiny_model_factory(seed=3, hidden=32, layers=1)
-    batch = batch_for(model.config.vocab_size)
+    batch = batch_for(model.config.vocab_size, top_k_signal=args.get("aggregation") == "sum")
     plain_loss, plain_diag, plain_entropy, plain_grads = loss_and_grads(model, batch, name, args, vocab_chunk=0)
     loss, diag, entropy, grads = loss_and_grads(model, batch, name, args, vocab_chunk=CHUNK)
     assert float(plain_loss) != 0.0
@@ -106,7 +108,7 @@ def test_chunking_keeps_no_full_distribution_for_the_backward(tiny_model_factory
     unchunked; chunked, nothing vocabulary-sized but position 0's one-row zeros (checkpointed chunks recompute theirs)."""
     model = tiny_model_factory(seed=3)
     batch = batch_for(model.config.vocab_size)
-    vocab, teacher_storage = model.config.vocab_size, batch.teacher_full.untyped_storage().data_ptr()
+    vocab, teacher_storage = model.config.vocab_size, batch.teacher_dist.untyped_storage().data_ptr()
     kept: list[int] = []
 
     def pack(tensor: torch.Tensor):

@@ -37,7 +37,7 @@ def synthetic_batch(seed: int) -> TensorBatch:
     positions = torch.arange(LENGTH)
     attention = (positions < lengths[:, None]).long()
     loss_mask = ((positions >= 3) & (positions < lengths[:, None])).float()
-    teacher_full = torch.log_softmax(torch.randn(ROWS, LENGTH, VOCAB, generator=g), -1)
+    teacher_dist = torch.log_softmax(torch.randn(ROWS, LENGTH, VOCAB, generator=g), -1)
     ids = torch.randint(3, VOCAB, (ROWS, LENGTH), generator=g) * attention
     behaviour = (-torch.rand(ROWS, LENGTH, generator=g) * 3) * loss_mask
     return TensorBatch(
@@ -46,11 +46,11 @@ def synthetic_batch(seed: int) -> TensorBatch:
         loss_mask=loss_mask,
         step_index=torch.where(loss_mask > 0, (positions >= 6).long().expand(ROWS, -1), -1),
         behaviour_logprobs=behaviour,
-        teacher_logprobs=teacher_full.gather(-1, ids[..., None])[..., 0] * loss_mask,
+        teacher_logprobs=teacher_dist.gather(-1, ids[..., None])[..., 0] * loss_mask,
         rewards=torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0]),
         policy_version=torch.zeros(ROWS, dtype=torch.long),
         group_ids=torch.tensor([0, 0, 1, 1, 1]),
-        teacher_full=teacher_full,
+        teacher_dist=teacher_dist,
         old_logprobs=behaviour.clone(),
         teacher_fresh_logprobs=None,
         policy_lag=torch.tensor([0, 1, 0, 2, 1]),

@@ -285,7 +285,7 @@ def test_old_and_teacher_logprobs_are_scored_on_the_interleaved_context(backend,
     assert all([s.kind for s in t.segments] == ["model", "env", "model", "env", "model"] for t in trajs)
     batch = to_tensor_batch(trajs, backend.pad_id)
     teacher_model = tiny_model_factory(seed=11, hidden=48)
-    score_teacher(HFBackend(teacher_model, backend.tokenizer), batch, want=("logprobs",))
+    score_teacher(HFBackend(teacher_model, backend.tokenizer), batch)
     old = behaviour_logprobs(backend, batch)
     mask = batch.loss_mask > 0
     for row, traj in enumerate(trajs):

@@ -57,7 +57,7 @@ def test_batch_to_moves_every_tensor_and_keeps_a_batch_already_there():
     assert batch_to(batch, torch.device("cpu")) is batch
     moved = batch_to(batch, torch.device("meta"))
     assert moved.input_ids.device.type == moved.loss_mask.device.type == moved.group_ids.device.type == "meta"
-    assert moved.teacher_full is None
+    assert moved.teacher_dist is None
 
 
 def test_peak_flops_by_device_name():

@@ -64,7 +64,7 @@ def test_bucketed_forward_gives_the_same_loss_and_gradients(tiny_model_factory, 
     model = tiny_model_factory(seed=3, hidden=32, layers=2)
     batch = ragged_batch(model.config.vocab_size)
     if name == "opd":
-        batch.teacher_full = torch.log_softmax(torch.randn((*batch.input_ids.shape, model.config.vocab_size)), dim=-1)
+        batch.teacher_dist = torch.log_softmax(torch.randn((*batch.input_ids.shape, model.config.vocab_size)), dim=-1)
     whole = loss_and_grads(model, batch, name, args)
     assert len(length_buckets(LENGTHS, 24)) == 3
     assert_same(whole, loss_and_grads(model, batch, name, args, forward_tokens=24), batch.attention_mask.bool())

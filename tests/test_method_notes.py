@@ -34,8 +34,8 @@ def test_opd_method_json_notes_the_runs_aggregation(tmp_path, aggregation, says)
 def test_opd_method_json_notes_and_inputs_follow_the_runs_estimator(tmp_path):
     sampled = method_record(tmp_path / "a", "method_args.opd.estimator=sampled")
     full = method_record(tmp_path / "b", "method_args.opd.estimator=full")
-    assert "importance-sampling" in sampled["notes"]["estimator"] and "teacher_full" not in sampled["inputs"]
-    assert "exact full-vocabulary" in full["notes"]["estimator"] and {"teacher_full", "student_full"} <= set(full["inputs"])
+    assert "importance-sampling" in sampled["notes"]["estimator"] and "teacher_dist" not in sampled["inputs"]
+    assert "exact full-vocabulary" in full["notes"]["estimator"] and {"teacher_dist", "student_full"} <= set(full["inputs"])
 
 
 def test_harness_methods_shows_the_default_choice():

@@ -60,7 +60,7 @@ def test_teacher_distribution_and_kl_on_multi_turn_episodes_match_a_direct_forwa
     student, teacher = tiny_model_factory(seed=3, hidden=32), tiny_model_factory(seed=11, hidden=48, layers=2)
     batch = to_tensor_batch(trajs, char_tokenizer.pad_token_id)
     assert (batch.attention_mask == 0).any()  # ragged rows: right padding is exercised
-    score_teacher(HFBackend(teacher, char_tokenizer, score_chunk=score_chunk), batch, want=("logprobs", "full"))
+    score_teacher(HFBackend(teacher, char_tokenizer, score_chunk=score_chunk), batch, kind="full")
     outputs, _ = student_outputs(student, batch, full=True, vocab_chunk=vocab_chunk)
     loss, diagnostics = opd_objective(batch, outputs, OPDParams(estimator="full"))
 
@@ -75,7 +75,7 @@ def test_teacher_distribution_and_kl_on_multi_turn_episodes_match_a_direct_forwa
         assert batch.loss_mask[row].tolist() == mask  # observations, prompt and padding: never trained on
         s, t = next_token_logp(student, ids), next_token_logp(teacher, ids)
         at = [p - 1 for p in trained]  # the distribution that predicts token p comes from the prefix ids[:p]
-        assert torch.allclose(batch.teacher_full[row, trained], t[at], atol=1e-4)
+        assert torch.allclose(batch.teacher_dist[row, trained], t[at], atol=1e-4)
         assert batch.teacher_logprobs[row, trained].tolist() == pytest.approx(t[at, torch.tensor(ids)[trained]].tolist(), abs=1e-4)
         assert outputs.logprobs[row, trained].tolist() == pytest.approx(s[at, torch.tensor(ids)[trained]].tolist(), abs=1e-4)
         kls.append((s[at].exp() * (s[at] - t[at])).sum(-1))

@@ -247,11 +247,11 @@ def kl_hand(p, q) -> float:
 
 def gkd_batch(p_s, p_t, mask):
     """One-row batch over len(p_s) positions from probability lists; returns (batch, logits leaf, student_full)."""
-    teacher_full = torch.tensor([p_t], dtype=torch.float64).log()
+    teacher_dist = torch.tensor([p_t], dtype=torch.float64).log()
     logits = torch.tensor([p_s], dtype=torch.float64).log().requires_grad_(True)
     student_full = F.log_softmax(logits, -1)
     n = len(p_s)
-    batch = make_batch([mask], [[0.0] * n], teacher_full[..., 0], teacher_full=teacher_full, dtype=torch.float64)
+    batch = make_batch([mask], [[0.0] * n], teacher_dist[..., 0], teacher_dist=teacher_dist, dtype=torch.float64)
     return batch, logits, student_full
 
 
@@ -273,8 +273,8 @@ def test_gkd_generalized_jsd_hand_values(beta, expected):
 
 def test_gkd_beta_one_matches_opd_full_reverse_kl():
     batch, _, student_full = gkd_batch([P_S], [P_T], [1.0])
-    jsd = generalized_jsd(student_full, batch.teacher_full, 1.0)
-    assert close(jsd, full_reverse_kl(student_full, batch.teacher_full))
+    jsd = generalized_jsd(student_full, batch.teacher_dist, 1.0)
+    assert close(jsd, full_reverse_kl(student_full, batch.teacher_dist))
 
 
 def test_gkd_batchmean_over_kept_positions_only():
@@ -297,7 +297,7 @@ def test_gkd_temperature_and_top_k():
 
 
 def test_gkd_needs_full_distributions():
-    assert METHODS.get("gkd").needs(GKDParams()) == {"teacher_full", "student_full"}
+    assert METHODS.get("gkd").needs(GKDParams()) == {"teacher_dist", "student_full"}
     with pytest.raises(ValueError, match="full student and teacher"):
         gkd_objective(make_batch([[1.0]], [[0.0]], [[0.0]]), StudentOutputs(torch.zeros(1, 1)), GKDParams())
 
@@ -377,10 +377,10 @@ def run_method(name: str, hp, mask: torch.Tensor, inputs: dict[str, torch.Tensor
     """Loss and d loss / d logits of a method on inputs built from logits (sampled token = 0)."""
     logits = inputs["logits"].clone().requires_grad_(True)
     student_full = F.log_softmax(logits, -1)
-    teacher_full = F.log_softmax(inputs["teacher_logits"], -1)
+    teacher_dist = F.log_softmax(inputs["teacher_logits"], -1)
     s = student_full[..., 0]
     old = s.detach() + inputs["old_shift"]
-    batch = make_batch(mask, old, teacher_full[..., 0], teacher_full=teacher_full, old=old, dtype=torch.float64)
+    batch = make_batch(mask, old, teacher_dist[..., 0], teacher_dist=teacher_dist, old=old, dtype=torch.float64)
     loss, diag = METHODS.get(name).objective(batch, StudentOutputs(s, full=student_full), hp, None)
     loss.backward()
     return loss.detach(), logits.grad, diag
@@ -454,9 +454,9 @@ def test_empty_mask_gives_zero_loss_without_nan(name, hp):
 def test_gradcheck_wrt_student_logits(name, hp):
     m = torch.tensor([[1.0, 1, 1, 0, 1, 1], [1, 1, 0, 0, 0, 0]], dtype=torch.float64)
     inputs = random_inputs(3, m)
-    teacher_full = F.log_softmax(inputs["teacher_logits"], -1)
+    teacher_dist = F.log_softmax(inputs["teacher_logits"], -1)
     old = F.log_softmax(inputs["logits"], -1)[..., 0] + inputs["old_shift"]
-    batch = make_batch(m, old, teacher_full[..., 0], teacher_full=teacher_full, old=old, dtype=torch.float64)
+    batch = make_batch(m, old, teacher_dist[..., 0], teacher_dist=teacher_dist, old=old, dtype=torch.float64)
     objective = METHODS.get(name).objective
 
     def loss_of(logits):

@@ -544,21 +544,21 @@ def _full_case(lag):
     torch.manual_seed(0)
     b, t, v = 3, 4, 5
     student_full = torch.log_softmax(torch.randn(b, t, v, dtype=torch.float64), -1).requires_grad_(True)
-    teacher_full = torch.log_softmax(torch.randn(b, t, v, dtype=torch.float64), -1)
+    teacher_dist = torch.log_softmax(torch.randn(b, t, v, dtype=torch.float64), -1)
     tokens = torch.randint(0, v, (b, t))
     student_logp = student_full.gather(-1, tokens[..., None]).squeeze(-1)
     mask = [[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]]
     behaviour = (student_logp.detach() - 0.1).tolist()
-    teacher = teacher_full.gather(-1, tokens[..., None]).squeeze(-1).tolist()
-    batch = make_batch(mask, behaviour, teacher, teacher_full=teacher_full, lag=lag, dtype=torch.float64)
-    return batch, StudentOutputs(logprobs=student_logp, full=student_full), student_full, teacher_full
+    teacher = teacher_dist.gather(-1, tokens[..., None]).squeeze(-1).tolist()
+    batch = make_batch(mask, behaviour, teacher, teacher_dist=teacher_dist, lag=lag, dtype=torch.float64)
+    return batch, StudentOutputs(logprobs=student_logp, full=student_full), student_full, teacher_dist
 
 
 def test_full_estimator_lag_only_is_sigmoid_weighted_exact_kl():
-    batch, student, student_full, teacher_full = _full_case([0, 2, 5])
+    batch, student, student_full, teacher_dist = _full_case([0, 2, 5])
     spec = METHODS.get("opd_lag_only")
     loss, _ = spec.objective(batch, student, spec.hparams(estimator="full"), None)
-    kl = (student_full.exp() * (student_full - teacher_full)).sum(-1).mean(-1)  # per-sample mean over 4 tokens
+    kl = (student_full.exp() * (student_full - teacher_dist)).sum(-1).mean(-1)  # per-sample mean over 4 tokens
     w = torch.sigmoid(1.0 / (torch.tensor([0.0, 2.0, 5.0], dtype=torch.float64) + 1.0) - 0.5)
     assert torch.allclose(loss, (w * kl).mean(), atol=1e-12)
     loss.backward()
@@ -576,8 +576,8 @@ def test_full_estimator_hard_refresh_at_lag_zero_equals_opd_full_on_equal_length
 
 def test_full_estimator_declares_full_distributions_and_refuses_without_them():
     spec = METHODS.get("f_opd")
-    assert {"teacher_full", "student_full"} <= spec.needs(spec.hparams(estimator="full"))
-    assert "teacher_full" not in spec.needs(spec.hparams())
+    assert {"teacher_dist", "student_full"} <= spec.needs(spec.hparams(estimator="full"))
+    assert "teacher_dist" not in spec.needs(spec.hparams())
     batch, student, _, _ = _full_case([1, 1, 1])
     with pytest.raises(ValueError, match="full"):
         spec.objective(batch, StudentOutputs(logprobs=student.logprobs), spec.hparams(estimator="full"), None)

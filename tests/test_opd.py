@@ -44,7 +44,7 @@ def test_full_estimator_is_exact_reverse_kl():
     p_s = torch.tensor([[[0.7, 0.2, 0.1], [0.5, 0.25, 0.25]]])
     p_t = torch.tensor([[[0.5, 0.4, 0.1], [0.5, 0.25, 0.25]]])
     expected_first = sum(a * math.log(a / b) for a, b in zip([0.7, 0.2, 0.1], [0.5, 0.4, 0.1]))
-    batch = make_batch([[1, 1]], [[0.0, 0.0]], [[0.0, 0.0]], teacher_full=p_t.log())
+    batch = make_batch([[1, 1]], [[0.0, 0.0]], [[0.0, 0.0]], teacher_dist=p_t.log())
     logits = p_s.log().clone().requires_grad_(True)
     student_full = F.log_softmax(logits, dim=-1)
     loss, diag = opd_objective(batch, StudentOutputs(student_full[..., 0], full=student_full), OPDParams(estimator="full"))
@@ -86,4 +86,4 @@ def test_masked_positions_never_change_loss_or_gradient():
 
 def test_declared_inputs_depend_on_estimator():
     assert opd_needs(OPDParams()) == {"teacher_logprobs", "behaviour_logprobs"}
-    assert {"teacher_full", "student_full"} <= opd_needs(OPDParams(estimator="full"))
+    assert {"teacher_dist", "student_full"} <= opd_needs(OPDParams(estimator="full"))

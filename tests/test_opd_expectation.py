@@ -16,7 +16,7 @@ from harness.models.tiny import TinyArch, build_tiny_model
 from harness.registry import METHODS
 from harness.trajectory import TensorBatch
 from trainers.learner import student_outputs
-from trainers.teacher import score_teacher, teacher_wants
+from trainers.teacher import score_teacher
 
 from test_chunked_vocab import loss_and_grads
 
@@ -59,7 +59,7 @@ def one_token_batch(token: int, q: float = 0.0) -> TensorBatch:
 def gradient(model: torch.nn.Module, teacher: HFBackend, batch: TensorBatch, method: str, args: dict) -> torch.Tensor:
     """d loss / d θ of ``method`` (the registered spec, default hyper-parameters but ``args``) on ``batch``, flattened."""
     spec = METHODS.get(method)
-    score_teacher(teacher, batch, want=teacher_wants(spec.needs(spec.hparams(**args))))
+    score_teacher(teacher, batch, kind="full" if "teacher_dist" in spec.needs(spec.hparams(**args)) else "sampled")
     grads = loss_and_grads(model, batch, method, args)[3]
     return torch.cat([g.flatten() for g in grads.values()])
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -12,11 +13,12 @@ from typer.testing import CliRunner
 
 from batches import make_batch
 from harness.cli import app
-from harness.config import build_config
+from harness.config import ConfigError, build_config
 from harness.errors import TrainingAborted
 from harness.method import StudentOutputs
 from harness.plan import plan_run
-from trainers.objectives.opd import OPDParams, full_reverse_kl, opd_objective, topk_reverse_kl
+from harness.teacher_signal import TopKDistribution, apply_terms
+from trainers.objectives.opd import OPDParams, full_reverse_kl, opd_objective
 from trainers.teacher import TeacherFailed, score_teacher
 
 runner = CliRunner()
@@ -36,7 +38,7 @@ SERVED = ["teacher.backend=openai", "teacher.base_url=http://127.0.0.1:9/v1"]
         (["teacher.backend=vllm"], "backend='vllm' loads the teacher's model folder: set teacher.path"),
         ([*SERVED, "teacher.backend_options.timeout=3"], "backend_options: ['timeout'] are not options of the openai backend"),
         ([*SERVED, "teacher.top_k=0"], "teacher.top_k"),
-        ([*SERVED, "method=gkd"], "teacher.backend=openai: method 'gkd' needs the teacher's full distribution (teacher_full)"),
+        ([*SERVED, "method=eopd"], "teacher.backend=openai: method 'eopd' reads the teacher's distribution as one of ['full']"),
     ],
 )  # fmt: skip
 def test_bad_teacher_config_exits_2_naming_the_flag_before_writing_anything(tmp_path, overrides, says):
@@ -55,21 +57,29 @@ def test_a_preset_tiny_teacher_gives_way_to_a_served_one():
     assert build_config(preset="smoke").teacher.arch is not None  # the in-process default is untouched
 
 
-def test_served_teacher_switches_full_estimator_to_topk_and_records_it():
+def test_served_teacher_switches_the_full_signal_to_topk_and_records_it():
     plan = plan_run(build_config(preset="smoke", overrides=[*SERVED, "teacher.top_k=7"]))
-    assert plan.hparams.estimator == "full" and plan.hparams.teacher_top_k == 7
-    assert {"teacher_topk", "student_full"} <= plan.method.needs(plan.hparams) and "teacher_full" not in plan.method.needs(plan.hparams)
-    assert any("top-7" in w for w in plan.warnings)
-    local = plan_run(build_config(preset="smoke"))
-    assert local.hparams.teacher_top_k == 0 and "teacher_full" in local.method.needs(local.hparams)
+    assert plan.hparams.estimator == "full" and plan.config.teacher.signal == "topk"
+    assert any("teacher.signal=topk" in w and "k = teacher.top_k = 7" in w for w in plan.warnings)
+    assert plan_run(build_config(preset="smoke")).config.teacher.signal == "full"
 
 
-def test_teacher_top_k_needs_the_full_estimator():
-    with pytest.raises(ValueError, match="teacher_top_k=5 is used only with estimator=full"):
-        OPDParams(estimator="sampled", teacher_top_k=5)
+@pytest.mark.parametrize(("overrides", "says"), [
+    ([*SERVED, "teacher.signal=full"], "teacher.signal=full: teacher.backend=openai cannot give it"),
+    (["teacher.signal=topk", "method_args.opd.estimator=sampled"], "accepts ['sampled']"),
+    (["teacher.signal=student_topk"], "no rollout engine returns the student's top-k"),
+])  # fmt: skip
+def test_a_teacher_signal_the_method_or_backend_cannot_use_is_refused(overrides, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        plan_run(build_config(preset="smoke", overrides=overrides))
 
 
 # ----------------------------------------------------------------------------- the top-k estimator
+
+
+def topk_kl(student: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """The reverse KL between the top-k signal's coarse-grained distributions."""
+    return apply_terms(full_reverse_kl, student, TopKDistribution(ids, values))
 
 
 def test_topk_reverse_kl_is_a_lower_bound_equal_to_the_full_kl_when_k_covers_the_vocabulary():
@@ -80,7 +90,7 @@ def test_topk_reverse_kl_is_a_lower_bound_equal_to_the_full_kl_when_k_covers_the
     previous = torch.zeros_like(full)
     for k in (1, 3, 6, 9, 10):
         values, ids = teacher.topk(k, -1)
-        kl = topk_reverse_kl(student, ids, values)
+        kl = topk_kl(student, ids, values)
         (grad,) = torch.autograd.grad(kl.sum(), student)
         assert torch.isfinite(grad).all()
         assert (kl <= full + 1e-12).all() and (kl >= previous - 1e-12).all()  # coarser buckets lose information
@@ -91,30 +101,28 @@ def test_topk_reverse_kl_is_a_lower_bound_equal_to_the_full_kl_when_k_covers_the
 def test_topk_reverse_kl_by_hand():
     # teacher top-1 = token 0 (p 0.5); rest bucket 0.5. Student: 0.2 on token 0, 0.8 outside.
     student = torch.tensor([[[0.2, 0.3, 0.5]]]).log()
-    kl = topk_reverse_kl(student, torch.tensor([[[0]]]), torch.tensor([[[math.log(0.5)]]]))
+    kl = topk_kl(student, torch.tensor([[[0]]]), torch.tensor([[[math.log(0.5)]]]))
     assert kl.item() == pytest.approx(0.2 * math.log(0.2 / 0.5) + 0.8 * math.log(0.8 / 0.5), abs=1e-6)
 
 
-def test_opd_full_estimator_reads_topk_when_teacher_top_k_is_set():
+def test_opd_full_estimator_reads_a_topk_signal():
     torch.manual_seed(1)
     teacher = torch.log_softmax(torch.randn(1, 2, 6), -1)
     logits = torch.randn(1, 2, 6, requires_grad=True)
     student = torch.log_softmax(logits, -1)
-    batch = make_batch([[1, 1]], [[0.0, 0.0]], [[0.0, 0.0]], teacher_full=teacher)
+    batch = make_batch([[1, 1]], [[0.0, 0.0]], [[0.0, 0.0]], teacher_dist=teacher)
     exact, _ = opd_objective(batch, StudentOutputs(student[..., 0], full=student), OPDParams(estimator="full"))
-    batch.teacher_full = None  # only top-k, as a served teacher gives
-    batch.teacher_topk_logprobs, batch.teacher_topk_ids = teacher.topk(6, -1)
-    covered, _ = opd_objective(batch, StudentOutputs(student[..., 0], full=student), OPDParams(estimator="full", teacher_top_k=6))
+    values, ids = teacher.topk(6, -1)
+    batch.teacher_dist = TopKDistribution(ids, values)  # only top-k, as a served teacher gives
+    covered, _ = opd_objective(batch, StudentOutputs(student[..., 0], full=student), OPDParams(estimator="full"))
     assert covered.item() == pytest.approx(exact.item(), abs=1e-6)
-    batch.teacher_topk_logprobs, batch.teacher_topk_ids = teacher.topk(2, -1)
-    coarse, _ = opd_objective(batch, StudentOutputs(student[..., 0], full=student), OPDParams(estimator="full", teacher_top_k=2))
+    values, ids = teacher.topk(2, -1)
+    batch.teacher_dist = TopKDistribution(ids, values)
+    coarse, _ = opd_objective(batch, StudentOutputs(student[..., 0], full=student), OPDParams(estimator="full"))
     assert coarse.item() < exact.item()
-    with pytest.raises(ValueError, match="teacher's top-k log-probs"):
-        opd_objective(
-            make_batch([[1]], [[0.0]], [[0.0]]),
-            StudentOutputs(student[:, :1, 0], full=student[:, :1]),
-            OPDParams(estimator="full", teacher_top_k=2),
-        )
+    with pytest.raises(ValueError, match="needs full student and teacher distributions"):
+        only_student = StudentOutputs(student[:, :1, 0], full=student[:, :1])
+        opd_objective(make_batch([[1]], [[0.0]], [[0.0]]), only_student, OPDParams(estimator="full"))
 
 
 # ----------------------------------------------------------------------------- teacher failures
@@ -142,7 +150,7 @@ def no_sleep(monkeypatch):
 def test_a_failed_teacher_call_is_retried_and_then_fills_the_batch(no_sleep):
     batch = make_batch([[1, 1, 0]], [[0.0] * 3], [[0.0] * 3])
     teacher = FlakyTeacher(failures=1)
-    score_teacher(teacher, batch, want=("logprobs",), retries=1, step=3)
+    score_teacher(teacher, batch, retries=1, step=3)
     assert teacher.calls == 2 and batch.teacher_logprobs.tolist() == [[-1.0, -1.0, 0.0]]
 
 
@@ -152,12 +160,12 @@ def test_a_teacher_that_keeps_failing_stops_the_step_untrained(no_sleep, nan):
     before = batch.teacher_logprobs.clone()
     teacher = FlakyTeacher(failures=5, nan=nan)
     with pytest.raises(TeacherFailed, match="teacher scoring of step 7 failed after 3 attempt") as info:
-        score_teacher(teacher, batch, want=("logprobs",), retries=2, step=7)
+        score_teacher(teacher, batch, retries=2, step=7)
     assert isinstance(info.value, TrainingAborted)  # harness run: status failed, exit 1, the message printed
     assert teacher.calls == 3 and torch.equal(batch.teacher_logprobs, before)
 
 
-def test_method_json_says_the_full_estimator_uses_topk(tmp_path):
+def test_the_run_records_the_topk_signal_it_uses(tmp_path):
     from harness.store import Store
     from harness.runs import create_train_run
 
@@ -165,10 +173,11 @@ def test_method_json_says_the_full_estimator_uses_topk(tmp_path):
     store = Store(tmp_path)
     run_id = create_train_run(store, plan.config, plan)
     record = json.loads((store.run_dir(run_id) / "method.json").read_text())
-    assert record["hparams"]["teacher_top_k"] == 5 and "teacher_topk" in record["inputs"]
-    assert record["notes"]["estimator"].startswith("top-5 reverse KL") and "NOT the full-vocabulary KL" in record["notes"]["estimator"]
-    assert any("top-5" in w for w in record["warnings"])
-    assert json.loads((store.run_dir(run_id) / "config.json").read_text())["method_args"]["opd"]["teacher_top_k"] == 5
+    assert "teacher_dist" in record["inputs"] and record["teacher_kinds"] == ["full", "topk", "student_topk"]
+    assert "top-k teacher signal" in record["notes"]["estimator"] and "lower bound" in record["notes"]["estimator"]
+    assert any("teacher.signal=topk" in w for w in record["warnings"])
+    teacher = json.loads((store.run_dir(run_id) / "config.json").read_text())["teacher"]
+    assert (teacher["signal"], teacher["top_k"]) == ("topk", 5)
 
 
 # ----------------------------------------------------------------------------- end to end against harness serve
@@ -226,8 +235,8 @@ def test_smoke_run_with_a_served_teacher_trains_as_with_the_in_process_teacher(t
         for name in ("loss", "teacher_kl", "teacher_kl_full"):
             assert served_steps[step][name] == pytest.approx(local_steps[step][name], abs=1e-4), (step, name)
     print("served vs in-process teacher, max |Δloss| =", max(abs(served_steps[s]["loss"] - local_steps[s]["loss"]) for s in local_steps))
-    notes = json.loads((store.run_dir(second) / "method.json").read_text())["notes"]["estimator"]
-    assert notes.startswith(f"top-{vocab} reverse KL")
+    signals = [json.loads((store.run_dir(run) / "config.json").read_text())["teacher"] for run in (first, second)]
+    assert [(s["signal"], s["top_k"]) for s in signals] == [("full", 20), ("topk", vocab)]  # hidden states + head vs top-V
 
 
 def test_ray_teacher_actor_opens_the_served_teacher_itself(tmp_path):
@@ -272,7 +281,8 @@ def test_ray_teacher_actor_opens_the_served_teacher_itself(tmp_path):
         batch, _ = actor.score(batch, {}, 1)
     expected = hf.score(ids, mask, want=("logprobs", "topk"), top_k=4)
     assert torch.allclose(batch.teacher_logprobs, expected["logprobs"] * loss_mask, atol=1e-4)
-    assert torch.allclose(batch.teacher_topk_logprobs[0, 1:], expected["topk_logprobs"][0, 1:], atol=1e-4) and batch.teacher_full is None
+    assert torch.allclose(batch.teacher_dist.logp[0, 1:], expected["topk_logprobs"][0, 1:], atol=1e-4)
+    assert batch.teacher_dist.kind == "topk"
 
 
 # ----------------------------------------------------------------------------- teacher replicas (a list of base URLs)
@@ -330,7 +340,7 @@ def test_when_every_replica_fails_the_step_retry_rule_stops_the_step(no_sleep):
     replicas = [RowTeacher(down=True), RowTeacher(down=True)]
     batch = make_batch([[1, 1]], [[0.0] * 2], [[0.0] * 2])
     with pytest.raises(TeacherFailed, match=r"step 4 failed after 2 attempt.*every teacher replica failed \(a: ConnectionError"):
-        score_teacher(TeacherPool(replicas, ["a", "b"]), batch, want=("logprobs",), retries=1, step=4)
+        score_teacher(TeacherPool(replicas, ["a", "b"]), batch, retries=1, step=4)
 
 
 def test_teacher_replicas_listed_once_each():

@@ -756,7 +756,7 @@ def test_a_scripted_training_step_runs_its_commands_in_the_instance_container(ti
     from tasks.swebench.agent import SUBMIT
     from trainers.learner import train_step
     from trainers.pipeline import behaviour_logprobs
-    from trainers.teacher import score_teacher, teacher_wants
+    from trainers.teacher import score_teacher
 
     root, _ = tiny
     task = tiny_task(root)
@@ -779,7 +779,7 @@ def test_a_scripted_training_step_runs_its_commands_in_the_instance_container(ti
     needs = method.needs(hparams)
     if "old_logprobs" in needs:
         batch.old_logprobs = behaviour_logprobs(HFBackend(student, tok, batch_size=1), batch)
-    score_teacher(HFBackend(teacher.requires_grad_(False), tok, batch_size=1), batch, want=teacher_wants(needs))
+    score_teacher(HFBackend(teacher.requires_grad_(False), tok, batch_size=1), batch, kind="full" if "teacher_dist" in needs else "sampled")
     prompt = len(traj.prompt_ids)
     offsets, at = {}, prompt
     for seg in traj.segments:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from harness.backends.hf import chunk_bounds
+from harness.teacher_signal import apply_terms
 
 PositionFn = Callable[..., torch.Tensor]  # fn(log-distribution (n, V), *aligned (n, ...)) -> (n,) or (n, k)
 
@@ -51,7 +52,7 @@ class ChunkedVocabulary:
         aligned = tuple(a.to(self.hidden.device) for a in aligned)
         out_rows = []
         for b in range(rows):
-            first = fn(torch.zeros((1, self.vocab), device=self.hidden.device), *(a[b, :1] for a in aligned))
+            first = apply_terms(fn, torch.zeros((1, self.vocab), device=self.hidden.device), *(a[b, :1] for a in aligned))
             parts = [first]
             for start, stop in chunk_bounds(length - 1, self.chunk):  # positions start+1 .. stop predicted from hidden start .. stop-1
                 inputs = (self.hidden[b, start:stop], *(a[b, start + 1 : stop + 1] for a in aligned))
@@ -60,7 +61,7 @@ class ChunkedVocabulary:
         return torch.stack(out_rows, dim=0)
 
     def _chunk_terms(self, fn: PositionFn, hidden: torch.Tensor, *aligned: torch.Tensor) -> torch.Tensor:
-        return fn(self.log_distribution(hidden), *aligned)
+        return apply_terms(fn, self.log_distribution(hidden), *aligned)
 
 
 def token_logprob_and_entropy(log_dist: torch.Tensor, token: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from rich.console import Console
 
 from harness.trajectory import TensorBatch, concat_batches
 from trainers.loop import LearnResult, Roles, Unit, WeightBoard, state_snapshot, unit_problems
+from trainers.teacher import output_head
 from trainers.pipeline import (
     CONCURRENT_ENGINES,
     Session,
@@ -68,7 +69,8 @@ class LocalLearner:
     def train(self, parts: list[TensorBatch], version: int) -> LearnResult:
         batch = concat_batches(parts)
         metrics: dict[str, float] = {}
-        learn(self.plan, self.session.student.model, self.session.optimizer, batch, self.session.method_state, version, metrics)
+        learn(self.plan, self.session.student.model, self.session.optimizer, batch, self.session.method_state, version, metrics,
+              teacher_head=output_head(self.session.teacher) if self.session.teacher is not None else None)  # fmt: skip
         return LearnResult(metrics, batch.policy_lag.tolist(), response_lengths(batch))
 
     def snapshot(self) -> dict[str, torch.Tensor]:

@@ -9,6 +9,7 @@ import torch
 
 from harness.backends.hf import bucketed, scores_from_logits, without_output_head
 from harness.method import HParams, MethodSpec, StudentOutputs
+from harness.teacher_signal import is_distribution
 from harness.trajectory import TensorBatch
 from trainers.chunked_vocab import ChunkedVocabulary, token_logprob_and_entropy
 from trainers.distributed import Shard, gather_rows, local_rows
@@ -167,7 +168,7 @@ def batch_to(batch: TensorBatch, device: torch.device) -> TensorBatch:
     if batch.input_ids.device == device:
         return batch
     moved = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
-    return dataclasses.replace(batch, **{k: v.to(device) for k, v in moved.items() if isinstance(v, torch.Tensor)})
+    return dataclasses.replace(batch, **{k: v.to(device) for k, v in moved.items() if isinstance(v, torch.Tensor) or is_distribution(v)})
 
 
 def total_grad_norm(model: torch.nn.Module) -> torch.Tensor:

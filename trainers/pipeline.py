@@ -30,7 +30,8 @@ from trainers.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from trainers.guards import enforce_finite, enforce_grade_error_rate, grade_error_count
 from trainers.learner import behaviour_mismatch, old_logprobs_redundant, train_step
 from trainers.perf import flop_params, step_perf
-from trainers.teacher import open_remote_teacher, score_teacher, teacher_label, teacher_wants, wrap_hf_teacher
+from harness.teacher_signal import attach_head
+from trainers.teacher import open_remote_teacher, score_teacher, teacher_label, wrap_hf_teacher
 from trainers.warmup import prepare_model
 
 TEACHER_SUFFIX = ".teacher"
@@ -222,22 +223,25 @@ def close_rollout_backend(backend: Backend | None) -> None:
 
 def needs_teacher(plan) -> bool:
     """Whether the method reads teacher log-probs or distributions (otherwise the teacher never runs)."""
-    return bool(plan.method.needs(plan.hparams) & {"teacher_logprobs", "teacher_full", "teacher_topk"})
+    return bool(plan.method.needs(plan.hparams) & {"teacher_logprobs", "teacher_dist"})
 
 
 def teacher_phase(plan, teacher: Backend, batch: TensorBatch, metrics: dict, step: int | None = None) -> None:
-    """The teacher role's half of :func:`make_batch`: score ``batch`` in place when the method needs it (the top-k
-    size, when the method reads ``teacher_topk``, is its ``teacher_top_k``); a teacher failure stops the run (TeacherFailed)."""
+    """The teacher role's half of :func:`make_batch`: score ``batch`` in place when the method needs it, as the signal the
+    plan chose (``teacher.signal``, resolved); a teacher failure stops the run (TeacherFailed)."""
     if needs_teacher(plan):
-        needs = plan.method.needs(plan.hparams)
+        spec = plan.config.teacher
         with timed("teacher", metrics):
-            top_k = getattr(plan.hparams, "teacher_top_k", 0) if "teacher_topk" in needs else 0
-            score_teacher(teacher, batch, want=teacher_wants(needs), top_k=top_k, retries=plan.config.teacher.step_retries, step=step)
+            score_teacher(teacher, batch, kind=spec.signal, top_k=spec.top_k, dtype=spec.signal_dtype, retries=spec.step_retries,
+                          step=step)  # fmt: skip
 
 
-def learn(plan, model, optimizer, batch: TensorBatch, method_state, learner_version: int, metrics: dict, shard=None) -> None:
+def learn(
+    plan, model, optimizer, batch: TensorBatch, method_state, learner_version: int, metrics: dict, shard=None, teacher_head=None
+) -> None:
     """One optimizer step (one rank's part of it with a data-parallel ``shard``); policy lag = learner version − behaviour
-    version, per sample."""
+    version, per sample. ``teacher_head``: the teacher's output head, for a ``full`` signal that arrived without it."""
+    batch.teacher_dist = attach_head(batch.teacher_dist, teacher_head)
     known = batch.policy_version >= 0  # reference responses have no behaviour version
     batch.policy_lag = torch.where(known, learner_version - batch.policy_version, 0).clamp(min=0)
     metrics["lag_mean"] = float(batch.policy_lag.float().mean())

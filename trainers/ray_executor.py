@@ -32,6 +32,7 @@ wrapped in Ray's ``RayTaskError``.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import threading
@@ -66,7 +67,7 @@ from trainers.pipeline import (
     sample_problems,
     teacher_phase,
 )
-from trainers.teacher import open_remote_teacher, wrap_hf_teacher
+from trainers.teacher import open_remote_teacher, output_head, wrap_hf_teacher
 
 # environment.md §4: no token file in ~/.ray (auth on by default in Ray 2.60), no usage reporting.
 RAY_ENV_DEFAULTS = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -309,7 +310,7 @@ class TeacherActor(ActorRole):
         spec = self.plan.config.teacher
         if model is not None:
             trainer = self.plan.config.trainer
-            options = {"score_tokens": trainer.forward_tokens, **spec.backend_options}
+            options = {"score_tokens": trainer.forward_tokens, "score_chunk": trainer.vocab_chunk, **spec.backend_options}
             self.backend = wrap_hf_teacher(model, tokenizer, trainer.generate_batch_size, options)
         else:
             self.backend = open_remote_teacher(spec, student_path)
@@ -327,10 +328,13 @@ class LearnerActor(ActorRole):
     optimizer and method state, and the driver reads rank 0's. With ``sharding`` fsdp2 each rank holds a shard of them, and
     reading the weights or the state is a collective: the driver calls every rank, rank 0 returns the full tensors."""
 
-    def __init__(self, config: dict, parts: tuple, threads: int, rank: int = 0, world: int = 1) -> None:
+    def __init__(
+        self, config: dict, parts: tuple, threads: int, rank: int = 0, world: int = 1, teacher_head: torch.nn.Module | None = None
+    ) -> None:
         _setup_actor(threads)
         self.plan = _plan(config)
         self.model, self.optimizer, self.method_state = parts  # one pickle: the optimizer still holds this model's parameters
+        self.teacher_head = teacher_head  # a copy of the teacher's output head, for a full teacher signal (shipped once)
         self.shard = Shard(rank, world) if world > 1 else None
         layout = self.plan.config.trainer.layout
         self.sharding = layout.learner.sharding if layout is not None and world > 1 else "ddp"
@@ -363,7 +367,8 @@ class LearnerActor(ActorRole):
         for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
         metrics: dict[str, float] = {}
-        learn(self.plan, self.trained, self.optimizer, batch, self.method_state, version, metrics, shard=self.shard)
+        learn(self.plan, self.trained, self.optimizer, batch, self.method_state, version, metrics, shard=self.shard,
+              teacher_head=self.teacher_head)  # fmt: skip
         return LearnResult(metrics, batch.policy_lag.tolist(), response_lengths(batch))
 
     def weights(self) -> dict[str, torch.Tensor]:
@@ -604,8 +609,15 @@ def start_actors(
     ]
     parts = ray.put((student.model, session.optimizer, session.method_state))
     world = layout.learner.replicas if layout is not None else 1
-    learners = [remote(LearnerActor, "learner", rank).remote(config, parts, threads, rank, world) for rank in range(world)]
+    head = ray.put(head_copy(teacher)) if plan.config.teacher.signal == "full" else None  # the full signal's output head, once
+    learners = [remote(LearnerActor, "learner", rank).remote(config, parts, threads, rank, world, head) for rank in range(world)]
     return rollouts, scorers, learners, (shipped_student, problems, shipped)
+
+
+def head_copy(teacher: Any) -> torch.nn.Module | None:
+    """A CPU copy of the in-process teacher's output head, frozen (what a learner actor applies to a full signal's states)."""
+    head = output_head(teacher)
+    return copy.deepcopy(head).cpu().requires_grad_(False) if head is not None else None
 
 
 def wait_ready(ray: ModuleType, actors: list, names: list[str], console: Console, placement: dict[str, str], learner: RayLearner) -> None:

@@ -18,10 +18,12 @@ from harness.backends.hf import HFBackend
 from harness.config import TeacherSpec
 from harness.errors import TrainingAborted
 from harness.registry import BACKENDS
+from harness.teacher_signal import SCORE_FIELD, HiddenDistribution, TeacherDistribution, TopKDistribution
 from harness.trajectory import TensorBatch
 
 log = logging.getLogger("trainers.teacher")
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RETRY_BACKOFF_S = 2.0
 BENCH_S = 30.0  # how long a failed teacher replica gets no new rows (it is tried again if every replica is benched)
 
@@ -153,20 +155,30 @@ def teacher_label(spec: TeacherSpec, model_path: str | None) -> str:
     return f"{spec.backend}:{spec.path}"
 
 
-def teacher_wants(needs: frozenset[str]) -> tuple[str, ...]:
-    """The score fields a method's declared inputs ask of the teacher."""
-    return ("logprobs",) + (("full",) if "teacher_full" in needs else ()) + (("topk",) if "teacher_topk" in needs else ())
+def teacher_wants(kind: str) -> tuple[str, ...]:
+    """The score fields a teacher signal of ``kind`` is made from: the sampled tokens' log-probs, and its distribution's field."""
+    return ("logprobs",) + ((SCORE_FIELD[kind],) if kind in SCORE_FIELD else ())
+
+
+def output_head(teacher: Backend) -> torch.nn.Module | None:
+    """The in-process teacher's output head (what maps its hidden states to logits), None for a teacher without one here."""
+    model = getattr(teacher, "model", None)
+    return model.get_output_embeddings() if isinstance(model, torch.nn.Module) else None
 
 
 @torch.no_grad()
 def score_teacher(
-    teacher: Backend, batch: TensorBatch, *, want: tuple[str, ...], top_k: int = 0, retries: int = 0, step: int | None = None
+    teacher: Backend, batch: TensorBatch, *, kind: str = "sampled", top_k: int = 0, dtype: str = "fp32", retries: int = 0,
+    step: int | None = None,
 ) -> None:
-    """Fill the teacher's log-probs (and full distribution or top-k when asked) into ``batch``; a failed or incomplete
-    scoring is tried ``retries`` more times, then raises :class:`TeacherFailed`, so no step trains without them."""
+    """Fill the teacher's log-probs of the sampled tokens, and its distribution as a signal of ``kind``
+    (:mod:`harness.teacher_signal`), into ``batch``, on the CPU; a failed or incomplete scoring is tried ``retries`` more
+    times, then raises :class:`TeacherFailed`, so no step trains without them."""
+    want = teacher_wants(kind)
+    extra = {"token_ids": batch.student_topk_ids} if kind == "student_topk" else {}
     for attempt in range(retries + 1):
         try:
-            scores = teacher.score(batch.input_ids, batch.attention_mask, want=want, top_k=top_k)
+            scores = teacher.score(batch.input_ids, batch.attention_mask, want=want, top_k=top_k, **extra)
             check_scores(scores, batch, want)
             break
         except Exception as exc:  # noqa: BLE001 - any failure of the teacher is an infrastructure error of this step
@@ -180,14 +192,27 @@ def score_teacher(
             log.warning("teacher scoring of %s failed (%s: %s); retry %d/%d", where, type(exc).__name__, exc, attempt + 1, retries)
             time.sleep(RETRY_BACKOFF_S * 2**attempt)
     batch.teacher_logprobs = scores["logprobs"].float().cpu() * batch.loss_mask
-    batch.teacher_full = scores.get("full")
-    if "topk" in want:
-        batch.teacher_topk_logprobs, batch.teacher_topk_ids = scores["topk_logprobs"].float().cpu(), scores["topk_ids"].cpu()
+    batch.teacher_dist = signal_from_scores(kind, scores, dtype, output_head(teacher), batch.student_topk_ids)
+
+
+def signal_from_scores(
+    kind: str, scores: dict[str, torch.Tensor], dtype: str, head: torch.nn.Module | None, token_ids: torch.Tensor | None
+) -> TeacherDistribution | None:
+    """The compact distribution of ``kind`` from the teacher's scores, on the CPU (hidden states in ``dtype``); None for
+    ``sampled``."""
+    if kind == "full":
+        return HiddenDistribution(scores["hidden"].to("cpu", DTYPES[dtype]), head)
+    if kind == "topk":
+        return TopKDistribution(scores["topk_ids"].cpu(), scores["topk_logprobs"].float().cpu())
+    if kind == "student_topk":
+        return TopKDistribution(token_ids.cpu(), scores["at_ids_logprobs"].float().cpu(), "student_topk")
+    return None
 
 
 def check_scores(scores: dict[str, torch.Tensor], batch: TensorBatch, want: tuple[str, ...]) -> None:
     """Every asked field is there, shaped like the batch, with finite log-probs on the trained tokens."""
-    names = {"logprobs": ("logprobs",), "full": ("full",), "topk": ("topk_logprobs", "topk_ids")}
+    names = {"logprobs": ("logprobs",), "full": ("full",), "topk": ("topk_logprobs", "topk_ids"), "hidden": ("hidden",),
+             "at_ids": ("at_ids_logprobs",)}  # fmt: skip
     missing = [name for field in want for name in names[field] if name not in scores]
     if missing:
         raise RuntimeError(f"the teacher returned no {missing}")

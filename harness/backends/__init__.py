@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 if TYPE_CHECKING:  # annotations only: importing the backend types (as the CLI does) does not load torch
     import torch
 
-SCORE_FIELDS = ("logprobs", "entropy", "topk", "full")
+SCORE_FIELDS = ("logprobs", "entropy", "topk", "full", "hidden", "at_ids")
 
 
 def as_bool(value) -> bool:

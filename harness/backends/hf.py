@@ -141,44 +141,64 @@ class HFBackend:
         want: tuple[str, ...] = ("logprobs",),
         top_k: int = 0,
         grad: bool = False,
+        token_ids: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         """Per-position scores for right-padded sequences (position 0 has no prefix and scores 0).
 
-        ``want`` ⊆ {"logprobs", "entropy", "topk", "full"}: log-prob of each given token, entropy of
-        the predictive distribution, top-k (values, indices) and the full log-distribution. With ``score_tokens`` (and
-        no gradient) rows run in length-sorted groups cut to their longest row (:func:`length_buckets`); positions past a
-        row's length hold the model's guesses after padding, or 0 past its group's longest row (nothing reads them).
+        ``want`` ⊆ {"logprobs", "entropy", "topk", "full", "hidden", "at_ids"}: log-prob of each given token, entropy of
+        the predictive distribution, top-k (values, indices), the full log-distribution, the last hidden states that predict
+        each position (``hidden``: (B, T, H), what the output head maps to the logits; position 0 zeros), and the log-probs of
+        ``token_ids`` (B, T, k) at each position (``at_ids_logprobs``). With ``score_tokens`` (and no gradient) rows run in
+        length-sorted groups cut to their longest row (:func:`length_buckets`); positions past a row's length hold the model's
+        guesses after padding, or 0 past its group's longest row (nothing reads them).
         """
         unknown = set(want) - set(SCORE_FIELDS)
         if unknown:
             raise ValueError(f"unknown score fields {sorted(unknown)}; allowed: {SCORE_FIELDS}")
+        if "at_ids" in want and token_ids is None:
+            raise ValueError("score field at_ids needs token_ids (B, T, k): the tokens to score at each position")
+        aligned = () if token_ids is None else (token_ids,)
         if self.score_tokens and not grad:
-            return bucketed(lambda ids, mask: self._score_whole(ids, mask, want, top_k, grad), input_ids, attention_mask,
-                            self.score_tokens)  # fmt: skip
-        return self._score_whole(input_ids, attention_mask, want, top_k, grad)
+            return bucketed(lambda ids, mask, *ids_k: self._score_whole(ids, mask, want, top_k, grad, *ids_k), input_ids,
+                            attention_mask, self.score_tokens, *aligned)  # fmt: skip
+        return self._score_whole(input_ids, attention_mask, want, top_k, grad, *aligned)
 
     def _score_whole(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, want: tuple[str, ...], top_k: int, grad: bool
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, want: tuple[str, ...], top_k: int, grad: bool,
+        token_ids: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
-        """:meth:`score` of all rows in one forward (or one chunked pass)."""
-        if self.score_chunk and not grad:
-            return self._score_in_chunks(input_ids.to(self.device), attention_mask.to(self.device), want, top_k)
+        """:meth:`score` of all rows in one forward (or one pass from the last hidden states)."""
+        ids, attention = input_ids.to(self.device), attention_mask.to(self.device)
+        token_ids = token_ids.to(self.device) if token_ids is not None else None
+        if not grad and (self.score_chunk or "hidden" in want):
+            return self._score_from_hidden(ids, attention, want, top_k, token_ids)
         with torch.set_grad_enabled(grad):
-            logits = self.model(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)).logits
-            return scores_from_logits(logits.float(), input_ids.to(self.device), want, top_k)
+            logits = self.model(input_ids=ids, attention_mask=attention).logits
+            return scores_from_logits(logits.float(), ids, want, top_k, token_ids)
 
     @torch.no_grad()
-    def _score_in_chunks(self, ids: torch.Tensor, attention: torch.Tensor, want: tuple[str, ...], top_k: int) -> dict[str, torch.Tensor]:
-        """:meth:`score` with the output head run ``score_chunk`` positions at a time into preallocated outputs: the whole
-        (B, T, V) logits and their float32 copy never exist, only the ``full`` output when it is asked for."""
+    def _score_from_hidden(
+        self, ids: torch.Tensor, attention: torch.Tensor, want: tuple[str, ...], top_k: int, token_ids: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
+        """:meth:`score` from the last hidden states: the output head runs ``score_chunk`` positions at a time into
+        preallocated outputs (the whole (B, T, V) logits and their float32 copy never exist, only the ``full`` output when it
+        is asked for), or over all positions at once without ``score_chunk``; ``hidden`` returns the states themselves."""
         with without_output_head(self.model) as head:
             hidden = self.model(input_ids=ids, attention_mask=attention).logits  # the last hidden states
+        fields = tuple(f for f in want if f != "hidden")
+        out = {"hidden": F.pad(hidden[:, :-1], (0, 0, 1, 0))} if "hidden" in want else {}  # position t: the state before it
+        if not fields:
+            return out
+        if not self.score_chunk:
+            return {**out, **scores_from_logits(head(hidden).float(), ids, fields, top_k, token_ids)}
         rows, length = ids.shape
-        out = empty_scores(rows, length, int(head.weight.shape[0]), want, top_k, ids.device)
+        top = top_k if "topk" in fields else token_ids.shape[-1] if token_ids is not None else 0
+        out.update(empty_scores(rows, length, int(head.weight.shape[0]), fields, top, ids.device))
         for b in range(rows):
             for start, stop in chunk_bounds(length - 1, self.score_chunk):  # hidden start..stop-1 predict tokens start+1..stop
                 logits = head(hidden[b : b + 1, start : stop + 1]).float()  # the last one predicts past the chunk, and is dropped
-                chunk = scores_from_logits(logits, ids[b : b + 1, start : stop + 1], want, top_k)
+                chosen = token_ids[b : b + 1, start : stop + 1] if token_ids is not None else None
+                chunk = scores_from_logits(logits, ids[b : b + 1, start : stop + 1], fields, top_k, chosen)
                 for name, value in chunk.items():
                     out[name][b, start + 1 : stop + 1] = value[0, 1:]  # the chunk's own position 0 is its context token
         return out
@@ -214,8 +234,11 @@ class SampledLengths(StoppingCriteria):
         return [n if n >= 0 else None for n in self._stopped_at.cpu().tolist()]
 
 
-def scores_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, want: tuple[str, ...], top_k: int = 0) -> dict[str, torch.Tensor]:
-    """Shift next-token logits onto the positions they predict and compute the requested fields."""
+def scores_from_logits(
+    logits: torch.Tensor, input_ids: torch.Tensor, want: tuple[str, ...], top_k: int = 0, token_ids: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """Shift next-token logits onto the positions they predict and compute the requested fields (``at_ids``: the log-probs
+    of ``token_ids`` (B, T, k), position-aligned like the rest)."""
     logp = F.log_softmax(logits[:, :-1], dim=-1)  # predicts tokens 1..T-1
     pad = lambda x: F.pad(x, (0, 0) * (x.dim() - 2) + (1, 0))  # noqa: E731  prepend position 0
     out: dict[str, torch.Tensor] = {}
@@ -228,6 +251,8 @@ def scores_from_logits(logits: torch.Tensor, input_ids: torch.Tensor, want: tupl
         out["topk_logprobs"], out["topk_ids"] = pad(values), pad(indices)
     if "full" in want:
         out["full"] = pad(logp)
+    if "at_ids" in want:
+        out["at_ids_logprobs"] = pad(logp.gather(-1, token_ids[:, 1:]))
     return out
 
 
@@ -245,13 +270,15 @@ def length_buckets(lengths: list[int], token_budget: int) -> list[list[int]]:
 
 
 def bucketed(
-    score: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]],
+    score: Callable[..., dict[str, torch.Tensor]],
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     token_budget: int,
+    *aligned: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
-    """``score(ids, mask)`` of right-padded rows, run per :func:`length_buckets` group on the group's columns only and put
-    back in row order, zero-padded to the full width (autograd flows through when ``score`` keeps a graph)."""
+    """``score(ids, mask, *aligned)`` of right-padded rows, run per :func:`length_buckets` group on the group's columns only
+    (``aligned`` (B, T, …) tensors cut likewise) and put back in row order, zero-padded to the full width (autograd flows
+    through when ``score`` keeps a graph)."""
     width = input_ids.shape[1]
     lengths = attention_mask.sum(-1).tolist()
     groups = length_buckets([int(n) for n in lengths], token_budget)
@@ -259,7 +286,7 @@ def bucketed(
     for rows in groups:
         index = torch.tensor(rows, device=input_ids.device)
         cols = max(int(lengths[rows[0]]), 1)
-        for name, value in score(input_ids[index, :cols], attention_mask[index, :cols]).items():
+        for name, value in score(input_ids[index, :cols], attention_mask[index, :cols], *(a[index, :cols] for a in aligned)).items():
             parts.setdefault(name, []).append(F.pad(value, (0, 0) * (value.dim() - 2) + (0, width - cols)))
     inverse = torch.argsort(torch.tensor([row for rows in groups for row in rows], device=input_ids.device))
     return {name: torch.cat(values)[inverse] for name, values in parts.items()}
@@ -275,7 +302,8 @@ def empty_scores(rows: int, length: int, vocab: int, want: tuple[str, ...], top_
     f32, long = torch.float32, torch.long
     shapes = {"logprobs": [("logprobs", (rows, length), f32)], "entropy": [("entropy", (rows, length), f32)],
               "full": [("full", (rows, length, vocab), f32)],
-              "topk": [("topk_logprobs", (rows, length, top_k), f32), ("topk_ids", (rows, length, top_k), long)]}  # fmt: skip
+              "topk": [("topk_logprobs", (rows, length, top_k), f32), ("topk_ids", (rows, length, top_k), long)],
+              "at_ids": [("at_ids_logprobs", (rows, length, top_k), f32)]}  # fmt: skip
     return {name: torch.zeros(shape, dtype=dtype, device=device) for field in want for name, shape, dtype in shapes[field]}
 
 

@@ -96,7 +96,7 @@ VLLM_MISSING = (
     "environment on a GPU machine (`pip install -e '.[gpu]'`, vllm==0.33.0); see DEVELOPERS.md, 'GPU environment'"
 )
 RAW_LOGPROBS = "raw_logprobs"
-UNSUPPORTED_SCORE_FIELDS = ("entropy", "full")
+UNSUPPORTED_SCORE_FIELDS = ("entropy", "full", "hidden", "at_ids")
 WEIGHTS_FILE = "model.safetensors"
 
 

@@ -61,22 +61,22 @@ def sampled_rkl_surrogate(student_logp: torch.Tensor, old_logp: torch.Tensor, te
     return -torch.exp(student_logp - old_logp.detach()) * advantage
 
 
-def eopd_vocabulary_terms(student_full: torch.Tensor, teacher_full: torch.Tensor, hp: EOPDParams) -> torch.Tensor:
+def eopd_vocabulary_terms(student_full: torch.Tensor, teacher_dist: torch.Tensor, hp: EOPDParams) -> torch.Tensor:
     """(..., 3) per position: teacher entropy H_t (detached), the exact reverse KL (0 unless ``rkl_estimator`` is full) and
     the forward KL FKL_t = Σ_v p_T (log p_T − log p_S) (over the teacher's top-k with ``fkl_top_k``)."""
-    teacher_full = teacher_full.to(student_full.dtype).detach()
-    h = entropy(teacher_full)  # H_t = −Σ_v p_T log p_T, full distribution
-    rkl = kl(student_full, teacher_full) if hp.rkl_estimator == "full" else torch.zeros_like(h)  # Σ_v p_S (log p_S − log p_T)
-    s_log, t_log = (student_full, teacher_full) if hp.fkl_top_k == 0 else teacher_top_k(student_full, teacher_full, hp.fkl_top_k)
+    teacher_dist = teacher_dist.to(student_full.dtype).detach()
+    h = entropy(teacher_dist)  # H_t = −Σ_v p_T log p_T, full distribution
+    rkl = kl(student_full, teacher_dist) if hp.rkl_estimator == "full" else torch.zeros_like(h)  # Σ_v p_S (log p_S − log p_T)
+    s_log, t_log = (student_full, teacher_dist) if hp.fkl_top_k == 0 else teacher_top_k(student_full, teacher_dist, hp.fkl_top_k)
     return torch.stack([h, rkl, kl(t_log, s_log)], dim=-1)
 
 
 def eopd_per_token(batch: TensorBatch, student: StudentOutputs, hp: EOPDParams) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-position EOPD loss (B, T) and the detached per-position parts (H, gate, RKL, FKL)."""
-    teacher_full = require_full(batch, student, "eopd")
-    terms = student.over_vocabulary(functools.partial(eopd_vocabulary_terms, hp=hp), teacher_full)
+    teacher_dist = require_full(batch, student, "eopd")
+    terms = student.over_vocabulary(functools.partial(eopd_vocabulary_terms, hp=hp), teacher_dist)
     h, rkl, fkl = terms[..., 0].detach(), terms[..., 1], terms[..., 2]
-    gate = entropy_gate(h, hp, teacher_full.shape[-1])
+    gate = entropy_gate(h, hp, teacher_dist.shape[-1])
     if hp.rkl_estimator != "full":
         rkl = sampled_rkl_surrogate(student.logprobs, old_logprobs(batch, student), batch.teacher_logprobs)
     per_token = rkl + gate * fkl if hp.gate == "hard" else (1.0 - gate) * rkl + gate * fkl
@@ -110,7 +110,7 @@ def eopd_objective(
 
 def eopd_needs(hp: EOPDParams) -> frozenset[str]:
     """Teacher entropy and forward KL need both full distributions; the sampled RKL term needs T_t."""
-    return frozenset({"teacher_full", "student_full", "teacher_logprobs", "old_logprobs"})
+    return frozenset({"teacher_dist", "student_full", "teacher_logprobs", "old_logprobs"})
 
 
 EOPD_SPEC = MethodSpec(

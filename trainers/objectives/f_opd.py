@@ -536,7 +536,7 @@ SHARED_NOTES = {
 
 def _needs(hp: HParams) -> frozenset[str]:
     full = getattr(hp, "estimator", "sampled") == "full"
-    return ASYNC_NEEDS | {"teacher_full", "student_full"} if full else ASYNC_NEEDS
+    return ASYNC_NEEDS | {"teacher_dist", "student_full"} if full else ASYNC_NEEDS
 
 
 def _spec(description: str, objective, hparams: type[HParams], make_state=None, notes: dict[str, str] | None = None) -> MethodSpec:
@@ -548,6 +548,7 @@ def _spec(description: str, objective, hparams: type[HParams], make_state=None, 
         modes=MODES,
         make_state=make_state,
         notes={**SHARED_NOTES, **(notes or {})},
+        teacher_kinds=lambda hp: ("full", "topk", "student_topk"),  # estimator full: the reverse KL of opd's, top-k buckets too
     )
 
 

@@ -72,10 +72,10 @@ def generalized_jsd(student_log: torch.Tensor, teacher_log: torch.Tensor, beta: 
     return beta * kl(teacher_log, mixture) + (1.0 - beta) * kl(student_log, mixture)
 
 
-def gkd_per_token(student_full: torch.Tensor, teacher_full: torch.Tensor, hp: GKDParams) -> torch.Tensor:
+def gkd_per_token(student_full: torch.Tensor, teacher_dist: torch.Tensor, hp: GKDParams) -> torch.Tensor:
     """Temperature, optional teacher top-k, then the generalized JSD at every position; (B, T)."""
     student_log = with_temperature(student_full, hp.temperature)
-    teacher_log = with_temperature(teacher_full.to(student_full.dtype), hp.temperature).detach()
+    teacher_log = with_temperature(teacher_dist.to(student_full.dtype), hp.temperature).detach()
     if hp.top_k > 0:
         student_log, teacher_log = teacher_top_k(student_log, teacher_log, hp.top_k)
     return generalized_jsd(student_log, teacher_log, hp.beta)
@@ -84,18 +84,18 @@ def gkd_per_token(student_full: torch.Tensor, teacher_full: torch.Tensor, hp: GK
 def require_full(batch: TensorBatch, student: StudentOutputs, method: str) -> torch.Tensor:
     """The teacher's full log-distribution when the student's was computed too (read through ``student.over_vocabulary``),
     or a clear error when the pipeline did not provide them."""
-    if not student.has_full or batch.teacher_full is None:
-        raise ValueError(f"{method} needs full student and teacher distributions (student_full, teacher_full)")
-    return batch.teacher_full
+    if not student.has_full or batch.teacher_dist is None:
+        raise ValueError(f"{method} needs full student and teacher distributions (student_full, teacher_dist)")
+    return batch.teacher_dist
 
 
 def gkd_objective(
     batch: TensorBatch, student: StudentOutputs, hp: GKDParams, state: object = None
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GKD loss: generalized JSD summed over kept positions / number of kept positions ("batchmean")."""
-    teacher_full = require_full(batch, student, "gkd")
+    teacher_dist = require_full(batch, student, "gkd")
     mask = batch.loss_mask
-    per_token = student.over_vocabulary(functools.partial(gkd_per_token, hp=hp), teacher_full)
+    per_token = student.over_vocabulary(functools.partial(gkd_per_token, hp=hp), teacher_dist)
     loss = masked_sum(per_token, mask) / mask.sum().clamp(min=1.0)
     return loss, {"jsd": float(loss.detach()), "tokens": float(mask.sum())}
 
@@ -104,8 +104,11 @@ GKD_SPEC = MethodSpec(
     description="GKD (TRL GKDTrainer): generalized JSD with β between full student and teacher distributions on student samples",
     objective=gkd_objective,  # type: ignore[arg-type]
     hparams=GKDParams,
-    needs=lambda hp: frozenset({"teacher_full", "student_full"}),
+    needs=lambda hp: frozenset({"teacher_dist", "student_full"}),
+    teacher_kinds=lambda hp: ("full", "topk", "student_topk"),
     notes={
+        "teacher signal": "full: the exact distributions; topk / student_topk: the JSD (after temperature) of both distributions "
+        "coarse-grained onto the k tokens plus one tail bucket (harness.teacher_signal), not of the full ones",
         "status": "VERIFIED against current TRL generalized_jsd_loss (arithmetic mixture via logsumexp; β weights KL(p_T‖M))",
         "lambda": "student data fraction λ is a pipeline matter: sync on-policy sampling means λ = 1; seq_kd is not supported",
         "temperature": "default 1.0 (the student's sampling temperature); TRL's default is 0.9",

@@ -7,16 +7,17 @@ Two per-token estimators of the reverse KL(π_θ ‖ π_T):
   ``aggregation: sum``; a run's ``method.json`` notes which one it used).
 - ``full``: the exact per-token reverse KL Σ_v π_θ(v)(log π_θ(v) − log π_T(v)) over the whole
   vocabulary, differentiated directly (GKD-style, β = 1). Far lower variance at small batch sizes.
-  With ``teacher_top_k`` = k > 0 (set automatically for a teacher that returns only top-k log-probs,
-  e.g. one served over HTTP) the teacher's distribution is its top-k tokens plus one bucket for the
-  rest of the vocabulary, and the KL is taken between these coarse-grained (k+1)-way distributions.
+  With a top-k teacher signal (``teacher.signal=topk``, chosen automatically for a teacher that returns
+  only top-k log-probs, e.g. one served over HTTP) the teacher's distribution is its top-k tokens plus
+  one bucket for the rest of the vocabulary, and the KL is taken between these coarse-grained (k+1)-way
+  distributions (harness.teacher_signal).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from harness.lazy import lazy_import
 from harness.method import HParams, MethodSpec, StudentOutputs
@@ -33,20 +34,6 @@ class OPDParams(HParams):
     estimator: Literal["sampled", "full"] = Field("sampled", description="per-token reverse-KL estimator")
     kl_coef: float = Field(1.0, gt=0, description="c_kl: weight of the KL advantage")
     aggregation: Literal["token-mean", "sum"] = Field("token-mean", description="token-mean (verl) or sum (Tinker)")
-    teacher_top_k: int = Field(
-        0,
-        ge=0,
-        description=(
-            "estimator full: 0 = the teacher's full distribution; k > 0 = its top-k log-probs plus a tail bucket "
-            "(set for a top-k-only teacher, e.g. a served one)"
-        ),
-    )
-
-    @model_validator(mode="after")
-    def _top_k_needs_full(self) -> "OPDParams":
-        if self.teacher_top_k and self.estimator != "full":
-            raise ValueError(f"teacher_top_k={self.teacher_top_k} is used only with estimator=full")
-        return self
 
 
 def sampled_reverse_kl(behaviour_logp: torch.Tensor, teacher_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -54,39 +41,17 @@ def sampled_reverse_kl(behaviour_logp: torch.Tensor, teacher_logp: torch.Tensor,
     return (behaviour_logp - teacher_logp) * mask
 
 
-def full_reverse_kl(student_full: torch.Tensor, teacher_full: torch.Tensor) -> torch.Tensor:
+def full_reverse_kl(student_full: torch.Tensor, teacher_dist: torch.Tensor) -> torch.Tensor:
     """Exact per-position KL(π_θ ‖ π_T) = Σ_v π_θ(v)(log π_θ(v) − log π_T(v)); shape (B, T)."""
-    return (student_full.exp() * (student_full - teacher_full.to(student_full.dtype))).sum(-1)
+    return (student_full.exp() * (student_full - teacher_dist.to(student_full.dtype))).sum(-1)
 
 
-def topk_reverse_kl(student_full: torch.Tensor, teacher_topk_ids: torch.Tensor, teacher_topk_logp: torch.Tensor) -> torch.Tensor:
-    """KL(π_θ ‖ π_T) over the teacher's top-k tokens plus one bucket for the rest of the vocabulary; shape (B, T).
-
-    The KL of the coarse-grained (k+1)-way distributions: a lower bound on the full-vocabulary KL, equal to it
-    when the top-k cover the vocabulary, that still penalises student mass outside the teacher's top-k.
-    """
-    student_top = student_full.gather(-1, teacher_topk_ids)
-    teacher_logp = teacher_topk_logp.to(student_full.dtype)
-    teacher_rest = torch.log((1.0 - teacher_logp.double().exp().sum(-1)).clamp(min=1e-12)).to(student_full.dtype)
-    inside = (student_top.exp() * (student_top - teacher_logp)).sum(-1)
-    outside_top = torch.ones_like(student_full).scatter(-1, teacher_topk_ids, 0.0)
-    rest_mass = (student_full.exp() * outside_top).sum(-1)  # Σ_{v ∉ top-k} π_θ(v), a sum of small terms (no cancellation)
-    present = rest_mass > 0  # 0 when the top-k cover the vocabulary; kept out of log so no NaN reaches the gradient
-    safe = torch.where(present, rest_mass, torch.ones_like(rest_mass))
-    outside = torch.where(present, safe * (safe.log() - teacher_rest), torch.zeros_like(rest_mass))
-    return inside + outside
-
-
-def exact_reverse_kl(batch: TensorBatch, student: StudentOutputs, teacher_top_k: int = 0) -> torch.Tensor:
-    """Per-position KL(π_θ ‖ π_T) from the full distributions (or the teacher's top-k); a clear error when a pipeline did not
-    provide them."""
-    if teacher_top_k:
-        if not student.has_full or batch.teacher_topk_ids is None or batch.teacher_topk_logprobs is None:
-            raise ValueError("estimator 'full' with teacher_top_k needs the full student distribution and the teacher's top-k log-probs")
-        return student.over_vocabulary(topk_reverse_kl, batch.teacher_topk_ids, batch.teacher_topk_logprobs)
-    if not student.has_full or batch.teacher_full is None:
+def exact_reverse_kl(batch: TensorBatch, student: StudentOutputs) -> torch.Tensor:
+    """Per-position KL(π_θ ‖ π_T) over the vocabulary, or over the top-k buckets of a top-k teacher signal; a clear error
+    when a pipeline did not provide the distributions."""
+    if not student.has_full or batch.teacher_dist is None:
         raise ValueError("estimator 'full' needs full student and teacher distributions")
-    return student.over_vocabulary(full_reverse_kl, batch.teacher_full)
+    return student.over_vocabulary(full_reverse_kl, batch.teacher_dist)
 
 
 def opd_objective(
@@ -97,7 +62,7 @@ def opd_objective(
     k = sampled_reverse_kl(batch.behaviour_logprobs, batch.teacher_logprobs, mask)
     diagnostics = {"teacher_kl": float(masked_mean(k, mask)), "tokens": float(mask.sum())}
     if hp.estimator == "full":
-        per_token = hp.kl_coef * exact_reverse_kl(batch, student, hp.teacher_top_k)
+        per_token = hp.kl_coef * exact_reverse_kl(batch, student)
         diagnostics["teacher_kl_full"] = float(masked_mean(per_token.detach(), mask) / hp.kl_coef)
     else:
         advantage = (-hp.kl_coef * k).detach()  # reverse KL = log q − log T; the advantage is its negative
@@ -112,7 +77,7 @@ def opd_needs(hp: OPDParams) -> frozenset[str]:
     base = {"teacher_logprobs", "behaviour_logprobs"}
     if hp.estimator != "full":
         return frozenset(base)
-    return frozenset(base | {"teacher_topk" if hp.teacher_top_k else "teacher_full", "student_full"})
+    return frozenset(base | {"teacher_dist", "student_full"})
 
 
 AGGREGATION_NOTES = {
@@ -125,24 +90,15 @@ ESTIMATOR_NOTES = {
     "sampled": "Tinker's importance-sampling loss −Σ exp(s − q)·A with A = −c_kl(q − T), ratio against the sampler "
     "log-probs q (methods.md §1.1)",
     "full": "exact full-vocabulary reverse KL(π_θ ‖ π_T) per position, differentiated directly (GKD-style, β = 1); "
-    "not §1.1's sampled-token estimator",
+    "not §1.1's sampled-token estimator. With a top-k teacher signal (teacher.signal topk or student_topk, the run's config "
+    "says which) the KL is over those k tokens plus one bucket for the rest of the vocabulary: a lower bound on the "
+    "full-vocabulary KL, equal to it when the top-k cover the vocabulary",
 }
 
 
 def opd_run_notes(hp: OPDParams) -> dict[str, str]:
     """The run's aggregation and estimator, and how each relates to methods.md §1.1, for ``method.json``."""
-    estimator = topk_note(hp.teacher_top_k) if hp.teacher_top_k else ESTIMATOR_NOTES[hp.estimator]
-    return {"aggregation": AGGREGATION_NOTES[hp.aggregation], "estimator": estimator}
-
-
-def topk_note(k: int) -> str:
-    """How the full estimator differs when the teacher gives only its top-k log-probs."""
-    return (
-        f"top-{k} reverse KL(π_θ ‖ π_T) per position, differentiated directly (GKD-style, β = 1), NOT the full-vocabulary KL: the teacher "
-        f"gives only its top-{k} log-probs (teacher_top_k={k}; a teacher that returns top-k, e.g. a served one), so the KL is over those "
-        f"{k} tokens plus one bucket for the rest of the vocabulary, a lower bound on the full-vocabulary KL, equal to it when the "
-        "top-k cover the vocabulary; not §1.1's sampled-token estimator"
-    )
+    return {"aggregation": AGGREGATION_NOTES[hp.aggregation], "estimator": ESTIMATOR_NOTES[hp.estimator]}
 
 
 OPD_SPEC = MethodSpec(
@@ -154,4 +110,5 @@ OPD_SPEC = MethodSpec(
     hparams=OPDParams,
     needs=opd_needs,  # type: ignore[arg-type]
     run_notes=opd_run_notes,  # type: ignore[arg-type]
+    teacher_kinds=lambda hp: ("full", "topk", "student_topk"),
 )
