@@ -259,18 +259,27 @@ def run(
 
 
 def _dry_run(plan, device_memory: float | None, as_json: bool) -> None:
-    """``harness run --dry-run``: the steps that check a planned run before anything runs, each raising ConfigError
-    (exit 2, one line) or adding to the output; today the memory plan (data and tokenizer checks can join as steps)."""
+    """``harness run --dry-run``: the checks of a planned run before anything runs, one step each (today the memory plan;
+    data and tokenizer checks join as more steps). Each step returns (its JSON section, a printer, its failure or None);
+    the sections are printed, then the first failure is raised (exit 2, one line)."""
+    steps = {"memory": _memory_step}
+    results = {name: step(plan, device_memory=device_memory) for name, step in steps.items()}
+    if as_json:
+        print(to_json({name: section for name, (section, _, _) in results.items()}))
+    else:
+        for _, show, _ in results.values():
+            show()
+    failure = next((failure for _, _, failure in results.values() if failure), None)
+    if failure:
+        raise ConfigError(failure)
+
+
+def _memory_step(plan, *, device_memory: float | None) -> tuple[dict, Callable[[], None], str | None]:
+    """The memory plan of the run (:mod:`harness.memory_plan`): per role and device, against the devices' capacity."""
     from harness.memory_plan import build_memory_plan, fit_failure
 
     memory = build_memory_plan(plan, device_memory)
-    if as_json:
-        print(to_json({"memory": memory.to_dict()}))
-    else:
-        _print_memory_plan(memory)
-    failure = fit_failure(memory)
-    if failure:
-        raise ConfigError(failure)
+    return memory.to_dict(), lambda: _print_memory_plan(memory), fit_failure(memory)
 
 
 def _print_memory_plan(memory) -> None:

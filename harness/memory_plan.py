@@ -458,9 +458,10 @@ def fit_failure(plan: MemoryPlan) -> str | None:
             continue
         terms = [t for t in plan.terms if t.device == device.name]
         largest = max(terms, key=lambda t: t.bytes or 0)
-        roles = ", ".join(device.roles)
-        return (f"memory plan: {roles} on {device.name} needs an estimated {total / GIB:.1f} GiB of {device.capacity / GIB:.1f} GiB; "
-                f"largest term: {largest.role} {largest.term} {(largest.bytes or 0) / GIB:.1f} GiB")  # fmt: skip
+        others = [role for role in device.roles if role != largest.role]
+        role = largest.role + (f" (with {', '.join(others)})" if others else "")
+        return (f"memory plan: {role} on {device.name} needs ~{total / GIB:.1f} GiB of {device.capacity / GIB:.1f} GiB; "
+                f"largest term: {largest.term} {(largest.bytes or 0) / GIB:.1f} GiB")  # fmt: skip
     return None
 
 
