@@ -171,28 +171,56 @@ def looks_like_hub_id(path: str) -> bool:
 
 def hub_shape(repo: str, key: str) -> ModelShape:
     """The shape of hub model ``repo``: its cached config.json, else the published shape of a Qwen3 id the harness knows,
-    else the hub's config.json (network). Offline (``HF_HUB_OFFLINE``, or the hub unreachable) a clear ConfigError naming ``key``."""
-    from transformers import AutoConfig
+    else the hub's config.json (network, 5 s timeout). Offline (``HF_HUB_OFFLINE``, or the hub unreachable) a one-line
+    ConfigError naming ``key``."""
+    from huggingface_hub import hf_hub_download
 
     try:
-        config = AutoConfig.from_pretrained(repo, local_files_only=True).to_dict()
-        return shape_from_config(config, repo, f"{repo} config.json (local hub cache)")
-    except (OSError, ValueError):
+        cached = hf_hub_download(repo, "config.json", local_files_only=True)
+        return shape_from_config(json.loads(Path(cached).read_text()), repo, f"{repo} config.json (local hub cache)")
+    except Exception:  # noqa: BLE001 - not cached (or unreadable): the published shape or the hub below
         pass
     known = published_hub_ids().get(repo)
     if known is not None:
         return published_shape(known, f"{repo}: not in the hub cache; the published shape {known} (harness/models/shapes.py)")
+    hint = f"give a local model folder or a published shape ({key.rsplit('.', 1)[0]}.arch)"
     if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        raise ConfigError(f"{key}={repo}: the hub is offline (HF_HUB_OFFLINE) and its config.json is not cached; give a local "
-                          f"model folder or a published shape ({key.rsplit('.', 1)[0]}.arch)")  # fmt: skip
-    os.environ.setdefault("HF_HUB_ETAG_TIMEOUT", "5")
-    os.environ.setdefault("HF_HUB_DOWNLOAD_TIMEOUT", "5")
+        raise ConfigError(f"{key}={repo}: the hub is offline (HF_HUB_OFFLINE) and its config.json is not cached; {hint}")
+    endpoint = hub_unreachable()
+    if endpoint:
+        raise ConfigError(f"{key}={repo}: the hub ({endpoint}) is not reachable from here and its config.json is not cached; {hint}")
     try:
-        config = AutoConfig.from_pretrained(repo).to_dict()
-    except Exception as exc:  # noqa: BLE001 - offline, unknown repo, gated: one line either way
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"{key}={repo}: cannot read its config.json from the hub ({first}); give a local model folder") from None
+        config = json.loads(Path(hf_hub_download(repo, "config.json", etag_timeout=5)).read_text())
+    except Exception as exc:  # noqa: BLE001 - unreachable hub, unknown or gated repo: one line either way
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"{key}={repo}: cannot read its config.json from the hub ({first}); {hint}") from None
     return shape_from_config(config, repo, f"{repo} config.json (hub)")
+
+
+def hub_unreachable(timeout_s: float = 3.0) -> str | None:
+    """The hub's address when a TCP connection to it does not open within ``timeout_s`` (name lookup included), else None:
+    huggingface_hub's own retries take tens of seconds to give up on a host without network."""
+    import socket
+    import threading
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    url = urlsplit(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    opened: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((url.hostname, port), timeout=timeout_s).close()
+            opened.append(True)
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=probe, daemon=True)  # getaddrinfo has no timeout of its own
+    thread.start()
+    thread.join(timeout_s)
+    return None if opened else constants.ENDPOINT
 
 
 def model_shape(spec: ModelSpec, key: str) -> ModelShape:
