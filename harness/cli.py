@@ -181,6 +181,17 @@ def run(
     print_config: Annotated[
         bool, typer.Option("--print-config", help="print the resolved config (every default included) as YAML and exit; nothing is written")
     ] = False,
+    dry_run: Annotated[
+        bool,
+        typer.Option("--dry-run", help="print the run's memory plan (role × device × term, vs capacity) and exit: 0 if it fits, 2 if "
+                     "not; reads model configs only, loads no weights, writes nothing"),
+    ] = False,
+    device_memory: Annotated[
+        float | None,
+        typer.Option("--device-memory", callback=open_interval(0, float("inf"), low_open=True),
+                     help="--dry-run: each accelerator's memory in GiB (default: this host's CUDA device, else unknown)"),
+    ] = None,
+    json_: Annotated[bool, typer.Option("--json", help="--dry-run: print the plan as JSON")] = False,
 ) -> None:
     """Train a student with METHOD on TASK, evaluating every checkpoint (Avg@k) into the store.
 
@@ -195,8 +206,11 @@ def run(
 
     _quiet_libraries()
     store = None
+    planning = print_config or dry_run  # nothing runs here: a GPU config is planned on any host
     try:
         check_data_dir(data_dir)
+        if (device_memory is not None or json_) and not dry_run:
+            raise ConfigError(f"{'--device-memory' if device_memory is not None else '--json'} is used only with --dry-run")
         if resume:
             if any(v is not None for v in (method, task, mode, executor, preset, config)):
                 raise ConfigError("--resume continues a run with its stored config; drop the other options (--set trainer.layout.* only)")
@@ -208,9 +222,13 @@ def run(
         else:
             trainer = {key: value for key, value in (("mode", mode), ("executor", executor)) if value is not None}
             cli = {"method": method, "task": task, "trainer": trainer or None}
-            plan = plan_run(config_with_data_dir(build_config(preset=preset, config_file=config, overrides=set_ or [], cli=cli), data_dir))
+            built = build_config(preset=preset, config_file=config, overrides=set_ or [], cli=cli, planning=planning)
+            plan = plan_run(config_with_data_dir(built, data_dir))
         if print_config:  # validated, nothing loaded or written
             print(yaml.safe_dump(resolved_config(plan), sort_keys=False), end="")
+            return
+        if dry_run:  # validated and planned: nothing loaded onto a device, no weights read, nothing written
+            _dry_run(plan, device_memory, json_)
             return
         load_plan_data(plan)
     except (ConfigError, RegistryError) as exc:  # DataUnavailable included: missing data or a bad row, nothing created
@@ -238,6 +256,46 @@ def run(
     except TrainingAborted as exc:  # non-finite loss, too many grading errors: the run is marked failed
         raise _fail(f"run {run_id} failed: {exc}", 1) from None
     _print_run_summary(store, run_id, plan, time.perf_counter() - started)
+
+
+def _dry_run(plan, device_memory: float | None, as_json: bool) -> None:
+    """``harness run --dry-run``: the checks of a planned run before anything runs, one step each (today the memory plan;
+    data and tokenizer checks join as more steps). Each step returns (its JSON section, a printer, its failure or None);
+    the sections are printed, then the first failure is raised (exit 2, one line)."""
+    steps = {"memory": _memory_step}
+    results = {name: step(plan, device_memory=device_memory) for name, step in steps.items()}
+    if as_json:
+        print(to_json({name: section for name, (section, _, _) in results.items()}))
+    else:
+        for _, show, _ in results.values():
+            show()
+    failure = next((failure for _, _, failure in results.values() if failure), None)
+    if failure:
+        raise ConfigError(failure)
+
+
+def _memory_step(plan, *, device_memory: float | None) -> tuple[dict, Callable[[], None], str | None]:
+    """The memory plan of the run (:mod:`harness.memory_plan`): per role and device, against the devices' capacity."""
+    from harness.memory_plan import build_memory_plan, fit_failure
+
+    memory = build_memory_plan(plan, device_memory)
+    return memory.to_dict(), lambda: _print_memory_plan(memory), fit_failure(memory)
+
+
+def _print_memory_plan(memory) -> None:
+    """The memory plan as a table (GiB), then its assumptions."""
+    from rich.table import Table
+
+    from harness.memory_plan import render_rows
+
+    table = Table(title="memory plan (GiB, one replica per device)")
+    for name in ("role", "device", "term", "GiB", "note"):
+        table.add_column(name, justify="right" if name == "GiB" else "left")
+    for row in render_rows(memory):
+        table.add_row(*(escape(cell) for cell in row), style="bold" if row[0] == "total" else None)
+    stdout.print(table)
+    for line in memory.assumptions:
+        stdout.print(f"- {escape(line)}", highlight=False)
 
 
 def _print_run_summary(store, run_id: str, plan, seconds: float) -> None:

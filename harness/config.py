@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from harness.errors import ConfigError
 from harness.models.shapes import SHAPES
@@ -209,13 +209,24 @@ def fsdp2_unsupported() -> str | None:
     return None
 
 
-def device_unavailable(device: str) -> str | None:
-    """Why ``trainer.device`` cannot be used here (an unknown name, no CUDA, an index past the device count), else None."""
+PLANNING = "planning"  # validation context key: the config is only planned here (--print-config, --dry-run), run elsewhere
+
+
+def planning_only(info: ValidationInfo) -> bool:
+    """Whether this validation only plans the run (``build_config(planning=True)``): what this host has is not checked."""
+    return bool((info.context or {}).get(PLANNING))
+
+
+def device_unavailable(device: str, *, here: bool = True) -> str | None:
+    """Why ``trainer.device`` cannot be used (an unknown name; with ``here``, no CUDA or an index past this host's device
+    count), else None."""
     if device in ("cpu", "auto"):
         return None
     kind, _, index = device.partition(":")
     if kind != "cuda" or (index and not index.isdigit()):
         return f"trainer.device={device!r}: choose cpu, cuda, cuda:N or auto"
+    if not here:
+        return None
     import torch
 
     if not torch.cuda.is_available():
@@ -417,9 +428,10 @@ class TrainerConfig(Strict):
 
     @field_validator("device")
     @classmethod
-    def _device_here(cls, device: str) -> str:
-        """cpu, auto, or a CUDA device this machine has (torch is imported only to check a CUDA one)."""
-        why = device_unavailable(device)
+    def _device_here(cls, device: str, info: ValidationInfo) -> str:
+        """cpu, auto, or a CUDA device this machine has (torch is imported only to check a CUDA one); when only planning
+        (``--print-config``, ``--dry-run`` of a GPU run on another host), any well-formed device name."""
+        why = device_unavailable(device, here=not planning_only(info))
         if why:
             raise ValueError(why)
         return device
@@ -630,9 +642,12 @@ def fitted_default_models(user: dict) -> dict:
 
 
 def build_config(
-    *, preset: str | None = None, config_file: Path | None = None, overrides: list[str] = (), cli: dict | None = None
+    *, preset: str | None = None, config_file: Path | None = None, overrides: list[str] = (), cli: dict | None = None,
+    planning: bool = False,
 ) -> RunConfig:
-    """Merge the layers and validate; raises :class:`ConfigError` naming the bad key."""
+    """Merge the layers and validate; raises :class:`ConfigError` naming the bad key. ``planning``: the config is only
+    printed or planned here (``--print-config``, ``--dry-run``), so what this host lacks (a CUDA device) is not refused;
+    a config built so must not be run."""
     user: dict = {}
     if config_file:
         user = deep_merge(user, load_yaml_file(config_file))
@@ -645,6 +660,6 @@ def build_config(
         else deep_merge(fitted_default_models(user), user)
     )
     try:
-        return RunConfig.model_validate(data)
+        return RunConfig.model_validate(data, context={PLANNING: planning})
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, RunConfig)) from None

@@ -1,0 +1,148 @@
+"""The memory plan's learner estimate against the peak RSS of one real learner step on the CPU.
+
+Each shape runs in a fresh subprocess: a tiny Qwen3 with Qwen3's vocabulary (151,936), AdamW, and one
+``trainers.learner.train_step`` of OPD on a synthetic batch. Measured: the process's RSS high-water mark
+(``ru_maxrss``) minus its RSS after the imports. Estimated: ``harness.memory_plan``'s learner terms (weights,
+gradients, AdamW, activations, the batch with its teacher signal) for the same shape and tokens.
+
+    OMP_NUM_THREADS=1 python benchmarks/memory_plan_check.py            # every shape
+    OMP_NUM_THREADS=1 python benchmarks/memory_plan_check.py --shape A  # one
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from harness.memory_plan import (  # noqa: E402
+    FP32,
+    ModelShape,
+    learner_activation_bytes,
+    learner_state_terms,
+    teacher_signal_bytes_per_token,
+)
+
+VOCAB = 151_936
+MIB = 1024**2
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured shape: the tiny model, the batch (rows × tokens) and the learner's options."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    rows: int
+    tokens: int
+    estimator: str  # opd's: sampled (teacher log-probs) or full (the teacher's whole distribution in the batch)
+    forward_tokens: int = 0
+    vocab_chunk: int = 0
+
+    def shape(self) -> ModelShape:
+        return ModelShape("tiny", "benchmark", self.layers, self.hidden, self.heads, self.kv_heads, self.hidden // self.heads,
+                          self.ffn, VOCAB, True)  # fmt: skip
+
+
+CASES = {
+    "A": Case(hidden=16, layers=1, heads=2, kv_heads=1, ffn=64, rows=2, tokens=256, estimator="sampled"),
+    "B": Case(hidden=64, layers=2, heads=4, kv_heads=2, ffn=256, rows=6, tokens=256, estimator="sampled", forward_tokens=512),
+    "C": Case(hidden=32, layers=2, heads=4, kv_heads=2, ffn=128, rows=2, tokens=256, estimator="full"),
+    "D": Case(hidden=32, layers=2, heads=4, kv_heads=2, ffn=128, rows=4, tokens=512, estimator="full", vocab_chunk=64),
+}
+
+
+def estimate(case: Case) -> int:
+    """The memory plan's learner bytes for ``case`` (one rank, fp32, no checkpointing)."""
+    shape = case.shape()
+    state = sum(size for size, _ in learner_state_terms(shape, ranks=1, sharding="ddp", precision="fp32").values())
+    graph = case.rows * case.tokens
+    bucket = min(graph, max(case.forward_tokens, case.tokens)) if case.forward_tokens else graph
+    full = case.estimator == "full"
+    layers, vocab = learner_activation_bytes(shape, graph_tokens=graph, bucket_tokens=bucket, dtype_bytes=FP32,
+                                             checkpointing=False, student_full=full, vocab_chunk=case.vocab_chunk)  # fmt: skip
+    kind = "distribution" if full else "sampled"
+    signal = teacher_signal_bytes_per_token(kind, shape.hidden, 20, FP32, VOCAB) + 4 * 8 + 3 * FP32
+    return state + layers + vocab + signal * graph
+
+
+def rss_bytes() -> int:
+    """This process's resident set now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def measure(case: Case) -> int:
+    """Peak RSS rise of one learner step of ``case`` in this (fresh) process."""
+    import torch
+
+    from harness.models.tiny import TinyArch, build_tiny_model
+    from harness.registry import METHODS
+    from harness.trajectory import TensorBatch
+    from trainers.learner import train_step
+
+    torch.set_num_threads(1)
+    torch.ones(8) @ torch.ones(8)  # the first op's allocations belong to the baseline
+    base = max(rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    arch = TinyArch(hidden=case.hidden, layers=case.layers, heads=case.heads, kv_heads=case.kv_heads, ffn=case.ffn,
+                    max_positions=max(512, case.tokens))  # fmt: skip
+    model = build_tiny_model(arch, VOCAB, pad_id=0, eos_id=1, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    rows, length = case.rows, case.tokens
+    ids = torch.randint(3, VOCAB, (rows, length), generator=g)
+    loss_mask = (torch.arange(length) >= 16).float().expand(rows, -1).contiguous()
+    behaviour = -torch.rand(rows, length, generator=g) * 3 * loss_mask
+    full = None
+    if case.estimator == "full":
+        full = torch.empty(rows, length, VOCAB)  # row by row: a whole (B, T, V) temporary would set the peak before the step
+        for row in range(rows):
+            full[row] = torch.log_softmax(torch.randn(length, VOCAB, generator=g), -1)
+    batch = TensorBatch(
+        input_ids=ids, attention_mask=torch.ones(rows, length, dtype=torch.long), loss_mask=loss_mask,
+        step_index=torch.zeros(rows, length, dtype=torch.long), behaviour_logprobs=behaviour,
+        teacher_logprobs=behaviour - 0.1, rewards=torch.full((rows,), float("nan")), policy_version=torch.zeros(rows, dtype=torch.long),
+        group_ids=torch.arange(rows), teacher_full=full,
+    )  # fmt: skip
+    method = METHODS.get("opd")
+    hparams = method.hparams(estimator=case.estimator)
+    train_step(model, optimizer, batch, method, hparams, forward_tokens=case.forward_tokens, vocab_chunk=case.vocab_chunk)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+
+
+def run_case(name: str) -> dict:
+    """Measure ``name`` in a fresh interpreter; its estimate, measurement and their ratio."""
+    out = subprocess.run([sys.executable, __file__, "--measure", name], capture_output=True, text=True, check=True)
+    measured = json.loads(out.stdout.strip().splitlines()[-1])["measured"]
+    estimated = estimate(CASES[name])
+    return {"shape": name, "estimated": estimated, "measured": measured, "ratio": estimated / measured}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(CASES), action="append", help="only these shapes (repeatable)")
+    parser.add_argument("--measure", choices=sorted(CASES), help=argparse.SUPPRESS)  # the child: measure one shape
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps({"measured": measure(CASES[args.measure])}))
+        return
+    print(f"{'shape':<6}{'case':<92}{'estimate MiB':>13}{'measured MiB':>13}{'est/meas':>9}")
+    for name in args.shape or sorted(CASES):
+        result = run_case(name)
+        case = CASES[name]
+        what = (f"H={case.hidden} L={case.layers} I={case.ffn} V={VOCAB} {case.rows}x{case.tokens} tokens opd {case.estimator} "
+                f"forward_tokens={case.forward_tokens} vocab_chunk={case.vocab_chunk}")  # fmt: skip
+        print(f"{name:<6}{what:<92}{result['estimated'] / MIB:>13.0f}{result['measured'] / MIB:>13.0f}{result['ratio']:>9.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,512 @@
+"""A memory plan of a run before anything runs (``harness run … --dry-run``): per role and per device, the bytes of
+weights, gradients, optimizer state, activations, the teacher signal, buffered batches and the rollout KV cache.
+
+Model shapes come from config files (a local folder's ``config.json``, the hub's through ``AutoConfig``, or the
+published shapes of :mod:`harness.models.shapes`), never from loaded weights; parameter counts are computed from the
+shape. Each term is a small pure function of the shape and the config; :func:`build_memory_plan` puts them together
+for a validated :class:`~harness.plan.Plan` and :func:`fit_failure` checks them against the devices' capacity.
+The formulas, what they leave out, and the CPU measurements they were checked against: ``docs/memory-plan.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from harness.errors import ConfigError
+
+if TYPE_CHECKING:
+    from harness.config import ModelSpec, RunConfig
+    from harness.plan import Plan
+
+GIB = 1024**3
+FP32 = 4
+PROMPT_TOKENS = 512  # prompt allowance of a single-turn task's row (its max_new_tokens come on top); stated in the plan
+DEFAULT_VLLM_UTILIZATION = 0.5  # VLLMBackend.load's default gpu_memory_utilization
+DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "float64": 8}
+
+# The learner's (tokens, V) float32 tensors (multiples of tokens × V × 4 bytes), read from trainers/learner.py and
+# harness/backends/hf.py scores_from_logits, then checked against CPU peaks (docs/memory-plan.md):
+# sampled-token log-probs: the log-softmax and its exp (entropy) are kept for every bucket of the step's one graph,
+# and one bucket's logits and exp·logp product exist beside them while it is computed.
+VOCAB_KEPT_SAMPLED, VOCAB_TRANSIENT_SAMPLED = 2, 2
+# the full student distribution (unchunked): the log-softmax, its padded copy (the distribution), and the objective's
+# exp and difference are kept; the bucket's logits, the entropy's exp and product, and the backward's gradients pass by.
+VOCAB_KEPT_FULL, VOCAB_TRANSIENT_FULL = 4, 3
+VOCAB_CHUNK_COPIES = 6  # a chunk of positions under checkpointing: its logits, log-softmax, exp, terms and their gradients
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory plan needs of a decoder-only transformer (Qwen3/Llama layout), and where it was read."""
+
+    name: str
+    source: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+
+
+@dataclass
+class Term:
+    """One line of the plan: ``bytes`` of ``term`` for one replica of ``role`` on ``device`` (None: a share of an
+    unknown capacity, ``share`` of the device)."""
+
+    role: str
+    device: str
+    term: str
+    bytes: int | None
+    note: str = ""
+    share: float | None = None
+
+
+@dataclass
+class Device:
+    """A device of the plan: what one replica of its roles sees (``capacity`` None: unknown, nothing checked)."""
+
+    name: str
+    roles: list[str]
+    replicas: int
+    capacity: int | None
+
+
+@dataclass
+class MemoryPlan:
+    """The plan: its terms, its devices, and the assumptions it was made under (shape sources, row lengths, ...)."""
+
+    terms: list[Term] = field(default_factory=list)
+    devices: list[Device] = field(default_factory=list)
+    assumptions: list[str] = field(default_factory=list)
+
+    def total(self, device: str) -> int:
+        """The bytes of every term on ``device`` (a share of an unknown capacity counts 0)."""
+        return sum(t.bytes or 0 for t in self.terms if t.device == device)
+
+    def to_dict(self) -> dict:
+        """JSON form: terms, devices with their totals and capacity, assumptions."""
+        devices = [{**asdict(d), "total_bytes": self.total(d.name), "fits": fits(self.total(d.name), d.capacity)} for d in self.devices]
+        return {"terms": [asdict(t) for t in self.terms], "devices": devices, "assumptions": self.assumptions}
+
+
+def fits(total: int, capacity: int | None) -> bool | None:
+    """Whether ``total`` bytes fit ``capacity`` (None: capacity unknown)."""
+    return None if capacity is None else total <= capacity
+
+
+# ---- model shapes, without weights
+
+
+def layer_parameters(shape: ModelShape) -> int:
+    """Parameters of one decoder layer: q/k/v/o projections, q/k norms (Qwen3), SwiGLU MLP, two RMSNorms."""
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    attention = shape.hidden * q + 2 * shape.hidden * kv + q * shape.hidden + 2 * shape.head_dim
+    return attention + 3 * shape.hidden * shape.intermediate + 2 * shape.hidden
+
+
+def parameter_count(shape: ModelShape) -> int:
+    """Parameters of the whole model: embedding, layers, final norm, and the output head unless tied to the embedding."""
+    head = 0 if shape.tied else shape.vocab * shape.hidden
+    return shape.vocab * shape.hidden + shape.layers * layer_parameters(shape) + shape.hidden + head
+
+
+def shape_from_config(config: dict, name: str, source: str) -> ModelShape:
+    """A :class:`ModelShape` from a ``config.json`` mapping (a multimodal one's ``text_config``); ``head_dim`` defaults to
+    hidden / heads, ``num_key_value_heads`` to the heads. A missing field is a ``ValueError`` naming it."""
+    config = config.get("text_config", config)
+    try:
+        hidden, heads, layers = int(config["hidden_size"]), int(config["num_attention_heads"]), int(config["num_hidden_layers"])
+        return ModelShape(
+            name=name,
+            source=source,
+            layers=layers,
+            hidden=hidden,
+            heads=heads,
+            kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            intermediate=int(config["intermediate_size"]),
+            vocab=int(config["vocab_size"]),
+            tied=bool(config.get("tie_word_embeddings", False)),
+        )
+    except KeyError as exc:
+        raise ValueError(f"{source} has no {exc.args[0]!r}") from None
+
+
+def published_shape(arch: str, source: str | None = None) -> ModelShape:
+    """The published Qwen3 shape ``arch`` of :data:`harness.models.shapes.SHAPES`."""
+    from harness.models.shapes import get_shape
+
+    s = get_shape(arch)
+    return ModelShape(arch, source or f"harness/models/shapes.py ({s.source})", s.layers, s.hidden, s.heads, s.kv_heads, s.head_dim,
+                      s.intermediate, s.vocab, s.tie_word_embeddings)  # fmt: skip
+
+
+def tiny_shape(arch: Any) -> ModelShape:
+    """A tiny model built from ``arch`` (:class:`~harness.models.tiny.TinyArch`): character tokenizer, tied embedding."""
+    from harness.models.tiny import CHARSET
+
+    vocab = len(dict.fromkeys(CHARSET)) + 3  # pad, eos, unk, then one id per character (build_char_tokenizer)
+    return ModelShape("tiny", "the config's arch", arch.layers, arch.hidden, arch.heads, arch.kv_heads, arch.hidden // arch.heads,
+                      arch.ffn, vocab, True)  # fmt: skip
+
+
+def published_hub_ids() -> dict[str, str]:
+    """Hub ids whose config.json :data:`~harness.models.shapes.SHAPES` copies (``Qwen/Qwen3-1.7B`` → its shape name)."""
+    from harness.models.shapes import SHAPES
+
+    return {shape.source.removesuffix(" config.json"): name for name, shape in SHAPES.items()}
+
+
+def looks_like_hub_id(path: str) -> bool:
+    """``owner/name``, as :func:`harness.models.tiny.load_model_and_tokenizer` tells a hub id from a folder."""
+    return path.count("/") == 1 and not path.startswith((".", "/", "~")) and not Path(path).exists()
+
+
+def hub_shape(repo: str, key: str) -> ModelShape:
+    """The shape of hub model ``repo``: its cached config.json, else the published shape of a Qwen3 id the harness knows,
+    else the hub's config.json (network, 5 s timeout). Offline (``HF_HUB_OFFLINE``, or the hub unreachable) a one-line
+    ConfigError naming ``key``."""
+    from huggingface_hub import hf_hub_download
+
+    try:
+        cached = hf_hub_download(repo, "config.json", local_files_only=True)
+        return shape_from_config(json.loads(Path(cached).read_text()), repo, f"{repo} config.json (local hub cache)")
+    except Exception:  # noqa: BLE001 - not cached (or unreadable): the published shape or the hub below
+        pass
+    known = published_hub_ids().get(repo)
+    if known is not None:
+        return published_shape(known, f"{repo}: not in the hub cache; the published shape {known} (harness/models/shapes.py)")
+    hint = f"give a local model folder or a published shape ({key.rsplit('.', 1)[0]}.arch)"
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        raise ConfigError(f"{key}={repo}: the hub is offline (HF_HUB_OFFLINE) and its config.json is not cached; {hint}")
+    endpoint = hub_unreachable()
+    if endpoint:
+        raise ConfigError(f"{key}={repo}: the hub ({endpoint}) is not reachable from here and its config.json is not cached; {hint}")
+    try:
+        config = json.loads(Path(hf_hub_download(repo, "config.json", etag_timeout=5)).read_text())
+    except Exception as exc:  # noqa: BLE001 - unreachable hub, unknown or gated repo: one line either way
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"{key}={repo}: cannot read its config.json from the hub ({first}); {hint}") from None
+    return shape_from_config(config, repo, f"{repo} config.json (hub)")
+
+
+def hub_unreachable(timeout_s: float = 3.0) -> str | None:
+    """The hub's address when a TCP connection to it does not open within ``timeout_s`` (name lookup included), else None:
+    huggingface_hub's own retries take tens of seconds to give up on a host without network."""
+    import socket
+    import threading
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    url = urlsplit(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    opened: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((url.hostname, port), timeout=timeout_s).close()
+            opened.append(True)
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=probe, daemon=True)  # getaddrinfo has no timeout of its own
+    thread.start()
+    thread.join(timeout_s)
+    return None if opened else constants.ENDPOINT
+
+
+def model_shape(spec: ModelSpec, key: str) -> ModelShape:
+    """The shape of the model ``spec`` names (``key``: its config key, e.g. ``student``), reading no weights."""
+    if spec.arch is not None:
+        return published_shape(spec.arch) if isinstance(spec.arch, str) else tiny_shape(spec.arch)
+    path = str(spec.path)
+    folder = Path(path).expanduser()
+    if folder.is_dir():
+        file = folder / "config.json"
+        try:
+            return shape_from_config(json.loads(file.read_text()), path, str(file))
+        except (OSError, json.JSONDecodeError, ValueError) as exc:
+            raise ConfigError(f"{key}.path={path}: cannot read a model shape from {file} ({exc})") from None
+    if looks_like_hub_id(path):
+        return hub_shape(path, f"{key}.path")
+    raise ConfigError(f"{key}.path={path}: no such folder, and not a hub id of the form owner/name")
+
+
+# ---- the terms
+
+
+def teacher_signal_bytes_per_token(kind: str, hidden: int, top_k: int, dtype_bytes: int, vocab: int = 0) -> int:
+    """Bytes per token of one batch's teacher signal: ``sampled`` one log-prob; ``topk``/``student_topk`` k log-probs,
+    k int64 ids and a tail log-prob; ``full`` the teacher's last hidden state (``hidden`` values); ``distribution`` the
+    whole log-distribution (``vocab`` values, today's ``teacher_full``). Log-probs are float32; ``dtype_bytes`` is the
+    signal's dtype (``teacher.signal_dtype``), applied to the hidden states and the distribution."""
+    if kind == "sampled":
+        return FP32
+    if kind in ("topk", "student_topk"):
+        return top_k * (FP32 + 8) + FP32
+    if kind == "full":
+        return hidden * dtype_bytes
+    if kind == "distribution":
+        return vocab * dtype_bytes
+    raise ValueError(f"unknown teacher signal kind {kind!r}")
+
+
+def kv_cache_bytes(shape: ModelShape, rows: int, tokens: int, dtype_bytes: int) -> int:
+    """A KV cache of ``rows`` sequences of ``tokens`` (prompt + new): 2 × layers × kv_heads × head_dim × dtype × rows × tokens."""
+    return 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype_bytes * rows * tokens
+
+
+def layer_activation_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
+    """Tensors one decoder layer keeps per token for its backward (SDPA attention: no tokens² term): the two RMSNorms'
+    inputs and outputs (4 H), q/k/v, their norms and rotations, the attention output (5 q + 4 kv widths), and the MLP's
+    gate, up, activation and product (4 I)."""
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    return dtype_bytes * (4 * shape.hidden + 5 * q + 4 * kv + 4 * shape.intermediate)
+
+
+def learner_activation_bytes(
+    shape: ModelShape, *, graph_tokens: int, bucket_tokens: int, dtype_bytes: int, checkpointing: bool, student_full: bool,
+    vocab_chunk: int,
+) -> tuple[int, int]:
+    """(decoder-layer activations, output-head/vocabulary activations) of one learner step whose graph holds
+    ``graph_tokens`` (every bucket of the step: one backward over all) and whose largest forward is ``bucket_tokens``.
+    Checkpointing keeps each layer's input and recomputes one layer at a time; the vocabulary terms are float32."""
+    per_layer = layer_activation_bytes_per_token(shape, dtype_bytes)
+    if checkpointing:
+        layers = graph_tokens * (shape.layers * shape.hidden * dtype_bytes + per_layer)
+    else:
+        layers = graph_tokens * shape.layers * per_layer
+    row = shape.vocab * FP32
+    if student_full and vocab_chunk:
+        vocab = graph_tokens * shape.hidden * FP32 + VOCAB_CHUNK_COPIES * min(vocab_chunk, graph_tokens) * row
+    elif student_full:
+        vocab = (VOCAB_KEPT_FULL * graph_tokens + VOCAB_TRANSIENT_FULL * bucket_tokens) * row
+    else:
+        vocab = (VOCAB_KEPT_SAMPLED * graph_tokens + VOCAB_TRANSIENT_SAMPLED * bucket_tokens) * row
+    return layers, vocab
+
+
+def learner_state_terms(shape: ModelShape, *, ranks: int, sharding: str, precision: str) -> dict[str, tuple[int, str]]:
+    """Weights, gradients and AdamW state of one learner rank (fp32 master weights; bf16 is autocast, whose bf16 copies
+    of the weights are kept for the backward). DDP: a full copy per rank; FSDP2: divided by the ranks, plus one layer's
+    parameters gathered whole."""
+    params = parameter_count(shape)
+    shard = sharding == "fsdp2" and ranks > 1
+    divide = ranks if shard else 1
+    gathered = layer_parameters(shape) * FP32 if shard else 0
+    where = f"/ {ranks} ranks (fsdp2)" if shard else "full copy per rank" if ranks > 1 else ""
+    out = {
+        "weights": (params * FP32 // divide + gathered, f"{params / 1e9:.3g}B params × 4 B {where}".strip()),
+        "gradients": (params * FP32 // divide, f"fp32 {where}".strip()),
+        "optimizer": (params * 2 * FP32 // divide, f"AdamW: 2 fp32 moments {where}".strip()),
+    }
+    if precision == "bf16":
+        out["bf16 weight copies"] = (params * 2, "autocast's bf16 casts, kept for the backward")
+    return out
+
+
+# ---- the run's inputs
+
+
+def signal_kind(cfg: RunConfig, needs: frozenset[str]) -> str:
+    """The teacher signal of the run: ``teacher.signal`` when the config has it (``auto`` resolved from the method's
+    declared inputs), else what today's pipeline stores (``distribution`` for ``teacher_full``)."""
+    chosen = getattr(cfg.teacher, "signal", None)
+    if chosen not in (None, "auto"):
+        return chosen
+    if "teacher_full" in needs:
+        return "full" if chosen == "auto" else "distribution"
+    return "topk" if "teacher_topk" in needs else "sampled"
+
+
+def row_tokens(task: Any, cfg: RunConfig) -> tuple[int, str]:
+    """Tokens of one trajectory row: the task's episode budget (``max_context_tokens``) when it has one, else a
+    prompt allowance plus the new tokens; and how it was chosen."""
+    budget = getattr(task.options, "max_context_tokens", None)
+    if budget:
+        return int(budget), f"task_args.{task.name}.max_context_tokens"
+    new = cfg.trainer.max_new_tokens or task.options.max_new_tokens
+    return PROMPT_TOKENS + new, f"{PROMPT_TOKENS} prompt tokens (assumed) + {new} new tokens"
+
+
+def cuda_capacity() -> int | None:
+    """Memory of this host's first CUDA device, when torch sees one (nothing is allocated on it)."""
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+
+
+def vllm_share(options: dict) -> float:
+    """The device share a vLLM engine takes (``gpu_memory_utilization``)."""
+    return float(options.get("gpu_memory_utilization", DEFAULT_VLLM_UTILIZATION))
+
+
+# ---- the plan
+
+
+def build_memory_plan(plan: Plan, device_memory_gib: float | None = None) -> MemoryPlan:
+    """The memory plan of a validated run plan; ``device_memory_gib`` is each accelerator's memory (default: this host's
+    CUDA device, else unknown)."""
+    cfg = plan.config
+    trainer = cfg.trainer
+    needs = plan.method.needs(plan.hparams)
+    out = MemoryPlan()
+    student = model_shape(cfg.student, "student")
+    teacher = None if cfg.teacher.backend == "openai" else model_shape(cfg.teacher, "teacher")
+    for label, shape in (("student", student), ("teacher", teacher)):
+        if shape is not None:
+            out.assumptions.append(f"{label}: {shape.name}, {parameter_count(shape) / 1e9:.3g}B parameters, "
+                                   f"{shape.layers} layers, hidden {shape.hidden}, vocab {shape.vocab} ({shape.source})")  # fmt: skip
+    tokens, how = row_tokens(plan.task, cfg)
+    rows = trainer.prompts_per_step * trainer.samples_per_prompt
+    layout = trainer.layout if trainer.executor == "ray" else None
+    ranks = layout.learner.replicas if layout is not None else 1
+    sharding = layout.learner.sharding if layout is not None else "ddp"
+    rank_rows = -(-rows // ranks)
+    graph = rank_rows * tokens
+    bucket = min(graph, max(trainer.forward_tokens, tokens)) if trainer.forward_tokens else graph
+    out.assumptions.append(f"rows of {tokens} tokens ({how}); {rows} rows per step, {rank_rows} per learner rank")
+    out.assumptions.append(f"the learner keeps one graph over its {graph} tokens (every forward_tokens bucket, one backward); "
+                           f"largest forward {bucket} tokens")  # fmt: skip
+
+    capacity = int(device_memory_gib * GIB) if device_memory_gib is not None else cuda_capacity()
+    accel_kind = "cuda" if capacity is not None and device_memory_gib is None else "gpu"
+
+    devices: dict[str, Device] = {}
+
+    def device_of(role: str) -> Device:
+        """The device one replica of ``role`` runs on (registered in the plan at its first term)."""
+        local = trainer.device if trainer.device != "auto" else ("cuda" if cuda_capacity() is not None else "cpu")
+        if layout is None and not (role == "buffer" and local != "cpu"):  # in process: every role on trainer.device
+            vllm = (role == "rollout" and trainer.rollout_backend == "vllm") or (role == "teacher" and cfg.teacher.backend == "vllm")
+            name, cap, replicas = f"{local} (in process)", capacity, 1
+            if vllm and local == "cpu":  # a vLLM engine starts on the driver's GPU
+                name = f"{accel_kind} ({role}, vllm in the driver)"
+        elif role == "buffer":  # batches wait off the accelerator
+            name, cap, replicas = "host (driver)", None, 1
+        else:
+            placed = getattr(layout, role)
+            on_gpu = placed.num_gpus > 0
+            name = f"{accel_kind} ({role})" if on_gpu else f"cpu ({role} host)"
+            cap, replicas = (capacity if on_gpu else None), placed.replicas
+        device = devices.setdefault(name, Device(name, [], replicas, cap))
+        if role not in device.roles:
+            device.roles.append(role)
+        return device
+
+    def add(role: str, term: str, size: int | None, note: str = "", share: float | None = None) -> None:
+        out.terms.append(Term(role, device_of(role).name, term, size, note, share))
+
+    # learner
+    precision_bytes = 2 if trainer.precision == "bf16" else FP32
+    for term, (size, note) in learner_state_terms(student, ranks=ranks, sharding=sharding, precision=trainer.precision).items():
+        add("learner", term, size, note)
+    student_full = "student_full" in needs
+    layers_b, vocab_b = learner_activation_bytes(
+        student, graph_tokens=graph, bucket_tokens=bucket, dtype_bytes=precision_bytes,
+        checkpointing=trainer.activation_checkpointing, student_full=student_full, vocab_chunk=trainer.vocab_chunk,
+    )  # fmt: skip
+    ckpt = "checkpointed, " if trainer.activation_checkpointing else ""
+    add("learner", "activations (layers)", layers_b, f"{ckpt}{graph} tokens × {student.layers} layers")
+    chunked = student_full and trainer.vocab_chunk
+    vocab_note = f"float32 (tokens, {student.vocab}): {'full distribution' if student_full else 'sampled-token log-probs'}"
+    add("learner", "activations (vocab)", vocab_b, f"chunks of {trainer.vocab_chunk} positions" if chunked else vocab_note)
+    kind = signal_kind(cfg, needs)
+    top_k = getattr(plan.hparams, "teacher_top_k", 0) or cfg.teacher.top_k
+    signal_dtype = DTYPE_BYTES.get(str(getattr(cfg.teacher, "signal_dtype", "fp32")), FP32)
+    hidden = teacher.hidden if teacher is not None else student.hidden
+    per_token = teacher_signal_bytes_per_token(kind, hidden, top_k, signal_dtype, student.vocab)
+    batch_tokens = rows * tokens
+    base_per_token = 4 * 8 + 3 * FP32  # ids, attention, step index (int64) + loss mask, behaviour and teacher log-probs
+    add("learner", "teacher signal (one batch)", (per_token + base_per_token) * batch_tokens,
+        f"{kind}: {per_token} B/token (+ {base_per_token} of ids, masks, log-probs) × {batch_tokens} tokens, the global batch")  # fmt: skip
+    if kind == "full":
+        add("learner", "teacher output head", student.vocab * hidden * signal_dtype, "one copy of the teacher's V × H head")
+    out.assumptions.append(f"teacher signal: {kind} ({per_token} bytes/token)"
+                           + (", the whole distribution as today's pipeline stores it" if kind == "distribution" else ""))  # fmt: skip
+
+    if trainer.mode == "async":  # batches made ahead of the learner (sync: only the batch being trained on)
+        buffered = trainer.max_lag + 1
+        add("buffer", "buffered batches", buffered * (per_token + base_per_token) * batch_tokens, f"{buffered} batches (max_lag + 1)")
+
+    # rollout
+    rollout_rows = min(trainer.generate_batch_size, rows)
+    if trainer.rollout_backend == "vllm":
+        share = vllm_share(trainer.rollout_backend_options)
+        add("rollout", "vllm engine", int(share * capacity) if capacity else None,
+            f"gpu_memory_utilization {share:g} of the device (weights, KV cache, graphs)", share)  # fmt: skip
+    else:
+        if layout is not None:
+            add("rollout", "weights", parameter_count(student) * FP32, "the student in float32")
+        add("rollout", "kv cache", kv_cache_bytes(student, rollout_rows, tokens, FP32),
+            f"{rollout_rows} rows × {tokens} tokens, float32")  # fmt: skip
+
+    # teacher
+    if cfg.teacher.backend == "vllm":
+        share = vllm_share(cfg.teacher.backend_options)
+        add("teacher", "vllm engine", int(share * capacity) if capacity else None,
+            f"gpu_memory_utilization {share:g} of the device", share)  # fmt: skip
+    elif cfg.teacher.backend == "hf" and teacher is not None:
+        add("teacher", "weights", parameter_count(teacher) * FP32, f"{parameter_count(teacher) / 1e9:.3g}B params, float32")
+        score = min(batch_tokens, max(trainer.forward_tokens, tokens)) if trainer.forward_tokens else batch_tokens
+        chunk = trainer.vocab_chunk if layout is None else 0  # the Ray teacher actor gets no score_chunk (scale audit §3)
+        logits_tokens = min(chunk, score) if chunk else score
+        add("teacher", "scoring (no grad)", 2 * logits_tokens * teacher.vocab * FP32
+            + score * 2 * (teacher.hidden + teacher.intermediate) * FP32,
+            f"logits and log-softmax of {logits_tokens} tokens")  # fmt: skip
+        add("teacher", "teacher signal (one batch)", per_token * batch_tokens, f"{kind}, before it leaves the teacher")
+    else:
+        out.assumptions.append(f"teacher: backend {cfg.teacher.backend} (served elsewhere, not on a device of this plan)")
+
+    # evaluation workers, where placed
+    if layout is not None and layout.eval is not None:
+        eval_rows = min(trainer.generate_batch_size, 64)
+        add("eval", "weights", parameter_count(student) * FP32, "the checkpoint's student in float32")
+        add("eval", "kv cache", kv_cache_bytes(student, eval_rows, tokens, FP32), f"{eval_rows} rows × {tokens} tokens")
+
+    out.devices = list(devices.values())
+    if capacity is None:
+        out.assumptions.append("device capacity unknown (no --device-memory and no CUDA device here): nothing checked")
+    return out
+
+
+def fit_failure(plan: MemoryPlan) -> str | None:
+    """One line naming the first device whose roles do not fit: role, estimate, capacity and the largest term; or None."""
+    for device in plan.devices:
+        total = plan.total(device.name)
+        if device.capacity is None or fits(total, device.capacity):
+            continue
+        terms = [t for t in plan.terms if t.device == device.name]
+        largest = max(terms, key=lambda t: t.bytes or 0)
+        others = [role for role in device.roles if role != largest.role]
+        role = largest.role + (f" (with {', '.join(others)})" if others else "")
+        return (f"memory plan: {role} on {device.name} needs ~{total / GIB:.1f} GiB of {device.capacity / GIB:.1f} GiB; "
+                f"largest term: {largest.term} {(largest.bytes or 0) / GIB:.1f} GiB")  # fmt: skip
+    return None
+
+
+def gib(size: int | None, share: float | None = None) -> str:
+    """``size`` in GiB for the table (a share of an unknown device as a percentage)."""
+    if size is None:
+        return f"{share:.0%} of device" if share is not None else "?"
+    return f"{size / GIB:.2f}"
+
+
+def render_rows(plan: MemoryPlan) -> list[list[str]]:
+    """The table's rows: role, device, term, GiB, note; then one total row per device against its capacity."""
+    rows = [[t.role, t.device, t.term, gib(t.bytes, t.share), t.note] for t in plan.terms]
+    for device in plan.devices:
+        total = plan.total(device.name)
+        cap = "capacity unknown" if device.capacity is None else f"of {device.capacity / GIB:.1f} GiB: " + (
+            "fits" if fits(total, device.capacity) else "DOES NOT FIT")
+        count = f" × {device.replicas}" if device.replicas > 1 else ""
+        rows.append(["total", device.name + count, "per device", f"{total / GIB:.2f}", cap])
+    return rows

@@ -1,0 +1,171 @@
+"""The memory plan (``harness run --dry-run``): shapes from configs, the terms, the CLI's exit codes and output."""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from harness.cli import app
+from harness.config import ConfigError, build_config
+from harness.memory_plan import (
+    ModelShape,
+    kv_cache_bytes,
+    learner_state_terms,
+    model_shape,
+    parameter_count,
+    published_shape,
+    teacher_signal_bytes_per_token,
+)
+from harness.models.shapes import SHAPES
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYOUT = ROOT / "docs" / "layouts" / "f-opd-16xh100.yaml"
+runner = CliRunner()
+# What the current learner can hold on 80 GiB with the layout's 1.7B student (it keeps one graph over the whole step).
+LEARNER_FITS = ["trainer.activation_checkpointing=true", "trainer.precision=bf16",
+                "task_args.retool:math500.max_context_tokens=2048", "trainer.prompts_per_step=16"]  # fmt: skip
+
+
+def dry_run(*args: str, sets: list[str] = ()):
+    return runner.invoke(app, ["run", *args, *(a for s in sets for a in ("--set", s)), "--dry-run"])
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_parameter_counts_from_the_shape_match_the_model_cards(name):
+    counted = parameter_count(published_shape(name))
+    assert abs(counted - SHAPES[name].published_params) / SHAPES[name].published_params < 0.03, counted
+
+
+def test_parameter_count_equals_an_instantiated_model(tmp_path):
+    from harness.models.tiny import TinyArch, build_tiny_model
+
+    arch = TinyArch(hidden=32, layers=3, heads=4, kv_heads=2, ffn=80)
+    model = build_tiny_model(arch, 1000, pad_id=0, eos_id=1, seed=0)
+    model.config.save_pretrained(tmp_path)  # the folder's config.json only: the plan reads no weights
+    spec = build_config(overrides=[f"student.path={tmp_path}", "student.sft_steps=0"]).student
+    shape = model_shape(spec, "student")
+    assert parameter_count(shape) == sum(p.numel() for p in model.parameters())
+    assert (shape.vocab, shape.layers, shape.kv_heads, shape.head_dim) == (1000, 3, 2, 8)
+
+
+def test_teacher_signal_and_kv_cache_sizes():
+    assert teacher_signal_bytes_per_token("sampled", 4096, 20, 4) == 4
+    assert teacher_signal_bytes_per_token("topk", 4096, 20, 4) == 20 * 12 + 4
+    assert teacher_signal_bytes_per_token("student_topk", 4096, 5, 2) == 5 * 12 + 4
+    assert teacher_signal_bytes_per_token("full", 4096, 20, 2) == 8192
+    with pytest.raises(ValueError, match="unknown teacher signal"):
+        teacher_signal_bytes_per_token("logits", 4096, 20, 4)
+    shape = published_shape("qwen3-8b-shape")  # 36 layers × 8 kv heads × 128: 144 KiB per token in bf16
+    assert kv_cache_bytes(shape, rows=1, tokens=1, dtype_bytes=2) == 2 * 36 * 8 * 128 * 2
+
+
+def test_fsdp2_divides_the_learner_state_by_the_ranks():
+    shape = published_shape("qwen3-8b-shape")
+    ddp = learner_state_terms(shape, ranks=4, sharding="ddp", precision="fp32")
+    fsdp = learner_state_terms(shape, ranks=4, sharding="fsdp2", precision="fp32")
+    assert ddp["optimizer"][0] == 8 * parameter_count(shape) and fsdp["optimizer"][0] == ddp["optimizer"][0] // 4
+    assert ddp["weights"][0] // 4 < fsdp["weights"][0] < ddp["weights"][0] // 2  # a quarter plus one gathered layer
+
+
+def test_shipped_16xh100_layout_plans_on_a_cpu_host():
+    result = dry_run("--config", str(LAYOUT))
+    assert result.exit_code == 0, result.output
+    for role in ("learner", "rollout", "teacher"):
+        assert role in result.stdout
+    assert "Qwen/Qwen3-8B: not in the hub cache; the published shape qwen3-8b-shape" in result.stdout
+    if not torch.cuda.is_available():
+        assert "capacity unknown" in result.stdout
+
+
+def test_shipped_16xh100_layout_on_80gib():
+    """The engines fit; the learner fits only at rows the current learner can hold in one step's graph."""
+    fits = dry_run("--config", str(LAYOUT), "--device-memory", "80", sets=LEARNER_FITS)
+    assert fits.exit_code == 0, fits.output
+    assert "DOES NOT FIT" not in fits.stdout and fits.stdout.count("fits") == 3  # learner, rollout and teacher devices
+    shipped = dry_run("--config", str(LAYOUT), "--device-memory", "80")
+    assert shipped.exit_code == 2
+    line = shipped.stderr.strip()
+    assert "\n" not in line and "learner on gpu (learner) needs ~" in line and "largest term: activations (layers)" in line, line
+
+
+def test_an_8b_student_on_one_24gib_device_exits_2_naming_the_learner():
+    result = dry_run("--method", "opd", "--task", "arith", "--device-memory", "24",
+                     sets=["student.arch=qwen3-8b-shape", "student.sft_steps=0", "trainer.device=cuda"])  # fmt: skip
+    assert result.exit_code == 2
+    line = result.stderr.strip()
+    assert "\n" not in line and line.startswith("error: memory plan: learner (with rollout, teacher) on cuda"), line
+    assert "GiB of 24.0 GiB; largest term: activations (layers)" in line, line
+    checkpointed = dry_run("--method", "opd", "--task", "arith", "--device-memory", "24", "--json",
+                           sets=["student.arch=qwen3-8b-shape", "student.sft_steps=0", "trainer.device=cuda",
+                                 "trainer.activation_checkpointing=true", "trainer.prompts_per_step=1"])  # fmt: skip
+    assert checkpointed.exit_code == 2  # the state alone: 8.19B params × (4 + 4 + 8) bytes = 122 GiB
+    assert "largest term: optimizer 61.0 GiB" in checkpointed.stderr, checkpointed.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a CPU-only host refuses")
+def test_planning_lets_a_cuda_device_through_but_a_run_still_refuses_it():
+    with pytest.raises(ConfigError, match="trainer.device='cuda': torch sees no CUDA device"):
+        build_config(overrides=["trainer.device=cuda"])
+    assert build_config(overrides=["trainer.device=cuda"], planning=True).trainer.device == "cuda"
+    with pytest.raises(ConfigError, match="choose cpu, cuda, cuda:N or auto"):
+        build_config(overrides=["trainer.device=tpu"], planning=True)
+    printed = runner.invoke(app, ["run", "--set", "trainer.device=cuda:1", "--print-config"])
+    assert printed.exit_code == 0 and "device: cuda:1" in printed.stdout, printed.output
+
+
+def test_json_totals_are_the_sum_of_their_terms_and_nothing_is_written(tmp_path):
+    out = tmp_path / "results"
+    result = dry_run("--config", str(LAYOUT), "--device-memory", "80", "--json", "--out", str(out), sets=LEARNER_FITS)
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)["memory"]
+    assert {d["name"] for d in plan["devices"]} >= {"gpu (learner)", "gpu (rollout)", "gpu (teacher)"}
+    for device in plan["devices"]:
+        terms = [t["bytes"] for t in plan["terms"] if t["device"] == device["name"]]
+        assert terms and device["total_bytes"] == sum(terms) > 0
+    learner = next(d for d in plan["devices"] if d["name"] == "gpu (learner)")
+    assert learner["capacity"] == 80 * 1024**3 and learner["replicas"] == 4 and learner["fits"] is True
+    assert not out.exists()
+
+
+def test_dry_run_flags_are_checked():
+    only = runner.invoke(app, ["run", "--device-memory", "24"])
+    assert only.exit_code == 2 and "--device-memory is used only with --dry-run" in only.stderr
+    bad = runner.invoke(app, ["run", "--dry-run", "--device-memory", "0"])
+    assert bad.exit_code == 2 and "--device-memory" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [({"HF_HUB_OFFLINE": "1"}, "the hub is offline (HF_HUB_OFFLINE)"),
+     ({"HF_ENDPOINT": "http://127.0.0.1:9"}, "the hub (http://127.0.0.1:9) is not reachable from here")],  # the discard port: refused
+)  # fmt: skip
+def test_an_unknown_hub_id_without_the_hub_fails_fast_naming_the_key(tmp_path, env, says):
+    args = ["run", "--set", "student.path=nobody/no-such-model", "--set", "student.sft_steps=0", "--dry-run"]
+    code = ("import sys; from typer.testing import CliRunner; from harness.cli import app; "
+            f"r = CliRunner().invoke(app, {args!r}); sys.stderr.write(r.stderr); sys.exit(r.exit_code)")  # fmt: skip
+    env = {"PATH": "/usr/bin:/bin", "HF_HOME": str(tmp_path), "OMP_NUM_THREADS": "1", **env}
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert f"student.path=nobody/no-such-model: {says}" in done.stderr
+    assert time.monotonic() - started < 30  # imports included; huggingface_hub's own retries alone took ~25 s here
+
+
+def test_a_tiny_shape_has_the_character_vocabulary():
+    shape = model_shape(build_config(preset="smoke").student, "student")
+    assert isinstance(shape, ModelShape) and shape.tied and 90 < shape.vocab < 110
+
+
+@pytest.mark.slow
+def test_one_measured_shape_is_within_25_percent():
+    """The smallest shape of benchmarks/memory_plan_check.py: estimate vs the peak RSS of one learner step."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from memory_plan_check import run_case
+
+    result = run_case("A")
+    assert 0.75 <= result["ratio"] <= 1.25, result
