@@ -70,9 +70,10 @@ def estimate(case: Case) -> int:
     full = case.estimator == "full"
     layers, vocab = learner_activation_bytes(shape, graph_tokens=graph, bucket_tokens=bucket, dtype_bytes=FP32,
                                              checkpointing=False, student_full=full, vocab_chunk=case.vocab_chunk)  # fmt: skip
-    kind = "distribution" if full else "sampled"
-    signal = teacher_signal_bytes_per_token(kind, shape.hidden, 20, FP32, VOCAB) + 4 * 8 + 3 * FP32
-    return state + layers + vocab + signal * graph
+    kind = "full" if full else "sampled"
+    signal = teacher_signal_bytes_per_token(kind, shape.hidden, 20, FP32) + 4 * 8 + 2 * FP32
+    head = VOCAB * shape.hidden * FP32 if full else 0  # the teacher's output head (a copy of the student's shape here)
+    return state + layers + vocab + signal * graph + head
 
 
 def rss_bytes() -> int:
@@ -87,6 +88,7 @@ def measure(case: Case) -> int:
 
     from harness.models.tiny import TinyArch, build_tiny_model
     from harness.registry import METHODS
+    from harness.teacher_signal import HiddenDistribution
     from harness.trajectory import TensorBatch
     from trainers.learner import train_step
 
@@ -103,15 +105,14 @@ def measure(case: Case) -> int:
     loss_mask = (torch.arange(length) >= 16).float().expand(rows, -1).contiguous()
     behaviour = -torch.rand(rows, length, generator=g) * 3 * loss_mask
     full = None
-    if case.estimator == "full":
-        full = torch.empty(rows, length, VOCAB)  # row by row: a whole (B, T, V) temporary would set the peak before the step
-        for row in range(rows):
-            full[row] = torch.log_softmax(torch.randn(length, VOCAB, generator=g), -1)
+    if case.estimator == "full":  # the teacher's full signal: its last hidden states and a head (harness.teacher_signal)
+        head = torch.nn.Linear(case.hidden, VOCAB, bias=False).requires_grad_(False)
+        full = HiddenDistribution(torch.randn(rows, length, case.hidden, generator=g), head)
     batch = TensorBatch(
         input_ids=ids, attention_mask=torch.ones(rows, length, dtype=torch.long), loss_mask=loss_mask,
         step_index=torch.zeros(rows, length, dtype=torch.long), behaviour_logprobs=behaviour,
         teacher_logprobs=behaviour - 0.1, rewards=torch.full((rows,), float("nan")), policy_version=torch.zeros(rows, dtype=torch.long),
-        group_ids=torch.arange(rows), teacher_full=full,
+        group_ids=torch.arange(rows), teacher_dist=full,
     )  # fmt: skip
     method = METHODS.get("opd")
     hparams = method.hparams(estimator=case.estimator)

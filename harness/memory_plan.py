@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness.errors import ConfigError
+from harness.teacher_signal import bytes_per_token
 
 if TYPE_CHECKING:
     from harness.config import ModelSpec, RunConfig
@@ -243,20 +244,10 @@ def model_shape(spec: ModelSpec, key: str) -> ModelShape:
 # ---- the terms
 
 
-def teacher_signal_bytes_per_token(kind: str, hidden: int, top_k: int, dtype_bytes: int, vocab: int = 0) -> int:
-    """Bytes per token of one batch's teacher signal: ``sampled`` one log-prob; ``topk``/``student_topk`` k log-probs,
-    k int64 ids and a tail log-prob; ``full`` the teacher's last hidden state (``hidden`` values); ``distribution`` the
-    whole log-distribution (``vocab`` values, today's ``teacher_full``). Log-probs are float32; ``dtype_bytes`` is the
-    signal's dtype (``teacher.signal_dtype``), applied to the hidden states and the distribution."""
-    if kind == "sampled":
-        return FP32
-    if kind in ("topk", "student_topk"):
-        return top_k * (FP32 + 8) + FP32
-    if kind == "full":
-        return hidden * dtype_bytes
-    if kind == "distribution":
-        return vocab * dtype_bytes
-    raise ValueError(f"unknown teacher signal kind {kind!r}")
+def teacher_signal_bytes_per_token(kind: str, hidden: int, top_k: int, dtype_bytes: int) -> int:
+    """Bytes per token of one batch's teacher signal of ``kind`` (:func:`harness.teacher_signal.bytes_per_token`: the sampled
+    log-prob, plus k log-probs and ids for the top-k kinds, plus ``hidden`` values in ``dtype_bytes`` for ``full``)."""
+    return bytes_per_token(kind, hidden=hidden, top_k=top_k, dtype_bytes=dtype_bytes)
 
 
 def kv_cache_bytes(shape: ModelShape, rows: int, tokens: int, dtype_bytes: int) -> int:
@@ -316,15 +307,13 @@ def learner_state_terms(shape: ModelShape, *, ranks: int, sharding: str, precisi
 # ---- the run's inputs
 
 
-def signal_kind(cfg: RunConfig, needs: frozenset[str]) -> str:
-    """The teacher signal of the run: ``teacher.signal`` when the config has it (``auto`` resolved from the method's
-    declared inputs), else what today's pipeline stores (``distribution`` for ``teacher_full``)."""
-    chosen = getattr(cfg.teacher, "signal", None)
-    if chosen not in (None, "auto"):
+def signal_kind(cfg: RunConfig, accepted: tuple[str, ...]) -> str:
+    """The run's teacher signal: ``teacher.signal`` as the plan resolved it, or (still ``auto``) the first kind the method
+    accepts; ``sampled`` for a method that reads no teacher distribution."""
+    chosen = cfg.teacher.signal
+    if chosen != "auto":
         return chosen
-    if "teacher_full" in needs:
-        return "full" if chosen == "auto" else "distribution"
-    return "topk" if "teacher_topk" in needs else "sampled"
+    return accepted[0] if accepted else "sampled"
 
 
 def row_tokens(task: Any, cfg: RunConfig) -> tuple[int, str]:
@@ -419,19 +408,18 @@ def build_memory_plan(plan: Plan, device_memory_gib: float | None = None) -> Mem
     chunked = student_full and trainer.vocab_chunk
     vocab_note = f"float32 (tokens, {student.vocab}): {'full distribution' if student_full else 'sampled-token log-probs'}"
     add("learner", "activations (vocab)", vocab_b, f"chunks of {trainer.vocab_chunk} positions" if chunked else vocab_note)
-    kind = signal_kind(cfg, needs)
-    top_k = getattr(plan.hparams, "teacher_top_k", 0) or cfg.teacher.top_k
-    signal_dtype = DTYPE_BYTES.get(str(getattr(cfg.teacher, "signal_dtype", "fp32")), FP32)
+    kind = signal_kind(cfg, plan.method.accepted_signals(plan.hparams))
+    top_k = cfg.teacher.top_k
+    signal_dtype = DTYPE_BYTES.get(cfg.teacher.signal_dtype, FP32)
     hidden = teacher.hidden if teacher is not None else student.hidden
-    per_token = teacher_signal_bytes_per_token(kind, hidden, top_k, signal_dtype, student.vocab)
+    per_token = teacher_signal_bytes_per_token(kind, hidden, top_k, signal_dtype)
     batch_tokens = rows * tokens
-    base_per_token = 4 * 8 + 3 * FP32  # ids, attention, step index (int64) + loss mask, behaviour and teacher log-probs
+    base_per_token = 4 * 8 + 2 * FP32  # ids, attention, step index (int64) + loss mask, behaviour log-probs (the teacher's: the signal)
     add("learner", "teacher signal (one batch)", (per_token + base_per_token) * batch_tokens,
         f"{kind}: {per_token} B/token (+ {base_per_token} of ids, masks, log-probs) × {batch_tokens} tokens, the global batch")  # fmt: skip
     if kind == "full":
         add("learner", "teacher output head", student.vocab * hidden * signal_dtype, "one copy of the teacher's V × H head")
-    out.assumptions.append(f"teacher signal: {kind} ({per_token} bytes/token)"
-                           + (", the whole distribution as today's pipeline stores it" if kind == "distribution" else ""))  # fmt: skip
+    out.assumptions.append(f"teacher signal: {kind} ({per_token} bytes/token)")
 
     if trainer.mode == "async":  # batches made ahead of the learner (sync: only the batch being trained on)
         buffered = trainer.max_lag + 1

@@ -173,4 +173,6 @@ def bytes_per_token(kind: str, *, hidden: int, top_k: int, dtype_bytes: int) -> 
     """What one token of a batch costs for the teacher's signal of ``kind`` (the sampled log-prob included): 4 for
     ``sampled``; + k float32 log-probs and k int64 ids for the top-k kinds; + H hidden values for ``full``."""
     extra = {"sampled": 0, "topk": 12 * top_k, "student_topk": 12 * top_k, "full": hidden * dtype_bytes}
+    if kind not in extra:
+        raise ValueError(f"unknown teacher signal kind {kind!r}; kinds: {', '.join(KINDS)}")
     return 4 + extra[kind]

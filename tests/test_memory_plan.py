@@ -57,7 +57,7 @@ def test_teacher_signal_and_kv_cache_sizes():
     assert teacher_signal_bytes_per_token("sampled", 4096, 20, 4) == 4
     assert teacher_signal_bytes_per_token("topk", 4096, 20, 4) == 20 * 12 + 4
     assert teacher_signal_bytes_per_token("student_topk", 4096, 5, 2) == 5 * 12 + 4
-    assert teacher_signal_bytes_per_token("full", 4096, 20, 2) == 8192
+    assert teacher_signal_bytes_per_token("full", 4096, 20, 2) == 4 + 8192
     with pytest.raises(ValueError, match="unknown teacher signal"):
         teacher_signal_bytes_per_token("logits", 4096, 20, 4)
     shape = published_shape("qwen3-8b-shape")  # 36 layers × 8 kv heads × 128: 144 KiB per token in bf16

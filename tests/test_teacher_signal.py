@@ -15,7 +15,7 @@ import torch
 from test_chunked_vocab import batch_for, loss_and_grads
 from harness.backends.hf import HFBackend
 from harness.registry import METHODS
-from harness.teacher_signal import HiddenDistribution, TopKDistribution
+from harness.teacher_signal import HiddenDistribution, TopKDistribution, bytes_per_token
 from trainers.teacher import score_teacher
 
 K = 4
@@ -124,11 +124,16 @@ def test_score_teacher_fills_each_kind_on_the_cpu_in_the_signal_dtype(tiny_model
     model = tiny_model_factory(seed=3, hidden=32, layers=1).requires_grad_(False)
     backend = HFBackend(model, char_tokenizer, score_chunk=4)
     batch = batch_for(model.config.vocab_size)
+    tokens, hidden = batch.input_ids.numel(), model.config.hidden_size
     score_teacher(backend, batch, kind="full", dtype="bf16")
     assert isinstance(batch.teacher_dist, HiddenDistribution) and batch.teacher_dist.hidden.dtype == torch.bfloat16
     assert batch.teacher_dist.shape == (*batch.input_ids.shape, model.config.vocab_size)
+    per_token = (batch.teacher_dist.nbytes() + batch.teacher_logprobs.nbytes) / tokens  # what the docs' table states
+    assert per_token == bytes_per_token("full", hidden=hidden, top_k=K, dtype_bytes=2)
     score_teacher(backend, batch, kind="topk", top_k=K)
     assert isinstance(batch.teacher_dist, TopKDistribution) and batch.teacher_dist.shape == (*batch.input_ids.shape, K)
+    per_token = (batch.teacher_dist.nbytes() + batch.teacher_logprobs.nbytes) / tokens
+    assert per_token == bytes_per_token("topk", hidden=hidden, top_k=K, dtype_bytes=4)  # the tail bucket is computed, not stored
     score_teacher(backend, batch, kind="sampled")
     assert batch.teacher_dist is None
 
