@@ -69,7 +69,8 @@ def estimate(case: Case) -> int:
     bucket = min(graph, max(case.forward_tokens, case.tokens)) if case.forward_tokens else graph
     full = case.estimator == "full"
     layers, vocab = learner_activation_bytes(shape, graph_tokens=graph, bucket_tokens=bucket, dtype_bytes=FP32,
-                                             checkpointing=False, student_full=full, vocab_chunk=case.vocab_chunk)  # fmt: skip
+                                             checkpointing=False, student_full=full, vocab_chunk=case.vocab_chunk,
+                                             teacher_in_chunk=full)  # fmt: skip
     kind = "full" if full else "sampled"
     signal = teacher_signal_bytes_per_token(kind, shape.hidden, 20, FP32) + 4 * 8 + 2 * FP32
     head = VOCAB * shape.hidden * FP32 if full else 0  # the teacher's output head (a copy of the student's shape here)

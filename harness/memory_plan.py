@@ -38,6 +38,7 @@ VOCAB_KEPT_SAMPLED, VOCAB_TRANSIENT_SAMPLED = 2, 2
 # exp and difference are kept; the bucket's logits, the entropy's exp and product, and the backward's gradients pass by.
 VOCAB_KEPT_FULL, VOCAB_TRANSIENT_FULL = 4, 3
 VOCAB_CHUNK_COPIES = 6  # a chunk of positions under checkpointing: its logits, log-softmax, exp, terms and their gradients
+TEACHER_CHUNK_COPIES = 5  # + the full teacher signal's chunk: its logits, log-softmax and the terms that combine both
 
 
 @dataclass(frozen=True)
@@ -265,11 +266,12 @@ def layer_activation_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int
 
 def learner_activation_bytes(
     shape: ModelShape, *, graph_tokens: int, bucket_tokens: int, dtype_bytes: int, checkpointing: bool, student_full: bool,
-    vocab_chunk: int,
+    vocab_chunk: int, teacher_in_chunk: bool = False,
 ) -> tuple[int, int]:
     """(decoder-layer activations, output-head/vocabulary activations) of one learner step whose graph holds
     ``graph_tokens`` (every bucket of the step: one backward over all) and whose largest forward is ``bucket_tokens``.
-    Checkpointing keeps each layer's input and recomputes one layer at a time; the vocabulary terms are float32."""
+    Checkpointing keeps each layer's input and recomputes one layer at a time; the vocabulary terms are float32;
+    ``teacher_in_chunk``: a full teacher signal's distribution is computed in each chunk too."""
     per_layer = layer_activation_bytes_per_token(shape, dtype_bytes)
     if checkpointing:
         layers = graph_tokens * (shape.layers * shape.hidden * dtype_bytes + per_layer)
@@ -277,7 +279,8 @@ def learner_activation_bytes(
         layers = graph_tokens * shape.layers * per_layer
     row = shape.vocab * FP32
     if student_full and vocab_chunk:
-        vocab = graph_tokens * shape.hidden * FP32 + VOCAB_CHUNK_COPIES * min(vocab_chunk, graph_tokens) * row
+        copies = VOCAB_CHUNK_COPIES + (TEACHER_CHUNK_COPIES if teacher_in_chunk else 0)
+        vocab = graph_tokens * shape.hidden * FP32 + copies * min(vocab_chunk, graph_tokens) * row
     elif student_full:
         vocab = (VOCAB_KEPT_FULL * graph_tokens + VOCAB_TRANSIENT_FULL * bucket_tokens) * row
     else:
@@ -399,16 +402,17 @@ def build_memory_plan(plan: Plan, device_memory_gib: float | None = None) -> Mem
     for term, (size, note) in learner_state_terms(student, ranks=ranks, sharding=sharding, precision=trainer.precision).items():
         add("learner", term, size, note)
     student_full = "student_full" in needs
+    kind = signal_kind(cfg, plan.method.accepted_signals(plan.hparams))
     layers_b, vocab_b = learner_activation_bytes(
         student, graph_tokens=graph, bucket_tokens=bucket, dtype_bytes=precision_bytes,
         checkpointing=trainer.activation_checkpointing, student_full=student_full, vocab_chunk=trainer.vocab_chunk,
+        teacher_in_chunk=kind == "full",
     )  # fmt: skip
     ckpt = "checkpointed, " if trainer.activation_checkpointing else ""
     add("learner", "activations (layers)", layers_b, f"{ckpt}{graph} tokens × {student.layers} layers")
     chunked = student_full and trainer.vocab_chunk
     vocab_note = f"float32 (tokens, {student.vocab}): {'full distribution' if student_full else 'sampled-token log-probs'}"
     add("learner", "activations (vocab)", vocab_b, f"chunks of {trainer.vocab_chunk} positions" if chunked else vocab_note)
-    kind = signal_kind(cfg, plan.method.accepted_signals(plan.hparams))
     top_k = cfg.teacher.top_k
     signal_dtype = DTYPE_BYTES.get(cfg.teacher.signal_dtype, FP32)
     hidden = teacher.hidden if teacher is not None else student.hidden
