@@ -194,6 +194,7 @@ LONG_GROUP_TIMEOUT_S = 60.0  # a collective that does not pair fails the ranks w
 LONG_RANKS_TIMEOUT_S = 240.0
 LONG_CASES = {  # name: (hparams, vocab_chunk, activation checkpointing); each compared with one rank's unchunked "opd"/"opd_full"
     "opd": ({}, 0, False),
+    "opd_checkpointed": ({}, 0, True),
     "opd_full": ({"estimator": "full"}, 0, False),
     "opd_full_chunked": ({"estimator": "full"}, LONG_CHUNK, False),
     "opd_full_chunked_checkpointed": ({"estimator": "full"}, LONG_CHUNK, True),

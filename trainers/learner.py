@@ -98,12 +98,20 @@ def chunked_student_outputs(
 ) -> tuple[StudentOutputs, torch.Tensor]:
     """:func:`student_outputs` with the full distribution as a chunked map (``StudentOutputs.over_vocabulary``): the forward
     stops at the last hidden states, and log-probs, entropy and the method's terms are computed ``vocab_chunk`` positions at a
-    time; a shard's map runs on its rows of the aligned tensors and gathers its outputs into the global batch's."""
+    time; a shard's map runs on its rows of the aligned tensors and gathers its outputs into the global batch's.
+
+    Every rank makes one forward call, whatever its rows. Under FSDP2 the head's weight is the root's gathered parameter:
+    the root stays unsharded from its forward to the end of the backward (:func:`trainers.distributed.shard_fully`), so
+    the chunks (in the forward and in the backward's recompute, as many as the rank's rows need) make no collective, and
+    the head's gradient is reduce-scattered once, with the rest of the root's."""
     rows = batch.input_ids.shape[0]
     ids, attention = local_rows(batch.input_ids, shard), local_rows(batch.attention_mask, shard)
     inner = getattr(model, "module", model)  # DDP's wrapped model; the forward still goes through the wrapper
     with autocast(ids.device, precision), without_output_head(inner) as head:
         hidden = model(input_ids=ids, attention_mask=attention).logits  # the head is an identity: the last hidden states
+    if hasattr(head.weight, "full_tensor"):  # a DTensor: FSDP2 resharded the root after its forward
+        raise RuntimeError("trainer.vocab_chunk under fsdp2 needs the root module unsharded after its forward "
+                           "(fully_shard(model, reshard_after_forward=False), as shard_fully does)")  # fmt: skip
     chunks = ChunkedVocabulary(hidden, head, vocab_chunk, lambda: autocast(ids.device, precision))
 
     def vocab_map(fn, *aligned: torch.Tensor) -> torch.Tensor:
