@@ -371,6 +371,13 @@ class TrainerConfig(Strict):
         description="full-vocabulary methods: compute the student's distribution and the method's per-position terms this many "
         "positions at a time under activation checkpointing, so no (B, T, V) logits or log-probs are kept (0: the whole tensor)",
     )
+    collective_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="data-parallel learner ranks (trainer.layout.learner.replicas >= 2): a collective that does not complete within "
+        "this many seconds (a rank that hangs or makes different calls) fails the run naming the rank and the step; its last "
+        "checkpoint resumes",
+    )
     device: str = Field(
         "cpu",
         description="where the executor inprocess puts the student (learner), the hf/hf_static rollout engine and the in-process "
@@ -441,9 +448,6 @@ class TrainerConfig(Strict):
         if self.executor == "ray" and self.device not in ("cpu", "auto"):
             raise ValueError(f"trainer.device={self.device!r} places the in-process executor's models; with --executor ray the "
                              "actors keep theirs on the CPU in this version (use the in-process executor for a GPU run)")  # fmt: skip
-        if self.vocab_chunk and self.layout is not None and self.layout.learner.sharding == "fsdp2":
-            raise ValueError(f"trainer.vocab_chunk={self.vocab_chunk} is not supported with trainer.layout.learner.sharding=fsdp2 "
-                             "(the chunks run the output head outside the sharded forward); use ddp or vocab_chunk=0")  # fmt: skip
         return self
 
     @model_validator(mode="after")

@@ -184,3 +184,188 @@ def test_an_fsdp2_checkpoint_resumes_on_one_rank(two_ranks, single):
         for key, weight in want["weights"].items():
             assert torch.allclose(resumed["weights"][key], weight, atol=1e-5, rtol=1e-5), (name, key)
         assert _same_state(resumed["state"], want["state"]), name
+
+
+# Rows of real lengths: every rank cuts its own rows into length buckets (trainer.forward_tokens), and the ranks get
+# different numbers of buckets; every rank must still make the same forward calls (DDP broadcasts buffers in each forward,
+# FSDP2 all-gathers in each forward and backward), or the collectives stop pairing: a hang (gloo DDP) or an abort (FSDP2).
+LONG_ROWS, LONG_STEPS, LONG_FORWARD_TOKENS, LONG_CHUNK = 8, 2, 500, 64
+LONG_GROUP_TIMEOUT_S = 60.0  # a collective that does not pair fails the ranks within this, never hangs CI
+LONG_RANKS_TIMEOUT_S = 240.0
+LONG_CASES = {  # name: (hparams, vocab_chunk, activation checkpointing); each compared with one rank's unchunked "opd"/"opd_full"
+    "opd": ({}, 0, False),
+    "opd_checkpointed": ({}, 0, True),
+    "opd_full": ({"estimator": "full"}, 0, False),
+    "opd_full_chunked": ({"estimator": "full"}, LONG_CHUNK, False),
+    "opd_full_chunked_checkpointed": ({"estimator": "full"}, LONG_CHUNK, True),
+}
+LONG_WORLDS = (2, 4)
+
+
+def long_batch(seed: int) -> TensorBatch:
+    """A global batch of ``LONG_ROWS`` rows whose lengths are drawn from 20–400 tokens (prompt: the first 10)."""
+    g = torch.Generator().manual_seed(3 + seed)  # seeds whose lengths give the ranks different bucket counts
+    lengths = torch.randint(20, 401, (LONG_ROWS,), generator=g)
+    width = int(lengths.max())
+    positions = torch.arange(width)
+    attention = (positions < lengths[:, None]).long()
+    loss_mask = ((positions >= 10) & (positions < lengths[:, None])).float()
+    teacher_full = torch.log_softmax(torch.randn(LONG_ROWS, width, VOCAB, generator=g), -1)
+    ids = torch.randint(3, VOCAB, (LONG_ROWS, width), generator=g) * attention
+    behaviour = (-torch.rand(LONG_ROWS, width, generator=g) * 3) * loss_mask
+    return TensorBatch(
+        input_ids=ids, attention_mask=attention, loss_mask=loss_mask,
+        step_index=torch.where(loss_mask > 0, 0, -1), behaviour_logprobs=behaviour,
+        teacher_logprobs=teacher_full.gather(-1, ids[..., None])[..., 0] * loss_mask,
+        rewards=torch.zeros(LONG_ROWS), policy_version=torch.zeros(LONG_ROWS, dtype=torch.long),
+        group_ids=torch.arange(LONG_ROWS), teacher_full=teacher_full, old_logprobs=behaviour.clone(), teacher_fresh_logprobs=None,
+        policy_lag=torch.zeros(LONG_ROWS, dtype=torch.long),
+    )  # fmt: skip
+
+
+def rank_bucket_counts(batch: TensorBatch, world: int) -> list[int]:
+    """Length buckets each of ``world`` ranks cuts its own rows into at ``LONG_FORWARD_TOKENS``."""
+    from harness.backends.hf import length_buckets
+
+    lengths = batch.attention_mask.sum(-1).tolist()
+    return [len(length_buckets(lengths[slice(*shard_bounds(LONG_ROWS, r, world))], LONG_FORWARD_TOKENS)) for r in range(world)]
+
+
+def long_steps(name: str, shard: Shard | None, sharding: str = "ddp") -> dict:
+    """``LONG_STEPS`` opd steps of case ``name`` on :func:`long_batch` (one rank's part with a shard): metrics and full weights."""
+    torch.manual_seed(0)
+    spec = METHODS.get("opd")
+    options, vocab_chunk, checkpointed = LONG_CASES[name]
+    hparams = spec.hparams(**options)
+    model, optimizer = tiny_student()
+    if checkpointed:
+        model.gradient_checkpointing_enable()
+    trained, optimizer = data_parallel(model, optimizer, sharding) if shard is not None else (model, optimizer)
+    metrics = [train_step(trained, optimizer, long_batch(step), spec, hparams, None, grad_clip=0.02, shard=shard,
+                          vocab_chunk=vocab_chunk, forward_tokens=LONG_FORWARD_TOKENS) for step in range(LONG_STEPS)]  # fmt: skip
+    weights = full_weights(trained) if shard is not None and sharding == "fsdp2" else state_snapshot(model)
+    return {"metrics": metrics, "weights": weights}
+
+
+def _long_rank(rank: int, world: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    shard = Shard(rank, world)
+    join_group("127.0.0.1", port, shard, "gloo", timeout_s=LONG_GROUP_TIMEOUT_S)
+    try:
+        results = {(name, sharding): long_steps(name, shard, sharding) for sharding in SHARDINGS for name in LONG_CASES}
+        torch.save(results, f"{out}/rank{rank}.pt")
+    finally:
+        leave_group()
+
+
+def run_ranks(target, world: int, out, timeout_s: float) -> None:
+    """``target(rank, world, port, out)`` on ``world`` forked processes; fails the test (killing them) past ``timeout_s``."""
+    ranks = mp.start_processes(target, args=(world, rendezvous_port(), str(out)), nprocs=world, join=False, start_method="fork")
+    deadline = time.monotonic() + timeout_s
+    while not ranks.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail(f"the {world} ranks did not finish in {timeout_s:.0f}s")
+
+
+@pytest.fixture(scope="module", params=LONG_WORLDS)
+def long_ranks(request, tmp_path_factory) -> tuple[int, list[dict]]:
+    """(W, each of W gloo ranks' results of every ``LONG_CASES`` case under DDP and FSDP2)."""
+    world = request.param
+    torch.set_num_threads(1)
+    tmp_path = tmp_path_factory.mktemp(f"long{world}")
+    run_ranks(_long_rank, world, tmp_path, LONG_RANKS_TIMEOUT_S)
+    return world, [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def long_single() -> dict[str, dict]:
+    torch.set_num_threads(1)
+    return {name: long_steps(name, None) for name in ("opd", "opd_full")}
+
+
+def test_the_long_batches_give_ranks_different_bucket_counts():
+    """Else the comparison below would pass on the old code too: at every step and W some rank cuts more buckets than another."""
+    for world in LONG_WORLDS:
+        for step in range(LONG_STEPS):
+            counts = rank_bucket_counts(long_batch(step), world)
+            assert len(set(counts)) > 1, (world, step, counts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding", SHARDINGS)
+def test_ranks_with_different_bucket_counts_give_the_update_of_one_rank(long_ranks, long_single, sharding):
+    """2 and 4 ranks, DDP and FSDP2, bucketed (token and full distribution) and chunked (with and without activation
+    checkpointing): the losses, gradient norms and weights of one rank, unchunked, on the same global batches."""
+    world, ranks = long_ranks
+    for name in LONG_CASES:
+        expected = long_single["opd_full" if name.startswith("opd_full") else "opd"]
+        for rank, results in enumerate(ranks):
+            got = results[name, sharding]
+            for step, (want, have) in enumerate(zip(expected["metrics"], got["metrics"], strict=True)):
+                assert have["loss"] != 0.0 and have["grad_norm"] > 0.02, (name, step, have)  # a real update, clipped
+                bad = {k: (want[k], have[k]) for k in want if not k.startswith("time_") and not _close(want[k], have[k])}
+                assert not bad, (world, name, rank, step, bad)
+            if sharding == "fsdp2" and rank > 0:  # full weights are gathered to rank 0 only
+                assert got["weights"] == {}
+                continue
+            assert expected["weights"].keys() == got["weights"].keys()
+            for key, weight in expected["weights"].items():
+                assert torch.allclose(got["weights"][key], weight, atol=1e-5, rtol=1e-5), (world, name, rank, key)
+
+
+TIMEOUT_S = 5.0  # trainer.collective_timeout_s of the test below
+
+
+def _skipping_rank(rank: int, world: int, port: int, out: str) -> None:
+    """Rank 0 trains a step; rank 1 joins and wraps its model (DDP's own collectives) but skips the step, as a hung rank."""
+    from pathlib import Path
+
+    from trainers.distributed import CollectiveTimeout, collective_deadline
+
+    torch.set_num_threads(1)
+    shard, report = Shard(rank, world), Path(out) / "rank0.txt"
+    join_group("127.0.0.1", port, shard, "gloo", timeout_s=TIMEOUT_S)
+    try:
+        spec = METHODS.get("opd")
+        model, optimizer = data_parallel(*tiny_student())
+        if rank == 0:
+            try:
+                with collective_deadline(TIMEOUT_S):
+                    train_step(model, optimizer, synthetic_batch(0), spec, spec.hparams(), None, shard=shard)
+                report.write_text("completed")
+            except CollectiveTimeout as exc:
+                report.write_text(f"{type(exc).__name__}: {exc}")
+        else:
+            deadline = time.monotonic() + 6 * TIMEOUT_S
+            while not report.exists() and time.monotonic() < deadline:  # alive (its connections open) until rank 0 gave up
+                time.sleep(0.2)
+    finally:
+        leave_group()
+
+
+class _FakeRay:
+    class exceptions:  # noqa: N801 - mirrors ray.exceptions
+        class RayActorError(Exception):
+            pass
+
+
+def test_a_collective_timeout_fails_the_step_in_one_line_naming_the_rank_and_the_step(tmp_path):
+    """A rank that never enters the step's collectives: the other one gives up after trainer.collective_timeout_s, and the
+    driver's line names that rank, the step and the checkpoint to resume from."""
+    from types import SimpleNamespace
+
+    from trainers.distributed import CollectiveTimeout
+    from trainers.ray_executor import RayLearner
+
+    started = time.monotonic()
+    run_ranks(_skipping_rank, 2, tmp_path, 12 * TIMEOUT_S)
+    assert time.monotonic() - started < 10 * TIMEOUT_S
+    message = (tmp_path / "rank0.txt").read_text()
+    assert message == f"CollectiveTimeout: a collective did not complete within trainer.collective_timeout_s={TIMEOUT_S:g}s"
+    store = SimpleNamespace(root=tmp_path, checkpoints=lambda run_id: [{"step": 2}])
+    learner = RayLearner(_FakeRay(), ["a0", "a1"], SimpleNamespace(run_id="r1", store=store))
+    line = learner._failure_line(_FakeRay, {0: CollectiveTimeout(message.partition(": ")[2])}, "step 3")
+    assert line == (f"learner rank 0 of 2 failed (CollectiveTimeout: a collective did not complete within trainer.collective_timeout_s=5s) "
+                    f"while step 3; continue from its last checkpoint (step 2) with: harness run --resume r1 --out {tmp_path}")  # fmt: skip

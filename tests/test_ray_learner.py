@@ -1,6 +1,7 @@
 """A data-parallel learner on the two-node test cluster: 2 learner ranks on different nodes (DDP or FSDP2) give the losses,
-gradient norms and evaluations of one in-process learner; a rank killed with SIGKILL stops the run failed with one clear
-line, and its last checkpoint (full weights, from rank 0) resumes onto 1 rank with the losses of the uninterrupted run.
+gradient norms and evaluations of one in-process learner; a rank killed with SIGKILL, or one that never enters a step's
+collectives (they time out after trainer.collective_timeout_s), stops the run failed with one clear line, and its last
+checkpoint (full weights, from rank 0) resumes onto 1 rank with the losses of the uninterrupted run.
 (The exactness of the step for every kind of method is tested without Ray in test_distributed_learner.py.)"""
 
 import json
@@ -92,9 +93,19 @@ def _metric(db, run_id: str, name: str) -> dict[int, float]:
         return dict(conn.execute("SELECT step, value FROM step_metrics WHERE run_id=? AND name=?", (run_id, name)).fetchall())
 
 
+HUNG_TIMEOUT_S = 20  # trainer.collective_timeout_s of the hung-rank run: rank 0 waits this long for rank 1's collectives
+FAULTS = {  # how rank 1 fails at step 3, and the line that names it
+    "killed": "learner rank 1 of 2 died while step 3;",
+    "hung": f"learner rank 0 of 2 failed (CollectiveTimeout: a collective did not complete within "
+            f"trainer.collective_timeout_s={HUNG_TIMEOUT_S}s) while step 3;",
+}  # fmt: skip
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("sharding", ["ddp", "fsdp2"])
-def test_a_killed_learner_rank_fails_the_run_and_it_resumes_onto_one_rank(tmp_path, ray_cluster, monkeypatch, sharding):
+@pytest.mark.parametrize(("sharding", "fault"), [("ddp", "killed"), ("fsdp2", "killed"), ("ddp", "hung")])
+def test_a_killed_or_hung_learner_rank_fails_the_run_and_it_resumes_onto_one_rank(tmp_path, ray_cluster, monkeypatch, sharding, fault):
+    """Rank 1 killed at step 3, or never given step 3 (a hung rank: rank 0's collectives time out after
+    trainer.collective_timeout_s): the run fails with one line, and its step-2 checkpoint resumes onto one rank."""
     import ray
 
     import trainers.ray_executor as rx
@@ -102,20 +113,23 @@ def test_a_killed_learner_rank_fails_the_run_and_it_resumes_onto_one_rank(tmp_pa
     reference, _, reference_evals = run(tmp_path / "reference")  # in process, sync opd: a resumed run continues it exactly
     original = rx.RayLearner.train
 
-    def kill_rank_1_at_step_3(self, batch, version):
-        if version == 2:
+    def fail_rank_1_at_step_3(self, batch, version):
+        if version == 2 and fault == "killed":
             os.kill(ray.get(self.ranks[1].pid.remote()), signal.SIGKILL)
+        if version == 2 and fault == "hung":  # only rank 0 is asked to train: it waits in the step's first collective
+            lrs = [group["lr"] for group in self.session.optimizer.param_groups]
+            return self._get([self.ranks[0].train.remote(version, lrs, *batch)], f"step {version + 1}")[0]
         return original(self, batch, version)
 
-    monkeypatch.setattr(rx.RayLearner, "train", kill_rank_1_at_step_3)
-    out = tmp_path / "killed"
+    monkeypatch.setattr(rx.RayLearner, "train", fail_rank_1_at_step_3)
+    out = tmp_path / "failed"
     db = out / "results.sqlite"
-    sharded = ["--set", f"trainer.layout.learner.sharding={sharding}"]
+    sharded = ["--set", f"trainer.layout.learner.sharding={sharding}", "--set", f"trainer.collective_timeout_s={HUNG_TIMEOUT_S}"]
     result = runner.invoke(app, [*BASE, "--out", str(out), *two_ranks(ray_cluster.address), *sharded])
     assert result.exit_code == 1, result.output
     assert f"learner: 2 data-parallel ranks ({sharding}, gloo" in " ".join(result.output.split())
     line = " ".join(result.output.split())
-    assert "learner rank 1 of 2 died while step 3; continue from its last checkpoint (step 2) with: harness run --resume" in line
+    assert f"{FAULTS[fault]} continue from its last checkpoint (step 2) with: harness run --resume" in line
     assert "Traceback" not in result.output
     with sqlite3.connect(db) as conn:
         run_id, status = conn.execute("SELECT run_id, status FROM runs WHERE kind='train'").fetchone()

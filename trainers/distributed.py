@@ -12,7 +12,9 @@ reduction, over DTensors under FSDP2) then sees the global norm, and one optimiz
 one rank on the same batch (up to float summation order).
 
 FSDP2 shards parameters, gradients and optimizer state (dim 0 of each, per decoder layer); it all-gathers a layer's
-parameters for its forward and backward. It does not shard the activations beyond DDP's row split, nor the objective.
+parameters for its forward and backward. Every rank must so make the same sequence of forward calls whatever its rows
+(DDP also broadcasts buffers in each forward): the learner's length buckets are padded to the largest rank's count
+(:func:`trainers.learner.paired_bucketed`). It does not shard the activations beyond DDP's row split, nor the objective.
 
 The objective's inputs are global on every rank: for a method that reads the student's full distribution
 (B×T×V) that tensor is gathered whole, so data parallelism shards the model's activations, not the objective's.
@@ -20,14 +22,17 @@ The objective's inputs are global on every rank: for a method that reads the stu
 
 from __future__ import annotations
 
+import contextlib
+import re
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-GROUP_TIMEOUT_S = 1800.0  # a collective that waits longer fails (the driver stops a run whose rank died long before)
+GROUP_TIMEOUT_S = 300.0  # a collective that waits longer fails (trainer.collective_timeout_s's default)
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,22 @@ def local_rows(tensor: torch.Tensor, shard: Shard | None) -> torch.Tensor:
     return tensor[start:stop]
 
 
+class CollectiveTimeout(RuntimeError):
+    """A collective of the learner's group did not complete in time: a rank hangs, died unnoticed, or made other calls."""
+
+
+@contextlib.contextmanager
+def collective_deadline(timeout_s: float) -> Iterator[None]:
+    """Run the block; a collective in it that timed out (gloo's "Timed out waiting …", NCCL's watchdog timeout) is raised
+    as :class:`CollectiveTimeout` with one line naming the limit (``trainer.collective_timeout_s``); other errors unchanged."""
+    try:
+        yield
+    except RuntimeError as exc:  # torch.distributed's errors (DistBackendError, ...) are RuntimeErrors
+        if isinstance(exc, CollectiveTimeout) or not re.search(r"timed out|timeout", str(exc), re.IGNORECASE):
+            raise
+        raise CollectiveTimeout(f"a collective did not complete within trainer.collective_timeout_s={timeout_s:g}s") from exc
+
+
 def rendezvous_port() -> int:
     """A TCP port free on this node now, for the group's store (rank 0 binds it)."""
     with socket.socket() as s:
@@ -135,7 +156,11 @@ def shard_fully(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tup
     for module in model.modules():
         if type(module).__name__ in blocks:
             fully_shard(module, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    # the root (embeddings, final norm, output head) stays unsharded from its forward to the end of the backward (FSDP2's
+    # default for a root, stated here because chunked_student_outputs relies on it): trainer.vocab_chunk's chunks call the
+    # output head outside the forward, in the forward and again in the backward's recompute, on the gathered weight, whose
+    # gradient the root's post-backward reduce-scatters once with the rest
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
     groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     if len(groups) != 1:
         raise ValueError(f"fsdp2 rebuilds the learner's optimizer from one parameter group, not {len(groups)}")

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
-from harness.backends.hf import bucketed, scores_from_logits, without_output_head
+from harness.backends.hf import bucketed, length_buckets, scores_from_logits, without_output_head
 from harness.method import HParams, MethodSpec, StudentOutputs
 from harness.teacher_signal import is_distribution
 from harness.trajectory import TensorBatch
 from trainers.chunked_vocab import ChunkedVocabulary, token_logprob_and_entropy
-from trainers.distributed import Shard, gather_rows, local_rows
+from trainers.distributed import Shard, gather_rows, local_rows, shard_bounds
 from trainers.objectives import masked_mean
 from trainers.objectives.common import k3
 
@@ -33,7 +34,9 @@ def student_outputs(
     backward) under bfloat16 autocast. ``vocab_chunk`` > 0 with ``full``: the distribution is never materialised whole;
     the objective gets it chunk by chunk of positions (:mod:`trainers.chunked_vocab`). ``forward_tokens`` > 0: the
     forward runs on length-sorted row groups of at most that many padded tokens (:func:`harness.backends.hf.bucketed`),
-    one graph and one backward over all of them: the same loss and gradients with less padding computed."""
+    one graph and one backward over all of them: the same loss and gradients with less padding computed. With a ``shard``
+    every rank makes as many forward calls as the rank with the most buckets (:func:`paired_bucketed`), so the collectives
+    DDP and FSDP2 run in each forward and backward pair across ranks."""
     if full and vocab_chunk:
         return chunked_student_outputs(model, batch, vocab_chunk, shard=shard, precision=precision)
     rows = batch.input_ids.shape[0]
@@ -45,7 +48,11 @@ def student_outputs(
             logits = model(input_ids=ids, attention_mask=attention).logits.float()
         return scores_from_logits(logits, ids, want)
 
-    scores = bucketed(forward, ids, attention, forward_tokens) if forward_tokens else forward(ids, attention)
+    if forward_tokens:
+        calls = bucket_calls(batch.attention_mask, shard, forward_tokens)
+        scores = paired_bucketed(forward, ids, attention, forward_tokens, calls)
+    else:
+        scores = forward(ids, attention)
     if full:
         entropy = -(scores["full"].exp() * scores["full"]).sum(-1).detach()
     else:
@@ -55,17 +62,57 @@ def student_outputs(
     return StudentOutputs(logprobs=logprobs, full=dist_full), gather_rows(entropy, shard, rows)
 
 
+def bucket_calls(attention: torch.Tensor, shard: Shard | None, token_budget: int) -> int:
+    """The most length-bucket forwards (:func:`~harness.backends.hf.length_buckets`) any rank makes on its rows of the global
+    batch (``attention``: the global (B, T) mask). Every rank holds the global batch, so every rank computes the same number
+    without communicating."""
+    lengths = [int(n) for n in attention.sum(-1).tolist()]
+    world = shard.world if shard is not None else 1
+    bounds = [shard_bounds(len(lengths), rank, world) for rank in range(world)]
+    return max(len(length_buckets(lengths[start:stop], token_budget)) for start, stop in bounds)
+
+
+def paired_bucketed(
+    forward: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]],
+    ids: torch.Tensor,
+    attention: torch.Tensor,
+    token_budget: int,
+    calls: int,
+) -> dict[str, torch.Tensor]:
+    """:func:`~harness.backends.hf.bucketed` on this rank's rows, then empty forwards (a 2-token row) up to ``calls`` forwards.
+
+    DDP broadcasts buffers in every forward and FSDP2 all-gathers parameters in every forward and again in its backward,
+    so every rank must call the model equally often. Each empty forward's outputs are added to the real ones with weight 0
+    (the values are unchanged, bit for bit), which puts it in the loss's graph: its backward, and so FSDP2's collectives
+    in it, run too, in the same order on every rank (autograd runs the later forwards' graphs first)."""
+    own = len(length_buckets([int(n) for n in attention.sum(-1).tolist()], token_budget))
+    scores = bucketed(forward, ids, attention, token_budget)
+    for _ in range(calls - own):
+        extra = forward(ids.new_zeros((1, 2)), attention.new_ones((1, 2)))
+        tie = 0.0 * sum(value.sum() for value in extra.values() if value.is_floating_point())
+        scores = {name: value + tie if value.is_floating_point() else value for name, value in scores.items()}
+    return scores
+
+
 def chunked_student_outputs(
     model: torch.nn.Module, batch: TensorBatch, vocab_chunk: int, shard: Shard | None = None, precision: str = "fp32"
 ) -> tuple[StudentOutputs, torch.Tensor]:
     """:func:`student_outputs` with the full distribution as a chunked map (``StudentOutputs.over_vocabulary``): the forward
     stops at the last hidden states, and log-probs, entropy and the method's terms are computed ``vocab_chunk`` positions at a
-    time; a shard's map runs on its rows of the aligned tensors and gathers its outputs into the global batch's."""
+    time; a shard's map runs on its rows of the aligned tensors and gathers its outputs into the global batch's.
+
+    Every rank makes one forward call, whatever its rows. Under FSDP2 the head's weight is the root's gathered parameter:
+    the root stays unsharded from its forward to the end of the backward (:func:`trainers.distributed.shard_fully`), so
+    the chunks (in the forward and in the backward's recompute, as many as the rank's rows need) make no collective, and
+    the head's gradient is reduce-scattered once, with the rest of the root's."""
     rows = batch.input_ids.shape[0]
     ids, attention = local_rows(batch.input_ids, shard), local_rows(batch.attention_mask, shard)
     inner = getattr(model, "module", model)  # DDP's wrapped model; the forward still goes through the wrapper
     with autocast(ids.device, precision), without_output_head(inner) as head:
         hidden = model(input_ids=ids, attention_mask=attention).logits  # the head is an identity: the last hidden states
+    if hasattr(head.weight, "full_tensor"):  # a DTensor: FSDP2 resharded the root after its forward
+        raise RuntimeError("trainer.vocab_chunk under fsdp2 needs the root module unsharded after its forward "
+                           "(fully_shard(model, reshard_after_forward=False), as shard_fully does)")  # fmt: skip
     chunks = ChunkedVocabulary(hidden, head, vocab_chunk, lambda: autocast(ids.device, precision))
 
     def vocab_map(fn, *aligned: torch.Tensor) -> torch.Tensor:

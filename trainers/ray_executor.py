@@ -52,7 +52,8 @@ from harness.registry import EVAL_EXECUTORS
 from harness.trajectory import TensorBatch, concat_batches
 from harness.task import close_tasks
 from harness.config import LAYOUT_ROLES, ConfigError, Layout, RoleLayout
-from trainers.distributed import Shard, backend_for, data_parallel, full_state, full_weights, join_group, rendezvous_port
+from trainers.distributed import Shard, backend_for, collective_deadline, data_parallel, full_state, full_weights, join_group
+from trainers.distributed import rendezvous_port
 from trainers.loop import MAX_ROLLOUT_LOSSES, LearnResult, Roles, RolloutLost, Unit, WeightBoard, batch_units, state_snapshot, unit_problems
 from trainers.pipeline import (
     Session,
@@ -339,6 +340,7 @@ class LearnerActor(ActorRole):
         layout = self.plan.config.trainer.layout
         self.sharding = layout.learner.sharding if layout is not None and world > 1 else "ddp"
         self.trained = self.model  # the DDP wrapper once the rank has joined its group (FSDP2 shards the model in place)
+        self.timeout_s = self.plan.config.trainer.collective_timeout_s  # the group's: a collective waiting longer fails the step
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0's node address and a free port on it: where the group's ranks meet."""
@@ -350,8 +352,9 @@ class LearnerActor(ActorRole):
         """Join the learner ranks' process group at ``address:port`` and wrap the model in DDP (or shard it with FSDP2,
         the optimizer rebuilt over the shards); returns the backend."""
         backend = backend_for(self.model)
-        join_group(address, port, self.shard, backend)
-        self.trained, self.optimizer = data_parallel(self.model, self.optimizer, self.sharding)
+        with collective_deadline(self.timeout_s):
+            join_group(address, port, self.shard, backend, timeout_s=self.timeout_s)
+            self.trained, self.optimizer = data_parallel(self.model, self.optimizer, self.sharding)
         return backend
 
     def pid(self) -> int:
@@ -367,19 +370,22 @@ class LearnerActor(ActorRole):
         for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
             group["lr"] = lr
         metrics: dict[str, float] = {}
-        learn(self.plan, self.trained, self.optimizer, batch, self.method_state, version, metrics, shard=self.shard,
-              teacher_head=self.teacher_head)  # fmt: skip
+        with collective_deadline(self.timeout_s):  # the driver names this rank and the step (RayLearner._failure_line)
+            learn(self.plan, self.trained, self.optimizer, batch, self.method_state, version, metrics, shard=self.shard,
+                  teacher_head=self.teacher_head)  # fmt: skip
         return LearnResult(metrics, batch.policy_lag.tolist(), response_lengths(batch))
 
     def weights(self) -> dict[str, torch.Tensor]:
         """A copy of the full weights (fsdp2: every rank must be called; the others return an empty dict)."""
-        return full_weights(self.model) if self.sharding == "fsdp2" else state_snapshot(self.model)
+        with collective_deadline(self.timeout_s):
+            return full_weights(self.model) if self.sharding == "fsdp2" else state_snapshot(self.model)
 
     def state(self) -> dict[str, Any]:
         """Full (unsharded) weights, optimizer and method state, for the driver's checkpoints and evaluations (fsdp2: every
         rank must be called; rank 0's answer holds them)."""
         method_state = self.method_state.state_dict() if self.method_state is not None else None
-        return {**full_state(self.model, self.optimizer, self.sharding), "method_state": method_state}
+        with collective_deadline(self.timeout_s):
+            return {**full_state(self.model, self.optimizer, self.sharding), "method_state": method_state}
 
 
 def ray_get(ray: ModuleType, refs: Any, **options: Any) -> Any:
