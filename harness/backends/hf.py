@@ -17,7 +17,7 @@ from tqdm import tqdm
 from transformers import EosTokenCriteria, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
 from harness.backends import SCORE_FIELDS, Completion, SamplingParams, prompt_seed
-from harness.backends.sampling import RowSampler
+from harness.backends.sampling import ScoredRowSampler
 
 
 class HFBackend:
@@ -84,7 +84,7 @@ class HFBackend:
         stops = SampledLengths(self.stop_criteria(params.stop), prompt_width=ids.shape[1])
         kwargs = dict(
             max_new_tokens=params.max_new_tokens,
-            do_sample=False,  # sampled rows draw in RowSampler, each from its own generator; greedy picks that draw
+            do_sample=False,  # ScoredRowSampler draws each sampled row from its own generator (argmax when greedy); generate picks it
             pad_token_id=self.pad_id,
             eos_token_id=self.eos_id,
             stopping_criteria=StoppingCriteriaList([stops]),
@@ -116,13 +116,17 @@ class HFBackend:
     def _sample(
         self, ids: torch.Tensor, attn: torch.Tensor, seeds: list[int], params: SamplingParams, kwargs: dict
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run ``model.generate``; the new tokens (b, new) and their untempered log-probs, from the stacked raw logits."""
-        if not params.greedy:
-            kwargs.update(logits_processor=LogitsProcessorList([RowSampler(seeds, params.temperature, params.top_p, self.device)]))
-        result = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), output_logits=True, **kwargs)
-        new_tokens = result.sequences[:, ids.shape[1] :].cpu()
-        logits = torch.stack(result.logits, dim=1).float().cpu()  # (b, new, V) raw logits
-        return new_tokens, F.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        """Run ``model.generate``; the new tokens (b, new) and their untempered log-probs, recorded step by step by
+        :class:`ScoredRowSampler` (one (b,) tensor a step: the (b, new, V) logits of every step are never kept)."""
+        sampler = ScoredRowSampler(seeds, params.temperature, params.top_p, self.device)
+        kwargs.update(logits_processor=LogitsProcessorList([sampler]), **self._generate_options())
+        result = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
+        new_tokens = result.sequences[:, ids.shape[1] :]
+        return new_tokens.cpu(), sampler.logprobs()[:, : new_tokens.shape[1]].cpu()
+
+    def _generate_options(self) -> dict:
+        """Extra ``model.generate`` keywords of this engine (none here; ``hf_static`` adds its static cache)."""
+        return {}
 
     def stop_criteria(self, stop: tuple[str, ...]) -> StoppingCriteriaList:
         """What ends a row: its EOS (kept, so the loss covers it) or a completed stop string (as transformers matches it)."""
