@@ -210,15 +210,15 @@ def long_batch(seed: int) -> TensorBatch:
     positions = torch.arange(width)
     attention = (positions < lengths[:, None]).long()
     loss_mask = ((positions >= 10) & (positions < lengths[:, None])).float()
-    teacher_full = torch.log_softmax(torch.randn(LONG_ROWS, width, VOCAB, generator=g), -1)
+    teacher_dist = torch.log_softmax(torch.randn(LONG_ROWS, width, VOCAB, generator=g), -1)
     ids = torch.randint(3, VOCAB, (LONG_ROWS, width), generator=g) * attention
     behaviour = (-torch.rand(LONG_ROWS, width, generator=g) * 3) * loss_mask
     return TensorBatch(
         input_ids=ids, attention_mask=attention, loss_mask=loss_mask,
         step_index=torch.where(loss_mask > 0, 0, -1), behaviour_logprobs=behaviour,
-        teacher_logprobs=teacher_full.gather(-1, ids[..., None])[..., 0] * loss_mask,
+        teacher_logprobs=teacher_dist.gather(-1, ids[..., None])[..., 0] * loss_mask,
         rewards=torch.zeros(LONG_ROWS), policy_version=torch.zeros(LONG_ROWS, dtype=torch.long),
-        group_ids=torch.arange(LONG_ROWS), teacher_full=teacher_full, old_logprobs=behaviour.clone(), teacher_fresh_logprobs=None,
+        group_ids=torch.arange(LONG_ROWS), teacher_dist=teacher_dist, old_logprobs=behaviour.clone(), teacher_fresh_logprobs=None,
         policy_lag=torch.zeros(LONG_ROWS, dtype=torch.long),
     )  # fmt: skip
 
