@@ -117,7 +117,11 @@ class HFBackend:
         self, ids: torch.Tensor, attn: torch.Tensor, seeds: list[int], params: SamplingParams, kwargs: dict
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run ``model.generate``; the new tokens (b, new) and their untempered log-probs, recorded step by step by
-        :class:`ScoredRowSampler` (one (b,) tensor a step: the (b, new, V) logits of every step are never kept)."""
+        :class:`ScoredRowSampler` (one (b,) tensor a step: the (b, new, V) logits of every step are never kept).
+
+        The sampler sees the float32 logits generate hands its processors: the raw logits, bit for bit what
+        ``output_logits`` kept before, as long as the generation config adds no processor of its own under
+        ``do_sample=False`` (e.g. ``repetition_penalty``; Qwen3's and the tiny models' add none)."""
         sampler = ScoredRowSampler(seeds, params.temperature, params.top_p, self.device)
         kwargs.update(logits_processor=LogitsProcessorList([sampler]), **self._generate_options())
         result = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
