@@ -154,6 +154,7 @@ def test_print_config_shows_every_default_round_trips_and_writes_nothing(tmp_pat
     assert result.exit_code == 0, result.output
     printed = yaml.safe_load(result.stdout)
     expected = build_config(preset="smoke", overrides=["trainer.lr=0.002"]).model_dump(mode="json")
+    expected["teacher"]["signal"] = "full"  # planning resolves teacher.signal=auto to the kind the run will use
     assert {k: v for k, v in printed.items() if k != "method_args"} == {k: v for k, v in expected.items() if k != "method_args"}
     assert printed["method_args"]["opd"] == plan_run(build_config(preset="smoke")).hparams.model_dump(mode="json")  # defaults resolved
     assert not out.exists()
