@@ -2,7 +2,7 @@
 
 Each shape runs in a fresh subprocess: a tiny Qwen3 with Qwen3's vocabulary (151,936), AdamW, and one
 ``trainers.learner.train_step`` of OPD on a synthetic batch. Measured: the process's RSS high-water mark
-(``ru_maxrss``) minus its RSS after the imports. Estimated: ``harness.memory_plan``'s learner terms (weights,
+(``VmHWM``) minus its RSS after the imports. Estimated: ``harness.memory_plan``'s learner terms (weights,
 gradients, AdamW, activations, the batch with its teacher signal) for the same shape and tokens.
 
     OMP_NUM_THREADS=1 python benchmarks/memory_plan_check.py            # every shape
@@ -77,6 +77,13 @@ def estimate(case: Case) -> int:
     return state + layers + vocab + signal * graph + head
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set since it started (``VmHWM``). Not ``ru_maxrss``: Linux carries that over an exec
+    from the parent, so a process started by a large one (a test suite) begins with the parent's peak."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def rss_bytes() -> int:
     """This process's resident set now."""
     with open("/proc/self/statm") as f:
@@ -95,7 +102,7 @@ def measure(case: Case) -> int:
 
     torch.set_num_threads(1)
     torch.ones(8) @ torch.ones(8)  # the first op's allocations belong to the baseline
-    base = max(rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    base = max(rss_bytes(), peak_rss_bytes())
     arch = TinyArch(hidden=case.hidden, layers=case.layers, heads=case.heads, kv_heads=case.kv_heads, ffn=case.ffn,
                     max_positions=max(512, case.tokens))  # fmt: skip
     model = build_tiny_model(arch, VOCAB, pad_id=0, eos_id=1, seed=0)
@@ -118,7 +125,7 @@ def measure(case: Case) -> int:
     method = METHODS.get("opd")
     hparams = method.hparams(estimator=case.estimator)
     train_step(model, optimizer, batch, method, hparams, forward_tokens=case.forward_tokens, vocab_chunk=case.vocab_chunk)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    return peak_rss_bytes() - base
 
 
 def run_case(name: str) -> dict:

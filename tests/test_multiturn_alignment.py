@@ -75,7 +75,7 @@ def test_teacher_distribution_and_kl_on_multi_turn_episodes_match_a_direct_forwa
         assert batch.loss_mask[row].tolist() == mask  # observations, prompt and padding: never trained on
         s, t = next_token_logp(student, ids), next_token_logp(teacher, ids)
         at = [p - 1 for p in trained]  # the distribution that predicts token p comes from the prefix ids[:p]
-        assert torch.allclose(batch.teacher_dist[row, trained], t[at], atol=1e-4)
+        assert torch.allclose(batch.teacher_dist[row, trained].log_distribution(), t[at], atol=1e-4)  # hidden states + head
         assert batch.teacher_logprobs[row, trained].tolist() == pytest.approx(t[at, torch.tensor(ids)[trained]].tolist(), abs=1e-4)
         assert outputs.logprobs[row, trained].tolist() == pytest.approx(s[at, torch.tensor(ids)[trained]].tolist(), abs=1e-4)
         kls.append((s[at].exp() * (s[at] - t[at])).sum(-1))
