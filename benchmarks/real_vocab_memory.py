@@ -14,8 +14,13 @@ threshold is held at its default start, 128 KiB (``MALLOC_MMAP_THRESHOLD_``): le
 freed (b, V) buffer and the heap then grows by about one such buffer a step whatever the code keeps, which hides what a
 process holds at once (``--dynamic-mmap`` measures that way). Ways alternate in order over ``--repeats`` rounds.
 
-Another section (e.g. teacher-signal kinds) is one more function like :func:`rollout_after` (kwargs in, a ``Work`` out)
-registered in ``WORK``, and its rows in ``SECTIONS``. Linux only.
+Section "teacher signal": the in-process hf teacher scoring ``--rows`` sequences of ``--new`` tokens (``score_chunk`` 128)
+into a batch, as each kind of ``teacher.signal`` stores it (harness/teacher_signal.py), against the way before issue #41
+(fa03cdf: the (B, T, V) float32 ``full`` field). Its "stored B/token" column is what the batch then holds per token
+(the signal plus the sampled tokens' teacher log-probs), read off the tensors.
+
+Another section is one more function like :func:`rollout_after` (kwargs in, a ``Work`` out) registered in ``WORK``, and
+its rows in ``SECTIONS``. Linux only.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ class Work(NamedTuple):
     """What a measured function hands back: a short warm-up, and the measured work, which returns the tokens it made."""
 
     warmup: Callable[[], object]
-    run: Callable[[], int]
+    run: Callable[[], int | tuple[int, int]]  # tokens made, or (tokens, bytes the result holds)
 
 
 def status_bytes(field: str) -> int:
@@ -86,6 +91,44 @@ def rollout_after(**kwargs: int) -> Work:
     return rollout_engine("hf", **kwargs)
 
 
+def teacher_scoring(kind: str, rows: int, new: int, hidden: int, layers: int) -> Work:
+    """The hf teacher (a tiny V = 151,936 Qwen3) scoring ``rows`` × ``new`` tokens into a batch as signal ``kind``
+    (``before``: fa03cdf's whole (B, T, V) float32 distribution, which :func:`score_teacher` then stored as it came)."""
+    import torch
+
+    from harness.backends.hf import HFBackend
+    from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
+    from harness.trajectory import TensorBatch
+    from trainers.teacher import score_teacher
+
+    torch.set_num_threads(1)
+    tok = build_char_tokenizer()
+    arch = TinyArch(hidden=hidden, layers=layers, heads=2, kv_heads=1, ffn=2 * hidden, max_positions=new + 64)
+    model = build_tiny_model(arch, VOCAB, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, seed=0).requires_grad_(False)
+    teacher = HFBackend(model, tok, score_chunk=128)
+
+    def batch(length: int) -> TensorBatch:
+        g = torch.Generator().manual_seed(0)
+        ids, zeros = torch.randint(3, VOCAB, (rows, length), generator=g), torch.zeros(rows, length)
+        out = TensorBatch(ids, torch.ones_like(ids), torch.ones(rows, length), torch.zeros_like(ids), zeros, zeros.clone(),
+                          torch.full((rows,), float("nan")), torch.zeros(rows, dtype=torch.long), torch.arange(rows))  # fmt: skip
+        out.student_topk_ids = torch.randint(3, VOCAB, (rows, length, 20), generator=g) if kind == "student_topk" else None
+        return out
+
+    def score(length: int) -> tuple[int, int]:
+        scored = batch(length)
+        if kind == "before":
+            full = teacher.score(scored.input_ids, scored.attention_mask, want=("logprobs", "full"))
+            scored.teacher_logprobs, scored.teacher_dist = full["logprobs"], full["full"]
+        else:
+            score_teacher(teacher, scored, kind=kind, top_k=20)
+        dist = scored.teacher_dist
+        held = 0 if dist is None else dist.nbytes if hasattr(dist, "untyped_storage") else dist.nbytes()
+        return rows * length, held + scored.teacher_logprobs.nbytes
+
+    return Work(lambda: score(16), lambda: score(new))
+
+
 def stacked_logits_backend() -> type:
     """:class:`harness.backends.hf.HFBackend` with fa03cdf's ``_sample`` (imports torch and transformers: built lazily)."""
     import torch
@@ -102,15 +145,21 @@ def stacked_logits_backend() -> type:
             result = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), output_logits=True, **kwargs)
             new_tokens = result.sequences[:, ids.shape[1] :].cpu()
             logits = torch.stack(result.logits, dim=1).float().cpu()  # (b, new, V) raw logits
-            return new_tokens, F.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+            return new_tokens, F.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1), None
 
     return Stacked
 
 
-WORK: dict[str, Callable[..., Work]] = {"rollout_before": rollout_before, "rollout_after": rollout_after}
+SIGNALS = ("before", "sampled", "topk", "student_topk", "full")
+WORK: dict[str, Callable[..., Work]] = {
+    "rollout_before": rollout_before, "rollout_after": rollout_after,
+    **{f"teacher_{kind}": (lambda kind: lambda **kw: teacher_scoring(kind, **kw))(kind) for kind in SIGNALS},
+}  # fmt: skip
 SECTIONS: dict[str, list[tuple[str, str]]] = {  # section: (table label, WORK name) per way
     "rollout": [("before (stacked output_logits)", "rollout_before"), ("after (per-step log-prob)", "rollout_after")],
-}
+    "teacher signal": [("before (fa03cdf: (B, T, V) float32 full)", "teacher_before"),
+                       *[(f"{kind}{' (k = 20)' if 'topk' in kind else ''}", f"teacher_{kind}") for kind in SIGNALS[1:]]],
+}  # fmt: skip
 
 
 def child(fn_name: str, kwargs: dict) -> dict:
@@ -120,8 +169,9 @@ def child(fn_name: str, kwargs: dict) -> dict:
     before = status_bytes("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # the peak-RSS mark (VmHWM) restarts from the current RSS
     started = time.perf_counter()
-    tokens = work.run()
-    return {"peak": status_bytes("VmHWM") - before, "tokens": tokens, "seconds": time.perf_counter() - started}
+    made = work.run()
+    tokens, held = made if isinstance(made, tuple) else (made, None)
+    return {"peak": status_bytes("VmHWM") - before, "tokens": tokens, "held": held, "seconds": time.perf_counter() - started}
 
 
 def measure(fn_name: str, kwargs: dict, *, dynamic_mmap: bool = False) -> dict:
@@ -158,7 +208,8 @@ def table_row(label: str, runs: list[dict]) -> list[str]:
     peaks = [r["peak"] for r in runs]
     peak, tokens = statistics.median(peaks), runs[0]["tokens"]
     every, seconds = " / ".join(f"{p / 2**20:,.0f}" for p in peaks), statistics.median(r["seconds"] for r in runs)
-    return [label, f"{peak / 2**20:,.1f}", f"{peak / tokens:,.0f}", f"{tokens:,}", every, f"{seconds:.1f}"]
+    held = "-" if runs[0].get("held") is None else f"{runs[0]['held'] / tokens:,.0f}"
+    return [label, f"{peak / 2**20:,.1f}", f"{peak / tokens:,.0f}", held, f"{tokens:,}", every, f"{seconds:.1f}"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(args.child[0], json.loads(args.child[1]))))
         return 0
     kwargs = {"rows": args.rows, "new": args.new, "hidden": args.hidden, "layers": args.layers}
-    header = ["way", "peak MiB", "bytes/token", "tokens", "peaks MiB", "run s"]
+    header = ["way", "peak MiB", "peak B/token", "stored B/token", "tokens", "peaks MiB", "run s"]
     print(f"V={VOCAB:,} rows={args.rows} new={args.new} hidden={args.hidden} layers={args.layers} repeats={args.repeats} "
           f"mmap threshold={'dynamic' if args.dynamic_mmap else '128 KiB fixed'}; "
           f"one (rows, new, V) float32 tensor = {args.rows * args.new * VOCAB * 4 / 2**20:,.1f} MiB")  # fmt: skip

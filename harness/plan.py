@@ -195,10 +195,12 @@ def choose_teacher_signal(cfg: RunConfig, method: MethodSpec, hparams: HParams) 
         if chosen != "auto":
             raise ConfigError(f"teacher.signal={chosen}: method {method.name!r} reads no teacher signal; leave it auto")
         return []
-    if chosen == "student_topk":  # the teacher side exists (score field at_ids); no rollout engine returns the ids yet
-        raise ConfigError("teacher.signal=student_topk: no rollout engine returns the student's top-k tokens yet; use topk or full")
+    top_ids = getattr(BACKENDS.get(cfg.trainer.rollout_backend), "gives_top_ids", False)  # student_topk: the sampler's top-k
+    if chosen == "student_topk" and not top_ids:
+        raise ConfigError(f"teacher.signal=student_topk: trainer.rollout_backend={cfg.trainer.rollout_backend} returns no top-k token "
+                          "ids of the student; use trainer.rollout_backend=hf or hf_static, or teacher.signal=topk")  # fmt: skip
     fields = getattr(BACKENDS.get(cfg.teacher.backend), "score_fields", ())
-    given = [kind for kind in accepted if kind == "sampled" or (kind != "student_topk" and SCORE_FIELD[kind] in fields)]
+    given = [kind for kind in accepted if kind == "sampled" or (SCORE_FIELD[kind] in fields and (kind != "student_topk" or top_ids))]
     if chosen == "auto":
         if not given:
             raise ConfigError(

@@ -248,6 +248,7 @@ def generate_ready(backend: Backend, ready: list[Episode], params: SamplingParam
                     policy_version=backend.version,
                     behaviour_logprobs=completion.logprobs or None,  # a backend asked for none returns []: unknown, not wrong
                     finish_reason=completion.finish_reason,
+                    top_ids=completion.top_ids,
                 )
             )
             add_time(episode.traj, "generate_s", share)
@@ -278,6 +279,7 @@ def fit_completion(tokenizer, completion: Completion, room: int) -> Completion:
         "length",
         completion.prompt_index,
         completion.sample_index,
+        top_ids=completion.top_ids[:room] if completion.top_ids is not None else None,
     )
 
 

@@ -29,6 +29,7 @@ class Segment:
     behaviour_logprobs: list[float] | None = None  # log π_behaviour(token) at sampling time
     teacher_logprobs: list[float] | None = None  # log π_teacher(token | same prefix)
     finish_reason: str | None = None  # model segments: "stop" (EOS/stop string) or "length"
+    top_ids: list[list[int]] | None = None  # model segments: per token the sampler's k most likely ids (student_topk)
 
     def __post_init__(self) -> None:
         if self.kind == "model" and self.step is None:
@@ -141,7 +142,30 @@ def to_tensor_batch(trajectories: list[Trajectory], pad_id: int) -> TensorBatch:
     group_ids = torch.tensor([groups.setdefault((t.task, t.problem_id), len(groups)) for t in trajectories])
     rewards = torch.tensor([float("nan") if t.reward is None else float(t.reward) for t in trajectories])
     versions = torch.tensor([-1 if t.policy_version is None else t.policy_version for t in trajectories])
-    return TensorBatch(input_ids, attention, loss_mask, steps, behaviour, teacher, rewards, versions, group_ids)
+    top_ids = student_top_ids(trajectories, width)
+    return TensorBatch(input_ids, attention, loss_mask, steps, behaviour, teacher, rewards, versions, group_ids,
+                       student_topk_ids=top_ids)  # fmt: skip
+
+
+def student_top_ids(trajectories: list[Trajectory], width: int) -> torch.Tensor | None:
+    """(B, width, k) the sampler's k most likely ids at each model token's position (0 elsewhere), when every model
+    segment carries them; None when none does."""
+    import torch
+
+    segments = [s for t in trajectories for s in t.model_segments if s.token_ids]
+    if not segments or all(s.top_ids is None for s in segments):
+        return None
+    if any(s.top_ids is None for s in segments):
+        raise ValueError("some model segments carry the sampler's top-k ids and some do not")
+    k = len(segments[0].top_ids[0])
+    out = torch.zeros((len(trajectories), width, k), dtype=torch.long)
+    for b, traj in enumerate(trajectories):
+        position = len(traj.prompt_ids)
+        for seg in traj.segments:
+            if seg.kind == "model" and seg.token_ids:
+                out[b, position : position + len(seg.token_ids)] = torch.tensor(seg.top_ids, dtype=torch.long)
+            position += len(seg.token_ids)
+    return out
 
 
 def _flatten(traj: Trajectory) -> tuple[list[int], list[float], list[int], list[float], list[float]]:

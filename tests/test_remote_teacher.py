@@ -67,7 +67,7 @@ def test_served_teacher_switches_the_full_signal_to_topk_and_records_it():
 @pytest.mark.parametrize(("overrides", "says"), [
     ([*SERVED, "teacher.signal=full"], "teacher.signal=full: teacher.backend=openai cannot give it"),
     (["teacher.signal=topk", "method_args.opd.estimator=sampled"], "accepts ['sampled']"),
-    (["teacher.signal=student_topk"], "no rollout engine returns the student's top-k"),
+    (["teacher.signal=student_topk", "trainer.rollout_backend=vllm"], "trainer.rollout_backend=vllm returns no top-k token ids"),
 ])  # fmt: skip
 def test_a_teacher_signal_the_method_or_backend_cannot_use_is_refused(overrides, says):
     with pytest.raises(ConfigError, match=re.escape(says)):

@@ -30,7 +30,9 @@ class StackedLogitsBackend(HFBackend):
         result = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), output_logits=True, **kwargs)
         new_tokens = result.sequences[:, ids.shape[1] :].cpu()
         logits = torch.stack(result.logits, dim=1).float().cpu()
-        return new_tokens, F.log_softmax(logits, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        logp = F.log_softmax(logits, dim=-1)
+        top = logp.topk(params.top_logprobs, dim=-1).indices if params.top_logprobs else None  # the top-k of the same logits
+        return new_tokens, logp.gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1), top
 
 
 CASES = {  # name: (sampling params, the finish every case must show at least once besides "length")
@@ -40,6 +42,7 @@ CASES = {  # name: (sampling params, the finish every case must show at least on
     "top_p": (SamplingParams(temperature=1.3, top_p=0.7, max_new_tokens=24, n=3, seed=2), None),
     "stop_strings": (SamplingParams(temperature=1.0, max_new_tokens=24, n=4, seed=3, stop=("a", "e", "1")), "stop string"),
     "eos": (SamplingParams(temperature=1.0, max_new_tokens=100, n=2, seed=4), "eos"),
+    "top_ids": (SamplingParams(temperature=1.0, max_new_tokens=24, n=3, seed=5, top_logprobs=3), None),
 }
 
 
@@ -52,7 +55,9 @@ def test_per_step_logprobs_equal_the_stacked_logits_way(case, char_tokenizer, ti
     prompts = [char_tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("Compute 1+2.\n", "Hi", "x")]
     new = HFBackend(model, char_tokenizer, batch_size=5).generate(prompts, params)
     old = StackedLogitsBackend(model, char_tokenizer, batch_size=5).generate(prompts, params)
-    assert [(c.token_ids, c.finish_reason, c.logprobs) for c in new] == [(c.token_ids, c.finish_reason, c.logprobs) for c in old]
+    fields = lambda c: (c.token_ids, c.finish_reason, c.logprobs, c.top_ids)  # noqa: E731
+    assert [fields(c) for c in new] == [fields(c) for c in old]
+    assert (new[0].top_ids is not None) == bool(params.top_logprobs)
     eos = char_tokenizer.eos_token_id
     endings = {"eos" if c.token_ids[-1] == eos else "stop string" for c in new if c.finish_reason == "stop"}
     assert must_see is None or must_see in endings, f"no row of the {case} case ended by {must_see}: {endings}"

@@ -173,3 +173,42 @@ def test_teacher_scoring_of_2k_tokens_at_qwen3_vocabulary_keeps_no_vocabulary_si
     peak = json.loads(done.stdout.strip().splitlines()[-1])["peak_mb"]
     print(f"teacher scoring peak over the model, kind {kind}: {peak:.0f} MB")
     assert peak < 400
+
+
+def test_the_rollout_returns_the_student_s_top_k_ids_of_every_sampled_token(tiny_model_factory, char_tokenizer):
+    """The hf engine's top-k ids per generated token equal the top-k of the same model scoring the finished sequences,
+    and ``to_tensor_batch`` puts them at the model tokens' positions (what the student_topk signal scores the teacher on)."""
+    from harness.backends import SamplingParams
+    from harness.trajectory import Segment, Trajectory, to_tensor_batch
+
+    model = tiny_model_factory(seed=3, hidden=32, layers=1).requires_grad_(False)
+    backend = HFBackend(model, char_tokenizer)
+    prompts = [[5, 6, 7], [8, 9]]
+    completions = backend.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12, n=2, seed=4, top_logprobs=K))
+    trajectories = [Trajectory("t", str(c.prompt_index), c.sample_index, prompts[c.prompt_index],
+                               segments=[Segment("model", c.token_ids, step=0, behaviour_logprobs=c.logprobs, top_ids=c.top_ids)])
+                    for c in completions]  # fmt: skip
+    batch = to_tensor_batch(trajectories, backend.pad_id)
+    scored = backend.score(batch.input_ids, batch.attention_mask, want=("topk",), top_k=K)
+    trained = batch.loss_mask > 0
+    assert int(trained.sum()) == sum(len(c.token_ids) for c in completions) > 0
+    assert torch.equal(batch.student_topk_ids[trained], scored["topk_ids"][trained])
+    assert not batch.student_topk_ids[~trained].any()
+
+
+def test_a_smoke_run_with_the_student_topk_signal_trains(tmp_path):
+    from typer.testing import CliRunner
+
+    from harness.cli import app
+    from harness.store import Store
+
+    out = tmp_path / "out"
+    args = ["run", "--preset", "smoke", "--out", str(out), "--set", "method_args.opd.estimator=full", "--set",
+            "teacher.signal=student_topk", "--set", "teacher.top_k=3", "--set", "eval.before_training=false"]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    store = Store(out)
+    (run,) = [r for r in store.runs() if r["kind"] == "train"]
+    assert store.get_run(run["run_id"])["config"]["teacher"]["signal"] == "student_topk"
+    steps = store.step_metrics(run["run_id"])
+    assert steps and all(0.0 < m["teacher_kl_full"] < 10.0 for m in steps.values())

@@ -77,6 +77,7 @@ def generate_batch(
                 max_new_tokens=cfg.trainer.max_new_tokens or task.options.max_new_tokens,
                 n=cfg.trainer.samples_per_prompt,
                 seed=step_seed(cfg.seed, step),
+                top_logprobs=cfg.teacher.top_k if cfg.teacher.signal == "student_topk" else 0,
             )
             trajectories = rollout(student, task, problems, params)
         else:

@@ -60,6 +60,10 @@ class SamplingParams(BaseModel):
     max_new_tokens: int = Field(64, ge=1)
     n: int = Field(1, ge=1, description="samples per prompt")
     stop: tuple[str, ...] = ()
+    top_logprobs: int = Field(
+        0, ge=0, description="per generated token, also the ids of the k most likely tokens of the untempered distribution "
+        "(Completion.top_ids; the student_topk teacher signal scores the teacher on them)",
+    )
     seed: int | None = None
     seeds: tuple[int, ...] | None = Field(
         None, description="one seed per prompt, in place of the ones derived from ``seed`` (the rollout seeds each episode's turn)"
@@ -87,6 +91,7 @@ class Completion:
     prompt_index: int
     sample_index: int
     timings: dict[str, float] = field(default_factory=dict)
+    top_ids: list[list[int]] | None = None  # SamplingParams.top_logprobs = k: per token the k most likely ids, most likely first
 
 
 @runtime_checkable

@@ -24,6 +24,7 @@ class HFBackend:
     """Wraps an in-memory causal LM; training code may update the model in place between calls."""
 
     score_fields = SCORE_FIELDS  # ``score`` returns any of them
+    gives_top_ids = True  # ``generate`` honours SamplingParams.top_logprobs (Completion.top_ids)
 
     def __init__(
         self, model, tokenizer, *, batch_size: int = 64, device: str = "cpu", show_progress: bool = False, score_chunk: int = 0,
@@ -90,7 +91,7 @@ class HFBackend:
             stopping_criteria=StoppingCriteriaList([stops]),
             return_dict_in_generate=True,
         )
-        new_tokens, logprobs = self._sample(ids, attn, seeds, params, kwargs)
+        new_tokens, logprobs, top = self._sample(ids, attn, seeds, params, kwargs)
         lengths = stops.lengths(len(chunk))
         elapsed = time.perf_counter() - started
         completions = []
@@ -102,6 +103,7 @@ class HFBackend:
                 Completion(
                     token_ids=tokens,
                     logprobs=logprobs[row, :n].tolist(),
+                    top_ids=top[row, :n].tolist() if top is not None else None,
                     text=self._decode(tokens),
                     finish_reason="stop" if stopped else "length",
                     prompt_index=p,
@@ -115,18 +117,21 @@ class HFBackend:
 
     def _sample(
         self, ids: torch.Tensor, attn: torch.Tensor, seeds: list[int], params: SamplingParams, kwargs: dict
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run ``model.generate``; the new tokens (b, new) and their untempered log-probs, recorded step by step by
-        :class:`ScoredRowSampler` (one (b,) tensor a step: the (b, new, V) logits of every step are never kept).
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Run ``model.generate``; the new tokens (b, new), their untempered log-probs and (``params.top_logprobs`` = k) the
+        k most likely ids per step (b, new, k), recorded step by step by :class:`ScoredRowSampler` (one (b,) or (b, k)
+        tensor a step: the (b, new, V) logits of every step are never kept).
 
         The sampler sees the float32 logits generate hands its processors: the raw logits, bit for bit what
         ``output_logits`` kept before, as long as the generation config adds no processor of its own under
         ``do_sample=False`` (e.g. ``repetition_penalty``; Qwen3's and the tiny models' add none)."""
-        sampler = ScoredRowSampler(seeds, params.temperature, params.top_p, self.device)
+        sampler = ScoredRowSampler(seeds, params.temperature, params.top_p, self.device, top_k=params.top_logprobs)
         kwargs.update(logits_processor=LogitsProcessorList([sampler]), **self._generate_options())
         result = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
         new_tokens = result.sequences[:, ids.shape[1] :]
-        return new_tokens.cpu(), sampler.logprobs()[:, : new_tokens.shape[1]].cpu()
+        top = sampler.top_ids()
+        top = top[:, : new_tokens.shape[1]].cpu() if top is not None else None
+        return new_tokens.cpu(), sampler.logprobs()[:, : new_tokens.shape[1]].cpu(), top
 
     def _generate_options(self) -> dict:
         """Extra ``model.generate`` keywords of this engine (none here; ``hf_static`` adds its static cache)."""

@@ -74,17 +74,28 @@ class ScoredRowSampler(RowSampler):
     the untempered distribution of the scores it is given, one (b,) tensor per step on the scores' device: the
     sampled-token log-probs without keeping every step's (b, V) logits."""
 
-    def __init__(self, seeds: list[int], temperature: float, top_p: float, device: str | torch.device) -> None:
+    def __init__(
+        self, seeds: list[int], temperature: float, top_p: float, device: str | torch.device, top_k: int = 0
+    ) -> None:
         super().__init__(seeds, temperature, top_p, device)
         self.chosen_logprobs: list[torch.Tensor] = []
+        self.top_k = top_k  # > 0: also keep each step's k most likely token ids (b, k)
+        self.chosen_top: list[torch.Tensor] = []
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
         """The rows' next tokens (the argmax at temperature 0), recording their untempered log-probs."""
         scores = scores.float()
         chosen = scores.argmax(-1) if self.temperature == 0.0 else super().choose(scores)
-        self.chosen_logprobs.append(torch.log_softmax(scores, dim=-1).gather(-1, chosen[:, None]).squeeze(-1))
+        logp = torch.log_softmax(scores, dim=-1)
+        self.chosen_logprobs.append(logp.gather(-1, chosen[:, None]).squeeze(-1))
+        if self.top_k:
+            self.chosen_top.append(logp.topk(self.top_k, dim=-1).indices)
         return chosen
 
     def logprobs(self) -> torch.Tensor:
         """(b, steps) log-probs of the tokens chosen so far."""
         return torch.stack(self.chosen_logprobs, dim=1)
+
+    def top_ids(self) -> torch.Tensor | None:
+        """(b, steps, k) the k most likely token ids of each step so far (None without ``top_k``)."""
+        return torch.stack(self.chosen_top, dim=1) if self.top_k else None
