@@ -35,7 +35,8 @@ def student_outputs(
     backward) under bfloat16 autocast. ``vocab_chunk`` > 0 with ``full``: the distribution is never materialised whole;
     the objective gets it chunk by chunk of positions (:mod:`trainers.chunked_vocab`). ``forward_tokens`` > 0: the
     forward runs on length-sorted row groups of at most that many padded tokens (:func:`harness.backends.hf.bucketed`),
-    one graph and one backward over all of them: the same loss and gradients with less padding computed. With a ``shard``
+    one graph and one backward over all of them: the same loss and gradients with less padding computed (:func:`student_pass`
+    runs the backward per bucket instead, bounding activations by one bucket's). With a ``shard``
     every rank makes as many forward calls as the rank with the most buckets (:func:`paired_bucketed`), so the collectives
     DDP and FSDP2 run in each forward and backward pair across ranks."""
     if full and vocab_chunk:
