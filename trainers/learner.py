@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -240,9 +241,11 @@ class BucketBackward:
 
     @property
     def rows(self) -> int:
+        """Rows of the global batch."""
         return self.batch.input_ids.shape[0]
 
-    def local(self, tensor):
+    def local(self, tensor: Any) -> Any:
+        """This rank's rows of a global (B, …) tensor or teacher distribution."""
         return local_rows(tensor, self.shard)
 
     def first_pass(self, full: bool) -> tuple[StudentOutputs, torch.Tensor]:
