@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from harness.memory_plan import (  # noqa: E402
     FP32,
     ModelShape,
+    first_pass_bytes,
     learner_activation_bytes,
     learner_state_terms,
     teacher_signal_bytes_per_token,
@@ -58,6 +59,9 @@ CASES = {
     "B": Case(hidden=64, layers=2, heads=4, kv_heads=2, ffn=256, rows=6, tokens=256, estimator="sampled", forward_tokens=512),
     "C": Case(hidden=32, layers=2, heads=4, kv_heads=2, ffn=128, rows=2, tokens=256, estimator="full"),
     "D": Case(hidden=32, layers=2, heads=4, kv_heads=2, ffn=128, rows=4, tokens=512, estimator="full", vocab_chunk=64),
+    "E": Case(hidden=32, layers=2, heads=4, kv_heads=2, ffn=128, rows=4, tokens=256, estimator="full", forward_tokens=512),
+    "F": Case(hidden=32, layers=2, heads=4, kv_heads=2, ffn=128, rows=8, tokens=512, estimator="full", forward_tokens=1024,
+              vocab_chunk=64),
 }
 
 
@@ -65,16 +69,19 @@ def estimate(case: Case) -> int:
     """The memory plan's learner bytes for ``case`` (one rank, fp32, no checkpointing)."""
     shape = case.shape()
     state = sum(size for size, _ in learner_state_terms(shape, ranks=1, sharding="ddp", precision="fp32").values())
-    graph = case.rows * case.tokens
-    bucket = min(graph, max(case.forward_tokens, case.tokens)) if case.forward_tokens else graph
+    rank_tokens = case.rows * case.tokens
+    bucket = min(rank_tokens, max(case.forward_tokens, case.tokens)) if case.forward_tokens else rank_tokens
+    per_bucket = bucket < rank_tokens  # trainer.bucket_backward (the default): one bucket's graph at a time
+    graph = bucket if per_bucket else rank_tokens
     full = case.estimator == "full"
     layers, vocab = learner_activation_bytes(shape, graph_tokens=graph, bucket_tokens=bucket, dtype_bytes=FP32,
                                              checkpointing=False, student_full=full, vocab_chunk=case.vocab_chunk,
-                                             teacher_in_chunk=full)  # fmt: skip
-    kind = "full" if full else "sampled"
-    signal = teacher_signal_bytes_per_token(kind, shape.hidden, 20, FP32) + 4 * 8 + 2 * FP32
+                                             teacher_in_chunk=full, rank_tokens=rank_tokens)  # fmt: skip
+    if per_bucket:
+        vocab += first_pass_bytes(step_tokens=rank_tokens, student_full=full)
+    signal = teacher_signal_bytes_per_token("full" if full else "sampled", shape.hidden, 20, FP32) + 4 * 8 + 2 * FP32
     head = VOCAB * shape.hidden * FP32 if full else 0  # the teacher's output head (a copy of the student's shape here)
-    return state + layers + vocab + signal * graph + head
+    return state + layers + vocab + signal * rank_tokens + head
 
 
 def peak_rss_bytes() -> int:

@@ -362,8 +362,14 @@ class TrainerConfig(Strict):
         2048,
         ge=0,
         description="the learner's forward and the in-process teacher's scoring run on length-sorted row groups of at most this many "
-        "padded tokens (a longer row alone), one backward over all of them: the same results with less padding computed "
-        "(0: the whole batch in one forward)",
+        "padded tokens (a longer row alone): the same results with less padding computed, and with bucket_backward the learner's "
+        "activation memory is one group's, not the step's (0: the whole batch in one forward)",
+    )
+    bucket_backward: bool = Field(
+        True,
+        description="a step of several forward_tokens groups runs its backward one group at a time (gradient caching: a forward "
+        "without a graph, the objective on the whole batch, then each group's forward and backward again): the gradients of "
+        "one graph, activation memory of one group, about one more forward of compute; false: one graph over the step",
     )
     vocab_chunk: int = Field(
         0,

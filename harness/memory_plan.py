@@ -30,13 +30,18 @@ DEFAULT_VLLM_UTILIZATION = 0.5  # VLLMBackend.load's default gpu_memory_utilizat
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "bfloat16": 2, "bf16": 2, "float64": 8}
 
 # The learner's (tokens, V) float32 tensors (multiples of tokens × V × 4 bytes), read from trainers/learner.py and
-# harness/backends/hf.py scores_from_logits, then checked against CPU peaks (docs/memory-plan.md):
+# harness/backends/hf.py scores_from_logits, then checked against CPU peaks (docs/memory-plan.md). "Kept" is per token of
+# the graph: the step's rows with one graph, one bucket's with the per-bucket backward (trainer.bucket_backward).
 # sampled-token log-probs: the log-softmax and its exp (entropy) are kept for every bucket of the step's one graph,
 # and one bucket's logits and exp·logp product exist beside them while it is computed.
 VOCAB_KEPT_SAMPLED, VOCAB_TRANSIENT_SAMPLED = 2, 2
 # the full student distribution (unchunked): the log-softmax, its padded copy (the distribution), and the objective's
 # exp and difference are kept; the bucket's logits, the entropy's exp and product, and the backward's gradients pass by.
 VOCAB_KEPT_FULL, VOCAB_TRANSIENT_FULL = 4, 3
+# the per-bucket backward's first pass, unchunked full distribution (no graph; freed before the buckets' backwards, so the
+# peak is the larger of this and one bucket's): this rank's (tokens, V) log-distribution kept for the objective, the
+# teacher's distribution and the exp, difference and product computing a recorded term from both
+VOCAB_FIRST_PASS_FULL = 5
 VOCAB_CHUNK_COPIES = 6  # a chunk of positions under checkpointing: its logits, log-softmax, exp, terms and their gradients
 TEACHER_CHUNK_COPIES = 5  # + the full teacher signal's chunk: its logits, log-softmax and the terms that combine both
 
@@ -266,26 +271,36 @@ def layer_activation_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int
 
 def learner_activation_bytes(
     shape: ModelShape, *, graph_tokens: int, bucket_tokens: int, dtype_bytes: int, checkpointing: bool, student_full: bool,
-    vocab_chunk: int, teacher_in_chunk: bool = False,
+    vocab_chunk: int, teacher_in_chunk: bool = False, rank_tokens: int | None = None,
 ) -> tuple[int, int]:
     """(decoder-layer activations, output-head/vocabulary activations) of one learner step whose graph holds
-    ``graph_tokens`` (every bucket of the step: one backward over all) and whose largest forward is ``bucket_tokens``.
-    Checkpointing keeps each layer's input and recomputes one layer at a time; the vocabulary terms are float32;
-    ``teacher_in_chunk``: a full teacher signal's distribution is computed in each chunk too."""
+    ``graph_tokens`` (every bucket of the step with one backward over all; one bucket with the per-bucket backward) and
+    whose largest forward is ``bucket_tokens``. Checkpointing keeps each layer's input and recomputes one layer at a time;
+    the vocabulary terms are float32; ``teacher_in_chunk``: a full teacher signal's distribution is computed in each chunk
+    too. ``rank_tokens`` (the rank's tokens, per-bucket backward only): the first pass holds the student distribution of all
+    of them while the objective runs, as (tokens, H) hidden states chunked or (tokens, V) log-probabilities unchunked."""
     per_layer = layer_activation_bytes_per_token(shape, dtype_bytes)
     if checkpointing:
         layers = graph_tokens * (shape.layers * shape.hidden * dtype_bytes + per_layer)
     else:
         layers = graph_tokens * shape.layers * per_layer
     row = shape.vocab * FP32
+    first_pass = rank_tokens if rank_tokens is not None and rank_tokens > graph_tokens else 0
     if student_full and vocab_chunk:
         copies = VOCAB_CHUNK_COPIES + (TEACHER_CHUNK_COPIES if teacher_in_chunk else 0)
-        vocab = graph_tokens * shape.hidden * FP32 + copies * min(vocab_chunk, graph_tokens) * row
+        vocab = (first_pass + graph_tokens) * shape.hidden * FP32 + copies * min(vocab_chunk, graph_tokens) * row
     elif student_full:
-        vocab = (VOCAB_KEPT_FULL * graph_tokens + VOCAB_TRANSIENT_FULL * bucket_tokens) * row
+        vocab = max((VOCAB_KEPT_FULL * graph_tokens + VOCAB_TRANSIENT_FULL * bucket_tokens) * row, VOCAB_FIRST_PASS_FULL * first_pass * row)
     else:
         vocab = (VOCAB_KEPT_SAMPLED * graph_tokens + VOCAB_TRANSIENT_SAMPLED * bucket_tokens) * row
     return layers, vocab
+
+
+def first_pass_bytes(*, step_tokens: int, student_full: bool) -> int:
+    """What the per-bucket backward's first pass keeps while the buckets' backwards run: the global (B, T) float32
+    log-probs, entropy, their gradient and this rank's slice of it (×W), and a full-distribution method's recorded terms
+    and their gradients (counted as 4 more (B, T) tensors: terms of a few values per position)."""
+    return (5 + (4 if student_full else 0)) * step_tokens * FP32
 
 
 def learner_state_terms(shape: ModelShape, *, ranks: int, sharding: str, precision: str) -> dict[str, tuple[int, str]]:
@@ -363,11 +378,16 @@ def build_memory_plan(plan: Plan, device_memory_gib: float | None = None) -> Mem
     ranks = layout.learner.replicas if layout is not None else 1
     sharding = layout.learner.sharding if layout is not None else "ddp"
     rank_rows = -(-rows // ranks)
-    graph = rank_rows * tokens
-    bucket = min(graph, max(trainer.forward_tokens, tokens)) if trainer.forward_tokens else graph
+    rank_tokens = rank_rows * tokens
+    bucket = min(rank_tokens, max(trainer.forward_tokens, tokens)) if trainer.forward_tokens else rank_tokens
+    per_bucket = trainer.bucket_backward and bucket < rank_tokens
+    graph = bucket if per_bucket else rank_tokens
     out.assumptions.append(f"rows of {tokens} tokens ({how}); {rows} rows per step, {rank_rows} per learner rank")
-    out.assumptions.append(f"the learner keeps one graph over its {graph} tokens (every forward_tokens bucket, one backward); "
-                           f"largest forward {bucket} tokens")  # fmt: skip
+    if per_bucket:
+        out.assumptions.append(f"the learner's backward runs per forward_tokens bucket (trainer.bucket_backward): one graph of "
+                               f"{bucket} tokens at a time, out of {rank_tokens} per rank")  # fmt: skip
+    else:
+        out.assumptions.append(f"the learner keeps one graph over its {rank_tokens} tokens (one backward); largest forward {bucket} tokens")
 
     capacity = int(device_memory_gib * GIB) if device_memory_gib is not None else cuda_capacity()
     accel_kind = "cuda" if capacity is not None and device_memory_gib is None else "gpu"
@@ -406,13 +426,17 @@ def build_memory_plan(plan: Plan, device_memory_gib: float | None = None) -> Mem
     layers_b, vocab_b = learner_activation_bytes(
         student, graph_tokens=graph, bucket_tokens=bucket, dtype_bytes=precision_bytes,
         checkpointing=trainer.activation_checkpointing, student_full=student_full, vocab_chunk=trainer.vocab_chunk,
-        teacher_in_chunk=kind == "full",
+        teacher_in_chunk=kind == "full", rank_tokens=rank_tokens,
     )  # fmt: skip
     ckpt = "checkpointed, " if trainer.activation_checkpointing else ""
-    add("learner", "activations (layers)", layers_b, f"{ckpt}{graph} tokens × {student.layers} layers")
+    one = "one bucket: " if per_bucket else ""
+    add("learner", "activations (layers)", layers_b, f"{one}{ckpt}{graph} tokens × {student.layers} layers")
     chunked = student_full and trainer.vocab_chunk
     vocab_note = f"float32 (tokens, {student.vocab}): {'full distribution' if student_full else 'sampled-token log-probs'}"
-    add("learner", "activations (vocab)", vocab_b, f"chunks of {trainer.vocab_chunk} positions" if chunked else vocab_note)
+    add("learner", "activations (vocab)", vocab_b, one + (f"chunks of {trainer.vocab_chunk} positions" if chunked else vocab_note))
+    if per_bucket:
+        add("learner", "first pass (kept)", first_pass_bytes(step_tokens=rows * tokens, student_full=student_full),
+            "the step's (B, T) log-probs, entropy and their gradients" + (", recorded vocabulary terms" if student_full else ""))
     top_k = cfg.teacher.top_k
     signal_dtype = DTYPE_BYTES.get(cfg.teacher.signal_dtype, FP32)
     hidden = teacher.hidden if teacher is not None else student.hidden

@@ -1,7 +1,11 @@
 """Chunked full-vocabulary objectives (``trainer.vocab_chunk``): every method that reads the full student distribution gives
-the same loss, diagnostics and gradients chunked as unchunked (fp32, CPU), with a chunk that divides neither T nor T − 1."""
+the same loss, diagnostics and gradients chunked as unchunked (fp32, CPU), with a chunk that divides neither T nor T − 1.
+The backward one ``forward_tokens`` bucket at a time (``trainer.bucket_backward``) gives every method's loss, diagnostics,
+entropy and gradients of one graph over the step, chunked and unchunked."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -9,7 +13,7 @@ import torch
 from harness.registry import METHODS
 from harness.teacher_signal import TopKDistribution
 from harness.trajectory import TensorBatch
-from trainers.learner import student_outputs
+from trainers.learner import BucketBackward, bucket_calls, student_outputs, student_pass
 
 ROWS, LENGTH, CHUNK = 3, 11, 4  # 10 predicted positions per row: chunks of 4, 4, 2
 TOP_K = 5
@@ -50,16 +54,16 @@ def batch_for(vocab: int, seed: int = 0, top_k_signal: bool = False) -> TensorBa
 
 
 def loss_and_grads(model, batch: TensorBatch, name: str, args: dict, **forward: int):
-    """The objective's loss, diagnostics and the gradients of every parameter, with ``student_outputs`` options
-    ``forward`` (``vocab_chunk``, ``forward_tokens``)."""
+    """The objective's loss, diagnostics and the gradients of every parameter, with ``student_pass`` options
+    ``forward`` (``vocab_chunk``, ``forward_tokens``, ``bucket_backward``)."""
     spec = METHODS.get(name)
     hp = spec.hparams(**args)
     model.zero_grad(set_to_none=True)
-    outputs, entropy = student_outputs(model, batch, full="student_full" in spec.needs(hp), **forward)
+    student = student_pass(model, batch, full="student_full" in spec.needs(hp), **forward)
     state = spec.make_state(hp) if spec.make_state else None
-    loss, diagnostics = spec.objective(batch, outputs, hp, state)
-    loss.backward()
-    return loss.detach(), diagnostics, entropy, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    loss, diagnostics = spec.objective(batch, student.outputs, hp, state)
+    student.backward(loss)
+    return loss.detach(), diagnostics, student.entropy, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def test_the_cases_cover_every_method_that_reads_the_full_student_distribution():
@@ -93,6 +97,62 @@ def test_chunked_equals_unchunked_loss_and_gradients(tiny_model_factory, name, a
     for param, grad in plain_grads.items():
         assert grad.abs().max() > 0, param
         torch.testing.assert_close(grads[param], grad, rtol=0, atol=1e-6, msg=lambda m, p=param: f"{p}: {m}")
+
+
+BUCKET_TOKENS = 22  # batch_for's rows (11, 11, 8 tokens) in 2 buckets: rows 0 and 1 together, row 2 alone
+FULL_READERS = {name for name, _ in CASES}
+EVERY_CASE = [(name, {}, 0) for name in METHODS.names() if not name.startswith("_")] + [
+    (name, args, chunk) for name, args in CASES for chunk in (0, CHUNK)
+]  # every registered method at its defaults (a full reader unchunked), and every full-distribution case unchunked and chunked
+
+
+def every_method_batch(vocab: int, top_k_signal: bool) -> TensorBatch:
+    """:func:`batch_for` with rewards and a group of two (GRPO-family methods then have a non-zero advantage)."""
+    batch = batch_for(vocab, top_k_signal=top_k_signal)
+    return dataclasses.replace(batch, rewards=torch.tensor([1.0, 0.0, 1.0]), group_ids=torch.tensor([0, 0, 1]))
+
+
+@pytest.mark.parametrize(("name", "args", "chunk"), EVERY_CASE,
+                         ids=[f"{n}-{'-'.join(f'{k}={v}' for k, v in a.items())}-chunk{c}" for n, a, c in EVERY_CASE])  # fmt: skip
+def test_bucket_backward_equals_one_graph(tiny_model_factory, monkeypatch, name, args, chunk):
+    """Loss, diagnostics, entropy on the sequences' positions and every gradient of the per-bucket backward equal one graph's."""
+    model = tiny_model_factory(seed=3, hidden=32, layers=1)
+    batch = every_method_batch(model.config.vocab_size, top_k_signal=args.get("aggregation") == "sum")
+    assert bucket_calls(batch.attention_mask, None, BUCKET_TOKENS) == 2
+    one_graph = loss_and_grads(model, batch, name, args, vocab_chunk=chunk, forward_tokens=BUCKET_TOKENS, bucket_backward=False)
+    backwards: list[int] = []
+    bucket = BucketBackward.bucket_backward
+    monkeypatch.setattr(BucketBackward, "bucket_backward", lambda self, *a: backwards.append(1) or bucket(self, *a))
+    loss, diag, entropy, grads = loss_and_grads(model, batch, name, args, vocab_chunk=chunk, forward_tokens=BUCKET_TOKENS)
+    assert len(backwards) == 2  # the per-bucket path ran, one backward per bucket
+    plain_loss, plain_diag, plain_entropy, plain_grads = one_graph
+    assert float(plain_loss) != 0.0
+    assert abs(float(loss - plain_loss)) <= 1e-5 * max(1.0, abs(float(plain_loss)))
+    assert diag.keys() == plain_diag.keys()
+    for key, value in plain_diag.items():
+        assert diag[key] == pytest.approx(value, abs=1e-5, rel=1e-5, nan_ok=True), key
+    inside = batch.attention_mask > 0  # chunked, a bucket's padding is not the whole batch's (the objective never reads it)
+    torch.testing.assert_close(entropy[inside], plain_entropy[inside], rtol=0, atol=1e-5)
+    assert grads.keys() == plain_grads.keys()
+    for param, grad in plain_grads.items():
+        torch.testing.assert_close(grads[param], grad, rtol=1e-5, atol=1e-5, msg=lambda m, p=param: f"{p}: {m}")
+    assert max(float(g.abs().max()) for g in plain_grads.values()) > 0
+
+
+def test_the_bucket_cases_cover_every_method_and_every_full_reader_chunked():
+    covered = {(name, chunk > 0) for name, _, chunk in EVERY_CASE}
+    builtin = {name for name in METHODS.names() if not name.startswith("_")}
+    assert {name for name, _ in covered} == builtin
+    assert {name for name, chunked in covered if chunked} == FULL_READERS
+
+
+def test_bucket_backward_refuses_vocabulary_terms_of_tensors_with_a_gradient(tiny_model_factory):
+    """The cached backward replays ``fn`` on the recorded aligned tensors, detached: one with a gradient would lose it."""
+    model = tiny_model_factory(seed=3)
+    batch = batch_for(model.config.vocab_size)
+    student = student_pass(model, batch, full=True, forward_tokens=BUCKET_TOKENS)
+    with pytest.raises(ValueError, match="must not require grad"):
+        student.outputs.over_vocabulary(lambda log, x: log[..., 0] * x, student.outputs.logprobs)
 
 
 def test_a_chunk_longer_than_the_sequence_is_one_chunk_and_the_same(tiny_model_factory):

@@ -17,6 +17,7 @@ from harness.trajectory import TensorBatch
 from trainers.distributed import Shard, data_parallel, full_state, full_weights, join_group, leave_group, rendezvous_port, shard_bounds
 from trainers.learner import train_step
 from trainers.loop import state_snapshot
+from test_chunked_vocab import CASES as FULL_CASES
 
 RANKS_TIMEOUT_S = 300.0  # 2 forked ranks, 8 method runs (DDP and FSDP2): ~60 s at load 10, longer on a busier machine
 VOCAB, ROWS, LENGTH, STEPS = 24, 5, 9, 3  # 5 rows over 2 ranks: uneven shards (3 + 2), a GRPO group split across them
@@ -65,7 +66,9 @@ CHECKPOINT_AFTER = STEPS - 1  # the FSDP2 ranks' full state after this many step
 
 def tiny_student() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = build_tiny_model(TinyArch(hidden=16, layers=2, heads=2, kv_heads=1, ffn=32), VOCAB, pad_id=0, eos_id=1, seed=3)
-    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    # eps 1e-6, not 1e-8: Adam turns an element's near-zero gradient, whose sign is float summation noise, into an update of
+    # up to lr; with 1e-8 f_opd's 2-rank weights differed from one rank's by 1.3e-5 (one graph or per-bucket alike), 2e-7 now
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01, eps=1e-6)
 
 
 def method_steps(name: str, shard: Shard | None, sharding: str = "ddp", start: dict | None = None) -> dict:
@@ -189,17 +192,29 @@ def test_an_fsdp2_checkpoint_resumes_on_one_rank(two_ranks, single):
 # Rows of real lengths: every rank cuts its own rows into length buckets (trainer.forward_tokens), and the ranks get
 # different numbers of buckets; every rank must still make the same forward calls (DDP broadcasts buffers in each forward,
 # FSDP2 all-gathers in each forward and backward), or the collectives stop pairing: a hang (gloo DDP) or an abort (FSDP2).
+# Every case but "opd_one_graph" runs the backward one bucket at a time (trainer.bucket_backward, gradient caching), every
+# registered method among them (at its defaults, and each full-distribution configuration chunked); the reference is one
+# rank with one graph over the step, unchunked.
 LONG_ROWS, LONG_STEPS, LONG_FORWARD_TOKENS, LONG_CHUNK = 8, 2, 500, 64
 LONG_GROUP_TIMEOUT_S = 60.0  # a collective that does not pair fails the ranks within this, never hangs CI
-LONG_RANKS_TIMEOUT_S = 240.0
-LONG_CASES = {  # name: (hparams, vocab_chunk, activation checkpointing); each compared with one rank's unchunked "opd"/"opd_full"
-    "opd": ({}, 0, False),
-    "opd_checkpointed": ({}, 0, True),
-    "opd_full": ({"estimator": "full"}, 0, False),
-    "opd_full_chunked": ({"estimator": "full"}, LONG_CHUNK, False),
-    "opd_full_chunked_checkpointed": ({"estimator": "full"}, LONG_CHUNK, True),
+LONG_RANKS_TIMEOUT_S = 480.0
+LONG_CASES = {  # name: (method, hparams, vocab_chunk, activation checkpointing, bucket_backward)
+    "opd": ("opd", {}, 0, False, True),
+    "opd_one_graph": ("opd", {}, 0, False, False),
+    "opd_checkpointed": ("opd", {}, 0, True, True),
+    "opd_full": ("opd", {"estimator": "full"}, 0, False, True),
+    "opd_full_chunked": ("opd", {"estimator": "full"}, LONG_CHUNK, False, True),
+    "opd_full_chunked_checkpointed": ("opd", {"estimator": "full"}, LONG_CHUNK, True, True),
+    **{name: (name, {}, 0, False, True) for name in METHODS.names() if not name.startswith("_") and name != "opd"},
+    **{f"{name}_chunked_{i}": (name, args, LONG_CHUNK, False, True) for i, (name, args) in enumerate(FULL_CASES)},
 }
 LONG_WORLDS = (2, 4)
+
+
+def reference_key(case: str) -> tuple[str, str]:
+    """The one-rank, one-graph, unchunked run ``case`` is compared with: its method and hyper-parameters."""
+    method, args = LONG_CASES[case][:2]
+    return method, repr(sorted(args.items()))
 
 
 def long_batch(seed: int) -> TensorBatch:
@@ -217,8 +232,8 @@ def long_batch(seed: int) -> TensorBatch:
         input_ids=ids, attention_mask=attention, loss_mask=loss_mask,
         step_index=torch.where(loss_mask > 0, 0, -1), behaviour_logprobs=behaviour,
         teacher_logprobs=teacher_dist.gather(-1, ids[..., None])[..., 0] * loss_mask,
-        rewards=torch.zeros(LONG_ROWS), policy_version=torch.zeros(LONG_ROWS, dtype=torch.long),
-        group_ids=torch.arange(LONG_ROWS), teacher_dist=teacher_dist, old_logprobs=behaviour.clone(), teacher_fresh_logprobs=None,
+        rewards=torch.arange(LONG_ROWS).remainder(2).float(), policy_version=torch.zeros(LONG_ROWS, dtype=torch.long),
+        group_ids=torch.arange(LONG_ROWS) // 2, teacher_dist=teacher_dist, old_logprobs=behaviour.clone(), teacher_fresh_logprobs=None,
         policy_lag=torch.zeros(LONG_ROWS, dtype=torch.long),
     )  # fmt: skip
 
@@ -231,20 +246,24 @@ def rank_bucket_counts(batch: TensorBatch, world: int) -> list[int]:
     return [len(length_buckets(lengths[slice(*shard_bounds(LONG_ROWS, r, world))], LONG_FORWARD_TOKENS)) for r in range(world)]
 
 
-def long_steps(name: str, shard: Shard | None, sharding: str = "ddp") -> dict:
-    """``LONG_STEPS`` opd steps of case ``name`` on :func:`long_batch` (one rank's part with a shard): metrics and full weights."""
+def long_steps(name: str, shard: Shard | None, sharding: str = "ddp", reference: bool = False) -> dict:
+    """``LONG_STEPS`` steps of case ``name`` on :func:`long_batch` (one rank's part with a shard): metrics, full weights and
+    method state. ``reference``: the case's method and hyper-parameters with one graph, unchunked, no checkpointing."""
     torch.manual_seed(0)
-    spec = METHODS.get("opd")
-    options, vocab_chunk, checkpointed = LONG_CASES[name]
+    method, options, vocab_chunk, checkpointed, bucket_backward = LONG_CASES[name]
+    if reference:
+        vocab_chunk, checkpointed, bucket_backward = 0, False, False
+    spec = METHODS.get(method)
     hparams = spec.hparams(**options)
+    state = spec.make_state(hparams) if spec.make_state else None
     model, optimizer = tiny_student()
     if checkpointed:
         model.gradient_checkpointing_enable()
     trained, optimizer = data_parallel(model, optimizer, sharding) if shard is not None else (model, optimizer)
-    metrics = [train_step(trained, optimizer, long_batch(step), spec, hparams, None, grad_clip=0.02, shard=shard,
-                          vocab_chunk=vocab_chunk, forward_tokens=LONG_FORWARD_TOKENS) for step in range(LONG_STEPS)]  # fmt: skip
+    metrics = [train_step(trained, optimizer, long_batch(step), spec, hparams, state, grad_clip=0.02, shard=shard, vocab_chunk=vocab_chunk,
+                          forward_tokens=LONG_FORWARD_TOKENS, bucket_backward=bucket_backward) for step in range(LONG_STEPS)]  # fmt: skip
     weights = full_weights(trained) if shard is not None and sharding == "fsdp2" else state_snapshot(model)
-    return {"metrics": metrics, "weights": weights}
+    return {"metrics": metrics, "weights": weights, "state": state.state_dict() if state is not None else None}
 
 
 def _long_rank(rank: int, world: int, port: int, out: str) -> None:
@@ -280,9 +299,11 @@ def long_ranks(request, tmp_path_factory) -> tuple[int, list[dict]]:
 
 
 @pytest.fixture(scope="module")
-def long_single() -> dict[str, dict]:
+def long_single() -> dict[tuple[str, str], dict]:
+    """One rank, one graph over the step: each case's reference (:func:`reference_key`)."""
     torch.set_num_threads(1)
-    return {name: long_steps(name, None) for name in ("opd", "opd_full")}
+    firsts = {reference_key(name): name for name in reversed(LONG_CASES)}
+    return {key: long_steps(name, None, reference=True) for key, name in firsts.items()}
 
 
 def test_the_long_batches_give_ranks_different_bucket_counts():
@@ -296,17 +317,21 @@ def test_the_long_batches_give_ranks_different_bucket_counts():
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", SHARDINGS)
 def test_ranks_with_different_bucket_counts_give_the_update_of_one_rank(long_ranks, long_single, sharding):
-    """2 and 4 ranks, DDP and FSDP2, bucketed (token and full distribution) and chunked (with and without activation
-    checkpointing): the losses, gradient norms and weights of one rank, unchunked, on the same global batches."""
+    """2 and 4 ranks, DDP and FSDP2, every method bucketed (its backward per bucket; opd also with one graph), full
+    distributions chunked (with and without activation checkpointing): the losses, gradient norms, diagnostics, method
+    state and weights of one rank with one graph, unchunked, on the same global batches."""
     world, ranks = long_ranks
     for name in LONG_CASES:
-        expected = long_single["opd_full" if name.startswith("opd_full") else "opd"]
+        expected = long_single[reference_key(name)]
         for rank, results in enumerate(ranks):
             got = results[name, sharding]
             for step, (want, have) in enumerate(zip(expected["metrics"], got["metrics"], strict=True)):
-                assert have["loss"] != 0.0 and have["grad_norm"] > 0.02, (name, step, have)  # a real update, clipped
+                assert set(want) == set(have), (name, step)
+                clipped = 0.02 if LONG_CASES[name][0] == "opd" else 0.0  # opd's updates are clipped; others' may be smaller
+                assert have["loss"] != 0.0 and have["grad_norm"] > clipped, (name, step, have)  # a real update
                 bad = {k: (want[k], have[k]) for k in want if not k.startswith("time_") and not _close(want[k], have[k])}
                 assert not bad, (world, name, rank, step, bad)
+            assert _same_state(got["state"], expected["state"]), (name, got["state"], expected["state"])
             if sharding == "fsdp2" and rank > 0:  # full weights are gathered to rank 0 only
                 assert got["weights"] == {}
                 continue

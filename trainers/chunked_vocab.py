@@ -69,3 +69,8 @@ def token_logprob_and_entropy(log_dist: torch.Tensor, token: torch.Tensor) -> to
     logprob = log_dist.gather(-1, token.unsqueeze(-1)).squeeze(-1)
     entropy = -(log_dist.exp() * log_dist).sum(-1).detach()
     return torch.stack([logprob, entropy], dim=-1)
+
+
+def token_logprob(log_dist: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+    """(n,): log-prob of each position's token."""
+    return log_dist.gather(-1, token.unsqueeze(-1)).squeeze(-1)

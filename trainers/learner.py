@@ -5,14 +5,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from harness.backends.hf import bucketed, length_buckets, scores_from_logits, without_output_head
+from harness.backends.hf import bucket_slices, bucketed, length_buckets, scores_from_logits, without_output_head
 from harness.method import HParams, MethodSpec, StudentOutputs
-from harness.teacher_signal import is_distribution
+from harness.teacher_signal import apply_terms, is_distribution
 from harness.trajectory import TensorBatch
-from trainers.chunked_vocab import ChunkedVocabulary, token_logprob_and_entropy
+from trainers.chunked_vocab import ChunkedVocabulary, PositionFn, token_logprob, token_logprob_and_entropy
 from trainers.distributed import Shard, gather_rows, local_rows, shard_bounds
 from trainers.objectives import masked_mean
 from trainers.objectives.common import k3
@@ -34,7 +36,8 @@ def student_outputs(
     backward) under bfloat16 autocast. ``vocab_chunk`` > 0 with ``full``: the distribution is never materialised whole;
     the objective gets it chunk by chunk of positions (:mod:`trainers.chunked_vocab`). ``forward_tokens`` > 0: the
     forward runs on length-sorted row groups of at most that many padded tokens (:func:`harness.backends.hf.bucketed`),
-    one graph and one backward over all of them: the same loss and gradients with less padding computed. With a ``shard``
+    one graph and one backward over all of them: the same loss and gradients with less padding computed (:func:`student_pass`
+    runs the backward per bucket instead, bounding activations by one bucket's). With a ``shard``
     every rank makes as many forward calls as the rank with the most buckets (:func:`paired_bucketed`), so the collectives
     DDP and FSDP2 run in each forward and backward pair across ranks."""
     if full and vocab_chunk:
@@ -107,12 +110,7 @@ def chunked_student_outputs(
     the head's gradient is reduce-scattered once, with the rest of the root's."""
     rows = batch.input_ids.shape[0]
     ids, attention = local_rows(batch.input_ids, shard), local_rows(batch.attention_mask, shard)
-    inner = getattr(model, "module", model)  # DDP's wrapped model; the forward still goes through the wrapper
-    with autocast(ids.device, precision), without_output_head(inner) as head:
-        hidden = model(input_ids=ids, attention_mask=attention).logits  # the head is an identity: the last hidden states
-    if hasattr(head.weight, "full_tensor"):  # a DTensor: FSDP2 resharded the root after its forward
-        raise RuntimeError("trainer.vocab_chunk under fsdp2 needs the root module unsharded after its forward "
-                           "(fully_shard(model, reshard_after_forward=False), as shard_fully does)")  # fmt: skip
+    hidden, head = hidden_states(model, ids, attention, precision)
     chunks = ChunkedVocabulary(hidden, head, vocab_chunk, lambda: autocast(ids.device, precision))
 
     def vocab_map(fn, *aligned: torch.Tensor) -> torch.Tensor:
@@ -121,6 +119,201 @@ def chunked_student_outputs(
     both = chunks.map(token_logprob_and_entropy, ids)
     logprobs, entropy = gather_rows(both[..., 0], shard, rows), gather_rows(both[..., 1].detach(), shard, rows)
     return StudentOutputs(logprobs=logprobs, vocab_map=vocab_map), entropy
+
+
+def hidden_states(
+    model: torch.nn.Module, ids: torch.Tensor, attention: torch.Tensor, precision: str
+) -> tuple[torch.Tensor, torch.nn.Module]:
+    """The decoder's last hidden states (n, T, H) of ``ids`` and the model's output head (for :class:`ChunkedVocabulary`)."""
+    inner = getattr(model, "module", model)  # DDP's wrapped model; the forward still goes through the wrapper
+    with autocast(ids.device, precision), without_output_head(inner) as head:
+        hidden = model(input_ids=ids, attention_mask=attention).logits  # the head is an identity: the last hidden states
+    if hasattr(head.weight, "full_tensor"):  # a DTensor: FSDP2 resharded the root after its forward
+        raise RuntimeError("trainer.vocab_chunk under fsdp2 needs the root module unsharded after its forward "
+                           "(fully_shard(model, reshard_after_forward=False), as shard_fully does)")  # fmt: skip
+    return hidden, head
+
+
+@dataclass
+class StudentPass:
+    """What the objective reads of the student (``outputs``, detached ``entropy``) and how its loss reaches the weights:
+    ``backward(loss)`` accumulates d loss / d parameters into their ``.grad`` (synchronised over data-parallel ranks)."""
+
+    outputs: StudentOutputs
+    entropy: torch.Tensor
+    backward: Callable[[torch.Tensor], None]
+
+
+def student_pass(
+    model: torch.nn.Module,
+    batch: TensorBatch,
+    full: bool,
+    shard: Shard | None = None,
+    precision: str = "fp32",
+    vocab_chunk: int = 0,
+    forward_tokens: int = 0,
+    bucket_backward: bool = True,
+) -> StudentPass:
+    """The student's outputs for one training step, and their backward.
+
+    A step whose rows fit one ``forward_tokens`` bucket on every rank (or ``forward_tokens`` 0, or ``bucket_backward``
+    off) keeps one graph: :func:`student_outputs`, then ``loss.backward()``. Otherwise the step is cut into buckets in
+    both directions (:class:`BucketBackward`): activation memory is one bucket's, for one more forward without a graph."""
+    calls = bucket_calls(batch.attention_mask, shard, forward_tokens) if forward_tokens and bucket_backward else 1
+    if calls <= 1:
+        outputs, entropy = student_outputs(model, batch, full, shard=shard, precision=precision, vocab_chunk=vocab_chunk,
+                                           forward_tokens=forward_tokens)  # fmt: skip
+        return StudentPass(outputs, entropy, lambda loss: loss.backward())
+    cached = BucketBackward(StudentForward(model, precision, vocab_chunk if full else 0), batch, shard, forward_tokens, calls)
+    outputs, entropy = cached.first_pass(full)
+    return StudentPass(outputs, entropy, cached.backward)
+
+
+@dataclass
+class StudentForward:
+    """The student's forward on some of this rank's rows, as both passes of :class:`BucketBackward` run it, with a graph
+    when grad mode is on. Unchunked: log-probs, entropy and the (n, T, V) log-distribution from the logits; with
+    ``vocab_chunk``: from the (n, T, H) last hidden states, ``vocab_chunk`` positions at a time. The log-distribution or the
+    hidden states are the ``state`` a method's vocabulary terms are computed from (:meth:`terms`)."""
+
+    model: torch.nn.Module
+    precision: str
+    vocab_chunk: int = 0
+    head: torch.nn.Module | None = None
+
+    def __call__(self, ids: torch.Tensor, attention: torch.Tensor, want: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """The fields of ``want`` (``logprobs``, ``entropy``, ``state``) for right-padded rows ``ids``, each (n, T, ...)."""
+        if not self.vocab_chunk:
+            with autocast(ids.device, self.precision):
+                logits = self.model(input_ids=ids, attention_mask=attention).logits.float()
+            scores = scores_from_logits(logits, ids, tuple("full" if name == "state" else name for name in want))
+            return {("state" if name == "full" else name): value for name, value in scores.items()}
+        hidden, self.head = hidden_states(self.model, ids, attention, self.precision)
+        out = {"state": hidden} if "state" in want else {}
+        if "entropy" in want:
+            both = self.chunks(hidden).map(token_logprob_and_entropy, ids)
+            out["logprobs"], out["entropy"] = both[..., 0], both[..., 1]
+        elif "logprobs" in want:
+            out["logprobs"] = self.chunks(hidden).map(token_logprob, ids)
+        return out
+
+    def chunks(self, hidden: torch.Tensor) -> ChunkedVocabulary:
+        return ChunkedVocabulary(hidden, self.head, self.vocab_chunk, lambda: autocast(hidden.device, self.precision))
+
+    def terms(self, state: torch.Tensor, fn: PositionFn, *aligned: object) -> torch.Tensor:
+        """``fn`` over every position of ``state`` (what :meth:`StudentOutputs.over_vocabulary` computes), (n, T, ...)."""
+        if self.vocab_chunk:
+            return self.chunks(state).map(fn, *aligned)
+        return apply_terms(fn, state, *(a.to(state.device) for a in aligned))
+
+
+@dataclass
+class _Recorded:
+    """One ``over_vocabulary(fn, *aligned)`` call of the objective in the first pass, and the terms it was given (a leaf)."""
+
+    fn: PositionFn
+    aligned: tuple
+    leaf: torch.Tensor
+
+
+@dataclass
+class BucketBackward:
+    """Gradient caching over length buckets: the step's backward one ``forward_tokens`` bucket at a time, with the gradients
+    of one graph over the whole step.
+
+    First pass, without a graph: the student's log-probs (and entropy) of every bucket, gathered over ranks, become leaf
+    tensors; the objective runs on them (the whole global batch: token means, groups, method state), and every
+    ``over_vocabulary`` call it makes is recorded and answered with its terms as a leaf too. ``backward(loss)`` takes
+    d loss / d leaves, then, per bucket of this rank's rows, runs the forward again with a graph and back-propagates the
+    cached gradient of its rows (×W under data parallelism, as :class:`trainers.distributed._GatherRows` does), freeing
+    the graph before the next bucket. Every rank makes ``calls`` forwards in each pass and ``calls`` backwards (padding with
+    2-token rows whose gradient is zero); DDP synchronises on the last backward only (``no_sync`` before), FSDP2
+    reduce-scatters after each (its gradients stay sharded; the averaged sums add up to the same gradient)."""
+
+    forward: StudentForward
+    batch: TensorBatch
+    shard: Shard | None
+    forward_tokens: int
+    calls: int
+    recorded: list[_Recorded] = field(default_factory=list)
+    state: torch.Tensor | None = None  # the first pass's (b, T, V) log-distribution or (b, T, H) hidden states, until backward
+    logprobs: torch.Tensor | None = None  # the global (B, T) leaf
+
+    @property
+    def rows(self) -> int:
+        """Rows of the global batch."""
+        return self.batch.input_ids.shape[0]
+
+    def local(self, tensor: Any) -> Any:
+        """This rank's rows of a global (B, …) tensor or teacher distribution."""
+        return local_rows(tensor, self.shard)
+
+    def first_pass(self, full: bool) -> tuple[StudentOutputs, torch.Tensor]:
+        """Log-probs (a leaf: the objective's loss is differentiated w.r.t. them) and entropy of every row, no graph kept."""
+        ids, attention = self.local(self.batch.input_ids), self.local(self.batch.attention_mask)
+        want = ("logprobs", "entropy", "state") if full else ("logprobs", "entropy")
+        with torch.no_grad():
+            scores = paired_bucketed(lambda i, a: self.forward(i, a, want), ids, attention, self.forward_tokens, self.calls)
+            self.logprobs = gather_rows(scores["logprobs"], self.shard, self.rows).requires_grad_(True)
+            entropy = gather_rows(scores["entropy"], self.shard, self.rows)
+        self.state = scores.get("state")
+        return StudentOutputs(logprobs=self.logprobs, vocab_map=self.record if full else None), entropy
+
+    def record(self, fn: PositionFn, *aligned: object) -> torch.Tensor:
+        """``over_vocabulary(fn, *aligned)`` in the first pass: the global terms as a leaf, remembered for the second pass."""
+        if any(isinstance(a, torch.Tensor) and a.requires_grad for a in aligned):
+            raise ValueError("over_vocabulary's aligned tensors must not require grad under trainer.forward_tokens bucketing")
+        if self.state is None:
+            raise RuntimeError("over_vocabulary after the backward: the first pass's distribution is gone")
+        with torch.no_grad():
+            local = self.forward.terms(self.state, fn, *(self.local(a) for a in aligned))
+            leaf = gather_rows(local, self.shard, self.rows).requires_grad_(True)
+        self.recorded.append(_Recorded(fn, aligned, leaf))
+        return leaf
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """d loss / d parameters, accumulated into ``.grad`` one bucket at a time (see the class)."""
+        self.state = None  # the first pass's distribution: only the recorded terms are needed now
+        grads = self.cached_grads(loss)
+        ids, attention = self.local(self.batch.input_ids), self.local(self.batch.attention_mask)
+        slices = bucket_slices(attention, self.forward_tokens)
+        for call in range(self.calls):
+            with gradient_sync(self.forward.model, last=call == self.calls - 1):
+                if call < len(slices):
+                    self.bucket_backward(ids, attention, *slices[call], grads)
+                else:  # an empty forward and a zero backward: the collectives of the ranks with more buckets
+                    padding = self.forward(ids.new_zeros((1, 2)), attention.new_ones((1, 2)), ("logprobs",))["logprobs"]
+                    torch.autograd.backward(padding, torch.zeros_like(padding))
+
+    def cached_grads(self, loss: torch.Tensor) -> list[torch.Tensor | None]:
+        """d loss / d (log-probs, each recorded call's terms) on this rank's rows, ×W (None: the loss does not use it)."""
+        leaves = [self.logprobs, *(r.leaf for r in self.recorded)]
+        grads = torch.autograd.grad(loss, leaves, allow_unused=True) if loss.requires_grad else [None] * len(leaves)
+        world = self.shard.world if self.shard is not None else 1
+        return [None if g is None else self.local(g) * world if world > 1 else g for g in grads]
+
+    def bucket_backward(self, ids: torch.Tensor, attention: torch.Tensor, index: torch.Tensor, cols: int,
+                        grads: list[torch.Tensor | None]) -> None:  # fmt: skip
+        """One bucket's forward with a graph, its outputs' cached gradients back-propagated, the graph freed."""
+        logprob_grad, term_grads = grads[0], grads[1:]
+        needed = [(r, g) for r, g in zip(self.recorded, term_grads, strict=True) if g is not None]
+        want = ("logprobs",) * (logprob_grad is not None or not needed) + ("state",) * bool(needed)
+        scores = self.forward(ids[index, :cols], attention[index, :cols], want)
+        outputs, cached = [], []
+        if "logprobs" in scores:
+            outputs.append(scores["logprobs"])
+            cached.append(logprob_grad[index, :cols] if logprob_grad is not None else torch.zeros_like(scores["logprobs"]))
+        for recorded, grad in needed:
+            aligned = (self.local(a)[index, :cols] for a in recorded.aligned)
+            outputs.append(self.forward.terms(scores["state"], recorded.fn, *aligned))
+            cached.append(grad[index, :cols])
+        torch.autograd.backward(outputs, cached)
+
+
+def gradient_sync(model: torch.nn.Module, last: bool):
+    """DDP: no gradient all-reduce before the ``last`` backward of a step (``no_sync``; the last reduces the accumulated sum).
+    FSDP2 and a single rank: nothing (FSDP2 reduce-scatters every backward, which keeps its gradients sharded)."""
+    return model.no_sync() if not last and hasattr(model, "no_sync") else contextlib.nullcontext()
 
 
 def train_step(
@@ -136,6 +329,7 @@ def train_step(
     precision: str = "fp32",
     vocab_chunk: int = 0,
     forward_tokens: int = 0,
+    bucket_backward: bool = True,
 ) -> dict[str, float]:
     """One optimizer step of ``method`` on ``batch``; returns loss, grad norm, entropy and diagnostics.
 
@@ -148,7 +342,8 @@ def train_step(
     The batch goes to the model's device (a model on CUDA learns from the CPU batch the rollout made);
     ``precision="bf16"`` is autocast with float32 master weights, gradients and optimizer state; ``vocab_chunk`` > 0
     computes a full-vocabulary method's terms that many positions at a time (:mod:`trainers.chunked_vocab`);
-    ``forward_tokens`` > 0 runs the forward on length-sorted row groups (:func:`student_outputs`).
+    ``forward_tokens`` > 0 runs the forward on length-sorted row groups, and with ``bucket_backward`` the backward too, one
+    group at a time (:func:`student_pass`).
 
     A method that reads π_old on a batch without ``old_logprobs`` (:func:`old_logprobs_redundant`: they equal this
     forward's log-probs, detached) gets the engine/trainer mismatch measured against this forward instead.
@@ -156,13 +351,14 @@ def train_step(
     model.train()
     needs = method.needs(hparams)
     batch = batch_to(batch, next(model.parameters()).device)
-    outputs, entropy = student_outputs(model, batch, full="student_full" in needs, shard=shard, precision=precision,
-                                      vocab_chunk=vocab_chunk, forward_tokens=forward_tokens)
+    student = student_pass(model, batch, full="student_full" in needs, shard=shard, precision=precision, vocab_chunk=vocab_chunk,
+                           forward_tokens=forward_tokens, bucket_backward=bucket_backward)  # fmt: skip
+    outputs, entropy = student.outputs, student.entropy
     loss, diagnostics = method.objective(batch, outputs, hparams, state)
     if "old_logprobs" in needs and batch.old_logprobs is None and batch.behaviour_logprobs is not None:
         diagnostics = {**diagnostics, **behaviour_mismatch(batch.behaviour_logprobs, outputs.logprobs.detach(), batch.loss_mask)}
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    student.backward(loss)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip) if grad_clip > 0 else total_grad_norm(model)
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a replicated DTensor
     finite = bool(torch.isfinite(loss.detach())) and bool(torch.isfinite(grad_norm))

@@ -293,16 +293,21 @@ def bucketed(
     (``aligned`` (B, T, …) tensors cut likewise) and put back in row order, zero-padded to the full width (autograd flows
     through when ``score`` keeps a graph)."""
     width = input_ids.shape[1]
-    lengths = attention_mask.sum(-1).tolist()
-    groups = length_buckets([int(n) for n in lengths], token_budget)
+    slices = bucket_slices(attention_mask, token_budget)
     parts: dict[str, list[torch.Tensor]] = {}
-    for rows in groups:
-        index = torch.tensor(rows, device=input_ids.device)
-        cols = max(int(lengths[rows[0]]), 1)
+    for index, cols in slices:
         for name, value in score(input_ids[index, :cols], attention_mask[index, :cols], *(a[index, :cols] for a in aligned)).items():
             parts.setdefault(name, []).append(F.pad(value, (0, 0) * (value.dim() - 2) + (0, width - cols)))
-    inverse = torch.argsort(torch.tensor([row for rows in groups for row in rows], device=input_ids.device))
+    inverse = torch.argsort(torch.cat([index for index, _ in slices]))
     return {name: torch.cat(values)[inverse] for name, values in parts.items()}
+
+
+def bucket_slices(attention_mask: torch.Tensor, token_budget: int) -> list[tuple[torch.Tensor, int]]:
+    """Each :func:`length_buckets` group of right-padded rows as (row indices, columns): the rows, longest first, and the
+    group's longest length (at least 1), so ``x[index, :cols]`` is the group's part of any (B, T, …) tensor."""
+    lengths = [int(n) for n in attention_mask.sum(-1).tolist()]
+    groups = length_buckets(lengths, token_budget)
+    return [(torch.tensor(rows, device=attention_mask.device), max(lengths[rows[0]], 1)) for rows in groups]
 
 
 def chunk_bounds(length: int, size: int) -> list[tuple[int, int]]:
