@@ -62,6 +62,8 @@ CASES = {
     "E": Case(hidden=32, layers=2, heads=4, kv_heads=2, ffn=128, rows=4, tokens=256, estimator="full", forward_tokens=512),
     "F": Case(hidden=32, layers=2, heads=4, kv_heads=2, ffn=128, rows=8, tokens=512, estimator="full", forward_tokens=1024,
               vocab_chunk=64),
+    "G": Case(hidden=32, layers=2, heads=4, kv_heads=2, ffn=128, rows=8, tokens=512, estimator="sampled", forward_tokens=1024,
+              vocab_chunk=64),
 }
 
 

@@ -374,8 +374,9 @@ class TrainerConfig(Strict):
     vocab_chunk: int = Field(
         0,
         ge=0,
-        description="full-vocabulary methods: compute the student's distribution and the method's per-position terms this many "
-        "positions at a time under activation checkpointing, so no (B, T, V) logits or log-probs are kept (0: the whole tensor)",
+        description="run the student's output head this many positions at a time under activation checkpointing (the sampled "
+        "tokens' log-probs and entropy, and a full-vocabulary method's per-position terms), and the teacher's scoring likewise, "
+        "so no (B, T, V) logits or log-probs are kept (0: the whole tensor)",
     )
     collective_timeout_s: float = Field(
         300.0,

@@ -42,8 +42,11 @@ VOCAB_KEPT_FULL, VOCAB_TRANSIENT_FULL = 4, 3
 # peak is the larger of this and one bucket's): this rank's (tokens, V) log-distribution kept for the objective, the
 # teacher's distribution and the exp, difference and product computing a recorded term from both
 VOCAB_FIRST_PASS_FULL = 5
-VOCAB_CHUNK_COPIES = 6  # a chunk of positions under checkpointing: its logits, log-softmax, exp, terms and their gradients
-TEACHER_CHUNK_COPIES = 5  # + the full teacher signal's chunk: its logits, log-softmax and the terms that combine both
+# (chunk, V) float32 tensors alive at once for a chunk of positions under checkpointing, fitted to the CPU peaks of
+# benchmarks/memory_plan_check.py (shapes D, F, G): the student's logits, log-softmax, exp and entropy/log-prob terms with
+# their gradients in the recompute; a full teacher signal adds its log-distribution.
+VOCAB_CHUNK_COPIES = 10
+TEACHER_CHUNK_COPIES = 1
 
 
 @dataclass(frozen=True)
@@ -286,9 +289,10 @@ def learner_activation_bytes(
         layers = graph_tokens * shape.layers * per_layer
     row = shape.vocab * FP32
     first_pass = rank_tokens if rank_tokens is not None and rank_tokens > graph_tokens else 0
-    if student_full and vocab_chunk:
+    if vocab_chunk:  # every method: the head runs a chunk of positions at a time (the full terms too when the method reads them)
         copies = VOCAB_CHUNK_COPIES + (TEACHER_CHUNK_COPIES if teacher_in_chunk else 0)
-        vocab = (first_pass + graph_tokens) * shape.hidden * FP32 + copies * min(vocab_chunk, graph_tokens) * row
+        kept = first_pass if student_full else 0  # a full reader's first pass keeps the rank's hidden states for its terms
+        vocab = (kept + graph_tokens) * shape.hidden * FP32 + copies * min(vocab_chunk, graph_tokens) * row
     elif student_full:
         vocab = max((VOCAB_KEPT_FULL * graph_tokens + VOCAB_TRANSIENT_FULL * bucket_tokens) * row, VOCAB_FIRST_PASS_FULL * first_pass * row)
     else:
@@ -431,7 +435,7 @@ def build_memory_plan(plan: Plan, device_memory_gib: float | None = None) -> Mem
     ckpt = "checkpointed, " if trainer.activation_checkpointing else ""
     one = "one bucket: " if per_bucket else ""
     add("learner", "activations (layers)", layers_b, f"{one}{ckpt}{graph} tokens × {student.layers} layers")
-    chunked = student_full and trainer.vocab_chunk
+    chunked = bool(trainer.vocab_chunk)
     vocab_note = f"float32 (tokens, {student.vocab}): {'full distribution' if student_full else 'sampled-token log-probs'}"
     add("learner", "activations (vocab)", vocab_b, one + (f"chunks of {trainer.vocab_chunk} positions" if chunked else vocab_note))
     if per_bucket:
@@ -473,7 +477,7 @@ def build_memory_plan(plan: Plan, device_memory_gib: float | None = None) -> Mem
     elif cfg.teacher.backend == "hf" and teacher is not None:
         add("teacher", "weights", parameter_count(teacher) * FP32, f"{parameter_count(teacher) / 1e9:.3g}B params, float32")
         score = min(batch_tokens, max(trainer.forward_tokens, tokens)) if trainer.forward_tokens else batch_tokens
-        chunk = trainer.vocab_chunk if layout is None else 0  # the Ray teacher actor gets no score_chunk (scale audit §3)
+        chunk = trainer.vocab_chunk  # the teacher scores in chunks too, in process and as a Ray actor
         logits_tokens = min(chunk, score) if chunk else score
         add("teacher", "scoring (no grad)", 2 * logits_tokens * teacher.vocab * FP32
             + score * 2 * (teacher.hidden + teacher.intermediate) * FP32,

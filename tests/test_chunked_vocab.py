@@ -139,6 +139,36 @@ def test_bucket_backward_equals_one_graph(tiny_model_factory, monkeypatch, name,
     assert max(float(g.abs().max()) for g in plain_grads.values()) > 0
 
 
+SAMPLED_READERS = sorted(name for name in METHODS.names() if not name.startswith("_") and name not in FULL_READERS
+                         and "student_full" not in METHODS.get(name).needs(METHODS.get(name).hparams()))  # fmt: skip
+
+
+@pytest.mark.parametrize("name", SAMPLED_READERS)
+def test_chunking_a_sampled_token_method_equals_the_whole_logits(tiny_model_factory, name):
+    """``vocab_chunk`` runs the output head a chunk of positions at a time for every method, not only the full-vocabulary
+    ones: the sampled tokens' log-probs and entropy, one graph or per bucket, equal the whole logits' (loss, every grad)."""
+    model = tiny_model_factory(seed=3, hidden=32, layers=1)
+    batch = every_method_batch(model.config.vocab_size, top_k_signal=False)
+    plain_loss, _, plain_entropy, plain_grads = loss_and_grads(model, batch, name, {}, vocab_chunk=0)
+    for forward in ({}, {"forward_tokens": BUCKET_TOKENS}):
+        loss, _, entropy, grads = loss_and_grads(model, batch, name, {}, vocab_chunk=CHUNK, **forward)
+        assert float(plain_loss) != 0.0 and abs(float(loss - plain_loss)) <= 1e-5 * max(1.0, abs(float(plain_loss))), forward
+        inside = batch.attention_mask > 0
+        torch.testing.assert_close(entropy[inside], plain_entropy[inside], rtol=0, atol=1e-5)
+        for param, grad in plain_grads.items():
+            torch.testing.assert_close(grads[param], grad, rtol=1e-5, atol=1e-5, msg=lambda m, p=param: f"{p}: {m}")
+    vocab, kept = model.config.vocab_size, []
+
+    def pack(tensor: torch.Tensor):
+        if tensor.shape and tensor.shape[-1] == vocab:
+            kept.append(tensor.numel())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):  # chunked: no (T, V) logits kept for the backward
+        student_outputs(model, batch, full=False, vocab_chunk=CHUNK)
+    assert sum(kept) <= 4 * ROWS * vocab, kept
+
+
 def test_the_bucket_cases_cover_every_method_and_every_full_reader_chunked():
     covered = {(name, chunk > 0) for name, _, chunk in EVERY_CASE}
     builtin = {name for name in METHODS.names() if not name.startswith("_")}

@@ -33,14 +33,15 @@ def student_outputs(
 
     With a ``shard`` the forward runs on this rank's rows only and the outputs are gathered into the global batch's
     (:mod:`trainers.distributed`), so the objective sees every row. ``precision="bf16"``: the forward (and so its
-    backward) under bfloat16 autocast. ``vocab_chunk`` > 0 with ``full``: the distribution is never materialised whole;
-    the objective gets it chunk by chunk of positions (:mod:`trainers.chunked_vocab`). ``forward_tokens`` > 0: the
+    backward) under bfloat16 autocast. ``vocab_chunk`` > 0: the (T, V) logits are never materialised whole: the
+    sampled-token log-probs and entropy, and for ``full`` the distribution the objective reads, are computed chunk by chunk
+    of positions (:mod:`trainers.chunked_vocab`). ``forward_tokens`` > 0: the
     forward runs on length-sorted row groups of at most that many padded tokens (:func:`harness.backends.hf.bucketed`),
     one graph and one backward over all of them: the same loss and gradients with less padding computed (:func:`student_pass`
     runs the backward per bucket instead, bounding activations by one bucket's). With a ``shard``
     every rank makes as many forward calls as the rank with the most buckets (:func:`paired_bucketed`), so the collectives
     DDP and FSDP2 run in each forward and backward pair across ranks."""
-    if full and vocab_chunk:
+    if vocab_chunk:
         return chunked_student_outputs(model, batch, vocab_chunk, shard=shard, precision=precision)
     rows = batch.input_ids.shape[0]
     ids, attention = local_rows(batch.input_ids, shard), local_rows(batch.attention_mask, shard)
@@ -164,7 +165,7 @@ def student_pass(
         outputs, entropy = student_outputs(model, batch, full, shard=shard, precision=precision, vocab_chunk=vocab_chunk,
                                            forward_tokens=forward_tokens)  # fmt: skip
         return StudentPass(outputs, entropy, lambda loss: loss.backward())
-    cached = BucketBackward(StudentForward(model, precision, vocab_chunk if full else 0), batch, shard, forward_tokens, calls)
+    cached = BucketBackward(StudentForward(model, precision, vocab_chunk), batch, shard, forward_tokens, calls)
     outputs, entropy = cached.first_pass(full)
     return StudentPass(outputs, entropy, cached.backward)
 
