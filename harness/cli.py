@@ -199,7 +199,7 @@ def run(
     """
     import yaml
 
-    from harness.config import PRESET_NOTES, build_config
+    from harness.config import PRESET_NOTES, build_config, check_models_named
     from harness.plan import load_plan_data, plan_run
     from harness.store import Store
     from harness.runs import create_train_run, execute_run, plan_resume, resolved_config
@@ -224,6 +224,8 @@ def run(
             cli = {"method": method, "task": task, "trainer": trainer or None}
             built = build_config(preset=preset, config_file=config, overrides=set_ or [], cli=cli, planning=planning)
             plan = plan_run(config_with_data_dir(built, data_dir))
+            if not print_config:  # the printed config shows what the command plans; running it needs named models
+                check_models_named(preset=preset, config_file=config, overrides=set_ or [], cli=cli)
         if print_config:  # validated, nothing loaded or written
             print(yaml.safe_dump(resolved_config(plan), sort_keys=False), end="")
             return

@@ -464,7 +464,10 @@ class TrainerConfig(Strict):
 
 
 class EvalConfig(Strict):
-    tasks: list[str] = Field(default_factory=lambda: ["arith"])
+    tasks: list[str] = Field(
+        default_factory=list,
+        description="tasks each checkpoint is evaluated on; the training task is always among them (first when the list omits it)",
+    )
     k: int | None = Field(None, ge=1, description="samples per problem (default: the task's k)")
     limit: int | None = Field(None, ge=1, description="evaluate the first N problems of each task")
     temperature: float = Field(1.0, ge=0)
@@ -491,6 +494,36 @@ class RunConfig(Strict):
     task_args: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per-task options, by task name")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _command_defaults(cls, data: Any) -> Any:
+        """What the command means when nothing says otherwise: the method's own pipeline (``MethodSpec.default_mode``,
+        e.g. async for f-OPD) and evaluation on the training task. A stored config names both, so a resumed run keeps its own."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        task = data.get("task", cls.model_fields["task"].default)
+        trainer = data.get("trainer") if isinstance(data.get("trainer"), dict) else None
+        if (trainer is None and "trainer" not in data) or (trainer is not None and "mode" not in trainer):
+            mode = default_mode(data.get("method", cls.model_fields["method"].default))
+            if mode is not None:
+                data["trainer"] = {**(trainer or {}), "mode": mode}
+        evaluation = data.get("eval") if isinstance(data.get("eval"), dict) else None
+        no_tasks = (evaluation is None and "eval" not in data) or (evaluation is not None and not evaluation.get("tasks"))
+        if isinstance(task, str) and no_tasks:
+            data["eval"] = {**(evaluation or {}), "tasks": [task]}
+        return data
+
+
+def default_mode(method: Any) -> str | None:
+    """The registered method's default ``trainer.mode``, or None for an unknown one (planning names it)."""
+    from harness.registry import METHODS, RegistryError
+
+    try:
+        return METHODS.get(method).default_mode if isinstance(method, str) else None
+    except RegistryError:
+        return None
 
 
 PRESETS = ("smoke", "cpu-demo", "tool-demo")
@@ -645,6 +678,65 @@ def fitted_default_models(user: dict) -> dict:
     return without_tiny_teacher(fit_preset_models(defaults, task, (user.get("task_args") or {}).get(task, {})), user)
 
 
+MODELS_HINT = "give --student MODEL --teacher MODEL (hub ids or local folders), or --preset smoke for the CPU miniature"
+
+
+def names_a_model(user: dict, role: str) -> bool:
+    """Whether the user's layers name ``role``'s model: a ``path`` or an ``arch``, or (teacher) another backend (served)."""
+    spec = user.get(role) or {}
+    if not isinstance(spec, dict):
+        return True  # a malformed value: validation names it
+    return bool({"path", "arch"} & set(spec)) or (role == "teacher" and spec.get("backend") not in (None, "hf"))
+
+
+def without_preset_models(preset: dict, user: dict) -> dict:
+    """A preset's tiny model (``arch``, warm-up) gives way to a model the user names for that role (``--student DIR``,
+    ``--set teacher.path=ID``): a named model is loaded, never built or warmed up here."""
+    tiny = {"arch", "path", "sft_steps", "sft_lr", "sft_batch_size"}
+    out = dict(preset)
+    for role in ("student", "teacher"):
+        named = {"path", "arch"} & set((user.get(role) or {}) if isinstance(user.get(role), dict) else {})
+        if named and isinstance(out.get(role), dict):
+            out[role] = {k: v for k, v in out[role].items() if k not in tiny}
+    return out
+
+
+def selected_method_args(layer: dict, method: str) -> dict:
+    """A preset's layer without its ``method_args`` for methods the run does not select (a preset may prepare several)."""
+    args = layer.get("method_args")
+    if not isinstance(args, dict):
+        return layer
+    return {**layer, "method_args": {name: value for name, value in args.items() if name == method}}
+
+
+def with_training_task_evaluated(data: dict) -> dict:
+    """``eval.tasks`` always holds the training task: first when the list given omits it (evaluation defaults to it)."""
+    task = data.get("task", RunConfig.model_fields["task"].default)
+    given = (data.get("eval") or {}).get("tasks") if isinstance(data.get("eval"), dict) else None
+    if not isinstance(given, list) or not isinstance(task, str) or not given or task in given:
+        return data
+    return {**data, "eval": {**data["eval"], "tasks": [task, *given]}}
+
+
+def user_layers(config_file: Path | None = None, overrides: list[str] = (), cli: dict | None = None) -> dict:
+    """The user's layers merged: config file < ``--set`` < explicit flags."""
+    user: dict = {}
+    if config_file:
+        user = deep_merge(user, load_yaml_file(config_file))
+    for item in overrides:
+        user = deep_merge(user, parse_override(item))
+    return deep_merge(user, {k: v for k, v in (cli or {}).items() if v is not None})
+
+
+def check_models_named(*, preset: str | None = None, config_file: Path | None = None, overrides: list[str] = (),
+                       cli: dict | None = None) -> None:  # fmt: skip
+    """``harness run``: outside a preset, a run that names neither the student nor the teacher is refused
+    (:data:`MODELS_HINT`) instead of training the built-in tiny pair."""
+    user = user_layers(config_file, overrides, cli)
+    if not preset and not (names_a_model(user, "student") or names_a_model(user, "teacher")):
+        raise ConfigError(f"no student and no teacher named: {MODELS_HINT}")
+
+
 def build_config(
     *, preset: str | None = None, config_file: Path | None = None, overrides: list[str] = (), cli: dict | None = None,
     planning: bool = False,
@@ -652,18 +744,15 @@ def build_config(
     """Merge the layers and validate; raises :class:`ConfigError` naming the bad key. ``planning``: the config is only
     printed or planned here (``--print-config``, ``--dry-run``), so what this host lacks (a CUDA device) is not refused;
     a config built so must not be run."""
-    user: dict = {}
-    if config_file:
-        user = deep_merge(user, load_yaml_file(config_file))
-    for item in overrides:
-        user = deep_merge(user, parse_override(item))
-    user = deep_merge(user, {k: v for k, v in (cli or {}).items() if v is not None})
-    data = (
-        deep_merge(without_tiny_teacher(retarget_preset(load_preset(preset), user.get("task"), user.get("task_args")), user), user)
-        if preset
-        else deep_merge(fitted_default_models(user), user)
-    )
+    user = user_layers(config_file, overrides, cli)
+    if preset:
+        retargeted = retarget_preset(load_preset(preset), user.get("task"), user.get("task_args"))
+        base = without_preset_models(without_tiny_teacher(retargeted, user), user)
+        method = user.get("method", base.get("method", RunConfig.model_fields["method"].default))
+        data = deep_merge(selected_method_args(base, method), user)
+    else:
+        data = deep_merge(fitted_default_models(user), user)
     try:
-        return RunConfig.model_validate(data, context={PLANNING: planning})
+        return RunConfig.model_validate(with_training_task_evaluated(data), context={PLANNING: planning})
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, RunConfig)) from None
