@@ -217,23 +217,35 @@ def planning_only(info: ValidationInfo) -> bool:
     return bool((info.context or {}).get(PLANNING))
 
 
-def device_unavailable(device: str, *, here: bool = True) -> str | None:
-    """Why ``trainer.device`` cannot be used (an unknown name; with ``here``, no CUDA or an index past this host's device
-    count), else None."""
+def device_unavailable(device: str, *, here: bool = True, key: str = "trainer.device") -> str | None:
+    """Why ``key`` (``trainer.device``, or a backend's ``device``) cannot be used (an unknown name; with ``here``, no CUDA
+    or an index past this host's device count), else None."""
     if device in ("cpu", "auto"):
         return None
-    kind, _, index = device.partition(":")
+    kind, _, index = str(device).partition(":")
     if kind != "cuda" or (index and not index.isdigit()):
-        return f"trainer.device={device!r}: choose cpu, cuda, cuda:N or auto"
+        return f"{key}={device!r}: choose cpu, cuda, cuda:N or auto"
     if not here:
         return None
     import torch
 
     if not torch.cuda.is_available():
-        return f"trainer.device={device!r}: torch sees no CUDA device here (torch {torch.__version__}); use cpu or auto"
+        return f"{key}={device!r}: torch sees no CUDA device here (torch {torch.__version__}); use cpu or auto"
     if index and int(index) >= torch.cuda.device_count():
-        return f"trainer.device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        return f"{key}={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
     return None
+
+
+def auto_precision(device: str, *, planning: bool = False) -> str:
+    """``--dtype auto``: bf16 on a CUDA device that supports it, else fp32. Planned on a host without CUDA (``planning``), a
+    ``cuda`` device is taken to support bf16 (every GPU since Ampere does)."""
+    if device == "cpu":
+        return "fp32"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "bf16" if planning and device != "auto" else "fp32"
+    return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
 
 
 class LearnerLayout(RoleLayout):
@@ -351,9 +363,11 @@ class TrainerConfig(Strict):
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up")
     grad_clip: float = Field(1.0, ge=0, description="max gradient norm; 0 disables")
-    precision: Literal["fp32", "bf16"] = Field(
-        "fp32",
-        description="the learner's forward/backward: fp32, or bf16 autocast (weights, gradients and AdamW state stay float32)",
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto",
+        description="the learner's forward/backward (--dtype): fp32, or bf16 autocast (weights, gradients and AdamW state stay "
+        "float32); auto: bf16 on a CUDA device that supports it, else fp32 (resolved here, stored resolved); fp16 is refused "
+        "(float16 training needs loss scaling, which the learner does not do)",
     )
     activation_checkpointing: bool = Field(
         False, description="recompute each decoder layer's activations in the backward pass (less memory, about 1/3 more compute)"
@@ -442,6 +456,17 @@ class TrainerConfig(Strict):
         if why:
             raise ValueError(why)
         return device
+
+    @model_validator(mode="after")
+    def _resolve_precision(self, info: ValidationInfo) -> "TrainerConfig":
+        """``auto``: bf16 where the learner runs on a CUDA device that supports it (planned on another host: assumed), else
+        fp32; ``fp16`` refused in one line."""
+        if self.precision == "fp16":
+            raise ValueError("trainer.precision=fp16 (--dtype fp16): float16 training needs loss scaling, which the learner does "
+                             "not do; use bf16 (or fp32)")  # fmt: skip
+        if self.precision == "auto":
+            self.precision = auto_precision(self.device, planning=planning_only(info))
+        return self
 
     @model_validator(mode="after")
     def _device_and_chunks_fit_the_executor(self) -> "TrainerConfig":
