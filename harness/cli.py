@@ -240,6 +240,7 @@ def run(
         if dry_run:  # validated and planned: nothing loaded onto a device, no weights read, nothing written
             _dry_run(plan, device_memory, json_)
             return
+        check_model_folders(plan.config)
         load_plan_data(plan)
     except (ConfigError, RegistryError) as exc:  # DataUnavailable included: missing data or a bad row, nothing created
         raise _fail(str(exc)) from None
@@ -266,6 +267,20 @@ def run(
     except TrainingAborted as exc:  # non-finite loss, too many grading errors: the run is marked failed
         raise _fail(f"run {run_id} failed: {exc}", 1) from None
     _print_run_summary(store, run_id, plan, time.perf_counter() - started)
+
+
+def check_model_folders(cfg: RunConfig) -> None:
+    """Every model the run loads here can be read: a folder with config and weights, or a hub id cached or reachable
+    (offline, one line at once naming the local folder to give instead); a ConfigError naming the flag otherwise."""
+    from harness.models.hub import ModelUnavailable, locate_model
+
+    for role in ("student", "teacher"):
+        spec = getattr(cfg, role)
+        if spec.path is not None and getattr(spec, "backend", "hf") == "hf":
+            try:
+                locate_model(spec.path, flag=f"--{role}")
+            except ModelUnavailable as exc:
+                raise ConfigError(str(exc)) from None
 
 
 def _dry_run(plan, device_memory: float | None, as_json: bool) -> None:
@@ -507,6 +522,13 @@ def eval_(
         options[key.strip()] = yaml.safe_load(value) if value else value  # "8" -> 8, URLs stay strings
     try:
         options = eval_backend_options(backend_cls, options, device=device, dtype=dtype, enable_thinking=enable_thinking)
+        if backend == "hf":  # a folder without weights, or a hub id offline: one line now, not a traceback after the data
+            from harness.models.hub import ModelUnavailable, locate_model
+
+            try:
+                locate_model(model, flag="--model")
+            except ModelUnavailable as exc:
+                raise ConfigError(str(exc)) from None
     except ConfigError as exc:
         raise _fail(str(exc)) from None
     if dry_run:
@@ -1133,6 +1155,25 @@ from harness.data import data_app  # noqa: E402 - the `data` sub-app (harness da
 
 app.add_typer(data_app, name="data")
 plain_help(app)
+
+
+def _show_version(value: bool) -> None:
+    """``harness --version``: the installed package's version."""
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"opd-harness {version('opd-harness')}")
+        except PackageNotFoundError:
+            print("opd-harness (not installed as a package)")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_show_version, is_eager=True, help="print the version and exit")] = False,
+) -> None:
+    """Benchmark harness for on-policy distillation of language models."""
 
 
 def main() -> None:

@@ -206,8 +206,10 @@ def teacher_step(plan, files: dict[str, ModelFiles | None]) -> Step:
     try:
         import torch
 
-        backend = BACKENDS.get("openai").load(teacher.path or "", base_url=teacher.base_url, **{**teacher.backend_options, "max_retries": 0,
-                                                                                            "connect_retries": 0})  # fmt: skip
+        url = teacher.base_url if isinstance(teacher.base_url, str) else teacher.base_url[0]
+        options = {"timeout_s": 10, "tokenizer": plan.config.student.path, **teacher.backend_options}
+        options |= {"max_retries": 0, "connect_retries": 0}  # one request
+        backend = BACKENDS.get("openai").load(teacher.path or served_model(url, options), base_url=url, **options)
         ids = files["student"].tokenizer("1+1=2", add_special_tokens=False)["input_ids"]
         row = torch.tensor([ids[:8] or [0, 0]])
         scores = backend.score(row, torch.ones_like(row), want=want, top_k=teacher.top_k if "topk" in want else 0)
@@ -219,3 +221,17 @@ def teacher_step(plan, files: dict[str, ModelFiles | None]) -> Step:
                    f"{plan.method.name!r} needs ({signal}) for a probe request: {first}")  # fmt: skip
         return {"reads": signal, "ok": False}, [], failure
     return {"reads": signal, "ok": True}, [f"teacher: served at {teacher.base_url}, probe returned {signal} log-probs"], None
+
+
+def served_model(base_url: str, options: dict) -> str:
+    """The one model a server lists (``GET /models``), for a served teacher without ``teacher.path``."""
+    import os
+
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key=options.get("api_key") or os.environ.get("OPENAI_API_KEY") or "EMPTY",
+                           timeout=float(options.get("timeout_s", 10)), max_retries=0)  # fmt: skip
+    models = [m.id for m in client.models.list()]
+    if len(models) != 1:
+        raise ValueError(f"the server lists {models}; set teacher.path to the served model's name")
+    return models[0]

@@ -68,7 +68,7 @@ def locate_model(name: str, *, weights: bool = True, flag: str = "--model") -> s
         return snapshot_download(name, local_files_only=True)  # the cache: whole snapshot, no network
     except Exception:  # noqa: BLE001 - not cached (LocalEntryNotFoundError and kin): ask the hub, if there is one
         pass
-    hint = f"download it where the hub is reachable (huggingface-cli download {name} --local-dir DIR) and pass {flag} DIR"
+    hint = f"download it where the hub is reachable (hf download {name} --local-dir DIR) and pass {flag} DIR"
     if hub_offline():
         raise ModelUnavailable(f"{flag} {name}: not in the hub cache and the hub is offline (HF_HUB_OFFLINE); {hint}")
     from harness.memory_plan import hub_unreachable
