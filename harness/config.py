@@ -236,18 +236,6 @@ def device_unavailable(device: str, *, here: bool = True, key: str = "trainer.de
     return None
 
 
-def auto_precision(device: str, *, planning: bool = False) -> str:
-    """``--dtype auto``: bf16 on a CUDA device that supports it, else fp32. Planned on a host without CUDA (``planning``), a
-    ``cuda`` device is taken to support bf16 (every GPU since Ampere does)."""
-    if device == "cpu":
-        return "fp32"
-    import torch
-
-    if not torch.cuda.is_available():
-        return "bf16" if planning and device != "auto" else "fp32"
-    return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
-
-
 class LearnerLayout(RoleLayout):
     """``trainer.layout.learner``: the data-parallel learner ranks and how their model is split over them."""
 
@@ -465,6 +453,8 @@ class TrainerConfig(Strict):
             raise ValueError("trainer.precision=fp16 (--dtype fp16): float16 training needs loss scaling, which the learner does "
                              "not do; use bf16 (or fp32)")  # fmt: skip
         if self.precision == "auto":
+            from harness.models.hub import auto_precision
+
             self.precision = auto_precision(self.device, planning=planning_only(info))
         return self
 

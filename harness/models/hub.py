@@ -24,12 +24,51 @@ def dtype_name(value: str, *, device: str = "cpu") -> str:
     torch's names accepted); anything else is a ValueError naming the choices."""
     name = DTYPE_ALIASES.get(str(value).lower(), str(value).lower())
     if name == "auto":
-        from harness.config import auto_precision
-
         return auto_precision(device)
     if name not in TORCH_DTYPES:
         raise ValueError(f"dtype {value!r}: choose one of auto, bf16, fp16, fp32")
     return name
+
+
+def auto_precision(device: str, *, planning: bool = False) -> str:
+    """``--dtype auto``: bf16 on a CUDA device that supports it, else fp32. Planned on a host without CUDA (``planning``), a
+    ``cuda`` device is taken to support bf16 (every GPU since Ampere does)."""
+    if device == "cpu":
+        return "fp32"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "bf16" if planning and device != "auto" else "fp32"
+    try:
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+    except (RuntimeError, AssertionError):  # a CUDA runtime that cannot be asked: the safe choice
+        return "fp32"
+
+
+def hub_unreachable(timeout_s: float = 3.0) -> str | None:
+    """The hub's address when a TCP connection to it does not open within ``timeout_s`` (name lookup included), else None
+    (as ``harness.memory_plan.hub_unreachable``, which imports the config: kept apart so that loading a model does not)."""
+    import socket
+    import threading
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    url = urlsplit(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    opened: list[bool] = []
+
+    def probe() -> None:
+        try:
+            socket.create_connection((url.hostname, port), timeout=timeout_s).close()
+            opened.append(True)
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=probe, daemon=True)  # getaddrinfo has no timeout of its own
+    thread.start()
+    thread.join(timeout_s)
+    return None if opened else constants.ENDPOINT
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -71,8 +110,6 @@ def locate_model(name: str, *, weights: bool = True, flag: str = "--model") -> s
     hint = f"download it where the hub is reachable (hf download {name} --local-dir DIR) and pass {flag} DIR"
     if hub_offline():
         raise ModelUnavailable(f"{flag} {name}: not in the hub cache and the hub is offline (HF_HUB_OFFLINE); {hint}")
-    from harness.memory_plan import hub_unreachable
-
     endpoint = hub_unreachable()
     if endpoint:
         raise ModelUnavailable(f"{flag} {name}: not in the hub cache and the hub ({endpoint}) is not reachable from here; {hint}")
