@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from harness import cli_options as opts
 from harness.errors import ConfigError, TrainingAborted
 from harness.jsonout import to_json
 from harness.registry import METHODS, TASKS, RegistryError
@@ -192,6 +193,12 @@ def run(
                      help="--dry-run: each accelerator's memory in GiB (default: this host's CUDA device, else unknown)"),
     ] = None,
     json_: Annotated[bool, typer.Option("--json", help="--dry-run: print the plan as JSON")] = False,
+    student: opts.Student = None,
+    teacher: opts.Teacher = None,
+    steps: opts.Steps = None,
+    lr: opts.LearningRate = None,
+    device: opts.Device = None,
+    dtype: opts.Dtype = None,
 ) -> None:
     """Train a student with METHOD on TASK, evaluating every checkpoint (Avg@k) into the store.
 
@@ -199,7 +206,7 @@ def run(
     """
     import yaml
 
-    from harness.config import PRESET_NOTES, build_config
+    from harness.config import PRESET_NOTES, build_config, check_models_named
     from harness.plan import load_plan_data, plan_run
     from harness.store import Store
     from harness.runs import create_train_run, execute_run, plan_resume, resolved_config
@@ -212,7 +219,7 @@ def run(
         if (device_memory is not None or json_) and not dry_run:
             raise ConfigError(f"{'--device-memory' if device_memory is not None else '--json'} is used only with --dry-run")
         if resume:
-            if any(v is not None for v in (method, task, mode, executor, preset, config)):
+            if any(v is not None for v in (method, task, mode, executor, preset, config, student, teacher, steps, lr, device, dtype)):
                 raise ConfigError("--resume continues a run with its stored config; drop the other options (--set trainer.layout.* only)")
             if not (out / "results.sqlite").is_file():
                 raise ConfigError(f"--resume {resume}: no results store at {out / 'results.sqlite'} (pass the run's --out)")
@@ -220,16 +227,20 @@ def run(
             plan, run_id = plan_resume(store, resume, set_ or []), resume
             tasks_with_data_dir([plan.task, *plan.eval_tasks], data_dir)
         else:
+            flags = opts.run_flags_as_config(student=student, teacher=teacher, steps=steps, lr=lr, device=device, dtype=dtype)
             trainer = {key: value for key, value in (("mode", mode), ("executor", executor)) if value is not None}
-            cli = {"method": method, "task": task, "trainer": trainer or None}
+            cli = {"method": method, "task": task, **flags, "trainer": {**flags.get("trainer", {}), **trainer} or None}
             built = build_config(preset=preset, config_file=config, overrides=set_ or [], cli=cli, planning=planning)
             plan = plan_run(config_with_data_dir(built, data_dir))
+            if not print_config:  # the printed config shows what the command plans; running it needs named models
+                check_models_named(preset=preset, config_file=config, overrides=set_ or [], cli=cli)
         if print_config:  # validated, nothing loaded or written
             print(yaml.safe_dump(resolved_config(plan), sort_keys=False), end="")
             return
         if dry_run:  # validated and planned: nothing loaded onto a device, no weights read, nothing written
             _dry_run(plan, device_memory, json_)
             return
+        check_model_folders(plan.config)
         load_plan_data(plan)
     except (ConfigError, RegistryError) as exc:  # DataUnavailable included: missing data or a bad row, nothing created
         raise _fail(str(exc)) from None
@@ -258,12 +269,50 @@ def run(
     _print_run_summary(store, run_id, plan, time.perf_counter() - started)
 
 
+def check_model_folders(cfg: RunConfig) -> None:
+    """Every model the run loads here can be read: a folder with config and weights, or a hub id cached or reachable
+    (offline, one line at once naming the local folder to give instead); a ConfigError naming the flag otherwise."""
+    from harness.models.hub import ModelUnavailable, locate_model
+
+    for role in ("student", "teacher"):
+        spec = getattr(cfg, role)
+        if spec.path is not None and getattr(spec, "backend", "hf") == "hf":
+            try:
+                locate_model(spec.path, flag=f"--{role}")
+            except ModelUnavailable as exc:
+                raise ConfigError(str(exc)) from None
+
+
 def _dry_run(plan, device_memory: float | None, as_json: bool) -> None:
-    """``harness run --dry-run``: the checks of a planned run before anything runs, one step each (today the memory plan;
-    data and tokenizer checks join as more steps). Each step returns (its JSON section, a printer, its failure or None);
-    the sections are printed, then the first failure is raised (exit 2, one line)."""
-    steps = {"memory": _memory_step}
-    results = {name: step(plan, device_memory=device_memory) for name, step in steps.items()}
+    """``harness run --dry-run``: the checks of a planned run before anything runs, one step each (:mod:`harness.dry_run`:
+    data, models, the teacher–student pair, the teacher's log-probs; then the memory plan). Each step returns (its JSON
+    section, a printer, its failure or None); the steps run in order up to the first failure, their sections are printed,
+    then that failure is raised (exit 2, one line)."""
+    from harness import dry_run
+
+    files: dict = {}
+
+    def lines(step: Callable[..., tuple]) -> Callable[..., tuple]:
+        def run_step(plan, **_) -> tuple:
+            section, printed, failure = step(plan, files)
+            return section, lambda: [stdout.print(escape(line), highlight=False) for line in printed], failure
+
+        return run_step
+
+    def models(plan, **_) -> tuple:
+        try:
+            files.update({role: dry_run.role_files(getattr(plan.config, role), role) for role in ("student", "teacher")})
+        except ConfigError as exc:
+            return {"ok": False}, lambda: None, str(exc)
+        return lines(dry_run.models_step)(plan)
+
+    steps = {"data": lines(lambda plan, _: dry_run.data_step(plan)), "models": models, "pair": lines(dry_run.pair_step),
+             "teacher": lines(dry_run.teacher_step), "memory": _memory_step}  # fmt: skip
+    results = {}
+    for name, step in steps.items():
+        results[name] = step(plan, device_memory=device_memory)
+        if results[name][2]:
+            break
     if as_json:
         print(to_json({name: section for name, (section, _, _) in results.items()}))
     else:
@@ -272,6 +321,8 @@ def _dry_run(plan, device_memory: float | None, as_json: bool) -> None:
     failure = next((failure for _, _, failure in results.values() if failure), None)
     if failure:
         raise ConfigError(failure)
+    if not as_json:
+        stdout.print("dry run: every check passed; nothing was loaded onto a device or written", highlight=False)
 
 
 def _memory_step(plan, *, device_memory: float | None) -> tuple[dict, Callable[[], None], str | None]:
@@ -413,6 +464,13 @@ def eval_(
         typer.Option(min=1, help="most workers holding a task sandbox open at once on one node (--executor ray; default: no bound)"),
     ] = None,
     resume: Annotated[str | None, typer.Option(help="continue the interrupted eval RUN_ID (same options); staged shards are kept")] = None,
+    device: opts.Device = None,
+    dtype: opts.Dtype = None,
+    max_new_tokens: opts.MaxNewTokens = None,
+    enable_thinking: opts.EnableThinking = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="check the data, the model config and tokenizer (no weights), print the plan, exit")
+    ] = False,
 ) -> None:
     """Evaluate one model or checkpoint on one or more tasks; rows go to the store.
 
@@ -462,6 +520,20 @@ def eval_(
         if not sep or not key.strip():
             raise _fail(f"--backend-option {item!r}: expected KEY=VALUE")
         options[key.strip()] = yaml.safe_load(value) if value else value  # "8" -> 8, URLs stay strings
+    try:
+        options = eval_backend_options(backend_cls, options, device=device, dtype=dtype, enable_thinking=enable_thinking)
+        if backend == "hf":  # a folder without weights, or a hub id offline: one line now, not a traceback after the data
+            from harness.models.hub import ModelUnavailable, locate_model
+
+            try:
+                locate_model(model, flag="--model")
+            except ModelUnavailable as exc:
+                raise ConfigError(str(exc)) from None
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+    if dry_run:
+        _eval_dry_run(model, backend, options, tasks, problems_of, k=k, max_new_tokens=max_new_tokens)
+        return
     config = {
         "task_args": task_args,
         "backend_options": {k: v for k, v in options.items() if k != "api_key"},
@@ -473,6 +545,7 @@ def eval_(
         "temperature": temperature,
         "top_p": top_p,
         "seed": seed,
+        **({"max_new_tokens": max_new_tokens} if max_new_tokens is not None else {}),  # absent: as before the flag existed
         "shard_size": shard_size,
         "executor": executor,
         "workers": workers,
@@ -524,7 +597,8 @@ def eval_(
                 if store.has_eval(run_id, 0, t.name):  # stored before the interruption
                     summaries[t.name] = stored_summary(store, run_id, t.name)
                     continue
-                sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=t.options.max_new_tokens, seed=seed)
+                new_tokens = max_new_tokens or t.options.max_new_tokens
+                sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=new_tokens, seed=seed)
                 with progress(desc=f"eval {t.name} shards", total=eval_shards(problems_of[t.name], k or t.options.k, shard_size)) as bar:
                     result = evaluate_task(None, t, problems_of[t.name], k=k or t.options.k, sampling=sampling, shard_size=shard_size,
                                            runner=runner, stage=stage, on_shard=lambda done, _: bar.update(done - bar.n))  # fmt: skip
@@ -563,6 +637,55 @@ def eval_(
     if too_many:
         rates = ", ".join(f"{name} {rate:.1%}" for name, rate in too_many.items())
         raise _fail(f"grading error rate above --max-error-rate {max_error_rate:.1%}: {rates} (see the samples table for details)", 1)
+
+
+def eval_backend_options(backend_cls: type, options: dict, *, device: str | None, dtype: str | None,
+                         enable_thinking: bool | None) -> dict:  # fmt: skip
+    """``harness eval``'s --device, --dtype and --enable-thinking as the backend options they stand for (the flag wins over
+    ``--backend-option``), checked before anything loads: an option the backend does not take, an unknown dtype, or a CUDA
+    device this host lacks is a ConfigError naming the flag."""
+    from harness.config import device_unavailable, load_options
+    from harness.models.hub import dtype_name
+
+    flags = {"device": ("--device", device), "dtype": ("--dtype", dtype), "enable_thinking": ("--enable-thinking", enable_thinking)}
+    out = dict(options)
+    takes = load_options(backend_cls)
+    for key, (flag, value) in flags.items():
+        if value is not None:
+            out[key] = value
+        if key in out and key not in takes:
+            raise ConfigError(f"{flag if value is not None else '--backend-option ' + key}: the {backend_cls.__name__} backend does "
+                              f"not take it (it takes {', '.join(takes)})")  # fmt: skip
+    if "device" in out:
+        why = device_unavailable(str(out["device"]), key="--device")
+        if why:
+            raise ConfigError(why)
+    if "dtype" in out and backend_cls.__name__ == "HFBackend":
+        try:
+            dtype_name(str(out["dtype"]), device=str(out.get("device", "cpu")))
+        except ValueError as exc:
+            raise ConfigError(f"--dtype: {exc}") from None
+    return out
+
+
+def _eval_dry_run(model: str, backend: str, options: dict, tasks: list, problems_of: dict, *, k: int | None,
+                  max_new_tokens: int | None) -> None:  # fmt: skip
+    """``harness eval --dry-run``: the data is loaded and checked (before this); read the model's config and tokenizer (no
+    weights) and print what would run."""
+    from harness.dry_run import read_model_files
+
+    if backend == "hf":
+        try:
+            files = read_model_files(model, flag="--model")
+        except ConfigError as exc:
+            raise _fail(str(exc)) from None
+        stdout.print(f"model: {model} ({files.describe()})", highlight=False)
+    shown = {key: value for key, value in options.items() if key != "api_key"}
+    stdout.print(f"backend: {backend} {shown}", highlight=False)
+    for t in tasks:
+        stdout.print(f"task {t.name}: {len(problems_of[t.name])} problems, k = {k or t.options.k}, "
+                     f"max_new_tokens = {max_new_tokens or t.options.max_new_tokens}", highlight=False)  # fmt: skip
+    stdout.print("dry run: nothing loaded onto a device, nothing written", highlight=False)
 
 
 @app.command("serve", epilog="Example: harness serve --model results/runs/RUN/checkpoints/step-000500 --port 8000")
@@ -1032,6 +1155,25 @@ from harness.data import data_app  # noqa: E402 - the `data` sub-app (harness da
 
 app.add_typer(data_app, name="data")
 plain_help(app)
+
+
+def _show_version(value: bool) -> None:
+    """``harness --version``: the installed package's version."""
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            print(f"opd-harness {version('opd-harness')}")
+        except PackageNotFoundError:
+            print("opd-harness (not installed as a package)")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_show_version, is_eager=True, help="print the version and exit")] = False,
+) -> None:
+    """Benchmark harness for on-policy distillation of language models."""
 
 
 def main() -> None:

@@ -217,22 +217,22 @@ def planning_only(info: ValidationInfo) -> bool:
     return bool((info.context or {}).get(PLANNING))
 
 
-def device_unavailable(device: str, *, here: bool = True) -> str | None:
-    """Why ``trainer.device`` cannot be used (an unknown name; with ``here``, no CUDA or an index past this host's device
-    count), else None."""
+def device_unavailable(device: str, *, here: bool = True, key: str = "trainer.device") -> str | None:
+    """Why ``key`` (``trainer.device``, or a backend's ``device``) cannot be used (an unknown name; with ``here``, no CUDA
+    or an index past this host's device count), else None."""
     if device in ("cpu", "auto"):
         return None
-    kind, _, index = device.partition(":")
+    kind, _, index = str(device).partition(":")
     if kind != "cuda" or (index and not index.isdigit()):
-        return f"trainer.device={device!r}: choose cpu, cuda, cuda:N or auto"
+        return f"{key}={device!r}: choose cpu, cuda, cuda:N or auto"
     if not here:
         return None
     import torch
 
     if not torch.cuda.is_available():
-        return f"trainer.device={device!r}: torch sees no CUDA device here (torch {torch.__version__}); use cpu or auto"
+        return f"{key}={device!r}: torch sees no CUDA device here (torch {torch.__version__}); use cpu or auto"
     if index and int(index) >= torch.cuda.device_count():
-        return f"trainer.device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+        return f"{key}={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)"
     return None
 
 
@@ -351,9 +351,11 @@ class TrainerConfig(Strict):
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up")
     grad_clip: float = Field(1.0, ge=0, description="max gradient norm; 0 disables")
-    precision: Literal["fp32", "bf16"] = Field(
-        "fp32",
-        description="the learner's forward/backward: fp32, or bf16 autocast (weights, gradients and AdamW state stay float32)",
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto",
+        description="the learner's forward/backward (--dtype): fp32, or bf16 autocast (weights, gradients and AdamW state stay "
+        "float32); auto: bf16 on a CUDA device that supports it, else fp32 (resolved here, stored resolved); fp16 is refused "
+        "(float16 training needs loss scaling, which the learner does not do)",
     )
     activation_checkpointing: bool = Field(
         False, description="recompute each decoder layer's activations in the backward pass (less memory, about 1/3 more compute)"
@@ -451,6 +453,19 @@ class TrainerConfig(Strict):
         return device
 
     @model_validator(mode="after")
+    def _resolve_precision(self, info: ValidationInfo) -> "TrainerConfig":
+        """``auto``: bf16 where the learner runs on a CUDA device that supports it (planned on another host: assumed), else
+        fp32; ``fp16`` refused in one line."""
+        if self.precision == "fp16":
+            raise ValueError("trainer.precision=fp16 (--dtype fp16): float16 training needs loss scaling, which the learner does "
+                             "not do; use bf16 (or fp32)")  # fmt: skip
+        if self.precision == "auto":
+            from harness.models.hub import auto_precision
+
+            self.precision = auto_precision(self.device, planning=planning_only(info))
+        return self
+
+    @model_validator(mode="after")
     def _device_and_chunks_fit_the_executor(self) -> "TrainerConfig":
         if self.executor == "ray" and self.device not in ("cpu", "auto"):
             raise ValueError(f"trainer.device={self.device!r} places the in-process executor's models; with --executor ray the "
@@ -471,7 +486,10 @@ class TrainerConfig(Strict):
 
 
 class EvalConfig(Strict):
-    tasks: list[str] = Field(default_factory=lambda: ["arith"])
+    tasks: list[str] = Field(
+        default_factory=list,
+        description="tasks each checkpoint is evaluated on; the training task is always among them (first when the list omits it)",
+    )
     k: int | None = Field(None, ge=1, description="samples per problem (default: the task's k)")
     limit: int | None = Field(None, ge=1, description="evaluate the first N problems of each task")
     temperature: float = Field(1.0, ge=0)
@@ -498,6 +516,36 @@ class RunConfig(Strict):
     task_args: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per-task options, by task name")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _command_defaults(cls, data: Any) -> Any:
+        """What the command means when nothing says otherwise: the method's own pipeline (``MethodSpec.default_mode``,
+        e.g. async for f-OPD) and evaluation on the training task. A stored config names both, so a resumed run keeps its own."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        task = data.get("task", cls.model_fields["task"].default)
+        trainer = data.get("trainer") if isinstance(data.get("trainer"), dict) else None
+        if (trainer is None and "trainer" not in data) or (trainer is not None and "mode" not in trainer):
+            mode = default_mode(data.get("method", cls.model_fields["method"].default))
+            if mode is not None:
+                data["trainer"] = {**(trainer or {}), "mode": mode}
+        evaluation = data.get("eval") if isinstance(data.get("eval"), dict) else None
+        no_tasks = (evaluation is None and "eval" not in data) or (evaluation is not None and not evaluation.get("tasks"))
+        if isinstance(task, str) and no_tasks:
+            data["eval"] = {**(evaluation or {}), "tasks": [task]}
+        return data
+
+
+def default_mode(method: Any) -> str | None:
+    """The registered method's default ``trainer.mode``, or None for an unknown one (planning names it)."""
+    from harness.registry import METHODS, RegistryError
+
+    try:
+        return METHODS.get(method).default_mode if isinstance(method, str) else None
+    except RegistryError:
+        return None
 
 
 PRESETS = ("smoke", "cpu-demo", "tool-demo")
@@ -652,6 +700,65 @@ def fitted_default_models(user: dict) -> dict:
     return without_tiny_teacher(fit_preset_models(defaults, task, (user.get("task_args") or {}).get(task, {})), user)
 
 
+MODELS_HINT = "give --student MODEL --teacher MODEL (hub ids or local folders), or --preset smoke for the CPU miniature"
+
+
+def names_a_model(user: dict, role: str) -> bool:
+    """Whether the user's layers name ``role``'s model: a ``path`` or an ``arch``, or (teacher) another backend (served)."""
+    spec = user.get(role) or {}
+    if not isinstance(spec, dict):
+        return True  # a malformed value: validation names it
+    return bool({"path", "arch"} & set(spec)) or (role == "teacher" and spec.get("backend") not in (None, "hf"))
+
+
+def without_preset_models(preset: dict, user: dict) -> dict:
+    """A preset's tiny model (``arch``, warm-up) gives way to a model the user names for that role (``--student DIR``,
+    ``--set teacher.path=ID``): a named model is loaded, never built or warmed up here."""
+    tiny = {"arch", "path", "sft_steps", "sft_lr", "sft_batch_size"}
+    out = dict(preset)
+    for role in ("student", "teacher"):
+        named = {"path", "arch"} & set((user.get(role) or {}) if isinstance(user.get(role), dict) else {})
+        if named and isinstance(out.get(role), dict):
+            out[role] = {k: v for k, v in out[role].items() if k not in tiny}
+    return out
+
+
+def selected_method_args(layer: dict, method: str) -> dict:
+    """A preset's layer without its ``method_args`` for methods the run does not select (a preset may prepare several)."""
+    args = layer.get("method_args")
+    if not isinstance(args, dict):
+        return layer
+    return {**layer, "method_args": {name: value for name, value in args.items() if name == method}}
+
+
+def with_training_task_evaluated(data: dict) -> dict:
+    """``eval.tasks`` always holds the training task: first when the list given omits it (evaluation defaults to it)."""
+    task = data.get("task", RunConfig.model_fields["task"].default)
+    given = (data.get("eval") or {}).get("tasks") if isinstance(data.get("eval"), dict) else None
+    if not isinstance(given, list) or not isinstance(task, str) or not given or task in given:
+        return data
+    return {**data, "eval": {**data["eval"], "tasks": [task, *given]}}
+
+
+def user_layers(config_file: Path | None = None, overrides: list[str] = (), cli: dict | None = None) -> dict:
+    """The user's layers merged: config file < ``--set`` < explicit flags."""
+    user: dict = {}
+    if config_file:
+        user = deep_merge(user, load_yaml_file(config_file))
+    for item in overrides:
+        user = deep_merge(user, parse_override(item))
+    return deep_merge(user, {k: v for k, v in (cli or {}).items() if v is not None})
+
+
+def check_models_named(*, preset: str | None = None, config_file: Path | None = None, overrides: list[str] = (),
+                       cli: dict | None = None) -> None:  # fmt: skip
+    """``harness run``: outside a preset, a run that names neither the student nor the teacher is refused
+    (:data:`MODELS_HINT`) instead of training the built-in tiny pair."""
+    user = user_layers(config_file, overrides, cli)
+    if not preset and not (names_a_model(user, "student") or names_a_model(user, "teacher")):
+        raise ConfigError(f"no student and no teacher named: {MODELS_HINT}")
+
+
 def build_config(
     *, preset: str | None = None, config_file: Path | None = None, overrides: list[str] = (), cli: dict | None = None,
     planning: bool = False,
@@ -659,18 +766,15 @@ def build_config(
     """Merge the layers and validate; raises :class:`ConfigError` naming the bad key. ``planning``: the config is only
     printed or planned here (``--print-config``, ``--dry-run``), so what this host lacks (a CUDA device) is not refused;
     a config built so must not be run."""
-    user: dict = {}
-    if config_file:
-        user = deep_merge(user, load_yaml_file(config_file))
-    for item in overrides:
-        user = deep_merge(user, parse_override(item))
-    user = deep_merge(user, {k: v for k, v in (cli or {}).items() if v is not None})
-    data = (
-        deep_merge(without_tiny_teacher(retarget_preset(load_preset(preset), user.get("task"), user.get("task_args")), user), user)
-        if preset
-        else deep_merge(fitted_default_models(user), user)
-    )
+    user = user_layers(config_file, overrides, cli)
+    if preset:
+        retargeted = retarget_preset(load_preset(preset), user.get("task"), user.get("task_args"))
+        base = without_preset_models(without_tiny_teacher(retargeted, user), user)
+        method = user.get("method", base.get("method", RunConfig.model_fields["method"].default))
+        data = deep_merge(selected_method_args(base, method), user)
+    else:
+        data = deep_merge(fitted_default_models(user), user)
     try:
-        return RunConfig.model_validate(data, context={PLANNING: planning})
+        return RunConfig.model_validate(with_training_task_evaluated(data), context={PLANNING: planning})
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, RunConfig)) from None

@@ -90,6 +90,10 @@ class MethodSpec:
     needs: Callable[[HParams], frozenset[str]]
     on_policy: bool = True  # False: trains on reference responses, no student sampling
     modes: tuple[str, ...] = ("sync", "async")
+    # The pipeline a run of this method takes when nothing sets trainer.mode (a preset, a config file, --set, --mode);
+    # one of ``modes`` (default: the first). Methods whose weighting reads the policy lag (f-OPD and its async baselines)
+    # declare async.
+    default_mode: str = ""
     make_state: Callable[[HParams], MethodState] | None = None  # schedules (SAF warm-up/anneal, f-OPD refresh)
     notes: dict[str, str] = field(default_factory=dict)
     run_notes: Callable[[HParams], dict[str, str]] | None = None  # notes that depend on a run's hyper-parameters
@@ -100,6 +104,12 @@ class MethodSpec:
     # accepts, preferred first; teacher.signal=auto takes the first one the teacher's backend produces.
     teacher_kinds: Callable[[HParams], tuple[str, ...]] = lambda hp: ("full",)
     name: str = ""  # set by the registry from the method's entry-point name (a method is named once)
+
+    def __post_init__(self) -> None:
+        if not self.default_mode:
+            object.__setattr__(self, "default_mode", self.modes[0])
+        if self.default_mode not in self.modes:
+            raise ValueError(f"default_mode {self.default_mode!r} is not one of the method's modes {list(self.modes)}")
 
     def group_baseline(self, hparams: HParams) -> bool:
         """Whether this method, with these hyper-parameters, centres rewards on a per-prompt group mean."""
@@ -126,6 +136,7 @@ class MethodSpec:
             "teacher_kinds": list(self.accepted_signals(chosen)),
             "on_policy": self.on_policy,
             "modes": list(self.modes),
+            "default_mode": self.default_mode,
             "stateful": self.make_state is not None,
             "samples_per_prompt": self.group_size,
             "notes": {**self.notes, **(self.run_notes(chosen) if self.run_notes else {})},

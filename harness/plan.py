@@ -155,19 +155,14 @@ def plan_run(cfg: RunConfig) -> Plan:
         pipeline = PIPELINES.get(cfg.trainer.mode)
     except RegistryError as exc:
         raise ConfigError(str(exc)) from None
-    hparams = None
-    for name, args in cfg.method_args.items():  # validate every method's args, so typos never wait
-        try:
-            spec = METHODS.get(name)
-        except RegistryError as exc:
-            raise ConfigError(f"method_args.{name}: {exc}") from None
-        try:
-            validated = spec.hparams.model_validate(args)
-        except ValidationError as exc:
-            raise ConfigError(format_validation_error(exc, spec.hparams, prefix=f"method_args.{name}.")) from None
-        if name == method.name:
-            hparams = validated
-    hparams = hparams if hparams is not None else method.hparams()
+    validated = validate_method_args(cfg.method_args)
+    unused = sorted(set(validated) - {method.name})
+    if unused:
+        raise ConfigError(
+            f"method_args.{unused[0]}: options of method {unused[0]!r}, which this run does not select (method={method.name}); "
+            f"remove them or choose --method {unused[0]}"
+        )
+    hparams = validated.get(method.name) or method.hparams()
     apply_group_size(cfg, method, hparams)
     teacher_warnings = choose_teacher_signal(cfg, method, hparams)
     task = make_task(cfg.task, cfg.task_args)
@@ -184,6 +179,21 @@ def plan_run(cfg: RunConfig) -> Plan:
     check_references(cfg, method, hparams, task)
     check_behaviour_logprobs(cfg, method, hparams)
     return Plan(cfg, method, hparams, task, eval_tasks, pipeline, warnings=[*teacher_warnings, *pipeline.warnings(method, hparams, task)])
+
+
+def validate_method_args(method_args: dict[str, dict]) -> dict[str, HParams]:
+    """Every method's args validated against its hyper-parameters (unknown method or key: ConfigError naming it)."""
+    validated = {}
+    for name, args in method_args.items():
+        try:
+            spec = METHODS.get(name)
+        except RegistryError as exc:
+            raise ConfigError(f"method_args.{name}: {exc}") from None
+        try:
+            validated[name] = spec.hparams.model_validate(args)
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, spec.hparams, prefix=f"method_args.{name}.")) from None
+    return validated
 
 
 def choose_teacher_signal(cfg: RunConfig, method: MethodSpec, hparams: HParams) -> list[str]:

@@ -72,7 +72,8 @@ def plan_resume(store: Store, run_id: str, layout_overrides: list[str] = ()):
         cfg = RunConfig.model_validate(config)
     except ValidationError as exc:  # e.g. trainer.loggers names a tracker whose package is no longer installed
         raise ConfigError(f"--resume {run_id}: the stored config is not valid here: {format_validation_error(exc, RunConfig)}") from None
-    return plan_run(cfg)
+    # runs recorded before a run refused other methods' options may hold them (ignored then, as now)
+    return plan_run(cfg.model_copy(update={"method_args": {k: v for k, v in cfg.method_args.items() if k == cfg.method}}))
 
 
 class RunLocked(ConfigError):

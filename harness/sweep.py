@@ -201,7 +201,7 @@ def expand(spec: SweepSpec) -> list[SweepPoint]:
             overrides = base + [to_override(k, v) for k, v in coords.items()]
             label = _label(coords)
             try:
-                cfg = build_config(preset=spec.base.preset, config_file=config_file, overrides=overrides)
+                cfg = only_selected_method_args(build_config(preset=spec.base.preset, config_file=config_file, overrides=overrides))
                 plan = plan_run(cfg)
             except (ConfigError, RegistryError) as exc:
                 errors.append(f"grid point {n} ({label}): " + str(exc).replace("\n", "\n    "))
@@ -216,6 +216,15 @@ def expand(spec: SweepSpec) -> list[SweepPoint]:
     if errors:
         raise SweepError(f"sweep {spec.id!r}: {len(errors)} of {n} grid points are invalid; nothing was run\n" + "\n".join(errors))
     return points
+
+
+def only_selected_method_args(cfg: RunConfig) -> RunConfig:
+    """A grid point's config with only its own method's ``method_args``: a sweep's base may set several methods' options
+    for the points that select them (each is validated, so a typo in one still stops the sweep before anything runs)."""
+    from harness.plan import validate_method_args
+
+    validate_method_args(cfg.method_args)
+    return cfg.model_copy(update={"method_args": {k: v for k, v in cfg.method_args.items() if k == cfg.method}})
 
 
 def check_executors(spec: SweepSpec, points: list[SweepPoint], console: Console) -> None:

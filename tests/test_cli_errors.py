@@ -174,6 +174,8 @@ def test_run_with_missing_training_data_exits_2_and_creates_nothing(tmp_path):
     empty.mkdir()
     args = [
         "run",
+        "--preset",
+        "smoke",
         "--task",
         "math500",
         "--set",
@@ -194,7 +196,8 @@ def test_run_with_missing_training_data_exits_2_and_creates_nothing(tmp_path):
 def test_run_with_a_malformed_row_exits_2_naming_it_and_creates_nothing(tmp_path):
     data = math500_data(tmp_path / "data", [GOOD_ROW, "{not json"])
     out = tmp_path / "out"
-    args = ["run", "--task", "math500", "--set", "eval.tasks=[math500]", "--set", f"task_args.math500.data_dir={data}", "--out", str(out)]
+    args = ["run", "--preset", "smoke", "--task", "math500", "--set", "eval.tasks=[math500]", "--set", f"task_args.math500.data_dir={data}",
+            "--out", str(out)]  # fmt: skip
     result = runner.invoke(app, args)
     assert result.exit_code == 2, result.output
     assert f"{data / 'math500' / 'test.jsonl'}:2: field '<line>': not valid JSON" in flat(result.output)
@@ -237,7 +240,7 @@ def test_data_dir_is_handed_to_the_tasks_not_put_in_the_environment(tmp_path, mo
     if command == "eval":
         args = ["eval", "--model", str(tmp_path / "no-model"), "--task", "math500", "--task-arg", "math500.source=local"]
     else:
-        args = ["run", "--task", "math500", "--set", "eval.tasks=[math500]", "--set", "task_args.math500.source=local"]
+        args = ["run", "--preset", "smoke", "--task", "math500", "--set", "task_args.math500.source=local"]
     result = runner.invoke(app, [*args, "--data-dir", str(given), "--out", str(tmp_path / "out")])
     assert result.exit_code == 2, result.output
     assert f"{given / 'math500' / 'test.jsonl'}:1: field '<line>': not valid JSON" in flat(result.output)

@@ -2,7 +2,9 @@ import pytest
 from typer.testing import CliRunner
 
 from harness.cli import app
-from harness.config import ConfigError, build_config, parse_override
+import yaml
+
+from harness.config import ConfigError, RunConfig, build_config, parse_override
 from harness.plan import plan_run
 from harness.registry import METHODS, TASKS
 from harness.task import Score, Task
@@ -90,9 +92,42 @@ def test_valid_plan():
 
 
 def test_f_opd_in_sync_mode_is_allowed_with_a_warning():
-    plan = plan_run(build_config(preset="smoke", cli={"method": "f_opd"}))
-    assert any("always 0 in sync mode" in w for w in plan.warnings)
+    plan = plan_run(build_config(preset="smoke", cli={"method": "f_opd", "trainer": {"mode": "sync"}}))
+    assert plan.config.trainer.mode == "sync" and any("always 0 in sync mode" in w for w in plan.warnings)
     assert plan_run(build_config(preset="smoke")).warnings == []
+
+
+@pytest.mark.parametrize("method, mode", [("f_opd", "async"), ("opd_async", "async"), ("opd_hard_refresh", "async"), ("opd", "sync")])
+def test_a_method_runs_in_its_default_mode_unless_a_layer_sets_one(tmp_path, method, mode):
+    """f-OPD and its async baselines declare async (``MethodSpec.default_mode``); a preset, config file, --set or --mode wins."""
+    assert build_config(preset="smoke", cli={"method": method}).trainer.mode == mode
+    assert build_config(overrides=[f"method={method}"]).trainer.mode == mode
+    assert build_config(overrides=[f"method={method}", "trainer.mode=sync"]).trainer.mode == "sync"
+    (tmp_path / "c.yaml").write_text("trainer: {mode: sync}\n")
+    assert build_config(config_file=tmp_path / "c.yaml", cli={"method": method}).trainer.mode == "sync"
+
+
+def test_evaluation_follows_the_training_task():
+    assert build_config(cli={"task": "arith_tool"}).eval.tasks == ["arith_tool"]
+    assert build_config(cli={"task": "arith_tool"}, overrides=["eval.tasks=[arith]"]).eval.tasks == ["arith_tool", "arith"]
+    assert RunConfig(task="arith_tool").eval.tasks == ["arith_tool"]
+
+
+def test_f_opd_on_swebench_prints_async_and_evaluates_swebench_but_does_not_run_without_models(tmp_path):
+    printed = runner.invoke(app, ["run", "--method", "f_opd", "--task", "swebench", "--print-config"])
+    assert printed.exit_code == 0, printed.output
+    resolved = yaml.safe_load(printed.stdout)
+    assert resolved["trainer"]["mode"] == "async" and resolved["eval"]["tasks"] == ["swebench"]
+    refused = runner.invoke(app, ["run", "--method", "f_opd", "--task", "swebench", "--out", str(tmp_path / "out")])
+    assert refused.exit_code == 2 and "--student MODEL --teacher MODEL" in refused.output and "--preset smoke" in refused.output
+    assert len(refused.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_options_of_a_method_the_run_does_not_select_are_refused():
+    with pytest.raises(ConfigError, match="method_args.grpo: options of method 'grpo', which this run does not select"):
+        plan_run(build_config(overrides=["method=opd", "method_args.grpo.clip_low=0.3"]))
+    cfg = build_config(preset="smoke", cli={"method": "f_opd"})  # the preset's opd options give way
+    assert set(cfg.method_args) == set() and plan_run(cfg).method.name == "f_opd"
 
 
 def test_a_preset_on_another_task_evaluates_that_task():

@@ -48,11 +48,26 @@ class HFBackend:
         self.max_context: int | None = getattr(model.config, "max_position_embeddings", None)  # rollout's context budget
 
     @classmethod
-    def load(cls, model: str, **options) -> "HFBackend":
-        """Load a local directory or hub id (the hub is not reachable on offline machines)."""
+    def load(cls, model: str, *, dtype: str = "fp32", enable_thinking: bool | None = None, **options) -> "HFBackend":
+        """Load a local directory or hub id (a hub id not cached is refused at once offline) with its weights in ``dtype``
+        (fp32, bf16, fp16 or auto: bf16 on a CUDA device that supports it); ``enable_thinking`` is passed to the chat
+        template. Device and dtype are checked before any weights are read."""
+        from harness.config import device_unavailable
+        from harness.models.hub import dtype_name, set_thinking, torch_dtype
         from harness.models.tiny import load_model_and_tokenizer
 
-        lm, tok = load_model_and_tokenizer(model)
+        device = options.get("device", "cpu")
+        why = device_unavailable(device, key="device")
+        if why:
+            raise ValueError(why)
+        if device == "auto":
+            import torch
+
+            options["device"] = device = "cuda" if torch.cuda.is_available() else "cpu"
+        chosen = dtype_name(dtype, device=device)
+        lm, tok = load_model_and_tokenizer(model, dtype=torch_dtype(chosen))
+        if enable_thinking is not None:
+            set_thinking(tok, enable_thinking)
         return cls(lm, tok, **options)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:

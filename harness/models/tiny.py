@@ -82,18 +82,28 @@ def load_model_and_tokenizer(path: str | Path, *, dtype: torch.dtype | None = No
     not save it). ``path`` is a local directory, or a hub id of the form ``owner/name`` (needs the hub).
     """
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    local = Path(path)
-    looks_like_hub_id = str(path).count("/") == 1 and not str(path).startswith((".", "/", "~"))
-    if not local.exists() and not looks_like_hub_id:
-        raise FileNotFoundError(f"model {str(path)!r}: no such directory, and not a hub id of the form owner/name")
+    from harness.models.hub import ModelUnavailable, locate_model
+
+    try:
+        where = locate_model(str(path), flag="model")
+    except ModelUnavailable as exc:
+        raise FileNotFoundError(str(exc)) from None
+    tokenizer = load_tokenizer(where)
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32 if dtype is None else dtype)
+    return model, tokenizer
+
+
+def load_tokenizer(path: str | Path):
+    """A model's tokenizer, padding on the left (transformers 5 does not save it), pad = EOS when it has no pad token."""
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32 if dtype is None else dtype)
-    return model, tokenizer
+    return tokenizer
 
 
 def save_model_and_tokenizer(model, tokenizer, path: str | Path) -> None:

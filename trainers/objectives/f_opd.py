@@ -546,6 +546,7 @@ def _spec(description: str, objective, hparams: type[HParams], make_state=None, 
         hparams=hparams,
         needs=_needs,
         modes=MODES,
+        default_mode="async",  # the freshness weights and lag baselines read the policy lag, which is 0 in sync mode
         make_state=make_state,
         notes={**SHARED_NOTES, **(notes or {})},
         teacher_kinds=lambda hp: ("full", "topk", "student_topk"),  # estimator full: the reverse KL of opd's, top-k buckets too
