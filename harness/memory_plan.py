@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness.errors import ConfigError
+from harness.models.hub import hub_unreachable
 from harness.teacher_signal import bytes_per_token
 
 if TYPE_CHECKING:
@@ -205,32 +206,6 @@ def hub_shape(repo: str, key: str) -> ModelShape:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"{key}={repo}: cannot read its config.json from the hub ({first}); {hint}") from None
     return shape_from_config(config, repo, f"{repo} config.json (hub)")
-
-
-def hub_unreachable(timeout_s: float = 3.0) -> str | None:
-    """The hub's address when a TCP connection to it does not open within ``timeout_s`` (name lookup included), else None:
-    huggingface_hub's own retries take tens of seconds to give up on a host without network."""
-    import socket
-    import threading
-    from urllib.parse import urlsplit
-
-    from huggingface_hub import constants
-
-    url = urlsplit(constants.ENDPOINT)
-    port = url.port or (443 if url.scheme == "https" else 80)
-    opened: list[bool] = []
-
-    def probe() -> None:
-        try:
-            socket.create_connection((url.hostname, port), timeout=timeout_s).close()
-            opened.append(True)
-        except OSError:
-            pass
-
-    thread = threading.Thread(target=probe, daemon=True)  # getaddrinfo has no timeout of its own
-    thread.start()
-    thread.join(timeout_s)
-    return None if opened else constants.ENDPOINT
 
 
 def model_shape(spec: ModelSpec, key: str) -> ModelShape:

@@ -46,8 +46,8 @@ def auto_precision(device: str, *, planning: bool = False) -> str:
 
 
 def hub_unreachable(timeout_s: float = 3.0) -> str | None:
-    """The hub's address when a TCP connection to it does not open within ``timeout_s`` (name lookup included), else None
-    (as ``harness.memory_plan.hub_unreachable``, which imports the config: kept apart so that loading a model does not)."""
+    """The hub's address when a TCP connection to it does not open within ``timeout_s`` (name lookup included), else None:
+    huggingface_hub's own retries take tens of seconds to give up on a host without network."""
     import socket
     import threading
     from urllib.parse import urlsplit
