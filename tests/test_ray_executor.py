@@ -180,7 +180,8 @@ def test_actors_release_their_tasks_and_engines_before_they_are_killed(monkeypat
     monkeypatch.setattr(rx, "start_actors", lambda *a, **k: actors)
     monkeypatch.setattr(rx, "RayRollout", lambda *a, **k: "rollout role")
     monkeypatch.setattr(rx, "RayLearner", lambda *a, **k: learner_role)
-    plan = SimpleNamespace(config=SimpleNamespace(threads=1, trainer=SimpleNamespace(layout=None)))  # no eval workers
+    trainer = SimpleNamespace(layout=None, actor_timeout_s=900.0, actor_restart_timeout_s=300.0)  # no eval workers
+    plan = SimpleNamespace(config=SimpleNamespace(threads=1, trainer=trainer))
     session = SimpleNamespace(optimizer=None)
     with rx.RayExecutor().roles(plan, session, board=None, console=rx.Console(quiet=True)) as roles:
         assert roles.rollouts == ["rollout role"] and roles.learner is learner_role and log == []
@@ -253,7 +254,7 @@ def test_a_lost_rollout_actor_is_waited_for_then_its_batch_is_given_back(monkeyp
         rollout.make(Unit(7))
     assert rollout.version == -1 and answers == []  # reloaded before its next batch
     answers[:] = [rex.ActorDiedError(), rex.ActorDiedError()]  # dies again and is not restarted
-    with pytest.raises(RuntimeError, match="Ray did not restart it"):
+    with pytest.raises(rx.ActorLost, match="rollout was not restarted by Ray"):
         rollout.make(Unit(8, 3, 4))
 
 

@@ -519,6 +519,16 @@ class Faults:
                 return None
             time.sleep(0.5)
 
+    def any_dead(self, ray: ModuleType, grace_s: float = 0.0) -> tuple[str, str] | None:
+        """(role, node) of the first role of the placement whose node Ray reports dead (waiting up to ``grace_s``), or None."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            dead = {n.get("NodeID") for n in ray.nodes() if not n.get("Alive")}
+            found = next(((role, node) for role, node in self.placement.items() if isinstance(node, str) and node in dead), None)
+            if found is not None or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.5)
+
     def lost(self, role: str, node: str | None, what: str) -> ActorLost:
         """The one-line error of a lost ``role`` (``what`` happened to it) on ``node``."""
         where = f"node {node} died" if node else f"on node {self.placement.get(role) or 'unknown'}"
@@ -588,11 +598,11 @@ class RayRollout:
             self.faults.check_node(ray, self.name, exc)
             await_restart(ray, self.actor, f"a {self.name} actor died with {what}", ROLLOUT_RESTARTS, self.faults, self.name)
             raise RolloutLost(f"{self.name} actor lost with {what} in flight: {type(exc).__name__}") from exc
-        except _object_lost(ray) as exc:  # its weights or batch were on a node that died
-            self.faults.check_node(ray, self.name, exc)
-            for role in list(self.faults.placement):
-                self.faults.check_node(ray, role)
-            raise
+        except _object_lost(ray) as exc:  # its weights or batch were on a node that died: name that node
+            found = self.faults.any_dead(ray, NODE_GRACE_S)
+            if found is not None:
+                raise self.faults.lost(found[0], found[1], f"was lost ({type(exc).__name__} with {what})") from None
+            raise self.faults.lost(self.name, None, f"lost an object it needed for {what} ({type(exc).__name__})") from None
 
 
 def await_restart(ray: ModuleType, actor: Any, what: str, restarts: int, faults: Faults | None = None, role: str = "actor") -> None:
