@@ -45,6 +45,7 @@ import copy
 import json
 import math
 import os
+import socket
 import threading
 import time
 import warnings
@@ -90,6 +91,7 @@ PLACEMENT_TIMEOUT_S = 60.0  # how long a role's placement group may take to be r
 PLACED_ROLES = tuple(role for role in LAYOUT_ROLES if role != "eval")  # roles every layout places (eval: only when it is given)
 ROLLOUT_RESTARTS = MAX_ROLLOUT_LOSSES  # Ray restarts a dead rollout actor this often; the driver re-queues its batch
 RESTART_TIMEOUT_S = 300.0  # default of trainer.actor_restart_timeout_s: how long a dead actor may take to come back
+RAYLET_PROBE_S = 3.0  # how long a node's raylet may take to accept a connection before the node counts as lost
 NODE_GRACE_S = 10.0  # after a learner rank fails: how long Ray may take to report its node dead before the failure is the rank's
 TEACHER_RESTARTS = 3  # Ray restarts a dead teacher actor this often; its batch is scored by another replica meanwhile
 # pack/spread are soft (best effort, never unschedulable for the strategy alone); strict_* are Ray's hard versions
@@ -507,13 +509,13 @@ class Faults:
     session: Session | None = None
 
     def dead_node(self, ray: ModuleType, role: str, grace_s: float = 0.0) -> str | None:
-        """The node of ``role`` if Ray reports it dead (waiting up to ``grace_s`` for the report), else None."""
+        """The node of ``role`` if it is dead (:func:`dead_nodes`; waiting up to ``grace_s``), else None."""
         node = self.placement.get(role)
         if not isinstance(node, str):
             return None
         deadline = time.monotonic() + grace_s
         while True:
-            if any(n.get("NodeID") == node and not n.get("Alive") for n in ray.nodes()):
+            if node in dead_nodes(ray, {node}):
                 return node
             if time.monotonic() >= deadline:
                 return None
@@ -523,7 +525,7 @@ class Faults:
         """(role, node) of the first role of the placement whose node Ray reports dead (waiting up to ``grace_s``), or None."""
         deadline = time.monotonic() + grace_s
         while True:
-            dead = {n.get("NodeID") for n in ray.nodes() if not n.get("Alive")}
+            dead = dead_nodes(ray, {node for node in self.placement.values() if isinstance(node, str)})
             found = next(((role, node) for role, node in self.placement.items() if isinstance(node, str) and node in dead), None)
             if found is not None or time.monotonic() >= deadline:
                 return found
@@ -540,6 +542,24 @@ class Faults:
         node = self.dead_node(ray, role, grace)
         if node is not None:
             raise self.lost(role, node, f"was lost ({type(exc).__name__ if exc is not None else 'node died'})") from None
+
+
+def dead_nodes(ray: ModuleType, nodes: set[str]) -> set[str]:
+    """Which of ``nodes`` are dead: Ray reports them so, or their raylet does not accept a connection (Ray marks a node dead
+    only after its health checks fail, tens of seconds after the machine is gone)."""
+    dead = set()
+    for info in ray.nodes():
+        node = info.get("NodeID")
+        if node not in nodes:
+            continue
+        if not info.get("Alive"):
+            dead.add(node)
+            continue
+        try:
+            socket.create_connection((info["NodeManagerAddress"], int(info["NodeManagerPort"])), timeout=RAYLET_PROBE_S).close()
+        except (OSError, KeyError, ValueError):
+            dead.add(node)
+    return dead
 
 
 def _object_lost(ray: ModuleType) -> tuple[type, ...]:
