@@ -377,10 +377,12 @@ def _print_run_summary(store, run_id: str, plan, seconds: float) -> None:
     stdout.print(f"wall time: {seconds:.0f}s")
 
 
-EVAL_EXECUTOR_KEYS = ("executor", "workers", "ray_address", "max_sandboxes")  # where an eval ran, not what it measured
+EVAL_EXECUTOR_KEYS = ("executor", "workers", "ray_address", "max_sandboxes", "gpus_per_worker")  # where an eval ran, not what it measured
 
 
-def check_eval_executor(executor: str, workers: int | None, ray_address: str | None, max_sandboxes: int | None = None) -> None:
+def check_eval_executor(
+    executor: str, workers: int | None, ray_address: str | None, max_sandboxes: int | None = None, gpus_per_worker: float | None = None
+) -> None:
     """``harness eval``'s placement flags: exit 2 naming the flag when the executor is unknown or a flag needs ``--executor ray``."""
     if executor != "inprocess":
         from harness.registry import EVAL_EXECUTORS
@@ -389,8 +391,9 @@ def check_eval_executor(executor: str, workers: int | None, ray_address: str | N
             EVAL_EXECUTORS.get(executor)
         except RegistryError as exc:
             raise ConfigError(f"--executor {executor!r}: {exc} (or inprocess)") from None
-    elif workers is not None or ray_address is not None or max_sandboxes is not None:
-        flag = "--workers" if workers is not None else "--ray-address" if ray_address is not None else "--max-sandboxes"
+    elif workers is not None or ray_address is not None or max_sandboxes is not None or gpus_per_worker is not None:
+        given = {"--workers": workers, "--ray-address": ray_address, "--max-sandboxes": max_sandboxes, "--gpus-per-worker": gpus_per_worker}
+        flag = next(name for name, value in given.items() if value is not None)
         raise ConfigError(f"{flag} needs --executor ray (the in-process evaluation runs in this process)")
 
 
@@ -463,6 +466,11 @@ def eval_(
         int | None,
         typer.Option(min=1, help="most workers holding a task sandbox open at once on one node (--executor ray; default: no bound)"),
     ] = None,
+    gpus_per_worker: Annotated[
+        float | None,
+        typer.Option(min=0, help="GPUs Ray gives each evaluation worker (--executor ray; default 0): its hf backend runs on cuda, "
+                     "vLLM finds them through CUDA_VISIBLE_DEVICES"),
+    ] = None,
     resume: Annotated[str | None, typer.Option(help="continue the interrupted eval RUN_ID (same options); staged shards are kept")] = None,
     device: opts.Device = None,
     dtype: opts.Dtype = None,
@@ -500,7 +508,7 @@ def eval_(
     except ValueError as exc:
         raise _fail(f"--logger: {exc}") from None
     try:
-        check_eval_executor(executor, workers, ray_address, max_sandboxes)
+        check_eval_executor(executor, workers, ray_address, max_sandboxes, gpus_per_worker)
         check_data_dir(data_dir)
         task_args: dict = {}
         for item in task_arg or []:
@@ -551,6 +559,7 @@ def eval_(
         "workers": workers,
         "ray_address": ray_address,
         "max_sandboxes": max_sandboxes,
+        "gpus_per_worker": gpus_per_worker,
     }
     store = Store(out) if resume else None  # a new eval's store is opened once the model is loaded
     try:
@@ -565,7 +574,8 @@ def eval_(
     else:
         spec = EvalWorkerSpec(backend, model, options, task_args, data_dir)
         shards = lambda: EVAL_EXECUTORS.get(executor).open(  # noqa: E731
-            spec, workers=workers or 1, address=ray_address, console=console, max_sandboxes=max_sandboxes
+            spec, workers=workers or 1, address=ray_address, console=console, max_sandboxes=max_sandboxes,
+            gpus_per_worker=gpus_per_worker or 0.0,
         )
     errors: tuple[type[BaseException], ...] = (ValueError,)
     if backend == "openai":

@@ -387,10 +387,25 @@ class TrainerConfig(Strict):
         "this many seconds (a rank that hangs or makes different calls) fails the run naming the rank and the step; its last "
         "checkpoint resumes",
     )
+    actor_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        description="executor ray: the longest one call to a rollout, teacher or learner actor may take (a unit's generation, a "
+        "batch's scoring, a step); past it the actor counts as hung: a rollout or teacher actor is killed, restarted by Ray and "
+        "its work re-queued, a learner rank fails the run",
+    )
+    actor_restart_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="executor ray: how long a dead or killed rollout/teacher actor may take to come back (imports, model, "
+        "placement) before the run fails naming the role and its node",
+    )
     device: str = Field(
         "cpu",
         description="where the executor inprocess puts the student (learner), the hf/hf_static rollout engine and the in-process "
-        "teacher: cpu, cuda, cuda:N, or auto (cuda when torch sees one, else cpu)",
+        "teacher: cpu, cuda, cuda:N, or auto (cuda when torch sees one, else cpu). With --executor ray every actor takes the "
+        "GPUs of its trainer.layout.<role>.num_gpus and the driver keeps its models on the CPU; cuda there asks that every "
+        "placed role has GPUs",
     )
     checkpoint_every: int = Field(100, ge=1)
     temperature: float = Field(1.0, gt=0, description="rollout sampling temperature")
@@ -447,7 +462,8 @@ class TrainerConfig(Strict):
     def _device_here(cls, device: str, info: ValidationInfo) -> str:
         """cpu, auto, or a CUDA device this machine has (torch is imported only to check a CUDA one); when only planning
         (``--print-config``, ``--dry-run`` of a GPU run on another host), any well-formed device name."""
-        why = device_unavailable(device, here=not planning_only(info))
+        on_ray = (info.data or {}).get("executor") == "ray"  # the actors' devices are Ray's, not this host's
+        why = device_unavailable(device, here=not planning_only(info) and not on_ray)
         if why:
             raise ValueError(why)
         return device
@@ -468,8 +484,14 @@ class TrainerConfig(Strict):
     @model_validator(mode="after")
     def _device_and_chunks_fit_the_executor(self) -> "TrainerConfig":
         if self.executor == "ray" and self.device not in ("cpu", "auto"):
-            raise ValueError(f"trainer.device={self.device!r} places the in-process executor's models; with --executor ray the "
-                             "actors keep theirs on the CPU in this version (use the in-process executor for a GPU run)")  # fmt: skip
+            if self.device != "cuda":
+                raise ValueError(f"trainer.device={self.device!r}: with --executor ray Ray picks each actor's GPUs "
+                                 "(trainer.layout.<role>.num_gpus); use cuda, auto or cpu")  # fmt: skip
+            without = [role for role in LAYOUT_ROLES if self.layout is None or
+                       (getattr(self.layout, role) is not None and getattr(self.layout, role).num_gpus == 0)]  # fmt: skip
+            if without:
+                raise ValueError(f"trainer.device=cuda with --executor ray: each actor runs on the GPUs its role asks for, and "
+                                 f"trainer.layout.{without[0]}.num_gpus is 0 (give every role GPUs, or use auto or cpu)")  # fmt: skip
         return self
 
     @model_validator(mode="after")

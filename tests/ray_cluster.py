@@ -1,5 +1,6 @@
 """A two-node Ray cluster on this machine for tests: ``ray start --head`` with the custom resource ``node_a`` and a
-second ``ray start --address`` with ``node_b``, each our own process group, stopped by its ids (never ``ray stop``,
+second ``ray start --address`` with ``node_b`` (2 CPUs and 2 fake GPUs each: Ray hands out their ids, torch sees none),
+each our own process group, stopped by its ids (never ``ray stop``,
 which stops every Ray on the machine) and checked to leave no process behind."""
 
 from __future__ import annotations
@@ -33,12 +34,15 @@ def _ray_cli() -> list[str]:
     return [sys.executable, "-c", "import sys; from ray.scripts.scripts import main; sys.argv[0] = 'ray'; sys.exit(main())"]
 
 
+NODE_GPUS = 2  # fake GPUs each node declares (ray start --num-gpus): a layout's num_gpus is placed, and ids assigned
+
+
 def _node_args(temp_dir: str, resource: str) -> list[str]:
-    """Flags of one node: its own temp dir, custom resource, 2 CPUs, no GPUs and free ports (other Rays may run here)."""
+    """Flags of one node: its own temp dir, custom resource, 2 CPUs, 2 fake GPUs and free ports (other Rays may run here)."""
     return [
         "--block",
         "--num-cpus=2",
-        "--num-gpus=0",
+        f"--num-gpus={NODE_GPUS}",
         f"--resources={json.dumps({resource: 1})}",
         f"--temp-dir={temp_dir}",
         f"--object-store-memory={OBJECT_STORE_BYTES}",
@@ -117,6 +121,16 @@ class TwoNodeCluster:
                     return
             time.sleep(1)
         raise RuntimeError(f"the test cluster did not reach {count} nodes in {START_TIMEOUT_S:.0f}s")
+
+    def kill_node(self, name: str) -> None:
+        """SIGKILL every process of node ``name`` (``b``: the worker node started second), as when a machine is lost."""
+        index = "ab".index(name)
+        for pid in processes_of(f"{self.root}/{name}", {self.procs[index].pid}):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.procs[index].wait(timeout=10)
 
     def stop(self) -> list[int]:
         """SIGTERM each node's process group, SIGKILL what is left; returns the pids still alive afterwards (none)."""

@@ -7,6 +7,7 @@ import os
 import signal
 import sqlite3
 import threading
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -132,7 +133,7 @@ def test_layout_places_roles_on_the_nodes_it_names_with_inprocess_losses(shared_
 @pytest.mark.parametrize(
     "override, key",
     [
-        (["trainer.layout.learner.num_gpus=1"], "trainer.layout.learner.num_gpus"),
+        (["trainer.layout.learner.num_gpus=3"], "trainer.layout.learner.num_gpus"),  # each node declares 2 fake GPUs
         (["trainer.layout.teacher.resources={node_c: 1}"], "trainer.layout.teacher.resources.node_c"),
         (["trainer.layout.rollout.num_cpus=2", "trainer.layout.rollout.resources={node_a: 1}",
           "trainer.layout.teacher.num_cpus=2", "trainer.layout.teacher.resources={node_a: 1}"], "trainer.layout.teacher"),
@@ -160,9 +161,9 @@ def test_a_sweep_point_whose_layout_the_cluster_cannot_hold_stops_the_sweep_befo
     spec.write_text(
         "id: layouts\nbase:\n  preset: smoke\n"
         f"  set: {{threads: 1, trainer.executor: ray, trainer.ray_address: '{ray_cluster.address}'}}\n"
-        "grid:\n  - {trainer.layout.learner.num_gpus: [0, 1]}\n"
+        "grid:\n  - {trainer.layout.learner.num_gpus: [0, 3]}\n"
     )
-    refused = r"refuses 1 of 2 grid points; nothing was run\ngrid point 1 \(trainer.layout.learner.num_gpus=1\): trainer\.layout\.learner"
+    refused = r"refuses 1 of 2 grid points; nothing was run\ngrid point 1 \(trainer.layout.learner.num_gpus=3\): trainer\.layout\.learner"
     with pytest.raises(SweepError, match=refused):
         run_sweep(spec, tmp_path / "out")
     assert not (tmp_path / "out").exists()
@@ -386,3 +387,118 @@ def test_checkpoint_evaluations_run_on_eval_workers_and_resume_without_redoing_s
         (metrics,) = conn.execute("SELECT metrics_json FROM checkpoints WHERE run_id=? AND step=2", (run_id,)).fetchone()
     placement = json.loads(metrics)["placement"]
     assert {placement["eval.0"], placement["eval.1"]} == set(ray_cluster.node_ids.values())
+
+
+GPU_LAYOUT = ["--set", "trainer.layout.rollout.num_gpus=1", "--set", "trainer.layout.teacher.num_gpus=1",
+              "--set", "trainer.layout.learner.num_gpus=1", "--set", "trainer.layout.learner.resources={node_b: 0.1}",
+              "--set", "trainer.layout.rollout.resources={node_a: 0.1}"]  # fmt: skip  (2 fake GPUs per node: 3 of 4 asked)
+
+
+@pytest.mark.slow
+def test_a_gpu_layout_records_each_actor_s_gpu_ids_and_exits_2_naming_the_role_where_torch_sees_no_cuda(tmp_path, ray_cluster):
+    """Nodes that declare fake GPUs: Ray places the roles and assigns each actor its GPU ids, which the run's placement
+    records; the actors' torch sees no CUDA, so the run stops before training with exit 2 naming the first role's
+    num_gpus key (before, the same layout trained on the CPU: the GPUs were only reserved)."""
+    result = runner.invoke(app, [*BASE, "--out", str(tmp_path), "--executor", "ray", "--set", f"trainer.ray_address={ray_cluster.address}",
+                                 *GPU_LAYOUT])  # fmt: skip
+    line = " ".join(result.output.split())
+    assert result.exit_code == 2 and "trainer.layout.rollout.num_gpus: Ray gave the rollout actor GPU" in line, result.output
+    assert "torch there sees no CUDA device" in line
+    run_id, _ = _last_train_run(tmp_path / "results.sqlite")
+    with sqlite3.connect(tmp_path / "results.sqlite") as conn:
+        assert conn.execute("SELECT status FROM runs WHERE run_id=?", (run_id,)).fetchone() == ("failed",)
+        assert conn.execute("SELECT COUNT(*) FROM step_metrics WHERE run_id=?", (run_id,)).fetchone() == (0,)  # nothing trained
+    placement = json.loads((tmp_path / "runs" / run_id / "placement.json").read_text())
+    gpus = placement["gpus"]
+    assert placement["rollout"] == ray_cluster.node_ids["node_a"] and placement["learner"] == ray_cluster.node_ids["node_b"]
+    assert sorted(gpus) == ["learner", "rollout", "teacher"] and all(len(ids) == 1 and ids[0] in {"0", "1"} for ids in gpus.values())
+    by_node: dict[str, list[str]] = {}
+    for role, ids in gpus.items():
+        by_node.setdefault(placement[role], []).extend(ids)
+    assert all(len(ids) == len(set(ids)) for ids in by_node.values()), placement  # no GPU of a node handed out twice
+
+
+HANG_TIMEOUT_S = 12.0  # trainer.actor_timeout_s of the hang test: longer than any call of the tiny run on 2 busy cores
+
+
+@pytest.mark.slow
+def test_a_hung_rollout_actor_is_killed_within_its_timeout_restarted_and_every_step_trained_once(
+    shared_out, ray_cluster, inprocess_lag, monkeypatch
+):
+    """The rollout actor is stopped (SIGSTOP: alive, never answering) before a group of batch 3: its calls exceed
+    trainer.actor_timeout_s, the driver kills it once (Ray restarts it), the groups it held are made again and every
+    step is trained once with the in-process losses (fixed_lag)."""
+    import ray
+
+    import trainers.ray_executor as rx
+
+    tmp_path, (inprocess, _) = shared_out, inprocess_lag
+    stopped: list[float] = []
+    kills: list[float] = []
+    original_make, original_kill, lock = rx.RayRollout.make, ray.kill, threading.Lock()
+
+    def stop_once(self, unit):
+        with lock:
+            if unit.index == 3 and not stopped:
+                os.kill(ray.get(self.actor.pid.remote()), signal.SIGSTOP)
+                stopped.append(time.monotonic())
+        return original_make(self, unit)
+
+    def kill(actor, *, no_restart=True):
+        if not no_restart:  # a kill for Ray to restart (the run's end kills for good)
+            kills.append(time.monotonic())
+        return original_kill(actor, no_restart=no_restart)
+
+    monkeypatch.setattr(rx.RayRollout, "make", stop_once)
+    monkeypatch.setattr(ray, "kill", kill)
+    on_cluster, _, _ = run(tmp_path, *LAG, *GROUPS, "--executor", "ray", "--set", f"trainer.ray_address={ray_cluster.address}",
+                           "--set", f"trainer.actor_timeout_s={HANG_TIMEOUT_S}")  # fmt: skip
+    assert stopped, "the actor was never stopped"
+    assert len(kills) == 1 and kills[0] - stopped[0] < HANG_TIMEOUT_S + 5, (stopped, kills)  # once, within the timeout
+    assert_same_run(inprocess, on_cluster)
+    run_id, _ = _last_train_run(tmp_path / "results.sqlite")
+    assert _losses_per_step(tmp_path / "results.sqlite", run_id) == [(1, 1), (2, 1), (3, 1), (4, 1)]
+
+
+NODE_LOSS_LAYOUT = ["--set", "trainer.layout.rollout.resources={node_a: 0.1}", "--set", "trainer.layout.teacher.resources={node_a: 0.1}"]
+# the rollout and teacher actors fill node a's 2 CPUs, so the learner (1 CPU) goes to node b; halved, all fit on node a
+
+
+@pytest.mark.slow
+def test_a_lost_worker_node_fails_the_run_naming_it_and_resume_onto_the_head_node_finishes(tmp_path, monkeypatch):
+    """Its own two-node cluster (this test kills a node): the learner runs on node b, which is killed (every process of
+    it) once step 3 is recorded, after the step-2 checkpoint. The run ends failed (exit 1) with one line naming the
+    learner and node b; --resume with the learner moved to the head node trains steps 3 and 4, each step once."""
+    pytest.importorskip("ray")
+    from ray_cluster import remove_cluster_dir, start_two_node_cluster
+
+    import trainers.pipeline as tp
+
+    cluster = start_two_node_cluster()
+    try:
+        original = tp.Session.record_step
+
+        def lose_node_b_at_step_3(self, step, *a, **kw):
+            if step == 3:
+                cluster.kill_node("b")
+            return original(self, step, *a, **kw)
+
+        monkeypatch.setattr(tp.Session, "record_step", lose_node_b_at_step_3)
+        args = [*BASE, "--out", str(tmp_path), *LAG, "--executor", "ray", "--set", f"trainer.ray_address={cluster.address}",
+                *NODE_LOSS_LAYOUT]  # fmt: skip
+        failed = runner.invoke(app, args)
+        monkeypatch.setattr(tp.Session, "record_step", original)
+        line = " ".join(failed.output.split())
+        node_b = cluster.node_ids["node_b"]
+        assert failed.exit_code == 1 and f"node {node_b} died" in line and "learner" in line, line[-3000:]
+        assert "continue from its last checkpoint (step 2) with: harness run --resume" in line and "Traceback" not in failed.output
+        run_id, _ = _last_train_run(tmp_path / "results.sqlite")
+        with sqlite3.connect(tmp_path / "results.sqlite") as conn:
+            assert conn.execute("SELECT status FROM runs WHERE run_id=?", (run_id,)).fetchone() == ("failed",)
+        resumed = runner.invoke(app, ["run", "--resume", run_id, "--out", str(tmp_path), "--set", "trainer.layout.rollout.num_cpus=0.5",
+                                      "--set", "trainer.layout.teacher.num_cpus=0.5"])  # fmt: skip
+        assert resumed.exit_code == 0, resumed.output
+        assert _losses_per_step(tmp_path / "results.sqlite", run_id) == [(1, 1), (2, 1), (3, 1), (4, 1)]
+    finally:
+        assert cluster.stop() == []
+        remove_cluster_dir(cluster)

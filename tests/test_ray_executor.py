@@ -180,7 +180,8 @@ def test_actors_release_their_tasks_and_engines_before_they_are_killed(monkeypat
     monkeypatch.setattr(rx, "start_actors", lambda *a, **k: actors)
     monkeypatch.setattr(rx, "RayRollout", lambda *a, **k: "rollout role")
     monkeypatch.setattr(rx, "RayLearner", lambda *a, **k: learner_role)
-    plan = SimpleNamespace(config=SimpleNamespace(threads=1, trainer=SimpleNamespace(layout=None)))  # no eval workers
+    trainer = SimpleNamespace(layout=None, actor_timeout_s=900.0, actor_restart_timeout_s=300.0)  # no eval workers
+    plan = SimpleNamespace(config=SimpleNamespace(threads=1, trainer=trainer))
     session = SimpleNamespace(optimizer=None)
     with rx.RayExecutor().roles(plan, session, board=None, console=rx.Console(quiet=True)) as roles:
         assert roles.rollouts == ["rollout role"] and roles.learner is learner_role and log == []
@@ -253,7 +254,7 @@ def test_a_lost_rollout_actor_is_waited_for_then_its_batch_is_given_back(monkeyp
         rollout.make(Unit(7))
     assert rollout.version == -1 and answers == []  # reloaded before its next batch
     answers[:] = [rex.ActorDiedError(), rex.ActorDiedError()]  # dies again and is not restarted
-    with pytest.raises(RuntimeError, match="Ray did not restart it"):
+    with pytest.raises(rx.ActorLost, match="rollout was not restarted by Ray"):
         rollout.make(Unit(8, 3, 4))
 
 
@@ -300,3 +301,38 @@ def test_teacher_actors_take_batches_least_loaded_first_and_a_dead_one_s_batch_g
     teachers.inflight[0] = 0
     dead.update({"t0", "t1"})  # both down: wait for the last one tried to come back, then it scores the batch
     assert teachers.score("b3", {}, 3)[0] in {"t0:b3", "t1:b3"} and teachers.failovers == 3 and teachers.inflight == [0, 0]
+
+
+def test_device_cuda_under_ray_asks_every_role_for_gpus():
+    """trainer.device=cuda with --executor ray no longer refused outright: it asks that every placed role has GPUs (the
+    driver's own CUDA is not checked: its models stay on the CPU); cuda:N is Ray's choice, refused."""
+    gpus = [f"trainer.layout.{role}.num_gpus=1" for role in ("rollout", "teacher", "learner")]
+    assert build_config(overrides=["trainer.executor=ray", "trainer.device=cuda", *gpus]).trainer.device == "cuda"
+    with pytest.raises(ConfigError, match=r"trainer\.layout\.teacher\.num_gpus is 0"):
+        build_config(overrides=["trainer.executor=ray", "trainer.device=cuda", gpus[0], gpus[2]])
+    with pytest.raises(ConfigError, match="Ray picks each actor's GPUs"):
+        build_config(overrides=["trainer.executor=ray", "trainer.device=cuda:1", *gpus])
+
+
+def test_a_restart_past_its_limit_ends_the_run_with_one_line_naming_the_role_and_node(monkeypatch):
+    """await_restart: a restart slower than trainer.actor_restart_timeout_s (Ray's GetTimeoutError, which escaped before)
+    is ActorLost naming the role and its node, with the resume line."""
+    from types import SimpleNamespace
+
+    import ray.exceptions as rex
+
+    import trainers.ray_executor as rx
+
+    class FakeRay:
+        exceptions = rex
+
+        def get(self, ref, timeout=None):
+            raise rex.GetTimeoutError("slow")
+
+        def nodes(self):
+            return []  # no node known dead
+
+    actor = SimpleNamespace(ready=SimpleNamespace(remote=lambda: "ready"))
+    faults = rx.Faults(restart_s=2.0, placement={"rollout": "abc123"})
+    with pytest.raises(rx.ActorLost, match=r"^rollout did not come back within trainer\.actor_restart_timeout_s=2s .*on node abc123$"):
+        rx.await_restart(FakeRay(), actor, "a rollout actor died with batch 3", 3, faults, "rollout")

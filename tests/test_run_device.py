@@ -53,14 +53,14 @@ def test_bad_device_or_chunk_values_are_config_errors(overrides, expected):
     assert result.exit_code == 2 and expected in " ".join(result.output.split()), result.output
 
 
-def test_vocab_chunk_is_accepted_with_fsdp2_and_cuda_refused_with_the_ray_executor(monkeypatch):
+def test_vocab_chunk_is_accepted_with_fsdp2_and_cuda_under_ray_needs_gpus_for_every_role(monkeypatch):
     pytest.importorskip("ray")  # fsdp2 + vocab_chunk is tested against one rank in test_distributed_learner.py
     config = build_config(overrides=["trainer.executor=ray", "trainer.vocab_chunk=64", "trainer.layout.learner.sharding=fsdp2"])
     assert config.trainer.vocab_chunk == 64 and config.trainer.layout.learner.sharding == "fsdp2"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as on a GPU machine
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert build_config(overrides=["trainer.device=cuda:0"]).trainer.device == "cuda:0"
-    with pytest.raises(ConfigError, match="the actors keep theirs on the CPU"):
+    with pytest.raises(ConfigError, match=r"trainer\.layout\.rollout\.num_gpus is 0"):  # the actors take Ray's GPUs, not the driver's
         build_config(overrides=["trainer.executor=ray", "trainer.device=cuda"])
     with pytest.raises(ConfigError, match="this machine has 1 CUDA device"):
         build_config(overrides=["trainer.device=cuda:1"])

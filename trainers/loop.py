@@ -650,7 +650,7 @@ class Roles:
     rollouts: list[Rollout]
     learner: Learner
     ready: Callable[[], None] = lambda: None
-    placement: dict[str, str] = field(default_factory=dict)  # role → node id, filled by ``ready`` (Ray); empty in process
+    placement: dict[str, Any] = field(default_factory=dict)  # role → node id (and ``gpus``: role → GPU ids), filled by ``ready`` (Ray)
 
 
 class Executor(Protocol):

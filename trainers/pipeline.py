@@ -169,6 +169,12 @@ def run_device(device: str) -> str:
     return device
 
 
+def driver_device(trainer) -> str:
+    """Where the session (this process) keeps its models: ``trainer.device``, except under ``--executor ray``, where they
+    stay on the CPU: the actors take the GPUs Ray assigns them, and what is shipped to them must be CPU tensors."""
+    return "cpu" if trainer.executor == "ray" else run_device(trainer.device)
+
+
 def open_rollout_backend(
     plan, student_path: str, *, model: torch.nn.Module | None = None, tokenizer=None, device: str = "cpu"
 ) -> Backend:
@@ -177,7 +183,7 @@ def open_rollout_backend(
     ``hf`` wraps ``model`` when one is given (a copy shipped to a Ray actor); otherwise, and for every other
     backend (e.g. vLLM on a GPU), the engine is loaded from the student's folder. Either way the loop pushes
     the learner's weights through ``load_weights(state, version)`` before the first batch. An hf-family engine runs on
-    ``device`` (the in-process executor passes ``trainer.device``; a Ray actor's stays on the CPU).
+    ``device`` (the in-process executor passes ``trainer.device``; a Ray actor, the device Ray assigned it).
     """
     cfg = plan.config.trainer
     cls = BACKENDS.get(cfg.rollout_backend)
@@ -333,7 +339,7 @@ class Session:
         if local_teacher:
             teacher_model, tokenizer, teacher_path = prepare_model(cfg.teacher, "teacher", plan.task, plan.train_problems, store.root)
         student_model, student_tok, student_path = prepare_model(cfg.student, "student", plan.task, plan.train_problems, store.root)
-        device = run_device(cfg.trainer.device)
+        device = driver_device(cfg.trainer)
         student_model.to(device)  # before the optimizer is built (fused AdamW on CUDA) or a checkpoint's state loaded into it
         if cfg.trainer.activation_checkpointing:
             student_model.gradient_checkpointing_enable()

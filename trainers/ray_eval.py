@@ -37,7 +37,16 @@ from harness.registry import BACKENDS
 from harness.store import SampleRow
 from harness.task import Problem, Task, close_tasks
 from trainers.pipeline import close_rollout_backend
-from trainers.ray_executor import CLOSE_TIMEOUT_S, ActorRole, _setup_actor, placement_options, ray_get, ray_runtime, replica_names
+from trainers.ray_executor import (
+    CLOSE_TIMEOUT_S,
+    ActorRole,
+    DeviceUnavailable,
+    _setup_actor,
+    placement_options,
+    ray_get,
+    ray_runtime,
+    replica_names,
+)
 
 MAX_RESTARTS = 3  # Ray restarts a dead evaluation worker this often
 PROBE_INTERVAL_S = 0.5  # how often a restarting worker is asked whether it is back
@@ -52,18 +61,28 @@ class StaleWeights(RuntimeError):
 class EvalWorker(ActorRole):
     """One evaluation worker: its own backend and task instances; rolls out and grades the shards it is handed.
 
-    Given ``model`` (a training run's student, shipped), it wraps it in an hf backend holding no checkpoint's weights
-    (version -1) until :meth:`load_weights`; otherwise it loads ``spec.model`` on ``spec.backend``."""
+    Given ``model`` (a training run's student, shipped on the CPU), it wraps it in an hf backend holding no checkpoint's
+    weights (version -1) until :meth:`load_weights`; otherwise it loads ``spec.model`` on ``spec.backend``. An hf-family
+    backend runs on the device Ray assigned the worker (``cuda`` with GPUs, unless ``--backend-option device=`` says
+    otherwise); vLLM finds its GPUs through ``CUDA_VISIBLE_DEVICES``, which Ray sets. ``gpu_key`` is the setting that
+    asked for the GPUs (``--gpus-per-worker``, or ``trainer.layout.eval.num_gpus`` in a training run)."""
 
-    def __init__(self, spec: EvalWorkerSpec, threads: int, model: Any = None, tokenizer: Any = None) -> None:
+    role = "eval"
+
+    def __init__(self, spec: EvalWorkerSpec, threads: int, model: Any = None, tokenizer: Any = None,
+                 gpu_key: str = "--gpus-per-worker") -> None:  # fmt: skip
         _setup_actor(threads)
-        self.spec, self.tasks, self.backend, self.failure = spec, {}, None, None
+        self.spec, self.tasks, self.backend, self.failure, self._gpu_key = spec, {}, None, None, gpu_key
+        if not self.take_device():
+            return
         try:  # a start-up failure (a missing model folder) is reported by ``ready`` as one line, not a creation traceback
+            cls = HFBackend if model is not None else BACKENDS.get(spec.backend)
+            options = {"device": self.device, **spec.backend_options} if issubclass(cls, HFBackend) else spec.backend_options
             if model is not None:
-                self.backend = HFBackend(model, tokenizer, **spec.backend_options)
+                self.backend = HFBackend(model, tokenizer, **options)
                 self.backend.version = -1
             else:
-                self.backend = BACKENDS.get(spec.backend).load(spec.model, **spec.backend_options)
+                self.backend = cls.load(spec.model, **options)
         except Exception as exc:  # noqa: BLE001 - reported to the driver, which stops the evaluation
             self.failure = f"{type(exc).__name__}: {exc}"
 
@@ -71,9 +90,17 @@ class EvalWorker(ActorRole):
         """Hold the weights of checkpoint ``version`` (a training run's evaluation workers)."""
         self.backend.load_weights(weights, version)
 
-    def ready(self) -> str | None:  # type: ignore[override]
+    @property
+    def gpu_key(self) -> str:
+        return self._gpu_key
+
+    def ready(self) -> str | None:
         """None once the backend is loaded, else why it could not be."""
-        return self.failure
+        return self.device_failure or self.failure
+
+    def device_problem(self) -> str | None:
+        """Why this worker cannot use the GPUs Ray gave it, or None."""
+        return self.device_failure
 
     def pid(self) -> int:
         return os.getpid()
@@ -225,25 +252,30 @@ class RayShards:
         pending.appendleft(index)
 
 
-def spread(index: int) -> dict[str, Any]:
-    """Placement of ``harness eval``'s workers: one CPU each, spread over the cluster's nodes (Ray's SPREAD strategy)."""
-    return {"num_cpus": WORKER_THREADS, "scheduling_strategy": "SPREAD"}
+def spread(index: int, gpus: float = 0.0) -> dict[str, Any]:
+    """Placement of ``harness eval``'s workers: one CPU and ``gpus`` GPUs (``--gpus-per-worker``) each, spread over the
+    cluster's nodes (Ray's SPREAD strategy)."""
+    return {"num_cpus": WORKER_THREADS, "num_gpus": gpus, "scheduling_strategy": "SPREAD"}
 
 
 def start_workers(
     ray: ModuleType, spec: EvalWorkerSpec, count: int, console: Console, *, threads: int = WORKER_THREADS,
-    placed: Callable[[int], dict[str, Any]] = spread, model: Any = None, tokenizer: Any = None,
+    placed: Callable[[int], dict[str, Any]] = spread, model: Any = None, tokenizer: Any = None, gpu_key: str = "--gpus-per-worker",
 ) -> list[Any]:
     """``count`` workers, worker i placed by ``placed(i)``, each restarted when it dies; ``model`` (an object ref) is a
-    training run's student, shipped instead of loading ``spec.model``."""
+    training run's student, shipped instead of loading ``spec.model``. :class:`DeviceUnavailable` (naming ``gpu_key``)
+    when a worker was given GPUs its torch cannot see."""
     workers = [
         ray.remote(EvalWorker).options(max_concurrency=1, max_restarts=MAX_RESTARTS, max_task_retries=0, **placed(i))
-        .remote(spec, threads, model, tokenizer)
+        .remote(spec, threads, model, tokenizer, gpu_key)
         for i in range(count)
     ]  # fmt: skip
     failures = [f for f in ray.get([w.ready.remote() for w in workers]) if f]
     if failures:
+        device = next((p for p in ray.get([w.device_problem.remote() for w in workers]) if p), None)
         stop_workers(ray, workers, console)
+        if device:
+            raise DeviceUnavailable(device)
         raise RuntimeError(f"an evaluation worker could not load --model {spec.model!r}: {failures[0]}")
     nodes = Counter(ray.get([w.node_id.remote() for w in workers]))
     console.print(f"ray eval: {count} workers on {len(nodes)} node(s): " + ", ".join(f"{n} on {node[:12]}" for node, n in nodes.items()))
@@ -279,11 +311,13 @@ class RayEvalExecutor:
 
     @contextmanager
     def open(
-        self, spec: EvalWorkerSpec, *, workers: int, address: str | None, console: Console, max_sandboxes: int | None = None
+        self, spec: EvalWorkerSpec, *, workers: int, address: str | None, console: Console, max_sandboxes: int | None = None,
+        gpus_per_worker: float = 0.0,
     ) -> Iterator[RayShards]:
+        """``workers`` evaluation workers, each asking Ray for ``gpus_per_worker`` GPUs (``--gpus-per-worker``)."""
         spec = dataclasses.replace(spec, sandbox_per_shard=max_sandboxes is not None)
         with ray_runtime(address, WORKER_THREADS, console, cpus=workers * WORKER_THREADS) as ray:
-            started = start_workers(ray, spec, workers, console)
+            started = start_workers(ray, spec, workers, console, placed=lambda i: spread(i, gpus_per_worker))
             try:
                 yield RayShards(ray, started, console, max_sandboxes)
             finally:
@@ -291,12 +325,12 @@ class RayEvalExecutor:
 
     @contextmanager
     def for_run(
-        self, ray: ModuleType, plan, session, groups: dict[str, Any], placement: dict[str, str], console: Console
+        self, ray: ModuleType, plan, session, groups: dict[str, Any], placement: dict[str, Any], console: Console
     ) -> Iterator[None]:
         """``trainer.layout.eval.replicas`` workers, worker i in bundle i of the eval role's placement group, holding the
         session's student (shipped once) and the run's eval tasks; the session's checkpoint evaluations run their shards
         there while the run lasts (its teacher's reference evaluation stays in the driver). Their nodes go into
-        ``placement`` as ``eval`` (``eval.0``, ``eval.1``, … for several)."""
+        ``placement`` as ``eval`` (``eval.0``, ``eval.1``, … for several), their GPU ids under ``gpus``."""
         cfg, layout = plan.config, plan.config.trainer.layout
         bound = layout.eval.max_sandboxes
         spec = EvalWorkerSpec("hf", session.student_path, {"batch_size": cfg.trainer.generate_batch_size}, cfg.task_args,
@@ -304,9 +338,12 @@ class RayEvalExecutor:
         shipped = ray.put(session.student.model)  # kept until the workers are gone: a restarted worker is built from it again
         placed = lambda i: placement_options(layout, groups, "eval", i)  # noqa: E731
         workers = start_workers(ray, spec, layout.eval.replicas, console, threads=cfg.threads or 1, placed=placed, model=shipped,
-                                tokenizer=session.student.tokenizer)  # fmt: skip
+                                tokenizer=session.student.tokenizer, gpu_key="trainer.layout.eval.num_gpus")  # fmt: skip
         try:
-            placement.update(zip(replica_names("eval", len(workers)), ray.get([w.node_id.remote() for w in workers]), strict=True))
+            names = replica_names("eval", len(workers))
+            placement.update(zip(names, ray.get([w.node_id.remote() for w in workers]), strict=True))
+            gpus = placement.setdefault("gpus", {})
+            gpus.update(zip(names, ray.get([w.devices.remote() for w in workers]), strict=True))
             session.shard_runner = CheckpointShards(ray, RayShards(ray, workers, console, bound))
             yield
         finally:

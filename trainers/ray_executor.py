@@ -22,25 +22,37 @@ Results match the in-process executor for the same seed: sampling for batch b de
 (``threads``, default 1), and whenever the schedule is deterministic (``fixed_lag``, or ``max_lag`` 0)
 so are the losses, with any number of rollout actors.
 
+Devices: every actor takes its device from the GPUs Ray assigned it (``ray.get_gpu_ids()``, from its role's
+``trainer.layout.<role>.num_gpus``): ``cuda`` (the first of them, as Ray's ``CUDA_VISIBLE_DEVICES`` numbers them) when it
+has some, else ``cpu``; an actor given GPUs that its torch cannot see stops the run before training (exit 2, naming the
+role's key). Models cross process boundaries as CPU tensors only: the driver keeps its models on the CPU and ships
+them so, and the learner returns weights and state on the CPU. Each actor's GPU ids go into the run's placement.
+
 Faults: a rollout actor that dies (its process killed) is restarted by Ray (``ROLLOUT_RESTARTS``); the
 driver re-queues the units it had in flight (only those) and reloads its weights, so no step is lost or trained
-twice. Teacher actors (``trainer.layout.teacher.replicas``) sit behind one chooser (:class:`TeacherActors`):
-each batch goes to the replica with the fewest batches in flight, and one that dies is restarted by Ray
-while its batch is scored by another. An error raised inside an actor (e.g. ``TeacherFailed``) reaches the driver as itself, not
-wrapped in Ray's ``RayTaskError``.
+twice. A call that takes longer than ``trainer.actor_timeout_s`` counts as a hung actor: a rollout or teacher actor is
+killed for Ray to restart (and treated as dead), a learner rank fails the run. A restart slower than
+``trainer.actor_restart_timeout_s``, or a role whose node died, ends the run ``failed`` with one line naming the role
+and the node (:class:`ActorLost`); ``--resume`` continues from the last checkpoint. Teacher actors
+(``trainer.layout.teacher.replicas``) sit behind one chooser (:class:`TeacherActors`): each batch goes to the replica
+with the fewest batches in flight, and one that dies is restarted by Ray while its batch is scored by another. An error
+raised inside an actor (e.g. ``TeacherFailed``) reaches the driver as itself, not wrapped in Ray's ``RayTaskError``.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 import math
 import os
+import socket
 import threading
 import time
 import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import ModuleType
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -78,7 +90,9 @@ CLOSE_TIMEOUT_S = 60.0  # how long the actors get to release their tasks' sandbo
 PLACEMENT_TIMEOUT_S = 60.0  # how long a role's placement group may take to be reserved before the layout is refused
 PLACED_ROLES = tuple(role for role in LAYOUT_ROLES if role != "eval")  # roles every layout places (eval: only when it is given)
 ROLLOUT_RESTARTS = MAX_ROLLOUT_LOSSES  # Ray restarts a dead rollout actor this often; the driver re-queues its batch
-RESTART_TIMEOUT_S = 180.0  # how long a dead rollout actor may take to come back (imports, plan, model) before the run fails
+RESTART_TIMEOUT_S = 300.0  # default of trainer.actor_restart_timeout_s: how long a dead actor may take to come back
+RAYLET_PROBE_S = 3.0  # how long a node's raylet may take to accept a connection before the node counts as lost
+NODE_GRACE_S = 10.0  # after a learner rank fails: how long Ray may take to report its node dead before the failure is the rank's
 TEACHER_RESTARTS = 3  # Ray restarts a dead teacher actor this often; its batch is scored by another replica meanwhile
 # pack/spread are soft (best effort, never unschedulable for the strategy alone); strict_* are Ray's hard versions
 STRATEGIES = {"pack": "PACK", "spread": "SPREAD", "strict_pack": "STRICT_PACK", "strict_spread": "STRICT_SPREAD"}
@@ -250,12 +264,64 @@ def _plan(config: dict) -> Any:
     return plan_run(RunConfig.model_validate(config))
 
 
-class ActorRole:
-    """What every actor answers: ``ready`` returns once the constructor (imports, plan, models) is done;
-    ``close`` releases what the actor's own plan holds (task sandboxes, an inference engine) before it is killed."""
+class DeviceUnavailable(ConfigError):
+    """An actor was given GPUs (its role's ``num_gpus``) that its torch cannot see: the run stops before training (exit 2)."""
 
-    def ready(self) -> bool:
-        return True
+
+def assigned_device() -> tuple[str, list[str]]:
+    """This actor's torch device and the GPU ids Ray assigned it: ``cuda`` when it has some (Ray's ``CUDA_VISIBLE_DEVICES``
+    makes the first of them ``cuda:0``; vLLM finds them the same way), else ``cpu``."""
+    import ray
+
+    ids = [str(i) for i in ray.get_gpu_ids()]
+    return ("cuda" if ids else "cpu"), ids
+
+
+def on_cpu(value: Any) -> Any:
+    """``value`` (a state dict, an optimizer's, nested) with every tensor on the CPU: what crosses a process boundary
+    (a CUDA-pickled tensor cannot be loaded where torch sees no CUDA)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {key: on_cpu(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(on_cpu(item) for item in value)
+    return value
+
+
+class ActorRole:
+    """What every actor answers: ``ready`` returns once the constructor (imports, plan, models) is done (None, or why the
+    actor cannot work: GPUs its torch cannot see); ``close`` releases what the actor's own plan holds (task sandboxes, an
+    inference engine) before it is killed. ``gpu_key`` is the setting that gave the actor its GPUs (named when it fails)."""
+
+    role = "actor"
+    device = "cpu"
+    gpu_ids: list[str] = []
+    device_failure: str | None = None
+
+    @property
+    def gpu_key(self) -> str:
+        return f"trainer.layout.{self.role}.num_gpus"
+
+    def take_device(self) -> bool:
+        """Take the device Ray assigned (:func:`assigned_device`); False, with ``device_failure`` saying why in one line,
+        when Ray gave this actor GPUs that its torch cannot see (never a silent CPU run)."""
+        self.device, self.gpu_ids = assigned_device()
+        if self.gpu_ids and not torch.cuda.is_available():
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            self.device_failure = (
+                f"{self.gpu_key}: Ray gave the {self.role} actor GPU {','.join(self.gpu_ids)} on node {self.node_id()[:12]}, but "
+                f"torch there sees no CUDA device (torch {torch.__version__}, CUDA_VISIBLE_DEVICES={visible!r}); install a CUDA "
+                "build of torch on that node, or ask for no GPUs"
+            )
+        return self.device_failure is None
+
+    def ready(self) -> str | None:
+        return self.device_failure
+
+    def devices(self) -> list[str]:
+        """The GPU ids Ray assigned this actor (empty on the CPU)."""
+        return list(self.gpu_ids)
 
     def pid(self) -> int:
         """This actor's process id (tests kill it to check restarts)."""
@@ -279,12 +345,15 @@ class RolloutActor(ActorRole):
     student's folder, which the actor's node must see); generates (and grades) batch b with weights r. Beside
     a non-hf engine the shipped copy recomputes π_old (``trainer.behaviour_logprobs=recompute``)."""
 
+    role = "rollout"
+
     def __init__(self, config: dict, model: torch.nn.Module, tokenizer: Any, student_path: str, train_problems: list, threads: int) -> None:
         _setup_actor(threads)
-        self.plan = _plan(config)
-        self.backend = open_rollout_backend(self.plan, student_path, model=model, tokenizer=tokenizer)
-        self.scorer = open_behaviour_scorer(self.plan, self.backend, student_path, model=model, tokenizer=tokenizer)
-        self.train_problems = train_problems
+        self.plan, self.train_problems = _plan(config), train_problems
+        if not self.take_device():
+            return
+        self.backend = open_rollout_backend(self.plan, student_path, model=model, tokenizer=tokenizer, device=self.device)
+        self.scorer = open_behaviour_scorer(self.plan, self.backend, student_path, model=model, tokenizer=tokenizer, device=self.device)
 
     def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
         load_rollout_weights(self.backend, self.scorer, weights, version)
@@ -305,13 +374,18 @@ class TeacherActor(ActorRole):
     """Teacher role: holds the teacher (the shipped model for ``hf``, else ``teacher.backend``'s engine or client, opened
     here) and fills its log-probs (or distributions) into batches."""
 
+    role = "teacher"
+
     def __init__(self, config: dict, model: torch.nn.Module | None, tokenizer: Any, student_path: str, threads: int) -> None:
         _setup_actor(threads)
         self.plan = _plan(config)
+        if not self.take_device():
+            return
         spec = self.plan.config.teacher
         if model is not None:
             trainer = self.plan.config.trainer
-            options = {"score_tokens": trainer.forward_tokens, "score_chunk": trainer.vocab_chunk, **spec.backend_options}
+            options = {"device": self.device, "score_tokens": trainer.forward_tokens, "score_chunk": trainer.vocab_chunk,
+                       **spec.backend_options}  # fmt: skip
             self.backend = wrap_hf_teacher(model, tokenizer, trainer.generate_batch_size, options)
         else:
             self.backend = open_remote_teacher(spec, student_path)
@@ -329,6 +403,8 @@ class LearnerActor(ActorRole):
     optimizer and method state, and the driver reads rank 0's. With ``sharding`` fsdp2 each rank holds a shard of them, and
     reading the weights or the state is a collective: the driver calls every rank, rank 0 returns the full tensors."""
 
+    role = "learner"
+
     def __init__(
         self, config: dict, parts: tuple, threads: int, rank: int = 0, world: int = 1, teacher_head: torch.nn.Module | None = None
     ) -> None:
@@ -336,6 +412,10 @@ class LearnerActor(ActorRole):
         self.plan = _plan(config)
         self.model, self.optimizer, self.method_state = parts  # one pickle: the optimizer still holds this model's parameters
         self.teacher_head = teacher_head  # a copy of the teacher's output head, for a full teacher signal (shipped once)
+        if self.take_device() and self.device != "cpu":  # shipped on the CPU; moved in place, so the optimizer keeps its parameters
+            self.model.to(self.device)
+            self.optimizer.load_state_dict(self.optimizer.state_dict())  # its state (a resumed run's) follows the parameters' device
+            self.teacher_head = teacher_head.to(self.device) if teacher_head is not None else None
         self.shard = Shard(rank, world) if world > 1 else None
         layout = self.plan.config.trainer.layout
         self.sharding = layout.learner.sharding if layout is not None and world > 1 else "ddp"
@@ -376,16 +456,18 @@ class LearnerActor(ActorRole):
         return LearnResult(metrics, batch.policy_lag.tolist(), response_lengths(batch))
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """A copy of the full weights (fsdp2: every rank must be called; the others return an empty dict)."""
+        """A CPU copy of the full weights (fsdp2: every rank must be called; the others return an empty dict)."""
         with collective_deadline(self.timeout_s):
-            return full_weights(self.model) if self.sharding == "fsdp2" else state_snapshot(self.model)
+            if self.sharding == "fsdp2":
+                return full_weights(self.model)
+            return state_snapshot(self.model) if self.device == "cpu" else on_cpu(self.model.state_dict())
 
     def state(self) -> dict[str, Any]:
         """Full (unsharded) weights, optimizer and method state, for the driver's checkpoints and evaluations (fsdp2: every
         rank must be called; rank 0's answer holds them)."""
         method_state = self.method_state.state_dict() if self.method_state is not None else None
         with collective_deadline(self.timeout_s):
-            return {**full_state(self.model, self.optimizer, self.sharding), "method_state": method_state}
+            return on_cpu({**full_state(self.model, self.optimizer, self.sharding), "method_state": method_state})
 
 
 def ray_get(ray: ModuleType, refs: Any, **options: Any) -> Any:
@@ -399,62 +481,187 @@ def ray_get(ray: ModuleType, refs: Any, **options: Any) -> Any:
         raise
 
 
+class ActorLost(TrainingAborted):
+    """A rollout or teacher actor that did not come back within ``trainer.actor_restart_timeout_s``, or a role whose node
+    died: the run stops ``failed`` with one line naming the role and its node; its last checkpoint resumes."""
+
+
+def resume_hint(session: Session | None) -> str:
+    """Where the run continues from, and the command: ``continue from its last checkpoint (step N) with: harness run --resume …``."""
+    if session is None:
+        return ""
+    checkpoints = session.store.checkpoints(session.run_id)
+    last = f"its last checkpoint (step {checkpoints[-1]['step']})" if checkpoints else "the start (no checkpoint yet)"
+    return f"; continue from {last} with: harness run --resume {session.run_id} --out {session.store.root}"
+
+
+@dataclass
+class Faults:
+    """How the driver side of the actors treats a hung call, a slow restart and a lost node.
+
+    ``call_s`` bounds every call to a rollout, teacher or learner actor (``trainer.actor_timeout_s``; None: unbounded),
+    ``restart_s`` a dead actor's restart (``trainer.actor_restart_timeout_s``). ``placement`` (role → node id, filled when
+    the actors are ready) names the node of a role that is lost; ``session`` gives the resume line."""
+
+    call_s: float | None = None
+    restart_s: float = RESTART_TIMEOUT_S
+    placement: dict[str, Any] = field(default_factory=dict)
+    session: Session | None = None
+
+    def dead_node(self, ray: ModuleType, role: str, grace_s: float = 0.0) -> str | None:
+        """The node of ``role`` if it is dead (:func:`dead_nodes`; waiting up to ``grace_s``), else None."""
+        node = self.placement.get(role)
+        if not isinstance(node, str):
+            return None
+        deadline = time.monotonic() + grace_s
+        while True:
+            if node in dead_nodes(ray, {node}):
+                return node
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.5)
+
+    def any_dead(self, ray: ModuleType, grace_s: float = 0.0) -> tuple[str, str] | None:
+        """(role, node) of the first role of the placement whose node Ray reports dead (waiting up to ``grace_s``), or None."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            dead = dead_nodes(ray, {node for node in self.placement.values() if isinstance(node, str)})
+            found = next(((role, node) for role, node in self.placement.items() if isinstance(node, str) and node in dead), None)
+            if found is not None or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.5)
+
+    def lost(self, role: str, node: str | None, what: str) -> ActorLost:
+        """The one-line error of a lost ``role`` (``what`` happened to it) on ``node``."""
+        where = f"node {node} died" if node else f"on node {self.placement.get(role) or 'unknown'}"
+        return ActorLost(f"{role} {what}; {where}" + resume_hint(self.session))
+
+    def check_node(self, ray: ModuleType, role: str, exc: BaseException | None = None) -> None:
+        """:class:`ActorLost` if ``role``'s node died (given a moment when ``exc`` is one of Ray's lost-node errors)."""
+        grace = NODE_GRACE_S if isinstance(exc, (*_object_lost(ray), ray.exceptions.ActorUnavailableError)) else 0.0
+        node = self.dead_node(ray, role, grace)
+        if node is not None:
+            raise self.lost(role, node, f"was lost ({type(exc).__name__ if exc is not None else 'node died'})") from None
+
+
+def dead_nodes(ray: ModuleType, nodes: set[str]) -> set[str]:
+    """Which of ``nodes`` are dead: Ray reports them so, or their raylet does not accept a connection (Ray marks a node dead
+    only after its health checks fail, tens of seconds after the machine is gone)."""
+    dead = set()
+    for info in ray.nodes():
+        node = info.get("NodeID")
+        if node not in nodes:
+            continue
+        if not info.get("Alive"):
+            dead.add(node)
+            continue
+        try:
+            socket.create_connection((info["NodeManagerAddress"], int(info["NodeManagerPort"])), timeout=RAYLET_PROBE_S).close()
+        except (OSError, KeyError, ValueError):
+            dead.add(node)
+    return dead
+
+
+def _object_lost(ray: ModuleType) -> tuple[type, ...]:
+    """Ray's errors of objects on a lost node (OwnerDiedError & co. are ObjectLostErrors): they may come before Ray has
+    marked the node dead."""
+    return (ray.exceptions.ObjectLostError, ray.exceptions.NodeDiedError)
+
+
 class RayRollout:
     """Driver side of one rollout actor (and the teacher actors), for a ``RolloutWorker``: loads weights by ref,
-    returns batch refs; a dead actor (Ray restarts it) is :class:`RolloutLost`, and its weights are reloaded."""
+    returns batch refs; a dead actor (Ray restarts it) is :class:`RolloutLost`, and its weights are reloaded. A call
+    that exceeds ``faults.call_s`` means the actor hung: it is killed once for Ray to restart, then treated as dead."""
 
-    def __init__(self, ray: ModuleType, plan, actor: Any, teacher: Any, board: WeightBoard) -> None:
+    def __init__(self, ray: ModuleType, plan, actor: Any, teacher: Any, board: WeightBoard, name: str = "rollout",
+                 faults: Faults | None = None) -> None:  # fmt: skip
         self.ray, self.actor, self.teacher, self.board = ray, actor, teacher, board
         self.score = needs_teacher(plan)
         self.version = -1
+        self.name, self.faults = name, faults or Faults()
+        self.kills = 0  # hangs this driver side killed the actor for (each kill once, whichever of its calls saw it)
+        self._lock = threading.Lock()
 
     def load(self, version: int) -> None:
         """Load ``version`` and wait for it: the actor runs several units at once, so a later call is not ordered after it."""
-        self._get(self.actor.load_weights.remote(self.board.get(version), version), f"loading weights {version}")
+        kills = self.kills
+        self._get(self.actor.load_weights.remote(self.board.get(version), version), f"loading weights {version}", kills)
         self.version = version
 
     def make(self, unit: Unit) -> tuple[Any, dict[str, float]]:
+        kills = self.kills
         batch, metrics = self.actor.generate.options(num_returns=2).remote(unit, self.version)
-        metrics = self._get(metrics, f"batch {unit.index}" + (f" (group {unit.group})" if unit.groups > 1 else ""))
+        metrics = self._get(metrics, f"batch {unit.index}" + (f" (group {unit.group})" if unit.groups > 1 else ""), kills)
         return self.teacher.score(batch, metrics, unit.index) if self.score else (batch, metrics)
 
-    def _get(self, ref: Any, what: str) -> Any:
-        """The result of a call to the actor; :class:`RolloutLost` (weights to reload) if it was restarted or died."""
+    def _get(self, ref: Any, what: str, kills: int = 0) -> Any:
+        """The result of a call to the actor; :class:`RolloutLost` (weights to reload) if it was restarted, died or hung
+        (``kills``: the driver's kill count when the call was sent, so a hang is killed once)."""
+        ray = self.ray
         try:
-            return ray_get(self.ray, ref)
+            return ray_get(ray, ref, timeout=self.faults.call_s)
         except RolloutLost:
             self.version = -1  # restarted before this call: it holds the initial weights, reload before the next one
             raise
-        except self.ray.exceptions.RayActorError as exc:
+        except ray.exceptions.GetTimeoutError:
+            self.version = -1
+            with self._lock:
+                if self.kills == kills:  # the first call to see the hang kills it; the others wait for the same restart
+                    self.kills += 1
+                    ray.kill(self.actor, no_restart=False)
+            self.faults.check_node(ray, self.name)
+            await_restart(ray, self.actor, f"a {self.name} actor hung with {what} (no answer within {self.faults.call_s:g}s)",
+                          ROLLOUT_RESTARTS, self.faults, self.name)  # fmt: skip
+            raise RolloutLost(f"{self.name} actor hung with {what} in flight; killed and restarted") from None
+        except ray.exceptions.RayActorError as exc:
             self.version = -1  # died with the call in flight; once restarted it needs weights again
-            await_restart(self.ray, self.actor, f"a rollout actor died with {what}", ROLLOUT_RESTARTS)
-            raise RolloutLost(f"rollout actor lost with {what} in flight: {type(exc).__name__}") from exc
+            self.faults.check_node(ray, self.name, exc)
+            await_restart(ray, self.actor, f"a {self.name} actor died with {what}", ROLLOUT_RESTARTS, self.faults, self.name)
+            raise RolloutLost(f"{self.name} actor lost with {what} in flight: {type(exc).__name__}") from exc
+        except _object_lost(ray) as exc:  # its weights or batch were on a node that died: name that node
+            found = self.faults.any_dead(ray, NODE_GRACE_S)
+            if found is not None:
+                raise self.faults.lost(found[0], found[1], f"was lost ({type(exc).__name__} with {what})") from None
+            raise self.faults.lost(self.name, None, f"lost an object it needed for {what} ({type(exc).__name__})") from None
 
 
-def await_restart(ray: ModuleType, actor: Any, what: str, restarts: int) -> None:
-    """Block until Ray has restarted ``actor`` (calls fail fast while it restarts); one clear error if it stays dead."""
-    deadline = time.monotonic() + RESTART_TIMEOUT_S
+def await_restart(ray: ModuleType, actor: Any, what: str, restarts: int, faults: Faults | None = None, role: str = "actor") -> None:
+    """Block until Ray has restarted ``actor`` (calls fail fast while it restarts); :class:`ActorLost` (one line, naming
+    ``role`` and its node) if it is not back within ``faults.restart_s``, its node died, or it stays dead."""
+    faults = faults or Faults()
+    deadline = time.monotonic() + faults.restart_s
     while True:
+        left = deadline - time.monotonic()
         try:
-            ray.get(actor.ready.remote(), timeout=RESTART_TIMEOUT_S)
+            if left <= 0:
+                raise ray.exceptions.GetTimeoutError("restart deadline")
+            ray.get(actor.ready.remote(), timeout=left)
             return
+        except ray.exceptions.GetTimeoutError:  # the restart (imports, plan, model) or its placement takes too long
+            faults.check_node(ray, role)
+            limit = f"trainer.actor_restart_timeout_s={faults.restart_s:g}s"
+            raise faults.lost(role, None, f"did not come back within {limit} ({what})") from None
         except ray.exceptions.ActorUnavailableError:  # restarting
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{what} and was not back within {RESTART_TIMEOUT_S:g}s") from None
+            faults.check_node(ray, role)
             time.sleep(0.5)
         except ray.exceptions.RayActorError:  # dead for good: its restarts are used up
-            raise RuntimeError(f"{what} in flight and Ray did not restart it (at most {restarts} restarts)") from None
+            faults.check_node(ray, role)
+            raise faults.lost(role, None, f"was not restarted by Ray (at most {restarts} restarts; {what})") from None
 
 
 class TeacherActors:
     """The run's teacher actors behind one chooser, shared by the rollout workers' threads: a batch goes to the replica
-    with the fewest batches in flight; a replica that dies (Ray restarts it) has its batch scored by another, or by
-    itself once back when every replica is down. An error raised in a teacher (``TeacherFailed``) stops the run as before."""
+    with the fewest batches in flight; a replica that dies (Ray restarts it) or hangs (a call past ``faults.call_s``:
+    killed for Ray to restart) has its batch scored by another, or by itself once back when every replica is down. An
+    error raised in a teacher (``TeacherFailed``) stops the run as before."""
 
-    def __init__(self, ray: ModuleType, actors: list[Any]) -> None:
+    def __init__(self, ray: ModuleType, actors: list[Any], faults: Faults | None = None) -> None:
         self.ray, self.actors = ray, actors
+        self.faults = faults or Faults()
+        self.names = replica_names("teacher", len(actors))
         self.inflight = [0] * len(actors)
         self.failovers = 0  # batches re-sent after their replica died
+        self.kills = [0] * len(actors)  # hangs each replica was killed for
         self._lock = threading.Lock()
 
     def _claim(self, exclude: set[int]) -> int:
@@ -466,18 +673,26 @@ class TeacherActors:
 
     def score(self, batch: Any, metrics: dict[str, float], index: int) -> tuple[Any, dict[str, float]]:
         """Batch ``index`` (a ref) scored on some replica: (scored batch ref, metrics with the teacher's timing)."""
-        died: set[int] = set()
+        ray, died = self.ray, set()
         while True:
             replica = self._claim(died)
+            kills = self.kills[replica]
             scored, out = self.actors[replica].score.options(num_returns=2).remote(batch, metrics, index)
             try:
-                return scored, ray_get(self.ray, out)
-            except self.ray.exceptions.RayActorError:
+                return scored, ray_get(ray, out, timeout=self.faults.call_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                if isinstance(exc, ray.exceptions.GetTimeoutError):
+                    with self._lock:
+                        if self.kills[replica] == kills:  # hung: killed once, for Ray to restart
+                            self.kills[replica] += 1
+                            ray.kill(self.actors[replica], no_restart=False)
+                self.faults.check_node(ray, self.names[replica], None if isinstance(exc, ray.exceptions.GetTimeoutError) else exc)
                 died.add(replica)
                 with self._lock:
                     self.failovers += 1
                 if len(died) == len(self.actors):  # every replica is down: wait for this one to come back
-                    await_restart(self.ray, self.actors[replica], f"a teacher actor died with batch {index}", TEACHER_RESTARTS)
+                    await_restart(ray, self.actors[replica], f"a teacher actor {'hung' if kills != self.kills[replica] else 'died'} "
+                                  f"with batch {index}", TEACHER_RESTARTS, self.faults, self.names[replica])  # fmt: skip
                     died.clear()
             finally:
                 with self._lock:
@@ -493,8 +708,9 @@ class RayLearner:
     state pulled into the session come from rank 0. A rank that fails kills the others (they would wait for it in
     their collectives) and stops the run with :class:`LearnerRankFailed`."""
 
-    def __init__(self, ray: ModuleType, ranks: list[Any], session: Session, sharding: str = "ddp") -> None:
+    def __init__(self, ray: ModuleType, ranks: list[Any], session: Session, sharding: str = "ddp", faults: Faults | None = None) -> None:
         self.ray, self.ranks, self.session = ray, ranks, session
+        self.faults = faults or Faults(session=session)
         self.sharding = sharding
         self.sharded = sharding == "fsdp2" and len(ranks) > 1  # weights and state are then read from every rank at once
         self.killed = False
@@ -539,7 +755,13 @@ class RayLearner:
         fails (a dead rank named before one whose collective failed because of it)."""
         ray, pending, failures = self.ray, list(refs), {}
         while pending and not failures:
-            done, pending = ray.wait(pending, num_returns=1)
+            done, pending = ray.wait(pending, num_returns=1, timeout=self.faults.call_s)
+            if not done:  # hung (e.g. a collective or a device that never returns): the run cannot go on without it
+                self.kill()
+                rank = first + refs.index(pending[0])
+                limit = f"trainer.actor_timeout_s={self.faults.call_s:g}s"
+                raise LearnerRankFailed(f"learner rank {rank} of {len(self.ranks)} hung while {doing} (no answer within {limit})"
+                                        + resume_hint(self.session)) from None  # fmt: skip
             for ref in done:
                 try:
                     ray.get(ref)
@@ -553,18 +775,24 @@ class RayLearner:
                     except Exception as exc:  # noqa: BLE001
                         failures[first + refs.index(ref)] = exc
             self.kill()
+            lost = (*_object_lost(ray), ray.exceptions.RayActorError)  # a rank whose node died: the node is what failed
+            for rank, exc in sorted(failures.items()):
+                grace = NODE_GRACE_S if isinstance(exc, lost) or isinstance(getattr(exc, "cause", None), lost) else 0.0
+                if (node := self.faults.dead_node(ray, self.rank_name(rank), grace)) is not None:
+                    raise self.faults.lost(f"learner rank {rank} of {len(self.ranks)}", node, f"was lost while {doing}") from None
             raise LearnerRankFailed(self._failure_line(ray, failures, doing)) from None
         return ray.get(refs)
+
+    def rank_name(self, rank: int) -> str:
+        """Rank ``rank``'s key in the run's placement."""
+        return "learner" if len(self.ranks) == 1 else f"learner_rank_{rank}"
 
     def _failure_line(self, ray: ModuleType, failures: dict[int, Exception], doing: str) -> str:
         died = {i: e for i, e in failures.items() if isinstance(e, ray.exceptions.RayActorError)}
         rank, exc = min((died or failures).items())
         cause = getattr(exc, "cause", None) or exc  # a task's own exception, inside Ray's RayTaskError
         what = "died" if rank in died else f"failed ({type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[-1][:300]})"
-        checkpoints = self.session.store.checkpoints(self.session.run_id)
-        resume = f"harness run --resume {self.session.run_id} --out {self.session.store.root}"
-        last = f"its last checkpoint (step {checkpoints[-1]['step']})" if checkpoints else "the start (no checkpoint yet)"
-        return f"learner rank {rank} of {len(self.ranks)} {what} while {doing}; continue from {last} with: {resume}"
+        return f"learner rank {rank} of {len(self.ranks)} {what} while {doing}" + resume_hint(self.session)
 
     def kill(self) -> None:
         """Stop every rank now (they hold no sandboxes: the learner's plan only trains)."""
@@ -626,23 +854,48 @@ def head_copy(teacher: Any) -> torch.nn.Module | None:
     return copy.deepcopy(head).cpu().requires_grad_(False) if head is not None else None
 
 
-def wait_ready(ray: ModuleType, actors: list, names: list[str], console: Console, placement: dict[str, str], learner: RayLearner) -> None:
+def wait_ready(ray: ModuleType, actors: list, names: list[str], console: Console, placement: dict[str, Any], learner: RayLearner) -> None:
     """Block until every actor is constructed (start-up is not training time) and the learner ranks have formed their
-    group; record the node each one (``names``; ``learner``: rank 0) runs on, and ``learner_rank_<i>`` when there are several."""
+    group; record the node each one (``names``; ``learner``: rank 0) runs on, and ``learner_rank_<i>`` when there are
+    several, and under ``gpus`` each one's assigned GPU ids. :class:`DeviceUnavailable` (naming the role's key) when an
+    actor was given GPUs its torch cannot see, before the learner group forms."""
     started = time.perf_counter()
-    ray_get(ray, [actor.ready.remote() for actor in [*actors, *learner.ranks[1:]]])
+    ranks = learner.ranks[1:]
+    every = [*actors, *ranks]
+    keys = [*names, *(f"learner_rank_{i}" for i in range(1, len(learner.ranks)))]
+    failures = ray_get(ray, [actor.ready.remote() for actor in every])
     placement.update(zip(names, ray.get([actor.node_id.remote() for actor in actors]), strict=True))
+    placement.setdefault("gpus", {}).update(zip(keys, ray.get([actor.devices.remote() for actor in every]), strict=True))
     if len(learner.ranks) > 1:
-        backend, rendezvous = learner.form_group()
         nodes = ray.get([rank.node_id.remote() for rank in learner.ranks])
         placement.update({f"learner_rank_{i}": node for i, node in enumerate(nodes)})
+    console.print("ray placement: " + ", ".join(f"{role} on node {node[:12]}" + gpu_note(placement, role)
+                                                for role, node in placement.items() if isinstance(node, str)))  # fmt: skip
+    failure = next((f for f in failures if isinstance(f, str)), None)
+    if failure:
+        raise DeviceUnavailable(failure)
+    if len(learner.ranks) > 1:
+        backend, rendezvous = learner.form_group()
         console.print(f"learner: {len(learner.ranks)} data-parallel ranks ({learner.sharding}, {backend}, rendezvous {rendezvous})")
     console.print(f"ray actors ready ({', '.join(names)}); waited {time.perf_counter() - started:.1f}s after the step-0 evaluation")
-    console.print("ray placement: " + ", ".join(f"{role} on node {node[:12]}" for role, node in placement.items()))
+
+
+def gpu_note(placement: dict[str, Any], role: str) -> str:
+    """`` (GPU 0,1)`` for a role the placement records GPUs for, else nothing."""
+    ids = (placement.get("gpus") or {}).get("learner" if role == "learner_rank_0" else role)
+    return f" (GPU {','.join(ids)})" if ids else ""
+
+
+def write_placement(session: Session, placement: dict[str, Any]) -> None:
+    """The run's placement (role → node, ``gpus``: role → GPU ids) as ``placement.json`` in its folder, as soon as the
+    actors are up: a run that stops before its first checkpoint (a device it cannot use, a lost node) still shows it."""
+    path = session.store.run_dir(session.run_id) / "placement.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(placement, indent=1, sort_keys=True))
 
 
 def checkpoint_evaluation(
-    ray: ModuleType, plan, session: Session, groups: dict[str, Any], placement: dict[str, str], console: Console
+    ray: ModuleType, plan, session: Session, groups: dict[str, Any], placement: dict[str, Any], console: Console
 ) -> AbstractContextManager[None]:
     """The run's checkpoint evaluations on the ``trainer.layout.eval`` workers of the eval executor of the same name
     (``trainers.ray_eval``, found through the registry), in the eval role's placement group; in the driver without one."""
@@ -689,19 +942,29 @@ class RayExecutor:
         rollouts, scorers, learners, pinned = start_actors(ray, plan, session, plan.config.threads or 1, self.groups)  # during step-0 eval
         actors = [*rollouts, *scorers, learners[0]]
         names = [*replica_names("rollout", len(rollouts)), *replica_names("teacher", len(scorers)), "learner"]
-        sharding = plan.config.trainer.layout.learner.sharding if plan.config.trainer.layout is not None else "ddp"
-        ray_learner, teachers = RayLearner(ray, learners, session, sharding), TeacherActors(ray, scorers)
-        placement: dict[str, str] = {}
+        trainer = plan.config.trainer
+        sharding = trainer.layout.learner.sharding if trainer.layout is not None else "ddp"
+        placement: dict[str, Any] = {}
+        faults = Faults(trainer.actor_timeout_s, trainer.actor_restart_timeout_s, placement, session)
+        ray_learner, teachers = RayLearner(ray, learners, session, sharding, faults), TeacherActors(ray, scorers, faults)
+
+        def ready() -> None:
+            try:
+                wait_ready(ray, actors, names, console, placement, ray_learner)
+            finally:
+                write_placement(session, placement)
+
         try:
             with checkpoint_evaluation(ray, plan, session, self.groups, placement, console), warnings.catch_warnings():
                 # the session's optimizer mirrors the learner's, so only its scheduler steps
                 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before", category=UserWarning)
                 yield Roles(
-                    [RayRollout(ray, plan, rollout, teachers, board) for rollout in rollouts],
+                    [RayRollout(ray, plan, rollout, teachers, board, name, faults)
+                     for rollout, name in zip(rollouts, names, strict=False)],
                     ray_learner,
-                    ready=lambda: wait_ready(ray, actors, names, console, placement, ray_learner),
+                    ready=ready,
                     placement=placement,
-                )
+                )  # fmt: skip
         finally:
             every = [*rollouts, *scorers, *([] if ray_learner.killed else learners)]  # killed learner ranks have nothing to close
             try:  # a kill skips the actors' exit hooks: their sandbox containers and engines are released first
