@@ -289,11 +289,11 @@ def check_model_folders(cfg: RunConfig) -> None:
                 raise ConfigError(str(exc)) from None
 
 
-def _dry_run(plan, device_memory: float | None, as_json: bool) -> None:
+def _dry_run(plan, device_memory: float | None, as_json: bool, skip: tuple[str, ...] = ()) -> None:
     """``harness run --dry-run``: the checks of a planned run before anything runs, one step each (:mod:`harness.dry_run`:
     data, models, the teacher–student pair, the teacher's log-probs; then the memory plan). Each step returns (its JSON
     section, a printer, its failure or None); the steps run in order up to the first failure, their sections are printed,
-    then that failure is raised (exit 2, one line)."""
+    then that failure is raised (exit 2, one line). ``skip``: steps left out (a recipe's plans skip "data")."""
     from harness import dry_run
 
     files: dict = {}
@@ -316,6 +316,8 @@ def _dry_run(plan, device_memory: float | None, as_json: bool) -> None:
              "teacher": lines(dry_run.teacher_step), "memory": _memory_step}  # fmt: skip
     results = {}
     for name, step in steps.items():
+        if name in skip:
+            continue
         results[name] = step(plan, device_memory=device_memory)
         if results[name][2]:
             break
@@ -1105,11 +1107,32 @@ def reproduce(
         raise _fail(f"interrupted; continue with: harness reproduce {name} --scale {scale} --out {out}", 130) from None
     if isinstance(result, str):
         sys.stdout.write(result)
+        sys.stdout.flush()
+        _recipe_plans(name, scale, set_)
         return
     sys.stdout.write(result.markdown)
     console.print(f"report, claims and plots: {result.folder}")
     if result.failed:
         raise _fail(f"{len(result.failed)} run(s) failed: {', '.join(result.failed)}; re-run to resume them", 1)
+
+
+def _recipe_plans(name: str, scale: str, overrides: list[str] | None) -> None:
+    """``harness reproduce --dry-run`` of a scale that names a layout: each distinct run's ``harness run --dry-run`` plan
+    (models, the pair, the teacher, the memory plan; the data is checked when the runs start), printed once with how many
+    runs share it; exit 2 at the first plan that fails."""
+    from harness.reproduce import distinct_plans, load_recipe
+
+    try:
+        recipe = load_recipe(name)
+        if not recipe.scales[scale].layout:
+            return
+        plans = distinct_plans(recipe, scale, overrides)
+        for number, (point, count) in enumerate(plans, 1):
+            stdout.print(f"\n## plan {number} of {len(plans)}: run [{point.index}] {escape(point.label())} (and {count - 1} more "
+                         f"run(s) with the same models, method, tasks and placement; data not checked here)", highlight=False)  # fmt: skip
+            _dry_run(point.plan, None, False, skip=("data",))
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
 
 
 sandbox_app = typer.Typer(

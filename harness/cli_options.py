@@ -48,14 +48,14 @@ def check_device_name(value: str | None) -> str | None:
 def check_positive_temperature(value: float | None) -> float | None:
     """A rollout temperature above 0 (a run samples; greedy rollouts are not a run setting): exit 2 naming --temperature."""
     if value is not None and not value > 0:
-        raise typer.BadParameter(f"{value} is not above 0", param_hint="--temperature")
+        raise typer.BadParameter(f"{value} is not above 0")
     return value
 
 
 def check_top_p(value: float | None) -> float | None:
     """A nucleus mass in (0, 1]; anything else is a one-line exit 2 naming --top-p."""
     if value is not None and not 0 < value <= 1:
-        raise typer.BadParameter(f"{value} is not in (0, 1]", param_hint="--top-p")
+        raise typer.BadParameter(f"{value} is not in (0, 1]")
     return value
 
 
