@@ -196,3 +196,23 @@ def test_run_sampling_flags_equal_their_set_keys():
     assert yaml.safe_load(flags.stdout)["trainer"]["temperature"] == 0.7
     thinking = runner.invoke(app, ["run", "--preset", "smoke", "--enable-thinking", "--print-config"])
     assert thinking.exit_code == 2 and "trainer.enable_thinking" in thinking.output  # a tiny model has no chat template
+
+
+def test_vllm_gets_top_k_and_presence_penalty_only_when_on():
+    from harness.backends.vllm_backend import sampling_kwargs
+    from tests.fake_vllm import FakeSamplingParams
+
+    on = sampling_kwargs(SamplingParams(temperature=0.6, top_k=20, presence_penalty=1.5), 0)
+    off = sampling_kwargs(SamplingParams(temperature=0.6), 0)
+    assert (on["top_k"], on["presence_penalty"]) == (20, 1.5) and "top_k" not in off and "presence_penalty" not in off
+    assert FakeSamplingParams(**on)["top_k"] == 20
+
+
+def test_openai_sends_top_k_as_an_extra_body_field_only_when_on(char_tokenizer):
+    from harness.backends.openai_backend import OpenAIBackend
+
+    backend = OpenAIBackend(object(), "m", char_tokenizer, server_extensions=False)
+    on = backend._common_kwargs(0, SamplingParams(temperature=0.6, top_k=20, presence_penalty=1.5))
+    assert on["extra_body"] == {"top_k": 20} and on["presence_penalty"] == 1.5
+    assert "extra_body" not in backend._common_kwargs(0, SamplingParams(temperature=0.6))
+    assert "extra_body" not in backend._common_kwargs(0, SamplingParams(temperature=0.0, top_k=20))  # greedy: nothing to cut
