@@ -199,6 +199,9 @@ def run(
     lr: opts.LearningRate = None,
     device: opts.Device = None,
     dtype: opts.Dtype = None,
+    temperature: opts.RunTemperature = None,
+    top_p: opts.RunTopP = None,
+    enable_thinking: opts.RunEnableThinking = None,
 ) -> None:
     """Train a student with METHOD on TASK, evaluating every checkpoint (Avg@k) into the store.
 
@@ -219,7 +222,9 @@ def run(
         if (device_memory is not None or json_) and not dry_run:
             raise ConfigError(f"{'--device-memory' if device_memory is not None else '--json'} is used only with --dry-run")
         if resume:
-            if any(v is not None for v in (method, task, mode, executor, preset, config, student, teacher, steps, lr, device, dtype)):
+            given = (method, task, mode, executor, preset, config, student, teacher, steps, lr, device, dtype,
+                     temperature, top_p, enable_thinking)  # fmt: skip
+            if any(v is not None for v in given):
                 raise ConfigError("--resume continues a run with its stored config; drop the other options (--set trainer.layout.* only)")
             if not (out / "results.sqlite").is_file():
                 raise ConfigError(f"--resume {resume}: no results store at {out / 'results.sqlite'} (pass the run's --out)")
@@ -227,7 +232,8 @@ def run(
             plan, run_id = plan_resume(store, resume, set_ or []), resume
             tasks_with_data_dir([plan.task, *plan.eval_tasks], data_dir)
         else:
-            flags = opts.run_flags_as_config(student=student, teacher=teacher, steps=steps, lr=lr, device=device, dtype=dtype)
+            flags = opts.run_flags_as_config(student=student, teacher=teacher, steps=steps, lr=lr, device=device, dtype=dtype,
+                                             temperature=temperature, top_p=top_p, enable_thinking=enable_thinking)  # fmt: skip
             trainer = {key: value for key, value in (("mode", mode), ("executor", executor)) if value is not None}
             cli = {"method": method, "task": task, **flags, "trainer": {**flags.get("trainer", {}), **trainer} or None}
             built = build_config(preset=preset, config_file=config, overrides=set_ or [], cli=cli, planning=planning)
@@ -283,11 +289,11 @@ def check_model_folders(cfg: RunConfig) -> None:
                 raise ConfigError(str(exc)) from None
 
 
-def _dry_run(plan, device_memory: float | None, as_json: bool) -> None:
+def _dry_run(plan, device_memory: float | None, as_json: bool, skip: tuple[str, ...] = ()) -> None:
     """``harness run --dry-run``: the checks of a planned run before anything runs, one step each (:mod:`harness.dry_run`:
     data, models, the teacher–student pair, the teacher's log-probs; then the memory plan). Each step returns (its JSON
     section, a printer, its failure or None); the steps run in order up to the first failure, their sections are printed,
-    then that failure is raised (exit 2, one line)."""
+    then that failure is raised (exit 2, one line). ``skip``: steps left out (a recipe's plans skip "data")."""
     from harness import dry_run
 
     files: dict = {}
@@ -310,6 +316,8 @@ def _dry_run(plan, device_memory: float | None, as_json: bool) -> None:
              "teacher": lines(dry_run.teacher_step), "memory": _memory_step}  # fmt: skip
     results = {}
     for name, step in steps.items():
+        if name in skip:
+            continue
         results[name] = step(plan, device_memory=device_memory)
         if results[name][2]:
             break
@@ -430,10 +438,14 @@ def eval_(
     model: Annotated[str, typer.Option(help="local model directory (or hub id) to evaluate")],
     task: Annotated[str, typer.Option(help="task name(s), comma separated")],
     backend: Annotated[str, typer.Option(help="inference backend")] = "hf",
-    k: Annotated[int | None, typer.Option(min=1, help="samples per problem (default: the task's k)")] = None,
+    k: Annotated[int | None, typer.Option(min=1, help="samples per problem (default: the task's k, or the --protocol's)")] = None,
     limit: Annotated[int | None, typer.Option(min=1, help="first N problems only")] = None,
-    temperature: Annotated[float, typer.Option(min=0, help="sampling temperature (0 = greedy)")] = 1.0,
-    top_p: Annotated[float, typer.Option(callback=open_interval(0, 1, low_open=True), help="nucleus sampling, in (0, 1]")] = 1.0,
+    temperature: opts.Temperature = None,
+    top_p: opts.TopP = None,
+    top_k: opts.TopK = None,
+    presence_penalty: opts.PresencePenalty = None,
+    protocol: opts.Protocol = None,
+    output_path: opts.OutputPath = None,
     seed: Annotated[int, typer.Option(min=0, help="sampling seed")] = 0,
     data_dir: Annotated[Path | None, typer.Option(help="local data root laid out as DIR/<task>/...")] = None,
     out: Annotated[Path, typer.Option(help="results root")] = Path("results"),
@@ -479,6 +491,10 @@ def eval_(
     dry_run: Annotated[
         bool, typer.Option("--dry-run", help="check the data, the model config and tokenizer (no weights), print the plan, exit")
     ] = False,
+    print_config: Annotated[
+        bool,
+        typer.Option("--print-config", help="print each task's resolved settings (protocol and flags) as YAML and exit; nothing is loaded"),
+    ] = False,
 ) -> None:
     """Evaluate one model or checkpoint on one or more tasks; rows go to the store.
 
@@ -518,10 +534,19 @@ def eval_(
             raise ConfigError(f"--task-arg names {sorted(unused)}, which are not among --task {', '.join(names)}")
         backend_cls = BACKENDS.get(backend)
         tasks = [make_task(name, task_args) for name in names]
+        flags = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "presence_penalty": presence_penalty,
+                 "max_new_tokens": max_new_tokens, "k": k, "enable_thinking": enable_thinking}  # fmt: skip
+        settings = eval_settings(protocol, tasks, flags, backend_cls)
+        if print_config:  # validated, nothing loaded or written
+            print(yaml.safe_dump({"model": model, "backend": backend, "protocol": protocol, "seed": seed, "tasks": settings},
+                                 sort_keys=False), end="")  # fmt: skip
+            return
         problems_of = {t.name: load_problems(t, "test", data_dir=data_dir, limit=limit) for t in tasks}
     except (ConfigError, RegistryError) as exc:  # DataUnavailable included: a missing data folder or a bad row
         raise _fail(str(exc)) from None
     _prepare_tasks(tasks)  # closed at exit; exit 2 if one cannot run here (e.g. no sandbox image)
+    thinking = {value for value in (s.get("enable_thinking") for s in settings.values())}
+    enable_thinking = thinking.pop() if len(thinking) == 1 else enable_thinking  # one template switch for the whole eval
     options = {}
     for item in backend_option or []:
         key, sep, value = item.partition("=")
@@ -540,7 +565,7 @@ def eval_(
     except ConfigError as exc:
         raise _fail(str(exc)) from None
     if dry_run:
-        _eval_dry_run(model, backend, options, tasks, problems_of, k=k, max_new_tokens=max_new_tokens)
+        _eval_dry_run(model, backend, options, tasks, problems_of, settings)
         return
     config = {
         "task_args": task_args,
@@ -550,10 +575,13 @@ def eval_(
         "tasks": names,
         "k": k,
         "limit": limit,
-        "temperature": temperature,
-        "top_p": top_p,
+        "temperature": 1.0 if temperature is None else temperature,
+        "top_p": 1.0 if top_p is None else top_p,
         "seed": seed,
         **({"max_new_tokens": max_new_tokens} if max_new_tokens is not None else {}),  # absent: as before the flag existed
+        # absent unless given: an eval stored before these flags existed resumes with the same config
+        **{key: value for key, value in (("top_k", top_k), ("presence_penalty", presence_penalty)) if value is not None},
+        **({"protocol": protocol, "settings": settings} if protocol else {}),
         "shard_size": shard_size,
         "executor": executor,
         "workers": workers,
@@ -593,7 +621,7 @@ def eval_(
         if resume:
             store.set_status(run_id, "running")
         else:
-            store.create_run(run_id, kind="eval", config=config, task=",".join(names), model=model)
+            store.create_run(run_id, kind="eval", config=config, task=",".join(names), model=model, protocol=protocol)
         try:
             info = RunInfo(store.run_dir(run_id), run_id, config=config)
             trackers = open_trackers(loggers, info, lambda message: console.print(f"[yellow]warning:[/] {escape(message)}"))
@@ -607,10 +635,12 @@ def eval_(
                 if store.has_eval(run_id, 0, t.name):  # stored before the interruption
                     summaries[t.name] = stored_summary(store, run_id, t.name)
                     continue
-                new_tokens = max_new_tokens or t.options.max_new_tokens
-                sampling = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=new_tokens, seed=seed)
-                with progress(desc=f"eval {t.name} shards", total=eval_shards(problems_of[t.name], k or t.options.k, shard_size)) as bar:
-                    result = evaluate_task(None, t, problems_of[t.name], k=k or t.options.k, sampling=sampling, shard_size=shard_size,
+                chosen = settings[t.name]
+                sampling = SamplingParams(temperature=chosen["temperature"], top_p=chosen["top_p"], top_k=chosen["top_k"],
+                                          presence_penalty=chosen["presence_penalty"], max_new_tokens=chosen["max_new_tokens"],
+                                          seed=seed)  # fmt: skip
+                with progress(desc=f"eval {t.name} shards", total=eval_shards(problems_of[t.name], chosen["k"], shard_size)) as bar:
+                    result = evaluate_task(None, t, problems_of[t.name], k=chosen["k"], sampling=sampling, shard_size=shard_size,
                                            runner=runner, stage=stage, on_shard=lambda done, _: bar.update(done - bar.n))  # fmt: skip
                 store_eval(store, run_id, 0, result)
                 stage.clear(t.name)
@@ -632,6 +662,11 @@ def eval_(
             store.observe(run_id, None)
             trackers.close(ok=len(summaries) == len(tasks))
     store.set_status(run_id, "done")
+    if output_path is not None:
+        from harness.evaluation import write_output_path
+
+        written = write_output_path(store, run_id, output_path, summaries)
+        console.print(f"results and samples: {', '.join(str(path) for path in written)}", highlight=False)
     if json_:
         print(to_json({"run_id": run_id, "model": model, "tasks": summaries}))
     else:
@@ -647,6 +682,28 @@ def eval_(
     if too_many:
         rates = ", ".join(f"{name} {rate:.1%}" for name, rate in too_many.items())
         raise _fail(f"grading error rate above --max-error-rate {max_error_rate:.1%}: {rates} (see the samples table for details)", 1)
+
+
+def eval_settings(protocol: str | None, tasks: list, flags: dict, backend_cls: type) -> dict[str, dict]:
+    """Each task's sampling, max new tokens, k and thinking switch: the flags' defaults and the task's own k and
+    max_new_tokens, then ``--protocol``'s values for the task's ``protocol_family``, then the flags given. A ConfigError
+    for an unknown protocol, a presence penalty the backend cannot apply, or tasks that need different thinking switches."""
+    from harness.protocols import get_protocol, resolve
+
+    chosen = get_protocol(protocol) if protocol else None
+    out = {}
+    for t in tasks:
+        defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "presence_penalty": 0.0,
+                    "max_new_tokens": t.options.max_new_tokens, "k": t.options.k, "enable_thinking": None}  # fmt: skip
+        out[t.name] = resolve(chosen, t.options.protocol_family, flags, defaults)
+    penalty = next((s["presence_penalty"] for s in out.values() if s["presence_penalty"]), 0.0)
+    if penalty and not getattr(backend_cls, "presence_penalty", False):
+        source = "--presence-penalty" if flags.get("presence_penalty") else f"--protocol {protocol}"
+        raise ConfigError(f"{source}: presence penalty {penalty:g}, which the {backend_cls.__name__} backend cannot apply; use --backend "
+                          "vllm or openai, or --presence-penalty 0 to run without it (a deviation from the protocol)")  # fmt: skip
+    if len({s["enable_thinking"] for s in out.values()}) > 1:
+        raise ConfigError("the tasks need different --enable-thinking switches; evaluate them in separate commands")
+    return out
 
 
 def eval_backend_options(backend_cls: type, options: dict, *, device: str | None, dtype: str | None,
@@ -678,8 +735,7 @@ def eval_backend_options(backend_cls: type, options: dict, *, device: str | None
     return out
 
 
-def _eval_dry_run(model: str, backend: str, options: dict, tasks: list, problems_of: dict, *, k: int | None,
-                  max_new_tokens: int | None) -> None:  # fmt: skip
+def _eval_dry_run(model: str, backend: str, options: dict, tasks: list, problems_of: dict, settings: dict[str, dict]) -> None:
     """``harness eval --dry-run``: the data is loaded and checked (before this); read the model's config and tokenizer (no
     weights) and print what would run."""
     from harness.dry_run import read_model_files
@@ -693,8 +749,9 @@ def _eval_dry_run(model: str, backend: str, options: dict, tasks: list, problems
     shown = {key: value for key, value in options.items() if key != "api_key"}
     stdout.print(f"backend: {backend} {shown}", highlight=False)
     for t in tasks:
-        stdout.print(f"task {t.name}: {len(problems_of[t.name])} problems, k = {k or t.options.k}, "
-                     f"max_new_tokens = {max_new_tokens or t.options.max_new_tokens}", highlight=False)  # fmt: skip
+        chosen = settings[t.name]
+        shown_settings = ", ".join(f"{key} = {value}" for key, value in chosen.items())
+        stdout.print(f"task {t.name}: {len(problems_of[t.name])} problems, {shown_settings}", highlight=False)
     stdout.print("dry run: nothing loaded onto a device, nothing written", highlight=False)
 
 
@@ -1060,11 +1117,32 @@ def reproduce(
         raise _fail(f"interrupted; continue with: harness reproduce {name} --scale {scale} --out {out}", 130) from None
     if isinstance(result, str):
         sys.stdout.write(result)
+        sys.stdout.flush()
+        _recipe_plans(name, scale, set_)
         return
     sys.stdout.write(result.markdown)
     console.print(f"report, claims and plots: {result.folder}")
     if result.failed:
         raise _fail(f"{len(result.failed)} run(s) failed: {', '.join(result.failed)}; re-run to resume them", 1)
+
+
+def _recipe_plans(name: str, scale: str, overrides: list[str] | None) -> None:
+    """``harness reproduce --dry-run`` of a scale that names a layout: each distinct run's ``harness run --dry-run`` plan
+    (models, the pair, the teacher, the memory plan; the data is checked when the runs start), printed once with how many
+    runs share it; exit 2 at the first plan that fails."""
+    from harness.reproduce import distinct_plans, load_recipe
+
+    try:
+        recipe = load_recipe(name)
+        if not recipe.scales[scale].layout:
+            return
+        plans = distinct_plans(recipe, scale, overrides)
+        for number, (point, count) in enumerate(plans, 1):
+            stdout.print(f"\n## plan {number} of {len(plans)}: run [{point.index}] {escape(point.label())} (and {count - 1} more "
+                         f"run(s) with the same models, method, tasks and placement; data not checked here)", highlight=False)  # fmt: skip
+            _dry_run(point.plan, None, False, skip=("data",))
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
 
 
 sandbox_app = typer.Typer(

@@ -19,6 +19,9 @@ RUN_FLAG_KEYS = {
     "lr": "trainer.lr",
     "device": "trainer.device",
     "dtype": "trainer.precision",
+    "temperature": "trainer.temperature",
+    "top_p": "trainer.top_p",
+    "enable_thinking": "trainer.enable_thinking",
 }
 
 
@@ -39,6 +42,20 @@ def check_device_name(value: str | None) -> str | None:
     kind, _, index = value.partition(":")
     if value not in ("auto", "cpu") and (kind != "cuda" or (index and not index.isdigit())):
         raise typer.BadParameter(f"{value!r}: choose auto, cpu, cuda or cuda:N", param_hint="--device")
+    return value
+
+
+def check_positive_temperature(value: float | None) -> float | None:
+    """A rollout temperature above 0 (a run samples; greedy rollouts are not a run setting): exit 2 naming --temperature."""
+    if value is not None and not value > 0:
+        raise typer.BadParameter(f"{value} is not above 0")
+    return value
+
+
+def check_top_p(value: float | None) -> float | None:
+    """A nucleus mass in (0, 1]; anything else is a one-line exit 2 naming --top-p."""
+    if value is not None and not 0 < value <= 1:
+        raise typer.BadParameter(f"{value} is not in (0, 1]")
     return value
 
 
@@ -78,3 +95,42 @@ EnableThinking = Annotated[
     ),
 ]
 DataDir = Annotated[Path | None, typer.Option(help="local data root laid out as DIR/<task>/... (default: $HARNESS_DATA_DIR)")]
+RunTemperature = Annotated[
+    float | None,
+    typer.Option(callback=check_positive_temperature, help="rollout sampling temperature, > 0 (= --set trainer.temperature=X)"),
+]
+RunTopP = Annotated[
+    float | None, typer.Option(callback=check_top_p, help="rollout nucleus sampling, in (0, 1] (= --set trainer.top_p=X)")
+]
+RunEnableThinking = Annotated[
+    bool | None,
+    typer.Option(
+        "--enable-thinking/--no-enable-thinking",
+        help="Qwen3 thinking mode: enable_thinking passed to the pretrained student's and teacher's chat templates "
+        "(= --set trainer.enable_thinking=true|false; default: the template's own default)",
+    ),
+]
+Temperature = Annotated[
+    float | None, typer.Option(min=0, help="sampling temperature, 0 = greedy (default 1.0, or the --protocol's)")
+]
+TopP = Annotated[
+    float | None, typer.Option(callback=check_top_p, help="nucleus sampling, in (0, 1] (default 1.0, or the --protocol's)")
+]
+TopK = Annotated[
+    int | None,
+    typer.Option(min=0, help="sample from the K most likely tokens only, before top-p; 0 = off (default 0, or the --protocol's)"),
+]
+PresencePenalty = Annotated[
+    float | None,
+    typer.Option(min=-2, max=2, help="OpenAI's presence penalty (vllm and openai backends; default 0, or the --protocol's)"),
+]
+Protocol = Annotated[
+    str | None,
+    typer.Option(help="evaluation protocol setting sampling, max new tokens, k and thinking together: qwen3-thinking, "
+                 "qwen3-non-thinking, greedy (docs/protocols.md); explicit flags override its values"),
+]
+OutputPath = Annotated[
+    Path | None,
+    typer.Option(help="also write results_<timestamp>.json and samples_<task>_<timestamp>.jsonl here (lm-eval's names; the "
+                 "numbers equal the store's)"),
+]

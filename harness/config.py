@@ -410,6 +410,10 @@ class TrainerConfig(Strict):
     checkpoint_every: int = Field(100, ge=1)
     temperature: float = Field(1.0, gt=0, description="rollout sampling temperature")
     top_p: float = Field(1.0, gt=0, le=1)
+    enable_thinking: bool | None = Field(
+        None, description="Qwen3's thinking switch, passed to the chat template of the pretrained student (its prompts, rollouts "
+        "and evaluations) and teacher (its reference evaluation); None: the template's own default",
+    )
     max_new_tokens: int | None = Field(None, ge=1, description="default: the task's max_new_tokens")
     generate_batch_size: int = Field(256, ge=1)
     on_nonfinite: Literal["stop", "skip"] = Field(

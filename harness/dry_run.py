@@ -122,9 +122,29 @@ def models_step(plan, files: dict[str, ModelFiles | None]) -> Step:
         what = found.describe() if found is not None else f"served at {spec.base_url} (model {spec.path or 'the server’s only one'})"
         lines.append(f"{role}: {found.name if found else spec.path or 'served'}: {what}; {place}")
         section[role] = {**(found.section() if found else {"served": spec.base_url}), "placement": place}
+    if trainer.layout is not None:
+        lines.append(placement_line(trainer))
+        section["layout"] = trainer.layout.model_dump(mode="json", exclude_none=True)
     lines.append(f"method {plan.method.name} ({trainer.mode}), task {plan.task.name}, eval {', '.join(t.name for t in plan.eval_tasks)}, "
                  f"{trainer.steps} steps, lr {trainer.lr:g}, teacher signal {plan.config.teacher.signal}")  # fmt: skip
     return section, lines, None
+
+
+def placement_line(trainer) -> str:
+    """The Ray layout in one line: each role's replicas × GPUs (and CPUs, node labels), the GPUs in all, the engines and
+    the precision (``trainer.device`` is the in-process executor's; Ray actors keep their torch models on the CPU in this
+    version, vLLM engines take the GPUs of their replicas)."""
+    roles, gpus = [], 0.0
+    for role in ("rollout", "teacher", "learner", "eval"):
+        spec = getattr(trainer.layout, role, None)
+        if spec is None:
+            continue
+        gpus += spec.replicas * spec.num_gpus
+        labels = f", on {'+'.join(spec.resources)}" if spec.resources else ""
+        roles.append(f"{role} {spec.replicas} × ({spec.num_gpus:g} GPU, {spec.num_cpus:g} CPU{labels})")
+    return (f"layout (executor {trainer.executor}): {'; '.join(roles)}: {gpus:g} GPUs in all; rollout engine "
+            f"{trainer.rollout_backend} {trainer.rollout_backend_options or ''}; precision {trainer.precision}, "
+            f"activation checkpointing {'on' if trainer.activation_checkpointing else 'off'}")
 
 
 def pair_step(plan, files: dict[str, ModelFiles | None]) -> Step:

@@ -334,3 +334,41 @@ def store_eval(store: Store, run_id: str, step: int, result: EvalResult) -> None
     """Write summary and samples atomically."""
     name, version = result.grader
     store.add_eval(run_id, step, result.task, result.summary, result.samples, grader=name, grader_version=version)
+
+
+def output_name(text: str) -> str:
+    """A task or model name as part of a file name (lm-eval's sanitising: anything but letters, digits, ``._-`` as ``_``)."""
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in text)
+
+
+def write_output_path(store: Store, run_id: str, folder: Path, summaries: dict[str, dict]) -> list[Path]:
+    """``harness eval --output-path DIR``: the eval run's results as lm-eval names them, read back from the store (so their
+    numbers are the store's): ``results_<timestamp>.json`` (config, protocol and every task's summary) and one
+    ``samples_<task>_<timestamp>.jsonl`` per task (one graded sample a line). Returns the files written."""
+    from datetime import datetime
+
+    from harness.jsonout import to_json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now().isoformat().replace(":", "-")  # lm-eval's timestamp
+    run = store.get_run(run_id) or {}
+    written = []
+    results = {}
+    for row in store.evals(run_id):
+        if row["step"] != 0 or row["task"] not in summaries:
+            continue
+        results[row["task"]] = {
+            "k": row["k"], "n_samples": row["n"], "n_problems": row["n_problems"], "avg_at_k": row["avg_at_k"], "ci_low": row["ci_low"],
+            "ci_high": row["ci_high"], "pass_at_k": row["pass_at_k"], "n_errors": row["n_errors"],
+            "grader": f"{row['grader']}/{row['grader_version']}", **row["metrics"],
+        }  # fmt: skip
+        path = folder / f"samples_{output_name(row['task'])}_{stamp}.jsonl"
+        with path.open("w") as out:
+            for sample in store.samples(run_id, 0, row["task"]):
+                out.write(to_json({key: value for key, value in sample.items() if key not in ("run_id", "step")}, indent=None) + "\n")
+        written.append(path)
+    path = folder / f"results_{stamp}.json"
+    payload = {"run_id": run_id, "model": run.get("model"), "protocol": run.get("protocol"), "store": str(store.path),
+               "config": run.get("config", {}), "results": results}  # fmt: skip
+    path.write_text(to_json(payload) + "\n")
+    return [path, *written]

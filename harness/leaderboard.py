@@ -26,6 +26,7 @@ COLUMNS = (
     "n_errors",
     "samples_per_hour",
     "grader",
+    "protocol",
 )
 
 
@@ -53,6 +54,7 @@ def leaderboard_rows(store: Store, run_ids: list[str] | None = None) -> list[dic
                 "n_errors": e["n_errors"],
                 "samples_per_hour": throughput.get((e["run_id"], e["step"])),
                 "grader": f"{e['grader']} {e['grader_version']}",
+                "protocol": run.get("protocol"),  # the eval run's --protocol; None: none named (and every training run)
                 "created_at": run.get("created_at", 0.0),
             }
         )
@@ -78,10 +80,11 @@ def _display(row: dict) -> list[str]:
         str(row["k"]),
         str(row["n_problems"]),
         _fmt(row["samples_per_hour"], 0),
+        row.get("protocol") or "-",
     ]
 
 
-HEADERS = ("run", "method", "step", "task", "Avg@k [95% CI]", "k", "problems", "samples/h")
+HEADERS = ("run", "method", "step", "task", "Avg@k [95% CI]", "k", "problems", "samples/h", "protocol")
 
 
 def render_table(rows: list[dict]) -> Table:

@@ -162,6 +162,9 @@ def plan_run(cfg: RunConfig) -> Plan:
             f"method_args.{unused[0]}: options of method {unused[0]!r}, which this run does not select (method={method.name}); "
             f"remove them or choose --method {unused[0]}"
         )
+    if cfg.trainer.enable_thinking is not None and cfg.student.path is None:
+        raise ConfigError("trainer.enable_thinking (--enable-thinking) is passed to a pretrained model's chat template: "
+                          "name the student with --student (a tiny model built from arch has no chat template)")  # fmt: skip
     hparams = validated.get(method.name) or method.hparams()
     apply_group_size(cfg, method, hparams)
     teacher_warnings = choose_teacher_signal(cfg, method, hparams)

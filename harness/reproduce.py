@@ -45,6 +45,11 @@ from harness.store import Store
 from harness.sweep import SweepSpec, expand, load_sweep_record, parse_sweep, run_sweep
 
 RECIPES: Registry[Path] = Registry("recipes")
+LAYOUTS = Path(__file__).resolve().parents[1] / "docs" / "layouts"  # the shipped layouts (a source checkout's docs/layouts)
+PLACEMENT_KEYS = (
+    "trainer.executor", "trainer.device", "trainer.precision", "trainer.activation_checkpointing", "trainer.vocab_chunk",
+    "trainer.layout", "trainer.rollout_backend", "trainer.rollout_backend_options", "teacher.backend", "teacher.backend_options",
+)  # a layout's keys that say where and how the roles run (not what they train on)
 SCALES = ("paper", "cpu")
 VERDICTS = ("holds", "does not hold", "inconclusive")
 
@@ -65,6 +70,11 @@ class PaperRef(_Strict):
 
 class Scale(_Strict):
     sweep: dict[str, Any] = Field(description="a sweep: base (preset/config/set) and grid")
+    layout: str | None = Field(
+        None, description="paper: the shipped layout (docs/layouts/NAME.yaml) whose placement keys (PLACEMENT_KEYS: executor, "
+        "device, precision, Ray layout, engines) every run of the scale takes, under the sweep's own keys",
+    )
+    layout_source: str | None = Field(None, description="why this layout: the paper's hardware, or 'reconstructed: ...'")
     sources: dict[str, str] = Field(default_factory=dict, description="dotted key -> paper section/table, or 'reconstructed: ...'")
     resources: str | None = Field(None, description="what this scale needs (hardware, time), with its source")
     minutes: str | None = Field(None, description="cpu: the measured or estimated wall time on 2 cores")
@@ -129,6 +139,9 @@ def parse_recipe(data: dict, name: str) -> Recipe:
     except ValidationError as exc:
         raise RecipeError(f"recipe {name}: " + format_validation_error(exc, Recipe).replace("\n", f"\nrecipe {name}: ")) from None
     paper = recipe.scales.get("paper")
+    if paper is not None and paper.layout and not paper.layout_source:
+        raise RecipeError(f"recipe {name}: scales.paper.layout {paper.layout!r} has no layout_source "
+                          "(the paper's hardware, or 'reconstructed: why')")  # fmt: skip
     missing = sorted(set(sweep_keys(paper.sweep)) - set(paper.sources)) if paper else []
     if missing:
         raise RecipeError(f"recipe {name}: scales.paper.sources has no source for {missing} (the section/table, or 'reconstructed: why')")
@@ -160,15 +173,38 @@ def load_recipe(name: str) -> Recipe:
     return parse_recipe(data, name)
 
 
+def layout_path(name: str) -> Path:
+    """The shipped layout ``docs/layouts/NAME.yaml``; a RecipeError when this copy of the harness has none of that name."""
+    path = LAYOUTS / f"{name}.yaml"
+    if not path.is_file():
+        raise RecipeError(f"layout {name!r}: no {path} (the layouts ship in the source checkout's docs/layouts)")
+    return path
+
+
+def layout_placement(name: str) -> dict[str, Any]:
+    """The placement keys (:data:`PLACEMENT_KEYS`) the layout ``name`` sets, dotted key -> value, in that order."""
+    data = yaml.safe_load(layout_path(name).read_text()) or {}
+    out = {}
+    for key in PLACEMENT_KEYS:
+        section, _, field_name = key.partition(".")
+        if field_name in (data.get(section) or {}):
+            out[key] = data[section][field_name]
+    return out
+
+
 def scale_sweep(recipe: Recipe, scale: str, overrides: list[str] | None = None) -> SweepSpec:
-    """The scale's sweep, with id ``<recipe>-<scale>`` and optional extra ``KEY=VALUE`` overrides after base.set."""
+    """The scale's sweep, with id ``<recipe>-<scale>``: its layout's placement keys first (when it names one), then
+    base.set, then optional extra ``KEY=VALUE`` overrides."""
     if scale not in recipe.scales:
         raise RecipeError(f"--scale {scale!r}: recipe {recipe.name} has scales {sorted(recipe.scales)}")
     data = json.loads(json.dumps(recipe.scales[scale].sweep))
     base = data.setdefault("base", {})
-    if overrides:
+    layout = recipe.scales[scale].layout
+    placement = [f"{k}={json.dumps(v)}" for k, v in layout_placement(layout).items()] if layout else []
+    if overrides or placement:
         sets = base.get("set") or {}
-        base["set"] = (list(sets) if isinstance(sets, list) else [f"{k}={json.dumps(v)}" for k, v in sets.items()]) + list(overrides)
+        own = list(sets) if isinstance(sets, list) else [f"{k}={json.dumps(v)}" for k, v in sets.items()]
+        base["set"] = placement + own + list(overrides or [])
     data["id"] = f"{recipe.name}-{scale}"
     return parse_sweep(data, source=f"recipe {recipe.name} ({scale})")
 
@@ -207,6 +243,9 @@ def plan_text(recipe: Recipe, scale: str, spec: SweepSpec) -> str:
         lines.append("sources:")
         lines += [f"  {k}: {v}" for k, v in info.sources.items()]
     lines.append(f"resources: {info.resources or 'not stated'}")
+    if info.layout:
+        lines.append(f"layout: docs/layouts/{info.layout}.yaml ({info.layout_source})")
+        lines += [f"  {key}: {json.dumps(value)}" for key, value in layout_placement(info.layout).items()]
     if info.minutes:
         lines.append(f"time: {info.minutes}")
     lines.append(f"claims: {', '.join(c.id for c in recipe.claims) or 'none'}")
@@ -581,3 +620,16 @@ def run_recipe(
     rendered = render(recipe, scale, out, n_resamples)
     rendered.failed = list(result.failed)
     return rendered
+
+
+def distinct_plans(recipe: Recipe, scale: str, overrides: list[str] | None = None) -> list[tuple[Any, int]]:
+    """The scale's runs grouped by what a run's dry run checks (models, method, task, mode and placement): (the first
+    run of each group, how many runs it stands for), in grid order. Each run is validated and planned, nothing run."""
+    groups: dict[str, list] = {}
+    for point in expand(scale_sweep(recipe, scale, overrides)):
+        cfg = point.config
+        models = [getattr(cfg, role).model_dump(mode="json", exclude={"seed"}) for role in ("student", "teacher")]
+        trainer = cfg.trainer.model_dump(mode="json", exclude={"steps"})
+        key = json.dumps([*models, cfg.method, cfg.task, cfg.eval.tasks, trainer], sort_keys=True)
+        groups.setdefault(key, []).append(point)
+    return [(points[0], len(points)) for points in groups.values()]

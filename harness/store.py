@@ -43,8 +43,9 @@ CREATE TABLE IF NOT EXISTS samples (
 );
 """
 ADDED_COLUMNS = (
-    ("evals", "metrics_json", "TEXT"), ("samples", "metrics_json", "TEXT"), ("samples", "episode_json", "TEXT")
-)  # columns newer than the first schema
+    ("evals", "metrics_json", "TEXT"), ("samples", "metrics_json", "TEXT"), ("samples", "episode_json", "TEXT"),
+    ("runs", "protocol", "TEXT"),  # the evaluation protocol of an eval run (harness eval --protocol); NULL: none named
+)  # columns newer than the first schema (an older store gains them, NULL in its rows, when it is opened)
 EVAL_COLUMNS = ("k", "n_samples", "n_problems", "avg_at_k", "ci_low", "ci_high", "pass_at_k", "n_errors")  # summary keys with columns
 
 
@@ -143,13 +144,16 @@ class Store:
 
     # runs ---------------------------------------------------------------------------------
     def create_run(
-        self, run_id: str, *, kind: str, config: dict, method: str | None = None, task: str | None = None, model: str | None = None
+        self, run_id: str, *, kind: str, config: dict, method: str | None = None, task: str | None = None, model: str | None = None,
+        protocol: str | None = None,
     ) -> None:
+        """A new run row, status running; ``protocol``: the evaluation protocol an eval run follows (None: none named)."""
         now = time.time()
         with self._tx() as c:
             c.execute(
-                "INSERT INTO runs VALUES (?,?,?,?,?,?,?,?,?)",
-                (run_id, kind, method, task, model, "running", json.dumps(config, sort_keys=True), now, now),
+                "INSERT INTO runs (run_id, kind, method, task, model, status, config_json, created_at, updated_at, protocol)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?)",
+                (run_id, kind, method, task, model, "running", json.dumps(config, sort_keys=True), now, now, protocol),
             )
 
     def set_status(self, run_id: str, status: str) -> None:
@@ -167,7 +171,9 @@ class Store:
     def runs(self) -> list[dict]:
         return [
             dict(r)
-            for r in self._conn.execute("SELECT run_id, kind, method, task, model, status, created_at FROM runs ORDER BY created_at")
+            for r in self._conn.execute(
+                "SELECT run_id, kind, method, task, model, status, created_at, protocol FROM runs ORDER BY created_at"
+            )
         ]
 
     # step metrics -------------------------------------------------------------------------

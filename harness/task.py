@@ -65,6 +65,7 @@ class TaskOptions(BaseModel):
     max_new_tokens: int = 512
     use_chat_template: bool = True
     data_dir: str | None = None
+    protocol_family: str | None = None  # the family whose rule an evaluation protocol applies (harness eval --protocol)
 
 
 class Task(ABC):

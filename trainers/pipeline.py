@@ -194,6 +194,10 @@ def open_rollout_backend(
         if cls is HFBackend:  # its π_old scoring (async with a lag) runs on length-sorted row groups, as the learner's forward
             options.setdefault("score_tokens", cfg.forward_tokens)
     backend = cls(model, tokenizer, **options) if (model is not None and cls is HFBackend) else cls.load(student_path, **options)
+    if cfg.enable_thinking is not None and backend.tokenizer is not tokenizer:  # an engine loaded from the folder: its own tokenizer
+        from harness.models.hub import set_thinking
+
+        set_thinking(backend.tokenizer, cfg.enable_thinking)
     backend.version = -1
     if cfg.rollout_backend not in CONCURRENT_ENGINES:
         serialize_calls(backend)
@@ -337,8 +341,12 @@ class Session:
             load_plan_data(plan)
         local_teacher = cfg.teacher.backend == "hf"
         if local_teacher:
-            teacher_model, tokenizer, teacher_path = prepare_model(cfg.teacher, "teacher", plan.task, plan.train_problems, store.root)
-        student_model, student_tok, student_path = prepare_model(cfg.student, "student", plan.task, plan.train_problems, store.root)
+            teacher_model, tokenizer, teacher_path = prepare_model(
+                cfg.teacher, "teacher", plan.task, plan.train_problems, store.root, enable_thinking=cfg.trainer.enable_thinking
+            )
+        student_model, student_tok, student_path = prepare_model(
+            cfg.student, "student", plan.task, plan.train_problems, store.root, enable_thinking=cfg.trainer.enable_thinking
+        )
         device = driver_device(cfg.trainer)
         student_model.to(device)  # before the optimizer is built (fused AdamW on CUDA) or a checkpoint's state loaded into it
         if cfg.trainer.activation_checkpointing:

@@ -34,11 +34,18 @@ def cache_key(spec: ModelSpec, task) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def prepare_model(spec: ModelSpec, role: str, task, problems: list, cache_root: Path, *, show_progress: bool = True):
+def prepare_model(
+    spec: ModelSpec, role: str, task, problems: list, cache_root: Path, *, show_progress: bool = True, enable_thinking: bool | None = None
+):
     """(model, tokenizer, path): loaded from ``spec.path``, from the cache, or built and warmed up now on
-    ``problems`` (the task's training split, as the run loaded it)."""
+    ``problems`` (the task's training split, as the run loaded it). ``enable_thinking`` (trainer.enable_thinking) is set
+    in a pretrained model's chat template."""
     if spec.path is not None:
         model, tokenizer = load_model_and_tokenizer(spec.path)
+        if enable_thinking is not None:
+            from harness.models.hub import set_thinking
+
+            set_thinking(tokenizer, enable_thinking)
         if spec.sft_steps:
             raise ValueError(f"{role}.sft_steps is only supported for tiny models built from 'arch'")
         return model, tokenizer, spec.path

@@ -57,6 +57,11 @@ class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="sample from the k most likely tokens only, before top-p (0: off)")
+    presence_penalty: float = Field(
+        0.0, ge=-2.0, le=2.0, description="OpenAI's presence penalty: subtracted once from the logit of every token already "
+        "generated (0: off); only backends with ``presence_penalty = True`` apply it (vllm, openai); the others refuse it",
+    )
     max_new_tokens: int = Field(64, ge=1)
     n: int = Field(1, ge=1, description="samples per prompt")
     stop: tuple[str, ...] = ()

@@ -25,6 +25,7 @@ class HFBackend:
 
     score_fields = SCORE_FIELDS  # ``score`` returns any of them
     gives_top_ids = True  # ``generate`` honours SamplingParams.top_logprobs (Completion.top_ids)
+    presence_penalty = False  # SamplingParams.presence_penalty is refused (vllm and openai apply it)
 
     def __init__(
         self, model, tokenizer, *, batch_size: int = 64, device: str = "cpu", show_progress: bool = False, score_chunk: int = 0,
@@ -78,6 +79,9 @@ class HFBackend:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """``params.n`` samples per prompt; log-probs are of the untempered model distribution."""
+        if params.presence_penalty:
+            raise ValueError(f"the {type(self).__name__} backend has no presence penalty (presence_penalty={params.presence_penalty:g}); "
+                             "use the vllm or openai backend, or presence_penalty 0")  # fmt: skip
         if params.seeds is not None and len(params.seeds) != len(prompts):
             raise ValueError(f"SamplingParams.seeds has {len(params.seeds)} seeds for {len(prompts)} prompts; give one per prompt")
         jobs = [(p, s) for p in range(len(prompts)) for s in range(params.n)]
@@ -140,7 +144,7 @@ class HFBackend:
         The sampler sees the float32 logits generate hands its processors: the raw logits, bit for bit what
         ``output_logits`` kept before, as long as the generation config adds no processor of its own under
         ``do_sample=False`` (e.g. ``repetition_penalty``; Qwen3's and the tiny models' add none)."""
-        sampler = ScoredRowSampler(seeds, params.temperature, params.top_p, self.device, top_k=params.top_logprobs)
+        sampler = ScoredRowSampler(seeds, params.temperature, params.top_p, self.device, top_ids=params.top_logprobs, top_k=params.top_k)
         kwargs.update(logits_processor=LogitsProcessorList([sampler]), **self._generate_options())
         result = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
         new_tokens = result.sequences[:, ids.shape[1] :]

@@ -40,6 +40,12 @@ command line passes them):
   them: an evaluation reads none (its episodes then hold no behaviour log-probs), while training, which does, refuses
   an engine told so (``trainer.rollout_backend_options.logprobs=false`` exits 2).
 
+Sampling: ``temperature``, ``top_p``, ``seed``, ``stop`` and ``presence_penalty`` (when not 0) are OpenAI fields.
+``top_k`` (when ``SamplingParams.top_k`` > 0 and not greedy) is not an OpenAI field: it goes in the request body as an
+extra field, which vLLM, SGLang, llama.cpp's server and ``harness serve`` accept; OpenAI's own API and servers that
+reject unknown fields refuse it (400), and servers that ignore unknown fields sample without it, so use a server that
+takes ``top_k`` for a top-k protocol.
+
 What comes back per sample: ``token_ids`` are exact when the server returns ``token_id:<id>``
 tokens (then a final EOS is included, as with the HF backend), else the text re-encoded with the
 tokenizer. ``logprobs`` are the server's sampled-token log-probs when it returns them and they align
@@ -111,6 +117,8 @@ def load_tokenizer(path: str | None, model: str):
 class OpenAIBackend:
     """Generates through an OpenAI-compatible server; see the module docstring for the options."""
 
+    presence_penalty = True  # SamplingParams.presence_penalty is applied (sent to the engine)
+
     score_fields = ("logprobs", "topk")  # what ``score`` can return: no full distribution over HTTP
 
     def __init__(
@@ -170,9 +178,16 @@ class OpenAIBackend:
         prompt_format: str = "auto",
         server_extensions: bool | str = True,
         logprobs: bool | str = True,
+        enable_thinking: bool | str | None = None,
     ) -> "OpenAIBackend":
-        """Connect to the server at ``base_url`` (or ``OPENAI_BASE_URL``) serving ``model``."""
+        """Connect to the server at ``base_url`` (or ``OPENAI_BASE_URL``) serving ``model``; ``enable_thinking`` is set in
+        the local tokenizer's chat template, with which the harness renders prompts (completions mode only: in chat mode
+        the server renders its own template, so it is refused there)."""
         import openai
+
+        if enable_thinking is not None and mode == "chat":
+            raise ValueError("openai backend: enable_thinking is set in the local tokenizer's template, which mode=chat does not use; "
+                             "use mode=completions")  # fmt: skip
 
         base_url = base_url or os.environ.get("OPENAI_BASE_URL")
         if not base_url:
@@ -183,10 +198,15 @@ class OpenAIBackend:
             timeout=float(timeout_s),
             max_retries=int(max_retries),
         )
+        local_tokenizer = load_tokenizer(tokenizer, model)
+        if enable_thinking is not None:
+            from harness.models.hub import set_thinking
+
+            set_thinking(local_tokenizer, as_bool(enable_thinking))
         return cls(
             client,
             model,
-            load_tokenizer(tokenizer, model),
+            local_tokenizer,
             mode=mode,
             concurrency=int(concurrency),
             prompt_format=prompt_format,
@@ -219,8 +239,13 @@ class OpenAIBackend:
             kwargs["seed"] = prompt_seed(params, prompt_index)
         if params.stop:
             kwargs["stop"] = list(params.stop)
-        if self.server_extensions:
-            kwargs["extra_body"] = {"return_tokens_as_token_ids": True, "include_stop_str_in_output": True}
+        if params.presence_penalty:
+            kwargs["presence_penalty"] = params.presence_penalty
+        extra = {"return_tokens_as_token_ids": True, "include_stop_str_in_output": True} if self.server_extensions else {}
+        if params.top_k and not params.greedy:  # not an OpenAI field: sent in the body only when on (vLLM, SGLang, llama.cpp take it)
+            extra["top_k"] = params.top_k
+        if extra:
+            kwargs["extra_body"] = extra
         return kwargs
 
     def _generate_one(self, prompt_index: int, prompt: list[int], params: SamplingParams) -> list[Completion]:

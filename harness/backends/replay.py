@@ -93,6 +93,8 @@ def read_replay_file(path: Path) -> dict[tuple[str, str], list[Sample | None]]:
 class ReplayBackend:
     """Serves stored model turns by (task, problem id, sample index, turn); never runs a model."""
 
+    presence_penalty = True  # ignores sampling altogether: it replays stored completions
+
     needs_episode_keys = True
     counts_tokens = False  # its token ids are characters, not the recorded model's tokens: token budgets do not apply
 

@@ -7,25 +7,32 @@ import torch
 from transformers import LogitsProcessor
 
 
-def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
-    """Draw one token id from ``softmax(logits / temperature)`` cut to the ``top_p`` nucleus (greedy at 0).
+def sample_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator, top_k: int = 0) -> int:
+    """Draw one token id from ``softmax(logits / temperature)`` cut to the ``top_k`` most likely tokens and then to the
+    ``top_p`` nucleus (greedy at 0).
 
-    The same draw as transformers' sampling (temperature, then top-p, then ``torch.multinomial`` over
+    The same draw as transformers' sampling (temperature, then top-k, then top-p, then ``torch.multinomial`` over
     the vocabulary in id order), made from one row's own generator.
     """
     if temperature == 0.0:
         return int(logits.argmax())
-    return int(draw(logits, temperature, top_p, generator))
+    return int(draw(logits, temperature, top_p, generator, top_k))
 
 
-def draw(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> torch.Tensor:
+def draw(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator, top_k: int = 0) -> torch.Tensor:
     """:func:`sample_token`'s draw at a positive temperature, as a one-element tensor on the logits' device (no sync)."""
-    return torch.multinomial(nucleus_probs(logits, temperature, top_p), 1, generator=generator)
+    return torch.multinomial(nucleus_probs(logits, temperature, top_p, top_k), 1, generator=generator)
 
 
-def nucleus_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """``softmax(logits / temperature)`` over the last dimension with the tokens outside the ``top_p`` nucleus zeroed."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+def nucleus_probs(logits: torch.Tensor, temperature: float, top_p: float, top_k: int = 0) -> torch.Tensor:
+    """``softmax(logits / temperature)`` over the last dimension, kept to the ``top_k`` most likely tokens (0: all; ties
+    with the k-th are kept, as transformers' TopKLogitsWarper does) and renormalised, then with the tokens outside the
+    ``top_p`` nucleus zeroed. Each row is cut on its own values only, so a row's draw does not depend on its batch."""
+    scaled = logits.float() / temperature
+    if 0 < top_k < scaled.shape[-1]:
+        kth = scaled.topk(top_k, dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(descending=True)
         outside = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p  # the mass above a token already reaches top_p
@@ -34,7 +41,7 @@ def nucleus_probs(logits: torch.Tensor, temperature: float, top_p: float) -> tor
 
 
 def draw_rows(
-    logits: torch.Tensor, temperature: float, top_p: float, generators: list[torch.Generator]
+    logits: torch.Tensor, temperature: float, top_p: float, generators: list[torch.Generator], top_k: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`draw` for every row of ``logits`` (b, V) at once, row ``i`` from ``generators[i]``: (token ids (b,), valid (b,)).
 
@@ -43,7 +50,7 @@ def draw_rows(
     of the per-row cost. ``valid`` is False for rows whose probabilities ``multinomial`` would refuse (inf, nan,
     negative, or summing to zero); their token is meaningless.
     """
-    probs = nucleus_probs(logits, temperature, top_p)
+    probs = nucleus_probs(logits, temperature, top_p, top_k)
     noise = torch.empty_like(probs)
     for row, generator in zip(noise, generators, strict=True):
         row.exponential_(1, generator=generator)
@@ -56,9 +63,9 @@ class RowSampler(LogitsProcessor):
     """Samples every row's next token from its own generator and leaves only that token possible, so that greedy
     decoding (``do_sample=False``) emits it: per-row seeded sampling inside ``model.generate``."""
 
-    def __init__(self, seeds: list[int], temperature: float, top_p: float, device: str | torch.device) -> None:
+    def __init__(self, seeds: list[int], temperature: float, top_p: float, device: str | torch.device, top_k: int = 0) -> None:
         self.generators = [torch.Generator(device=device).manual_seed(seed % 2**64) for seed in seeds]
-        self.temperature, self.top_p = temperature, top_p
+        self.temperature, self.top_p, self.top_k = temperature, top_p, top_k
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         chosen = self.choose(scores)
@@ -66,7 +73,7 @@ class RowSampler(LogitsProcessor):
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
         """Every row's next token id, shape (b,), each drawn from that row's own generator."""
-        return torch.cat([draw(row, self.temperature, self.top_p, g) for row, g in zip(scores, self.generators, strict=True)])
+        return torch.cat([draw(row, self.temperature, self.top_p, g, self.top_k) for row, g in zip(scores, self.generators, strict=True)])
 
 
 class ScoredRowSampler(RowSampler):
@@ -75,11 +82,11 @@ class ScoredRowSampler(RowSampler):
     sampled-token log-probs without keeping every step's (b, V) logits."""
 
     def __init__(
-        self, seeds: list[int], temperature: float, top_p: float, device: str | torch.device, top_k: int = 0
+        self, seeds: list[int], temperature: float, top_p: float, device: str | torch.device, top_ids: int = 0, top_k: int = 0
     ) -> None:
-        super().__init__(seeds, temperature, top_p, device)
+        super().__init__(seeds, temperature, top_p, device, top_k)
         self.chosen_logprobs: list[torch.Tensor] = []
-        self.top_k = top_k  # > 0: also keep each step's k most likely token ids (b, k)
+        self.top_ids_k = top_ids  # > 0: also keep each step's top_ids most likely token ids (b, top_ids)
         self.chosen_top: list[torch.Tensor] = []
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
@@ -88,8 +95,8 @@ class ScoredRowSampler(RowSampler):
         chosen = scores.argmax(-1) if self.temperature == 0.0 else super().choose(scores)
         logp = torch.log_softmax(scores, dim=-1)
         self.chosen_logprobs.append(logp.gather(-1, chosen[:, None]).squeeze(-1))
-        if self.top_k:
-            self.chosen_top.append(logp.topk(self.top_k, dim=-1).indices)
+        if self.top_ids_k:
+            self.chosen_top.append(logp.topk(self.top_ids_k, dim=-1).indices)
         return chosen
 
     def logprobs(self) -> torch.Tensor:
@@ -97,5 +104,5 @@ class ScoredRowSampler(RowSampler):
         return torch.stack(self.chosen_logprobs, dim=1)
 
     def top_ids(self) -> torch.Tensor | None:
-        """(b, steps, k) the k most likely token ids of each step so far (None without ``top_k``)."""
-        return torch.stack(self.chosen_top, dim=1) if self.top_k else None
+        """(b, steps, k) the k most likely token ids of each step so far (None without ``top_ids``)."""
+        return torch.stack(self.chosen_top, dim=1) if self.top_ids_k else None

@@ -33,6 +33,9 @@ How our contract maps onto vLLM (evidence in the docstrings below and in the clo
   ``n > 1`` with greedy sampling ("n must be 1 when using greedy sampling",
   ``SamplingParams._verify_greedy_sampling``), so a greedy request is sent with ``n=1`` and its one
   completion is copied ``n`` times (greedy samples are identical, as with the HF backend).
+* **Top-k and presence penalty**: ``SamplingParams.top_k`` is sent as vLLM's ``top_k`` only when it is on (> 0):
+  vLLM's "off" value was -1 in older releases and is 0 (or -1) in newer ones, so leaving it out is off in both.
+  ``presence_penalty`` is sent when not 0 (vLLM applies it to the generated tokens, as OpenAI does).
 * **Checked before sending** (``check_sampling_params``): vLLM refuses ``temperature > 2`` and an
   empty stop string, and silently raises ``0 < temperature < 0.01`` to 0.01; our
   ``SamplingParams`` allows all three, so this backend refuses them with a ``ValueError`` first.
@@ -129,6 +132,10 @@ def sampling_kwargs(params: SamplingParams, prompt_index: int) -> dict[str, Any]
         kwargs.update(temperature=0.0, top_p=1.0)
     else:
         kwargs.update(temperature=params.temperature, top_p=params.top_p)
+        if params.top_k:  # only when on: vLLM's "off" is -1 in older releases and 0 (or -1) in newer ones
+            kwargs["top_k"] = params.top_k
+    if params.presence_penalty:
+        kwargs["presence_penalty"] = params.presence_penalty
     if params.seed is not None:
         kwargs["seed"] = prompt_seed(params, prompt_index)
     if params.stop:
@@ -315,6 +322,8 @@ def save_weights(state_dict: dict[str, torch.Tensor], folder: Path) -> Path:
 class VLLMBackend:
     """Generates and scores with a ``vllm.LLM`` offline engine; see the module docstring."""
 
+    presence_penalty = True  # SamplingParams.presence_penalty is applied (sent to the engine)
+
     score_fields = tuple(f for f in SCORE_FIELDS if f not in UNSUPPORTED_SCORE_FIELDS)  # what ``score`` can return
 
     def __init__(self, llm, tokenizer=None, *, max_logprobs: int | None = 20, show_progress: bool = False) -> None:
@@ -345,9 +354,11 @@ class VLLMBackend:
         max_logprobs: int | str = 20,
         enable_prefix_caching: bool | str | None = None,
         show_progress: bool | str = False,
+        enable_thinking: bool | str | None = None,
         **engine_kwargs,
     ) -> "VLLMBackend":
-        """Start a ``vllm.LLM`` on ``model`` (a local directory or hub id) with raw log-probs."""
+        """Start a ``vllm.LLM`` on ``model`` (a local directory or hub id) with raw log-probs; ``enable_thinking`` is set
+        in the engine tokenizer's chat template, with which the harness renders prompts."""
         mode = engine_kwargs.pop("logprobs_mode", RAW_LOGPROBS)
         if mode != RAW_LOGPROBS:
             raise ValueError(
@@ -370,7 +381,12 @@ class VLLMBackend:
         if enable_prefix_caching is not None:
             kwargs["enable_prefix_caching"] = as_bool(enable_prefix_caching)
         llm = vllm.LLM(**kwargs)
-        return cls(llm, max_logprobs=int(max_logprobs), show_progress=as_bool(show_progress))
+        backend = cls(llm, max_logprobs=int(max_logprobs), show_progress=as_bool(show_progress))
+        if enable_thinking is not None:
+            from harness.models.hub import set_thinking
+
+            set_thinking(backend.tokenizer, as_bool(enable_thinking))
+        return backend
 
     # ------------------------------------------------------------------ vLLM objects
 

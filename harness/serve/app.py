@@ -4,7 +4,8 @@ Endpoints:
 
 * ``POST /v1/completions``: ``prompt`` is a string, a list of strings, a list of token ids or a list
   of token-id lists; ``n``, ``max_tokens`` (default 16; 0 with ``echo`` scores the prompt only),
-  ``temperature``, ``top_p``, ``seed``, ``stop``, ``echo``, ``logprobs`` (an integer N: per token
+  ``temperature``, ``top_p``, ``top_k`` (vLLM's extension; 0 or -1: off), ``seed``, ``stop``, ``echo``,
+  ``logprobs`` (an integer N: per token
   ``tokens``, ``token_logprobs``, ``top_logprobs`` — the N most likely tokens plus the chosen one —
   and ``text_offset``), ``stream``, ``stream_options.include_usage``. Choices are prompt-major:
   choice ``p * n + s`` is sample ``s`` of prompt ``p``.
@@ -12,7 +13,7 @@ Endpoints:
   when it has one (``add_generation_prompt=True``); otherwise with a plain join, documented in
   ``render_chat``: one ``"{role}: {content}"`` line per message, then a final ``"assistant:"``.
   ``n``, ``max_tokens`` / ``max_completion_tokens`` (default: the rest of the context window),
-  ``temperature``, ``top_p``, ``seed``, ``stop``, ``logprobs`` / ``top_logprobs`` (N entries per
+  ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ``logprobs`` / ``top_logprobs`` (N entries per
   token, most likely first), ``stream``, ``stream_options.include_usage``.
 * ``GET /v1/models`` (the one served model), ``GET /health`` and ``GET /metrics`` (Prometheus text:
   batches, sequences, largest batch, forward passes, requests).
@@ -175,6 +176,7 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)  # vLLM extension: the k most likely tokens only (0 or -1: off)
     seed: int | None = None
     stop: str | list[str] | None = Field(None, validate_default=True)  # normalised to a list
     stream: bool | None = None
@@ -412,6 +414,7 @@ class _Served:
                 max_tokens=max_tokens,
                 temperature=1.0 if req.temperature is None else req.temperature,
                 top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=max(req.top_k or 0, 0),
                 seed=None if req.seed is None else req.seed + s,
                 stop=tuple(req.stop),
                 include_stop=req.include_stop_str_in_output,

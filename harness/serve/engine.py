@@ -57,6 +57,7 @@ class Sequence:
     max_tokens: int  # 0: score the prompt only
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # sample from the k most likely tokens only (0: off; vLLM's top_k, -1 also off)
     seed: int | None = None
     stop: tuple[str, ...] = ()
     include_stop: bool = False  # keep a matched stop string in the text (vLLM's include_stop_str_in_output)
@@ -756,17 +757,18 @@ class Engine:
         if early and self.eos_id is not None:
             logits = logits.clone()
             logits[early, self.eos_id] = float("-inf")
-        groups: dict[tuple[float, float], list[int]] = {}
+        groups: dict[tuple[float, float, int], list[int]] = {}
         for i in live:
             seq = batch.rows[i].seq
-            groups.setdefault((seq.temperature, 1.0 if seq.temperature == 0.0 else seq.top_p), []).append(i)
+            greedy = seq.temperature == 0.0
+            groups.setdefault((seq.temperature, 1.0 if greedy else seq.top_p, 0 if greedy else seq.top_k), []).append(i)
         chosen = {}
-        for (temperature, top_p), rows in groups.items():
+        for (temperature, top_p, top_k), rows in groups.items():
             at = torch.tensor(rows, device=logits.device)
             if temperature == 0.0:
                 chosen.update(zip(rows, logits[at].argmax(-1).tolist(), strict=True))
                 continue
-            tokens, valid = draw_rows(logits[at], temperature, top_p, [batch.rows[i].generator for i in rows])
+            tokens, valid = draw_rows(logits[at], temperature, top_p, [batch.rows[i].generator for i in rows], top_k)
             for i, token, ok in zip(rows, tokens.tolist(), valid.tolist(), strict=True):
                 if ok:
                     chosen[i] = token

@@ -361,6 +361,7 @@ class CompetitionOptions(MathOptions):
 
     k: int = 16
     max_new_tokens: int = 8192
+    protocol_family: str | None = "competition"  # the Qwen3 protocols' AIME rule: 38,912 new tokens (thinking), 64 samples
 
 
 class SingleSampleOptions(MathOptions):
