@@ -123,7 +123,8 @@ class SyncGroup:
     """One side of the collective transport's process group (rank 0: the learner; 1…n: the rollout actors), created
     without touching the default group (the learners' own)."""
 
-    def __init__(self, address: str, port: int, rank: int, world: int, device: str, timeout_s: float) -> None:
+    def __init__(self, address: str, port: int, rank: int, world: int, device: str, timeout_s: float,
+                 bucket_bytes: int = BUCKET_BYTES) -> None:  # fmt: skip
         from torch import distributed as dist
 
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -132,12 +133,12 @@ class SyncGroup:
             self.group = dist.ProcessGroupNCCL(self.store, rank, world, dist.ProcessGroupNCCL.Options())
         else:
             self.group = dist.ProcessGroupGloo(self.store, rank, world, timeout)
-        self.rank, self.device = rank, device
+        self.rank, self.device, self.bucket_bytes = rank, device, bucket_bytes
 
     def send(self, state: dict[str, torch.Tensor]) -> int:
         """Rank 0: broadcast ``state`` (already in the rollout dtype) bucket by bucket; returns the bytes sent."""
         layout = layout_of(state)
-        for bucket in buckets(layout):
+        for bucket in buckets(layout, self.bucket_bytes):
             flat = torch.cat([state[layout[i][0]].reshape(-1) for i in bucket]).to(self.device)
             self.group.broadcast(flat, 0).wait()
         return state_bytes(state)
@@ -145,7 +146,7 @@ class SyncGroup:
     def receive(self, layout: WeightLayout) -> dict[str, torch.Tensor]:
         """Ranks 1…n: the state rank 0 broadcasts, laid out as ``layout``."""
         state: dict[str, torch.Tensor] = {}
-        for bucket in buckets(layout):
+        for bucket in buckets(layout, self.bucket_bytes):
             dtype = getattr(torch, layout[bucket[0]][2])
             sizes = [torch.Size(layout[i][1]).numel() for i in bucket]
             flat = torch.empty(sum(sizes), dtype=dtype, device=self.device)
