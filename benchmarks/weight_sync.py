@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from trainers.weight_sync import SyncGroup, layout_of, state_bytes
+from trainers.weight_sync import SyncGroup, state_bytes
 
 
 class Side:
