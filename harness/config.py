@@ -336,6 +336,12 @@ class TrainerConfig(Strict):
     sync_every: int = Field(
         1, ge=1, description="async: rollout weights are refreshed every N learner steps (or sooner if max_lag requires)"
     )
+    weight_sync: str = Field(
+        "object_store",
+        description="how each learner version a rollout worker will load reaches it, in the rollout engine's dtype: object_store "
+        "(one copy by reference) or collective (executor ray: bucketed broadcast from learner rank 0 over gloo/NCCL); see "
+        "harness.registry.WEIGHT_SYNCS",
+    )
     rollout_unit: Literal["batch", "group"] = Field(
         "batch",
         description="what a rollout worker takes from the queue and streams back: a whole batch, or one prompt group (a prompt's "
@@ -444,6 +450,17 @@ class TrainerConfig(Strict):
         if executor == "ray" and importlib.util.find_spec("ray") is None:
             raise ValueError("--executor ray needs Ray, which is not installed; install it with: pip install 'opd-harness[ray]'")
         return executor
+
+    @field_validator("weight_sync")
+    @classmethod
+    def _known_weight_sync(cls, name: str) -> str:
+        from harness.registry import WEIGHT_SYNCS, RegistryError
+
+        try:
+            WEIGHT_SYNCS.get(name)
+        except RegistryError as exc:
+            raise ValueError(str(exc)) from None
+        return name
 
     @field_validator("rollout_backend")
     @classmethod

@@ -235,3 +235,4 @@ BACKENDS: Registry = Registry("backends")
 PIPELINES: Registry = Registry("pipelines")
 EXECUTORS: Registry = Registry("executors")
 EVAL_EXECUTORS: Registry = Registry("eval_executors")
+WEIGHT_SYNCS: Registry = Registry("weight_syncs")  # trainer.weight_sync: how learner weights reach the rollout workers

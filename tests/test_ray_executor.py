@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from harness.cli import app
 from harness.config import ConfigError, build_config
+from trainers.weight_sync import Published
 
 runner = CliRunner()
 BASE = [
@@ -244,7 +245,7 @@ def test_a_lost_rollout_actor_is_waited_for_then_its_batch_is_given_back(monkeyp
     actor = SimpleNamespace(generate=Call("generate"), ready=Call("ready"), load_weights=Call("load"))
     monkeypatch.setattr(rx.time, "sleep", lambda s: None)
     rollout = rx.RayRollout(FakeRay(), SimpleNamespace(method=SimpleNamespace(needs=lambda h: set()), hparams=None), actor, None,
-                            SimpleNamespace(get=lambda v: "weights"))  # fmt: skip
+                            SimpleNamespace(get=lambda v: Published("weights", "", 0)))  # fmt: skip
     answers[:] = [None]  # the load is waited for (the actor may run several units at once)
     rollout.load(4)
     assert rollout.version == 4 and answers == []

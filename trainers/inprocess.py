@@ -12,7 +12,10 @@ import torch
 from rich.console import Console
 
 from harness.trajectory import TensorBatch, concat_batches
-from trainers.loop import LearnResult, Roles, Unit, WeightBoard, state_snapshot, unit_problems
+from harness.config import ConfigError
+from harness.registry import WEIGHT_SYNCS
+from trainers.loop import LearnResult, Roles, Unit, WeightBoard, unit_problems
+from trainers.weight_sync import Published, checksum, engine_dtype, rollout_copy, state_bytes
 from trainers.teacher import output_head
 from trainers.pipeline import (
     CONCURRENT_ENGINES,
@@ -47,7 +50,8 @@ class LocalRollout:
         return self.backend.version
 
     def load(self, version: int) -> None:
-        load_rollout_weights(self.backend, self.scorer, self.board.get(version), version)
+        published: Published = self.board.get(version)
+        load_rollout_weights(self.backend, self.scorer, published.payload, version, published.checksum)
 
     def make(self, unit: Unit) -> tuple[TensorBatch, dict[str, float]]:
         """Unit ``unit``'s samples (its share of batch ``unit.index``'s prompts), graded and teacher-scored."""
@@ -61,10 +65,11 @@ class LocalRollout:
 
 
 class LocalLearner:
-    """In-process learner: trains the session's own student, so checkpoints need no pull."""
+    """In-process learner: trains the session's own student, so checkpoints need no pull; publishes one CPU copy per
+    loaded version in the rollout engine's dtype (``dtype``)."""
 
-    def __init__(self, plan, session: Session) -> None:
-        self.plan, self.session = plan, session
+    def __init__(self, plan, session: Session, dtype: torch.dtype = torch.float32) -> None:
+        self.plan, self.session, self.dtype = plan, session, dtype
 
     def train(self, parts: list[TensorBatch], version: int) -> LearnResult:
         batch = concat_batches(parts)
@@ -73,8 +78,10 @@ class LocalLearner:
               teacher_head=output_head(self.session.teacher) if self.session.teacher is not None else None)  # fmt: skip
         return LearnResult(metrics, batch.policy_lag.tolist(), response_lengths(batch))
 
-    def snapshot(self) -> dict[str, torch.Tensor]:
-        return state_snapshot(self.session.student.model)
+    def publish(self, version: int) -> Published:
+        """The ``object_store`` transport in process: a copy in the rollout dtype, passed by reference."""
+        weights = rollout_copy(self.session.student.model.state_dict(), self.dtype)
+        return Published(weights, checksum(weights), state_bytes(weights))
 
     def pull(self) -> None:
         pass
@@ -87,13 +94,16 @@ class InProcessExecutor:
         return nullcontext()
 
     def check(self, plan, console: Console) -> None:
-        """Nothing to refuse: threads of this process can run any plan that was planned."""
+        """Refuse a collective weight transport (it needs separate processes); threads can run any other planned run."""
+        name = plan.config.trainer.weight_sync
+        if WEIGHT_SYNCS.get(name).collective:
+            raise ConfigError(f"trainer.weight_sync={name} moves weights between processes: use --executor ray, or object_store")
 
     @contextmanager
     def roles(self, plan, session: Session, board: WeightBoard, console: Console) -> Iterator[Roles]:
         rollout = LocalRollout(plan, session, board)
         try:
-            yield Roles([rollout], LocalLearner(plan, session))
+            yield Roles([rollout], LocalLearner(plan, session, engine_dtype(rollout.backend)))
         finally:
             rollout.close()
 

@@ -100,6 +100,17 @@ class Schedule:
         """Weight versions the board must hold so that every allowed version is still there."""
         return max(self.max_lag, self.fixed_lag or 0, self.sync_every) + 2
 
+    @property
+    def period(self) -> int:
+        """Versions between two loaded ones: ``sync_every``, or sooner when ``max_lag`` requires (every one with a fixed lag)."""
+        if self.fixed_lag is not None:
+            return 1
+        return max(min(self.sync_every, self.max_lag + 1), 1)
+
+    def publishes(self, version: int) -> bool:
+        """Whether a rollout worker may load ``version``: only those are copied and sent (a refresh publishes its own)."""
+        return version <= self.floor or (version - self.floor) % self.period == 0
+
     def allows(self, index: int, version: int) -> bool:
         """Whether weights ``version`` may still generate batch ``index`` under ``max_lag`` (not a fixed-lag run's rule)."""
         return version >= max(required_version(index, self.max_lag), self.floor)
@@ -122,7 +133,9 @@ def state_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 class WeightBoard:
     """The learner publishes versioned weight snapshots; rollout workers wait for and fetch them.
 
-    A snapshot is whatever the rollout role loads: a state dict in process, an object ref with Ray.
+    A snapshot is whatever the rollout role loads: a :class:`trainers.weight_sync.Published` (a state dict in process, an
+    object ref with Ray, or a version already broadcast by the ``collective`` transport, with the learner's checksum).
+    Only versions a worker may load are published (:meth:`Schedule.publishes`); at most ``keep`` are held.
     """
 
     def __init__(self, keep: int) -> None:
@@ -155,6 +168,10 @@ class WeightBoard:
             if self.stopped:
                 raise PipelineStopped
             return self.latest
+
+    @property
+    def keep(self) -> int:
+        return self._keep
 
     def get(self, version: int) -> Any:
         with self._cond:
@@ -373,7 +390,8 @@ class Learner(Protocol):
     def train(self, parts: list[Any], version: int) -> LearnResult:
         """Train on the batch made of ``parts`` (its units, in group order: ``concat_batches``)."""
 
-    def snapshot(self) -> Any: ...
+    def publish(self, version: int) -> Any:
+        """Send weights ``version`` by the run's transport (``trainer.weight_sync``); a ``Published``."""
 
     def pull(self) -> None: ...
 
@@ -548,6 +566,17 @@ def resumed_counters(session: Session) -> dict:
     return stored[-1]["metrics"] if stored else {}
 
 
+def publish(board: WeightBoard, learner: Learner, version: int, due: bool) -> dict[str, float]:
+    """Publish ``version`` when a worker may load it (``due``); the step's ``sync_bytes`` and ``sync_seconds``."""
+    if not due:
+        return {"sync_bytes": 0.0, "sync_seconds": 0.0}
+    started = time.perf_counter()
+    published = learner.publish(version)
+    seconds = time.perf_counter() - started
+    board.publish_snapshot(version, published)
+    return {"sync_bytes": float(published.nbytes), "sync_seconds": seconds}
+
+
 def drive(
     plan,
     session: Session,
@@ -563,7 +592,7 @@ def drive(
     groups = batch_units(plan, len(session.train_problems))
     buffer, pause = ReplayBuffer(groups), threading.Event()
     schedule = dataclasses.replace(schedule, floor=session.state.step)
-    board.publish_snapshot(session.state.step, learner.snapshot())
+    board.publish_snapshot(session.state.step, learner.publish(session.state.step))
     pause.set()
     queue = WorkQueue(session.state.step, schedule.steps, groups)
     workers = [RolloutWorker(schedule, rollout, board, buffer, queue, pause, number, inflight=groups)
@@ -600,11 +629,12 @@ def drive(
             metrics = {**rollout_metrics, **result.metrics}
             metrics.pop("rows", None)
             clock.add("train", metrics["time_train_s"])
-            board.publish_snapshot(step, learner.snapshot())
+            refresh = metrics.get("refresh_signal", 0.0) > 0 and schedule.fixed_lag is None
+            metrics.update(publish(board, learner, step, schedule.publishes(step) or refresh))
             staleness.update(result.lags)
             for unit in entry.entries:
                 made[unit.worker] += unit.rows
-            if metrics.get("refresh_signal", 0.0) > 0 and schedule.fixed_lag is None:  # the lag study keeps its lag
+            if refresh:  # the lag study keeps its lag
                 refreshes += 1
                 stale = buffer.drop_stale()
                 queue.give_back(stale)

@@ -139,11 +139,17 @@ def open_behaviour_scorer(
     return scorer
 
 
-def load_rollout_weights(engine: Backend, scorer: HFBackend | None, weights: dict[str, torch.Tensor], version: int) -> None:
-    """Push weights ``version`` to the rollout engine and to its behaviour scorer, if it has one."""
+def load_rollout_weights(engine: Backend, scorer: HFBackend | None, weights: dict[str, torch.Tensor], version: int,
+                         expected: str | None = None) -> None:  # fmt: skip
+    """Push weights ``version`` to the rollout engine and to its behaviour scorer, if it has one, and check each against the
+    learner's checksum ``expected`` (:func:`trainers.weight_sync.check_loaded`: a stale or corrupt load fails the run)."""
+    from trainers.weight_sync import check_loaded
+
     engine.load_weights(weights, version)
+    check_loaded(engine, expected, version)
     if scorer is not None:
         scorer.load_weights(weights, version)
+        check_loaded(scorer, expected, version)
 
 
 def episode_step_metrics(task, trajectories: list[Trajectory]) -> dict[str, float]:

@@ -66,7 +66,9 @@ from harness.task import close_tasks
 from harness.config import LAYOUT_ROLES, ConfigError, Layout, RoleLayout
 from trainers.distributed import Shard, backend_for, collective_deadline, data_parallel, full_state, full_weights, join_group
 from trainers.distributed import rendezvous_port
-from trainers.loop import MAX_ROLLOUT_LOSSES, LearnResult, Roles, RolloutLost, Unit, WeightBoard, batch_units, state_snapshot, unit_problems
+from harness.registry import WEIGHT_SYNCS
+from trainers.loop import MAX_ROLLOUT_LOSSES, LearnResult, Roles, RolloutLost, Unit, WeightBoard, batch_units, unit_problems
+from trainers.weight_sync import Published, WeightLayout, SyncGroup, checksum, engine_dtype, layout_of, rollout_copy, state_bytes
 from trainers.pipeline import (
     Session,
     close_rollout_backend,
@@ -355,8 +357,28 @@ class RolloutActor(ActorRole):
         self.backend = open_rollout_backend(self.plan, student_path, model=model, tokenizer=tokenizer, device=self.device)
         self.scorer = open_behaviour_scorer(self.plan, self.backend, student_path, model=model, tokenizer=tokenizer, device=self.device)
 
-    def load_weights(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        load_rollout_weights(self.backend, self.scorer, weights, version)
+    def load_weights(self, weights: dict[str, torch.Tensor] | None, version: int, expected: str | None = None) -> None:
+        """Load ``weights`` (None: the copy the ``collective`` transport staged for ``version``), checked against ``expected``."""
+        if weights is None:
+            staged = getattr(self, "staged", {})
+            if version not in staged:
+                raise RolloutLost(f"rollout actor has no staged weights version {version} (restarted: it left the sync group)")
+            weights = staged[version]
+        load_rollout_weights(self.backend, self.scorer, weights, version, expected)
+
+    def weights_dtype(self) -> str:
+        """The rollout engine's parameter dtype (what weights are sent in)."""
+        return str(engine_dtype(self.backend)).removeprefix("torch.")
+
+    def sync_join(self, address: str, port: int, rank: int, world: int, timeout_s: float) -> None:
+        """Join the ``collective`` transport's group as ``rank`` (rank 0 is the learner's rank 0)."""
+        self.sync_group, self.staged = SyncGroup(address, port, rank, world, self.device, timeout_s), {}
+
+    def receive_weights(self, version: int, layout: WeightLayout, keep: int) -> None:
+        """Receive version ``version``'s broadcast and stage it until it is loaded; at most ``keep`` versions stay staged."""
+        self.staged[version] = self.sync_group.receive(layout)
+        for old in [v for v in self.staged if v <= version - keep]:
+            del self.staged[old]
 
     def generate(self, unit: Unit, version: int) -> tuple[TensorBatch, dict[str, float]]:
         """Unit ``unit`` (its share of batch ``unit.index``'s prompts) from the loaded weights, which must be ``version``
@@ -455,12 +477,31 @@ class LearnerActor(ActorRole):
                   teacher_head=self.teacher_head)  # fmt: skip
         return LearnResult(metrics, batch.policy_lag.tolist(), response_lengths(batch))
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        """A CPU copy of the full weights (fsdp2: every rank must be called; the others return an empty dict)."""
+    def rollout_weights(self, dtype: str) -> dict[str, torch.Tensor]:
+        """One CPU copy of the full weights in the rollout dtype (fsdp2: every rank must be called; the others get {})."""
         with collective_deadline(self.timeout_s):
-            if self.sharding == "fsdp2":
-                return full_weights(self.model)
-            return state_snapshot(self.model) if self.device == "cpu" else on_cpu(self.model.state_dict())
+            state = full_weights(self.model) if self.sharding == "fsdp2" else self.model.state_dict()
+        return rollout_copy(state, getattr(torch, dtype)) if state else {}
+
+    def publish_weights(self, dtype: str) -> tuple[dict[str, torch.Tensor], tuple[str, int]]:
+        """``object_store``: the copy (left in the object store) and its (checksum, bytes)."""
+        weights = self.rollout_weights(dtype)
+        return weights, (checksum(weights), state_bytes(weights))
+
+    def weight_layout(self, dtype: str) -> WeightLayout:
+        """``collective``: names, shapes and dtypes of the broadcast, in its order."""
+        return layout_of(self.rollout_weights(dtype))
+
+    def sync_join(self, address: str, port: int, world: int, timeout_s: float) -> None:
+        """``collective``: rank 0 of the weight group (not the learners' data-parallel group)."""
+        self.sync_group = SyncGroup(address, port, 0, world, self.device, timeout_s)
+
+    def broadcast_weights(self, dtype: str) -> tuple[str, int]:
+        """``collective``: broadcast the weights in the rollout dtype to the rollout actors; (checksum, bytes)."""
+        weights = self.rollout_weights(dtype)
+        if not weights:  # an fsdp2 rank other than 0: it only took part in the gather
+            return "", 0
+        return checksum(weights), self.sync_group.send(weights)
 
     def state(self) -> dict[str, Any]:
         """Full (unsharded) weights, optimizer and method state, for the driver's checkpoints and evaluations (fsdp2: every
@@ -584,8 +625,8 @@ class RayRollout:
 
     def load(self, version: int) -> None:
         """Load ``version`` and wait for it: the actor runs several units at once, so a later call is not ordered after it."""
-        kills = self.kills
-        self._get(self.actor.load_weights.remote(self.board.get(version), version), f"loading weights {version}", kills)
+        kills, published = self.kills, self.board.get(version)
+        self._get(self.actor.load_weights.remote(published.payload, version, published.checksum), f"loading weights {version}", kills)
         self.version = version
 
     def make(self, unit: Unit) -> tuple[Any, dict[str, float]]:
@@ -708,12 +749,31 @@ class RayLearner:
     state pulled into the session come from rank 0. A rank that fails kills the others (they would wait for it in
     their collectives) and stops the run with :class:`LearnerRankFailed`."""
 
-    def __init__(self, ray: ModuleType, ranks: list[Any], session: Session, sharding: str = "ddp", faults: Faults | None = None) -> None:
+    def __init__(self, ray: ModuleType, ranks: list[Any], session: Session, sharding: str = "ddp", faults: Faults | None = None,
+                 weight_sync: str = "object_store") -> None:  # fmt: skip
         self.ray, self.ranks, self.session = ray, ranks, session
         self.faults = faults or Faults(session=session)
         self.sharding = sharding
         self.sharded = sharding == "fsdp2" and len(ranks) > 1  # weights and state are then read from every rank at once
         self.killed = False
+        self.sync = WEIGHT_SYNCS.get(weight_sync)
+        self.rollouts: list[Any] = []  # the rollout actors weights go to (set by ``connect``)
+        self.dtype, self.layout, self.keep = "float32", [], 1
+
+    def connect(self, rollouts: list[Any], keep: int) -> None:
+        """Learn the rollout dtype and let the transport set itself up (the ``collective`` group) before the first publish."""
+        self.rollouts, self.keep = rollouts, keep
+        self.dtype = self._get([rollouts[0].weights_dtype.remote()], "reading the rollout dtype")[0] if rollouts else "float32"
+        self.sync.connect(self)
+
+    def publish(self, version: int) -> Published:
+        """Send weights ``version`` by the run's transport (``trainer.weight_sync``)."""
+        return self.sync.publish(self, version)
+
+    def on_ranks(self, method: str, *args: Any, returns: int = 1) -> list[Any]:
+        """Call ``method`` on rank 0, or on every rank under fsdp2 (a gather); the refs, rank 0's first."""
+        readers = self.ranks if self.sharded else [self.actor]
+        return [getattr(rank, method).options(num_returns=returns).remote(*args) for rank in readers]
 
     @property
     def actor(self) -> Any:
@@ -728,14 +788,6 @@ class RayLearner:
         address, port = self._get([self.actor.rendezvous.remote()], "finding the group's address")[0]
         backends = self._get([rank.join.remote(address, port) for rank in self.ranks], "joining the group")
         return backends[0], f"{address}:{port}"
-
-    def snapshot(self) -> Any:
-        """Rank 0's weights as an object ref (they stay in the object store); under fsdp2 every rank takes part."""
-        if not self.sharded:
-            return self.actor.weights.remote()
-        refs = [rank.weights.remote() for rank in self.ranks]
-        self._get(refs[1:], "gathering its weights", first=1)  # their answers are empty; rank 0's stays in the object store
-        return refs[0]
 
     def pull(self) -> None:
         """Copy the learner's weights, optimizer and method state into the session before it checkpoints/evaluates."""
@@ -946,11 +998,13 @@ class RayExecutor:
         sharding = trainer.layout.learner.sharding if trainer.layout is not None else "ddp"
         placement: dict[str, Any] = {}
         faults = Faults(trainer.actor_timeout_s, trainer.actor_restart_timeout_s, placement, session)
-        ray_learner, teachers = RayLearner(ray, learners, session, sharding, faults), TeacherActors(ray, scorers, faults)
+        ray_learner = RayLearner(ray, learners, session, sharding, faults, trainer.weight_sync)
+        teachers = TeacherActors(ray, scorers, faults)
 
         def ready() -> None:
             try:
                 wait_ready(ray, actors, names, console, placement, ray_learner)
+                ray_learner.connect(rollouts, board.keep)
             finally:
                 write_placement(session, placement)
 

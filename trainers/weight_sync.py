@@ -1,0 +1,201 @@
+"""Weight transports (``trainer.weight_sync``): how a learner version reaches the rollout workers.
+
+Every transport moves one copy per version, in the rollout engine's parameter dtype, and only for versions a worker
+will load (:meth:`trainers.loop.Schedule.publishes`). What the loop's :class:`~trainers.loop.WeightBoard` holds is a
+:class:`Published`: the payload a rollout loads (a state dict in process, an object ref, or nothing when the weights
+were already broadcast), the learner's checksum of a few tensors, and the bytes moved. After every load the rollout
+checks its engine against that checksum (:func:`check_loaded`) and refuses a stale or corrupt load.
+
+Built-ins (entry-point group ``opd_harness.weight_syncs``):
+
+- ``object_store``: the learner's copy is handed over by reference (Ray's object store, or the process's memory);
+  each worker fetches it when it loads.
+- ``collective``: a torch.distributed group of the learner's rank 0 and the rollout actors (its own group, apart from
+  the learners' data-parallel one; gloo on CPU, NCCL on CUDA); each published version is broadcast in flat buckets per
+  dtype from rank 0 to every rollout actor, which keeps it staged until it loads it. Ray only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+BUCKET_BYTES = 64 << 20  # flat broadcast buckets of at most 64 MiB (a larger tensor gets its own)
+CHECKED_TENSORS = 4  # tensors the checksum covers: spread over the state dict (first, …, last)
+
+
+class WeightSyncError(RuntimeError):
+    """A rollout engine does not hold the weights it was sent (a stale or corrupt load): the run fails."""
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published version: what the rollout loads, the learner's checksum of it and the bytes it weighs."""
+
+    payload: Any  # a state dict, an object ref to one, or None (already staged on every worker by a broadcast)
+    checksum: str
+    nbytes: int
+
+
+def rollout_copy(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A detached CPU copy of ``state`` with its floating tensors in ``dtype`` (one copy, never two)."""
+    return {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype, copy=True) for k, v in state.items()}
+
+
+def state_bytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def checked_names(names: list[str]) -> list[str]:
+    """The names :func:`checksum` covers: ``CHECKED_TENSORS`` spread evenly over the sorted names."""
+    ordered = sorted(names)
+    if len(ordered) <= CHECKED_TENSORS:
+        return ordered
+    step = (len(ordered) - 1) / (CHECKED_TENSORS - 1)
+    return sorted({ordered[round(i * step)] for i in range(CHECKED_TENSORS)})
+
+
+def checksum(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> str:
+    """A hash of the bytes of a few tensors of ``state`` (in ``dtype`` for floating ones, when given): equal bit for bit or not."""
+    digest = hashlib.sha256()
+    for name in checked_names(list(state)):
+        t = state[name].detach()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        digest.update(name.encode())
+        digest.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def engine_dtype(engine: Any) -> torch.dtype:
+    """The rollout engine's parameter dtype: what weights are sent in (its ``param_dtype``, else its model's, else fp32)."""
+    dtype = getattr(engine, "param_dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    model = getattr(engine, "model", None)
+    if isinstance(model, torch.nn.Module):
+        return next(model.parameters()).dtype
+    return torch.float32
+
+
+def check_loaded(engine: Any, expected: str | None, version: int) -> None:
+    """Refuse (:class:`WeightSyncError`) an engine whose loaded weights do not hash to the learner's ``expected`` checksum.
+    An engine that cannot show its weights (no ``model``, e.g. vLLM) is not checked."""
+    model = getattr(engine, "model", None)
+    if expected is None or not isinstance(model, torch.nn.Module):
+        return
+    found = checksum(model.state_dict())
+    if found != expected:
+        raise WeightSyncError(f"rollout engine {type(engine).__name__} did not take weights version {version}: its weights hash to "
+                              f"{found}, the learner's to {expected} (a stale or corrupt load); refusing it")  # fmt: skip
+
+
+# ---- the collective's buckets ---------------------------------------------------------------------------------------
+
+
+WeightLayout = list[tuple[str, tuple[int, ...], str]]  # (name, shape, dtype name) in broadcast order
+
+
+def layout_of(state: dict[str, torch.Tensor]) -> WeightLayout:
+    return [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in sorted(state.items())]
+
+
+def buckets(layout: WeightLayout, limit: int = BUCKET_BYTES) -> list[list[int]]:
+    """Indices into ``layout`` grouped into flat buckets: one dtype each, at most ``limit`` bytes (or one larger tensor)."""
+    out: list[list[int]] = []
+    open_: dict[str, tuple[list[int], int]] = {}
+    for i, (_, shape, dtype) in enumerate(layout):
+        size = torch.Size(shape).numel() * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+        bucket, used = open_.get(dtype, ([], 0))
+        if bucket and used + size > limit:
+            out.append(bucket)
+            bucket, used = [], 0
+        open_[dtype] = (bucket + [i], used + size)
+    out.extend(bucket for bucket, _ in open_.values() if bucket)
+    return out
+
+
+class SyncGroup:
+    """One side of the collective transport's process group (rank 0: the learner; 1…n: the rollout actors), created
+    without touching the default group (the learners' own)."""
+
+    def __init__(self, address: str, port: int, rank: int, world: int, device: str, timeout_s: float,
+                 bucket_bytes: int = BUCKET_BYTES) -> None:  # fmt: skip
+        from torch import distributed as dist
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timeout)
+        if device.startswith("cuda"):  # not run: no GPU here
+            self.group = dist.ProcessGroupNCCL(self.store, rank, world, dist.ProcessGroupNCCL.Options())
+        else:
+            self.group = dist.ProcessGroupGloo(self.store, rank, world, timeout)
+        self.rank, self.device, self.bucket_bytes = rank, device, bucket_bytes
+
+    def send(self, state: dict[str, torch.Tensor]) -> int:
+        """Rank 0: broadcast ``state`` (already in the rollout dtype) bucket by bucket; returns the bytes sent."""
+        layout = layout_of(state)
+        for bucket in buckets(layout, self.bucket_bytes):
+            flat = torch.cat([state[layout[i][0]].reshape(-1) for i in bucket]).to(self.device)
+            self.group.broadcast(flat, 0).wait()
+        return state_bytes(state)
+
+    def receive(self, layout: WeightLayout) -> dict[str, torch.Tensor]:
+        """Ranks 1…n: the state rank 0 broadcasts, laid out as ``layout``."""
+        state: dict[str, torch.Tensor] = {}
+        for bucket in buckets(layout, self.bucket_bytes):
+            dtype = getattr(torch, layout[bucket[0]][2])
+            sizes = [torch.Size(layout[i][1]).numel() for i in bucket]
+            flat = torch.empty(sum(sizes), dtype=dtype, device=self.device)
+            self.group.broadcast(flat, 0).wait()
+            for i, part in zip(bucket, flat.split(sizes), strict=True):
+                state[layout[i][0]] = part.view(layout[i][1]).cpu()
+        return state
+
+
+# ---- the plug-ins ---------------------------------------------------------------------------------------------------
+
+
+class ObjectStoreSync:
+    """``object_store``: one copy per loaded version, handed over by reference; each worker fetches it when it loads."""
+
+    collective = False
+
+    def connect(self, learner: Any) -> None:
+        """Nothing to set up: the object store is there."""
+
+    def publish(self, learner: Any, version: int) -> Published:
+        """Ray: the learner's rank 0 leaves its copy in the object store; the driver takes only (checksum, bytes)."""
+        refs = learner.on_ranks("publish_weights", learner.dtype, returns=2)
+        digest, nbytes = learner._get([meta for _, meta in refs], f"publishing weights {version}")[0]
+        return Published(refs[0][0], digest, nbytes)  # rank 0's copy stays in the object store (fsdp2's others are empty)
+
+
+class CollectiveSync:
+    """``collective``: bucketed broadcast from the learner's rank 0 to every rollout actor at each loaded version (Ray only)."""
+
+    collective = True
+
+    def connect(self, learner: Any) -> None:
+        """Form the group: learner rank 0 (rank 0, it hosts the store) and the rollout actors (ranks 1…n)."""
+        ray, world, timeout_s = learner.ray, len(learner.rollouts) + 1, learner.faults.call_s or 300.0
+        address, port = learner._get([learner.actor.rendezvous.remote()], "finding the weight group's address")[0]
+        joins = [learner.actor.sync_join.remote(address, port, world, timeout_s)]
+        joins += [actor.sync_join.remote(address, port, rank, world, timeout_s) for rank, actor in enumerate(learner.rollouts, 1)]
+        ray.get(joins, timeout=timeout_s)
+        learner.layout = learner._get(learner.on_ranks("weight_layout", learner.dtype), "reading the weight layout")[0]
+
+    def publish(self, learner: Any, version: int) -> Published:
+        """Broadcast ``version`` from learner rank 0 to every rollout actor, which stages it until it loads it."""
+        sent = learner.on_ranks("broadcast_weights", learner.dtype)
+        received = [actor.receive_weights.remote(version, learner.layout, learner.keep) for actor in learner.rollouts]
+        learner.ray.get(received, timeout=learner.faults.call_s)
+        digest, nbytes = learner._get(sent, f"broadcasting weights {version}")[0]
+        return Published(None, digest, nbytes)
+
+
+OBJECT_STORE = ObjectStoreSync()
+COLLECTIVE = CollectiveSync()
