@@ -181,7 +181,8 @@ def test_actors_release_their_tasks_and_engines_before_they_are_killed(monkeypat
     monkeypatch.setattr(rx, "start_actors", lambda *a, **k: actors)
     monkeypatch.setattr(rx, "RayRollout", lambda *a, **k: "rollout role")
     monkeypatch.setattr(rx, "RayLearner", lambda *a, **k: learner_role)
-    trainer = SimpleNamespace(layout=None, actor_timeout_s=900.0, actor_restart_timeout_s=300.0)  # no eval workers
+    trainer = SimpleNamespace(layout=None, actor_timeout_s=900.0, actor_restart_timeout_s=300.0,
+                              weight_sync="object_store")  # no eval workers
     plan = SimpleNamespace(config=SimpleNamespace(threads=1, trainer=trainer))
     session = SimpleNamespace(optimizer=None)
     with rx.RayExecutor().roles(plan, session, board=None, console=rx.Console(quiet=True)) as roles:
