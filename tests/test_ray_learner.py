@@ -48,6 +48,12 @@ class _FakeRay:
         class RayActorError(Exception):
             pass
 
+        class ObjectLostError(Exception):
+            pass
+
+        class NodeDiedError(Exception):
+            pass
+
     def __init__(self, outcomes: list) -> None:
         self.outcomes, self.killed = outcomes, []
 
