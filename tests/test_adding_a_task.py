@@ -1,4 +1,4 @@
-"""docs/extending/add-a-task.md's's agentic worked example, run as written: its code block becomes a module, is registered as a task
+"""docs/extending/add-a-task.md's agentic worked example, run as written: its code block becomes a module, is registered as a task
 and plays scripted shell-agent episodes in the local sandbox, graded by its check run in each episode's session."""
 
 from __future__ import annotations
