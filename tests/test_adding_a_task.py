@@ -1,4 +1,4 @@
-"""README's "Adding a task" worked example, run as written: its code block becomes a module, is registered as a task
+"""docs/extending/add-a-task.md's agentic worked example, run as written: its code block becomes a module, is registered as a task
 and plays scripted shell-agent episodes in the local sandbox, graded by its check run in each episode's session."""
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from harness.evaluation import evaluate_task
 from harness.registry import TASKS
 from harness.task import DataError
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[1] / "docs" / "extending" / "add-a-task.md"
 NAME = "fix_script"
 BUGGY = "def add(a, b):\n    return a - b\n"
 CHECK = "from calc import add\nassert add(2, 3) == 5, add(2, 3)\nprint('ok')\n"
 
 
 def readme_example() -> str:
-    """The first python block of README's "Adding a task" section."""
-    section = README.read_text().split("\n## Adding a task\n", 1)[1].split("\n## ", 1)[0]
+    """The first python block of the page's "An agentic task" section."""
+    section = README.read_text().split("\n## An agentic task\n", 1)[1].split("\n## ", 1)[0]
     return re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
 
 

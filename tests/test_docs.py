@@ -1,18 +1,64 @@
-"""The project's documents stand on their own: no path outside the repository, every relative link resolves."""
+"""The project's documents stand on their own and match the code: no path outside the repository, every relative link
+resolves, every page of the site is in its navigation, README stays one screen with the set-up commands CI runs, the
+generated references cover every command, config key and method, and the documented examples run."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import sys
 from pathlib import Path
+
+import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "DEVELOPERS.md", *sorted((ROOT / "docs").glob("**/*.md"))]
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")  # [text](target) with a relative target
+UP = re.compile(r"(?:\.\./)+[\w.\-/]*")  # a relative path that climbs: ../x, ../../y/z
+README_COMMANDS = (  # .ci/run runs the second verbatim, the tests' set-up is the first
+    "python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e . && .venv/bin/harness run --preset cpu-demo",
+    "python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e '.[dev]' && .venv/bin/python -m pytest -q",
+)
+
+sys.path.insert(0, str(ROOT / "docs"))
+import gen_reference  # noqa: E402
+
+
+def _nav_pages(node) -> list[str]:
+    if isinstance(node, str):
+        return [node]
+    if isinstance(node, dict):
+        return [p for v in node.values() for p in _nav_pages(v)]
+    return [p for item in node for p in _nav_pages(item)]
+
+
+def _mkdocs() -> dict:
+    return yaml.safe_load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"))
+
+
+def _block(page: str, section: str, lang: str = "python") -> str:
+    text = (ROOT / "docs" / page).read_text(encoding="utf-8").split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return re.search(rf"```{lang}\n(.*?)```", text, re.DOTALL).group(1)
+
+
+def _module(name: str, source: str, tmp_path: Path):
+    path = tmp_path / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_documents_name_nothing_outside_the_repository() -> None:
-    outside = {str(p.relative_to(ROOT)): n for p in DOCS if (n := p.read_text(encoding="utf-8").count("../"))}
-    assert outside == {}
+    """A climbing path (a link between pages, ../layouts/x.yaml) is fine while it stays inside the repository."""
+    outside = []
+    for doc in DOCS:
+        for path in UP.findall(doc.read_text(encoding="utf-8")):
+            if not (doc.parent / path).resolve().is_relative_to(ROOT):
+                outside.append(f"{doc.relative_to(ROOT)}: {path}")
+    assert outside == []
 
 
 def test_every_relative_link_resolves_inside_the_repository() -> None:
@@ -27,6 +73,28 @@ def test_every_relative_link_resolves_inside_the_repository() -> None:
     assert broken == []
 
 
+def test_every_page_of_the_site_is_in_its_navigation_and_every_nav_entry_exists() -> None:
+    config = _mkdocs()
+    assert config["strict"] is True and config["theme"]["name"] == "material"
+    nav = _nav_pages(config["nav"])
+    assert len(nav) == len(set(nav))
+    assert [p for p in nav if not (ROOT / "docs" / p).is_file()] == []
+    pages = {str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").glob("**/*.md")}
+    assert pages - set(nav) == set()
+
+
+def test_readme_is_one_screen_with_the_commands_ci_runs_and_no_dated_history() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 200
+    for command in README_COMMANDS:
+        assert command in readme
+    assert README_COMMANDS[1] in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert re.findall(r"\b20\d\d-\d\d-\d\d\b", readme) == []  # measurements and history live on the site's Results pages
+    assert re.findall(r"(?i)\bissue \d+|#\d+\b", readme) == []
+    assert "--student Qwen/Qwen3-1.7B --teacher Qwen/Qwen3-8B" in readme  # the headline command, real model ids
+    assert "not run" in readme  # the support matrix says what has not run
+
+
 def test_readme_links_the_architecture_document_which_covers_every_folder() -> None:
     assert "](docs/architecture.md)" in (ROOT / "README.md").read_text(encoding="utf-8")
     architecture = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
@@ -35,3 +103,83 @@ def test_readme_links_the_architecture_document_which_covers_every_folder() -> N
     assert all(f"`{name}/`" in architecture for name in folders)
     for section in ("## The seams", "## Flow of `harness run`", "## Flow of `harness eval`", "## Results store", "## The episode contract"):
         assert section in architecture
+
+
+def test_the_cli_reference_is_generated_and_lists_every_command_and_option() -> None:
+    """The page holds the marker the build hook fills; what it is filled with covers every command and flag of the app,
+    so a command or flag added to the CLI appears in the reference without anyone editing a page."""
+    assert "<!-- gen:cli -->" in (ROOT / "docs" / "reference" / "cli.md").read_text(encoding="utf-8")
+    commands = gen_reference.cli_commands()
+    assert {"harness run", "harness eval", "harness serve", "harness gate", "harness data fetch", "harness sandbox build"} <= set(commands)
+    text = gen_reference.cli_markdown()
+    missing = [name for name in commands if f"\n## {name}\n" not in text]
+    missing += [f"{name} {opt}" for name, cmd in commands.items() for p in cmd.params if not p.hidden for opt in p.opts
+                if p.param_type_name == "option" and f"`{opt}`" not in text]
+    assert missing == []
+
+
+def test_the_config_reference_is_generated_and_lists_every_key() -> None:
+    from harness.config import RunConfig, TrainerConfig
+
+    assert "<!-- gen:config -->" in (ROOT / "docs" / "reference" / "config.md").read_text(encoding="utf-8")
+    text = gen_reference.config_markdown()
+    keys = [key for key, _ in gen_reference.config_fields()]
+    assert [k for k in keys if f"| `{k}` |" not in text] == []
+    assert {f"trainer.{name}" for name in TrainerConfig.model_fields} <= set(keys)  # every field, weight_sync or lr alike
+    assert set(RunConfig.model_fields) <= set(keys)
+    assert {"trainer.layout.learner.sharding", "teacher.signal", "eval.tasks"} <= set(keys)
+
+
+def test_every_method_has_a_page_that_generates_its_keys() -> None:
+    pages = "".join(p.read_text(encoding="utf-8") for p in (ROOT / "docs" / "methods").glob("*.md"))
+    markers = set(re.findall(r"<!-- gen:method ([\w-]+) -->", pages))
+    assert markers == set(gen_reference.method_names())
+    for name in markers:
+        text = gen_reference.method_markdown(name)
+        from harness.registry import METHODS
+
+        assert all(f"| `{key}` |" in text for key in METHODS.get(name).hparams.model_fields)
+
+
+def test_the_documented_single_turn_task_loads_and_grades(tmp_path) -> None:
+    module = _module("my_math_doc", _block("extending/add-a-task.md", "A single-turn task graded by math-verify"), tmp_path)
+    data = tmp_path / "data" / "my_math"
+    data.mkdir(parents=True)
+    (data / "test.jsonl").write_text('{"id": 1, "question": "1+1?", "answer": "2"}\n{"id": 2, "question": "2+2?", "answer": "4"}\n')
+    task = module.MyMathTask()
+    problems = task.load("test", tmp_path / "data")
+    assert [p.id for p in problems] == ["1", "2"] and task.options.k == 4
+    scores = task.grade_many(problems, ["so \\boxed{2}", "\\boxed{5}"])
+    assert [s.status for s in scores] == ["pass", "fail"]
+
+
+def test_the_documented_method_runs_and_registers(tmp_path) -> None:
+    import torch
+
+    from harness.method import StudentOutputs
+    from harness.registry import METHODS
+    from harness.trajectory import TensorBatch
+
+    module = _module("my_opd_doc", _block("extending/add-a-method.md", "A complete example"), tmp_path)
+    spec, hp = module.MY_OPD_SPEC, module.MyOPDParams(coef=2.0)
+    assert spec.needs(hp) == {"behaviour_logprobs", "teacher_logprobs"}
+    B, T = 2, 5
+    q = torch.log(torch.rand(B, T) * 0.9 + 0.05)
+    batch = TensorBatch(
+        input_ids=torch.zeros(B, T, dtype=torch.long), attention_mask=torch.ones(B, T, dtype=torch.long),
+        loss_mask=torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]], dtype=torch.float), step_index=torch.zeros(B, T, dtype=torch.long),
+        behaviour_logprobs=q, teacher_logprobs=q - 0.3, rewards=torch.full((B,), float("nan")),
+        policy_version=torch.zeros(B, dtype=torch.long), group_ids=torch.arange(B),
+    )
+    s = q.clone().requires_grad_(True)
+    loss, diagnostics = spec.objective(batch, StudentOutputs(logprobs=s), hp, None)
+    loss.backward()
+    assert torch.isfinite(loss) and diagnostics["teacher_kl"] == pytest.approx(0.3, abs=1e-5)
+    # at ρ = 1 the gradient is -A_t / #tokens on the masked tokens: A_t = -2·0.3
+    assert torch.allclose(s.grad, batch.loss_mask * 0.6 / batch.loss_mask.sum(), atol=1e-6)
+    name = "_doc_my_opd"
+    METHODS.add(name, spec)
+    try:
+        assert METHODS.get(name).describe()["name"] == name
+    finally:
+        METHODS._items.pop(name, None)
