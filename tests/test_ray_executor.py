@@ -338,3 +338,18 @@ def test_a_restart_past_its_limit_ends_the_run_with_one_line_naming_the_role_and
     faults = rx.Faults(restart_s=2.0, placement={"rollout": "abc123"})
     with pytest.raises(rx.ActorLost, match=r"^rollout did not come back within trainer\.actor_restart_timeout_s=2s .*on node abc123$"):
         rx.await_restart(FakeRay(), actor, "a rollout actor died with batch 3", 3, faults, "rollout")
+
+
+def test_an_actor_class_built_outside_ray_starts_no_ray():
+    """Asking for the assigned GPUs outside an actor must not start a local Ray (``ray.get_gpu_ids`` auto-initialises one):
+    a test that builds a role in process would leave it running, and a later ``ray.init(address=...)`` would then join
+    the local Ray instead of the cluster (the full suite hung on it once)."""
+    import subprocess
+    import sys
+
+    code = ("import ray; from trainers.ray_executor import assigned_device; "
+            "print(assigned_device(), ray.is_initialized())")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "('cpu', []) False"

@@ -275,6 +275,8 @@ def assigned_device() -> tuple[str, list[str]]:
     makes the first of them ``cuda:0``; vLLM finds them the same way), else ``cpu``."""
     import ray
 
+    if not ray.is_initialized():  # built outside Ray (a test, a tool): no GPUs assigned, and no local Ray started by asking
+        return "cpu", []
     ids = [str(i) for i in ray.get_gpu_ids()]
     return ("cuda" if ids else "cpu"), ids
 
