@@ -169,7 +169,7 @@ def config_markdown() -> str:
 def method_names() -> list[str]:
     from harness.registry import METHODS
 
-    return list(METHODS.names())
+    return [name for name in METHODS.names() if not name.startswith("_")]  # "_name": a test's own registration, not a method to document
 
 
 def method_markdown(name: str) -> str:
