@@ -107,12 +107,7 @@ class TeacherSpec(ModelSpec):
     def _one_source(self) -> "TeacherSpec":
         """hf: exactly one of path/arch. Another backend builds nothing here: no arch or warm-up; openai's path is the
         served model name (optional: the server's only model), vllm's the model folder."""
-        from harness.registry import BACKENDS, RegistryError
-
-        try:
-            backend = BACKENDS.get(self.backend)
-        except RegistryError as exc:
-            raise ValueError(f"backend: {exc}") from None
+        backend = registered("BACKENDS", self.backend, prefix="backend: ")
         if not getattr(backend, "score_fields", ()):
             raise ValueError(f"backend: {self.backend!r} cannot score sequences, so it cannot be a teacher; choose hf, vllm or openai")
         unknown = sorted(set(self.backend_options) - set(load_options(backend)))
@@ -139,6 +134,17 @@ class TeacherSpec(ModelSpec):
         if self.backend != "openai" and self.path is None:
             raise ValueError(f"backend={self.backend!r} loads the teacher's model folder: set teacher.path")
         return self
+
+
+def registered(registry: str, name: str, prefix: str = "") -> Any:
+    """What ``name`` is registered as in ``harness.registry.<registry>``; a miss is a ``ValueError`` (pydantic's validation
+    error, one line naming the key) carrying the registry's message (the known names, a close match), after ``prefix``."""
+    from harness import registry as registries
+
+    try:
+        return getattr(registries, registry).get(name)
+    except registries.RegistryError as exc:
+        raise ValueError(f"{prefix}{exc}") from None
 
 
 def load_options(backend: type) -> list[str]:
@@ -441,12 +447,7 @@ class TrainerConfig(Strict):
     @classmethod
     def _known_executor(cls, executor: str) -> str:
         """A registered executor; fail at validation, not after the models are built, when Ray is missing."""
-        from harness.registry import EXECUTORS, RegistryError
-
-        try:
-            EXECUTORS.get(executor)
-        except RegistryError as exc:
-            raise ValueError(str(exc)) from None
+        registered("EXECUTORS", executor)
         if executor == "ray" and importlib.util.find_spec("ray") is None:
             raise ValueError("--executor ray needs Ray, which is not installed; install it with: pip install 'opd-harness[ray]'")
         return executor
@@ -454,24 +455,15 @@ class TrainerConfig(Strict):
     @field_validator("weight_sync")
     @classmethod
     def _known_weight_sync(cls, name: str) -> str:
-        from harness.registry import WEIGHT_SYNCS, RegistryError
-
-        try:
-            WEIGHT_SYNCS.get(name)
-        except RegistryError as exc:
-            raise ValueError(str(exc)) from None
+        """A registered weight transport (the ``opd_harness.weight_syncs`` plug-ins)."""
+        registered("WEIGHT_SYNCS", name)
         return name
 
     @field_validator("rollout_backend")
     @classmethod
     def _rollout_engine(cls, name: str) -> str:
         """A registered backend that can take the learner's weights (``load_weights``) and has a ``load``."""
-        from harness.registry import BACKENDS, RegistryError
-
-        try:
-            backend = BACKENDS.get(name)
-        except RegistryError as exc:
-            raise ValueError(str(exc)) from None
+        backend = registered("BACKENDS", name)
         if not (callable(getattr(backend, "load_weights", None)) and callable(getattr(backend, "load", None))):
             raise ValueError(
                 f"backend {name!r} cannot be a rollout engine: it has no load_weights(state, version) to receive the learner's weights"
