@@ -83,8 +83,8 @@ def eval_(
     protocol: opts.Protocol = None,
     output_path: opts.OutputPath = None,
     seed: Annotated[int, typer.Option(min=0, help="sampling seed")] = 0,
-    data_dir: Annotated[Path | None, typer.Option(help="local data root laid out as DIR/<task>/...")] = None,
-    out: Annotated[Path, typer.Option(help="results root")] = Path("results"),
+    data_dir: opts.DataDir = None,
+    out: opts.ResultsRoot = Path("results"),
     json_: Annotated[bool, typer.Option("--json", help="print a JSON summary instead of a table")] = False,
     max_error_rate: Annotated[float, typer.Option(min=0, max=1, help="exit 1 if a task's fraction of grading errors exceeds this")] = 0.02,
     task_arg: Annotated[

@@ -95,6 +95,7 @@ EnableThinking = Annotated[
     ),
 ]
 DataDir = Annotated[Path | None, typer.Option(help="local data root laid out as DIR/<task>/... (default: $HARNESS_DATA_DIR)")]
+ResultsRoot = Annotated[Path, typer.Option(help="results root")]
 RunTemperature = Annotated[
     float | None,
     typer.Option(callback=check_positive_temperature, help="rollout sampling temperature, > 0 (= --set trainer.temperature=X)"),

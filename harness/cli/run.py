@@ -48,11 +48,11 @@ def run(
     preset: Annotated[str | None, typer.Option(help="built-in preset: smoke, cpu-demo, tool-demo")] = None,
     config: Annotated[Path | None, typer.Option("--config", help="YAML config file")] = None,
     set_: Annotated[list[str] | None, typer.Option("--set", help="dotted override KEY=VALUE, repeatable (e.g. trainer.lr=1e-5)")] = None,
-    out: Annotated[Path, typer.Option(help="results root")] = Path("results"),
+    out: opts.ResultsRoot = Path("results"),
     resume: Annotated[
         str | None, typer.Option(help="resume RUN_ID from its last checkpoint (--set trainer.layout.* may change where its roles run)")
     ] = None,
-    data_dir: Annotated[Path | None, typer.Option(help="local data root laid out as DIR/<task>/... (default: $HARNESS_DATA_DIR)")] = None,
+    data_dir: opts.DataDir = None,
     print_config: Annotated[
         bool, typer.Option("--print-config", help="print the resolved config (every default included) as YAML and exit; nothing is written")
     ] = False,

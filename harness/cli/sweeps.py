@@ -16,13 +16,14 @@ if TYPE_CHECKING:  # the config models and the task classes are imported by the 
 
 
 from harness.cli.run import _dry_run
+from harness.cli import options as opts
 from harness.cli._common import app, console, stdout, _fail, _quiet_libraries
 
 
 @app.command(epilog="Example: harness sweep benchmarks/f_opd_cpu_study.yaml --out results --dry-run")
 def sweep(
     file: Annotated[Path, typer.Argument(help="sweep YAML: base (preset/config/set) and grid (dotted key -> list of values)")],
-    out: Annotated[Path, typer.Option(help="results root")] = Path("results"),
+    out: opts.ResultsRoot = Path("results"),
     dry_run: Annotated[bool, typer.Option("--dry-run", help="validate every grid point and list what would run or be skipped")] = False,
 ) -> None:
     """Run a grid of training runs (methods x modes x seeds x lags ...) sequentially; re-running continues it."""
@@ -50,7 +51,7 @@ def sweep(
 @app.command(epilog="Example: harness report f-opd-cpu-study --out results --format md")
 def report(
     sweep_id: Annotated[str, typer.Argument(help="sweep id (the sweep file's `id`, default its stem)")],
-    out: Annotated[Path, typer.Option(help="results root")] = Path("results"),
+    out: opts.ResultsRoot = Path("results"),
     format_: Annotated[str, typer.Option("--format", help="md or json")] = "md",
     json_: Annotated[bool, typer.Option("--json", help="print the report as JSON to stdout (--format json)")] = False,
     task: Annotated[str | None, typer.Option(help="evaluation task (default: the training task)")] = None,
@@ -81,7 +82,7 @@ def reproduce(
     name: Annotated[str, typer.Argument(help="recipe: f-opd, sod, saf-opd, ap-opd (entry points opd_harness.recipes)")],
     scale: Annotated[str, typer.Option(help="cpu (a miniature that runs on CPU) or paper (the paper's grid)")] = "cpu",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="print the grid, runs, sources and resources; run nothing")] = False,
-    out: Annotated[Path, typer.Option(help="results root")] = Path("results"),
+    out: opts.ResultsRoot = Path("results"),
     set_: Annotated[list[str] | None, typer.Option("--set", help="extra dotted override KEY=VALUE for every run, repeatable")] = None,
 ) -> None:
     """Run a paper's recipe through the sweep machinery (resumable), print its tables and check its claims."""
