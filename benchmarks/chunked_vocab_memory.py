@@ -22,13 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-
-def rss_mib(field: str) -> float:
-    """``VmRSS`` (now) or ``VmHWM`` (the peak since the last reset) of this process, MiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
+from benchmarks.peak_memory import peak_rise, status_bytes  # noqa: E402
 
 
 def one_way(args: argparse.Namespace) -> dict:
@@ -56,12 +50,11 @@ def one_way(args: argparse.Namespace) -> dict:
     )  # fmt: skip
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     hparams = OPDParams(estimator="full")
-    before = rss_mib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark (VmHWM) to the current RSS
+    before = status_bytes("VmRSS") / 2**20
     started = time.perf_counter()
-    metrics = train_step(model, optimizer, batch, OPD_SPEC, hparams, vocab_chunk=args.chunk)
+    metrics, peak = peak_rise(lambda: train_step(model, optimizer, batch, OPD_SPEC, hparams, vocab_chunk=args.chunk))
     seconds = time.perf_counter() - started
-    return {"vocab_chunk": args.chunk, "rss_before_mib": before, "step_peak_above_mib": rss_mib("VmHWM") - before,
+    return {"vocab_chunk": args.chunk, "rss_before_mib": before, "step_peak_above_mib": peak / 2**20,
             "step_s": seconds, "loss": metrics["loss"], "teacher_dist_mib": teacher_dist.numel() * 4 / 2**20}  # fmt: skip
 
 

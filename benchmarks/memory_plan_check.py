@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.peak_memory import status_bytes  # noqa: E402
 from harness.memory_plan import (  # noqa: E402
     FP32,
     ModelShape,
@@ -86,19 +86,6 @@ def estimate(case: Case) -> int:
     return state + layers + vocab + signal * rank_tokens + head
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident set since it started (``VmHWM``). Not ``ru_maxrss``: Linux carries that over an exec
-    from the parent, so a process started by a large one (a test suite) begins with the parent's peak."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-
-def rss_bytes() -> int:
-    """This process's resident set now."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
-
-
 def measure(case: Case) -> int:
     """Peak RSS rise of one learner step of ``case`` in this (fresh) process."""
     import torch
@@ -111,7 +98,7 @@ def measure(case: Case) -> int:
 
     torch.set_num_threads(1)
     torch.ones(8) @ torch.ones(8)  # the first op's allocations belong to the baseline
-    base = max(rss_bytes(), peak_rss_bytes())
+    base = max(status_bytes("VmRSS"), status_bytes("VmHWM"))  # the peak of the imports (VmHWM: benchmarks/peak_memory.py)
     arch = TinyArch(hidden=case.hidden, layers=case.layers, heads=case.heads, kv_heads=case.kv_heads, ffn=case.ffn,
                     max_positions=max(512, case.tokens))  # fmt: skip
     model = build_tiny_model(arch, VOCAB, pad_id=0, eos_id=1, seed=0)
@@ -134,7 +121,7 @@ def measure(case: Case) -> int:
     method = METHODS.get("opd")
     hparams = method.hparams(estimator=case.estimator)
     train_step(model, optimizer, batch, method, hparams, forward_tokens=case.forward_tokens, vocab_chunk=case.vocab_chunk)
-    return peak_rss_bytes() - base
+    return status_bytes("VmHWM") - base
 
 
 def run_case(name: str) -> dict:

@@ -39,6 +39,8 @@ from typing import NamedTuple
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.peak_memory import peak_rise  # noqa: E402
+
 VOCAB = 151936
 
 
@@ -47,14 +49,6 @@ class Work(NamedTuple):
 
     warmup: Callable[[], object]
     run: Callable[[], int | tuple[int, int]]  # tokens made, or (tokens, bytes the result holds)
-
-
-def status_bytes(field: str) -> int:
-    """``VmRSS`` (now) or ``VmHWM`` (the peak since the last reset) of this process, in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def rollout_engine(cls_name: str, rows: int, new: int, hidden: int, layers: int) -> Work:
@@ -166,12 +160,10 @@ def child(fn_name: str, kwargs: dict) -> dict:
     """In the fresh process: build and warm up, reset the peak mark, run; the peak above the RSS before the run."""
     work = WORK[fn_name](**kwargs)
     work.warmup()
-    before = status_bytes("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # the peak-RSS mark (VmHWM) restarts from the current RSS
     started = time.perf_counter()
-    made = work.run()
+    made, peak = peak_rise(work.run)
     tokens, held = made if isinstance(made, tuple) else (made, None)
-    return {"peak": status_bytes("VmHWM") - before, "tokens": tokens, "held": held, "seconds": time.perf_counter() - started}
+    return {"peak": peak, "tokens": tokens, "held": held, "seconds": time.perf_counter() - started}
 
 
 def measure(fn_name: str, kwargs: dict, *, dynamic_mmap: bool = False) -> dict:

@@ -18,17 +18,13 @@ BUCKET_COPY = FORWARD_TOKENS * VOCAB * 4  # one (bucket tokens, V) float32 tenso
 MEASURE = textwrap.dedent(
     """
     import json, sys
-    from pathlib import Path
     import torch
     torch.set_num_threads(1)
     from harness.models.tiny import TinyArch, build_tiny_model
     from harness.registry import METHODS
     from harness.trajectory import TensorBatch
     from trainers.learner import train_step
-
-    def status_kib(field):
-        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
-        return int(line.split()[1])
+    from benchmarks.peak_memory import peak_rise
 
     rows, tokens, forward_tokens, vocab = (int(a) for a in sys.argv[1:5])
     options = json.loads(sys.argv[5])
@@ -48,10 +44,9 @@ MEASURE = textwrap.dedent(
     method = METHODS.get("opd")
     train_step(model, optimizer, batch(2), method, method.hparams(), forward_tokens=forward_tokens, **options)  # AdamW state
     step = batch(rows)
-    before = status_kib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # the peak-RSS mark (VmHWM) restarts from the current RSS
-    metrics = train_step(model, optimizer, step, method, method.hparams(), forward_tokens=forward_tokens, **options)
-    print(json.dumps({"rise": (status_kib("VmHWM") - before) * 1024, "loss": metrics["loss"]}))
+    metrics, rise = peak_rise(lambda: train_step(model, optimizer, step, method, method.hparams(), forward_tokens=forward_tokens,
+                                                 **options))
+    print(json.dumps({"rise": rise, "loss": metrics["loss"]}))
     """
 )
 

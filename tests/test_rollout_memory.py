@@ -66,16 +66,12 @@ def test_per_step_logprobs_equal_the_stacked_logits_way(case, char_tokenizer, ti
 MEASURE = textwrap.dedent(
     """
     import json, sys
-    from pathlib import Path
     import torch
     torch.set_num_threads(1)
     from harness.backends import SamplingParams
     from harness.backends.hf import HFBackend
     from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
-
-    def status_kib(field):
-        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field + ":"))
-        return int(line.split()[1])
+    from benchmarks.peak_memory import peak_rise
 
     rows, new = int(sys.argv[1]), int(sys.argv[2])
     tok = build_char_tokenizer()
@@ -84,10 +80,8 @@ MEASURE = textwrap.dedent(
     engine = HFBackend(model, tok, batch_size=rows)
     params = SamplingParams(temperature=1.0, max_new_tokens=new, n=rows, seed=0)
     engine.generate([[5, 6, 7]], params.model_copy(update={"max_new_tokens": 4}))  # warm-up
-    before = status_kib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # the peak-RSS mark (VmHWM) restarts from the current RSS
-    out = engine.generate([[5, 6, 7]], params)
-    print(json.dumps({"rise": (status_kib("VmHWM") - before) * 1024, "lengths": [len(c.token_ids) for c in out]}))
+    out, rise = peak_rise(lambda: engine.generate([[5, 6, 7]], params))
+    print(json.dumps({"rise": rise, "lengths": [len(c.token_ids) for c in out]}))
     """
 )
 

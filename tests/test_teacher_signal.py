@@ -5,6 +5,7 @@ at Qwen3's vocabulary keeps no (T, V) tensor."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import subprocess
 import sys
 import textwrap
@@ -156,11 +157,9 @@ length = 2048
 batch = make_batch([[1] * length], [[0.0] * length], [[0.0] * length])
 batch.input_ids = torch.randint(2, 151936, (1, length))
 backend = HFBackend(model, Tok(), score_chunk=128, score_tokens=2048)
-def peak_kib():  # VmHWM, not ru_maxrss: Linux carries ru_maxrss over an exec from the (large) test process
-    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-before = peak_kib()
-score_teacher(backend, batch, kind=sys.argv[1], top_k=20)
-print(json.dumps({"peak_mb": (peak_kib() - before) / 1024}))
+from benchmarks.peak_memory import peak_rise
+_, rise = peak_rise(lambda: score_teacher(backend, batch, kind=sys.argv[1], top_k=20))
+print(json.dumps({"peak_mb": rise / 2**20}))
 """
 
 
@@ -168,7 +167,9 @@ print(json.dumps({"peak_mb": (peak_kib() - before) / 1024}))
 def test_teacher_scoring_of_2k_tokens_at_qwen3_vocabulary_keeps_no_vocabulary_sized_tensor(kind):
     """(T, V) float32 at T = 2,048 is 1,245 MB (the batch field the teacher filled before, with a 4x scoring peak); the
     compact signals hold (T, 32) hidden states or (T, 20) top-k, and the chunked scoring peaks near 2 x (128, V)."""
-    done = subprocess.run([sys.executable, "-c", textwrap.dedent(PEAK_SCRIPT), kind], capture_output=True, text=True, timeout=300)
+    root = Path(__file__).resolve().parents[1]  # the script imports tests/ and benchmarks/ from there
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(PEAK_SCRIPT), kind], capture_output=True, text=True, timeout=300,
+                          cwd=root)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     peak = json.loads(done.stdout.strip().splitlines()[-1])["peak_mb"]
     print(f"teacher scoring peak over the model, kind {kind}: {peak:.0f} MB")
