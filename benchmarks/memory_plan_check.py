@@ -21,13 +21,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.peak_memory import status_bytes  # noqa: E402
+from harness.teacher_signal import bytes_per_token  # noqa: E402
 from harness.memory_plan import (  # noqa: E402
     FP32,
     ModelShape,
     first_pass_bytes,
     learner_activation_bytes,
     learner_state_terms,
-    teacher_signal_bytes_per_token,
 )
 
 VOCAB = 151_936
@@ -81,7 +81,7 @@ def estimate(case: Case) -> int:
                                              teacher_in_chunk=full, rank_tokens=rank_tokens)  # fmt: skip
     if per_bucket:
         vocab += first_pass_bytes(step_tokens=rank_tokens, student_full=full)
-    signal = teacher_signal_bytes_per_token("full" if full else "sampled", shape.hidden, 20, FP32) + 4 * 8 + 2 * FP32
+    signal = bytes_per_token("full" if full else "sampled", hidden=shape.hidden, top_k=20, dtype_bytes=FP32) + 4 * 8 + 2 * FP32
     head = VOCAB * shape.hidden * FP32 if full else 0  # the teacher's output head (a copy of the student's shape here)
     return state + layers + vocab + signal * rank_tokens + head
 

@@ -228,12 +228,6 @@ def model_shape(spec: ModelSpec, key: str) -> ModelShape:
 # ---- the terms
 
 
-def teacher_signal_bytes_per_token(kind: str, hidden: int, top_k: int, dtype_bytes: int) -> int:
-    """Bytes per token of one batch's teacher signal of ``kind`` (:func:`harness.teacher_signal.bytes_per_token`: the sampled
-    log-prob, plus k log-probs and ids for the top-k kinds, plus ``hidden`` values in ``dtype_bytes`` for ``full``)."""
-    return bytes_per_token(kind, hidden=hidden, top_k=top_k, dtype_bytes=dtype_bytes)
-
-
 def kv_cache_bytes(shape: ModelShape, rows: int, tokens: int, dtype_bytes: int) -> int:
     """A KV cache of ``rows`` sequences of ``tokens`` (prompt + new): 2 × layers × kv_heads × head_dim × dtype × rows × tokens."""
     return 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype_bytes * rows * tokens
@@ -419,7 +413,7 @@ def build_memory_plan(plan: Plan, device_memory_gib: float | None = None) -> Mem
     top_k = cfg.teacher.top_k
     signal_dtype = DTYPE_BYTES.get(cfg.teacher.signal_dtype, FP32)
     hidden = teacher.hidden if teacher is not None else student.hidden
-    per_token = teacher_signal_bytes_per_token(kind, hidden, top_k, signal_dtype)
+    per_token = bytes_per_token(kind, hidden=hidden, top_k=top_k, dtype_bytes=signal_dtype)
     batch_tokens = rows * tokens
     base_per_token = 4 * 8 + 2 * FP32  # ids, attention, step index (int64) + loss mask, behaviour log-probs (the teacher's: the signal)
     add("learner", "teacher signal (one batch)", (per_token + base_per_token) * batch_tokens,

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from harness.cli import app
 from harness.config import ConfigError, build_config
+from harness.teacher_signal import bytes_per_token
 from harness.memory_plan import (
     ModelShape,
     kv_cache_bytes,
@@ -19,7 +20,6 @@ from harness.memory_plan import (
     model_shape,
     parameter_count,
     published_shape,
-    teacher_signal_bytes_per_token,
 )
 from harness.models.shapes import SHAPES
 
@@ -60,12 +60,12 @@ def test_parameter_count_equals_an_instantiated_model(tmp_path):
 
 
 def test_teacher_signal_and_kv_cache_sizes():
-    assert teacher_signal_bytes_per_token("sampled", 4096, 20, 4) == 4
-    assert teacher_signal_bytes_per_token("topk", 4096, 20, 4) == 20 * 12 + 4
-    assert teacher_signal_bytes_per_token("student_topk", 4096, 5, 2) == 5 * 12 + 4
-    assert teacher_signal_bytes_per_token("full", 4096, 20, 2) == 4 + 8192
+    assert bytes_per_token("sampled", hidden=4096, top_k=20, dtype_bytes=4) == 4
+    assert bytes_per_token("topk", hidden=4096, top_k=20, dtype_bytes=4) == 20 * 12 + 4
+    assert bytes_per_token("student_topk", hidden=4096, top_k=5, dtype_bytes=2) == 5 * 12 + 4
+    assert bytes_per_token("full", hidden=4096, top_k=20, dtype_bytes=2) == 4 + 8192
     with pytest.raises(ValueError, match="unknown teacher signal"):
-        teacher_signal_bytes_per_token("logits", 4096, 20, 4)
+        bytes_per_token("logits", hidden=4096, top_k=20, dtype_bytes=4)
     shape = published_shape("qwen3-8b-shape")  # 36 layers × 8 kv heads × 128: 144 KiB per token in bf16
     assert kv_cache_bytes(shape, rows=1, tokens=1, dtype_bytes=2) == 2 * 36 * 8 * 128 * 2
 
