@@ -53,10 +53,10 @@ def read_model_files(name: str, *, flag: str) -> ModelFiles:
     if Path(where).is_dir():
         config = json.loads((Path(where) / "config.json").read_text())
     else:  # online hub id: config.json alone
-        from huggingface_hub import hf_hub_download
+        from harness.models.hub import hub_config
 
         try:
-            config = json.loads(Path(hf_hub_download(name, "config.json", etag_timeout=5)).read_text())
+            config = hub_config(name)
         except Exception as exc:  # noqa: BLE001 - unknown or gated repo: one line
             raise ConfigError(f"{flag} {name}: cannot read its config.json from the hub ({str(exc).strip().splitlines()[0]})") from None
     try:

@@ -11,13 +11,12 @@ The formulas, what they leave out, and the CPU measurements they were checked ag
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness.errors import ConfigError
-from harness.models.hub import hub_unreachable
+from harness.models.hub import hub_config, hub_offline, hub_unreachable, looks_like_hub_id
 from harness.teacher_signal import bytes_per_token
 
 if TYPE_CHECKING:
@@ -175,11 +174,6 @@ def published_hub_ids() -> dict[str, str]:
     return {shape.source.removesuffix(" config.json"): name for name, shape in SHAPES.items()}
 
 
-def looks_like_hub_id(path: str) -> bool:
-    """``owner/name``, as :func:`harness.models.tiny.load_model_and_tokenizer` tells a hub id from a folder."""
-    return path.count("/") == 1 and not path.startswith((".", "/", "~")) and not Path(path).exists()
-
-
 def hub_shape(repo: str, key: str) -> ModelShape:
     """The shape of hub model ``repo``: its cached config.json, else the published shape of a Qwen3 id the harness knows,
     else the hub's config.json (network, 5 s timeout). Offline (``HF_HUB_OFFLINE``, or the hub unreachable) a one-line
@@ -195,13 +189,13 @@ def hub_shape(repo: str, key: str) -> ModelShape:
     if known is not None:
         return published_shape(known, f"{repo}: not in the hub cache; the published shape {known} (harness/models/shapes.py)")
     hint = f"give a local model folder or a published shape ({key.rsplit('.', 1)[0]}.arch)"
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+    if hub_offline():
         raise ConfigError(f"{key}={repo}: the hub is offline (HF_HUB_OFFLINE) and its config.json is not cached; {hint}")
     endpoint = hub_unreachable()
     if endpoint:
         raise ConfigError(f"{key}={repo}: the hub ({endpoint}) is not reachable from here and its config.json is not cached; {hint}")
     try:
-        config = json.loads(Path(hf_hub_download(repo, "config.json", etag_timeout=5)).read_text())
+        config = hub_config(repo)
     except Exception as exc:  # noqa: BLE001 - unreachable hub, unknown or gated repo: one line either way
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"{key}={repo}: cannot read its config.json from the hub ({first}); {hint}") from None

@@ -3,6 +3,7 @@ chat template's thinking switch: each refused in one line before any weights are
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -86,6 +87,14 @@ def hub_offline() -> bool:
 def looks_like_hub_id(name: str) -> bool:
     """``owner/name`` that is not a path here."""
     return name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).exists()
+
+
+def hub_config(name: str) -> dict:
+    """The config.json of hub model ``name``, fetched from the hub (its ETag check bounded to 5 s); the hub's own error
+    when it cannot (unknown or gated repo, no network), for the caller to report in its words."""
+    from huggingface_hub import hf_hub_download
+
+    return json.loads(Path(hf_hub_download(name, "config.json", etag_timeout=5)).read_text())
 
 
 def locate_model(name: str, *, weights: bool = True, flag: str = "--model") -> str:
