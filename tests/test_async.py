@@ -203,7 +203,7 @@ def test_weight_board_keeps_recent_versions():
     board = ap.WeightBoard(keep=2)
     model = torch.nn.Linear(2, 2)
     for v in range(4):
-        board.publish(v, model)
+        board.publish_snapshot(v, ap.state_snapshot(model))
     assert board.latest == 3 and board.wait_for(2) == 3
     board.get(3), board.get(2)
     with pytest.raises(KeyError):

@@ -145,10 +145,6 @@ class WeightBoard:
         self.latest = -1
         self.stopped = False
 
-    def publish(self, version: int, model: torch.nn.Module) -> None:
-        """Publish a copy of ``model``'s current weights as ``version``."""
-        self.publish_snapshot(version, state_snapshot(model))
-
     def publish_snapshot(self, version: int, snapshot: Any) -> None:
         """Publish ``snapshot`` as ``version`` and forget versions older than ``keep``."""
         with self._cond:
