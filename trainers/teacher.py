@@ -17,13 +17,13 @@ from harness.backends import Backend
 from harness.backends.hf import HFBackend
 from harness.config import TeacherSpec
 from harness.errors import TrainingAborted
+from harness.models.hub import torch_dtype
 from harness.registry import BACKENDS
 from harness.teacher_signal import SCORE_FIELD, HiddenDistribution, TeacherDistribution, TopKDistribution
 from harness.trajectory import TensorBatch
 
 log = logging.getLogger("trainers.teacher")
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 RETRY_BACKOFF_S = 2.0
 BENCH_S = 30.0  # how long a failed teacher replica gets no new rows (it is tried again if every replica is benched)
 
@@ -201,7 +201,7 @@ def signal_from_scores(
     """The compact distribution of ``kind`` from the teacher's scores, on the CPU (hidden states in ``dtype``); None for
     ``sampled``."""
     if kind == "full":
-        return HiddenDistribution(scores["hidden"].to("cpu", DTYPES[dtype]), head)
+        return HiddenDistribution(scores["hidden"].to("cpu", torch_dtype(dtype)), head)
     if kind == "topk":
         return TopKDistribution(scores["topk_ids"].cpu(), scores["topk_logprobs"].float().cpu())
     if kind == "student_topk":
