@@ -76,6 +76,8 @@ class TopKDistribution:
     @classmethod
     def concat(cls, parts: list["TopKDistribution"], width: int) -> "TopKDistribution":
         """The parts' rows in order, right-padded with zeros to ``width`` positions."""
+        from harness.trajectory import pad_cat
+
         return cls(pad_cat([p.ids for p in parts], width), pad_cat([p.logp for p in parts], width), parts[0].kind)
 
     def pair(self, student_log: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,6 +113,8 @@ class HiddenDistribution:
     @classmethod
     def concat(cls, parts: list["HiddenDistribution"], width: int) -> "HiddenDistribution":
         """The parts' rows in order, right-padded with zero states to ``width`` positions."""
+        from harness.trajectory import pad_cat
+
         return cls(pad_cat([p.hidden for p in parts], width), parts[0].head, parts[0].kind)
 
     def with_head(self, head: Any) -> "HiddenDistribution":
@@ -139,12 +143,6 @@ class HiddenDistribution:
 
 
 TeacherDistribution = TopKDistribution | HiddenDistribution
-
-
-def pad_cat(tensors: list[torch.Tensor], width: int) -> torch.Tensor:
-    """(B, T, …) tensors right-padded with zeros along T to ``width`` and joined along B."""
-    padded = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1])) for t in tensors]
-    return torch.cat(padded)
 
 
 def is_distribution(value: object) -> bool:

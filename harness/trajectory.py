@@ -221,8 +221,15 @@ def concat_batches(parts: list[TensorBatch]) -> TensorBatch:
             merged[name] = torch.cat(values)
         else:
             fill = pad if name == "input_ids" else PAD_VALUES.get(name, 0)
-            merged[name] = torch.cat([_pad_width(v, width, fill) for v in values])
+            merged[name] = pad_cat(values, width, fill)
     return TensorBatch(**merged)
+
+
+def pad_cat(tensors: list[torch.Tensor], width: int, fill: float = 0) -> torch.Tensor:
+    """(B, T, …) tensors right-padded with ``fill`` along T to ``width`` and joined along B."""
+    import torch
+
+    return torch.cat([_pad_width(t, width, fill) for t in tensors])
 
 
 def _pad_width(tensor: torch.Tensor, width: int, fill: float) -> torch.Tensor:
@@ -233,4 +240,4 @@ def _pad_width(tensor: torch.Tensor, width: int, fill: float) -> torch.Tensor:
     if missing == 0:
         return tensor
     shape = (tensor.shape[0], missing, *tensor.shape[2:])
-    return torch.cat([tensor, torch.full(shape, fill, dtype=tensor.dtype)], dim=1)
+    return torch.cat([tensor, torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)], dim=1)

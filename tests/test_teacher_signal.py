@@ -213,3 +213,25 @@ def test_a_smoke_run_with_the_student_topk_signal_trains(tmp_path):
     assert store.get_run(run["run_id"])["config"]["teacher"]["signal"] == "student_topk"
     steps = store.step_metrics(run["run_id"])
     assert steps and all(0.0 < m["teacher_kl_full"] < 10.0 for m in steps.values())
+
+
+def test_joined_batches_join_their_teacher_distributions_row_for_row():
+    """A rollout streamed by prompt group joins the groups' batches (``concat_batches``); a compact teacher distribution
+    is joined with them, each part right-padded with zeros to the widest part, in row order."""
+    import dataclasses
+
+    from harness.trajectory import concat_batches
+
+    short, wide = batch_for(50, seed=0), batch_for(50, seed=1)
+    wide = dataclasses.replace(wide, **{f.name: torch.cat([v, v[:, :3]], dim=1) for f in dataclasses.fields(wide)
+                                         if isinstance(v := getattr(wide, f.name), torch.Tensor) and v.dim() >= 2})  # fmt: skip
+    head = torch.nn.Linear(4, 50, bias=False)
+    for make in (lambda b, g: TopKDistribution(*reversed(b.teacher_dist.topk(K, dim=-1))),
+                 lambda b, g: HiddenDistribution(torch.randn((*b.input_ids.shape, 4), generator=g), head)):  # fmt: skip
+        parts = [dataclasses.replace(b, teacher_dist=make(b, torch.Generator().manual_seed(i))) for i, b in enumerate((short, wide))]
+        joined = concat_batches(parts).teacher_dist
+        assert type(joined) is type(parts[0].teacher_dist) and joined.shape[:2] == (6, wide.input_ids.shape[1])
+        for name in ("ids", "logp") if isinstance(joined, TopKDistribution) else ("hidden",):
+            first, second = getattr(parts[0].teacher_dist, name), getattr(parts[1].teacher_dist, name)
+            assert torch.equal(getattr(joined, name)[:3, : first.shape[1]], first) and not getattr(joined, name)[:3, first.shape[1] :].any()
+            assert torch.equal(getattr(joined, name)[3:], second)
