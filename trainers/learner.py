@@ -45,12 +45,10 @@ def student_outputs(
         return chunked_student_outputs(model, batch, vocab_chunk, shard=shard, precision=precision)
     rows = batch.input_ids.shape[0]
     ids, attention = local_rows(batch.input_ids, shard), local_rows(batch.attention_mask, shard)
-    want = ("logprobs", "full") if full else ("logprobs", "entropy")
+    student, want = StudentForward(model, precision), ("logprobs", "state") if full else ("logprobs", "entropy")
 
     def forward(ids: torch.Tensor, attention: torch.Tensor) -> dict[str, torch.Tensor]:
-        with autocast(ids.device, precision):
-            logits = model(input_ids=ids, attention_mask=attention).logits.float()
-        return scores_from_logits(logits, ids, want)
+        return student(ids, attention, want)
 
     if forward_tokens:
         calls = bucket_calls(batch.attention_mask, shard, forward_tokens)
@@ -58,10 +56,10 @@ def student_outputs(
     else:
         scores = forward(ids, attention)
     if full:
-        entropy = -(scores["full"].exp() * scores["full"]).sum(-1).detach()
+        entropy = -(scores["state"].exp() * scores["state"]).sum(-1).detach()
     else:
         entropy = scores["entropy"].detach()
-    logprobs, dist_full = gather_rows(scores["logprobs"], shard, rows), scores.get("full")
+    logprobs, dist_full = gather_rows(scores["logprobs"], shard, rows), scores.get("state")
     dist_full = gather_rows(dist_full, shard, rows) if dist_full is not None else None
     return StudentOutputs(logprobs=logprobs, full=dist_full), gather_rows(entropy, shard, rows)
 
