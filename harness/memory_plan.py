@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from harness.errors import ConfigError
-from harness.models.hub import hub_config, hub_offline, hub_unreachable, looks_like_hub_id
+from harness.models.hub import hub_config, hub_unavailable, looks_like_hub_id
 from harness.teacher_signal import bytes_per_token
 
 if TYPE_CHECKING:
@@ -189,11 +189,9 @@ def hub_shape(repo: str, key: str) -> ModelShape:
     if known is not None:
         return published_shape(known, f"{repo}: not in the hub cache; the published shape {known} (harness/models/shapes.py)")
     hint = f"give a local model folder or a published shape ({key.rsplit('.', 1)[0]}.arch)"
-    if hub_offline():
-        raise ConfigError(f"{key}={repo}: the hub is offline (HF_HUB_OFFLINE) and its config.json is not cached; {hint}")
-    endpoint = hub_unreachable()
-    if endpoint:
-        raise ConfigError(f"{key}={repo}: the hub ({endpoint}) is not reachable from here and its config.json is not cached; {hint}")
+    why = hub_unavailable()
+    if why:
+        raise ConfigError(f"{key}={repo}: {why} and its config.json is not cached; {hint}")
     try:
         config = hub_config(repo)
     except Exception as exc:  # noqa: BLE001 - unreachable hub, unknown or gated repo: one line either way

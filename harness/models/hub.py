@@ -84,6 +84,15 @@ def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def hub_unavailable() -> str | None:
+    """Why the hub cannot be asked now (``HF_HUB_OFFLINE``, or no connection within seconds), in words a message can
+    carry; None when it can."""
+    if hub_offline():
+        return "the hub is offline (HF_HUB_OFFLINE)"
+    endpoint = hub_unreachable()
+    return f"the hub ({endpoint}) is not reachable from here" if endpoint else None
+
+
 def looks_like_hub_id(name: str) -> bool:
     """``owner/name`` that is not a path here."""
     return name.count("/") == 1 and not name.startswith((".", "/", "~")) and not Path(name).exists()
@@ -117,11 +126,9 @@ def locate_model(name: str, *, weights: bool = True, flag: str = "--model") -> s
     except Exception:  # noqa: BLE001 - not cached (LocalEntryNotFoundError and kin): ask the hub, if there is one
         pass
     hint = f"download it where the hub is reachable (hf download {name} --local-dir DIR) and pass {flag} DIR"
-    if hub_offline():
-        raise ModelUnavailable(f"{flag} {name}: not in the hub cache and the hub is offline (HF_HUB_OFFLINE); {hint}")
-    endpoint = hub_unreachable()
-    if endpoint:
-        raise ModelUnavailable(f"{flag} {name}: not in the hub cache and the hub ({endpoint}) is not reachable from here; {hint}")
+    why = hub_unavailable()
+    if why:
+        raise ModelUnavailable(f"{flag} {name}: not in the hub cache and {why}; {hint}")
     return name
 
 
