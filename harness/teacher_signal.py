@@ -76,8 +76,6 @@ class TopKDistribution:
     @classmethod
     def concat(cls, parts: list["TopKDistribution"], width: int) -> "TopKDistribution":
         """The parts' rows in order, right-padded with zeros to ``width`` positions."""
-        from harness.trajectory import pad_cat
-
         return cls(pad_cat([p.ids for p in parts], width), pad_cat([p.logp for p in parts], width), parts[0].kind)
 
     def pair(self, student_log: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -113,8 +111,6 @@ class HiddenDistribution:
     @classmethod
     def concat(cls, parts: list["HiddenDistribution"], width: int) -> "HiddenDistribution":
         """The parts' rows in order, right-padded with zero states to ``width`` positions."""
-        from harness.trajectory import pad_cat
-
         return cls(pad_cat([p.hidden for p in parts], width), parts[0].head, parts[0].kind)
 
     def with_head(self, head: Any) -> "HiddenDistribution":
@@ -174,3 +170,17 @@ def bytes_per_token(kind: str, *, hidden: int, top_k: int, dtype_bytes: int) -> 
     if kind not in extra:
         raise ValueError(f"unknown teacher signal kind {kind!r}; kinds: {', '.join(KINDS)}")
     return 4 + extra[kind]
+
+
+def pad_cat(tensors: list[torch.Tensor], width: int, fill: float = 0) -> torch.Tensor:
+    """(B, T, …) tensors right-padded with ``fill`` along T to ``width`` and joined along B."""
+    return torch.cat([_pad_width(t, width, fill) for t in tensors])
+
+
+def _pad_width(tensor: torch.Tensor, width: int, fill: float) -> torch.Tensor:
+    """``tensor`` (B, T, ...) right-padded along T to ``width`` with ``fill``."""
+    missing = width - tensor.shape[1]
+    if missing == 0:
+        return tensor
+    shape = (tensor.shape[0], missing, *tensor.shape[2:])
+    return torch.cat([tensor, torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)], dim=1)

@@ -200,7 +200,7 @@ def concat_batches(parts: list[TensorBatch]) -> TensorBatch:
     trajectories would give), group ids renumbered to stay distinct across parts."""
     import torch
 
-    from harness.teacher_signal import is_distribution
+    from harness.teacher_signal import is_distribution, pad_cat
 
     if len(parts) == 1:
         return parts[0]
@@ -223,21 +223,3 @@ def concat_batches(parts: list[TensorBatch]) -> TensorBatch:
             fill = pad if name == "input_ids" else PAD_VALUES.get(name, 0)
             merged[name] = pad_cat(values, width, fill)
     return TensorBatch(**merged)
-
-
-def pad_cat(tensors: list[torch.Tensor], width: int, fill: float = 0) -> torch.Tensor:
-    """(B, T, …) tensors right-padded with ``fill`` along T to ``width`` and joined along B."""
-    import torch
-
-    return torch.cat([_pad_width(t, width, fill) for t in tensors])
-
-
-def _pad_width(tensor: torch.Tensor, width: int, fill: float) -> torch.Tensor:
-    """``tensor`` (B, T, ...) right-padded along T to ``width`` with ``fill``."""
-    import torch
-
-    missing = width - tensor.shape[1]
-    if missing == 0:
-        return tensor
-    shape = (tensor.shape[0], missing, *tensor.shape[2:])
-    return torch.cat([tensor, torch.full(shape, fill, dtype=tensor.dtype, device=tensor.device)], dim=1)
