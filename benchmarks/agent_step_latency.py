@@ -23,16 +23,16 @@ import subprocess
 import time
 from pathlib import Path
 
-from harness.backends import Completion, SamplingParams
-from harness.backends.replay import char_id_table, char_ids
-from harness.models.tiny import build_char_tokenizer
-from harness.plan import load_problems
-from harness.registry import TASKS
-from harness.rollout import rollout
-from tasks.agentic.shell_env import AgentLimits
-from tasks.swebench.agent import SUBMIT, SwebenchAgentEnv
-from tasks.swebench.session import open_session_on
-from tasks.swebench.task import AGENT_WORKDIR, SwebenchOptions, SwebenchTask
+from opd_harness.backends import Completion, SamplingParams
+from opd_harness.backends.replay import char_id_table, char_ids
+from opd_harness.models.tiny import build_char_tokenizer
+from opd_harness.plan import load_problems
+from opd_harness.registry import TASKS
+from opd_harness.rollout import rollout
+from opd_harness.tasks.agentic.shell_env import AgentLimits
+from opd_harness.tasks.swebench.agent import SUBMIT, SwebenchAgentEnv
+from opd_harness.tasks.swebench.session import open_session_on
+from opd_harness.tasks.swebench.task import AGENT_WORKDIR, SwebenchOptions, SwebenchTask
 
 # What agents typically run on a SWE-bench repository: look around, read, search, run Python, diff.
 COMMANDS = {

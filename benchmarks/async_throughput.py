@@ -34,10 +34,10 @@ from pathlib import Path
 
 from rich.console import Console
 
-from harness.config import build_config
-from harness.plan import plan_run
-from harness.store import Store
-from harness.runs import create_train_run, execute_run
+from opd_harness.config import build_config
+from opd_harness.plan import plan_run
+from opd_harness.store import Store
+from opd_harness.runs import create_train_run, execute_run
 
 
 def run_once(out: Path, steps: int, *overrides: str) -> dict[int, dict[str, float]]:

@@ -29,10 +29,10 @@ def one_way(args: argparse.Namespace) -> dict:
     """The child: build, warm up, measure one step's peak RSS above the RSS before it."""
     import torch
 
-    from harness.models.shapes import build_shape_model
-    from harness.trajectory import TensorBatch
-    from trainers.learner import train_step
-    from trainers.objectives.opd import OPD_SPEC, OPDParams
+    from opd_harness.models.shapes import build_shape_model
+    from opd_harness.trajectory import TensorBatch
+    from opd_harness.trainers.learner import train_step
+    from opd_harness.trainers.objectives.opd import OPD_SPEC, OPDParams
 
     torch.set_num_threads(args.threads)
     model = build_shape_model("qwen3-0.6b-shape", dtype=torch.float32, layers=args.layers).train()

@@ -1,7 +1,7 @@
 """CLI start-up: wall and CPU time of ``harness --help``, ``run --help``, ``eval --help``, ``tasks``, ``methods``,
 ``methods --json``, ``leaderboard --help`` and ``leaderboard ROOT`` for this tree and an older one (default: the tree at
 git ref ``main``), measured side by side in one run: one warm-up of each, then the two trees alternate which runs first
-in every round. Each command is ``python -m harness.cli ...`` run in the tree's root, so that tree's ``harness`` is the
+in every round. Each command is ``python -m opd_harness.cli ...`` run in the tree's root, so that tree's ``harness`` is the
 one imported (both with this interpreter and its packages).
 
 Both trees run with bytecode caches, as an installed package has them: each side's ``.pyc`` files go to a folder of
@@ -66,11 +66,11 @@ def child_env(pycache: Path) -> dict[str, str]:
 
 
 def seconds(tree: Path, args: list[str], env: dict[str, str], command: list[str] | None = None) -> tuple[float, float]:
-    """(wall, CPU) seconds of one ``python -m harness.cli ARGS`` (or of ``command``) in ``tree`` (its output
+    """(wall, CPU) seconds of one ``python -m opd_harness.cli ARGS`` (or of ``command``) in ``tree`` (its output
     discarded; a failure raises)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
-    argv = command or [sys.executable, "-m", "harness.cli", *args]
+    argv = command or [sys.executable, "-m", "opd_harness.cli", *args]
     subprocess.run(argv, cwd=tree, capture_output=True, check=True, env=env)
     wall = time.perf_counter() - started
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -88,7 +88,7 @@ def main() -> None:
         before = export_tree(args.before_ref, Path(tmp) / "before")
         root = args.root
         if root is None:
-            from harness.store import Store
+            from opd_harness.store import Store
 
             root = Path(tmp) / "results"
             Store(root).close()

@@ -17,9 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import sandbox
-from harness.registry import TASKS
-from tasks.code.evalplus import EvalPlusTask
+from opd_harness import sandbox
+from opd_harness.registry import TASKS
+from opd_harness.tasks.code.evalplus import EvalPlusTask
 
 ROOT = Path(__file__).resolve().parents[1]
 EVALPLUS_TASKS = ("humaneval_plus", "mbpp_plus")
@@ -67,7 +67,7 @@ def replay(name: str, sb, data_dir: Path, limit: int | None) -> dict:
 
 def _truth(task: EvalPlusTask, problem_id: str):
     """Compute (or read) one problem's ground truth; a failure comes back as an ``error`` Score."""
-    from harness.task import Score
+    from opd_harness.task import Score
 
     try:
         task.truth(problem_id)

@@ -7,7 +7,7 @@ engine whose call costs about the same for 1 or 64 rows), so the ratio measures 
 independent side pays for its smaller, more frequent generate calls. ``--backend tiny`` generates with a tiny HF
 model on the CPU instead (real sampling; 1 thread).
 
-Both sides are ``harness.rollout.run_episodes`` (independent, today's) and ``benchmarks/episode_scheduling_before.py``
+Both sides are ``opd_harness.rollout.run_episodes`` (independent, today's) and ``benchmarks/episode_scheduling_before.py``
 (a copy of the lock-step loop before issue 25), on the same episodes and the same thread pool size. Each is warmed up
 (untimed), then measured ``--rounds`` times in alternating order (lock-step first in even rounds); printed are the mean
 episodes/s per side with the most the step times alone allow it (lock-step: the sum of each turn's slowest step;
@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-from harness.backends import Completion, SamplingParams
-from harness.backends.hf import HFBackend
-from harness.episode import Env, Observation, StepResult
-from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
-from harness.rollout import run_episodes
-from harness.task import Problem, Score, Task, TaskOptions
+from opd_harness.backends import Completion, SamplingParams
+from opd_harness.backends.hf import HFBackend
+from opd_harness.episode import Env, Observation, StepResult
+from opd_harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
+from opd_harness.rollout import run_episodes
+from opd_harness.task import Problem, Score, Task, TaskOptions
 
 sys.path.insert(0, str(Path(__file__).parent))
 import episode_scheduling_before as before  # noqa: E402

@@ -1,15 +1,15 @@
 # The lock-step episode loop as it was before independent scheduling (`git show main:harness/rollout.py` at e020b56: all
 # live episodes generate, then all their environment steps run, then the next turn), kept only as the baseline of
-# benchmarks/episode_scheduling.py. Not imported by harness/. The helpers it calls are today's harness.rollout ones.
-"""The lock-step turn loop of ``harness.rollout.run_episodes`` before issue 25."""
+# benchmarks/episode_scheduling.py. Not imported by harness/. The helpers it calls are today's opd_harness.rollout ones.
+"""The lock-step turn loop of ``opd_harness.rollout.run_episodes`` before issue 25."""
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from harness.backends import Backend, SamplingParams
-from harness.rollout import (
+from opd_harness.backends import Backend, SamplingParams
+from opd_harness.rollout import (
     DEFAULT_ENV_WORKERS,
     Episode,
     add_time,
@@ -21,8 +21,8 @@ from harness.rollout import (
     open_episode,
     step_episode,
 )
-from harness.task import Problem, Task
-from harness.trajectory import Segment, Trajectory
+from opd_harness.task import Problem, Task
+from opd_harness.trajectory import Segment, Trajectory
 
 
 def run_episodes(

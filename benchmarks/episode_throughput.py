@@ -21,14 +21,14 @@ import statistics
 import time
 from pathlib import Path
 
-from harness.backends import SamplingParams
-from harness.backends.hf import HFBackend
-from harness.backends.replay import ReplayBackend
-from harness.config import ModelSpec
-from harness.models.tiny import TinyArch
-from harness.plan import make_task
-from harness.rollout import run_episodes
-from trainers.warmup import prepare_model
+from opd_harness.backends import SamplingParams
+from opd_harness.backends.hf import HFBackend
+from opd_harness.backends.replay import ReplayBackend
+from opd_harness.config import ModelSpec
+from opd_harness.models.tiny import TinyArch
+from opd_harness.plan import make_task
+from opd_harness.rollout import run_episodes
+from opd_harness.trainers.warmup import prepare_model
 
 WORK = "import math\nx = sum(math.isqrt(i) for i in range(200_000))\nprint(x)"
 

@@ -27,9 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import sandbox
-from harness.registry import TASKS
-from tasks.code.evalplus import HumanEvalPlusTask
+from opd_harness import sandbox
+from opd_harness.registry import TASKS
+from opd_harness.tasks.code.evalplus import HumanEvalPlusTask
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ("task_id", "prompt", "entry_point", "canonical_solution", "base_input", "plus_input", "atol", "contract")

@@ -10,7 +10,7 @@ both) it measures, on the GPU, in float32 with TF32 off:
 * generation: ``HFBackend.generate`` of ``--prompts`` prompts × ``--samples`` samples, ``--new-tokens``
   new tokens each (temperature 1, seeded), as generated tokens per second;
 * teacher scoring (log-probs and full distributions, as the demo's ``opd`` full estimator needs);
-* the learner: ``trainers.learner.train_step`` with ``opd`` (full reverse KL) and AdamW on that batch,
+* the learner: ``opd_harness.trainers.learner.train_step`` with ``opd`` (full reverse KL) and AdamW on that batch,
   seconds per step (mean of ``--steps`` steps after one warm-up step) and peak allocated memory;
 * log-probs of the batch scored by the student on the GPU against the same student on the CPU:
   the largest absolute difference must be at most ``--tolerance`` (1e-4).
@@ -44,12 +44,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from harness.backends import Completion, SamplingParams  # noqa: E402
-from harness.backends.hf import HFBackend  # noqa: E402
-from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model, count_parameters  # noqa: E402
-from harness.trajectory import TensorBatch  # noqa: E402
-from trainers.learner import train_step  # noqa: E402
-from trainers.objectives.opd import OPD_SPEC, OPDParams  # noqa: E402
+from opd_harness.backends import Completion, SamplingParams  # noqa: E402
+from opd_harness.backends.hf import HFBackend  # noqa: E402
+from opd_harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model, count_parameters  # noqa: E402
+from opd_harness.trajectory import TensorBatch  # noqa: E402
+from opd_harness.trainers.learner import train_step  # noqa: E402
+from opd_harness.trainers.objectives.opd import OPD_SPEC, OPDParams  # noqa: E402
 
 # The cpu-demo preset's models (harness/presets/cpu-demo.yaml) and a wider pair for GPU-sized numbers.
 MODEL_PAIRS: dict[str, tuple[TinyArch, TinyArch]] = {
@@ -336,7 +336,7 @@ def random_prompts(rows: int, length: int, vocab: int, seed: int = 0) -> list[li
 def shape_model(arch: str, device: str, layers: int | None):
     """A shape model from harness/models/shapes.py (random weights) in eval mode, and its parameter count: bf16 on CUDA,
     float32 in the CPU dry mode (bf16 matrix products at a 152k vocabulary take minutes on a CPU)."""
-    from harness.models.shapes import build_shape_model
+    from opd_harness.models.shapes import build_shape_model
 
     model = build_shape_model(arch, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32, layers=layers).eval()
     return model, count_parameters(model)
@@ -344,7 +344,7 @@ def shape_model(arch: str, device: str, layers: int | None):
 
 def shape_tokenizer(vocab_size: int):
     """The shapes' stand-in tokenizer (pad 0, EOS 1; random ids decode to characters)."""
-    from harness.models.shapes import build_shape_tokenizer
+    from opd_harness.models.shapes import build_shape_tokenizer
 
     return build_shape_tokenizer(vocab_size)
 
@@ -366,7 +366,7 @@ def plain_generate(model, prompts: list[list[int]], new_tokens: int, pad_id: int
 def rollout_section(arch: str, args: argparse.Namespace, device: str, out: dict, deadline: float) -> None:
     """Rollout tokens/s per batch size: plain ``model.generate`` against the hf_static engine (first call compiles on
     CUDA, timed separately), with the decode bandwidth bound and the share of it reached."""
-    from harness.backends.hf_static import StaticCacheBackend
+    from opd_harness.backends.hf_static import StaticCacheBackend
 
     model, parameters = shape_model(arch, device, args.shape_layers)
     tokenizer = shape_tokenizer(model.config.vocab_size)
@@ -501,7 +501,7 @@ OPD_RUN = ["run", "--task", "arith", "--preset", "smoke", "--method", "opd",
 
 def learner_device_key() -> str | None:
     """The config key that puts the learner on a device, where this tree has one (#28 item 2); else None."""
-    from harness.config import ModelSpec, TrainerConfig
+    from opd_harness.config import ModelSpec, TrainerConfig
 
     for owner, model in (("trainer", TrainerConfig), ("student", ModelSpec)):
         if "device" in model.model_fields:
@@ -517,7 +517,7 @@ def opd_run_section(arch: str | None, args: argparse.Namespace, device: str, out
     import sqlite3
     import tempfile
 
-    from harness.tracking import step_key
+    from opd_harness.tracking import step_key
 
     key = learner_device_key()
     if key is None:
@@ -528,7 +528,7 @@ def opd_run_section(arch: str | None, args: argparse.Namespace, device: str, out
         learner = ["--set", f"{key}={device}", "--set", f"trainer.vocab_chunk={args.vocab_chunk}"]
         learner += ["--set", f"trainer.steps={args.opd_steps}"]
         learner += ["--set", "trainer.precision=bf16"] if device == "cuda" else []
-        out["command"] = command = [sys.executable, "-m", "harness.cli", *OPD_RUN, *models, *learner, "--out", tmp]
+        out["command"] = command = [sys.executable, "-m", "opd_harness.cli", *OPD_RUN, *models, *learner, "--out", tmp]
         started, cap_s = time.perf_counter(), max(1.0, deadline - time.monotonic())
         try:
             done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=cap_s)
@@ -646,9 +646,9 @@ def section_child(args: argparse.Namespace, device: str) -> int:
 def shapes_available() -> str | None:
     """None when harness/models/shapes.py imports, else why the shape sections are skipped."""
     try:
-        import harness.models.shapes  # noqa: F401
+        import opd_harness.models.shapes  # noqa: F401
     except ImportError as exc:
-        return f"harness.models.shapes does not import ({exc})"
+        return f"opd_harness.models.shapes does not import ({exc})"
     return None
 
 

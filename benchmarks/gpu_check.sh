@@ -31,5 +31,9 @@ if ! "$PY" -c 'import pydantic' 2> /dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$WHEELS"/*.whl
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+# The checkout as the import package opd_harness without installing it (pyproject's package-dir: harness/ is the package,
+# tasks/, trainers/, sandbox/ and recipes/ its sub-packages): a scratch folder of links, first on the path.
+SRC=$(mktemp -d /tmp/gpu-check-src.XXXXXX)
+mkdir "$SRC/opd_harness" && ln -s "$PWD"/harness/* "$SRC/opd_harness/" && ln -s "$PWD"/{tasks,trainers,sandbox,recipes} "$SRC/opd_harness/"
+export PYTHONPATH="$SRC${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 exec "$PY" benchmarks/gpu_check.py "$@"

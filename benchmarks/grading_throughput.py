@@ -14,8 +14,8 @@ from pathlib import Path
 from math_verify import parse, verify
 
 
-from tasks.math_grading import MathGrader
-from harness.registry import TASKS
+from opd_harness.tasks.math_grading import MathGrader
+from opd_harness.registry import TASKS
 
 
 def completions_for(gold: str) -> list[str]:

@@ -16,10 +16,10 @@ import time
 
 import torch
 
-from harness.backends import SamplingParams
-from harness.backends.hf import HFBackend, left_pad
-from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
-from harness.plan import load_problems, make_task
+from opd_harness.backends import SamplingParams
+from opd_harness.backends.hf import HFBackend, left_pad
+from opd_harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
+from opd_harness.plan import load_problems, make_task
 
 MODELS = {
     "demo-student (128x2)": TinyArch(hidden=128, layers=2, heads=4, kv_heads=2, ffn=256),

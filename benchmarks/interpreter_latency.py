@@ -15,8 +15,8 @@ import statistics
 import time
 from collections.abc import Callable
 
-import sandbox
-from sandbox.interpreter import PythonInterpreter
+from opd_harness import sandbox
+from opd_harness.sandbox.interpreter import PythonInterpreter
 
 WAYS = ("unpooled: docker exec per cell, fresh container", "pooled: exec server relay, reset container")
 CELL = "print(1)"

@@ -324,7 +324,7 @@ def main() -> None:
             f"  {sys.executable} -m pip install --no-deps --target {args.antlr411} antlr4-python3-runtime==4.11.1"
         )
     sys.path.insert(0, str(ROOT))
-    from harness.registry import TASKS
+    from opd_harness.registry import TASKS
 
     path = args.data_dir / "math500" / "test.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,8 +1,8 @@
 """The memory plan's learner estimate against the peak RSS of one real learner step on the CPU.
 
 Each shape runs in a fresh subprocess: a tiny Qwen3 with Qwen3's vocabulary (151,936), AdamW, and one
-``trainers.learner.train_step`` of OPD on a synthetic batch. Measured: the process's RSS high-water mark
-(``VmHWM``) minus its RSS after the imports. Estimated: ``harness.memory_plan``'s learner terms (weights,
+``opd_harness.trainers.learner.train_step`` of OPD on a synthetic batch. Measured: the process's RSS high-water mark
+(``VmHWM``) minus its RSS after the imports. Estimated: ``opd_harness.memory_plan``'s learner terms (weights,
 gradients, AdamW, activations, the batch with its teacher signal) for the same shape and tokens.
 
     OMP_NUM_THREADS=1 python benchmarks/memory_plan_check.py            # every shape
@@ -21,8 +21,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.peak_memory import status_bytes  # noqa: E402
-from harness.teacher_signal import bytes_per_token  # noqa: E402
-from harness.memory_plan import (  # noqa: E402
+from opd_harness.teacher_signal import bytes_per_token  # noqa: E402
+from opd_harness.memory_plan import (  # noqa: E402
     FP32,
     ModelShape,
     first_pass_bytes,
@@ -90,11 +90,11 @@ def measure(case: Case) -> int:
     """Peak RSS rise of one learner step of ``case`` in this (fresh) process."""
     import torch
 
-    from harness.models.tiny import TinyArch, build_tiny_model
-    from harness.registry import METHODS
-    from harness.teacher_signal import HiddenDistribution
-    from harness.trajectory import TensorBatch
-    from trainers.learner import train_step
+    from opd_harness.models.tiny import TinyArch, build_tiny_model
+    from opd_harness.registry import METHODS
+    from opd_harness.teacher_signal import HiddenDistribution
+    from opd_harness.trajectory import TensorBatch
+    from opd_harness.trainers.learner import train_step
 
     torch.set_num_threads(1)
     torch.ones(8) @ torch.ones(8)  # the first op's allocations belong to the baseline
@@ -109,7 +109,7 @@ def measure(case: Case) -> int:
     loss_mask = (torch.arange(length) >= 16).float().expand(rows, -1).contiguous()
     behaviour = -torch.rand(rows, length, generator=g) * 3 * loss_mask
     full = None
-    if case.estimator == "full":  # the teacher's full signal: its last hidden states and a head (harness.teacher_signal)
+    if case.estimator == "full":  # the teacher's full signal: its last hidden states and a head (opd_harness.teacher_signal)
         head = torch.nn.Linear(case.hidden, VOCAB, bias=False).requires_grad_(False)
         full = HiddenDistribution(torch.randn(rows, length, case.hidden, generator=g), head)
     batch = TensorBatch(

@@ -15,11 +15,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
-from harness.registry import METHODS
-from harness.trajectory import TensorBatch
-from trainers.learner import train_step
-from harness.method import StudentOutputs
+from opd_harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
+from opd_harness.registry import METHODS
+from opd_harness.trajectory import TensorBatch
+from opd_harness.trainers.learner import train_step
+from opd_harness.method import StudentOutputs
 
 
 def synthetic_batch(batch: int, length: int, vocab: int, seed: int = 0) -> tuple[TensorBatch, torch.Tensor]:

@@ -19,16 +19,16 @@ from pathlib import Path
 
 import torch
 
-from harness.backends import SamplingParams
-from harness.backends.hf import HFBackend
-from harness.config import build_config
-from harness.models.tiny import load_model_and_tokenizer
-from harness.plan import make_task
-from harness.registry import METHODS
-from harness.rollout import rollout
-from harness.trajectory import TensorBatch, to_tensor_batch
-from trainers.learner import student_outputs
-from trainers.teacher import score_teacher
+from opd_harness.backends import SamplingParams
+from opd_harness.backends.hf import HFBackend
+from opd_harness.config import build_config
+from opd_harness.models.tiny import load_model_and_tokenizer
+from opd_harness.plan import make_task
+from opd_harness.registry import METHODS
+from opd_harness.rollout import rollout
+from opd_harness.trajectory import TensorBatch, to_tensor_batch
+from opd_harness.trainers.learner import student_outputs
+from opd_harness.trainers.teacher import score_teacher
 
 def flat_gradient(model: torch.nn.Module, batch: TensorBatch, estimator: str) -> torch.Tensor:
     """d loss / d θ of ``opd`` with ``estimator`` on ``batch``, flattened."""

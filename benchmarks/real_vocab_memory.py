@@ -55,9 +55,9 @@ def rollout_engine(cls_name: str, rows: int, new: int, hidden: int, layers: int)
     """An hf engine (``HFBackend`` or the stacked-logits one) on a tiny V = 151,936 Qwen3: ``rows`` samples of ``new`` tokens."""
     import torch
 
-    from harness.backends import SamplingParams
-    from harness.backends.hf import HFBackend
-    from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
+    from opd_harness.backends import SamplingParams
+    from opd_harness.backends.hf import HFBackend
+    from opd_harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
 
     torch.set_num_threads(1)
     tok = build_char_tokenizer()
@@ -90,10 +90,10 @@ def teacher_scoring(kind: str, rows: int, new: int, hidden: int, layers: int) ->
     (``before``: fa03cdf's whole (B, T, V) float32 distribution, which :func:`score_teacher` then stored as it came)."""
     import torch
 
-    from harness.backends.hf import HFBackend
-    from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
-    from harness.trajectory import TensorBatch
-    from trainers.teacher import score_teacher
+    from opd_harness.backends.hf import HFBackend
+    from opd_harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
+    from opd_harness.trajectory import TensorBatch
+    from opd_harness.trainers.teacher import score_teacher
 
     torch.set_num_threads(1)
     tok = build_char_tokenizer()
@@ -124,13 +124,13 @@ def teacher_scoring(kind: str, rows: int, new: int, hidden: int, layers: int) ->
 
 
 def stacked_logits_backend() -> type:
-    """:class:`harness.backends.hf.HFBackend` with fa03cdf's ``_sample`` (imports torch and transformers: built lazily)."""
+    """:class:`opd_harness.backends.hf.HFBackend` with fa03cdf's ``_sample`` (imports torch and transformers: built lazily)."""
     import torch
     import torch.nn.functional as F
     from transformers import LogitsProcessorList
 
-    from harness.backends.hf import HFBackend
-    from harness.backends.sampling import RowSampler
+    from opd_harness.backends.hf import HFBackend
+    from opd_harness.backends.sampling import RowSampler
 
     class Stacked(HFBackend):
         def _sample(self, ids, attn, seeds, params, kwargs):  # verbatim fa03cdf

@@ -1,8 +1,8 @@
 """Samples per second with heavy-tailed environment steps: rollout workers streaming prompt groups vs whole batches.
 
-The loop's own scheduling (``trainers.loop``: ``WorkQueue``, ``RolloutWorker``, ``ReplayBuffer``, ``WeightBoard``) with
+The loop's own scheduling (``opd_harness.trainers.loop``: ``WorkQueue``, ``RolloutWorker``, ``ReplayBuffer``, ``WeightBoard``) with
 ``--workers`` rollout workers and a stand-in learner (``--train-ms`` per step, publishing each version); ``max_lag`` 1.
-Each unit is rolled out by ``harness.rollout.run_episodes`` on the synthetic multi-turn task of
+Each unit is rolled out by ``opd_harness.rollout.run_episodes`` on the synthetic multi-turn task of
 ``benchmarks/episode_scheduling.py``: every environment step takes ``--step-ms``, except 5 % (``--slow-share``) that take
 20× as long (``--slow-factor``), drawn per (batch, prompt, turn) from a fixed seed, so both sides meet the same
 steps. Generation is a stand-in engine per worker (``--call-ms`` per call plus ``--row-ms`` per row): ``--engine batching``
@@ -30,10 +30,10 @@ import threading
 import time
 from pathlib import Path
 
-from harness.backends import SamplingParams
-from harness.rollout import run_episodes
-from harness.task import Problem
-from trainers.loop import ReplayBuffer, RolloutWorker, Schedule, Unit, WeightBoard, WorkQueue, unit_problems
+from opd_harness.backends import SamplingParams
+from opd_harness.rollout import run_episodes
+from opd_harness.task import Problem
+from opd_harness.trainers.loop import ReplayBuffer, RolloutWorker, Schedule, Unit, WeightBoard, WorkQueue, unit_problems
 
 sys.path.insert(0, str(Path(__file__).parent))
 from episode_scheduling import StandInEngine, TailOptions, TailTask  # noqa: E402

@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="config override for every run")
     args = parser.parse_args()
     extra = tuple(args.overrides)
-    from trainers.ray_executor import import_ray
+    from opd_harness.trainers.ray_executor import import_ray
 
     ray, temp_dir = import_ray(), tempfile.mkdtemp(prefix="opd-rw-", dir="/tmp")  # short: Ray's socket paths
     ray.init(num_cpus=4, include_dashboard=False, object_store_memory=512 * 2**20, _temp_dir=temp_dir)  # one Ray for every run

@@ -17,7 +17,7 @@ import time
 import torch
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-from harness.backends.sampling import RowSampler
+from opd_harness.backends.sampling import RowSampler
 
 VOCABS = {"char tokenizer": 100, "Qwen3 vocabulary": 151_936}
 

@@ -12,8 +12,8 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import sandbox
-from sandbox import ExecRequest
+from opd_harness import sandbox
+from opd_harness.sandbox import ExecRequest
 
 PROGRAM = ExecRequest(argv=["python3", "main.py"], files={"main.py": b"print(sum(range(1000)))"})
 

@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
-from harness.serve import engine as new
+from opd_harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
+from opd_harness.serve import engine as new
 
 sys.path.insert(0, str(Path(__file__).parent))
 import serve_engine_before as old  # noqa: E402

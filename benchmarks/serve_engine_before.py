@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-log = logging.getLogger("harness.serve")
+log = logging.getLogger("opd_harness.serve")
 
 TopList = list[tuple[int, float]]  # (token id, log-prob), most likely first
 

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from tasks.swebench.task import SwebenchOptions, SwebenchTask
+from opd_harness.tasks.swebench.task import SwebenchOptions, SwebenchTask
 
 
 def measure(task: SwebenchTask, problem, cold: bool) -> dict:

@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 import yaml
 
-from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
-from harness.plan import make_task
-from harness.rollout import reference_trajectories
-from harness.trajectory import to_tensor_batch
-from trainers.learner import train_step
-from trainers.objectives.sft import SFT_SPEC
+from opd_harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
+from opd_harness.plan import make_task
+from opd_harness.rollout import reference_trajectories
+from opd_harness.trajectory import to_tensor_batch
+from opd_harness.trainers.learner import train_step
+from opd_harness.trainers.objectives.sft import SFT_SPEC
 
 
 def copy_scores(model, batch) -> dict[str, float]:

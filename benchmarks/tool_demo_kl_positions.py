@@ -28,17 +28,17 @@ from pathlib import Path
 
 import torch
 
-from harness.backends import SamplingParams
-from harness.backends.hf import HFBackend
-from harness.config import build_config
-from harness.models.tiny import load_model_and_tokenizer
-from harness.plan import make_task
-from harness.rollout import reference_trajectories, rollout
-from harness.trajectory import to_tensor_batch
-from trainers.learner import train_step
-from trainers.objectives import masked_mean
-from trainers.objectives.opd import OPD_SPEC, OPDParams
-from trainers.teacher import score_teacher
+from opd_harness.backends import SamplingParams
+from opd_harness.backends.hf import HFBackend
+from opd_harness.config import build_config
+from opd_harness.models.tiny import load_model_and_tokenizer
+from opd_harness.plan import make_task
+from opd_harness.rollout import reference_trajectories, rollout
+from opd_harness.trajectory import to_tensor_batch
+from opd_harness.trainers.learner import train_step
+from opd_harness.trainers.objectives import masked_mean
+from opd_harness.trainers.objectives.opd import OPD_SPEC, OPDParams
+from opd_harness.trainers.teacher import score_teacher
 
 PRINT_FORM = re.compile(r'\s*print\(f"\{([0-9+\-*]+):0(\d+)d\}"\)\s*')
 

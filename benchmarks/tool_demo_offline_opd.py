@@ -22,13 +22,13 @@ from pathlib import Path
 import torch
 
 from benchmarks.tool_demo_kl_positions import demo_task_and_models, reference_nll
-from harness.backends import SamplingParams
-from harness.backends.hf import HFBackend
-from harness.rollout import reference_trajectories, rollout
-from harness.trajectory import to_tensor_batch
-from trainers.learner import train_step
-from trainers.objectives.opd import OPD_SPEC, OPDParams
-from trainers.teacher import score_teacher
+from opd_harness.backends import SamplingParams
+from opd_harness.backends.hf import HFBackend
+from opd_harness.rollout import reference_trajectories, rollout
+from opd_harness.trajectory import to_tensor_batch
+from opd_harness.trainers.learner import train_step
+from opd_harness.trainers.objectives.opd import OPD_SPEC, OPDParams
+from opd_harness.trainers.teacher import score_teacher
 
 BOXED = re.compile(r"\\boxed\{([^}]*)\}")
 

@@ -41,7 +41,7 @@ def run_once(tree: Path, out: Path, student: str, steps: int, lr: float, extra: 
     sets = [f"trainer.steps={steps}", "teacher.sft_steps=0", "student.arch=null", f"student.path={student}", "student.sft_steps=0",
             f"trainer.lr={lr}", "trainer.checkpoint_every=100000", "eval.before_training=false", "eval.teacher=false",
             "eval.limit=1", "eval.k=1", "trainer.max_grade_error_rate=1.0", *extra]  # fmt: skip
-    cmd = [str(tree / ".venv/bin/python"), "-m", "harness.cli", "run", "--preset", "tool-demo", "--out", str(out)]
+    cmd = [str(tree / ".venv/bin/python"), "-m", "opd_harness.cli", "run", "--preset", "tool-demo", "--out", str(out)]
     for s in sets:
         cmd += ["--set", s]
     env = {**os.environ, "PYTHONPATH": str(tree)}

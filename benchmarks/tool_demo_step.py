@@ -27,11 +27,11 @@ import argparse
 import statistics
 import time
 
-from harness.backends import SamplingParams
-from harness.backends.replay import ReplayBackend
-from harness.plan import make_task
-from harness.rollout import run_episodes
-from sandbox.interpreter import PythonInterpreter
+from opd_harness.backends import SamplingParams
+from opd_harness.backends.replay import ReplayBackend
+from opd_harness.plan import make_task
+from opd_harness.rollout import run_episodes
+from opd_harness.sandbox.interpreter import PythonInterpreter
 
 PROMPTS, SAMPLES, WORKERS = 16, 4, 16  # the tool-demo preset's step (trainer.prompts_per_step, samples_per_prompt)
 WAYS = ("fresh", "pooled", "prewarmed", "ready")

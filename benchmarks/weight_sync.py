@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from trainers.weight_sync import SyncGroup, state_bytes
+from opd_harness.trainers.weight_sync import SyncGroup, state_bytes
 
 
 class Side:
@@ -27,7 +27,7 @@ class Side:
         self.group = SyncGroup(address, port, rank, world, "cpu", 600)
 
     def address(self) -> tuple[str, int]:
-        from trainers.distributed import rendezvous_port
+        from opd_harness.trainers.distributed import rendezvous_port
 
         return "127.0.0.1", rendezvous_port()
 

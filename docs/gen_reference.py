@@ -29,7 +29,7 @@ def _code(value: object) -> str:
 def _root_command():
     import typer.main
 
-    from harness.cli import app
+    from opd_harness.cli import app
 
     return typer.main.get_command(app)
 
@@ -137,7 +137,7 @@ def _default(field) -> str:
 def config_fields(model=None, prefix: str = "") -> list[tuple[str, object]]:
     """Every key of the run configuration, dotted (``trainer.layout.learner.sharding``), with its pydantic field."""
     if model is None:
-        from harness.config import RunConfig
+        from opd_harness.config import RunConfig
 
         model = RunConfig
     rows: list[tuple[str, object]] = []
@@ -167,15 +167,15 @@ def config_markdown() -> str:
 
 
 def method_names() -> list[str]:
-    from harness.registry import METHODS
+    from opd_harness.registry import METHODS
 
     return [name for name in METHODS.names() if not name.startswith("_")]  # "_name": a test's own registration, not a method to document
 
 
 def method_markdown(name: str) -> str:
     """One method's spec: description, modes, declared inputs, teacher signal kinds, hyper-parameters, notes."""
-    from harness.method import INPUTS
-    from harness.registry import METHODS
+    from opd_harness.method import INPUTS
+    from opd_harness.registry import METHODS
 
     spec = METHODS.get(name)
     hp = spec.hparams()

@@ -1,6 +1,6 @@
-"""``python -m harness``: the ``harness`` command line."""
+"""``python -m opd_harness``: the ``harness`` command line."""
 
-from harness.cli import main
+from opd_harness.cli import main
 
 if __name__ == "__main__":
     main()

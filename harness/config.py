@@ -14,9 +14,9 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from harness.errors import ConfigError
-from harness.models.shapes import SHAPES
-from harness.models.tiny import TinyArch
+from opd_harness.errors import ConfigError
+from opd_harness.models.shapes import SHAPES
+from opd_harness.models.tiny import TinyArch
 
 ShapeName = Literal[tuple(SHAPES)]  # type: ignore[valid-type]  # a published Qwen3 shape, built with random weights
 
@@ -85,7 +85,7 @@ class TeacherSpec(ModelSpec):
     signal: Literal["auto", "sampled", "topk", "student_topk", "full"] = Field(
         "auto",
         description=(
-            "what the teacher gives a method that reads its distribution (harness.teacher_signal): full (the exact distribution, "
+            "what the teacher gives a method that reads its distribution (opd_harness.teacher_signal): full (the exact distribution, "
             "carried as last hidden states + the output head), topk (its top-k log-probs + a tail bucket), student_topk (its "
             "log-probs on the student's top-k tokens + tail), sampled (the sampled token's log-prob only); auto: the first kind "
             "the method accepts that the backend gives (hf: full; openai, vllm: topk)"
@@ -137,9 +137,9 @@ class TeacherSpec(ModelSpec):
 
 
 def registered(registry: str, name: str, prefix: str = "") -> Any:
-    """What ``name`` is registered as in ``harness.registry.<registry>``; a miss is a ``ValueError`` (pydantic's validation
+    """What ``name`` is registered as in ``opd_harness.registry.<registry>``; a miss is a ``ValueError`` (pydantic's validation
     error, one line naming the key) carrying the registry's message (the known names, a close match), after ``prefix``."""
-    from harness import registry as registries
+    from opd_harness import registry as registries
 
     try:
         return getattr(registries, registry).get(name)
@@ -295,7 +295,7 @@ class TrackingConfig(Strict):
     @classmethod
     def _servable_uri(cls, uri: str | None) -> str | None:
         """A URI scheme an MLflow store serves (checked only when MLflow is installed; trainer.loggers needs it to use it)."""
-        from harness.tracking import check_mlflow_uri
+        from opd_harness.tracking import check_mlflow_uri
 
         if uri is not None and importlib.util.find_spec("mlflow") is not None:
             check_mlflow_uri(uri)
@@ -314,7 +314,7 @@ class TrainerConfig(Strict):
         "inprocess",
         description=(
             "where the roles run: inprocess (threads in this process) or ray (rollout, teacher and learner actors); "
-            "see harness.registry.EXECUTORS"
+            "see opd_harness.registry.EXECUTORS"
         ),
     )
     rollout_backend: str = Field(
@@ -346,7 +346,7 @@ class TrainerConfig(Strict):
         "object_store",
         description="how each learner version a rollout worker will load reaches it, in the rollout engine's dtype: object_store "
         "(one copy by reference) or collective (executor ray: bucketed broadcast from learner rank 0 over gloo/NCCL); see "
-        "harness.registry.WEIGHT_SYNCS",
+        "opd_harness.registry.WEIGHT_SYNCS",
     )
     rollout_unit: Literal["batch", "group"] = Field(
         "batch",
@@ -439,7 +439,7 @@ class TrainerConfig(Strict):
     @classmethod
     def _known_loggers(cls, loggers: list[str]) -> list[str]:
         """Known trackers whose packages are installed, jsonl first; refused here, before anything is written."""
-        from harness.tracking import check_loggers
+        from opd_harness.tracking import check_loggers
 
         return check_loggers(loggers)
 
@@ -489,7 +489,7 @@ class TrainerConfig(Strict):
             raise ValueError("trainer.precision=fp16 (--dtype fp16): float16 training needs loss scaling, which the learner does "
                              "not do; use bf16 (or fp32)")  # fmt: skip
         if self.precision == "auto":
-            from harness.models.hub import auto_precision
+            from opd_harness.models.hub import auto_precision
 
             self.precision = auto_precision(self.device, planning=planning_only(info))
         return self
@@ -575,7 +575,7 @@ class RunConfig(Strict):
 
 def default_mode(method: Any) -> str | None:
     """The registered method's default ``trainer.mode``, or None for an unknown one (planning names it)."""
-    from harness.registry import METHODS, RegistryError
+    from opd_harness.registry import METHODS, RegistryError
 
     try:
         return METHODS.get(method).default_mode if isinstance(method, str) else None
@@ -594,7 +594,7 @@ def load_preset(name: str) -> dict:
     """The YAML of a built-in preset."""
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; available presets: {', '.join(PRESETS)}")
-    text = resources.files("harness.presets").joinpath(f"{name}.yaml").read_text()
+    text = resources.files("opd_harness.presets").joinpath(f"{name}.yaml").read_text()
     return yaml.safe_load(text) or {}
 
 
@@ -688,7 +688,7 @@ def fit_preset_models(preset: dict, task: str, options: dict) -> dict:
     """Fit a preset's models to a task they were not chosen for: their supervised warm-up trains on reference solutions,
     so it is dropped when the task has none; a tiny model's positions grow to hold the task's episode budget
     (``max_context_tokens``). Only the preset's values change: what the user sets still wins (and is checked)."""
-    from harness.registry import TASKS, RegistryError
+    from opd_harness.registry import TASKS, RegistryError
 
     try:
         cls = TASKS.get(task)

@@ -2,7 +2,7 @@
 validates a data folder.
 
 A task that reads files declares them in its own module with a classmethod ``data_needs()`` returning one
-:class:`harness.task.DataNeed` per split: the files under the data folder, where they come from, the function that downloads
+:class:`opd_harness.task.DataNeed` per split: the files under the data folder, where they come from, the function that downloads
 them, the task's own loader and the problem counts of the known good copies. This module names no benchmark; it
 runs those declarations. ``fetch`` downloads each split into a staging folder inside the data folder, validates it
 with the task's loader and only then moves the files into place, so a failed or bad download leaves nothing
@@ -28,13 +28,13 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from harness.datadir import DATA_DIR_ENV, resolve_data_dir
-from harness.registry import TASKS, RegistryError
+from opd_harness.datadir import DATA_DIR_ENV, resolve_data_dir
+from opd_harness.registry import TASKS, RegistryError
 
 if TYPE_CHECKING:  # the task classes load with the tasks a command checks or fetches (`harness --help` imports this module)
     from rich.table import Table
 
-    from harness.task import DataNeed
+    from opd_harness.task import DataNeed
 
 Status = Literal["ok", "missing", "invalid", "error"]  # error: the download itself failed (network, hub), not the data
 
@@ -353,5 +353,5 @@ def fetch(
         raise typer.Exit(1)
 
 
-if __name__ == "__main__":  # `python -m harness.data ...` runs the same commands as `harness data ...`
+if __name__ == "__main__":  # `python -m opd_harness.data ...` runs the same commands as `harness data ...`
     data_app()

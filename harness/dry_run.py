@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.errors import ConfigError
+from opd_harness.errors import ConfigError
 
 Step = tuple[dict, list[str], "str | None"]
 PROMPTS_MEASURED = 5000  # prompts per split whose length is measured for the longest episode
@@ -43,8 +43,8 @@ class ModelFiles:
 
 def read_model_files(name: str, *, flag: str) -> ModelFiles:
     """A model folder or hub id's config.json and tokenizer (weights checked present in a folder, never read)."""
-    from harness.models.hub import ModelUnavailable, locate_model
-    from harness.models.tiny import load_tokenizer
+    from opd_harness.models.hub import ModelUnavailable, locate_model
+    from opd_harness.models.tiny import load_tokenizer
 
     try:
         where = locate_model(name, flag=flag)
@@ -53,7 +53,7 @@ def read_model_files(name: str, *, flag: str) -> ModelFiles:
     if Path(where).is_dir():
         config = json.loads((Path(where) / "config.json").read_text())
     else:  # online hub id: config.json alone
-        from harness.models.hub import hub_config
+        from opd_harness.models.hub import hub_config
 
         try:
             config = hub_config(name)
@@ -77,20 +77,20 @@ def role_files(spec, role: str) -> ModelFiles | None:
         try:
             return read_model_files(spec.path, flag=f"--{role}")
         except ConfigError:
-            from harness.memory_plan import published_hub_ids
+            from opd_harness.memory_plan import published_hub_ids
 
             known = published_hub_ids().get(spec.path)
             if known is None:
                 raise
-            from harness.models.shapes import get_shape
+            from opd_harness.models.shapes import get_shape
 
             # a published Qwen3 id not cached here (a GPU config planned on a laptop): its shape, no tokenizer to compare
             return ModelFiles(spec.path, f"published shape {known} (not in the hub cache: tokenizer not checked)", None,
                               None, get_shape(known).vocab)  # fmt: skip
-    from harness.models.tiny import build_char_tokenizer
+    from opd_harness.models.tiny import build_char_tokenizer
 
     if isinstance(spec.arch, str):
-        from harness.models.shapes import build_shape_tokenizer, get_shape
+        from opd_harness.models.shapes import build_shape_tokenizer, get_shape
 
         shape = get_shape(spec.arch)
         return ModelFiles(spec.arch, f"published shape {spec.arch} (random weights)", build_shape_tokenizer(shape.vocab),
@@ -101,7 +101,7 @@ def role_files(spec, role: str) -> ModelFiles | None:
 
 def data_step(plan) -> Step:
     """Load and validate every task's data (the training split, each evaluated task's test problems)."""
-    from harness.plan import DataUnavailable, load_plan_data
+    from opd_harness.plan import DataUnavailable, load_plan_data
 
     try:
         load_plan_data(plan)
@@ -235,8 +235,8 @@ def teacher_step(plan, files: dict[str, ModelFiles | None]) -> Step:
         return {"reads": []}, [f"teacher: method {plan.method.name} reads no teacher signal"], None
     if teacher.backend != "openai":
         return {"reads": signal}, [f"teacher: {teacher.backend} backend scores in process ({signal})"], None
-    from harness.registry import BACKENDS
-    from harness.teacher_signal import SCORE_FIELD
+    from opd_harness.registry import BACKENDS
+    from opd_harness.teacher_signal import SCORE_FIELD
 
     want = ("logprobs",) + (("topk",) if SCORE_FIELD.get(signal) == "topk" else ())
     try:

@@ -1,4 +1,4 @@
-"""The episode contract between a task's environment and the one rollout loop (:mod:`harness.rollout`).
+"""The episode contract between a task's environment and the one rollout loop (:mod:`opd_harness.rollout`).
 
 An environment gives the opening context (``reset``), consumes one model turn at a time (``step``) and
 answers with an :class:`Observation` or nothing, and says when the episode is over. Each turn's stop

@@ -9,4 +9,4 @@ class TrainingAborted(RuntimeError):
 
 class ConfigError(ValueError):
     """A bad configuration value; the CLI prints it and exits with code 2 (defined here, beside the command line's
-    other errors, so that catching it imports no config models; ``harness.config`` re-exports it)."""
+    other errors, so that catching it imports no config models; ``opd_harness.config`` re-exports it)."""

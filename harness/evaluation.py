@@ -17,12 +17,12 @@ from urllib.parse import quote
 import numpy as np
 from tqdm import tqdm
 
-from harness.backends import Backend, SamplingParams
-from harness.metrics import bootstrap_ci, pass_at_k
-from harness.rollout import rollout
-from harness.store import SampleRow, Store
-from harness.task import Problem, Score, Task
-from harness.trajectory import Trajectory
+from opd_harness.backends import Backend, SamplingParams
+from opd_harness.metrics import bootstrap_ci, pass_at_k
+from opd_harness.rollout import rollout
+from opd_harness.store import SampleRow, Store
+from opd_harness.task import Problem, Score, Task
+from opd_harness.trajectory import Trajectory
 
 EVAL_SHARD_SAMPLES = 64  # samples per evaluation shard by default (the hf backend's default generation batch)
 GRADE_CHUNK = 64  # completions per grade_many call, so the grading progress bar moves
@@ -347,7 +347,7 @@ def write_output_path(store: Store, run_id: str, folder: Path, summaries: dict[s
     ``samples_<task>_<timestamp>.jsonl`` per task (one graded sample a line). Returns the files written."""
     from datetime import datetime
 
-    from harness.jsonout import to_json
+    from opd_harness.jsonout import to_json
 
     folder.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now().isoformat().replace(":", "-")  # lm-eval's timestamp

@@ -31,11 +31,11 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.leaderboard import sample_scores
-from harness.metrics import resampled_means
-from harness.store import Store
-from harness.task import TaskNotReady, close_tasks
-from harness.viewer import problem_flips
+from opd_harness.leaderboard import sample_scores
+from opd_harness.metrics import resampled_means
+from opd_harness.store import Store
+from opd_harness.task import TaskNotReady, close_tasks
+from opd_harness.viewer import problem_flips
 
 EXIT_CODES = {"pass": 0, "regression": 1, "inconclusive": 3}
 
@@ -337,12 +337,12 @@ def evaluate_model(store: Store, model: str, spec: EvalSpec) -> str:
     Problems are loaded and the tasks checked before the model is loaded or the run row created;
     a bad task, missing data or a model that does not load is a GateUsageError.
     """
-    from harness.backends import SamplingParams
-    from harness.config import ConfigError
-    from harness.evaluation import evaluate_task, store_eval
-    from harness.plan import load_problems, make_task
-    from harness.registry import BACKENDS, RegistryError
-    from harness.runs import new_run_id
+    from opd_harness.backends import SamplingParams
+    from opd_harness.config import ConfigError
+    from opd_harness.evaluation import evaluate_task, store_eval
+    from opd_harness.plan import load_problems, make_task
+    from opd_harness.registry import BACKENDS, RegistryError
+    from opd_harness.runs import new_run_id
 
     tasks = []
     try:

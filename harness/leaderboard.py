@@ -8,9 +8,9 @@ import io
 import numpy as np
 from rich.table import Table
 
-from harness.jsonout import to_json
-from harness.metrics import PairedResult, paired_bootstrap
-from harness.store import Store
+from opd_harness.jsonout import to_json
+from opd_harness.metrics import PairedResult, paired_bootstrap
+from opd_harness.store import Store
 
 COLUMNS = (
     "run_id",

@@ -6,10 +6,10 @@ No server and no CDN: the page opens offline. Several results roots merge into o
   checkpoint, relative throughput (÷ mean samples/h of the sync runs of the baseline method on the same
   task, with the same configuration but the method when there are such runs: the f-OPD paper's
   normalisation), collapse (final Avg@k < threshold × peak, as in ``harness report``), grader and version;
-- the task-specific measurements of the last checkpoint's evaluation (``harness.evaluation``'s summary beyond the
+- the task-specific measurements of the last checkpoint's evaluation (``opd_harness.evaluation``'s summary beyond the
   counts every evaluation has: e.g. an agentic task's invalid tool rate, tool-error rate, tool calls and turns per
   episode), as extra columns where a task has them;
-- at the end, the transcript viewer (``harness.viewer``) over every stored sample.
+- at the end, the transcript viewer (``opd_harness.viewer``) over every stored sample.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.report import match_key, dotted_get, plot_lag_curve, run_curve, summarize_run, sweep_report
-from harness.config import LAYOUT_ROLES
-from harness.evaluation import GENERIC_SUMMARY_KEYS
-from harness.store import Store
-from harness.viewer import EvalRef, merge_payloads, viewer_payload, viewer_section
+from opd_harness.report import match_key, dotted_get, plot_lag_curve, run_curve, summarize_run, sweep_report
+from opd_harness.config import LAYOUT_ROLES
+from opd_harness.evaluation import GENERIC_SUMMARY_KEYS
+from opd_harness.store import Store
+from opd_harness.viewer import EvalRef, merge_payloads, viewer_payload, viewer_section
 
 
 @dataclass
@@ -56,7 +56,7 @@ class Board:
     rows: list[dict]  # one per (run, task)
     lag_curves: list[tuple[str, dict]] = field(default_factory=list)  # (title, sweep report) with a lag curve
     reproductions: list[tuple[str, list[dict]]] = field(default_factory=list)  # (title, claims.json) of `harness reproduce`
-    transcripts: dict = field(default_factory=dict)  # the transcript viewer's payload (harness.viewer): every stored sample
+    transcripts: dict = field(default_factory=dict)  # the transcript viewer's payload (opd_harness.viewer): every stored sample
 
 
 def _mode(config: dict) -> str:

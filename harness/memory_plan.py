@@ -2,9 +2,9 @@
 weights, gradients, optimizer state, activations, the teacher signal, buffered batches and the rollout KV cache.
 
 Model shapes come from config files (a local folder's ``config.json``, the hub's through ``AutoConfig``, or the
-published shapes of :mod:`harness.models.shapes`), never from loaded weights; parameter counts are computed from the
+published shapes of :mod:`opd_harness.models.shapes`), never from loaded weights; parameter counts are computed from the
 shape. Each term is a small pure function of the shape and the config; :func:`build_memory_plan` puts them together
-for a validated :class:`~harness.plan.Plan` and :func:`fit_failure` checks them against the devices' capacity.
+for a validated :class:`~opd_harness.plan.Plan` and :func:`fit_failure` checks them against the devices' capacity.
 The formulas, what they leave out, and the CPU measurements they were checked against: ``docs/memory-plan.md``.
 """
 
@@ -15,13 +15,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from harness.errors import ConfigError
-from harness.models.hub import hub_config, hub_unavailable, looks_like_hub_id
-from harness.teacher_signal import bytes_per_token
+from opd_harness.errors import ConfigError
+from opd_harness.models.hub import hub_config, hub_unavailable, looks_like_hub_id
+from opd_harness.teacher_signal import bytes_per_token
 
 if TYPE_CHECKING:
-    from harness.config import ModelSpec, RunConfig
-    from harness.plan import Plan
+    from opd_harness.config import ModelSpec, RunConfig
+    from opd_harness.plan import Plan
 
 GIB = 1024**3
 FP32 = 4
@@ -150,8 +150,8 @@ def shape_from_config(config: dict, name: str, source: str) -> ModelShape:
 
 
 def published_shape(arch: str, source: str | None = None) -> ModelShape:
-    """The published Qwen3 shape ``arch`` of :data:`harness.models.shapes.SHAPES`."""
-    from harness.models.shapes import get_shape
+    """The published Qwen3 shape ``arch`` of :data:`opd_harness.models.shapes.SHAPES`."""
+    from opd_harness.models.shapes import get_shape
 
     s = get_shape(arch)
     return ModelShape(arch, source or f"harness/models/shapes.py ({s.source})", s.layers, s.hidden, s.heads, s.kv_heads, s.head_dim,
@@ -159,8 +159,8 @@ def published_shape(arch: str, source: str | None = None) -> ModelShape:
 
 
 def tiny_shape(arch: Any) -> ModelShape:
-    """A tiny model built from ``arch`` (:class:`~harness.models.tiny.TinyArch`): character tokenizer, tied embedding."""
-    from harness.models.tiny import CHARSET
+    """A tiny model built from ``arch`` (:class:`~opd_harness.models.tiny.TinyArch`): character tokenizer, tied embedding."""
+    from opd_harness.models.tiny import CHARSET
 
     vocab = len(dict.fromkeys(CHARSET)) + 3  # pad, eos, unk, then one id per character (build_char_tokenizer)
     return ModelShape("tiny", "the config's arch", arch.layers, arch.hidden, arch.heads, arch.kv_heads, arch.hidden // arch.heads,
@@ -168,8 +168,8 @@ def tiny_shape(arch: Any) -> ModelShape:
 
 
 def published_hub_ids() -> dict[str, str]:
-    """Hub ids whose config.json :data:`~harness.models.shapes.SHAPES` copies (``Qwen/Qwen3-1.7B`` → its shape name)."""
-    from harness.models.shapes import SHAPES
+    """Hub ids whose config.json :data:`~opd_harness.models.shapes.SHAPES` copies (``Qwen/Qwen3-1.7B`` → its shape name)."""
+    from opd_harness.models.shapes import SHAPES
 
     return {shape.source.removesuffix(" config.json"): name for name, shape in SHAPES.items()}
 

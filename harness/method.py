@@ -1,6 +1,6 @@
 """The method contract: a training method's :class:`MethodSpec` (objective, hyper-parameters, declared inputs),
 the student quantities an objective reads, and the input names a method may declare. Methods live in
-``trainers/objectives/`` and register a :class:`MethodSpec` in ``harness.registry.METHODS``; a run that cannot
+``trainers/objectives/`` and register a :class:`MethodSpec` in ``opd_harness.registry.METHODS``; a run that cannot
 provide the inputs a method declares fails at config validation.
 """
 
@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict
 if TYPE_CHECKING:  # torch stays unloaded until an objective runs: listing methods reads only their specs
     import torch
 
-    from harness.trajectory import TensorBatch
+    from opd_harness.trajectory import TensorBatch
 
 # Inputs a method may declare; the pipeline provides each or refuses the run up front.
 INPUTS = {
@@ -24,7 +24,7 @@ INPUTS = {
     "(trainer.behaviour_logprobs=recompute) or the rollout engine's (engine); PPO-style ratios, methods.md §0",
     "teacher_logprobs": "teacher log-probs of the sampled tokens",
     "teacher_dist": "the teacher's distribution at every position, in a kind the method accepts (MethodSpec.teacher_kinds: "
-    "full, topk, student_topk; teacher.signal chooses, harness.teacher_signal)",
+    "full, topk, student_topk; teacher.signal chooses, opd_harness.teacher_signal)",
     "student_full": "full current-student distribution (with gradient)",
     "rewards": "a scalar outcome reward per trajectory (the task's grade)",
     "step_boundaries": "step index per token (multi-step trajectories)",
@@ -57,14 +57,14 @@ class StudentOutputs:
     def over_vocabulary(self, fn: Callable[..., torch.Tensor], *aligned: torch.Tensor) -> torch.Tensor:
         """``fn(log π_θ(· | prefix), *aligned)`` at every (B, T) position: per-position terms (B, T) or (B, T, k) of the full
         distribution (last dim V) and ``aligned`` (B, T, ...) tensors; the teacher's distribution among them may be a compact one
-        (:mod:`harness.teacher_signal`: ``fn`` then gets both log-distributions as that kind gives them). Objectives read the full
+        (:mod:`opd_harness.teacher_signal`: ``fn`` then gets both log-distributions as that kind gives them). Objectives read the full
         distribution only through this, so ``trainer.vocab_chunk`` can run ``fn`` a chunk of positions at a time (it must
         treat positions independently); the caller reduces the terms over positions."""
         if self.vocab_map is not None:
             return self.vocab_map(fn, *aligned)
         if self.full is None:
             raise ValueError("the full student distribution was not computed: the method must declare student_full")
-        from harness.teacher_signal import apply_terms
+        from opd_harness.teacher_signal import apply_terms
 
         return apply_terms(fn, self.full, *(a.to(self.full.device) for a in aligned))
 
@@ -100,7 +100,7 @@ class MethodSpec:
     # Methods with a group-centred reward advantage (GRPO family): samples per prompt when the config sets none.
     # Their baseline needs ≥ 2 samples per prompt; config validation refuses 1 unless hparams.allow_single_sample.
     group_size: int | None = None
-    # The kinds of the teacher's distribution (harness.teacher_signal.DISTRIBUTION_KINDS) a method reading teacher_dist
+    # The kinds of the teacher's distribution (opd_harness.teacher_signal.DISTRIBUTION_KINDS) a method reading teacher_dist
     # accepts, preferred first; teacher.signal=auto takes the first one the teacher's backend produces.
     teacher_kinds: Callable[[HParams], tuple[str, ...]] = lambda hp: ("full",)
     name: str = ""  # set by the registry from the method's entry-point name (a method is named once)

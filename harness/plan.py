@@ -9,12 +9,12 @@ from typing import Protocol
 from pydantic import ValidationError
 from rich.console import Console
 
-from harness.config import ConfigError, RunConfig, format_validation_error
-from harness.method import HParams, MethodSpec
-from harness.registry import BACKENDS, METHODS, PIPELINES, TASKS, RegistryError
-from harness.store import Store
-from harness.teacher_signal import SCORE_FIELD
-from harness.task import DataError, Problem, Task
+from opd_harness.config import ConfigError, RunConfig, format_validation_error
+from opd_harness.method import HParams, MethodSpec
+from opd_harness.registry import BACKENDS, METHODS, PIPELINES, TASKS, RegistryError
+from opd_harness.store import Store
+from opd_harness.teacher_signal import SCORE_FIELD
+from opd_harness.task import DataError, Problem, Task
 
 
 class Pipeline(Protocol):
@@ -113,7 +113,7 @@ def check_references(cfg: RunConfig, method: MethodSpec, hparams: HParams, task:
 def check_behaviour_logprobs(cfg: RunConfig, method: MethodSpec, hparams: HParams) -> None:
     """Refuse a rollout engine told not to return the sampled tokens' log-probs when the method trains on them
     (``behaviour_logprobs``); only an evaluation may go without them."""
-    from harness.backends import as_bool
+    from opd_harness.backends import as_bool
 
     option = cfg.trainer.rollout_backend_options.get("logprobs")
     if option is None or not method.on_policy or "behaviour_logprobs" not in method.needs(hparams):

@@ -23,7 +23,7 @@ which one was used.
 
 **Lag curve**: for async runs with ``trainer.fixed_lag`` set, final Avg@k against the lag, one line
 per combination of the other grid keys: the mean over seeds and a 95% percentile bootstrap CI over
-seeds (``harness.metrics.bootstrap_ci``; with one seed the CI is the point). The mean of matching
+seeds (``opd_harness.metrics.bootstrap_ci``; with one seed the CI is the point). The mean of matching
 sync runs, when the sweep has them, is drawn as a dashed reference line.
 """
 
@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from harness.jsonout import to_json
-from harness.metrics import bootstrap_ci
-from harness.store import Store
+from opd_harness.jsonout import to_json
+from opd_harness.metrics import bootstrap_ci
+from opd_harness.store import Store
 
 ASYNC_ONLY = ("max_lag", "fixed_lag", "sync_every", "executor")
 
@@ -339,7 +339,7 @@ def write_report(
 ) -> dict:
     """Build the report of sweep ``sweep_id`` in ``out`` and write ``table.md``, ``table.json`` and
     (when the sweep has fixed-lag runs) ``lag_curve.png`` under ``<out>/sweeps/<sweep_id>/``."""
-    from harness.sweep import load_sweep_record
+    from opd_harness.sweep import load_sweep_record
 
     out = Path(out)
     record = load_sweep_record(out, sweep_id)

@@ -2,20 +2,20 @@
 
 A recipe (a YAML file registered under the entry point group ``opd_harness.recipes``; the built-ins live in the
 ``recipes`` package) holds the paper's grid at two scales, ``paper`` and ``cpu``, each a sweep (``base`` + ``grid``,
-the format of :mod:`harness.sweep`) with the source of every value it sets (``sources``: dotted key -> paper
+the format of :mod:`opd_harness.sweep`) with the source of every value it sets (``sources``: dotted key -> paper
 section or table, or ``reconstructed: ...`` where the paper is silent). It also lists its tables, plots and
-claims. :func:`reproduce` runs the chosen scale through :func:`harness.sweep.run_sweep` (so it resumes like any
+claims. :func:`reproduce` runs the chosen scale through :func:`opd_harness.sweep.run_sweep` (so it resumes like any
 sweep), then renders the tables and plots from the store and checks the claims.
 
 A **claim** compares a candidate selection of runs with a baseline selection (or a constant) on one metric:
 
 - ``final_avg``: per-problem scores of each run's last evaluated checkpoint, paired by seed and problem. The
-  stratified paired bootstrap of :mod:`harness.gate` (each seed a stratum) gives delta = candidate - baseline
+  stratified paired bootstrap of :mod:`opd_harness.gate` (each seed a stratum) gives delta = candidate - baseline
   and its (1 - 2 alpha) interval; errored or missing samples are scored against the candidate for "holds" and
   in its favour for "does not hold", as the gate does.
 - ``samples_per_hour``, ``step_metric`` (the mean of a logged step metric over the last ``window`` steps) and
   ``eval_metric`` (an evaluation measurement of the last checkpoint, e.g. ``invalid_tool_rate``):
-  one value per run, paired by seed, tested with the exact sign test of :mod:`harness.gate` over seeds.
+  one value per run, paired by seed, tested with the exact sign test of :mod:`opd_harness.gate` over seeds.
 
 ``op: ">"`` claims delta > margin, ``op: ">="`` claims delta > -margin. The claim **holds** when the test
 rejects delta <= threshold at level alpha, **does not hold** when it rejects delta >= threshold, and is
@@ -36,13 +36,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rich.console import Console
 
-from harness.config import ConfigError, format_validation_error
-from harness.gate import bootstrap_deltas, mcnemar_exact_p
-from harness.leaderboard import sample_scores
-from harness.registry import Registry, RegistryError
-from harness.report import dotted_get, render_markdown, run_curve, sweep_report
-from harness.store import Store
-from harness.sweep import SweepSpec, expand, load_sweep_record, parse_sweep, run_sweep
+from opd_harness.config import ConfigError, format_validation_error
+from opd_harness.gate import bootstrap_deltas, mcnemar_exact_p
+from opd_harness.leaderboard import sample_scores
+from opd_harness.registry import Registry, RegistryError
+from opd_harness.report import dotted_get, render_markdown, run_curve, sweep_report
+from opd_harness.store import Store
+from opd_harness.sweep import SweepSpec, expand, load_sweep_record, parse_sweep, run_sweep
 
 RECIPES: Registry[Path] = Registry("recipes")
 LAYOUTS = Path(__file__).resolve().parents[1] / "docs" / "layouts"  # the shipped layouts (a source checkout's docs/layouts)

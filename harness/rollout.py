@@ -29,10 +29,10 @@ from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-from harness.backends import Backend, Completion, SamplingParams
-from harness.episode import Env, Observation, render_observation
-from harness.task import Problem, Task
-from harness.trajectory import Segment, Trajectory
+from opd_harness.backends import Backend, Completion, SamplingParams
+from opd_harness.episode import Env, Observation, render_observation
+from opd_harness.task import Problem, Task
+from opd_harness.trajectory import Segment, Trajectory
 
 DEFAULT_ENV_WORKERS = 16  # concurrent environment steps (tool calls) across the live episodes
 DEFAULT_BATCH_WINDOW_S = 0.01  # how long generation waits for another step to return before it starts without it

@@ -22,9 +22,9 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.markup import escape
 
-from harness.config import ConfigError, RunConfig, deep_merge, format_validation_error, parse_override
-from harness.store import Store
-from harness.task import close_tasks
+from opd_harness.config import ConfigError, RunConfig, deep_merge, format_validation_error, parse_override
+from opd_harness.store import Store
+from opd_harness.task import close_tasks
 
 
 def new_run_id(method: str, task: str) -> str:
@@ -58,7 +58,7 @@ def plan_resume(store: Store, run_id: str, layout_overrides: list[str] = ()):
     """The plan of a stored training run, for ``--resume``, with ``trainer.layout.*`` overrides (e.g. resume onto another
     number of learner ranks: the checkpoint does not depend on it); raises ConfigError if there is no such run or an
     override is not a layout key."""
-    from harness.plan import plan_run
+    from opd_harness.plan import plan_run
 
     stored = store.get_run(run_id)
     if stored is None or stored["kind"] != "train":
@@ -113,7 +113,7 @@ def run_trackers(cfg: RunConfig, store: Store, run_id: str, console: Console) ->
     """``trainer.loggers`` for the block: the run's steps and evaluations also go to its trackers (harness/tracking.py).
 
     A tracker that cannot start is a ConfigError naming ``trainer.loggers`` (the run is marked failed)."""
-    from harness.tracking import RunInfo, TrackerStartFailed, tracked
+    from opd_harness.tracking import RunInfo, TrackerStartFailed, tracked
 
     run_dir = store.run_dir(run_id)
     method = run_dir / "method.json"

@@ -100,7 +100,7 @@ class Store:
         self._conn.execute("PRAGMA synchronous=NORMAL")
         self._conn.executescript(SCHEMA)
         self._add_missing_columns()
-        self._observers: dict[str, object] = {}  # run id -> its trackers (harness.tracking.Trackers)
+        self._observers: dict[str, object] = {}  # run id -> its trackers (opd_harness.tracking.Trackers)
 
     def observe(self, run_id: str, observer: object | None) -> None:
         """After each committed step or evaluation of ``run_id``, call ``observer.log_step(step, metrics)`` or

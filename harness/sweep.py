@@ -21,7 +21,7 @@ resolved configs are identical are run once. Re-running a sweep skips points who
 ``done``, resumes runs left ``running`` / ``interrupted`` / ``failed`` from their last checkpoint,
 and starts the rest. Do not run the same sweep twice at the same time (a lock file refuses it); a run
 being executed (by a sweep or ``harness run``) holds ``runs/<run_id>/run.lock``, so no second process
-resumes it at the same time (:func:`harness.runs.run_lock`).
+resumes it at the same time (:func:`opd_harness.runs.run_lock`).
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from rich.console import Console
 
-from harness.config import ConfigError, RunConfig, build_config, format_validation_error
-from harness.registry import EXECUTORS, RegistryError
-from harness.runs import create_train_run, execute_run, plan_resume
-from harness.store import Store
+from opd_harness.config import ConfigError, RunConfig, build_config, format_validation_error
+from opd_harness.registry import EXECUTORS, RegistryError
+from opd_harness.runs import create_train_run, execute_run, plan_resume
+from opd_harness.store import Store
 
 _ID = re.compile(r"^[A-Za-z0-9._-]+$")
 
@@ -186,7 +186,7 @@ def expand(spec: SweepSpec) -> list[SweepPoint]:
 
     Raises :class:`SweepError` listing every bad point (its index and coordinates) and the error.
     """
-    from harness.plan import plan_run
+    from opd_harness.plan import plan_run
 
     base = spec.base_overrides()
     config_file = spec.config_path()
@@ -221,7 +221,7 @@ def expand(spec: SweepSpec) -> list[SweepPoint]:
 def only_selected_method_args(cfg: RunConfig) -> RunConfig:
     """A grid point's config with only its own method's ``method_args``: a sweep's base may set several methods' options
     for the points that select them (each is validated, so a typo in one still stops the sweep before anything runs)."""
-    from harness.plan import validate_method_args
+    from opd_harness.plan import validate_method_args
 
     validate_method_args(cfg.method_args)
     return cfg.model_copy(update={"method_args": {k: v for k, v in cfg.method_args.items() if k == cfg.method}})

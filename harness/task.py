@@ -1,4 +1,4 @@
-"""Base classes every task shares: problems, scores and the Task contract (environments: :mod:`harness.episode`)."""
+"""Base classes every task shares: problems, scores and the Task contract (environments: :mod:`opd_harness.episode`)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, final
 
 from pydantic import BaseModel, ConfigDict
 
-from harness.datadir import DATA_DIR_ENV, resolve_data_dir  # noqa: F401 - DATA_DIR_ENV re-exported: tasks name it from here
-from harness.episode import Env, SingleTurnEnv
+from opd_harness.datadir import DATA_DIR_ENV, resolve_data_dir  # noqa: F401 - DATA_DIR_ENV re-exported: tasks name it from here
+from opd_harness.episode import Env, SingleTurnEnv
 
 if TYPE_CHECKING:  # annotations only: `harness tasks` lists the task classes without the backend models
-    from harness.backends import Backend, SamplingParams
-    from harness.trajectory import Trajectory
+    from opd_harness.backends import Backend, SamplingParams
+    from opd_harness.trajectory import Trajectory
 
 Status = Literal["pass", "fail", "error"]
 
@@ -157,7 +157,7 @@ class Task(ABC):
         built); the CLI calls it before it writes anything. Default: ready."""
 
     def rollout(self, backend: Backend, problems: list[Problem], params: SamplingParams) -> list[Trajectory] | None:
-        """This task's own episodes (e.g. lm-eval's scored multiple choice); default None: :func:`harness.rollout.rollout` runs them."""
+        """This task's own episodes (e.g. lm-eval's scored multiple choice); default None: :func:`opd_harness.rollout.rollout` runs them."""
         return None
 
     def build_images(

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from harness.lazy import lazy_import
+from opd_harness.lazy import lazy_import
 
 if TYPE_CHECKING:
     import torch

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlparse
 
-from harness.store import Store
+from opd_harness.store import Store
 
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # the module each tracker imports

@@ -102,7 +102,7 @@ class TensorBatch:
     rewards: torch.Tensor  # (B,) float, NaN where absent
     policy_version: torch.Tensor  # (B,) long, -1 where unknown
     group_ids: torch.Tensor  # (B,) long: trajectories of the same problem share an id
-    # the teacher's distribution when a method reads it: a compact one (harness.teacher_signal: hidden states + head, or
+    # the teacher's distribution when a method reads it: a compact one (opd_harness.teacher_signal: hidden states + head, or
     # top-k + tail), or a dense (B, T, V) log-distribution (tests and references)
     teacher_dist: Any = None
     student_topk_ids: torch.Tensor | None = None  # (B, T, k) the student's top-k tokens at sampling time (student_topk signal)
@@ -200,7 +200,7 @@ def concat_batches(parts: list[TensorBatch]) -> TensorBatch:
     trajectories would give), group ids renumbered to stay distinct across parts."""
     import torch
 
-    from harness.teacher_signal import is_distribution, pad_cat
+    from opd_harness.teacher_signal import is_distribution, pad_cat
 
     if len(parts) == 1:
         return parts[0]

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.jsonout import to_json
-from harness.store import Store
+from opd_harness.jsonout import to_json
+from opd_harness.store import Store
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ def write_page(payload: dict, out: Path, title: str) -> Path:
 
 
 def gate_page(store: Store, report, out: Path) -> Path:
-    """The page behind a ``harness gate`` verdict (a :class:`harness.gate.GateReport`): both checkpoints' samples on the
+    """The page behind a ``harness gate`` verdict (a :class:`opd_harness.gate.GateReport`): both checkpoints' samples on the
     gated tasks, opened on the comparison of the first task with a pass→fail flip (else the first task)."""
     sides = [(ref.rpartition(":")[0], int(ref.rpartition(":")[2])) for ref in (report.baseline, report.candidate)]  # RUN:STEP
     tasks = [v.task for v in report.tasks]

@@ -2,7 +2,7 @@
 
 Model-written code never runs on the host directly: it runs through a sandbox provider.
 
-    import sandbox
+    from opd_harness import sandbox
     with sandbox.open_sandbox("docker", pool_size=4) as sb:
         r = sb.run(sandbox.ExecRequest(argv=["python3", "main.py"], files={"main.py": b"print(1)"}, timeout_s=5))
         r.status, r.exit_code, r.stdout          # "ok", 0, "1\\n"
@@ -13,10 +13,10 @@ Model-written code never runs on the host directly: it runs through a sandbox pr
 Providers are declared as entry points of the group ``opd_harness.sandboxes`` (the entry-point key is the name), the
 built-ins in this project's pyproject.toml like any plug-in package's; ``provider_names()`` lists them, ``provider(name)``
 loads one, ``@register_provider(name)`` adds one from code:
-  - ``docker`` (:mod:`sandbox.docker`): containers from the locally built ``opd-sandbox:bookworm``
-    image (``python -m sandbox.build``); network off, read-only root, non-root, all capabilities
+  - ``docker`` (:mod:`opd_harness.sandbox.docker`): containers from the locally built ``opd-sandbox:bookworm``
+    image (``python -m opd_harness.sandbox.build``); network off, read-only root, non-root, all capabilities
     dropped, memory/CPU/process limits, a warm pool of containers. Use this one.
-  - ``local`` (:mod:`sandbox.local`): a subprocess with rlimits in a temporary directory. It
+  - ``local`` (:mod:`opd_harness.sandbox.local`): a subprocess with rlimits in a temporary directory. It
     isolates much less than Docker; for machines without Docker.
 
 Contract shared by every provider (limits are part of it):

@@ -6,7 +6,7 @@ with ``docker import``. The rootfs tarball is cached under ``cache_dir`` (git-ig
 ``docker rmi`` takes seconds. Needs root (or a working user namespace) for mmdebstrap, network
 access to the Debian mirror configured in ``/etc/apt``, and a running Docker daemon.
 
-Usage: ``python -m sandbox.build [--force] [--tag opd-sandbox:bookworm]``.
+Usage: ``python -m opd_harness.sandbox.build [--force] [--tag opd-sandbox:bookworm]``.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def build_base_image(
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse  # here: a task that names the image tag (`harness tasks`) does not load it
 
-    parser = argparse.ArgumentParser(prog="python -m sandbox.build", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m opd_harness.sandbox.build", description=__doc__.splitlines()[0])
     parser.add_argument("--tag", default=DEFAULT_TAG, help=f"image tag (default {DEFAULT_TAG})")
     parser.add_argument("--force", action="store_true", help="rebuild the rootfs and re-import even if the image exists")
     parser.add_argument("--cache-dir", type=Path, default=Path(".cache/sandbox"), help="where the rootfs tarball is cached")

@@ -47,7 +47,7 @@ import warnings
 from collections.abc import Mapping
 from pathlib import Path
 
-from sandbox import (
+from opd_harness.sandbox import (
     MAX_READ_FILE_BYTES,
     ExecRequest,
     ExecResult,

@@ -46,8 +46,8 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from harness.episode import SingleTurnEnv
-from harness.task import Problem, Score, Task, TaskOptions
+from opd_harness.episode import SingleTurnEnv
+from opd_harness.task import Problem, Score, Task, TaskOptions
 
 PREFIX = "lm_eval"
 INCLUDE_ENV = "HARNESS_LM_EVAL_INCLUDE"
@@ -61,9 +61,9 @@ NOT_CHOSEN = -1e30  # log-likelihood given to the choices the model did not pick
 def LmEvalError(message: str) -> Exception:  # noqa: N802 - used as `raise LmEvalError(...)`
     """An lm-eval task that cannot be used (unknown name, unsupported type, data not loadable): a ConfigError, exit code 2.
 
-    Built lazily: ``harness.config`` imports torch, and this module is imported by ``harness tasks``.
+    Built lazily: ``opd_harness.config`` imports torch, and this module is imported by ``harness tasks``.
     """
-    from harness.config import ConfigError
+    from opd_harness.config import ConfigError
 
     return ConfigError(message)
 
@@ -111,7 +111,7 @@ def include_paths(option: str | None) -> list[str]:
 def _configure_environment() -> None:
     """Datasets cache under the harness cache (unless the user chose one), quiet lm-eval and datasets logs."""
     if not os.environ.get("HF_HOME") and not os.environ.get("HF_DATASETS_CACHE"):
-        from tasks.code.common import cache_root
+        from opd_harness.tasks.code.common import cache_root
 
         os.environ["HF_DATASETS_CACHE"] = str(cache_root() / "hf_datasets")
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
@@ -339,7 +339,7 @@ class LmEvalTask(Task):
 
     def rollout(self, backend, problems: list[Problem], params) -> list:
         """Generation with the task's stop strings, or scoring of the continuations (multiple choice, loglikelihood)."""
-        from harness.rollout import run_episodes
+        from opd_harness.rollout import run_episodes
 
         if self.output_type == "generate_until" or getattr(backend, "needs_episode_keys", False):
             return run_episodes(backend, self, problems, params)  # the shared episode loop; stop strings from env()
@@ -351,8 +351,8 @@ class LmEvalTask(Task):
 
     def _scored_rollout(self, backend, problems: list[Problem], n: int) -> list:
         """Score every (context, continuation) with ``backend.score`` and turn each doc's pick into ``n`` trajectories."""
-        from harness.rollout import encode
-        from harness.trajectory import Segment, Trajectory
+        from opd_harness.rollout import encode
+        from opd_harness.trajectory import Segment, Trajectory
 
         tokenizer = backend.tokenizer
         reqs = self.requests(tokenizer)
@@ -567,7 +567,7 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
 
 def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """lm-eval's ``_encode_pair``: trailing context spaces move to the continuation; whole is encoded then split."""
-    from harness.rollout import encode
+    from opd_harness.rollout import encode
 
     n_spaces = len(context) - len(context.rstrip())
     if n_spaces:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
-from harness.lazy import lazy_import
+from opd_harness.lazy import lazy_import
 
 if TYPE_CHECKING:
     import concurrent.futures as cf
@@ -412,7 +412,7 @@ class MathVerifyGraded:
     """Task mixin: completions are graded against ``Problem.answer`` by the shared math-verify pool."""
 
     def grade_many(self, problems, completions):
-        from harness.task import Score
+        from opd_harness.task import Score
 
         grades = default_grader().grade_many([(c, p.answer) for p, c in zip(problems, completions, strict=True)])
         return [Score(g.status, g.extracted, g.detail) for g in grades]

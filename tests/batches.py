@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.trajectory import TensorBatch
+from opd_harness.trajectory import TensorBatch
 
 
 def make_batch(mask, behaviour, teacher, teacher_dist=None, old=None, *, fresh=None, lag=None, dtype=torch.float32) -> TensorBatch:

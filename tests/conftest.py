@@ -24,14 +24,14 @@ def _quiet():
 
 @pytest.fixture(scope="session")
 def char_tokenizer():
-    from harness.models.tiny import build_char_tokenizer
+    from opd_harness.models.tiny import build_char_tokenizer
 
     return build_char_tokenizer()
 
 
 @pytest.fixture(scope="session")
 def tiny_model_factory(char_tokenizer):
-    from harness.models.tiny import TinyArch, build_tiny_model
+    from opd_harness.models.tiny import TinyArch, build_tiny_model
 
     def make(seed: int = 0, hidden: int = 32, layers: int = 1):
         arch = TinyArch(hidden=hidden, layers=layers, heads=2, kv_heads=1, ffn=2 * hidden)
@@ -68,14 +68,14 @@ def docker_client():
     try:
         client.images.get(SANDBOX_IMAGE)
     except docker.errors.ImageNotFound:
-        docker_unavailable(f"image {SANDBOX_IMAGE} missing; build it with `python -m sandbox.build`")
+        docker_unavailable(f"image {SANDBOX_IMAGE} missing; build it with `python -m opd_harness.sandbox.build`")
     return client
 
 
 @pytest.fixture(scope="module")
 def docker_sb(docker_client):
     """A Docker sandbox (pool of 2) for the tests of one module."""
-    import sandbox
+    from opd_harness import sandbox
 
     with sandbox.open_sandbox("docker", image=SANDBOX_IMAGE, pool_size=2) as sb:
         yield sb
@@ -84,7 +84,7 @@ def docker_sb(docker_client):
 @pytest.fixture(scope="module")
 def local_sb():
     """A local-provider sandbox for the tests of one module."""
-    import sandbox
+    from opd_harness import sandbox
 
     with sandbox.open_sandbox("local", network_isolation="auto") as sb:
         yield sb
@@ -143,7 +143,7 @@ def benchmark_data() -> Callable[..., Path]:
 
 def sandbox_request(sb, code: str, **kw):
     """An ExecRequest running ``code`` with the sandbox's Python."""
-    from sandbox import ExecRequest
+    from opd_harness.sandbox import ExecRequest
 
     return ExecRequest(argv=[sb.python, "-c", code], **kw)
 

@@ -286,7 +286,7 @@ class HFEngineLLM(FakeLLM):
     differ from the trainer's. Its context is the model's positions; ``prompt_logprobs`` > 0 (top-k) is not supported."""
 
     def __init__(self, model: str, max_logprobs: int = 20, **kwargs):
-        from harness.backends.hf import HFBackend
+        from opd_harness.backends.hf import HFBackend
 
         self.hf = HFBackend.load(model)
         super().__init__(max_model_len=self.hf.max_context, max_logprobs=max_logprobs, model=model, **kwargs)
@@ -311,7 +311,7 @@ class HFEngineLLM(FakeLLM):
         return SimpleNamespace(prompt_logprobs=entries, outputs=[out])
 
     def _sample_output(self, ids: list[int], sp: FakeSamplingParams):
-        from harness.backends import SamplingParams
+        from opd_harness.backends import SamplingParams
 
         params = SamplingParams(
             temperature=sp["temperature"], top_p=sp["top_p"], max_new_tokens=sp["max_tokens"], n=sp["n"], seed=sp.get("seed"),

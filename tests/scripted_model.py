@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from harness.backends import Completion, SamplingParams
-from harness.backends.replay import char_id_table, char_ids
-from harness.models.tiny import build_char_tokenizer
+from opd_harness.backends import Completion, SamplingParams
+from opd_harness.backends.replay import char_id_table, char_ids
+from opd_harness.models.tiny import build_char_tokenizer
 
 
 class ScriptedModel:

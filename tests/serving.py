@@ -15,7 +15,7 @@ from pathlib import Path
 
 import uvicorn
 
-from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model, save_model_and_tokenizer
+from opd_harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model, save_model_and_tokenizer
 
 
 def saved_tiny_model(folder: Path, *, seed: int) -> Path:

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from harness.backends import SamplingParams
-from harness.backends.replay import ReplayBackend
-from harness.evaluation import evaluate_task
-from harness.registry import TASKS
-from harness.task import DataError
+from opd_harness.backends import SamplingParams
+from opd_harness.backends.replay import ReplayBackend
+from opd_harness.evaluation import evaluate_task
+from opd_harness.registry import TASKS
+from opd_harness.task import DataError
 
 README = Path(__file__).resolve().parents[1] / "docs" / "extending" / "add-a-task.md"
 NAME = "fix_script"

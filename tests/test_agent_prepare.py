@@ -11,12 +11,12 @@ import time
 import pytest
 from scripted_model import ScriptedModel
 
-from harness.backends import SamplingParams
-from harness.backends.replay import ReplayBackend
-from harness.rollout import rollout
-from harness.task import Problem, Score, Task, TaskOptions
-from sandbox import ExecResult, SandboxUnavailable
-from tasks.agentic.shell_env import AgentLimits, ShellAgentEnv
+from opd_harness.backends import SamplingParams
+from opd_harness.backends.replay import ReplayBackend
+from opd_harness.rollout import rollout
+from opd_harness.task import Problem, Score, Task, TaskOptions
+from opd_harness.sandbox import ExecResult, SandboxUnavailable
+from opd_harness.tasks.agentic.shell_env import AgentLimits, ShellAgentEnv
 
 SUBMIT = "DONE_SUBMIT"
 
@@ -151,7 +151,7 @@ def test_close_while_a_step_opens_the_session_closes_it_and_runs_no_command():
     """Without ``prepare`` (replayed turns) the first command opens the session in its step's thread. An interrupt's
     close meanwhile waits for that opening and closes the session, and the step raises instead of starting the
     command; so no interrupted rollout waits for a command's limit (SIGTERM mid-opening took 60-70 s before)."""
-    from tasks.agentic.shell_env import EpisodeClosed
+    from opd_harness.tasks.agentic.shell_env import EpisodeClosed
 
     opener = Opener(delay_s=0.5)
     env = ShellAgentEnv("p", opener, workdir="/w", limits=AgentLimits(), submit_word=SUBMIT)

@@ -1,7 +1,7 @@
 import pytest
 
-from harness.registry import TASKS
-from tasks.synthetic.arith import ArithOptions, solve_steps
+from opd_harness.registry import TASKS
+from opd_harness.tasks.synthetic.arith import ArithOptions, solve_steps
 
 ArithTask = TASKS.get("arith")  # the class as the registry names it (a task's name is its entry point's)
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-import trainers.inprocess as ip
-import trainers.loop as ap
-from harness.cli import app
-from trainers.loop import BufferEntry, ReplayBuffer, Unit, WorkQueue, fixed_version, required_version
+import opd_harness.trainers.inprocess as ip
+import opd_harness.trainers.loop as ap
+from opd_harness.cli import app
+from opd_harness.trainers.loop import BufferEntry, ReplayBuffer, Unit, WorkQueue, fixed_version, required_version
 
 runner = CliRunner()
 BASE = [

@@ -147,7 +147,7 @@ def test_rollout_workers_warms_up_both_then_alternates_their_order(monkeypatch, 
         def shutdown(self) -> None:
             runs.append(("shutdown", 0))
 
-    import trainers.ray_executor as rx
+    import opd_harness.trainers.ray_executor as rx
 
     monkeypatch.setattr(bench, "run_once", fake_run)
     monkeypatch.setattr(rx, "import_ray", lambda: FakeRay())

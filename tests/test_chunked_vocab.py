@@ -10,10 +10,10 @@ import dataclasses
 import pytest
 import torch
 
-from harness.registry import METHODS
-from harness.teacher_signal import TopKDistribution
-from harness.trajectory import TensorBatch
-from trainers.learner import BucketBackward, bucket_calls, student_outputs, student_pass
+from opd_harness.registry import METHODS
+from opd_harness.teacher_signal import TopKDistribution
+from opd_harness.trajectory import TensorBatch
+from opd_harness.trainers.learner import BucketBackward, bucket_calls, student_outputs, student_pass
 
 ROWS, LENGTH, CHUNK = 3, 11, 4  # 10 predicted positions per row: chunks of 4, 4, 2
 TOP_K = 5
@@ -220,14 +220,14 @@ def test_chunking_keeps_no_full_distribution_for_the_backward(tiny_model_factory
 
 
 def test_a_non_positive_chunk_is_refused(tiny_model_factory):
-    from trainers.chunked_vocab import ChunkedVocabulary
+    from opd_harness.trainers.chunked_vocab import ChunkedVocabulary
 
     with pytest.raises(ValueError, match="vocab_chunk 0"):
         ChunkedVocabulary(torch.zeros(1, 2, 3), torch.nn.Linear(3, 4), 0, lambda: None)
 
 
 def test_teacher_scoring_in_chunks_of_positions_equals_whole_scoring(tiny_model_factory, char_tokenizer):
-    from harness.backends.hf import HFBackend
+    from opd_harness.backends.hf import HFBackend
 
     model = tiny_model_factory(seed=7)
     batch = batch_for(model.config.vocab_size, seed=2)

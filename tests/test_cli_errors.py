@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from harness.cli import app
-from harness.config import ConfigError, build_config
-from harness.plan import plan_run
-from harness.registry import TASKS
-from tasks.synthetic.arith import ArithOptions, ArithTask
+from opd_harness.cli import app
+from opd_harness.config import ConfigError, build_config
+from opd_harness.plan import plan_run
+from opd_harness.registry import TASKS
+from opd_harness.tasks.synthetic.arith import ArithOptions, ArithTask
 
 runner = CliRunner()
 GOOD_ROW = {"problem": "What is 1+1?", "answer": "2", "unique_id": "test/a/1.json", "solution": "1+1=\\boxed{2}"}
@@ -150,12 +150,12 @@ def test_eval_malformed_row_exits_2_with_file_line_field_and_no_run(tmp_path):
 
 
 def test_eval_failure_after_the_run_row_exists_marks_it_failed(tmp_path, monkeypatch):
-    import harness.evaluation
+    import opd_harness.evaluation
 
     def broken(*args, **kwargs):
         raise RuntimeError("grader infrastructure down")
 
-    monkeypatch.setattr(harness.evaluation, "evaluate_task", broken)
+    monkeypatch.setattr(opd_harness.evaluation, "evaluate_task", broken)
     problem = ArithTask(ArithOptions()).load("test")[0]
     model = replay_file(tmp_path, "arith", [(problem.id, f"\\boxed{{{problem.answer}}}")])
     out = tmp_path / "out"
@@ -256,7 +256,7 @@ def test_run_config_error_and_resume_without_a_store_create_nothing(tmp_path):
 
 
 def test_plan_data_is_loaded_once_onto_the_plan():
-    from harness.plan import load_plan_data
+    from opd_harness.plan import load_plan_data
 
     plan = load_plan_data(plan_run(build_config(preset="smoke")))
     assert len(plan.train_problems) == 2000 and plan.train_problems[0].id == "train-0"
@@ -300,8 +300,8 @@ def test_eval_json_with_every_sample_errored_is_strict_json(tmp_path):
 
 
 def test_leaderboard_and_report_json_renderers_write_null_for_non_finite_values():
-    from harness.leaderboard import render_json as leaderboard_json
-    from harness.report import render_json as report_json
+    from opd_harness.leaderboard import render_json as leaderboard_json
+    from opd_harness.report import render_json as report_json
 
     rows = [{"run_id": "r", "avg_at_k": float("nan"), "ci_low": np.float64("nan"), "ci_high": float("inf"), "n": 3}]
     assert strict_loads(leaderboard_json(rows)) == [{"run_id": "r", "avg_at_k": None, "ci_low": None, "ci_high": None, "n": 3}]
@@ -314,8 +314,8 @@ def test_leaderboard_and_report_json_renderers_write_null_for_non_finite_values(
 
 def _stored_run(out: Path) -> str:
     """A stored smoke training run (no training), status 'interrupted'."""
-    from harness.store import Store
-    from harness.runs import create_train_run
+    from opd_harness.store import Store
+    from opd_harness.runs import create_train_run
 
     plan = plan_run(build_config(preset="smoke"))
     with Store(out) as store:
@@ -353,7 +353,7 @@ def test_a_second_process_resuming_a_run_in_progress_is_refused(tmp_path):
 
 
 def test_a_dead_holder_does_not_block_and_the_lock_is_held_while_running(tmp_path):
-    from harness.runs import RunLocked, run_lock
+    from opd_harness.runs import RunLocked, run_lock
 
     folder = tmp_path / "run"
     folder.mkdir()
@@ -443,7 +443,7 @@ def test_every_task_declares_what_it_provides():
 
 def test_lm_eval_generation_tasks_provide_references_and_choice_tasks_do_not(tmp_path):
     pytest.importorskip("lm_eval")
-    from harness.plan import make_task
+    from opd_harness.plan import make_task
 
     data = Path(__file__).parent / "data" / "lm_eval"
     for template in data.glob("*.yaml.tmpl"):

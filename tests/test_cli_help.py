@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from harness.cli import app, plain_text
+from opd_harness.cli import app, plain_text
 
 runner = CliRunner()
 

@@ -14,11 +14,11 @@ import zlib
 
 import pytest
 
-import sandbox
-from harness.registry import TASKS
-from harness.task import DataError
-from tasks.code.common import last_fenced_block
-from tasks.code.livecodebench import decode_pickled_str, decode_private_tests
+from opd_harness import sandbox
+from opd_harness.registry import TASKS
+from opd_harness.task import DataError
+from opd_harness.tasks.code.common import last_fenced_block
+from opd_harness.tasks.code.livecodebench import decode_pickled_str, decode_private_tests
 
 # the task classes as the registry names them (a task's name is its entry point's)
 HumanEvalPlusTask, MbppPlusTask, LiveCodeBenchTask = (TASKS.get(name) for name in ("humaneval_plus", "mbpp_plus", "livecodebench"))
@@ -99,7 +99,7 @@ def test_private_tests_decoded_without_unpickling():
 
 def test_evalplus_rules_on_the_host():
     """checker.evalplus_match follows evalplus unsafe_execute (the comparison runs in the harness, not the sandbox)."""
-    from tasks.code.checker import evalplus_match
+    from opd_harness.tasks.code.checker import evalplus_match
 
     def ok(dataset, ep, out, exp, atol=0.0, inp=()):
         try:
@@ -182,7 +182,7 @@ def test_output_written_at_once_survives_a_slow_reader(docker_sb):
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from sandbox import ExecRequest
+    from opd_harness.sandbox import ExecRequest
 
     request = ExecRequest(argv=["sh", "-c", "echo first; i=0; while [ $i -lt 100 ]; do echo line-$i; i=$((i+1)); done"])
     stop, interval = threading.Event(), sys.getswitchinterval()
@@ -210,7 +210,7 @@ BIG_ROWS = [  # outputs far over DIGEST_OVER (64 KiB) in the plus phase
 
 def test_large_outputs_compared_by_digest_keep_evalplus_rules(sb, tmp_path):
     """Large outputs travel as the supervisor's SHA-256; a wrong one still fails and float tolerance still applies."""
-    from tasks.code.evalplus import DIGEST_OVER
+    from opd_harness.tasks.code.evalplus import DIGEST_OVER
 
     (tmp_path / "humaneval_plus").mkdir()
     (tmp_path / "humaneval_plus" / "big.jsonl").write_text("".join(json.dumps(r) + "\n" for r in BIG_ROWS))
@@ -328,7 +328,7 @@ def test_lcb_stdin_and_functional_grading(lcb_dir, docker_sb):
 
 def test_flat_lists_encode_as_themselves_with_the_same_json():
     """The runner's fast path for lists of plain scalars: same JSON as encoding each item, subclasses and huge ints excluded."""
-    from tasks.code import sandbox_runner as rt
+    from opd_harness.tasks.code import sandbox_runner as rt
 
     class Int(int):
         pass

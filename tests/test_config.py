@@ -1,14 +1,14 @@
 import pytest
 from typer.testing import CliRunner
 
-from harness.cli import app
+from opd_harness.cli import app
 import yaml
 
-from harness.config import ConfigError, RunConfig, build_config, parse_override
-from harness.plan import plan_run
-from harness.registry import METHODS, TASKS
-from harness.task import Score, Task
-from harness.method import HParams, MethodSpec
+from opd_harness.config import ConfigError, RunConfig, build_config, parse_override
+from opd_harness.plan import plan_run
+from opd_harness.registry import METHODS, TASKS
+from opd_harness.task import Score, Task
+from opd_harness.method import HParams, MethodSpec
 
 runner = CliRunner()
 
@@ -131,7 +131,7 @@ def test_options_of_a_method_the_run_does_not_select_are_refused():
 
 
 def test_a_preset_on_another_task_evaluates_that_task():
-    from harness.config import build_config
+    from opd_harness.config import build_config
 
     cfg = build_config(preset="smoke", cli={"task": "arith_tool", "method": "opd"})
     assert cfg.task == "arith_tool" and cfg.eval.tasks == ["arith_tool"] and "arith" not in cfg.task_args
@@ -143,8 +143,8 @@ def test_a_preset_on_another_task_evaluates_that_task():
 def test_a_preset_on_another_task_fits_its_models_to_that_task():
     """The smoke preset's warm-ups need reference solutions and its tiny models hold 512 positions: on swebench (no
     references, episodes of up to max_context_tokens) the preset's warm-ups go and the positions grow."""
-    from harness.config import build_config
-    from harness.plan import plan_run
+    from opd_harness.config import build_config
+    from opd_harness.plan import plan_run
 
     smoke = build_config(preset="smoke")
     cfg = build_config(preset="smoke", cli={"task": "swebench", "method": "f_opd"})
@@ -164,8 +164,8 @@ def test_without_a_preset_the_default_models_fit_the_task_and_only_what_the_user
     """README's headline, ``harness run --method f_opd --task swebench`` with no preset: the default config's warm-ups
     (student 300, teacher 800 steps) need reference solutions swebench lacks, so they go, as a preset's do; a warm-up
     the user sets is still refused, naming that key."""
-    from harness.config import RunConfig, build_config
-    from harness.plan import plan_run
+    from opd_harness.config import RunConfig, build_config
+    from opd_harness.plan import plan_run
 
     cfg = build_config(cli={"task": "swebench", "method": "f_opd"})
     assert (cfg.student.sft_steps, cfg.teacher.sft_steps) == (0, 0)

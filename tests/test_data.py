@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from fake_hub import FakeHub
 
-from harness.data import DataFetchError, download_url, fetch_need, needs_of
-from harness.registry import TASKS
-from harness.task import DataError
+from opd_harness.data import DataFetchError, download_url, fetch_need, needs_of
+from opd_harness.registry import TASKS
+from opd_harness.task import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,9 +96,9 @@ def hub_repos(math500: list[dict]) -> dict[str, dict[str, bytes]]:
     }
 
 
-# `harness data ...` is harness.cli's `data` sub-app, which is harness.data's typer app; `python -m harness.data`
+# `harness data ...` is opd_harness.cli's `data` sub-app, which is opd_harness.data's typer app; `python -m opd_harness.data`
 # runs that same app without importing the rest of the CLI (torch, transformers: ~10 s per process).
-HARNESS_DATA = [sys.executable, "-m", "harness.data"]
+HARNESS_DATA = [sys.executable, "-m", "opd_harness.data"]
 
 
 def harness_online(hub: FakeHub, home: Path, *args: str, cli: list[str] = HARNESS_DATA) -> subprocess.CompletedProcess:
@@ -120,7 +120,7 @@ def local_problems(task: str, folder: Path, split: str = "test"):
 def test_fetch_downloads_into_the_layout_the_tasks_read(tmp_path: Path) -> None:
     data = tmp_path / "data"
     with FakeHub(hub_repos(math500_rows(500))) as hub:
-        cli = [sys.executable, "-m", "harness.cli", "data"]  # the user's command, once
+        cli = [sys.executable, "-m", "opd_harness.cli", "data"]  # the user's command, once
         result = harness_online(hub, tmp_path / "hf", "fetch", "math500", "aime24", "gsm8k", "livecodebench", "--to", str(data), cli=cli)
         requests = list(hub.requests)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -255,7 +255,7 @@ def test_every_task_that_reads_files_declares_them() -> None:
 
 def test_hub_rows_in_the_local_layout_load_like_the_local_copies() -> None:
     """The converters of hub copies whose columns differ from the local files (AIME24, AMC23, Minerva, DAPO)."""
-    from tasks.math.benchmarks import amc23_hub_to_local, minerva_hub_to_local, without_exact_repeats
+    from opd_harness.tasks.math.benchmarks import amc23_hub_to_local, minerva_hub_to_local, without_exact_repeats
 
     amc = list(amc23_hub_to_local([{"question": "Q", "answer": 27.0}, {"question": "R", "answer": -1.0, "id": 9}]))
     minerva = list(minerva_hub_to_local([{"question": "Q", "answer": "6 \\mathrm{~m}"}]))
@@ -303,7 +303,7 @@ def test_data_tests_skip_with_the_reason_or_fail_when_data_is_required(tmp_path:
 def test_the_cli_has_the_data_commands() -> None:
     from typer.testing import CliRunner
 
-    from harness.cli import app
+    from opd_harness.cli import app
 
     result = CliRunner().invoke(app, ["data", "--help"])
     assert result.exit_code == 0 and "fetch" in result.output and "check" in result.output

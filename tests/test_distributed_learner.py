@@ -11,12 +11,13 @@ import torch
 import torch.multiprocessing as mp
 import pytest
 
-from harness.models.tiny import TinyArch, build_tiny_model
-from harness.registry import METHODS
-from harness.trajectory import TensorBatch
-from trainers.distributed import Shard, data_parallel, full_state, full_weights, join_group, leave_group, rendezvous_port, shard_bounds
-from trainers.learner import train_step
-from trainers.loop import state_snapshot
+from opd_harness.models.tiny import TinyArch, build_tiny_model
+from opd_harness.registry import METHODS
+from opd_harness.trajectory import TensorBatch
+from opd_harness.trainers.distributed import (Shard, data_parallel, full_state, full_weights, join_group, leave_group, rendezvous_port,
+                                              shard_bounds)
+from opd_harness.trainers.learner import train_step
+from opd_harness.trainers.loop import state_snapshot
 from test_chunked_vocab import CASES as FULL_CASES
 
 RANKS_TIMEOUT_S = 300.0  # 2 forked ranks, 8 method runs (DDP and FSDP2): ~60 s at load 10, longer on a busier machine
@@ -240,7 +241,7 @@ def long_batch(seed: int) -> TensorBatch:
 
 def rank_bucket_counts(batch: TensorBatch, world: int) -> list[int]:
     """Length buckets each of ``world`` ranks cuts its own rows into at ``LONG_FORWARD_TOKENS``."""
-    from harness.backends.hf import length_buckets
+    from opd_harness.backends.hf import length_buckets
 
     lengths = batch.attention_mask.sum(-1).tolist()
     return [len(length_buckets(lengths[slice(*shard_bounds(LONG_ROWS, r, world))], LONG_FORWARD_TOKENS)) for r in range(world)]
@@ -347,7 +348,7 @@ def _skipping_rank(rank: int, world: int, port: int, out: str) -> None:
     """Rank 0 trains a step; rank 1 joins and wraps its model (DDP's own collectives) but skips the step, as a hung rank."""
     from pathlib import Path
 
-    from trainers.distributed import CollectiveTimeout, collective_deadline
+    from opd_harness.trainers.distributed import CollectiveTimeout, collective_deadline
 
     torch.set_num_threads(1)
     shard, report = Shard(rank, world), Path(out) / "rank0.txt"
@@ -381,8 +382,8 @@ def test_a_collective_timeout_fails_the_step_in_one_line_naming_the_rank_and_the
     driver's line names that rank, the step and the checkpoint to resume from."""
     from types import SimpleNamespace
 
-    from trainers.distributed import CollectiveTimeout
-    from trainers.ray_executor import RayLearner
+    from opd_harness.trainers.distributed import CollectiveTimeout
+    from opd_harness.trainers.ray_executor import RayLearner
 
     started = time.monotonic()
     run_ranks(_skipping_rank, 2, tmp_path, 12 * TIMEOUT_S)

@@ -119,7 +119,7 @@ def test_the_cli_reference_is_generated_and_lists_every_command_and_option() -> 
 
 
 def test_the_config_reference_is_generated_and_lists_every_key() -> None:
-    from harness.config import RunConfig, TrainerConfig
+    from opd_harness.config import RunConfig, TrainerConfig
 
     assert "<!-- gen:config -->" in (ROOT / "docs" / "reference" / "config.md").read_text(encoding="utf-8")
     text = gen_reference.config_markdown()
@@ -136,7 +136,7 @@ def test_every_method_has_a_page_that_generates_its_keys() -> None:
     assert markers == set(gen_reference.method_names())
     for name in markers:
         text = gen_reference.method_markdown(name)
-        from harness.registry import METHODS
+        from opd_harness.registry import METHODS
 
         assert all(f"| `{key}` |" in text for key in METHODS.get(name).hparams.model_fields)
 
@@ -156,9 +156,9 @@ def test_the_documented_single_turn_task_loads_and_grades(tmp_path) -> None:
 def test_the_documented_method_runs_and_registers(tmp_path) -> None:
     import torch
 
-    from harness.method import StudentOutputs
-    from harness.registry import METHODS
-    from harness.trajectory import TensorBatch
+    from opd_harness.method import StudentOutputs
+    from opd_harness.registry import METHODS
+    from opd_harness.trajectory import TensorBatch
 
     module = _module("my_opd_doc", _block("extending/add-a-method.md", "A complete example"), tmp_path)
     spec, hp = module.MY_OPD_SPEC, module.MyOPDParams(coef=2.0)

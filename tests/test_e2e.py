@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-HARNESS = [sys.executable, "-m", "harness.cli"]
+HARNESS = [sys.executable, "-m", "opd_harness.cli"]
 SMOKE = ["run", "--method", "opd", "--task", "arith", "--preset", "smoke"]
 
 

@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-from harness.backends import SamplingParams
-from harness.backends.hf import HFBackend
-from harness.backends.replay import ReplayBackend
-from harness.episode import Env, Observation, StepResult
-from harness.rollout import rollout
-from harness.task import Problem, Score, Task, TaskOptions
+from opd_harness.backends import SamplingParams
+from opd_harness.backends.hf import HFBackend
+from opd_harness.backends.replay import ReplayBackend
+from opd_harness.episode import Env, Observation, StepResult
+from opd_harness.rollout import rollout
+from opd_harness.task import Problem, Score, Task, TaskOptions
 
 
 class TimedOptions(TaskOptions):

@@ -9,14 +9,14 @@ import time
 import pytest
 import torch
 
-from harness.backends import SamplingParams
-from harness.backends.hf import HFBackend
-from harness.backends.replay import ReplayBackend
-from harness.episode import Env, Observation, StepResult, render_observation
-from harness.evaluation import evaluate_task
-from harness.rollout import reference_trajectories, rollout
-from harness.trajectory import to_tensor_batch
-from harness.task import Problem, Score, Task, TaskOptions
+from opd_harness.backends import SamplingParams
+from opd_harness.backends.hf import HFBackend
+from opd_harness.backends.replay import ReplayBackend
+from opd_harness.episode import Env, Observation, StepResult, render_observation
+from opd_harness.evaluation import evaluate_task
+from opd_harness.rollout import reference_trajectories, rollout
+from opd_harness.trajectory import to_tensor_batch
+from opd_harness.task import Problem, Score, Task, TaskOptions
 
 CHATML = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>\n{% endfor %}"
@@ -244,9 +244,9 @@ def test_evaluation_and_training_roll_out_the_same_trajectories(backend):
     """One path: the trainer's batch and an evaluation with the same seed and sampling give identical episodes."""
     from types import SimpleNamespace
 
-    from harness.config import RunConfig
-    from harness.registry import METHODS
-    from trainers.pipeline import generate_batch, step_seed
+    from opd_harness.config import RunConfig
+    from opd_harness.registry import METHODS
+    from opd_harness.trainers.pipeline import generate_batch, step_seed
 
     task = EchoTask(EchoOptions(turns=2))
     problems = task.load()
@@ -277,8 +277,8 @@ def test_old_and_teacher_logprobs_are_scored_on_the_interleaved_context(backend,
     padded batch, equal a forward pass of each model over that episode's own interleaved context (prompt, model and
     environment tokens) computed here; π_old also equals the generation-time log-probs (ratio 1 at lag 0). Environment
     tokens, the prompt and padding carry no teacher log-prob."""
-    from trainers.pipeline import behaviour_logprobs
-    from trainers.teacher import score_teacher
+    from opd_harness.trainers.pipeline import behaviour_logprobs
+    from opd_harness.trainers.teacher import score_teacher
 
     task = EchoTask(EchoOptions(turns=3))
     trajs = rollout(backend, task, task.load(), SamplingParams(max_new_tokens=4, n=2, seed=1))
@@ -301,7 +301,7 @@ def test_old_and_teacher_logprobs_are_scored_on_the_interleaved_context(backend,
 @pytest.fixture
 def eos_padded_backend(tiny_model_factory):
     """An HF backend whose tokenizer has no pad token of its own (as most chat models'): it pads with EOS."""
-    from harness.models.tiny import build_char_tokenizer
+    from opd_harness.models.tiny import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
     tokenizer.pad_token = tokenizer.eos_token
@@ -343,7 +343,7 @@ def test_no_unsampled_token_is_trained_on_when_padding_is_eos(eos_padded_backend
 
 def test_sod_steps_are_the_model_turns(char_tokenizer):
     """SOD's steps (maximal runs of trained tokens) are exactly the episode's model turns."""
-    from trainers.objectives.sod import step_ids
+    from opd_harness.trainers.objectives.sod import step_ids
 
     task = EchoTask(EchoOptions(turns=3))
     trajs = rollout(scripted(task, ["ab#", "c#", "def"], n=2), task, task.load()[:2], SamplingParams(n=2))
@@ -365,7 +365,7 @@ def test_outcome_is_kept_for_grading_and_its_failure_is_an_error_grade(backend):
 
 
 def test_declared_episode_flags_become_rates():
-    from harness.evaluation import summarize_episodes
+    from opd_harness.evaluation import summarize_episodes
 
     episodes = [
         {"turns": 3, "tool_calls": 2, "repeated_loop": 1.0},

@@ -6,9 +6,9 @@ import sqlite3
 import pytest
 from typer.testing import CliRunner
 
-from harness.cli import app
-from harness.registry import METHODS
-from harness.store import Store
+from opd_harness.cli import app
+from opd_harness.registry import METHODS
+from opd_harness.store import Store
 
 runner = CliRunner()
 BUILTIN_METHODS = [name for name in METHODS.names() if not name.startswith("_")]
@@ -45,7 +45,7 @@ def test_schedule_state_is_saved_in_checkpoints_and_restored(out_dir):
     """SAF's warm-up/anneal state machine travels with the checkpoint, so a resume does not restart it."""
     import torch
 
-    from trainers.objectives.saf import SAFParams, Schedule
+    from opd_harness.trainers.objectives.saf import SAFParams, Schedule
 
     result = runner.invoke(app, ["run", "--method", "saf_opd", "--task", "arith", "--preset", "smoke", "--set", "eval.teacher=false",
                                  "--set", "method_args.saf_opd.warmup_steps=10", "--set", "method_args.saf_opd.kl_drop_delta=0",

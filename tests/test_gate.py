@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from harness.cli import app
-from harness.gate import judge, mcnemar_exact_p
-from harness.store import SampleRow, Store
+from opd_harness.cli import app
+from opd_harness.gate import judge, mcnemar_exact_p
+from opd_harness.store import SampleRow, Store
 
 runner = CliRunner()
 
@@ -263,7 +263,7 @@ def _replay(path, problems, wrong: set[int]):
 
 
 def test_gate_evaluates_model_paths_first_and_reuses_the_evaluations(tmp_path):
-    from tasks.synthetic.arith import ArithOptions, ArithTask
+    from opd_harness.tasks.synthetic.arith import ArithOptions, ArithTask
 
     problems = ArithTask(ArithOptions()).load("test")[:30]
     good = _replay(tmp_path / "good.jsonl", problems, wrong=set())

@@ -116,7 +116,7 @@ def test_the_serve_section_measures_three_engines_and_stops_at_its_deadline(monk
     import argparse
     import time
 
-    from harness.models.tiny import TinyArch, build_tiny_model
+    from opd_harness.models.tiny import TinyArch, build_tiny_model
 
     gpu_check = load_gpu_check()
 

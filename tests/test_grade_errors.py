@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 
-from harness.backends.hf import HFBackend
-from harness.config import build_config
-from harness.plan import plan_run
-from harness.task import Score
-from tasks.synthetic.arith import ArithTask
-from trainers.guards import GradingErrors
-from trainers.pipeline import generate_batch, sample_problems
+from opd_harness.backends.hf import HFBackend
+from opd_harness.config import build_config
+from opd_harness.plan import plan_run
+from opd_harness.task import Score
+from opd_harness.tasks.synthetic.arith import ArithTask
+from opd_harness.trainers.guards import GradingErrors
+from opd_harness.trainers.pipeline import generate_batch, sample_problems
 
 ERRORED = {1, 6}  # trajectory indices whose grading fails (of 4 prompts × 2 samples)
 
@@ -73,8 +73,8 @@ def test_a_run_past_the_error_share_ends_failed_with_one_line(tmp_path, mode):
 
     from typer.testing import CliRunner
 
-    from harness.cli import app
-    from harness.registry import TASKS
+    from opd_harness.cli import app
+    from opd_harness.registry import TASKS
 
     class FlakyRunTask(FlakyArith):
         pass

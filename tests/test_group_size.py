@@ -7,12 +7,12 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from harness.cli import app
-from harness.config import ConfigError, build_config
-from harness.plan import plan_run
-from harness.registry import METHODS
-from harness.store import Store
-from harness.runs import create_train_run
+from opd_harness.cli import app
+from opd_harness.config import ConfigError, build_config
+from opd_harness.plan import plan_run
+from opd_harness.registry import METHODS
+from opd_harness.store import Store
+from opd_harness.runs import create_train_run
 
 GROUP_METHODS = {"grpo": 8, "sod": 16, "saf_opd": 8}  # methods.md §2.5 (SOD 16), §3.6 (SAF-OPD and its GRPO config: 8)
 

@@ -14,8 +14,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from harness.cli import app
-from harness.models.tiny import CHARSET, TinyArch, build_char_tokenizer, build_tiny_model, save_model_and_tokenizer
+from opd_harness.cli import app
+from opd_harness.models.tiny import CHARSET, TinyArch, build_char_tokenizer, build_tiny_model, save_model_and_tokenizer
 
 runner = CliRunner()
 SMALL = ["--set", "task_args.arith.n_train=200", "--set", "task_args.arith.n_test=4"]
@@ -114,7 +114,7 @@ def test_dry_run_probes_a_served_teacher_and_refuses_one_without_log_probs(model
 
 def test_run_flags_equal_their_set_keys(models, tmp_path):
     """A 2-step run with the flags resolves the same config and trains the same losses as with the --set keys."""
-    from harness.store import Store
+    from opd_harness.store import Store
 
     common = ["--method", "opd", "--task", "arith", *SMALL, "--set", "trainer.prompts_per_step=2", "--set", "trainer.checkpoint_every=2",
               "--set", "eval.before_training=false", "--set", "eval.teacher=false", "--set", "eval.limit=2", "--set", "eval.k=1",

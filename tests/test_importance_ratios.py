@@ -11,8 +11,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from harness.cli import app
-from trainers.pipeline import behaviour_mismatch
+from opd_harness.cli import app
+from opd_harness.trainers.pipeline import behaviour_mismatch
 
 from fake_vllm import ENGINE_LOGPROB_SCALE, HFEngineLLM, fake_vllm_module
 

@@ -1,4 +1,4 @@
-"""The persistent Python interpreter (sandbox.interpreter) on both providers.
+"""The persistent Python interpreter (opd_harness.sandbox.interpreter) on both providers.
 
 Docker tests are marked ``docker``; without a daemon (or the image) they skip with the reason, unless
 ``HARNESS_REQUIRE_DOCKER=1`` (CI), where they fail (the ``sb`` fixture of conftest).
@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-import sandbox
-from sandbox.interpreter import CellResult, PythonInterpreter
+from opd_harness import sandbox
+from opd_harness.sandbox.interpreter import CellResult, PythonInterpreter
 
 from conftest import SANDBOX_IMAGE as IMAGE  # noqa: E402
 from conftest import docker_unavailable  # noqa: E402
@@ -290,7 +290,7 @@ def test_interpreters_are_independent_and_run_concurrently(sb):
 
 def _ready_containers(sb, wait_s: float = 60.0) -> set[str]:
     """Containers holding a supervisor started ahead for the next episode, once no such start is in flight."""
-    from sandbox.interpreter import _READY
+    from opd_harness.sandbox.interpreter import _READY
 
     pool = _READY.get(sb)
     if pool is None:
@@ -317,7 +317,7 @@ def _session_gone(sb, session) -> bool:
         return ((session.container_id in idle and len(processes) == 1)
                 or (session.container_id in ready and len(processes) == 3 and not any(p.startswith("sleep") for p in processes))) and (
                 container.exec_run(["ls", "-A", "/box", "/tmp"]).output.split() == [b"/box:", b"/tmp:"])
-    from sandbox.local import uid_tasks
+    from opd_harness.sandbox.local import uid_tasks
 
     return not session.host_path.exists() and (session._uid is None or not uid_tasks(session._uid)[0])
 
@@ -343,7 +343,7 @@ def test_close_and_garbage_collection_leave_nothing_behind(sb):
 def test_exiting_without_close_leaves_nothing_behind(sb):
     opts = f"image={IMAGE!r}" if sb.name == "docker" else ""
     code = (
-        "import sandbox\nfrom sandbox.interpreter import PythonInterpreter\n"
+        "from opd_harness import sandbox\nfrom opd_harness.sandbox.interpreter import PythonInterpreter\n"
         f"sb = sandbox.open_sandbox({sb.name!r}, {opts})\npy = PythonInterpreter(sb)\n"
         "assert py.run_cell('x = 1').status == 'ok'\n"
         "s = py.session\n"
@@ -360,7 +360,7 @@ def test_exiting_without_close_leaves_nothing_behind(sb):
     else:
         from pathlib import Path
 
-        from sandbox.local import uid_tasks
+        from opd_harness.sandbox.local import uid_tasks
 
         path, uid = out.stdout.split()
         deadline = time.monotonic() + 3  # the supervisor notices its host is gone within ~1 s
@@ -449,7 +449,7 @@ def test_a_pooled_session_shows_nothing_of_the_previous_episode(docker_sb):
     supervisor started in it ahead, not one an earlier test left ready)."""
     import json
 
-    from sandbox import ExecRequest
+    from opd_harness.sandbox import ExecRequest
 
     plant = (
         "import ctypes, subprocess, threading, time\nsecret = 'planted'\n"
@@ -478,7 +478,7 @@ def test_a_closed_pooled_interpreter_leaves_a_ready_supervisor_for_the_next_epis
     """``ready_ahead``: on close the reset session gets the next episode's supervisor in the background; the next
     pooled interpreter with the same limits starts no supervisor of its own, in the same container, with a fresh worker
     (and with ``ready_ahead=False`` nothing is started ahead)."""
-    import sandbox.interpreter as interp
+    import opd_harness.sandbox.interpreter as interp
 
     with PythonInterpreter(docker_sb, memory_mb=352) as first:
         ok(first.run_cell("x = 1"))
@@ -494,7 +494,7 @@ def test_a_closed_pooled_interpreter_leaves_a_ready_supervisor_for_the_next_epis
 
 
 def _ready_pool_count(sb, memory_mb: int) -> int:
-    from sandbox.interpreter import _ready_pool
+    from opd_harness.sandbox.interpreter import _ready_pool
 
     return _ready_pool(sb).count((memory_mb, 1.0, 64, 256))
 
@@ -503,8 +503,8 @@ def _ready_pool_count(sb, memory_mb: int) -> int:
 def test_a_ready_supervisor_that_died_is_replaced_not_a_crash(docker_sb):
     """A supervisor started ahead that is gone when taken (killed, or past its idle time) is replaced: the next
     interpreter's first cell runs normally, no crash and no lost state reported."""
-    from sandbox import ExecRequest
-    from sandbox.interpreter import _ready_pool
+    from opd_harness.sandbox import ExecRequest
+    from opd_harness.sandbox.interpreter import _ready_pool
 
     with PythonInterpreter(docker_sb, memory_mb=336) as first:
         ok(first.run_cell("x = 1"))
@@ -535,7 +535,7 @@ def test_an_unpooled_interpreter_runs_in_a_fresh_container_removed_on_close(dock
 def test_the_worker_sees_the_path_of_python_c_site_packages_and_the_work_dir(docker_sb):
     """The worker is forked from the supervisor (``-I -S``) but set up as ``python -c`` runs: the same ``sys.path`` as a
     ``python3 -c`` of the session (site-packages and the current directory), so numpy and a module the cell wrote import."""
-    from sandbox import ExecRequest
+    from opd_harness.sandbox import ExecRequest
 
     with PythonInterpreter(docker_sb) as py:
         ok(py.run_cell("open('helper_mod.py', 'w').write('VALUE = 41')"))
@@ -550,7 +550,7 @@ def test_the_supervisor_starts_from_code_compiled_once_per_sandbox_or_from_sourc
     the compile fails the supervisor starts from its source, and cells run either way."""
     import weakref
 
-    import sandbox.interpreter as interp
+    import opd_harness.sandbox.interpreter as interp
 
     for compile_code, cached in (("import sys; sys.exit(1)", False), (interp._COMPILE, True)):
         monkeypatch.setattr(interp, "_COMPILED", weakref.WeakKeyDictionary())

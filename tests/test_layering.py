@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import functools
 import re
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,20 +29,35 @@ IMPORTERS = {"import_module", "__import__"}  # importlib.import_module("x"), imp
 class Import:
     """One import statement (or literal import_module call) of one module, resolved to a module of ours."""
 
-    source: str  # the importing module, e.g. harness.cli
-    target: str  # the imported module, e.g. harness.store
+    source: str  # the importing module, e.g. opd_harness.cli
+    target: str  # the imported module, e.g. opd_harness.store
     where: str  # path:line of the statement
     statement: str  # the statement as written
+    layers: tuple[str, str] = ("", "")  # the top-level folders of source and target, e.g. ("harness", "sandbox")
+
+
+def import_names(root: Path) -> dict[str, str]:
+    """Folder -> the import name it is installed as: pyproject's ``[tool.setuptools] package-dir`` inverted (``harness``
+    -> ``opd_harness``, ``tasks`` -> ``opd_harness.tasks``); a folder it does not name is imported under its own name."""
+    pyproject = root / "pyproject.toml"
+    table = tomllib.loads(pyproject.read_text())["tool"]["setuptools"] if pyproject.is_file() else {}
+    return {folder: name for name, folder in table.get("package-dir", {}).items()}
 
 
 def package_modules(root: Path, packages: list[str]) -> dict[str, Path]:
-    """Every module of ``packages`` under ``root``: dotted name -> file (a package is its ``__init__.py``)."""
-    modules = {}
+    """Every module of ``packages`` under ``root``: dotted import name -> file (a package is its ``__init__.py``)."""
+    names, modules = import_names(root), {}
     for package in packages:
         for path in sorted((root / package).rglob("*.py")):
             parts = path.relative_to(root).with_suffix("").parts
+            parts = (*names.get(parts[0], parts[0]).split("."), *parts[1:])
             modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return modules
+
+
+def _layer(path: Path, root: Path) -> str:
+    """The top-level folder a module's file lies in: its row of the folder table."""
+    return path.relative_to(root).parts[0]
 
 
 @functools.cache
@@ -68,7 +84,7 @@ def _absolute(node: ast.ImportFrom, module: str, is_package: bool) -> str:
 
 
 def _ours(name: str, modules: dict[str, Path]) -> str | None:
-    """``name`` or its longest dotted prefix that is a module of ours (``harness.store.Store`` -> ``harness.store``)."""
+    """``name`` or its longest dotted prefix that is a module of ours (``opd_harness.store.Store`` -> ``opd_harness.store``)."""
     parts = name.split(".")
     for end in range(len(parts), 0, -1):
         if ".".join(parts[:end]) in modules:
@@ -92,7 +108,7 @@ def module_imports(module: str, path: Path, modules: dict[str, Path], root: Path
             continue
         where = f"{path.relative_to(root)}:{node.lineno}"
         for target in dict.fromkeys(t for name in names if (t := _ours(name, modules)) and t != module):
-            found.append(Import(module, target, where, ast.unparse(node)))
+            found.append(Import(module, target, where, ast.unparse(node), (_layer(path, root), _layer(modules[target], root))))
     return sorted(found, key=lambda i: int(i.where.rsplit(":", 1)[1]))  # in line order (ast.walk is breadth first)
 
 
@@ -105,7 +121,8 @@ def module_names_in_strings(module: str, path: Path, modules: dict[str, Path], r
             imported.add(id(node.args[0]))  # an import, read by module_imports
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and (name := node.value.split(":")[0]) in modules:
             if "." in name and name != module and id(node) not in imported:  # a dotted name: 'tasks' alone is also a word
-                found.append(Import(module, name, f"{path.relative_to(root)}:{node.lineno}", repr(node.value)))
+                layers = (_layer(path, root), _layer(modules[name], root))
+                found.append(Import(module, name, f"{path.relative_to(root)}:{node.lineno}", repr(node.value), layers))
     return found
 
 
@@ -129,7 +146,7 @@ def layer_violations(imports: list[Import], rules: dict[str, set[str]]) -> list[
         f"{i.where}: `{i.statement}`: {i.source} ({layer}/) imports {i.target} ({target}/); {layer}/ may import "
         + (", ".join(f"{name}/" for name in sorted(rules[layer])) or "nothing of ours")
         for i in imports
-        if (layer := i.source.split(".")[0]) != (target := i.target.split(".")[0]) and target not in rules[layer]
+        if (layer := i.layers[0]) != (target := i.layers[1]) and target not in rules[layer]
     ]
 
 

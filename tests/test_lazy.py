@@ -1,4 +1,4 @@
-"""``harness.lazy.lazy_import``: a module stand-in that imports the module on first attribute read."""
+"""``opd_harness.lazy.lazy_import``: a module stand-in that imports the module on first attribute read."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.lazy import lazy_import
+from opd_harness.lazy import lazy_import
 
 
 def test_the_module_is_imported_at_the_first_attribute_read_and_serves_every_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from harness.cli import app
-from harness.config import build_config
-from harness.store import SampleRow, Store
+from opd_harness.cli import app
+from opd_harness.config import build_config
+from opd_harness.store import SampleRow, Store
 
 runner = CliRunner()
 
@@ -392,7 +392,7 @@ def test_page_in_headless_chromium_tables_plots_sorting_and_screenshot(chromium,
 def test_plots_have_readable_legends_axis_labels_and_no_lone_point(roots):
     """Legends at 10 px with short labels (an eval run by its model's name, not its run id), a y-axis label and a legend
     on both training-curve plots, no throughput scatter for one run, and the grader named once."""
-    from harness.leaderboard_page import grader_label, load_board, plot_avg_vs_step, plot_throughput_vs_accuracy, plot_training_curves
+    from opd_harness.leaderboard_page import grader_label, load_board, plot_avg_vs_step, plot_throughput_vs_accuracy, plot_training_curves
 
     board = load_board([roots[0]])
     curves = plot_training_curves(board)

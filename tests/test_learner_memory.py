@@ -20,10 +20,10 @@ MEASURE = textwrap.dedent(
     import json, sys
     import torch
     torch.set_num_threads(1)
-    from harness.models.tiny import TinyArch, build_tiny_model
-    from harness.registry import METHODS
-    from harness.trajectory import TensorBatch
-    from trainers.learner import train_step
+    from opd_harness.models.tiny import TinyArch, build_tiny_model
+    from opd_harness.registry import METHODS
+    from opd_harness.trajectory import TensorBatch
+    from opd_harness.trainers.learner import train_step
     from benchmarks.peak_memory import peak_rise
 
     rows, tokens, forward_tokens, vocab = (int(a) for a in sys.argv[1:5])

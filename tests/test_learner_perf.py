@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.tracking import step_key
-from trainers.learner import batch_to, train_step
-from trainers.objectives.sft import SFT_SPEC
-from trainers.perf import flop_params, peak_flops, step_perf
+from opd_harness.tracking import step_key
+from opd_harness.trainers.learner import batch_to, train_step
+from opd_harness.trainers.objectives.sft import SFT_SPEC
+from opd_harness.trainers.perf import flop_params, peak_flops, step_perf
 
 
 def sft_batch(seed: int = 0):
@@ -77,7 +77,7 @@ def test_step_perf_is_six_n_tokens_over_time_and_peak():
 
 
 def test_flop_params_count_the_output_head_but_not_an_untied_input_embedding():
-    from harness.models.shapes import build_shape_model
+    from opd_harness.models.shapes import build_shape_model
 
     tied = build_shape_model("qwen3-0.6b-shape", device="meta")
     untied = build_shape_model("qwen3-8b-shape", device="meta")

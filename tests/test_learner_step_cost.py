@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness.backends.hf import HFBackend, length_buckets
-from harness.config import TrainerConfig
-from harness.registry import METHODS
-from harness.trajectory import TensorBatch
-from trainers.learner import old_logprobs_redundant
-from trainers.pipeline import behaviour_logprobs, needs_behaviour_scorer, scores_old_logprobs
+from opd_harness.backends.hf import HFBackend, length_buckets
+from opd_harness.config import TrainerConfig
+from opd_harness.registry import METHODS
+from opd_harness.trajectory import TensorBatch
+from opd_harness.trainers.learner import old_logprobs_redundant
+from opd_harness.trainers.pipeline import behaviour_logprobs, needs_behaviour_scorer, scores_old_logprobs
 
 from test_chunked_vocab import loss_and_grads
 

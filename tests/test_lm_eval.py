@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from typer.testing import CliRunner
 
-from harness.cli import app
-from harness.registry import TASKS, Registry, RegistryError
-from harness.task import Problem, Score
+from opd_harness.cli import app
+from opd_harness.registry import TASKS, Registry, RegistryError
+from opd_harness.task import Problem, Score
 
 pytest.importorskip("lm_eval")
 
@@ -45,7 +45,7 @@ def include(tmp_path) -> Path:
 
 def make(name: str, include: Path, **options):
     """The bridge task ``lm_eval:<name>`` built as ``harness eval`` builds it."""
-    from harness.plan import make_task
+    from opd_harness.plan import make_task
 
     return make_task(f"lm_eval:{name}", {f"lm_eval:{name}": {"include_path": str(include), **options}})
 
@@ -86,7 +86,7 @@ def test_prefix_factory_builds_each_name_once_and_errors_stay_clear():
 
 def test_lm_eval_prefix_is_registered_without_importing_lm_eval():
     code = (
-        "import sys; from harness.registry import TASKS; TASKS.names(); "
+        "import sys; from opd_harness.registry import TASKS; TASKS.names(); "
         "assert 'lm_eval' in TASKS.prefixes(); assert 'lm_eval' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parents[1])
@@ -120,8 +120,8 @@ def test_few_shot_contexts_match_lm_eval(include):
 
 
 def test_chat_template_contexts_match_lm_eval(include):
-    from harness.models.tiny import build_char_tokenizer
-    from tasks.lm_eval_bridge import render_chat
+    from opd_harness.models.tiny import build_char_tokenizer
+    from opd_harness.tasks.lm_eval_bridge import render_chat
 
     plain = build_char_tokenizer()
     task = make("arith_gen", include, apply_chat_template=True)
@@ -153,7 +153,7 @@ def test_scoring_exceptions_are_errors_and_non_binary_values_too(include):
 
 
 def test_status_mapping_and_stop_truncation():
-    from tasks.lm_eval_bridge import binary_status, truncate_at_stop
+    from opd_harness.tasks.lm_eval_bridge import binary_status, truncate_at_stop
 
     assert [binary_status(v) for v in (1, 1.0, True, 0, 0.0, False)] == ["pass"] * 3 + ["fail"] * 3
     assert [binary_status(v) for v in (0.5, float("nan"), None, "1", (1, 0))] == ["error"] * 5
@@ -175,7 +175,7 @@ def test_multiple_choice_and_loglikelihood_grade_the_chosen_answer(include):
 
 
 def test_bad_names_options_and_types_are_clear_errors(include, tmp_path):
-    from harness.config import ConfigError
+    from opd_harness.config import ConfigError
 
     rolling = include / "arith_rolling.yaml"  # written before the include path is first indexed
     rolling.write_text(
@@ -258,7 +258,7 @@ def test_eval_error_rate_gate_and_unknown_task(include, tmp_path):
 
 @pytest.fixture
 def tiny_model_dir(tmp_path, char_tokenizer, tiny_model_factory) -> Path:
-    from harness.models.tiny import save_model_and_tokenizer
+    from opd_harness.models.tiny import save_model_and_tokenizer
 
     path = tmp_path / "tiny"
     save_model_and_tokenizer(tiny_model_factory(seed=1), char_tokenizer, path)
@@ -297,7 +297,7 @@ def test_eval_hf_generation_stops_at_the_task_stop_strings(include, tiny_model_d
 
 
 def test_eval_hf_multiple_choice_picks_the_argmax_loglikelihood(include, tiny_model_dir, tmp_path):
-    from harness.models.tiny import load_model_and_tokenizer
+    from opd_harness.models.tiny import load_model_and_tokenizer
 
     out = tmp_path / "results"
     result = eval_cli(
@@ -350,8 +350,8 @@ class CountingTask:
 
 
 def test_grading_in_chunks_gives_the_same_scores():
-    from harness.evaluation import grade_episodes
-    from harness.trajectory import Segment, Trajectory
+    from opd_harness.evaluation import grade_episodes
+    from opd_harness.trajectory import Segment, Trajectory
 
     problems = [Problem(id=str(i), question="q", answer=str(i % 3)) for i in range(10)]
     completions = [str(i % 2) for i in range(10)]

@@ -1,4 +1,4 @@
-"""Tests for tasks.math_grading (math-verify grader in a pebble process pool)."""
+"""Tests for opd_harness.tasks.math_grading (math-verify grader in a pebble process pool)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Iterator
 
 import pytest
 
-from tasks.math_grading import (
+from opd_harness.tasks.math_grading import (
     GRADER_NAME,
     MathGrade,
     MathGrader,

@@ -12,9 +12,9 @@ from typing import Callable, Iterator
 
 import pytest
 
-from harness.registry import TASKS
-from harness.task import DATA_DIR_ENV, DataError, Problem
-from tasks.math.benchmarks import (
+from opd_harness.registry import TASKS
+from opd_harness.task import DATA_DIR_ENV, DataError, Problem
+from opd_harness.tasks.math.benchmarks import (
     BOXED_INSTRUCTION,
     FEW_SHOT,
     DataNotFound,
@@ -22,7 +22,7 @@ from tasks.math.benchmarks import (
     MathTask,
     clean_gold,
 )
-from tasks.math_grading import MathGrader, extract_boxed
+from opd_harness.tasks.math_grading import MathGrader, extract_boxed
 
 # task -> (split, rows) of the files `harness data check` accepts (the copies in MANIFEST.md of the data folder)
 EXPECTED_ROWS = {

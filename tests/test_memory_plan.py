@@ -10,10 +10,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from harness.cli import app
-from harness.config import ConfigError, build_config
-from harness.teacher_signal import bytes_per_token
-from harness.memory_plan import (
+from opd_harness.cli import app
+from opd_harness.config import ConfigError, build_config
+from opd_harness.teacher_signal import bytes_per_token
+from opd_harness.memory_plan import (
     ModelShape,
     kv_cache_bytes,
     learner_state_terms,
@@ -21,7 +21,7 @@ from harness.memory_plan import (
     parameter_count,
     published_shape,
 )
-from harness.models.shapes import SHAPES
+from opd_harness.models.shapes import SHAPES
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUT = ROOT / "docs" / "layouts" / "f-opd-16xh100.yaml"
@@ -48,7 +48,7 @@ def test_parameter_counts_from_the_shape_match_the_model_cards(name):
 
 
 def test_parameter_count_equals_an_instantiated_model(tmp_path):
-    from harness.models.tiny import TinyArch, build_tiny_model
+    from opd_harness.models.tiny import TinyArch, build_tiny_model
 
     arch = TinyArch(hidden=32, layers=3, heads=4, kv_heads=2, ffn=80)
     model = build_tiny_model(arch, 1000, pad_id=0, eos_id=1, seed=0)
@@ -159,7 +159,7 @@ def test_dry_run_flags_are_checked():
 )  # fmt: skip
 def test_an_unknown_hub_id_without_the_hub_fails_fast_naming_the_key(tmp_path, env, says):
     args = ["run", "--set", "student.path=nobody/no-such-model", "--set", "student.sft_steps=0", "--dry-run"]
-    code = ("import sys; from typer.testing import CliRunner; from harness.cli import app; "
+    code = ("import sys; from typer.testing import CliRunner; from opd_harness.cli import app; "
             f"r = CliRunner().invoke(app, {args!r}); sys.stderr.write(r.stderr); sys.exit(r.exit_code)")  # fmt: skip
     env = {"PATH": "/usr/bin:/bin", "HF_HOME": str(tmp_path), "OMP_NUM_THREADS": "1", **env}
     started = time.monotonic()

@@ -5,11 +5,11 @@ import json
 
 import pytest
 
-from harness.config import build_config
-from harness.plan import plan_run
-from harness.registry import METHODS
-from harness.store import Store
-from harness.runs import create_train_run
+from opd_harness.config import build_config
+from opd_harness.plan import plan_run
+from opd_harness.registry import METHODS
+from opd_harness.store import Store
+from opd_harness.runs import create_train_run
 
 
 def method_record(tmp_path, *overrides: str) -> dict:

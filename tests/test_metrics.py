@@ -1,4 +1,4 @@
-"""Tests for harness.metrics, with hand-computed expectations."""
+"""Tests for opd_harness.metrics, with hand-computed expectations."""
 
 from itertools import combinations
 
@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness.metrics import (
+from opd_harness.metrics import (
     PairedResult,
     avg_at_k,
     bootstrap_ci,

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.backends.hf import HFBackend
-from harness.plan import make_task
-from harness.rollout import reference_trajectories
-from harness.trajectory import to_tensor_batch
-from trainers.learner import student_outputs
-from trainers.objectives.opd import OPDParams, opd_objective
-from trainers.teacher import score_teacher
+from opd_harness.backends.hf import HFBackend
+from opd_harness.plan import make_task
+from opd_harness.rollout import reference_trajectories
+from opd_harness.trajectory import to_tensor_batch
+from opd_harness.trainers.learner import student_outputs
+from opd_harness.trainers.objectives.opd import OPDParams, opd_objective
+from opd_harness.trainers.teacher import score_teacher
 
 TOOL_DEMO_TASK = {"sandbox": "local", "n_train": 3, "n_test": 1, "min_operand": 100, "max_operand": 999, "value_width": 10}
 

@@ -10,15 +10,15 @@ import torch
 from pydantic import Field
 from typer.testing import CliRunner
 
-from harness.cli import app
-from harness.registry import METHODS
-from harness.store import Store
-from harness.trajectory import TensorBatch
+from opd_harness.cli import app
+from opd_harness.registry import METHODS
+from opd_harness.store import Store
+from opd_harness.trajectory import TensorBatch
 from batches import make_batch
-from trainers.guards import NonFiniteLoss, enforce_finite
-from trainers.learner import train_step
-from harness.method import HParams, MethodSpec, StudentOutputs
-from trainers.objectives import masked_mean
+from opd_harness.trainers.guards import NonFiniteLoss, enforce_finite
+from opd_harness.trainers.learner import train_step
+from opd_harness.method import HParams, MethodSpec, StudentOutputs
+from opd_harness.trainers.objectives import masked_mean
 
 runner = CliRunner()
 METHOD = "_nan_at_step"  # test-only: names starting with "_" are not run by test_every_method

@@ -8,10 +8,10 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.registry import METHODS
+from opd_harness.registry import METHODS
 from batches import make_batch
-from harness.method import StudentOutputs
-from trainers.objectives.ap_opd import (
+from opd_harness.method import StudentOutputs
+from opd_harness.trainers.objectives.ap_opd import (
     APOPDParams,
     FixedWeightParams,
     MagCapParams,
@@ -26,10 +26,10 @@ from trainers.objectives.ap_opd import (
     pullback_weights,
     removed_mass,
 )
-from trainers.objectives.eopd import EOPDParams, eopd_objective
-from trainers.objectives.gkd import GKDParams, generalized_jsd, gkd_objective
-from trainers.objectives.iw_opd import IWOPDParams, iw_opd_objective, iw_weights
-from trainers.objectives.opd import full_reverse_kl
+from opd_harness.trainers.objectives.eopd import EOPDParams, eopd_objective
+from opd_harness.trainers.objectives.gkd import GKDParams, generalized_jsd, gkd_objective
+from opd_harness.trainers.objectives.iw_opd import IWOPDParams, iw_opd_objective, iw_weights
+from opd_harness.trainers.objectives.opd import full_reverse_kl
 
 TOL = 1e-6
 

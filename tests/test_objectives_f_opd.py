@@ -8,11 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.registry import METHODS
+from opd_harness.registry import METHODS
 from batches import make_batch
-from harness.trajectory import TensorBatch
-from harness.method import StudentOutputs
-from trainers.objectives.f_opd import (
+from opd_harness.trajectory import TensorBatch
+from opd_harness.method import StudentOutputs
+from opd_harness.trainers.objectives.f_opd import (
     ClippedIWParams,
     FOPDParams,
     HardRefreshParams,

@@ -12,12 +12,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness.registry import METHODS
-from harness.trajectory import TensorBatch
-from harness.method import StudentOutputs
-from trainers.objectives.common import grpo_advantages, opd_advantage
-from trainers.objectives.grpo import GRPOParams, grpo_needs, grpo_objective, grpo_sequence_advantages
-from trainers.objectives.saf import (
+from opd_harness.registry import METHODS
+from opd_harness.trajectory import TensorBatch
+from opd_harness.method import StudentOutputs
+from opd_harness.trainers.objectives.common import grpo_advantages, opd_advantage
+from opd_harness.trainers.objectives.grpo import GRPOParams, grpo_needs, grpo_objective, grpo_sequence_advantages
+from opd_harness.trainers.objectives.saf import (
     SAFParams,
     Schedule,
     compress,
@@ -27,7 +27,7 @@ from trainers.objectives.saf import (
     saf_opd_advantage,
     sparsify,
 )
-from trainers.objectives.sod import (
+from opd_harness.trainers.objectives.sod import (
     SODParams,
     sod_advantages,
     sod_needs,

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from batches import make_batch
-from harness.method import StudentOutputs
-from trainers.objectives.opd import OPDParams, opd_needs, opd_objective
+from opd_harness.method import StudentOutputs
+from opd_harness.trainers.objectives.opd import OPDParams, opd_needs, opd_objective
 
 
 def test_sampled_estimator_matches_hand_computation():

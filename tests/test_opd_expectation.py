@@ -2,21 +2,21 @@
 full-vocabulary reverse KL(π_θ ‖ π_T) at that position (methods.md §1.1 vs the ``full`` estimator).
 
 Exact, not Monte Carlo: a tiny student and teacher, one row per vocabulary token y after a fixed prefix, the real
-objectives run through the method contract on the learner's own forward (``trainers.learner.student_outputs``) and the
-teacher's scoring path (``trainers.teacher.score_teacher``); each row's gradient weighted by π(y) and summed. The
+objectives run through the method contract on the learner's own forward (``opd_harness.trainers.learner.student_outputs``) and the
+teacher's scoring path (``opd_harness.trainers.teacher.score_teacher``); each row's gradient weighted by π(y) and summed. The
 behaviour log-probs q the estimator reads are the rollout engine's (the hf backend's recorded log-probs, sync: the
 weights that generated are the learner's)."""
 
 import pytest
 import torch
 
-from harness.backends import SamplingParams
-from harness.backends.hf import HFBackend
-from harness.models.tiny import TinyArch, build_tiny_model
-from harness.registry import METHODS
-from harness.trajectory import TensorBatch
-from trainers.learner import student_outputs
-from trainers.teacher import score_teacher
+from opd_harness.backends import SamplingParams
+from opd_harness.backends.hf import HFBackend
+from opd_harness.models.tiny import TinyArch, build_tiny_model
+from opd_harness.registry import METHODS
+from opd_harness.trajectory import TensorBatch
+from opd_harness.trainers.learner import student_outputs
+from opd_harness.trainers.teacher import score_teacher
 
 from test_chunked_vocab import loss_and_grads
 

@@ -17,13 +17,13 @@ import openai
 import pytest
 import torch
 
-from harness.backends import SamplingParams
-from harness.backends.hf import HFBackend
-from harness.backends.openai_backend import OpenAIBackend
-from harness.models.tiny import build_char_tokenizer
-from harness.registry import BACKENDS
-from harness.rollout import encode
-from harness.serve import make_app, render_chat
+from opd_harness.backends import SamplingParams
+from opd_harness.backends.hf import HFBackend
+from opd_harness.backends.openai_backend import OpenAIBackend
+from opd_harness.models.tiny import build_char_tokenizer
+from opd_harness.registry import BACKENDS
+from opd_harness.rollout import encode
+from opd_harness.serve import make_app, render_chat
 from serving import Probe, running, saved_tiny_model
 
 MODEL = "tiny"
@@ -36,7 +36,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf(model_dir):
-    from harness.models.tiny import load_model_and_tokenizer
+    from opd_harness.models.tiny import load_model_and_tokenizer
 
     lm, tok = load_model_and_tokenizer(model_dir)
     return HFBackend(lm, tok, batch_size=64)
@@ -157,10 +157,10 @@ def test_evaluation_without_logprobs(url, model_dir, probe, tmp_path):
     behaviour log-probs (unknown, not zeros claimed as values) and ``harness eval`` runs (it crashed every rollout)."""
     from typer.testing import CliRunner
 
-    from harness.cli import app
-    from harness.registry import TASKS
-    from harness.rollout import rollout
-    from harness.trajectory import to_tensor_batch
+    from opd_harness.cli import app
+    from opd_harness.registry import TASKS
+    from opd_harness.rollout import rollout
+    from opd_harness.trajectory import to_tensor_batch
 
     task = TASKS.get("arith")()
     trajs = rollout(make_backend(url, model_dir, logprobs="false"), task, task.load()[:2], SamplingParams(max_new_tokens=6, n=2, seed=0))

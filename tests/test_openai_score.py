@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.backends.hf import HFBackend
-from harness.backends.openai_backend import OpenAIBackend, ScoringMismatch
-from harness.models.tiny import build_char_tokenizer, load_model_and_tokenizer
-from harness.serve import make_app
+from opd_harness.backends.hf import HFBackend
+from opd_harness.backends.openai_backend import OpenAIBackend, ScoringMismatch
+from opd_harness.models.tiny import build_char_tokenizer, load_model_and_tokenizer
+from opd_harness.serve import make_app
 from serving import Probe, running, saved_tiny_model
 
 MODEL = "tiny"
@@ -160,7 +160,7 @@ def test_score_refuses_what_a_server_cannot_return(url, model_dir, hf):
 
 
 def test_lm_eval_loglikelihood_scoring_through_the_openai_backend(url, model_dir, hf):
-    from tasks.lm_eval_bridge import score_continuations
+    from opd_harness.tasks.lm_eval_bridge import score_continuations
 
     backend = OpenAIBackend.load(MODEL, base_url=url, tokenizer=str(model_dir))
     pairs = [("2+2=", "4"), ("2+2=", "5"), ("The answer is", " 12"), ("x", "yz")]
@@ -178,7 +178,7 @@ def test_lm_eval_multiple_choice_through_harness_eval_equals_hf(url, model_dir, 
 
     from typer.testing import CliRunner
 
-    from harness.cli import app
+    from opd_harness.cli import app
 
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_datasets"))
     data = Path(__file__).parent / "data" / "lm_eval"

@@ -14,16 +14,16 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-HARNESS = [sys.executable, "-m", "harness.cli"]
+HARNESS = [sys.executable, "-m", "opd_harness.cli"]
 
 PLUGIN_MODULE = '''
 """A third-party plug-in: nothing here is imported or named by the harness."""
 import torch
 
-from sandbox.local import LocalSandbox
-from tasks.synthetic.arith import ArithTask
-from harness.method import HParams, MethodSpec
-from trainers.objectives import masked_mean
+from opd_harness.sandbox.local import LocalSandbox
+from opd_harness.tasks.synthetic.arith import ArithTask
+from opd_harness.method import HParams, MethodSpec
+from opd_harness.trainers.objectives import masked_mean
 
 
 class PluginArith(ArithTask):
@@ -92,11 +92,12 @@ def test_cli_lists_plugin_task_and_method_beside_the_builtins(plugin_env):
 
 
 def test_open_sandbox_finds_a_plugin_provider(plugin_env):
-    code = "import sandbox, opd_test_plugin as p; sb = sandbox.open_sandbox('plugin_local'); print(type(sb) is p.PluginSandbox); sb.close()"
+    code = ("from opd_harness import sandbox; import opd_test_plugin as p; sb = sandbox.open_sandbox('plugin_local'); "
+            "print(type(sb) is p.PluginSandbox); sb.close()")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=plugin_env, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "True"
-    typo = "import sandbox; sandbox.open_sandbox('plugin_locl')"
+    typo = "from opd_harness import sandbox; sandbox.open_sandbox('plugin_locl')"
     unknown = subprocess.run([sys.executable, "-c", typo], capture_output=True, text=True, timeout=300, env=plugin_env, cwd=ROOT)
     assert "valid: docker, local, plugin_local" in unknown.stderr
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import io
 
-from harness.progress import LogProgress
+from opd_harness.progress import LogProgress
 
 
 def test_log_progress_writes_lines_not_redraws(monkeypatch):
     clock = iter(range(0, 1000, 10))  # each monotonic() call advances 10 s
-    monkeypatch.setattr("harness.progress.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("opd_harness.progress.time.monotonic", lambda: next(clock))
     out = io.StringIO()
     bar = LogProgress(range(6), desc="train", every_s=25.0, file=out)
     for i in bar:
@@ -21,7 +21,7 @@ def test_log_progress_writes_lines_not_redraws(monkeypatch):
 
 
 def test_progress_in_a_non_terminal_is_a_log_line(capsys):
-    from harness.progress import progress
+    from opd_harness.progress import progress
 
     for _ in progress(range(3), desc="SFT teacher", total=3):
         pass
@@ -33,7 +33,7 @@ def test_log_progress_does_not_repeat_its_final_line(monkeypatch):
     """A last step slower than ``every_s`` (training's last checkpoint evaluation) wrote the final count already: close
     adds no second identical line."""
     clock = iter(range(0, 1000, 40))  # every step slower than every_s
-    monkeypatch.setattr("harness.progress.time.monotonic", lambda: next(clock))
+    monkeypatch.setattr("opd_harness.progress.time.monotonic", lambda: next(clock))
     out = io.StringIO()
     for _ in LogProgress(range(3), desc="train", every_s=30.0, file=out):
         pass
@@ -48,8 +48,8 @@ def test_harness_eval_reports_progress_per_task(tmp_path):
 
     from typer.testing import CliRunner
 
-    from harness.cli import app
-    from tasks.synthetic.arith import ArithOptions, ArithTask
+    from opd_harness.cli import app
+    from opd_harness.tasks.synthetic.arith import ArithOptions, ArithTask
 
     problems = ArithTask(ArithOptions()).load("test")[:5]
     model = tmp_path / "outputs.jsonl"
@@ -61,10 +61,10 @@ def test_harness_eval_reports_progress_per_task(tmp_path):
 
 
 def test_warmed_up_models_say_they_are_cached_and_then_loaded(tmp_path, capsys):
-    from harness.config import ModelSpec
-    from harness.models.tiny import TinyArch
-    from harness.plan import make_task
-    from trainers.warmup import prepare_model
+    from opd_harness.config import ModelSpec
+    from opd_harness.models.tiny import TinyArch
+    from opd_harness.plan import make_task
+    from opd_harness.trainers.warmup import prepare_model
 
     task = make_task("arith", {})
     spec = ModelSpec(arch=TinyArch(hidden=16, layers=1, heads=2, kv_heads=1, ffn=16), sft_steps=2, sft_batch_size=4)
@@ -78,14 +78,14 @@ def test_warmed_up_models_say_they_are_cached_and_then_loaded(tmp_path, capsys):
 def test_the_cpu_demo_states_how_long_it_takes_and_that_its_models_are_cached(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    import harness.runs
-    from harness.cli import app
-    from harness.errors import TrainingAborted
+    import opd_harness.runs
+    from opd_harness.cli import app
+    from opd_harness.errors import TrainingAborted
 
     def stop(*args, **kwargs):
         raise TrainingAborted("stopped by the test")
 
-    monkeypatch.setattr(harness.runs, "execute_run", stop)
+    monkeypatch.setattr(opd_harness.runs, "execute_run", stop)
     result = CliRunner().invoke(app, ["run", "--preset", "cpu-demo", "--out", str(tmp_path)])
     text = " ".join(result.stderr.split())
     assert result.exit_code == 1 and "cpu-demo: takes about 6 minutes on 2 CPU cores" in text, result.output

@@ -12,13 +12,13 @@ import torch
 import yaml
 from typer.testing import CliRunner
 
-from harness.backends import SamplingParams
-from harness.backends.hf import HFBackend
-from harness.backends.sampling import draw, draw_rows, nucleus_probs
-from harness.cli import app
-from harness.leaderboard import leaderboard_rows, render_csv, render_markdown
-from harness.store import SCHEMA, Store
-from tasks.synthetic.arith import ArithOptions, ArithTask
+from opd_harness.backends import SamplingParams
+from opd_harness.backends.hf import HFBackend
+from opd_harness.backends.sampling import draw, draw_rows, nucleus_probs
+from opd_harness.cli import app
+from opd_harness.leaderboard import leaderboard_rows, render_csv, render_markdown
+from opd_harness.store import SCHEMA, Store
+from opd_harness.tasks.synthetic.arith import ArithOptions, ArithTask
 
 runner = CliRunner()
 
@@ -180,7 +180,7 @@ def test_reproduce_paper_dry_run_shows_layout_device_and_precision_on_a_cpu_host
 
 
 def test_every_paper_scale_names_a_shipped_layout():
-    from harness.reproduce import RECIPES, layout_placement, load_recipe
+    from opd_harness.reproduce import RECIPES, layout_placement, load_recipe
 
     for name, _ in RECIPES.items():
         paper = load_recipe(name).scales["paper"]
@@ -199,7 +199,7 @@ def test_run_sampling_flags_equal_their_set_keys():
 
 
 def test_vllm_gets_top_k_and_presence_penalty_only_when_on():
-    from harness.backends.vllm_backend import sampling_kwargs
+    from opd_harness.backends.vllm_backend import sampling_kwargs
     from tests.fake_vllm import FakeSamplingParams
 
     on = sampling_kwargs(SamplingParams(temperature=0.6, top_k=20, presence_penalty=1.5), 0)
@@ -209,7 +209,7 @@ def test_vllm_gets_top_k_and_presence_penalty_only_when_on():
 
 
 def test_openai_sends_top_k_as_an_extra_body_field_only_when_on(char_tokenizer):
-    from harness.backends.openai_backend import OpenAIBackend
+    from opd_harness.backends.openai_backend import OpenAIBackend
 
     backend = OpenAIBackend(object(), "m", char_tokenizer, server_extensions=False)
     on = backend._common_kwargs(0, SamplingParams(temperature=0.6, top_k=20, presence_penalty=1.5))

@@ -12,8 +12,8 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from harness.cli import app
-from harness.config import ConfigError, build_config
+from opd_harness.cli import app
+from opd_harness.config import ConfigError, build_config
 from test_ray_executor import BASE, assert_same_run, run
 
 runner = CliRunner()
@@ -43,11 +43,11 @@ def test_bad_layouts_are_refused_at_config_time(tmp_path, override, key):
 
 
 def test_fsdp2_where_torch_lacks_it_exits_2_naming_the_key(tmp_path, monkeypatch):
-    import harness.config
+    import opd_harness.config
 
     config = build_config(overrides=["trainer.executor=ray", "trainer.layout.learner.sharding=fsdp2"])
     assert config.trainer.layout.learner.sharding == "fsdp2"  # torch 2.13 has fully_shard
-    monkeypatch.setattr(harness.config, "fsdp2_unsupported", lambda: "torch 2.4.0 has no torch.distributed.fsdp.fully_shard")
+    monkeypatch.setattr(opd_harness.config, "fsdp2_unsupported", lambda: "torch 2.4.0 has no torch.distributed.fsdp.fully_shard")
     result = runner.invoke(app, [*BASE, "--out", str(tmp_path), "--executor", "ray", "--set", "trainer.layout.learner.sharding=fsdp2"])
     line = " ".join(result.output.split())
     assert result.exit_code == 2 and "trainer.layout.learner.sharding" in line and "torch 2.4.0 has no" in line, result.output
@@ -55,7 +55,7 @@ def test_fsdp2_where_torch_lacks_it_exits_2_naming_the_key(tmp_path, monkeypatch
 
 
 def test_layout_needs_ray_and_eval_is_placed_only_when_given():
-    from trainers.ray_executor import local_cpus, placed_roles
+    from opd_harness.trainers.ray_executor import local_cpus, placed_roles
 
     with pytest.raises(ConfigError, match="trainer.layout places the roles on a Ray cluster"):
         build_config(overrides=["trainer.layout.learner.num_cpus=1"])
@@ -69,7 +69,7 @@ def test_layout_needs_ray_and_eval_is_placed_only_when_given():
 
 
 def test_shortfall_names_the_role_key_and_resource():
-    from trainers.ray_executor import layout_shortfall
+    from opd_harness.trainers.ray_executor import layout_shortfall
 
     nodes = [{"Alive": True, "Resources": {"CPU": 2.0, "node_a": 1.0}}, {"Alive": True, "Resources": {"CPU": 2.0, "GPU": 1.0}},
              {"Alive": False, "Resources": {"CPU": 64.0, "GPU": 8.0}}]  # fmt: skip
@@ -140,7 +140,7 @@ def test_layout_places_roles_on_the_nodes_it_names_with_inprocess_losses(shared_
     ],
 )  # fmt: skip
 def test_layouts_the_cluster_cannot_hold_exit_2_before_anything_is_written(tmp_path, ray_cluster, monkeypatch, override, key):
-    import trainers.ray_executor as rx
+    import opd_harness.trainers.ray_executor as rx
 
     monkeypatch.setattr(rx, "PLACEMENT_TIMEOUT_S", 3.0)  # the last case fits per node but not together: its wait times out
     sets = [arg for item in override for arg in ("--set", item)]
@@ -155,7 +155,7 @@ def test_layouts_the_cluster_cannot_hold_exit_2_before_anything_is_written(tmp_p
 
 @pytest.mark.slow
 def test_a_sweep_point_whose_layout_the_cluster_cannot_hold_stops_the_sweep_before_any_run(tmp_path, ray_cluster):
-    from harness.sweep import SweepError, run_sweep
+    from opd_harness.sweep import SweepError, run_sweep
 
     spec = tmp_path / "grid.yaml"
     spec.write_text(
@@ -190,7 +190,7 @@ def test_two_rollout_workers_on_two_nodes_survive_a_kill_with_inprocess_losses(s
     Two teacher actors score them; one is SIGKILLed before batch 2: its batches go to the other until it is back."""
     import ray
 
-    import trainers.ray_executor as rx
+    import opd_harness.trainers.ray_executor as rx
 
     tmp_path, (inprocess, _) = shared_out, inprocess_lag
     killed: list[int] = []
@@ -248,7 +248,7 @@ def test_two_rollout_workers_keep_every_sample_within_max_lag(shared_out, ray_cl
 def _interrupted_then_resumed(out, monkeypatch, args: list[str], resume: list[str]) -> tuple[str, dict[int, dict[str, float]]]:
     """A run of ``args`` interrupted (as by Ctrl-C) when step 3 is recorded, i.e. after its step-2 checkpoint, then resumed
     with ``resume``: (run id, step metrics of the whole run)."""
-    import trainers.pipeline as tp
+    import opd_harness.trainers.pipeline as tp
 
     original = tp.Session.record_step
 
@@ -302,7 +302,7 @@ def test_the_f_opd_16_gpu_layout_file_validates_and_fills_two_8_gpu_nodes():
     labelled nodes, held by such a cluster and refused (naming the key) by one with a single 8-GPU node."""
     from pathlib import Path
 
-    from trainers.ray_executor import layout_shortfall
+    from opd_harness.trainers.ray_executor import layout_shortfall
 
     cfg = build_config(config_file=Path(__file__).parents[1] / "docs" / "layouts" / "f-opd-16xh100.yaml")
     layout = cfg.trainer.layout
@@ -349,13 +349,14 @@ def test_checkpoint_evaluations_run_on_eval_workers_and_resume_without_redoing_s
     equals the in-process run's."""
     import ray
 
-    import harness.evaluation
-    import trainers.ray_eval as re_
+    import opd_harness.evaluation
+    import opd_harness.trainers.ray_eval as re_
 
     db = shared_out / "results.sqlite"
     in_driver, staged, runners, killed = [], [], [], []
-    real_shard, real_save, real_call = harness.evaluation.evaluate_shard, harness.evaluation.ShardStage.save, re_.CheckpointShards.__call__
-    monkeypatch.setattr(harness.evaluation, "evaluate_shard", lambda *a, **kw: (in_driver.append(kw["index"]), real_shard(*a, **kw))[1])
+    evaluation = opd_harness.evaluation
+    real_shard, real_save, real_call = evaluation.evaluate_shard, evaluation.ShardStage.save, re_.CheckpointShards.__call__
+    monkeypatch.setattr(opd_harness.evaluation, "evaluate_shard", lambda *a, **kw: (in_driver.append(kw["index"]), real_shard(*a, **kw))[1])
     monkeypatch.setattr(re_.CheckpointShards, "__call__", lambda self, *a: (runners.append(self), real_call(self, *a))[1])
 
     def save(self, key, samples, interrupt: bool):
@@ -367,14 +368,14 @@ def test_checkpoint_evaluations_run_on_eval_workers_and_resume_without_redoing_s
         if interrupt and self.folder.name == "step4":
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(harness.evaluation.ShardStage, "save", lambda self, key, samples: save(self, key, samples, True))
+    monkeypatch.setattr(opd_harness.evaluation.ShardStage, "save", lambda self, key, samples: save(self, key, samples, True))
     cluster = ["--executor", "ray", "--set", f"trainer.ray_address={ray_cluster.address}", *EVAL_WORKERS]
     result = runner.invoke(app, [*BASE, "--out", str(shared_out), *LAG, *cluster])
     assert result.exit_code == 130 and "--resume" in result.output, result.output
     run_id, _ = _last_train_run(db)
     assert killed and staged[-1][0] == "step4" and [s for s in staged if s[0] == "step4"] == staged[-1:]
     first = staged[-1]
-    monkeypatch.setattr(harness.evaluation.ShardStage, "save", lambda self, key, samples: save(self, key, samples, False))
+    monkeypatch.setattr(opd_harness.evaluation.ShardStage, "save", lambda self, key, samples: save(self, key, samples, False))
     resumed = runner.invoke(app, ["run", "--resume", run_id, "--out", str(shared_out)])
     assert resumed.exit_code == 0, resumed.output
     assert in_driver == []  # no shard of the student ran in the driver
@@ -430,7 +431,7 @@ def test_a_hung_rollout_actor_is_killed_within_its_timeout_restarted_and_every_s
     step is trained once with the in-process losses (fixed_lag)."""
     import ray
 
-    import trainers.ray_executor as rx
+    import opd_harness.trainers.ray_executor as rx
 
     tmp_path, (inprocess, _) = shared_out, inprocess_lag
     stopped: list[float] = []
@@ -472,7 +473,7 @@ def test_a_lost_worker_node_fails_the_run_naming_it_and_resume_onto_the_head_nod
     pytest.importorskip("ray")
     from ray_cluster import remove_cluster_dir, start_two_node_cluster
 
-    import trainers.pipeline as tp
+    import opd_harness.trainers.pipeline as tp
 
     cluster = start_two_node_cluster()
     try:

@@ -11,9 +11,9 @@ import time
 import pytest
 from typer.testing import CliRunner
 
-from harness.cli import app
-from harness.config import ConfigError, build_config
-from trainers.weight_sync import Published
+from opd_harness.cli import app
+from opd_harness.config import ConfigError, build_config
+from opd_harness.trainers.weight_sync import Published
 
 runner = CliRunner()
 BASE = [
@@ -152,7 +152,7 @@ def test_actors_release_their_tasks_and_engines_before_they_are_killed(monkeypat
     inference engine) first; a dead actor does not stop the others from being killed."""
     from types import SimpleNamespace
 
-    import trainers.ray_executor as rx
+    import opd_harness.trainers.ray_executor as rx
 
     log: list[str] = []
     role = rx.ActorRole()
@@ -196,8 +196,8 @@ def test_actors_release_their_tasks_and_engines_before_they_are_killed(monkeypat
 def test_an_error_inside_an_actor_reaches_the_driver_as_itself(ray_session):
     """Ray wraps an actor's exception in a RayTaskError whose message is the remote traceback; the executor re-raises
     the original (its type and its one-line message), as the CLI shows it."""
-    import trainers.ray_executor as rx
-    from trainers.teacher import TeacherFailed
+    import opd_harness.trainers.ray_executor as rx
+    from opd_harness.trainers.teacher import TeacherFailed
 
     @ray_session.remote
     def score() -> None:
@@ -219,8 +219,8 @@ def test_a_lost_rollout_actor_is_waited_for_then_its_batch_is_given_back(monkeyp
 
     import ray.exceptions as rex
 
-    import trainers.ray_executor as rx
-    from trainers.loop import RolloutLost, Unit
+    import opd_harness.trainers.ray_executor as rx
+    from opd_harness.trainers.loop import RolloutLost, Unit
 
     answers: list = []
 
@@ -267,7 +267,7 @@ def test_teacher_actors_take_batches_least_loaded_first_and_a_dead_one_s_batch_g
 
     import ray.exceptions as rex
 
-    import trainers.ray_executor as rx
+    import opd_harness.trainers.ray_executor as rx
 
     calls: list[tuple[str, int]] = []
     dead: set[str] = set()
@@ -323,7 +323,7 @@ def test_a_restart_past_its_limit_ends_the_run_with_one_line_naming_the_role_and
 
     import ray.exceptions as rex
 
-    import trainers.ray_executor as rx
+    import opd_harness.trainers.ray_executor as rx
 
     class FakeRay:
         exceptions = rex
@@ -347,7 +347,7 @@ def test_an_actor_class_built_outside_ray_starts_no_ray():
     import subprocess
     import sys
 
-    code = ("import ray; from trainers.ray_executor import assigned_device; "
+    code = ("import ray; from opd_harness.trainers.ray_executor import assigned_device; "
             "print(assigned_device(), ray.is_initialized())")  # fmt: skip
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**__import__("os").environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"})  # fmt: skip

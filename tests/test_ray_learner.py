@@ -12,7 +12,7 @@ import sqlite3
 import pytest
 from typer.testing import CliRunner
 
-from harness.cli import app
+from opd_harness.cli import app
 from test_ray_executor import BASE, run
 
 runner = CliRunner()
@@ -28,9 +28,9 @@ def two_ranks(address: str) -> list[str]:
 
 
 def test_resume_takes_only_layout_overrides(tmp_path):
-    from harness.config import ConfigError
-    from harness.runs import plan_resume
-    from harness.store import Store
+    from opd_harness.config import ConfigError
+    from opd_harness.runs import plan_resume
+    from opd_harness.store import Store
 
     store = Store(tmp_path)
     store.create_run("r1", kind="train", config={"trainer": {"executor": "ray"}}, method="opd", task="arith")
@@ -74,7 +74,7 @@ class _FakeRay:
 def test_a_failed_rank_kills_the_others_and_is_named_in_one_line(tmp_path):
     from types import SimpleNamespace
 
-    from trainers.ray_executor import LearnerRankFailed, RayLearner
+    from opd_harness.trainers.ray_executor import LearnerRankFailed, RayLearner
 
     store = SimpleNamespace(root=tmp_path, checkpoints=lambda run_id: [{"step": 2}, {"step": 4}])
     session = SimpleNamespace(run_id="r1", store=store)
@@ -114,7 +114,7 @@ def test_a_killed_or_hung_learner_rank_fails_the_run_and_it_resumes_onto_one_ran
     trainer.collective_timeout_s): the run fails with one line, and its step-2 checkpoint resumes onto one rank."""
     import ray
 
-    import trainers.ray_executor as rx
+    import opd_harness.trainers.ray_executor as rx
 
     reference, _, reference_evals = run(tmp_path / "reference")  # in process, sync opd: a resumed run continues it exactly
     original = rx.RayLearner.train

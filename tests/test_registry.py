@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.registry import (
+from opd_harness.registry import (
     BACKENDS, EVAL_EXECUTORS, EXECUTORS, METHODS, PIPELINES, TASKS, Registry, RegistryError, source_tree_entry_points,
     unique_entry_points,
 )
@@ -53,7 +53,7 @@ def test_a_differing_declared_name_is_refused():
 
 
 def test_a_method_spec_gets_its_name_from_its_key():
-    from harness.method import HParams, MethodSpec
+    from opd_harness.method import HParams, MethodSpec
 
     spec = MethodSpec(description="d", objective=lambda *a: None, hparams=HParams, needs=lambda hp: frozenset())
     reg: Registry = Registry("things")
@@ -131,7 +131,7 @@ def test_every_builtin_name_is_declared_as_an_entry_point(registry):
 
 
 def test_sandbox_entry_points_name_the_builtin_providers():
-    import sandbox
+    from opd_harness import sandbox
 
     assert set(sandbox.declared_providers()) == {"docker", "local"}
     assert sandbox.provider("local") is sandbox.declared_providers()["local"].load()
@@ -142,8 +142,8 @@ def test_sandbox_provider_declared_by_an_entry_point_is_found(monkeypatch):
     """A provider another package declares in ``opd_harness.sandboxes`` is listed, loaded and opened by its key."""
     import importlib.metadata
 
-    import sandbox
-    from sandbox.local import LocalSandbox
+    from opd_harness import sandbox
+    from opd_harness.sandbox.local import LocalSandbox
 
     fake = type("FakeProvider", (LocalSandbox,), {"__module__": __name__})
     monkeypatch.setitem(globals(), "FakeProvider", fake)
@@ -204,7 +204,7 @@ def test_a_stale_install_of_this_project_yields_to_the_checkout(tmp_path, monkey
 
 def test_module_entry_points_and_prefix_families(tmp_path, monkeypatch):
     code = """
-        from harness.registry import Registry
+        from opd_harness.registry import Registry
         REG = Registry("gadgets")  # a registry of its own, so the test touches no real one
 
         def make(rest):
@@ -267,7 +267,7 @@ def test_installed_metadata_alone_serves_every_builtin():
         pytest.skip("the installed opd-harness predates its task/method entry points: run `pip install --no-deps -e .`")
     assert installed == {kind: _declared(group) for kind, group in groups.items()}
     code = (  # a fresh interpreter, so that the modules register on import into the real registries
-        "import json, harness.registry as r, sandbox as s\n"
+        "import json, opd_harness.registry as r, opd_harness.sandbox as s\n"
         "r.source_tree_entry_points = lambda group, pyproject=None: None\n"
         "s._source_tree_entry_points = lambda: None\n"
         "print(json.dumps({k: sorted(g.names() + [p + ':*' for p in g.prefixes()]) for k, g in "
@@ -280,7 +280,7 @@ def test_installed_metadata_alone_serves_every_builtin():
 def test_harness_tasks_lists_the_task_families():
     from typer.testing import CliRunner
 
-    from harness.cli import app
+    from opd_harness.cli import app
 
     out = " ".join(CliRunner().invoke(app, ["tasks"]).output.split())
     assert "retool:<name> a family of tasks: Any math task solved with a Python code interpreter" in out

@@ -12,14 +12,14 @@ import torch
 from typer.testing import CliRunner
 
 from batches import make_batch
-from harness.cli import app
-from harness.config import ConfigError, build_config
-from harness.errors import TrainingAborted
-from harness.method import StudentOutputs
-from harness.plan import plan_run
-from harness.teacher_signal import TopKDistribution, apply_terms
-from trainers.objectives.opd import OPDParams, full_reverse_kl, opd_objective
-from trainers.teacher import TeacherFailed, score_teacher
+from opd_harness.cli import app
+from opd_harness.config import ConfigError, build_config
+from opd_harness.errors import TrainingAborted
+from opd_harness.method import StudentOutputs
+from opd_harness.plan import plan_run
+from opd_harness.teacher_signal import TopKDistribution, apply_terms
+from opd_harness.trainers.objectives.opd import OPDParams, full_reverse_kl, opd_objective
+from opd_harness.trainers.teacher import TeacherFailed, score_teacher
 
 runner = CliRunner()
 SERVED = ["teacher.backend=openai", "teacher.base_url=http://127.0.0.1:9/v1"]
@@ -144,7 +144,7 @@ class FlakyTeacher:
 
 @pytest.fixture
 def no_sleep(monkeypatch):
-    monkeypatch.setattr("trainers.teacher.time.sleep", lambda s: None)
+    monkeypatch.setattr("opd_harness.trainers.teacher.time.sleep", lambda s: None)
 
 
 def test_a_failed_teacher_call_is_retried_and_then_fills_the_batch(no_sleep):
@@ -166,8 +166,8 @@ def test_a_teacher_that_keeps_failing_stops_the_step_untrained(no_sleep, nan):
 
 
 def test_the_run_records_the_topk_signal_it_uses(tmp_path):
-    from harness.store import Store
-    from harness.runs import create_train_run
+    from opd_harness.store import Store
+    from opd_harness.runs import create_train_run
 
     plan = plan_run(build_config(preset="smoke", overrides=[*SERVED, "teacher.top_k=5"]))
     store = Store(tmp_path)
@@ -189,22 +189,23 @@ def harness_run(out, *overrides: str):
     import sys
 
     sets = ["eval.teacher=false", "eval.before_training=false", *overrides]
-    args = [sys.executable, "-m", "harness.cli", "run", "--preset", "smoke", "--out", str(out), *(a for s in sets for a in ("--set", s))]
+    args = [sys.executable, "-m", "opd_harness.cli", "run", "--preset", "smoke", "--out", str(out),
+            *(a for s in sets for a in ("--set", s))]
     return subprocess.run(args, capture_output=True, text=True, timeout=600)
 
 
 def train_runs(out) -> list[dict]:
-    from harness.store import Store
+    from opd_harness.store import Store
 
     return [r for r in Store(out).runs() if r["kind"] == "train"]
 
 
 @pytest.mark.slow
 def test_smoke_run_with_a_served_teacher_trains_as_with_the_in_process_teacher(tmp_path):
-    from harness.backends.hf import HFBackend
-    from harness.models.tiny import load_model_and_tokenizer
-    from harness.serve import make_app
-    from harness.store import Store
+    from opd_harness.backends.hf import HFBackend
+    from opd_harness.models.tiny import load_model_and_tokenizer
+    from opd_harness.serve import make_app
+    from opd_harness.store import Store
     from serving import Probe, running
 
     out = tmp_path / "results"
@@ -241,13 +242,13 @@ def test_smoke_run_with_a_served_teacher_trains_as_with_the_in_process_teacher(t
 
 def test_ray_teacher_actor_opens_the_served_teacher_itself(tmp_path):
     """With ``--executor ray`` no teacher model is shipped: the actor connects to ``teacher.base_url`` and scores there."""
-    from harness.backends.hf import HFBackend
-    from harness.backends.openai_backend import OpenAIBackend
-    from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model, save_model_and_tokenizer
-    from harness.serve import make_app
-    from harness.trajectory import TensorBatch
+    from opd_harness.backends.hf import HFBackend
+    from opd_harness.backends.openai_backend import OpenAIBackend
+    from opd_harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model, save_model_and_tokenizer
+    from opd_harness.serve import make_app
+    from opd_harness.trajectory import TensorBatch
     from serving import running
-    from trainers.ray_executor import TeacherActor
+    from opd_harness.trainers.ray_executor import TeacherActor
 
     tok = build_char_tokenizer()
     model = build_tiny_model(
@@ -308,7 +309,7 @@ def row_ids(rows: int) -> torch.Tensor:
 
 
 def test_a_teacher_pool_splits_rows_over_replicas_and_keeps_their_order():
-    from trainers.teacher import TeacherPool, row_shards
+    from opd_harness.trainers.teacher import TeacherPool, row_shards
 
     assert row_shards(5, 2) == [slice(0, 3), slice(3, 5)] and row_shards(1, 3) == [slice(0, 1)] and row_shards(0, 2) == [slice(0, 0)]
     replicas = [RowTeacher(), RowTeacher(), RowTeacher()]
@@ -319,7 +320,7 @@ def test_a_teacher_pool_splits_rows_over_replicas_and_keeps_their_order():
 
 
 def test_a_failed_replica_s_rows_go_to_the_others_and_it_is_benched(monkeypatch):
-    from trainers.teacher import TeacherPool
+    from opd_harness.trainers.teacher import TeacherPool
 
     replicas = [RowTeacher(), RowTeacher(down=True)]
     pool = TeacherPool(replicas, ["a", "b"])
@@ -335,7 +336,7 @@ def test_a_failed_replica_s_rows_go_to_the_others_and_it_is_benched(monkeypatch)
 
 
 def test_when_every_replica_fails_the_step_retry_rule_stops_the_step(no_sleep):
-    from trainers.teacher import TeacherPool
+    from opd_harness.trainers.teacher import TeacherPool
 
     replicas = [RowTeacher(down=True), RowTeacher(down=True)]
     batch = make_batch([[1, 1]], [[0.0] * 2], [[0.0] * 2])
@@ -353,11 +354,11 @@ def test_teacher_replicas_listed_once_each():
 def test_two_served_replicas_score_like_one_and_survive_one_going_down(tmp_path):
     """Two `harness serve` replicas of the teacher behind one client: each scores part of a batch; with one failing every
     request, the other scores all of it; the log-probs equal the model's own either way."""
-    from harness.backends.hf import HFBackend
-    from harness.models.tiny import load_model_and_tokenizer
-    from harness.serve import make_app
+    from opd_harness.backends.hf import HFBackend
+    from opd_harness.models.tiny import load_model_and_tokenizer
+    from opd_harness.serve import make_app
     from serving import Probe, running, saved_tiny_model
-    from trainers.teacher import TeacherPool, open_remote_teacher
+    from opd_harness.trainers.teacher import TeacherPool, open_remote_teacher
 
     folder = saved_tiny_model(tmp_path, seed=3)
     model, tok = load_model_and_tokenizer(folder)

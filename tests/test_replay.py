@@ -3,9 +3,9 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from harness.backends.replay import read_replay_file
-from harness.cli import app
-from tasks.synthetic.arith import ArithOptions, ArithTask
+from opd_harness.backends.replay import read_replay_file
+from opd_harness.cli import app
+from opd_harness.tasks.synthetic.arith import ArithOptions, ArithTask
 
 runner = CliRunner()
 
@@ -116,8 +116,8 @@ def test_task_args_reach_the_task(tmp_path):
 def test_replayed_turns_are_tokenised_by_table_and_cut_at_max_turn_chars():
     """Ids are the character tokenizer's, without its per-token objects (a 4 MB turn cost 1.5 GB and 25 s through it);
     a turn over max_turn_chars is cut there with finish reason length, like a model at its token limit."""
-    from harness.backends import SamplingParams
-    from harness.backends.replay import ReplayBackend
+    from opd_harness.backends import SamplingParams
+    from opd_harness.backends.replay import ReplayBackend
 
     text = "héllo\n\tw😀rld \x0b~"
     backend = ReplayBackend({("t", "1"): [[text, "x" * 50]]}, max_turn_chars=20)

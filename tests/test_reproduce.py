@@ -11,8 +11,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from harness.cli import app
-from harness.reproduce import (
+from opd_harness.cli import app
+from opd_harness.reproduce import (
     RECIPES,
     ClaimSpec,
     RecipeError,
@@ -24,7 +24,7 @@ from harness.reproduce import (
     scale_sweep,
     sweep_runs,
 )
-from harness.store import SampleRow, Store
+from opd_harness.store import SampleRow, Store
 
 runner = CliRunner()
 BUILT_INS = ("f-opd", "sod", "saf-opd", "ap-opd")
@@ -193,7 +193,7 @@ def test_a_two_run_f_opd_recipe_runs_end_to_end_and_resumes(tmp_path):
 
 def test_render_writes_tables_plots_claims_and_the_leaderboard_section(tmp_path):
     """render() reads only the store: per-task and step-metric tables, a plot, the claims; the HTML page shows them."""
-    from harness.leaderboard_page import load_board, render_html
+    from opd_harness.leaderboard_page import load_board, render_html
 
     _claims_store(tmp_path, 0.2, seeds=2)
     with Store(tmp_path) as store:
@@ -214,7 +214,7 @@ def test_render_writes_tables_plots_claims_and_the_leaderboard_section(tmp_path)
         "claims": [{"id": "a-wins", "text": "a > b", "metric": "final_avg", "candidate": {"method": "a"}, "baseline": {"method": "b"},
                     "op": ">"}],
     }, "toy")  # fmt: skip
-    from harness.reproduce import render
+    from opd_harness.reproduce import render
 
     result = render(recipe, "cpu", tmp_path, n_resamples=1000)
     md = result.markdown

@@ -6,10 +6,10 @@ import sqlite3
 import pytest
 from typer.testing import CliRunner
 
-from harness.backends.hf import HFBackend
-from harness.cli import app
-from harness.config import ConfigError, build_config
-from harness.registry import BACKENDS
+from opd_harness.backends.hf import HFBackend
+from opd_harness.cli import app
+from opd_harness.config import ConfigError, build_config
+from opd_harness.registry import BACKENDS
 
 runner = CliRunner()
 BASE = ["run", "--task", "arith", "--preset", "smoke", "--set", "threads=1", "--set", "eval.teacher=false",
@@ -67,7 +67,7 @@ def test_a_registered_engine_is_the_rollout_role_and_matches_the_default(tmp_pat
 def test_training_refuses_a_rollout_engine_told_to_return_no_logprobs(tmp_path):
     """Training reads the behaviour log-probs of the sampled tokens: an engine told not to return them is a config error
     naming the option (exit 2) before anything is built; an evaluation runs without them (tests/test_openai_backend.py)."""
-    from harness.plan import plan_run
+    from opd_harness.plan import plan_run
 
     with pytest.raises(ConfigError, match=r"trainer\.rollout_backend_options\.logprobs=False: method 'opd' trains on .*behaviour_logprobs"):
         plan_run(build_config(preset="smoke", overrides=["trainer.rollout_backend_options.logprobs=false"]))

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from transformers import LogitsProcessorList
 
-from harness.backends import SamplingParams
-from harness.backends.hf import HFBackend
-from harness.backends.sampling import RowSampler
+from opd_harness.backends import SamplingParams
+from opd_harness.backends.hf import HFBackend
+from opd_harness.backends.sampling import RowSampler
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,9 +68,9 @@ MEASURE = textwrap.dedent(
     import json, sys
     import torch
     torch.set_num_threads(1)
-    from harness.backends import SamplingParams
-    from harness.backends.hf import HFBackend
-    from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
+    from opd_harness.backends import SamplingParams
+    from opd_harness.backends.hf import HFBackend
+    from opd_harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
     from benchmarks.peak_memory import peak_rise
 
     rows, new = int(sys.argv[1]), int(sys.argv[2])

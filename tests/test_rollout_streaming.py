@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
-import trainers.loop as ap
-from harness.trajectory import Segment, Trajectory, concat_batches, to_tensor_batch
+import opd_harness.trainers.loop as ap
+from opd_harness.trajectory import Segment, Trajectory, concat_batches, to_tensor_batch
 from test_ray_executor import assert_same_run, run
-from trainers.loop import BufferEntry, ReplayBuffer, Unit, WorkQueue, merge_metrics, unit_problems
+from opd_harness.trainers.loop import BufferEntry, ReplayBuffer, Unit, WorkQueue, merge_metrics, unit_problems
 
 
 def trajectory(problem: str, sample: int, prompt: int, response: int, version: int) -> Trajectory:
@@ -118,7 +118,7 @@ def test_an_engine_not_known_to_be_thread_safe_takes_one_call_at_a_time():
     LLM) get one lock around generate and score, so calls never overlap."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from trainers.pipeline import serialize_calls
+    from opd_harness.trainers.pipeline import serialize_calls
 
     class Engine:
         def __init__(self) -> None:

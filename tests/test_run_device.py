@@ -11,8 +11,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from harness.cli import app
-from harness.config import ConfigError, build_config
+from opd_harness.cli import app
+from opd_harness.config import ConfigError, build_config
 
 runner = CliRunner()
 TINY_RUN = ["run", "--method", "opd", "--task", "arith", "--preset", "smoke", "--set", "trainer.steps=2",
@@ -22,7 +22,7 @@ TINY_RUN = ["run", "--method", "opd", "--task", "arith", "--preset", "smoke", "-
 
 def run_losses(out, *overrides: str) -> list[float]:
     """Run the tiny 2-step opd (full estimator) run with ``overrides``; its per-step losses."""
-    command = [sys.executable, "-m", "harness.cli", *TINY_RUN, *(a for o in overrides for a in ("--set", o)), "--out", str(out)]
+    command = [sys.executable, "-m", "opd_harness.cli", *TINY_RUN, *(a for o in overrides for a in ("--set", o)), "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     with sqlite3.connect(out / "results.sqlite") as conn:
@@ -68,16 +68,16 @@ def test_vocab_chunk_is_accepted_with_fsdp2_and_cuda_under_ray_needs_gpus_for_ev
 
 @pytest.mark.slow  # two tiny runs (one in a subprocess): 160 s at load 15–35 on 2 shared cores
 def test_cpu_and_auto_run_and_a_chunked_run_trains_like_an_unchunked_one(tmp_path, monkeypatch):
-    import trainers.learner
+    import opd_harness.trainers.learner
 
     chunk_sizes: list[int] = []
-    chunked_outputs = trainers.learner.chunked_student_outputs
+    chunked_outputs = opd_harness.trainers.learner.chunked_student_outputs
 
     def spy(model, batch, vocab_chunk, **kwargs):
         chunk_sizes.append(vocab_chunk)
         return chunked_outputs(model, batch, vocab_chunk, **kwargs)
 
-    monkeypatch.setattr(trainers.learner, "chunked_student_outputs", spy)
+    monkeypatch.setattr(opd_harness.trainers.learner, "chunked_student_outputs", spy)
     plain = run_losses(tmp_path / "plain", "trainer.device=cpu")
     overrides = ["trainer.device=auto", "trainer.vocab_chunk=5"]
     result = runner.invoke(app, [*TINY_RUN, *(a for o in overrides for a in ("--set", o)), "--out", str(tmp_path / "chunked")])

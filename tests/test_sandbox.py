@@ -15,9 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-import sandbox
-from sandbox import ExecRequest, ExecResult
-from sandbox.docker.provider import DEFAULT_SESSION_POOL
+from opd_harness import sandbox
+from opd_harness.sandbox import ExecRequest, ExecResult
+from opd_harness.sandbox.docker.provider import DEFAULT_SESSION_POOL
 
 from conftest import SANDBOX_IMAGE as IMAGE  # noqa: E402
 from conftest import docker_unavailable as _unavailable  # noqa: E402
@@ -47,7 +47,8 @@ def test_registry_and_validation():
 
 def test_sandbox_imports_nothing_else_of_the_project():
     code = (
-        "import sys, sandbox, sandbox.local, sandbox.docker, sandbox.build; "
+        "import sys; from opd_harness import sandbox; "
+        "import opd_harness.sandbox.local, opd_harness.sandbox.docker, opd_harness.sandbox.build; "
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'harness', 'tasks', 'trainers'}))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -186,7 +187,7 @@ def test_docker_parallel_runs_bounded_by_pool(docker_client):
 
 @pytest.mark.docker
 def test_docker_reaps_leftovers_of_dead_owners(docker_client):
-    from sandbox.docker import LABEL, OWNER, OWNER_LABEL, reap_leftovers
+    from opd_harness.sandbox.docker import LABEL, OWNER, OWNER_LABEL, reap_leftovers
 
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -208,10 +209,10 @@ def test_docker_reaps_leftovers_of_dead_owners(docker_client):
 
 @pytest.mark.docker
 def test_docker_crashed_run_is_reaped_by_the_next_process(docker_client):
-    from sandbox.docker import LABEL, OWNER_LABEL
+    from opd_harness.sandbox.docker import LABEL, OWNER_LABEL
 
     crash = (
-        f"import os, sandbox; sb = sandbox.open_sandbox('docker', image={IMAGE!r}, prewarm=1); "
+        f"import os; from opd_harness import sandbox; sb = sandbox.open_sandbox('docker', image={IMAGE!r}, prewarm=1); "
         "print(os.getpid(), sb.stats['created'], flush=True); os.kill(os.getpid(), 9)"
     )
     proc = subprocess.run([sys.executable, "-c", crash], capture_output=True, text=True)
@@ -226,7 +227,7 @@ def test_docker_crashed_run_is_reaped_by_the_next_process(docker_client):
     # The next process reaps it when it first connects, and removes its own containers at exit
     # (it never calls close()).
     nxt = (
-        f"import os, sandbox; sb = sandbox.open_sandbox('docker', image={IMAGE!r}); s = sb.session(); "
+        f"import os; from opd_harness import sandbox; sb = sandbox.open_sandbox('docker', image={IMAGE!r}); s = sb.session(); "
         "print(os.getpid(), sb.run(sandbox.ExecRequest(argv=['true'])).status)"
     )
     nxt_pid, status = subprocess.run([sys.executable, "-c", nxt], capture_output=True, text=True).stdout.split()
@@ -236,7 +237,7 @@ def test_docker_crashed_run_is_reaped_by_the_next_process(docker_client):
 
 @pytest.mark.docker
 def test_docker_close_removes_containers_and_missing_image_is_error(docker_client):
-    from sandbox.docker import OWNER, OWNER_LABEL
+    from opd_harness.sandbox.docker import OWNER, OWNER_LABEL
 
     def ours() -> set[str]:
         return {c.id for c in docker_client.containers.list(all=True, filters={"label": f"{OWNER_LABEL}={OWNER}"})}
@@ -250,12 +251,12 @@ def test_docker_close_removes_containers_and_missing_image_is_error(docker_clien
     assert not ours() & mine
     with sandbox.open_sandbox("docker", image="opd-sandbox:does-not-exist", retries=3) as bad:
         r = bad.run(ExecRequest(argv=["true"]))
-        assert r.status == "error" and r.attempts == 1 and "sandbox.build" in r.error
+        assert r.status == "error" and r.attempts == 1 and "opd_harness.sandbox.build" in r.error
 
 
 @pytest.mark.docker
 def test_docker_outer_guard_kills_container(docker_client, monkeypatch):
-    import sandbox.docker.provider as sd
+    import opd_harness.sandbox.docker.provider as sd
 
     # Simulate a broken in-container timeout: only the outer guard (timeout_s + grace_s) is left.
     broken = sd._SERVER.replace("            kill_group(pid)\n", "            pass\n")

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-import sandbox
-from sandbox import ExecRequest
+from opd_harness import sandbox
+from opd_harness.sandbox import ExecRequest
 
 from conftest import SANDBOX_IMAGE  # noqa: E402
 
@@ -38,19 +38,19 @@ RUN = [
 ]  # fmt: skip
 # Makes the store refuse humaneval_plus results: an exception after the sandbox has been used.
 INJECT_FAILURE = textwrap.dedent("""
-    import harness.store
-    add_eval = harness.store.Store.add_eval
+    import opd_harness.store
+    add_eval = opd_harness.store.Store.add_eval
     def failing_add_eval(self, run_id, step, task, *args, **kwargs):
         if task == "humaneval_plus":
             raise RuntimeError("injected failure")
         return add_eval(self, run_id, step, task, *args, **kwargs)
-    harness.store.Store.add_eval = failing_add_eval
+    opd_harness.store.Store.add_eval = failing_add_eval
 """)
 
 
 @pytest.fixture(scope="module")
 def data_dir(benchmark_data) -> Path:
-    from tasks.code.evalplus import HumanEvalPlusTask
+    from opd_harness.tasks.code.evalplus import HumanEvalPlusTask
 
     return benchmark_data(f"humaneval_plus/{HumanEvalPlusTask.file_name}")
 
@@ -84,7 +84,7 @@ def eval_args(replay: Path, data_dir: Path, out: Path, *extra: str, image: str =
 
 def containers_of(client, pid: int) -> list[str]:
     """Ids of the sandbox containers whose owner label names process ``pid`` on this host."""
-    from sandbox.docker import LABEL, OWNER_LABEL
+    from opd_harness.sandbox.docker import LABEL, OWNER_LABEL
 
     found = client.api.containers(all=True, filters={"label": f"{LABEL}=1"})
     mine = []
@@ -105,8 +105,8 @@ class Watched:
 
 def watch_cli(client, args: list[str], env: dict, tmp_path: Path, *, inject: str = "", sigterm_when=None,
               timeout_s: float = 900) -> Watched:  # fmt: skip
-    """Run the harness CLI (``harness.cli.main``), polling its containers; send SIGTERM once ``sigterm_when(seen)`` holds."""
-    code = inject + "\nfrom harness.cli import main\nmain()\n"
+    """Run the harness CLI (``opd_harness.cli.main``), polling its containers; send SIGTERM once ``sigterm_when(seen)`` holds."""
+    code = inject + "\nfrom opd_harness.cli import main\nmain()\n"
     log = tmp_path / f"cli-{time.monotonic_ns()}.log"
     with log.open("w") as sink:
         proc = subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
@@ -160,9 +160,9 @@ def run_rows(out: Path) -> list[tuple]:
 def test_unreachable_daemon_is_reported_before_any_run():
     """No daemon listens on port 9: the readiness check says so instead of grading every sample as `error`."""
     pytest.importorskip("docker")
-    from harness.registry import TASKS
-    from harness.task import TaskNotReady
-    from tasks.code.evalplus import EvalPlusOptions
+    from opd_harness.registry import TASKS
+    from opd_harness.task import TaskNotReady
+    from opd_harness.tasks.code.evalplus import EvalPlusOptions
 
     HumanEvalPlusTask = TASKS.get("humaneval_plus")
     task = HumanEvalPlusTask(EvalPlusOptions(sandbox_options={"base_url": "tcp://127.0.0.1:9"}))
@@ -175,9 +175,9 @@ def test_unreachable_daemon_is_reported_before_any_run():
 
 def test_bad_sandbox_options_are_not_ready():
     pytest.importorskip("docker")
-    from harness.registry import TASKS
-    from harness.task import TaskNotReady
-    from tasks.code.evalplus import EvalPlusOptions
+    from opd_harness.registry import TASKS
+    from opd_harness.task import TaskNotReady
+    from opd_harness.tasks.code.evalplus import EvalPlusOptions
 
     HumanEvalPlusTask = TASKS.get("humaneval_plus")
     with pytest.raises(TaskNotReady, match="humaneval_plus: task option sandbox / sandbox_options: .*no_such_option"):
@@ -186,9 +186,9 @@ def test_bad_sandbox_options_are_not_ready():
 
 @pytest.mark.docker
 def test_missing_image_names_the_build_command(docker_client):
-    from harness.registry import TASKS
-    from harness.task import TaskNotReady
-    from tasks.code.evalplus import EvalPlusOptions
+    from opd_harness.registry import TASKS
+    from opd_harness.task import TaskNotReady
+    from opd_harness.tasks.code.evalplus import EvalPlusOptions
 
     HumanEvalPlusTask = TASKS.get("humaneval_plus")
     with HumanEvalPlusTask(EvalPlusOptions(sandbox_options={"image": MISSING_IMAGE})) as task:
@@ -204,7 +204,7 @@ def test_eval_with_missing_image_exits_2_before_writing(docker_client, data_dir,
     out = tmp_path / "out"
     replay = replay_file(tmp_path / "replay.jsonl", data_dir)
     args = eval_args(replay, data_dir, out, image=MISSING_IMAGE)
-    result = subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=ROOT, env=cli_env, capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "opd_harness.cli", *args], cwd=ROOT, env=cli_env, capture_output=True, text=True,
                             timeout=300)  # fmt: skip
     assert result.returncode == 2, result.stderr
     assert f"harness sandbox build --tag {MISSING_IMAGE}" in " ".join(result.stderr.split()), result.stderr
@@ -216,7 +216,7 @@ def test_eval_with_missing_image_exits_2_before_writing(docker_client, data_dir,
 def test_run_with_missing_image_exits_2_before_creating_the_run(docker_client, data_dir, cli_env, tmp_path):
     out = tmp_path / "out"
     args = [*RUN, "--set", f"task_args.humaneval_plus.sandbox_options.image={MISSING_IMAGE}", "--out", str(out)]
-    result = subprocess.run([sys.executable, "-m", "harness.cli", *args], cwd=ROOT, env={**cli_env, "HARNESS_DATA_DIR": str(data_dir)},
+    result = subprocess.run([sys.executable, "-m", "opd_harness.cli", *args], cwd=ROOT, env={**cli_env, "HARNESS_DATA_DIR": str(data_dir)},
                             capture_output=True, text=True, timeout=300)  # fmt: skip
     assert result.returncode == 2, result.stderr
     assert f"harness sandbox build --tag {MISSING_IMAGE}" in " ".join(result.stderr.split()), result.stderr
@@ -231,7 +231,7 @@ def test_run_with_missing_image_exits_2_before_creating_the_run(docker_client, d
 def test_a_sandbox_dropped_without_close_is_still_removed_at_exit(docker_client):
     """The exit hook holds open sandboxes strongly: one garbage-collected without close() leaves no container."""
     code = (
-        "import gc, os, sandbox\n"
+        "import gc, os\nfrom opd_harness import sandbox\n"
         "def grade():\n"
         f"    sb = sandbox.open_sandbox('docker', image={SANDBOX_IMAGE!r}, pool_size=1, prewarm=1)\n"
         "    assert sb.stats['created'] == 1\n"
@@ -248,7 +248,7 @@ def test_a_sandbox_dropped_without_close_is_still_removed_at_exit(docker_client)
 
 @pytest.mark.docker
 def test_close_removes_busy_containers_and_their_runs_end_as_error(docker_client):
-    from sandbox.docker import OWNER, OWNER_LABEL
+    from opd_harness.sandbox.docker import OWNER, OWNER_LABEL
 
     def ours() -> set[str]:  # plain listing: no per-container inspect racing with removals
         return {c["Id"] for c in docker_client.api.containers(all=True, filters={"label": f"{OWNER_LABEL}={OWNER}"})}

@@ -19,11 +19,11 @@ import pytest
 import torch
 from serving import metrics, post, post_raw, post_stream, running
 
-from harness.backends.hf import HFBackend
-from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
-from harness.serve import Limits, make_app
-from harness.serve.engine import Engine
-from harness.serve.engine import Sequence as Seq
+from opd_harness.backends.hf import HFBackend
+from opd_harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
+from opd_harness.serve import Limits, make_app
+from opd_harness.serve.engine import Engine
+from opd_harness.serve.engine import Sequence as Seq
 
 MODEL = "tiny"
 PROMPTS = ["Q: What is 2+3?\nA:", "hello world"]
@@ -316,7 +316,7 @@ def test_a_failing_model_is_a_500_and_the_server_keeps_serving(hf):
 
 
 def test_safe_prefix_holds_back_what_may_become_a_stop_string():
-    from harness.serve.engine import first_stop, safe_prefix
+    from opd_harness.serve.engine import first_stop, safe_prefix
 
     assert safe_prefix("hello wor", ()) == "hello wor"
     assert safe_prefix("hello wor", ("world", "x")) == "hello"  # "wor" may still become "world"
@@ -342,7 +342,7 @@ def test_tokens_as_ids_for_exact_scoring(hf, url):
 
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.8, 0.9)])
 def test_one_seeded_sample_is_the_hf_backends(hf, url, temperature, top_p):
-    from harness.backends import SamplingParams
+    from opd_harness.backends import SamplingParams
 
     for seed, text in enumerate(PROMPTS):
         body = {

@@ -13,11 +13,11 @@ from serving import post, post_stream, running
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import DynamicCache, PreTrainedTokenizerFast
 
-from harness.backends.sampling import draw, draw_rows
-from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
-from harness.serve import make_app
-from harness.serve.engine import Detokenizer, Engine, SlotLayer, fill_holes, with_slots
-from harness.serve.engine import Sequence as Seq
+from opd_harness.backends.sampling import draw, draw_rows
+from opd_harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
+from opd_harness.serve import make_app
+from opd_harness.serve.engine import Detokenizer, Engine, SlotLayer, fill_holes, with_slots
+from opd_harness.serve.engine import Sequence as Seq
 
 MODEL = "tiny"
 TRICKY = "héllo wörld: 日本語 and 🙂🙃, naïve café — ok"

@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model, save_model_and_tokenizer
+from opd_harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model, save_model_and_tokenizer
 
 
 def free_port() -> int:
@@ -27,7 +27,7 @@ def test_serve_then_eval_with_openai_backend(tmp_path):
     model_dir = tmp_path / "model"
     save_model_and_tokenizer(model, tok, model_dir)
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "harness.cli", "serve", "--model", str(model_dir), "--port", str(port)],
+    server = subprocess.Popen([sys.executable, "-m", "opd_harness.cli", "serve", "--model", str(model_dir), "--port", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
         deadline = time.time() + 60
@@ -40,7 +40,7 @@ def test_serve_then_eval_with_openai_backend(tmp_path):
                 assert server.poll() is None, server.stderr.read()
                 time.sleep(0.2)
         result = subprocess.run(
-            [sys.executable, "-m", "harness.cli", "eval", "--backend", "openai", "--model", str(model_dir), "--task", "arith",
+            [sys.executable, "-m", "opd_harness.cli", "eval", "--backend", "openai", "--model", str(model_dir), "--task", "arith",
              "--k", "2", "--limit", "3", "--out", str(tmp_path / "out"), "--json", "--backend-option", f"base_url=http://127.0.0.1:{port}/v1"],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
@@ -68,7 +68,7 @@ BAD_FLAGS = [
 def test_bad_serve_flags_exit_2_naming_the_flag(tmp_path, flag, value):
     from typer.testing import CliRunner
 
-    from harness.cli import app
+    from opd_harness.cli import app
 
     result = CliRunner().invoke(app, ["serve", "--model", str(tmp_path / "missing"), flag, value])
     output = " ".join(result.output.split())

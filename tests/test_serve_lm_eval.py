@@ -16,10 +16,10 @@ import torch
 from serving import metrics, running
 from typer.testing import CliRunner
 
-from harness.backends.hf import HFBackend
-from harness.cli import app
-from harness.models.tiny import load_model_and_tokenizer, save_model_and_tokenizer
-from harness.serve import make_app
+from opd_harness.backends.hf import HFBackend
+from opd_harness.cli import app
+from opd_harness.models.tiny import load_model_and_tokenizer, save_model_and_tokenizer
+from opd_harness.serve import make_app
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("tenacity", reason="lm-eval's API models need tenacity (the lmeval extra pins it)")

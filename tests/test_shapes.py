@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from harness.config import ConfigError, build_config
-from harness.models.shapes import EOS_ID, PAD_ID, SHAPES, build_shape_model, build_shape_tokenizer, shape_config
+from opd_harness.config import ConfigError, build_config
+from opd_harness.models.shapes import EOS_ID, PAD_ID, SHAPES, build_shape_model, build_shape_tokenizer, shape_config
 
 # The model cards' "Number of Parameters" (total, non-embedding), in billions, at the cards' precision.
 CARDS = {
@@ -96,9 +96,9 @@ def test_prepare_model_builds_caches_and_reloads_a_shape(tmp_path, monkeypatch):
     bfloat16 under the cache, returned in float32, and the same weights loaded back on the next run."""
     from functools import partial
 
-    from harness.config import ModelSpec
-    from harness.registry import TASKS
-    from trainers import warmup
+    from opd_harness.config import ModelSpec
+    from opd_harness.registry import TASKS
+    from opd_harness.trainers import warmup
 
     monkeypatch.setattr(warmup, "build_shape_model", partial(build_shape_model, layers=1))
     task = TASKS.get("arith")()

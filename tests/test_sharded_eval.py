@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from harness.backends import SamplingParams
-from harness.backends.hf import HFBackend
-from harness.cli import app
-from harness.evaluation import EVAL_SHARD_SAMPLES, evaluate_shard, evaluate_task, shard_problems
-from harness.registry import TASKS
-from tasks.synthetic.arith import ArithOptions
+from opd_harness.backends import SamplingParams
+from opd_harness.backends.hf import HFBackend
+from opd_harness.cli import app
+from opd_harness.evaluation import EVAL_SHARD_SAMPLES, evaluate_shard, evaluate_task, shard_problems
+from opd_harness.registry import TASKS
+from opd_harness.tasks.synthetic.arith import ArithOptions
 import test_swebench
 
 ArithTask = TASKS.get("arith")  # named by the registry, as the CLI makes it
@@ -44,7 +44,7 @@ def run_status(out: Path) -> list[str]:
 
 @pytest.fixture
 def tiny_model_dir(tmp_path, char_tokenizer, tiny_model_factory) -> Path:
-    from harness.models.tiny import save_model_and_tokenizer
+    from opd_harness.models.tiny import save_model_and_tokenizer
 
     path = tmp_path / "tiny"
     save_model_and_tokenizer(tiny_model_factory(seed=1), char_tokenizer, path)
@@ -96,14 +96,14 @@ def test_bad_placement_flags_exit_2_naming_the_flag_before_anything_is_written(t
 
 
 def test_an_interrupted_eval_resumes_without_redoing_staged_shards(tmp_path, monkeypatch):
-    import harness.evaluation
+    import opd_harness.evaluation
 
     model, out = arith_replay(tmp_path), tmp_path / "out"
     args = ["eval", "--backend", "replay", "--model", str(model), "--task", "arith", "--k", "1", "--limit", "6", "--shard-size", "2",
             "--out", str(out), "--json"]  # fmt: skip
     fresh = runner.invoke(app, [*args[:-3], "--out", str(tmp_path / "fresh"), "--json"])
     assert fresh.exit_code == 0, fresh.output
-    real, ran = harness.evaluation.evaluate_shard, []
+    real, ran = opd_harness.evaluation.evaluate_shard, []
 
     def interrupted_after_one(*a, **kw):
         if ran:
@@ -111,7 +111,7 @@ def test_an_interrupted_eval_resumes_without_redoing_staged_shards(tmp_path, mon
         ran.append(kw["index"])
         return real(*a, **kw)
 
-    monkeypatch.setattr(harness.evaluation, "evaluate_shard", interrupted_after_one)
+    monkeypatch.setattr(opd_harness.evaluation, "evaluate_shard", interrupted_after_one)
     stopped = runner.invoke(app, args)
     assert stopped.exit_code == 130 and "--resume" in stopped.output and run_status(out) == ["interrupted"]
     (run_id,) = [p.name for p in (out / "runs").iterdir()]
@@ -121,7 +121,7 @@ def test_an_interrupted_eval_resumes_without_redoing_staged_shards(tmp_path, mon
         ran.append(kw["index"])
         return real(*a, **kw)
 
-    monkeypatch.setattr(harness.evaluation, "evaluate_shard", counted)
+    monkeypatch.setattr(opd_harness.evaluation, "evaluate_shard", counted)
     other = runner.invoke(app, [*args, "--resume", run_id, "--k", "2"])
     assert other.exit_code == 2 and "other k" in " ".join(other.output.split())
     resumed = runner.invoke(app, [*args, "--resume", run_id])
@@ -148,7 +148,7 @@ def test_an_eval_killed_with_sigkill_resumes_from_its_staged_shards(tmp_path, ti
     out = tmp_path / "killed"
     log = tmp_path / "killed.log"
     with open(log, "wb") as sink:
-        proc = subprocess.Popen([sys.executable, "-m", "harness.cli", *args, "--out", str(out)], stdout=sink, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-m", "opd_harness.cli", *args, "--out", str(out)], stdout=sink, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 240
     while not list(out.glob("runs/*/eval_shards/step0/arith/*.json")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -182,8 +182,8 @@ def test_an_eval_worker_under_max_sandboxes_closes_its_sandbox_after_each_shard(
     opens it again); without the bound it stays open for the next shard, as before."""
     import torch
 
-    from harness.evaluation import EvalWorkerSpec
-    from trainers.ray_eval import EvalWorker
+    from opd_harness.evaluation import EvalWorkerSpec
+    from opd_harness.trainers.ray_eval import EvalWorker
 
     model, args = tool_replay(tmp_path, 2)
     problems = TASKS.get("arith_tool")(TASKS.get("arith_tool").Options(**args["arith_tool"])).load("test")[:2]
@@ -207,25 +207,25 @@ def test_an_eval_worker_under_max_sandboxes_closes_its_sandbox_after_each_shard(
 def test_ray_eval_on_two_nodes_equals_in_process_and_resumes(tmp_path, tiny_model_dir, ray_cluster, monkeypatch):
     """Math with the tiny model: 3 shards over 2 workers (one per node) store what the in-process eval stores; a run
     interrupted after its first staged shard resumes on the workers and runs only the other two."""
-    import harness.evaluation
+    import opd_harness.evaluation
 
     base = ["eval", "--model", str(tiny_model_dir), *TINY_ARGS]
     inproc = runner.invoke(app, [*base, "--out", str(tmp_path / "inproc")])
     assert inproc.exit_code == 0, inproc.output
     ray_args = [*base, "--executor", "ray", "--ray-address", ray_cluster.address, "--workers", "2", "--out", str(tmp_path / "ray")]
-    real_save, saved = harness.evaluation.ShardStage.save, []
+    real_save, saved = opd_harness.evaluation.ShardStage.save, []
 
     def save_then_stop(self, key, samples):
         real_save(self, key, samples)
         saved.append(key["index"])
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(harness.evaluation.ShardStage, "save", save_then_stop)
+    monkeypatch.setattr(opd_harness.evaluation.ShardStage, "save", save_then_stop)
     stopped = runner.invoke(app, ray_args)
     assert stopped.exit_code == 130 and len(saved) == 1, stopped.output
     assert "2 workers on 2 node(s)" in stopped.output
     counted = lambda self, key, samples: (saved.append(key["index"]), real_save(self, key, samples))  # noqa: E731
-    monkeypatch.setattr(harness.evaluation.ShardStage, "save", counted)
+    monkeypatch.setattr(opd_harness.evaluation.ShardStage, "save", counted)
     run_id = next((tmp_path / "ray" / "runs").iterdir()).name
     resumed = runner.invoke(app, [*ray_args, "--resume", run_id])
     assert resumed.exit_code == 0, resumed.output
@@ -255,8 +255,8 @@ def test_a_killed_eval_worker_is_restarted_and_its_shard_requeued(tmp_path, tiny
     import torch
     from rich.console import Console
 
-    from harness.evaluation import EvalWorkerSpec
-    from trainers.ray_eval import RAY_EVAL
+    from opd_harness.evaluation import EvalWorkerSpec
+    from opd_harness.trainers.ray_eval import RAY_EVAL
 
     problems = ArithTask(SHORT).load("test")[:6]
     sampling = SamplingParams(max_new_tokens=12, seed=0)
@@ -289,7 +289,7 @@ def test_a_killed_eval_worker_is_restarted_and_its_shard_requeued(tmp_path, tiny
 def test_ray_eval_of_a_docker_code_task_and_a_retool_replay_equals_in_process(tmp_path, ray_cluster, benchmark_data, docker_client):
     """HumanEval+ graded in each worker's own Docker sandboxes and ReTool episodes whose tool calls run there, replayed
     (right and wrong agents): the sharded eval stores exactly the in-process eval's samples and scores."""
-    from harness.plan import make_task
+    from opd_harness.plan import make_task
 
     data = benchmark_data(f"humaneval_plus/{TASKS.get('humaneval_plus').file_name}", "aime24/test.jsonl")
     code = make_task("humaneval_plus", {}).load("test", data)[:3]
@@ -324,7 +324,7 @@ def test_ray_eval_of_a_swebench_replay_grades_on_the_worker(tiny, tmp_path, ray_
 
     import ray
 
-    from tasks.swebench import upstream
+    from opd_harness.tasks.swebench import upstream
 
     root, patches = tiny
     data = root / "data"
@@ -355,9 +355,9 @@ def test_max_sandboxes_bounds_the_sandboxed_shards_in_flight_per_node(tmp_path, 
     in-process eval's samples."""
     from rich.console import Console
 
-    from harness.backends.replay import ReplayBackend
-    from harness.evaluation import EvalWorkerSpec
-    from trainers.ray_eval import RAY_EVAL
+    from opd_harness.backends.replay import ReplayBackend
+    from opd_harness.evaluation import EvalWorkerSpec
+    from opd_harness.trainers.ray_eval import RAY_EVAL
 
     model, args = tool_replay(tmp_path, 4)
     task_of = lambda: TASKS.get("arith_tool")(TASKS.get("arith_tool").Options(**args["arith_tool"]))  # noqa: E731

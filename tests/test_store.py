@@ -1,6 +1,6 @@
 import math
 
-from harness.store import SampleRow, Store
+from opd_harness.store import SampleRow, Store
 
 
 def summary(avg=0.5):
@@ -80,7 +80,7 @@ def test_restored_scheduler_puts_the_saved_learning_rate_back():
     """A warm-up schedule resumed at step 3 must train step 4 at the step-3 rate, not the first warm-up rate."""
     import torch
 
-    from trainers.checkpoint import restore_scheduler
+    from opd_harness.trainers.checkpoint import restore_scheduler
 
     def factory(opt):
         return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from harness.task import DataError
-from tasks.swebench import upstream
-from tasks.swebench.data import load_rows, validate_row
-from tasks.swebench.grading import map_unittest_names
-from tasks.swebench.images import environment_pins, failed_requirements
-from tasks.swebench.task import SwebenchOptions, SwebenchTask
+from opd_harness.task import DataError
+from opd_harness.tasks.swebench import upstream
+from opd_harness.tasks.swebench.data import load_rows, validate_row
+from opd_harness.tasks.swebench.grading import map_unittest_names
+from opd_harness.tasks.swebench.images import environment_pins, failed_requirements
+from opd_harness.tasks.swebench.task import SwebenchOptions, SwebenchTask
 
 REPO, VERSION, IID = "opd-harness/tinycalc", "0.1", "opd-harness__tinycalc-1"
 RUNNER_VERSION = "0.3"  # the same tree, its tests run by tests/runtests.py (django's layout)
@@ -131,8 +131,8 @@ def test_a_folder_of_git_mirrors_is_a_repository_source(tiny, tmp_path):
     """`swebench.repo_source=DIR` with `<owner>__<name>.git` mirrors (how other instances of a repository come without
     snapshots): the tree at `base_commit` is archived, not the mirror's HEAD; the gold patch resolves on it; a commit
     the mirror lacks is a clear DataNotFound."""
-    from harness.task import DataNotFound
-    from tasks.swebench.data import repo_tarball
+    from opd_harness.task import DataNotFound
+    from opd_harness.tasks.swebench.data import repo_tarball
 
     root, patches = tiny
     work = tmp_path / "work"
@@ -218,7 +218,7 @@ def test_real_instance_gold_resolves_and_empty_does_not(benchmark_data, docker_c
 def test_cli_sandbox_build_and_replay_eval(tiny, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from harness.cli import app
+    from opd_harness.cli import app
 
     root, patches = tiny
     data = root / "data"
@@ -271,7 +271,7 @@ def test_nothing_is_left_running_after_a_crash_mid_episode(how, tiny, tmp_path, 
     import sys
     import time
 
-    from sandbox.docker import LABEL, OWNER_LABEL
+    from opd_harness.sandbox.docker import LABEL, OWNER_LABEL
 
     root, _ = tiny
     data = root / "data"
@@ -283,9 +283,9 @@ def test_nothing_is_left_running_after_a_crash_mid_episode(how, tiny, tmp_path, 
             "--task-arg", f"swebench.agent_exec_server={str(how == 'sigterm-served').lower()}"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     code = (
-        f"from tasks.swebench import upstream; upstream.register_repo({REPO!r}, {{{VERSION!r}: "
+        f"from opd_harness.tasks.swebench import upstream; upstream.register_repo({REPO!r}, {{{VERSION!r}: "
         "{'python': '3.9', 'test_cmd': 'python -m unittest -v'}}, "
-        "parser='django/django')\nfrom harness.cli import main; main()"
+        "parser='django/django')\nfrom opd_harness.cli import main; main()"
     )  # the tiny repository's spec, as the fixture registers it
     proc = subprocess.Popen([sys.executable, "-c", code, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
@@ -310,7 +310,8 @@ def test_nothing_is_left_running_after_a_crash_mid_episode(how, tiny, tmp_path, 
         else:
             assert len(mine()) == 1  # a killed process cleans nothing up itself
             # the next user reaps
-            reaper = "import sandbox\nwith sandbox.open_sandbox('docker') as sb: sb.run(sandbox.ExecRequest(argv=['true']))"
+            reaper = ("from opd_harness import sandbox\n"
+                      "with sandbox.open_sandbox('docker') as sb: sb.run(sandbox.ExecRequest(argv=['true']))")
             subprocess.run([sys.executable, "-c", reaper], env=env, check=True, timeout=120)
             assert mine() == []
     finally:
@@ -321,8 +322,8 @@ def test_nothing_is_left_running_after_a_crash_mid_episode(how, tiny, tmp_path, 
 
 
 def test_open_instance_session_runs_in_the_repository(tiny):
-    from sandbox import ExecRequest
-    from tasks.swebench.task import open_instance_session
+    from opd_harness.sandbox import ExecRequest
+    from opd_harness.tasks.swebench.task import open_instance_session
 
     root, _ = tiny
     data = root / "data"
@@ -343,9 +344,9 @@ def test_open_instance_session_runs_in_the_repository(tiny):
 
 def agent_env(task: SwebenchTask, problem, **limits):
     """An agent episode on the tiny instance, its container opened by the task (as in ``task.env``)."""
-    from tasks.agentic.shell_env import AgentLimits
-    from tasks.swebench.agent import SwebenchAgentEnv
-    from tasks.swebench.task import AGENT_WORKDIR
+    from opd_harness.tasks.agentic.shell_env import AgentLimits
+    from opd_harness.tasks.swebench.agent import SwebenchAgentEnv
+    from opd_harness.tasks.swebench.task import AGENT_WORKDIR
 
     return SwebenchAgentEnv("", lambda: task.open_session(problem.meta), workdir=AGENT_WORKDIR, limits=AgentLimits(**limits))
 
@@ -403,11 +404,11 @@ def test_the_instance_container_starts_while_the_model_writes_its_first_turn(tin
 
     from scripted_model import ScriptedModel
 
-    from harness.backends import SamplingParams
-    from harness.registry import TASKS
-    from harness.rollout import rollout
-    from sandbox.docker import LABEL, OWNER_LABEL
-    from tasks.swebench.agent import SUBMIT
+    from opd_harness.backends import SamplingParams
+    from opd_harness.registry import TASKS
+    from opd_harness.rollout import rollout
+    from opd_harness.sandbox.docker import LABEL, OWNER_LABEL
+    from opd_harness.tasks.swebench.agent import SUBMIT
 
     def mine() -> list[str]:
         found = docker_client.api.containers(all=True, filters={"label": f"{LABEL}=1"})
@@ -451,10 +452,10 @@ def test_staged_data_loads_from_csv_and_save_to_disk_alike(benchmark_data):
 
 def test_scripted_agent_episodes_resolve_and_premature_stops_are_flagged(tiny, tmp_path):
     """Replayed bash turns run live in the instance container; the final git diff is graded; stops are flagged."""
-    from harness.backends import SamplingParams
-    from harness.backends.replay import ReplayBackend
-    from harness.evaluation import evaluate_task
-    from tasks.swebench.agent import SUBMIT
+    from opd_harness.backends import SamplingParams
+    from opd_harness.backends.replay import ReplayBackend
+    from opd_harness.evaluation import evaluate_task
+    from opd_harness.tasks.swebench.agent import SUBMIT
 
     def bash(command: str) -> str:
         return f"THOUGHT: next.\n\n```bash\n{command}\n```"
@@ -487,8 +488,8 @@ def test_f_opd_trains_on_agent_episodes_in_instance_containers(tiny, tmp_path):
     no valid command (format errors end their episodes), so they resolve nothing and open no container."""
     from typer.testing import CliRunner
 
-    from harness.cli import app
-    from harness.store import Store
+    from opd_harness.cli import app
+    from opd_harness.store import Store
 
     root, _ = tiny
     data = root / "data"
@@ -642,7 +643,7 @@ def test_patches_that_steer_the_test_run_are_refused(tiny, tiny_pytest, tmp_path
 
 
 def test_patch_paths_are_read_as_git_and_patch_read_them():
-    from tasks.swebench.patches import fuzz_patch, parse_patch, unsafe_paths
+    from opd_harness.tasks.swebench.patches import fuzz_patch, parse_patch, unsafe_paths
 
     patch = (
         "diff --git a/calc.py b/calc.py\n--- a/calc.py\n+++ b/calc.py\n@@ -1,2 +1,2 @@\n def add(a, b):\n---- a/x\n++++ b/y\n"
@@ -664,7 +665,7 @@ def test_patch_paths_are_read_as_git_and_patch_read_them():
 
 
 def test_tampering_policy_fails_strips_or_keeps_the_files_that_steer_the_test_run():
-    from tasks.swebench.grading import prepare
+    from opd_harness.tasks.swebench.grading import prepare
 
     def diff(*paths: str) -> str:
         return "".join(f"diff --git a/{p} b/{p}\n--- a/{p}\n+++ b/{p}\n@@ -1 +1 @@\n-a\n+b\n" for p in paths)
@@ -684,7 +685,7 @@ def test_tampering_policy_fails_strips_or_keeps_the_files_that_steer_the_test_ru
 
 
 def test_test_sections_of_setup_cfg_and_pyproject_are_compared():
-    from tasks.swebench.steering import changed
+    from opd_harness.tasks.swebench.steering import changed
 
     cfg = "[metadata]\nname = x\n\n[tool:pytest]\naddopts = -q\n"
     assert not changed("setup.cfg", cfg, cfg.replace("name = x", "name = y"))
@@ -700,7 +701,7 @@ def test_test_sections_of_setup_cfg_and_pyproject_are_compared():
 def test_markers_count_only_where_the_grader_prints_them():
     from types import SimpleNamespace
 
-    from tasks.swebench.grading import (
+    from opd_harness.tasks.swebench.grading import (
         APPLIED,
         APPLY_FAILED,
         SETUP_FAILED,
@@ -729,8 +730,8 @@ def test_markers_count_only_where_the_grader_prints_them():
 
 
 def test_rebuild_runs_where_compiled_sources_change_and_the_spec_builds_in_place():
-    from tasks.swebench.grading import REBUILD, rebuild_command
-    from tasks.swebench.patches import parse_patch
+    from opd_harness.tasks.swebench.grading import REBUILD, rebuild_command
+    from opd_harness.tasks.swebench.patches import parse_patch
 
     pyx = parse_patch("--- a/sklearn/tree/_tree.pyx\n+++ b/sklearn/tree/_tree.pyx\n@@ -1 +1 @@\n-a\n+b\n")
     py = parse_patch("--- a/sklearn/tree/tree.py\n+++ b/sklearn/tree/tree.py\n@@ -1 +1 @@\n-a\n+b\n")
@@ -746,17 +747,17 @@ def test_a_scripted_training_step_runs_its_commands_in_the_instance_container(ti
     image's commit and user, which the host has not), env tokens are masked out, and the step trains."""
     import torch
 
-    from harness.backends import SamplingParams
-    from harness.backends.hf import HFBackend
-    from harness.backends.replay import ReplayBackend
-    from harness.models.tiny import TinyArch, build_tiny_model
-    from harness.registry import METHODS
-    from harness.rollout import rollout
-    from harness.trajectory import to_tensor_batch
-    from tasks.swebench.agent import SUBMIT
-    from trainers.learner import train_step
-    from trainers.pipeline import behaviour_logprobs
-    from trainers.teacher import score_teacher
+    from opd_harness.backends import SamplingParams
+    from opd_harness.backends.hf import HFBackend
+    from opd_harness.backends.replay import ReplayBackend
+    from opd_harness.models.tiny import TinyArch, build_tiny_model
+    from opd_harness.registry import METHODS
+    from opd_harness.rollout import rollout
+    from opd_harness.trajectory import to_tensor_batch
+    from opd_harness.tasks.swebench.agent import SUBMIT
+    from opd_harness.trainers.learner import train_step
+    from opd_harness.trainers.pipeline import behaviour_logprobs
+    from opd_harness.trainers.teacher import score_teacher
 
     root, _ = tiny
     task = tiny_task(root)
@@ -808,10 +809,10 @@ def test_a_52_mb_replayed_patch_fails_quickly_in_bounded_memory(tiny, tmp_path):
     big = patches["gold"] + "".join(f"+# padding line {i:07d} {'x' * 40}\n" for i in range(52_000_000 // 64))
     model = tmp_path / "big.jsonl"
     model.write_text(json.dumps({"task": "swebench", "id": IID, "completion": big}) + "\n")
-    code = (f"from tasks.swebench import upstream; upstream.register_repo({REPO!r}, "
+    code = (f"from opd_harness.tasks.swebench import upstream; upstream.register_repo({REPO!r}, "
             f"{{{VERSION!r}: {{'python': '3.9', 'test_cmd': 'python -m unittest -v'}}}}, "
             "parser='django/django')\nimport atexit, resource, sys\n"
-            "from harness.cli import main\nimport harness.evaluation, tasks.swebench.task\n"
+            "from opd_harness.cli import main\nimport opd_harness.evaluation, opd_harness.tasks.swebench.task\n"
             "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
             "atexit.register(lambda: print('RSS_KB', base, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr))\n"
             "main()")  # fmt: skip
@@ -825,7 +826,7 @@ def test_a_52_mb_replayed_patch_fails_quickly_in_bounded_memory(tiny, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout[proc.stdout.index("{") :])["tasks"]["swebench"]
     assert (got["n_pass"], got["n_fail"], got["n_errors"]) == (0, 1, 0), got
-    from harness.store import Store
+    from opd_harness.store import Store
 
     store = Store(tmp_path / "out")
     (run,) = store.runs()
@@ -841,7 +842,7 @@ def test_a_52_mb_replayed_patch_fails_quickly_in_bounded_memory(tiny, tmp_path):
 def test_a_rebuild_runs_before_the_tests_and_cannot_plant_test_infrastructure(rebuild, code, tiny, monkeypatch):
     """Where a rebuild runs (code of the patched repository, before the tests), a failed one fails the patch and a
     steering file it writes is found by the hash check that follows it."""
-    from tasks.swebench import grading
+    from opd_harness.tasks.swebench import grading
 
     root, patches = tiny
     task = tiny_task(root)

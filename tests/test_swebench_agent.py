@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.agentic.shell_env import AgentLimits, head_tail, parse_command
-from tasks.swebench.agent import SUBMIT, SwebenchAgentEnv
+from opd_harness.tasks.agentic.shell_env import AgentLimits, head_tail, parse_command
+from opd_harness.tasks.swebench.agent import SUBMIT, SwebenchAgentEnv
 
 REPO = {"repo/calc.py": b"def add(a, b):\n    return a - b\n", "repo/README": b"calc\n"}
 
@@ -18,7 +18,7 @@ def bash(command: str) -> str:
 @pytest.fixture
 def make_env(sb):
     """Agent environments on sessions of the provider under test, each with a committed copy of REPO."""
-    from sandbox import ExecRequest
+    from opd_harness.sandbox import ExecRequest
 
     envs = []
 

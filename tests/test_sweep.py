@@ -1,4 +1,4 @@
-"""Sweeps (harness.sweep) and their paper-style tables and lag curve (harness.report)."""
+"""Sweeps (opd_harness.sweep) and their paper-style tables and lag curve (opd_harness.report)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import json
 import numpy as np
 import pytest
 
-from harness.config import ConfigError, build_config
-from harness.report import plot_lag_curve, render_markdown, summarize_run, sweep_report, write_report
-from harness.store import Store
-from harness.sweep import SweepError, load_sweep, run_sweep
+from opd_harness.config import ConfigError, build_config
+from opd_harness.report import plot_lag_curve, render_markdown, summarize_run, sweep_report, write_report
+from opd_harness.store import Store
+from opd_harness.sweep import SweepError, load_sweep, run_sweep
 
 SWEEP_YAML = """\
 id: tiny

@@ -1,4 +1,4 @@
-"""Teacher signal kinds (harness.teacher_signal): each kind's loss and gradient equal the same method computed from the whole
+"""Teacher signal kinds (opd_harness.teacher_signal): each kind's loss and gradient equal the same method computed from the whole
 teacher distribution, the HF teacher's hidden-state and at-ids scores equal its full scores, and scoring a 2k-token sequence
 at Qwen3's vocabulary keeps no (T, V) tensor."""
 
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from test_chunked_vocab import batch_for, loss_and_grads
-from harness.backends.hf import HFBackend
-from harness.registry import METHODS
-from harness.teacher_signal import HiddenDistribution, TopKDistribution, bytes_per_token
-from trainers.teacher import score_teacher
+from opd_harness.backends.hf import HFBackend
+from opd_harness.registry import METHODS
+from opd_harness.teacher_signal import HiddenDistribution, TopKDistribution, bytes_per_token
+from opd_harness.trainers.teacher import score_teacher
 
 K = 4
 # (method, hyper-parameters, the kinds it accepts): every method that reads the teacher's distribution
@@ -95,7 +95,7 @@ def test_a_topk_signal_equals_the_method_on_the_whole_distribution_in_k_plus_one
 
 def reference_loss(name: str, args: dict, batch, student_log: torch.Tensor, terms) -> torch.Tensor:
     """The objective's loss with its per-position function ``fn`` applied as ``terms(fn)`` instead of to the batch's signal."""
-    from harness.method import StudentOutputs
+    from opd_harness.method import StudentOutputs
 
     spec = METHODS.get(name)
     hp = spec.hparams(**args)
@@ -144,8 +144,8 @@ import json, sys, torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 sys.path.insert(0, 'tests')
 from batches import make_batch
-from harness.backends.hf import HFBackend
-from trainers.teacher import score_teacher
+from opd_harness.backends.hf import HFBackend
+from opd_harness.trainers.teacher import score_teacher
 torch.manual_seed(0)
 torch.set_num_threads(1)
 cfg = Qwen3Config(vocab_size=151936, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -179,8 +179,8 @@ def test_teacher_scoring_of_2k_tokens_at_qwen3_vocabulary_keeps_no_vocabulary_si
 def test_the_rollout_returns_the_student_s_top_k_ids_of_every_sampled_token(tiny_model_factory, char_tokenizer):
     """The hf engine's top-k ids per generated token equal the top-k of the same model scoring the finished sequences,
     and ``to_tensor_batch`` puts them at the model tokens' positions (what the student_topk signal scores the teacher on)."""
-    from harness.backends import SamplingParams
-    from harness.trajectory import Segment, Trajectory, to_tensor_batch
+    from opd_harness.backends import SamplingParams
+    from opd_harness.trajectory import Segment, Trajectory, to_tensor_batch
 
     model = tiny_model_factory(seed=3, hidden=32, layers=1).requires_grad_(False)
     backend = HFBackend(model, char_tokenizer)
@@ -200,8 +200,8 @@ def test_the_rollout_returns_the_student_s_top_k_ids_of_every_sampled_token(tiny
 def test_a_smoke_run_with_the_student_topk_signal_trains(tmp_path):
     from typer.testing import CliRunner
 
-    from harness.cli import app
-    from harness.store import Store
+    from opd_harness.cli import app
+    from opd_harness.store import Store
 
     out = tmp_path / "out"
     args = ["run", "--preset", "smoke", "--out", str(out), "--set", "method_args.opd.estimator=full", "--set",
@@ -220,7 +220,7 @@ def test_joined_batches_join_their_teacher_distributions_row_for_row():
     is joined with them, each part right-padded with zeros to the widest part, in row order."""
     import dataclasses
 
-    from harness.trajectory import concat_batches
+    from opd_harness.trajectory import concat_batches
 
     short, wide = batch_for(50, seed=0), batch_for(50, seed=1)
     wide = dataclasses.replace(wide, **{f.name: torch.cat([v, v[:, :3]], dim=1) for f in dataclasses.fields(wide)

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from harness.backends import SamplingParams
-from harness.backends.hf import HFBackend, left_pad
-from harness.backends.hf_static import StaticCacheBackend
-from harness.models.tiny import TinyArch, build_tiny_model, count_parameters, load_model_and_tokenizer, save_model_and_tokenizer
+from opd_harness.backends import SamplingParams
+from opd_harness.backends.hf import HFBackend, left_pad
+from opd_harness.backends.hf_static import StaticCacheBackend
+from opd_harness.models.tiny import TinyArch, build_tiny_model, count_parameters, load_model_and_tokenizer, save_model_and_tokenizer
 
 
 def test_char_tokenizer_round_trip(char_tokenizer):
@@ -168,9 +168,9 @@ def test_static_cache_engine_uses_a_static_cache_and_compile_switches(char_token
 
 
 def test_static_cache_engine_is_a_registered_rollout_engine(char_tokenizer, tiny_model_factory):
-    from harness.backends import RolloutEngine
-    from harness.config import load_options
-    from harness.registry import BACKENDS
+    from opd_harness.backends import RolloutEngine
+    from opd_harness.config import load_options
+    from opd_harness.registry import BACKENDS
 
     assert BACKENDS.get("hf_static") is StaticCacheBackend
     assert isinstance(StaticCacheBackend(tiny_model_factory(seed=0), char_tokenizer), RolloutEngine)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.config import build_config
-from harness.plan import make_task
+from opd_harness.config import build_config
+from opd_harness.plan import make_task
 
 
 def copy_offsets(problem) -> tuple[int, int]:

@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from harness.backends import SamplingParams
-from harness.backends.replay import ReplayBackend
-from harness.evaluation import evaluate_task
-from harness.registry import TASKS
-from harness.rollout import reference_trajectories, rollout
-from tasks.agentic.tool_formats import HermesFormat, RetoolFormat
+from opd_harness.backends import SamplingParams
+from opd_harness.backends.replay import ReplayBackend
+from opd_harness.evaluation import evaluate_task
+from opd_harness.registry import TASKS
+from opd_harness.rollout import reference_trajectories, rollout
+from opd_harness.tasks.agentic.tool_formats import HermesFormat, RetoolFormat
 
 RT = RetoolFormat()
 HERMES = HermesFormat()
@@ -181,10 +181,10 @@ def test_invalid_calls_use_the_budget_but_are_no_tool_error_denominator():
 def test_the_swebench_agent_reports_the_same_tool_use_view(local_sb):
     """The shell agent's commands are tool calls as the interpreter's are: a format error is an invalid call that ran
     nothing, a timed-out command an executed call with a tool error."""
-    from harness.evaluation import summarize_episodes
-    from sandbox import ExecRequest
-    from tasks.agentic.shell_env import AgentLimits
-    from tasks.swebench.agent import SwebenchAgentEnv
+    from opd_harness.evaluation import summarize_episodes
+    from opd_harness.sandbox import ExecRequest
+    from opd_harness.tasks.agentic.shell_env import AgentLimits
+    from opd_harness.tasks.swebench.agent import SwebenchAgentEnv
 
     def open_session():  # a one-commit repository: the agent diffs against its base commit
         session = local_sb.session()
@@ -231,7 +231,7 @@ def test_value_width_pads_the_reference_print_to_a_fixed_offset_and_refuses_a_na
 
 
 def leftover_containers(docker_client) -> list[str]:
-    from sandbox.docker import LABEL, OWNER, OWNER_LABEL
+    from opd_harness.sandbox.docker import LABEL, OWNER, OWNER_LABEL
 
     return [c["Id"] for c in docker_client.api.containers(all=True, filters={"label": [f"{LABEL}=1", f"{OWNER_LABEL}={OWNER}"]})]
 
@@ -240,7 +240,7 @@ def busy_containers(docker_client, task, before: set[str]) -> set[str]:
     """This process's new containers but the task sandbox's idle, reset session containers (only their exec server,
     PID 1, is running: an episode that ended left nothing in it) and those reset with the next episode's supervisor
     started ahead (PID 1, the supervisor and its fresh worker)."""
-    from sandbox.interpreter import _READY
+    from opd_harness.sandbox.interpreter import _READY
 
     idle = {b.container.id for boxes in task.sandbox._idle_sessions.values() for b in boxes}
     assert all(len(docker_client.containers.get(c).top()["Processes"]) == 1 for c in idle), "an idle container was not reset"
@@ -301,7 +301,7 @@ def test_retool_aime24_eval_with_replay_cli(tmp_path, benchmark_data):
     """`harness eval --task retool:aime24 --backend replay`: scripted agents with live tool calls, metrics in --json."""
     from typer.testing import CliRunner
 
-    from harness.cli import app
+    from opd_harness.cli import app
 
     data = benchmark_data("aime24/test.jsonl")
     rows = [json.loads(line) for line in (data / "aime24" / "test.jsonl").read_text().splitlines()[:2]]
@@ -317,7 +317,7 @@ def test_retool_aime24_eval_with_replay_cli(tmp_path, benchmark_data):
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)["tasks"]["retool:aime24"]
     assert summary["n_pass"] == 1 and summary["invalid_tool_rate"] == 0.5 and summary["mean_tool_calls"] == 1.0
-    from harness.store import Store
+    from opd_harness.store import Store
 
     store = Store(tmp_path / "out")
     (ev,) = store.evals()

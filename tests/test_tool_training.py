@@ -11,10 +11,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from harness.cli import app
-from harness.store import Store
-from harness.trajectory import Trajectory
-from trainers.objectives.sod import step_ids
+from opd_harness.cli import app
+from opd_harness.store import Store
+from opd_harness.trajectory import Trajectory
+from opd_harness.trainers.objectives.sod import step_ids
 
 TINY = [
     "--preset", "tool-demo",
@@ -32,7 +32,7 @@ TINY = [
 @pytest.fixture
 def trained_on(monkeypatch) -> list[tuple[torch.Tensor, list[Trajectory]]]:
     """(loss mask at training time, the episodes the batch was packed from) for every batch the learner trains on."""
-    import trainers.pipeline as pipeline
+    import opd_harness.trainers.pipeline as pipeline
 
     packed: dict[int, tuple[object, list[Trajectory]]] = {}
     trained: list[tuple[torch.Tensor, list[Trajectory]]] = []

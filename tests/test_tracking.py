@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from harness.cli import app
-from harness.store import Store
-from harness.tracking import JsonlTracker, RunInfo, Trackers, eval_metrics, step_key, step_metrics
+from opd_harness.cli import app
+from opd_harness.store import Store
+from opd_harness.tracking import JsonlTracker, RunInfo, Trackers, eval_metrics, step_key, step_metrics
 
 runner = CliRunner()
 SMOKE = ["run", "--preset", "smoke", "--set", "eval.teacher=false", "--set", "teacher.sft_steps=0", "--set", "student.sft_steps=0",
@@ -164,7 +164,7 @@ def test_mlflow_file_store_has_the_store_values_params_and_artifacts(smoke_run, 
 
 @pytest.mark.slow
 def test_eval_logger_survives_a_failing_tracker_with_one_warning(smoke_run, monkeypatch):
-    from harness import tracking
+    from opd_harness import tracking
 
     def broken(self, metrics, step):
         raise ConnectionError("tensorboard went away")
@@ -249,7 +249,7 @@ def test_unknown_eval_logger_exits_2_before_anything_is_written(tmp_path):
 
 
 def test_resuming_a_run_whose_tracker_package_is_gone_exits_2_naming_the_key(tmp_path, monkeypatch):
-    from harness.config import build_config
+    from opd_harness.config import build_config
 
     with Store(tmp_path) as store:
         store.create_run("r", kind="train", config=build_config(preset="smoke", overrides=["trainer.loggers=[wandb]"]).model_dump())
@@ -261,7 +261,7 @@ def test_resuming_a_run_whose_tracker_package_is_gone_exits_2_naming_the_key(tmp
 
 
 def test_a_tracker_that_cannot_start_exits_2_naming_the_key_and_marks_the_run_failed(tmp_path, monkeypatch):
-    from harness import tracking
+    from opd_harness import tracking
 
     def refused(self, info):
         raise PermissionError("the tracking server refused the run")

@@ -4,7 +4,7 @@
 import ast
 from pathlib import Path
 
-from harness.registry import EXECUTORS, PIPELINES
+from opd_harness.registry import EXECUTORS, PIPELINES
 
 TRAINERS = Path(__file__).resolve().parents[1] / "trainers"
 
@@ -20,7 +20,7 @@ def imported_trainer_modules(path: Path) -> set[str]:
             if isinstance(node, ast.Import)
             else []
         )
-        found |= {n for n in names if n.startswith("trainers.") and not n.startswith("trainers.objectives")}
+        found |= {n for n in names if n.startswith("trainers.") and not n.startswith("opd_harness.trainers.objectives")}
     return found
 
 
@@ -46,4 +46,5 @@ def test_sync_and_async_are_one_pipeline_and_executors_are_registered():
     assert type(PIPELINES.get("sync")) is type(PIPELINES.get("async"))
     assert {"inprocess", "ray"} <= set(EXECUTORS.names())
     loop_imports = imported_trainer_modules(TRAINERS / "loop.py")
-    assert loop_imports == {"trainers.pipeline", "trainers.guards"}  # executors are looked up by name, never imported by the loop
+    # executors are looked up by name, never imported by the loop
+    assert loop_imports == {"opd_harness.trainers.pipeline", "opd_harness.trainers.guards"}

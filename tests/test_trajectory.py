@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from harness.trajectory import Segment, Trajectory, to_tensor_batch
+from opd_harness.trajectory import Segment, Trajectory, to_tensor_batch
 
 
 def tool_episode() -> Trajectory:

@@ -14,10 +14,10 @@ from test_leaderboard_html import chromium  # noqa: F401 - the headless Chromium
 from test_tool_tasks import answer, code
 from typer.testing import CliRunner
 
-from harness.cli import app
-from harness.gate import score_matrices
-from harness.store import SampleRow, Store
-from harness.viewer import EvalRef, problem_flips, viewer_payload, write_page
+from opd_harness.cli import app
+from opd_harness.gate import score_matrices
+from opd_harness.store import SampleRow, Store
+from opd_harness.viewer import EvalRef, problem_flips, viewer_payload, write_page
 
 runner = CliRunner()
 tiny = test_swebench.tiny  # the tiny SWE-bench instance (a module fixture)
@@ -122,7 +122,7 @@ def test_rows_stored_without_the_episode_shape_show_as_one_model_turn(tmp_path):
 
 
 def test_leaderboard_page_holds_the_transcripts(chromium, tool_runs, tmp_path):  # noqa: F811
-    from harness.leaderboard_page import write_html
+    from opd_harness.leaderboard_page import write_html
 
     out, run_a, run_b = tool_runs
     page = write_html([out], tmp_path / "board.html")

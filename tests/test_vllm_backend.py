@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness.backends import Completion, SamplingParams
-from harness.backends.vllm_backend import (
+from opd_harness.backends import Completion, SamplingParams
+from opd_harness.backends.vllm_backend import (
     RAW_LOGPROBS,
     VLLMBackend,
     check_score_request,
@@ -25,7 +25,7 @@ from harness.backends.vllm_backend import (
     score_sampling_kwargs,
     to_completion,
 )
-from harness.backends.prompt_logprobs import prompt_logprobs_to_tensor, topk_from_entry
+from opd_harness.backends.prompt_logprobs import prompt_logprobs_to_tensor, topk_from_entry
 
 from fake_vllm import (
     ENGINE_LOGPROB_SCALE,
@@ -45,7 +45,7 @@ from fake_vllm import (
 
 def test_importing_the_module_does_not_import_vllm():
     code = (
-        "import sys, harness.backends.vllm_backend as m; from harness.registry import BACKENDS; "
+        "import sys, opd_harness.backends.vllm_backend as m; from opd_harness.registry import BACKENDS; "
         "assert BACKENDS.get('vllm') is m.VLLMBackend; "
         "print(sorted(k for k in sys.modules if k == 'vllm' or k.startswith('vllm.')))"
     )
@@ -347,8 +347,8 @@ def test_a_row_of_exactly_max_model_len_is_scored(monkeypatch):
 
 def test_the_mismatched_stand_in_engine_scores_and_samples_off_the_trainer_and_takes_weights(monkeypatch, tmp_path):
     """The stand-in engine of the π_old tests (test_importance_ratios.py): log-probs 1.1 × the trainer's, weights through load_weights."""
-    from harness.backends.hf import HFBackend
-    from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model, save_model_and_tokenizer
+    from opd_harness.backends.hf import HFBackend
+    from opd_harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model, save_model_and_tokenizer
 
     tok = build_char_tokenizer()
     arch = TinyArch(hidden=32, layers=1, heads=2, kv_heads=1, ffn=64)
@@ -388,7 +388,7 @@ NORM_SCALE = 4.0  # sharpen the random tiny model: greedy margins well above flo
 
 
 def _tiny(seed: int):
-    from harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
+    from opd_harness.models.tiny import TinyArch, build_char_tokenizer, build_tiny_model
 
     tok = build_char_tokenizer()
     # head_dim 64: supported by every vLLM attention backend
@@ -403,8 +403,8 @@ def _tiny(seed: int):
 def engines(tmp_path_factory):
     if _SKIP is not None:
         pytest.skip(_SKIP)
-    from harness.backends.hf import HFBackend
-    from harness.models.tiny import save_model_and_tokenizer
+    from opd_harness.backends.hf import HFBackend
+    from opd_harness.models.tiny import save_model_and_tokenizer
 
     model, tok = _tiny(seed=0)
     path = tmp_path_factory.mktemp("tiny_vllm") / "model"
@@ -536,7 +536,7 @@ def test_gpu_load_weights_swaps_the_policy(engines):
     try:
         vb.load_weights(other.state_dict(), version=3)
         assert vb.version == 3
-        from harness.backends.hf import HFBackend
+        from opd_harness.backends.hf import HFBackend
 
         expected = HFBackend(other.float(), tok, device="cuda").score(ids, mask)["logprobs"].cpu()
         assert torch.allclose(vb.score(ids, mask)["logprobs"][valid], expected[valid], atol=1e-2)

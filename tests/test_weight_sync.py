@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from tests.test_ray_executor import run
-from trainers.loop import Schedule
-from trainers.pipeline import load_rollout_weights
-from trainers.weight_sync import SyncGroup, WeightSyncError, buckets, checksum, layout_of, rollout_copy, state_bytes
+from opd_harness.trainers.loop import Schedule
+from opd_harness.trainers.pipeline import load_rollout_weights
+from opd_harness.trainers.weight_sync import SyncGroup, WeightSyncError, buckets, checksum, layout_of, rollout_copy, state_bytes
 
 ASYNC_EVERY_3 = ["--method", "opd", "--mode", "async", "--set", "trainer.steps=6", "--set", "trainer.sync_every=3",
                  "--set", "trainer.max_lag=3"]  # fmt: skip
@@ -88,7 +88,7 @@ def test_collective_broadcast_is_bit_for_bit_on_two_receiver_processes(local_ray
 
     class Sender(Receiver):
         def address(self) -> tuple[str, int]:
-            from trainers.distributed import rendezvous_port
+            from opd_harness.trainers.distributed import rendezvous_port
 
             return "127.0.0.1", rendezvous_port()
 

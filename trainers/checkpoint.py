@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harness.models.tiny import load_model_and_tokenizer, save_model_and_tokenizer
+from opd_harness.models.tiny import load_model_and_tokenizer, save_model_and_tokenizer
 
 STATE_FILE = "trainer_state.pt"
 

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from harness.backends.hf import chunk_bounds
-from harness.teacher_signal import apply_terms
+from opd_harness.backends.hf import chunk_bounds
+from opd_harness.teacher_signal import apply_terms
 
 PositionFn = Callable[..., torch.Tensor]  # fn(log-distribution (n, V), *aligned (n, ...)) -> (n,) or (n, k)
 

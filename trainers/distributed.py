@@ -14,7 +14,7 @@ one rank on the same batch (up to float summation order).
 FSDP2 shards parameters, gradients and optimizer state (dim 0 of each, per decoder layer); it all-gathers a layer's
 parameters for its forward and backward. Every rank must so make the same sequence of forward calls whatever its rows
 (DDP also broadcasts buffers in each forward): the learner's length buckets are padded to the largest rank's count
-(:func:`trainers.learner.paired_bucketed`). It does not shard the activations beyond DDP's row split, nor the objective.
+(:func:`opd_harness.trainers.learner.paired_bucketed`). It does not shard the activations beyond DDP's row split, nor the objective.
 
 The objective's inputs are global on every rank: for a method that reads the student's full distribution
 (B×T×V) that tensor is gathered whole, so data parallelism shards the model's activations, not the objective's.

@@ -1,5 +1,5 @@
 """Checks that stop a training run instead of letting it record something false: a non-finite loss or
-gradient norm, and a step whose share of grading errors is too high. Both raise a :class:`harness.errors.TrainingAborted`.
+gradient norm, and a step whose share of grading errors is too high. Both raise a :class:`opd_harness.errors.TrainingAborted`.
 """
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from harness.errors import TrainingAborted
+from opd_harness.errors import TrainingAborted
 
 
 class NonFiniteLoss(TrainingAborted):

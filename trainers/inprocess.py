@@ -11,13 +11,13 @@ from contextlib import contextmanager, nullcontext
 import torch
 from rich.console import Console
 
-from harness.trajectory import TensorBatch, concat_batches
-from harness.config import ConfigError
-from harness.registry import WEIGHT_SYNCS
-from trainers.loop import LearnResult, Roles, Unit, WeightBoard, unit_problems
-from trainers.weight_sync import Published, checksum, engine_dtype, rollout_copy, state_bytes
-from trainers.teacher import output_head
-from trainers.pipeline import (
+from opd_harness.trajectory import TensorBatch, concat_batches
+from opd_harness.config import ConfigError
+from opd_harness.registry import WEIGHT_SYNCS
+from opd_harness.trainers.loop import LearnResult, Roles, Unit, WeightBoard, unit_problems
+from opd_harness.trainers.weight_sync import Published, checksum, engine_dtype, rollout_copy, state_bytes
+from opd_harness.trainers.teacher import output_head
+from opd_harness.trainers.pipeline import (
     CONCURRENT_ENGINES,
     Session,
     close_rollout_backend,

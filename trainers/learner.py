@@ -10,14 +10,14 @@ from typing import Any
 
 import torch
 
-from harness.backends.hf import bucket_slices, bucketed, length_buckets, scores_from_logits, without_output_head
-from harness.method import HParams, MethodSpec, StudentOutputs
-from harness.teacher_signal import apply_terms, is_distribution
-from harness.trajectory import TensorBatch
-from trainers.chunked_vocab import ChunkedVocabulary, PositionFn, token_logprob, token_logprob_and_entropy
-from trainers.distributed import Shard, gather_rows, local_rows, shard_bounds
-from trainers.objectives import masked_mean
-from trainers.objectives.common import k3
+from opd_harness.backends.hf import bucket_slices, bucketed, length_buckets, scores_from_logits, without_output_head
+from opd_harness.method import HParams, MethodSpec, StudentOutputs
+from opd_harness.teacher_signal import apply_terms, is_distribution
+from opd_harness.trajectory import TensorBatch
+from opd_harness.trainers.chunked_vocab import ChunkedVocabulary, PositionFn, token_logprob, token_logprob_and_entropy
+from opd_harness.trainers.distributed import Shard, gather_rows, local_rows, shard_bounds
+from opd_harness.trainers.objectives import masked_mean
+from opd_harness.trainers.objectives.common import k3
 
 
 def student_outputs(
@@ -32,11 +32,11 @@ def student_outputs(
     """Current-student log-probs (and full distribution if asked) with gradient, plus detached entropy.
 
     With a ``shard`` the forward runs on this rank's rows only and the outputs are gathered into the global batch's
-    (:mod:`trainers.distributed`), so the objective sees every row. ``precision="bf16"``: the forward (and so its
+    (:mod:`opd_harness.trainers.distributed`), so the objective sees every row. ``precision="bf16"``: the forward (and so its
     backward) under bfloat16 autocast. ``vocab_chunk`` > 0: the (T, V) logits are never materialised whole: the
     sampled-token log-probs and entropy, and for ``full`` the distribution the objective reads, are computed chunk by chunk
-    of positions (:mod:`trainers.chunked_vocab`). ``forward_tokens`` > 0: the
-    forward runs on length-sorted row groups of at most that many padded tokens (:func:`harness.backends.hf.bucketed`),
+    of positions (:mod:`opd_harness.trainers.chunked_vocab`). ``forward_tokens`` > 0: the
+    forward runs on length-sorted row groups of at most that many padded tokens (:func:`opd_harness.backends.hf.bucketed`),
     one graph and one backward over all of them: the same loss and gradients with less padding computed (:func:`student_pass`
     runs the backward per bucket instead, bounding activations by one bucket's). With a ``shard``
     every rank makes as many forward calls as the rank with the most buckets (:func:`paired_bucketed`), so the collectives
@@ -65,7 +65,7 @@ def student_outputs(
 
 
 def bucket_calls(attention: torch.Tensor, shard: Shard | None, token_budget: int) -> int:
-    """The most length-bucket forwards (:func:`~harness.backends.hf.length_buckets`) any rank makes on its rows of the global
+    """The most length-bucket forwards (:func:`~opd_harness.backends.hf.length_buckets`) any rank makes on its rows of the global
     batch (``attention``: the global (B, T) mask). Every rank holds the global batch, so every rank computes the same number
     without communicating."""
     lengths = [int(n) for n in attention.sum(-1).tolist()]
@@ -81,7 +81,7 @@ def paired_bucketed(
     token_budget: int,
     calls: int,
 ) -> dict[str, torch.Tensor]:
-    """:func:`~harness.backends.hf.bucketed` on this rank's rows, then empty forwards (a 2-token row) up to ``calls`` forwards.
+    """:func:`~opd_harness.backends.hf.bucketed` on this rank's rows, then empty forwards (a 2-token row) up to ``calls`` forwards.
 
     DDP broadcasts buffers in every forward and FSDP2 all-gathers parameters in every forward and again in its backward,
     so every rank must call the model equally often. Each empty forward's outputs are added to the real ones with weight 0
@@ -104,7 +104,7 @@ def chunked_student_outputs(
     time; a shard's map runs on its rows of the aligned tensors and gathers its outputs into the global batch's.
 
     Every rank makes one forward call, whatever its rows. Under FSDP2 the head's weight is the root's gathered parameter:
-    the root stays unsharded from its forward to the end of the backward (:func:`trainers.distributed.shard_fully`), so
+    the root stays unsharded from its forward to the end of the backward (:func:`opd_harness.trainers.distributed.shard_fully`), so
     the chunks (in the forward and in the backward's recompute, as many as the rank's rows need) make no collective, and
     the head's gradient is reduce-scattered once, with the rest of the root's."""
     rows = batch.input_ids.shape[0]
@@ -224,7 +224,7 @@ class BucketBackward:
     tensors; the objective runs on them (the whole global batch: token means, groups, method state), and every
     ``over_vocabulary`` call it makes is recorded and answered with its terms as a leaf too. ``backward(loss)`` takes
     d loss / d leaves, then, per bucket of this rank's rows, runs the forward again with a graph and back-propagates the
-    cached gradient of its rows (×W under data parallelism, as :class:`trainers.distributed._GatherRows` does), freeing
+    cached gradient of its rows (×W under data parallelism, as :class:`opd_harness.trainers.distributed._GatherRows` does), freeing
     the graph before the next bucket. Every rank makes ``calls`` forwards in each pass and ``calls`` backwards (padding with
     2-token rows whose gradient is zero); DDP synchronises on the last backward only (``no_sync`` before), FSDP2
     reduce-scatters after each (its gradients stay sharded; the averaged sums add up to the same gradient)."""
@@ -333,14 +333,15 @@ def train_step(
     """One optimizer step of ``method`` on ``batch``; returns loss, grad norm, entropy and diagnostics.
 
     With a ``shard`` (``model`` wrapped in DDP or sharded with FSDP2) this is one rank's part of the data-parallel step on
-    the global ``batch``: the same loss, global gradient norm, diagnostics and update on every rank (:mod:`trainers.distributed`).
+    the global ``batch``: the same loss, global gradient norm, diagnostics and update on every rank
+    (:mod:`opd_harness.trainers.distributed`).
 
     A non-finite loss or gradient norm is never applied: the update is skipped and reported as
     ``nonfinite = skipped = 1``; the driver then stops or goes on (``trainer.on_nonfinite``).
 
     The batch goes to the model's device (a model on CUDA learns from the CPU batch the rollout made);
     ``precision="bf16"`` is autocast with float32 master weights, gradients and optimizer state; ``vocab_chunk`` > 0
-    computes a full-vocabulary method's terms that many positions at a time (:mod:`trainers.chunked_vocab`);
+    computes a full-vocabulary method's terms that many positions at a time (:mod:`opd_harness.trainers.chunked_vocab`);
     ``forward_tokens`` > 0 runs the forward on length-sorted row groups, and with ``bucket_backward`` the backward too, one
     group at a time (:func:`student_pass`).
 

@@ -26,9 +26,9 @@ above apply per unit at admission (a group of batch b by batch b's rule), so a s
 
 The loop is written against two small role interfaces, a rollout (``version``, ``load``, ``make``)
 and a learner (``train``, ``snapshot``, ``pull``). An *executor* is a factory of those roles,
-registered in ``harness.registry.EXECUTORS``: ``inprocess`` (``trainers.inprocess``: a worker
+registered in ``opd_harness.registry.EXECUTORS``: ``inprocess`` (``opd_harness.trainers.inprocess``: a worker
 thread with its own rollout backend, the learner in the calling thread) and ``ray``
-(``trainers.ray_executor``: actors). This module imports neither; it looks them up by name.
+(``opd_harness.trainers.ray_executor``: actors). This module imports neither; it looks them up by name.
 """
 
 from __future__ import annotations
@@ -48,12 +48,12 @@ from typing import Any, Protocol
 import torch
 from rich.console import Console
 
-from harness.progress import progress
-from harness.registry import EXECUTORS
-from harness.store import Store
-from harness.trajectory import TensorBatch
-from trainers.guards import enforce_grade_error_rate
-from trainers.pipeline import Session, add_rates
+from opd_harness.progress import progress
+from opd_harness.registry import EXECUTORS
+from opd_harness.store import Store
+from opd_harness.trajectory import TensorBatch
+from opd_harness.trainers.guards import enforce_grade_error_rate
+from opd_harness.trainers.pipeline import Session, add_rates
 
 
 class PipelineStopped(Exception):
@@ -133,7 +133,7 @@ def state_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 class WeightBoard:
     """The learner publishes versioned weight snapshots; rollout workers wait for and fetch them.
 
-    A snapshot is whatever the rollout role loads: a :class:`trainers.weight_sync.Published` (a state dict in process, an
+    A snapshot is whatever the rollout role loads: a :class:`opd_harness.trainers.weight_sync.Published` (a state dict in process, an
     object ref with Ray, or a version already broadcast by the ``collective`` transport, with the learner's checksum).
     Only versions a worker may load are published (:meth:`Schedule.publishes`); at most ``keep`` are held.
     """

@@ -1,6 +1,6 @@
 """What every executor shares: the run session (models, optimizer, resume, checkpoints, evaluation)
 and the three phases of a training step — make a batch (generate, reward, behaviour log-probs,
-teacher), learn, account. The loop (``trainers.loop``) and the executors only decide who runs which
+teacher), learn, account. The loop (``opd_harness.trainers.loop``) and the executors only decide who runs which
 phase when.
 """
 
@@ -17,22 +17,22 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
-from harness.backends import Backend, SamplingParams
-from harness.backends.hf import HFBackend
-from harness.evaluation import ShardRunner, ShardStage, describe_episodes, evaluate_task, grade_episodes, store_eval, summarize_episodes
-from harness.plan import load_plan_data
-from harness.registry import BACKENDS
-from harness.rollout import reference_trajectories, rollout
-from harness.store import Store
-from harness.timing import timed
-from harness.trajectory import TensorBatch, Trajectory, to_tensor_batch
-from trainers.checkpoint import TrainState, load_checkpoint, save_checkpoint
-from trainers.guards import enforce_finite, enforce_grade_error_rate, grade_error_count
-from trainers.learner import behaviour_mismatch, old_logprobs_redundant, train_step
-from trainers.perf import flop_params, step_perf
-from harness.teacher_signal import attach_head
-from trainers.teacher import open_remote_teacher, score_teacher, teacher_label, wrap_hf_teacher
-from trainers.warmup import prepare_model
+from opd_harness.backends import Backend, SamplingParams
+from opd_harness.backends.hf import HFBackend
+from opd_harness.evaluation import ShardRunner, ShardStage, describe_episodes, evaluate_task, grade_episodes, store_eval, summarize_episodes
+from opd_harness.plan import load_plan_data
+from opd_harness.registry import BACKENDS
+from opd_harness.rollout import reference_trajectories, rollout
+from opd_harness.store import Store
+from opd_harness.timing import timed
+from opd_harness.trajectory import TensorBatch, Trajectory, to_tensor_batch
+from opd_harness.trainers.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from opd_harness.trainers.guards import enforce_finite, enforce_grade_error_rate, grade_error_count
+from opd_harness.trainers.learner import behaviour_mismatch, old_logprobs_redundant, train_step
+from opd_harness.trainers.perf import flop_params, step_perf
+from opd_harness.teacher_signal import attach_head
+from opd_harness.trainers.teacher import open_remote_teacher, score_teacher, teacher_label, wrap_hf_teacher
+from opd_harness.trainers.warmup import prepare_model
 
 TEACHER_SUFFIX = ".teacher"
 
@@ -107,7 +107,7 @@ def generate_batch(
 
 def scores_old_logprobs(plan) -> bool:
     """Whether the rollout role scores π_old: the method reads it on its own samples and it is not the training
-    forward's log-probs already (:func:`trainers.learner.old_logprobs_redundant`)."""
+    forward's log-probs already (:func:`opd_harness.trainers.learner.old_logprobs_redundant`)."""
     needs_old = plan.method.on_policy and "old_logprobs" in plan.method.needs(plan.hparams)
     return needs_old and not old_logprobs_redundant(plan.config.trainer)
 
@@ -142,8 +142,8 @@ def open_behaviour_scorer(
 def load_rollout_weights(engine: Backend, scorer: HFBackend | None, weights: dict[str, torch.Tensor], version: int,
                          expected: str | None = None) -> None:  # fmt: skip
     """Push weights ``version`` to the rollout engine and to its behaviour scorer, if it has one, and check each against the
-    learner's checksum ``expected`` (:func:`trainers.weight_sync.check_loaded`: a stale or corrupt load fails the run)."""
-    from trainers.weight_sync import check_loaded
+    learner's checksum ``expected`` (:func:`opd_harness.trainers.weight_sync.check_loaded`: a stale or corrupt load fails the run)."""
+    from opd_harness.trainers.weight_sync import check_loaded
 
     engine.load_weights(weights, version)
     check_loaded(engine, expected, version)
@@ -201,7 +201,7 @@ def open_rollout_backend(
             options.setdefault("score_tokens", cfg.forward_tokens)
     backend = cls(model, tokenizer, **options) if (model is not None and cls is HFBackend) else cls.load(student_path, **options)
     if cfg.enable_thinking is not None and backend.tokenizer is not tokenizer:  # an engine loaded from the folder: its own tokenizer
-        from harness.models.hub import set_thinking
+        from opd_harness.models.hub import set_thinking
 
         set_thinking(backend.tokenizer, cfg.enable_thinking)
     backend.version = -1
@@ -277,7 +277,7 @@ def learn(
 
 def learner_perf(model, batch: TensorBatch, seconds: float, shard=None) -> dict[str, float]:
     """This rank's learner tokens/s (every position it ran forward and backward) and MFU on a device in the peak table."""
-    from trainers.distributed import local_rows
+    from opd_harness.trainers.distributed import local_rows
 
     inner = getattr(model, "module", model)  # DDP's wrapped model
     param = next(inner.parameters())

@@ -3,7 +3,7 @@ evaluation worker actors.
 
 Each worker loads its own copy of the backend and its own task instances (so its sandboxes, and a SWE-bench
 task's instance images, are made by the Docker daemon of the node it runs on), and rolls out and grades whole
-shards (``harness.evaluation.evaluate_shard``); the driver hands a shard to each idle worker, stages each finished
+shards (``opd_harness.evaluation.evaluate_shard``); the driver hands a shard to each idle worker, stages each finished
 one and stores a task's results in one transaction. A worker that dies is restarted by Ray (``max_restarts``) and
 the shard it held goes back to the queue: a shard is staged once, from the one attempt that finished, so none is
 lost or counted twice. Samples depend only on (seed, shard), so the scores equal the in-process evaluation's.
@@ -29,15 +29,15 @@ from typing import Any
 
 from rich.console import Console
 
-from harness.backends import Backend, SamplingParams
-from harness.backends.hf import HFBackend
-from harness.evaluation import EvalWorkersFailed, EvalWorkerSpec, evaluate_shard
-from harness.plan import make_task
-from harness.registry import BACKENDS
-from harness.store import SampleRow
-from harness.task import Problem, Task, close_tasks
-from trainers.pipeline import close_rollout_backend
-from trainers.ray_executor import (
+from opd_harness.backends import Backend, SamplingParams
+from opd_harness.backends.hf import HFBackend
+from opd_harness.evaluation import EvalWorkersFailed, EvalWorkerSpec, evaluate_shard
+from opd_harness.plan import make_task
+from opd_harness.registry import BACKENDS
+from opd_harness.store import SampleRow
+from opd_harness.task import Problem, Task, close_tasks
+from opd_harness.trainers.pipeline import close_rollout_backend
+from opd_harness.trainers.ray_executor import (
     CLOSE_TIMEOUT_S,
     ActorRole,
     DeviceUnavailable,

@@ -8,9 +8,9 @@ process); a driver thread per actor takes units (whole batches, or prompt groups
 ``trainer.rollout_unit=group``, then several in flight per actor: a threaded actor) from one shared queue;
 a teacher actor scores them; a learner actor (student, optimizer,
 method state; learning rates from the driver's schedule), or W data-parallel learner ranks
-(``trainer.layout.learner.replicas``, :mod:`trainers.distributed`), trains on it and returns each version's
+(``trainer.layout.learner.replicas``, :mod:`opd_harness.trainers.distributed`), trains on it and returns each version's
 weights as an object in the object store. The driver runs the very loop of the in-process
-executor (``trainers.loop``: ``Schedule``, ``RolloutWorker``, ``drive``), so max_lag,
+executor (``opd_harness.trainers.loop``: ``Schedule``, ``RolloutWorker``, ``drive``), so max_lag,
 fixed_lag, sync_every and refreshes mean the same, and records through the same ``Session``:
 before every checkpoint and evaluation it pulls the learner's weights, optimizer and method state
 into the session's objects. Sync mode is this schedule with max_lag 0. Batches go from actor to
@@ -58,18 +58,19 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from harness.backends.hf import HFBackend
-from harness.errors import TrainingAborted
-from harness.registry import EVAL_EXECUTORS
-from harness.trajectory import TensorBatch, concat_batches
-from harness.task import close_tasks
-from harness.config import LAYOUT_ROLES, ConfigError, Layout, RoleLayout
-from trainers.distributed import Shard, backend_for, collective_deadline, data_parallel, full_state, full_weights, join_group
-from trainers.distributed import rendezvous_port
-from harness.registry import WEIGHT_SYNCS
-from trainers.loop import MAX_ROLLOUT_LOSSES, LearnResult, Roles, RolloutLost, Unit, WeightBoard, batch_units, unit_problems
-from trainers.weight_sync import Published, WeightLayout, SyncGroup, checksum, engine_dtype, layout_of, rollout_copy, state_bytes
-from trainers.pipeline import (
+from opd_harness.backends.hf import HFBackend
+from opd_harness.errors import TrainingAborted
+from opd_harness.registry import EVAL_EXECUTORS
+from opd_harness.trajectory import TensorBatch, concat_batches
+from opd_harness.task import close_tasks
+from opd_harness.config import LAYOUT_ROLES, ConfigError, Layout, RoleLayout
+from opd_harness.trainers.distributed import Shard, backend_for, collective_deadline, data_parallel, full_state, full_weights, join_group
+from opd_harness.trainers.distributed import rendezvous_port
+from opd_harness.registry import WEIGHT_SYNCS
+from opd_harness.trainers.loop import MAX_ROLLOUT_LOSSES, LearnResult, Roles, RolloutLost, Unit, WeightBoard, batch_units, unit_problems
+from opd_harness.trainers.weight_sync import (Published, WeightLayout, SyncGroup, checksum, engine_dtype, layout_of, rollout_copy,
+                                              state_bytes)
+from opd_harness.trainers.pipeline import (
     Session,
     close_rollout_backend,
     generate_batch,
@@ -82,7 +83,7 @@ from trainers.pipeline import (
     sample_problems,
     teacher_phase,
 )
-from trainers.teacher import open_remote_teacher, output_head, wrap_hf_teacher
+from opd_harness.trainers.teacher import open_remote_teacher, output_head, wrap_hf_teacher
 
 # environment.md §4: no token file in ~/.ray (auth on by default in Ray 2.60), no usage reporting.
 RAY_ENV_DEFAULTS = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -260,8 +261,8 @@ def _setup_actor(threads: int) -> None:
 
 def _plan(config: dict) -> Any:
     """Re-resolve the run's plan inside an actor from its JSON config (registries load in this process)."""
-    from harness.config import RunConfig
-    from harness.plan import plan_run
+    from opd_harness.config import RunConfig
+    from opd_harness.plan import plan_run
 
     return plan_run(RunConfig.model_validate(config))
 
@@ -423,7 +424,7 @@ class LearnerActor(ActorRole):
     """Learner role: student, optimizer and method state; one optimizer step per batch at the driver's learning rates.
 
     One of ``world`` data-parallel ranks when ``world`` > 1: after :meth:`join` every rank trains its shard of each
-    global batch in one torch.distributed group (:mod:`trainers.distributed`); all ranks then hold the same weights,
+    global batch in one torch.distributed group (:mod:`opd_harness.trainers.distributed`); all ranks then hold the same weights,
     optimizer and method state, and the driver reads rank 0's. With ``sharding`` fsdp2 each rank holds a shard of them, and
     reading the weights or the state is a collective: the driver calls every rank, rank 0 returns the full tensors."""
 
@@ -952,7 +953,7 @@ def checkpoint_evaluation(
     ray: ModuleType, plan, session: Session, groups: dict[str, Any], placement: dict[str, Any], console: Console
 ) -> AbstractContextManager[None]:
     """The run's checkpoint evaluations on the ``trainer.layout.eval`` workers of the eval executor of the same name
-    (``trainers.ray_eval``, found through the registry), in the eval role's placement group; in the driver without one."""
+    (``opd_harness.trainers.ray_eval``, found through the registry), in the eval role's placement group; in the driver without one."""
     layout = plan.config.trainer.layout
     if layout is None or layout.eval is None:
         return nullcontext()

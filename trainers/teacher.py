@@ -13,16 +13,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from harness.backends import Backend
-from harness.backends.hf import HFBackend
-from harness.config import TeacherSpec
-from harness.errors import TrainingAborted
-from harness.models.hub import torch_dtype
-from harness.registry import BACKENDS
-from harness.teacher_signal import SCORE_FIELD, HiddenDistribution, TeacherDistribution, TopKDistribution
-from harness.trajectory import TensorBatch
+from opd_harness.backends import Backend
+from opd_harness.backends.hf import HFBackend
+from opd_harness.config import TeacherSpec
+from opd_harness.errors import TrainingAborted
+from opd_harness.models.hub import torch_dtype
+from opd_harness.registry import BACKENDS
+from opd_harness.teacher_signal import SCORE_FIELD, HiddenDistribution, TeacherDistribution, TopKDistribution
+from opd_harness.trajectory import TensorBatch
 
-log = logging.getLogger("trainers.teacher")
+log = logging.getLogger("opd_harness.trainers.teacher")
 
 RETRY_BACKOFF_S = 2.0
 BENCH_S = 30.0  # how long a failed teacher replica gets no new rows (it is tried again if every replica is benched)
@@ -172,7 +172,7 @@ def score_teacher(
     step: int | None = None,
 ) -> None:
     """Fill the teacher's log-probs of the sampled tokens, and its distribution as a signal of ``kind``
-    (:mod:`harness.teacher_signal`), into ``batch``, on the CPU; a failed or incomplete scoring is tried ``retries`` more
+    (:mod:`opd_harness.teacher_signal`), into ``batch``, on the CPU; a failed or incomplete scoring is tried ``retries`` more
     times, then raises :class:`TeacherFailed`, so no step trains without them."""
     want = teacher_wants(kind)
     extra = {"token_ids": batch.student_topk_ids} if kind == "student_topk" else {}

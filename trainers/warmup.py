@@ -15,14 +15,14 @@ from pathlib import Path
 
 import torch
 
-from harness.config import ModelSpec
-from harness.models.shapes import build_shape_model, build_shape_tokenizer, get_shape
-from harness.models.tiny import build_char_tokenizer, build_tiny_model, load_model_and_tokenizer, save_model_and_tokenizer
-from harness.progress import progress
-from harness.rollout import reference_trajectories
-from harness.trajectory import to_tensor_batch
-from trainers.learner import train_step
-from trainers.objectives.sft import SFT_SPEC
+from opd_harness.config import ModelSpec
+from opd_harness.models.shapes import build_shape_model, build_shape_tokenizer, get_shape
+from opd_harness.models.tiny import build_char_tokenizer, build_tiny_model, load_model_and_tokenizer, save_model_and_tokenizer
+from opd_harness.progress import progress
+from opd_harness.rollout import reference_trajectories
+from opd_harness.trajectory import to_tensor_batch
+from opd_harness.trainers.learner import train_step
+from opd_harness.trainers.objectives.sft import SFT_SPEC
 
 CACHE_FORMAT = 1  # bump when the way tiny models are built or warmed up changes
 READY_MARKER = "READY"
@@ -43,7 +43,7 @@ def prepare_model(
     if spec.path is not None:
         model, tokenizer = load_model_and_tokenizer(spec.path)
         if enable_thinking is not None:
-            from harness.models.hub import set_thinking
+            from opd_harness.models.hub import set_thinking
 
             set_thinking(tokenizer, enable_thinking)
         if spec.sft_steps:

@@ -1,7 +1,7 @@
 """Weight transports (``trainer.weight_sync``): how a learner version reaches the rollout workers.
 
 Every transport moves one copy per version, in the rollout engine's parameter dtype, and only for versions a worker
-will load (:meth:`trainers.loop.Schedule.publishes`). What the loop's :class:`~trainers.loop.WeightBoard` holds is a
+will load (:meth:`opd_harness.trainers.loop.Schedule.publishes`). What the loop's :class:`~opd_harness.trainers.loop.WeightBoard` holds is a
 :class:`Published`: the payload a rollout loads (a state dict in process, an object ref, or nothing when the weights
 were already broadcast), the learner's checksum of a few tensors, and the bytes moved. After every load the rollout
 checks its engine against that checksum (:func:`check_loaded`) and refuses a stale or corrupt load.

@@ -2,7 +2,7 @@
 
 A backend generates completions for token-id prompts and scores given sequences (per-token
 log-probs, optionally entropy, top-k and full distributions). Concrete backends register in
-``harness.registry.BACKENDS`` (entry points ``opd_harness.backends``).
+``opd_harness.registry.BACKENDS`` (entry points ``opd_harness.backends``).
 """
 
 from __future__ import annotations

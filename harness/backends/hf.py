@@ -1,7 +1,7 @@
 """Hugging Face transformers backend: batched sampling with per-token log-probs, and scoring.
 
 Sampling is seeded per row: row (prompt ``p``, sample ``s``) draws from its own generator seeded
-``prompt_seed(params, p) + s`` (:func:`harness.backends.prompt_seed`, as vLLM seeds a request's samples), so a
+``prompt_seed(params, p) + s`` (:func:`opd_harness.backends.prompt_seed`, as vLLM seeds a request's samples), so a
 row's tokens do not depend on the other rows of its batch, on ``batch_size`` or on the prompts' order. Unseeded
 calls draw each row's seed from torch's global RNG."""
 
@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import EosTokenCriteria, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
-from harness.backends import SCORE_FIELDS, Completion, SamplingParams, prompt_seed
-from harness.backends.sampling import ScoredRowSampler
+from opd_harness.backends import SCORE_FIELDS, Completion, SamplingParams, prompt_seed
+from opd_harness.backends.sampling import ScoredRowSampler
 
 
 class HFBackend:
@@ -53,9 +53,9 @@ class HFBackend:
         """Load a local directory or hub id (a hub id not cached is refused at once offline) with its weights in ``dtype``
         (fp32, bf16, fp16 or auto: bf16 on a CUDA device that supports it); ``enable_thinking`` is passed to the chat
         template. Device and dtype are checked before any weights are read."""
-        from harness.config import device_unavailable
-        from harness.models.hub import dtype_name, set_thinking, torch_dtype
-        from harness.models.tiny import load_model_and_tokenizer
+        from opd_harness.config import device_unavailable
+        from opd_harness.models.hub import dtype_name, set_thinking, torch_dtype
+        from opd_harness.models.tiny import load_model_and_tokenizer
 
         device = options.get("device", "cpu")
         why = device_unavailable(device, key="device")

@@ -1,9 +1,9 @@
 """The ``hf_static`` engine: the hf backend's sampling with a static KV cache, whose decode step transformers compiles
 (torch.compile, CUDA graphs) on a GPU: a rollout engine where vLLM cannot be installed.
 
-Same contract and the same sampling path as :class:`harness.backends.hf.HFBackend` (per-row seeded sampling with the
+Same contract and the same sampling path as :class:`opd_harness.backends.hf.HFBackend` (per-row seeded sampling with the
 same draws, stop strings, EOS kept, the untempered log-probs of the sampled tokens recorded step by step by
-:class:`harness.backends.sampling.ScoredRowSampler`), with one difference, its :meth:`_generate_options`: the KV cache
+:class:`opd_harness.backends.sampling.ScoredRowSampler`), with one difference, its :meth:`_generate_options`: the KV cache
 is ``cache_implementation="static"`` (preallocated for prompt width + ``max_new_tokens``), so the decode step has
 fixed shapes and ``model.generate`` compiles it on CUDA (``compile: auto``; ``true`` compiles on any device,
 ``false`` never). Prompts are left-padded to a multiple of ``width_multiple`` (default 64) so a rollout's varied
@@ -13,8 +13,8 @@ the batch runs to the longest row: a finished row still occupies its slot (no co
 
 from __future__ import annotations
 
-from harness.backends import as_bool
-from harness.backends.hf import HFBackend
+from opd_harness.backends import as_bool
+from opd_harness.backends.hf import HFBackend
 
 
 class StaticCacheBackend(HFBackend):

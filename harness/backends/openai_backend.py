@@ -53,7 +53,7 @@ one-to-one with ``token_ids``; otherwise an empty list (servers without log-prob
 re-encoded ids that do not line up). Our server returns untempered log-probs; vLLM returns its
 ``logprobs_mode`` (raw by default).
 
-Seeds: with ``params.seed`` every prompt gets its own seed (:func:`harness.backends.prompt_seed`: the caller's
+Seeds: with ``params.seed`` every prompt gets its own seed (:func:`opd_harness.backends.prompt_seed`: the caller's
 ``params.seeds`` entry, the rollout's per-episode seed, else one derived from (seed, prompt index)), so a
 run is reproducible and two prompts with the same text (rollout sends the k samples of a problem as
 k prompts) still get different samples.
@@ -85,10 +85,10 @@ from pathlib import Path
 
 import torch
 
-from harness.backends import SCORE_FIELDS, Completion, SamplingParams, as_bool, prompt_seed
-from harness.backends.prompt_logprobs import prompt_logprobs_to_tensor, unpadded_sequences
+from opd_harness.backends import SCORE_FIELDS, Completion, SamplingParams, as_bool, prompt_seed
+from opd_harness.backends.prompt_logprobs import prompt_logprobs_to_tensor, unpadded_sequences
 
-log = logging.getLogger("harness.backends.openai")
+log = logging.getLogger("opd_harness.backends.openai")
 
 MODES = ("completions", "chat")
 PROMPT_FORMATS = ("auto", "tokens", "text")
@@ -104,7 +104,7 @@ def load_tokenizer(path: str | None, model: str):
     local = Path(model)
     if local.is_dir() and any((local / name).exists() for name in ("tokenizer.json", "tokenizer_config.json")):
         return AutoTokenizer.from_pretrained(str(local))
-    from harness.models.tiny import build_char_tokenizer
+    from opd_harness.models.tiny import build_char_tokenizer
 
     log.warning(
         "openai backend: no tokenizer=PATH option and %r is not a local model directory; using the harness's "
@@ -200,7 +200,7 @@ class OpenAIBackend:
         )
         local_tokenizer = load_tokenizer(tokenizer, model)
         if enable_thinking is not None:
-            from harness.models.hub import set_thinking
+            from opd_harness.models.hub import set_thinking
 
             set_thinking(local_tokenizer, as_bool(enable_thinking))
         return cls(

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from harness.backends import Completion, SamplingParams
-from harness.models.tiny import build_char_tokenizer
+from opd_harness.backends import Completion, SamplingParams
+from opd_harness.models.tiny import build_char_tokenizer
 
 Sample = list[str]  # the model turns of one episode
 MAX_TURN_CHARS = 8 << 20  # a longer stored turn is cut here (finish reason "length")

@@ -24,7 +24,7 @@ How our contract maps onto vLLM (evidence in the docstrings below and in the clo
   back in input order and carry ``n`` ``CompletionOutput``s each (``.index``, ``.token_ids``,
   ``.text``, ``.logprobs``, ``.finish_reason``), so the result is prompt-major.
 * **Seeds**: with ``params.seed`` every prompt gets its own request seed,
-  :func:`harness.backends.prompt_seed` (``params.seeds[prompt_index]`` when given, the rollout's
+  :func:`opd_harness.backends.prompt_seed` (``params.seeds[prompt_index]`` when given, the rollout's
   per-episode seeds, else ``derive_seed(seed, prompt_index)``; so it, hf and the openai backend seed
   alike); vLLM gives the ``n`` children of a seeded request the seeds ``seed + i``
   (``vllm/v1/engine/parallel_sampling.py``), so the samples of one prompt differ, two prompts with
@@ -90,8 +90,8 @@ from typing import Any
 
 import torch
 
-from harness.backends import MAX_TEMPERATURE, MIN_TEMPERATURE, SCORE_FIELDS, Completion, SamplingParams, as_bool, prompt_seed
-from harness.backends.prompt_logprobs import logprob_value, prompt_logprobs_to_tensor, unpadded_sequences
+from opd_harness.backends import MAX_TEMPERATURE, MIN_TEMPERATURE, SCORE_FIELDS, Completion, SamplingParams, as_bool, prompt_seed
+from opd_harness.backends.prompt_logprobs import logprob_value, prompt_logprobs_to_tensor, unpadded_sequences
 
 VLLM_MISSING = (
     "the vllm backend needs the `vllm` package, which is not installed in this environment. vLLM is CUDA-only and pins "
@@ -383,7 +383,7 @@ class VLLMBackend:
         llm = vllm.LLM(**kwargs)
         backend = cls(llm, max_logprobs=int(max_logprobs), show_progress=as_bool(show_progress))
         if enable_thinking is not None:
-            from harness.models.hub import set_thinking
+            from opd_harness.models.hub import set_thinking
 
             set_thinking(backend.tokenizer, as_bool(enable_thinking))
         return backend

@@ -1,5 +1,5 @@
-"""``python -m harness.cli``: the ``harness`` command."""
+"""``python -m opd_harness.cli``: the ``harness`` command."""
 
-from harness.cli import main
+from opd_harness.cli import main
 
 main()

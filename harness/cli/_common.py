@@ -16,11 +16,11 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from harness.errors import ConfigError
+from opd_harness.errors import ConfigError
 
 if TYPE_CHECKING:  # the config models and the task classes are imported by the commands that use them (start-up)
-    from harness.config import RunConfig
-    from harness.task import Task
+    from opd_harness.config import RunConfig
+    from opd_harness.task import Task
 
 app = typer.Typer(
     help="Benchmark harness for on-policy distillation of language models.",
@@ -90,7 +90,7 @@ def _closes_tasks(command: Callable) -> Callable:
         finally:
             tasks, _tasks_to_close[:] = list(_tasks_to_close), []
             if tasks:
-                from harness.task import close_tasks
+                from opd_harness.task import close_tasks
 
                 close_tasks(tasks)
 
@@ -100,7 +100,7 @@ def _closes_tasks(command: Callable) -> Callable:
 def _prepare_tasks(tasks: list[Task]) -> None:
     """Have ``tasks`` closed when the command ends, and check each can run here (e.g. its sandbox image is built):
     exit 2 with what to do, before any run row or output exists."""
-    from harness.task import TaskNotReady
+    from opd_harness.task import TaskNotReady
 
     _tasks_to_close.extend(tasks)
     try:
@@ -112,7 +112,7 @@ def _prepare_tasks(tasks: list[Task]) -> None:
 
 def _check_executor(plan) -> None:
     """Exit 2 before any run row exists when the run's executor refuses it (e.g. a layout the Ray cluster cannot hold)."""
-    from harness.registry import EXECUTORS
+    from opd_harness.registry import EXECUTORS
 
     try:
         EXECUTORS.get(plan.config.trainer.executor).check(plan, console)

@@ -9,16 +9,16 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 
-from harness.cli import options as opts
-from harness.errors import ConfigError
-from harness.jsonout import to_json
-from harness.registry import RegistryError
+from opd_harness.cli import options as opts
+from opd_harness.errors import ConfigError
+from opd_harness.jsonout import to_json
+from opd_harness.registry import RegistryError
 
 if TYPE_CHECKING:  # the config models and the task classes are imported by the commands that use them (start-up)
     pass
 
 
-from harness.cli._common import app, console, stdout, _fail, _closes_tasks, _prepare_tasks, check_data_dir, _quiet_libraries
+from opd_harness.cli._common import app, console, stdout, _fail, _closes_tasks, _prepare_tasks, check_data_dir, _quiet_libraries
 
 
 EVAL_EXECUTOR_KEYS = ("executor", "workers", "ray_address", "max_sandboxes", "gpus_per_worker")  # where an eval ran, not what it measured
@@ -29,7 +29,7 @@ def check_eval_executor(
 ) -> None:
     """``harness eval``'s placement flags: exit 2 naming the flag when the executor is unknown or a flag needs ``--executor ray``."""
     if executor != "inprocess":
-        from harness.registry import EVAL_EXECUTORS
+        from opd_harness.registry import EVAL_EXECUTORS
 
         try:
             EVAL_EXECUTORS.get(executor)
@@ -63,7 +63,7 @@ def stored_summary(store, run_id: str, task: str) -> dict:
 
 def eval_shards(problems: list, k: int, shard_size: int | None) -> int:
     """How many shards ``harness eval`` rolls a task out in (its progress counts them)."""
-    from harness.evaluation import shard_problems
+    from opd_harness.evaluation import shard_problems
 
     return len(shard_problems(problems, k, shard_size))
 
@@ -142,16 +142,17 @@ def eval_(
 
     import yaml
 
-    from harness.backends import SamplingParams
-    from harness.config import deep_merge, parse_override
-    from harness.evaluation import EvalWorkersFailed, EvalWorkerSpec, LocalShards, ShardStage, describe_episodes, evaluate_task, store_eval
-    from harness.progress import progress
-    from harness.leaderboard import leaderboard_rows, render_table
-    from harness.plan import load_problems, make_task
-    from harness.registry import BACKENDS, EVAL_EXECUTORS
-    from harness.store import Store
-    from harness.runs import new_run_id
-    from harness.tracking import RunInfo, TrackerStartFailed, check_loggers, open_trackers
+    from opd_harness.backends import SamplingParams
+    from opd_harness.config import deep_merge, parse_override
+    from opd_harness.evaluation import (EvalWorkersFailed, EvalWorkerSpec, LocalShards, ShardStage, describe_episodes, evaluate_task,
+                                        store_eval)
+    from opd_harness.progress import progress
+    from opd_harness.leaderboard import leaderboard_rows, render_table
+    from opd_harness.plan import load_problems, make_task
+    from opd_harness.registry import BACKENDS, EVAL_EXECUTORS
+    from opd_harness.store import Store
+    from opd_harness.runs import new_run_id
+    from opd_harness.tracking import RunInfo, TrackerStartFailed, check_loggers, open_trackers
 
     _quiet_libraries()
     names = [t.strip() for t in task.split(",") if t.strip()]
@@ -192,7 +193,7 @@ def eval_(
     try:
         options = eval_backend_options(backend_cls, options, device=device, dtype=dtype, enable_thinking=enable_thinking)
         if backend == "hf":  # a folder without weights, or a hub id offline: one line now, not a traceback after the data
-            from harness.models.hub import ModelUnavailable, locate_model
+            from opd_harness.models.hub import ModelUnavailable, locate_model
 
             try:
                 locate_model(model, flag="--model")
@@ -299,7 +300,7 @@ def eval_(
             trackers.close(ok=len(summaries) == len(tasks))
     store.set_status(run_id, "done")
     if output_path is not None:
-        from harness.evaluation import write_output_path
+        from opd_harness.evaluation import write_output_path
 
         written = write_output_path(store, run_id, output_path, summaries)
         console.print(f"results and samples: {', '.join(str(path) for path in written)}", highlight=False)
@@ -324,7 +325,7 @@ def eval_settings(protocol: str | None, tasks: list, flags: dict, backend_cls: t
     """Each task's sampling, max new tokens, k and thinking switch: the flags' defaults and the task's own k and
     max_new_tokens, then ``--protocol``'s values for the task's ``protocol_family``, then the flags given. A ConfigError
     for an unknown protocol, a presence penalty the backend cannot apply, or tasks that need different thinking switches."""
-    from harness.protocols import get_protocol, resolve
+    from opd_harness.protocols import get_protocol, resolve
 
     chosen = get_protocol(protocol) if protocol else None
     out = {}
@@ -347,8 +348,8 @@ def eval_backend_options(backend_cls: type, options: dict, *, device: str | None
     """``harness eval``'s --device, --dtype and --enable-thinking as the backend options they stand for (the flag wins over
     ``--backend-option``), checked before anything loads: an option the backend does not take, an unknown dtype, or a CUDA
     device this host lacks is a ConfigError naming the flag."""
-    from harness.config import device_unavailable, load_options
-    from harness.models.hub import dtype_name
+    from opd_harness.config import device_unavailable, load_options
+    from opd_harness.models.hub import dtype_name
 
     flags = {"device": ("--device", device), "dtype": ("--dtype", dtype), "enable_thinking": ("--enable-thinking", enable_thinking)}
     out = dict(options)
@@ -374,7 +375,7 @@ def eval_backend_options(backend_cls: type, options: dict, *, device: str | None
 def _eval_dry_run(model: str, backend: str, options: dict, tasks: list, problems_of: dict, settings: dict[str, dict]) -> None:
     """``harness eval --dry-run``: the data is loaded and checked (before this); read the model's config and tokenizer (no
     weights) and print what would run."""
-    from harness.dry_run import read_model_files
+    from opd_harness.dry_run import read_model_files
 
     if backend == "hf":
         try:

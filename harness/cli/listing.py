@@ -6,14 +6,14 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from harness.jsonout import to_json
-from harness.registry import METHODS, TASKS
+from opd_harness.jsonout import to_json
+from opd_harness.registry import METHODS, TASKS
 
 if TYPE_CHECKING:  # the config models and the task classes are imported by the commands that use them (start-up)
     pass
 
 
-from harness.cli._common import app, stdout, plain_text
+from opd_harness.cli._common import app, stdout, plain_text
 
 
 @app.command(epilog="Example: harness tasks --json")

@@ -8,14 +8,14 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from harness.errors import ConfigError
-from harness.jsonout import to_json
+from opd_harness.errors import ConfigError
+from opd_harness.jsonout import to_json
 
 if TYPE_CHECKING:  # the config models and the task classes are imported by the commands that use them (start-up)
     pass
 
 
-from harness.cli._common import app, console, stdout, _fail, open_interval, check_data_dir, _quiet_libraries
+from opd_harness.cli._common import app, console, stdout, _fail, open_interval, check_data_dir, _quiet_libraries
 
 
 @app.command(epilog="Example: harness leaderboard results --format html --out board.html")
@@ -31,8 +31,8 @@ def leaderboard(
     collapse_threshold: Annotated[float, typer.Option(help="html: a run collapsed when final Avg@k < this x its peak Avg@k")] = 0.5,
 ) -> None:
     """Runs × checkpoints × tasks with Avg@k ± 95% CI and throughput; ``--format html`` gives a page with plots and a drill-down per run."""
-    from harness.leaderboard import leaderboard_rows, render_csv, render_json, render_markdown, render_table
-    from harness.store import Store
+    from opd_harness.leaderboard import leaderboard_rows, render_csv, render_json, render_markdown, render_table
+    from opd_harness.store import Store
 
     roots = directories or [Path("results")]
     renderers = {"md": render_markdown, "csv": render_csv, "json": render_json}
@@ -46,7 +46,7 @@ def leaderboard(
         if not (root / "results.sqlite").is_file():
             raise _fail(f"no results store at {root / 'results.sqlite'}")
     if format_ == "html":
-        from harness.leaderboard_page import write_html
+        from opd_harness.leaderboard_page import write_html
 
         if run:
             raise _fail("--run filters the text formats; the html page shows every run of the given roots")
@@ -124,10 +124,10 @@ def gate(
     """
     import yaml
 
-    from harness.config import deep_merge, parse_override
-    from harness.gate import EvalSpec, GateUsageError, verdict_paragraph
-    from harness.gate import gate as run_gate
-    from harness.store import Store
+    from opd_harness.config import deep_merge, parse_override
+    from opd_harness.gate import EvalSpec, GateUsageError, verdict_paragraph
+    from opd_harness.gate import gate as run_gate
+    from opd_harness.store import Store
 
     if ctx.args:
         raise _fail(
@@ -179,7 +179,7 @@ def gate(
         except GateUsageError as exc:
             raise _fail(str(exc)) from None
         if html_ is not None:
-            from harness.viewer import gate_page
+            from opd_harness.viewer import gate_page
 
             report.viewer = str(gate_page(store, report, html_))
             report.notes.append(f"comparison page (flipped problems, both transcripts side by side): {report.viewer}")
@@ -206,9 +206,9 @@ def view(
 
     Filter by grade, task and evaluation, search, and compare two evaluations on the same problems (flips, side by side).
     """
-    from harness.gate import GateUsageError, split_ref
-    from harness.store import Store
-    from harness.viewer import eval_refs, viewer_payload, write_page
+    from opd_harness.gate import GateUsageError, split_ref
+    from opd_harness.store import Store
+    from opd_harness.viewer import eval_refs, viewer_payload, write_page
 
     if not (out / "results.sqlite").is_file():
         raise _fail(f"--out {out}: no results store at {out / 'results.sqlite'}")

@@ -10,16 +10,16 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 
-from harness.cli import options as opts
-from harness.errors import ConfigError, TrainingAborted
-from harness.jsonout import to_json
-from harness.registry import RegistryError
+from opd_harness.cli import options as opts
+from opd_harness.errors import ConfigError, TrainingAborted
+from opd_harness.jsonout import to_json
+from opd_harness.registry import RegistryError
 
 if TYPE_CHECKING:  # the config models and the task classes are imported by the commands that use them (start-up)
-    from harness.config import RunConfig
+    from opd_harness.config import RunConfig
 
 
-from harness.cli._common import (
+from opd_harness.cli._common import (
     app,
     console,
     stdout,
@@ -83,10 +83,10 @@ def run(
     """
     import yaml
 
-    from harness.config import PRESET_NOTES, build_config, check_models_named
-    from harness.plan import load_plan_data, plan_run
-    from harness.store import Store
-    from harness.runs import create_train_run, execute_run, plan_resume, resolved_config
+    from opd_harness.config import PRESET_NOTES, build_config, check_models_named
+    from opd_harness.plan import load_plan_data, plan_run
+    from opd_harness.store import Store
+    from opd_harness.runs import create_train_run, execute_run, plan_resume, resolved_config
 
     _quiet_libraries()
     store = None
@@ -152,7 +152,7 @@ def run(
 def check_model_folders(cfg: RunConfig) -> None:
     """Every model the run loads here can be read: a folder with config and weights, or a hub id cached or reachable
     (offline, one line at once naming the local folder to give instead); a ConfigError naming the flag otherwise."""
-    from harness.models.hub import ModelUnavailable, locate_model
+    from opd_harness.models.hub import ModelUnavailable, locate_model
 
     for role in ("student", "teacher"):
         spec = getattr(cfg, role)
@@ -164,11 +164,11 @@ def check_model_folders(cfg: RunConfig) -> None:
 
 
 def _dry_run(plan, device_memory: float | None, as_json: bool, skip: tuple[str, ...] = ()) -> None:
-    """``harness run --dry-run``: the checks of a planned run before anything runs, one step each (:mod:`harness.dry_run`:
+    """``harness run --dry-run``: the checks of a planned run before anything runs, one step each (:mod:`opd_harness.dry_run`:
     data, models, the teacher–student pair, the teacher's log-probs; then the memory plan). Each step returns (its JSON
     section, a printer, its failure or None); the steps run in order up to the first failure, their sections are printed,
     then that failure is raised (exit 2, one line). ``skip``: steps left out (a recipe's plans skip "data")."""
-    from harness import dry_run
+    from opd_harness import dry_run
 
     files: dict = {}
 
@@ -208,8 +208,8 @@ def _dry_run(plan, device_memory: float | None, as_json: bool, skip: tuple[str, 
 
 
 def _memory_step(plan, *, device_memory: float | None) -> tuple[dict, Callable[[], None], str | None]:
-    """The memory plan of the run (:mod:`harness.memory_plan`): per role and device, against the devices' capacity."""
-    from harness.memory_plan import build_memory_plan, fit_failure
+    """The memory plan of the run (:mod:`opd_harness.memory_plan`): per role and device, against the devices' capacity."""
+    from opd_harness.memory_plan import build_memory_plan, fit_failure
 
     memory = build_memory_plan(plan, device_memory)
     return memory.to_dict(), lambda: _print_memory_plan(memory), fit_failure(memory)
@@ -219,7 +219,7 @@ def _print_memory_plan(memory) -> None:
     """The memory plan as a table (GiB), then its assumptions."""
     from rich.table import Table
 
-    from harness.memory_plan import render_rows
+    from opd_harness.memory_plan import render_rows
 
     table = Table(title="memory plan (GiB, one replica per device)")
     for name in ("role", "device", "term", "GiB", "note"):
@@ -232,7 +232,7 @@ def _print_memory_plan(memory) -> None:
 
 
 def _print_run_summary(store, run_id: str, plan, seconds: float) -> None:
-    from harness.leaderboard import leaderboard_rows, paired_comparison, render_table
+    from opd_harness.leaderboard import leaderboard_rows, paired_comparison, render_table
 
     stdout.print(render_table(leaderboard_rows(store, [run_id])))
     estimator = getattr(plan.hparams, "estimator", None)

@@ -7,13 +7,13 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from harness.errors import ConfigError
+from opd_harness.errors import ConfigError
 
 if TYPE_CHECKING:  # the config models and the task classes are imported by the commands that use them (start-up)
     pass
 
 
-from harness.cli._common import app, stdout, _fail
+from opd_harness.cli._common import app, stdout, _fail
 
 
 sandbox_app = typer.Typer(
@@ -37,7 +37,7 @@ def sandbox_build(
 ) -> None:
     """Build the sandbox's Docker image from Debian packages (mmdebstrap + docker import; never docker pull); with
     --task, then the images that task needs (--force then rebuilds those, not the base image)."""
-    from sandbox.build import BuildError, build_base_image
+    from opd_harness.sandbox.build import BuildError, build_base_image
 
     try:
         info = build_base_image(tag=tag, cache_dir=cache_dir, force=force and task is None)
@@ -56,9 +56,9 @@ def _build_task_images(name: str, data_dir: Path | None, task_arg: list[str], fo
     """``sandbox build --task NAME``: the task's own ``build_images`` with a progress bar; exit 1 if one failed."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from harness.config import deep_merge, parse_override
-    from harness.plan import make_task
-    from harness.task import Task
+    from opd_harness.config import deep_merge, parse_override
+    from opd_harness.plan import make_task
+    from opd_harness.task import Task
 
     task_args: dict = {}
     for item in task_arg:
@@ -101,7 +101,7 @@ def sandbox_cleanup(
     all_: Annotated[bool, typer.Option("--all", help="also containers of harness processes still running")] = False,
 ) -> None:
     """Remove sandbox containers left behind by crashed runs."""
-    from sandbox.docker import reap_leftovers
+    from opd_harness.sandbox.docker import reap_leftovers
 
     try:
         n = reap_leftovers(everything=all_)

@@ -11,7 +11,7 @@ if TYPE_CHECKING:  # the config models and the task classes are imported by the 
     pass
 
 
-from harness.cli._common import app, _fail, _quiet_libraries
+from opd_harness.cli._common import app, _fail, _quiet_libraries
 
 
 @app.command("serve", epilog="Example: harness serve --model results/runs/RUN/checkpoints/step-000500 --port 8000")
@@ -38,8 +38,8 @@ def serve_(
     max_body_bytes: Annotated[int, typer.Option(help="largest request body (more: 413, refused before it is read)")] = 16 << 20,
 ) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /metrics)."""
-    from harness.serve import Limits
-    from harness.serve import serve as run_server
+    from opd_harness.serve import Limits
+    from opd_harness.serve import serve as run_server
 
     _quiet_libraries()
     limits = Limits(max_model_len, max_request_sequences, max_request_tokens, max_queued_sequences, max_body_bytes)

@@ -9,15 +9,15 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.markup import escape
 
-from harness.errors import ConfigError
+from opd_harness.errors import ConfigError
 
 if TYPE_CHECKING:  # the config models and the task classes are imported by the commands that use them (start-up)
     pass
 
 
-from harness.cli.run import _dry_run
-from harness.cli import options as opts
-from harness.cli._common import app, console, stdout, _fail, _quiet_libraries
+from opd_harness.cli.run import _dry_run
+from opd_harness.cli import options as opts
+from opd_harness.cli._common import app, console, stdout, _fail, _quiet_libraries
 
 
 @app.command(epilog="Example: harness sweep benchmarks/f_opd_cpu_study.yaml --out results --dry-run")
@@ -27,8 +27,8 @@ def sweep(
     dry_run: Annotated[bool, typer.Option("--dry-run", help="validate every grid point and list what would run or be skipped")] = False,
 ) -> None:
     """Run a grid of training runs (methods x modes x seeds x lags ...) sequentially; re-running continues it."""
-    from harness.report import render_markdown, write_report
-    from harness.sweep import run_sweep
+    from opd_harness.report import render_markdown, write_report
+    from opd_harness.sweep import run_sweep
 
     _quiet_libraries()
     try:
@@ -59,8 +59,8 @@ def report(
     baseline_method: Annotated[str, typer.Option(help="sync method for relative throughput when a row has no sync run of its own")] = "opd",
 ) -> None:
     """Paper-style tables of a sweep (final/peak Avg@k, peak-final drop, collapse ratio, relative throughput, lag) and the lag curve PNG."""
-    from harness.report import render_json, render_markdown, write_report
-    from harness.sweep import SweepError
+    from opd_harness.report import render_json, render_markdown, write_report
+    from opd_harness.sweep import SweepError
 
     if json_:
         if format_ not in ("md", "json"):
@@ -86,7 +86,7 @@ def reproduce(
     set_: Annotated[list[str] | None, typer.Option("--set", help="extra dotted override KEY=VALUE for every run, repeatable")] = None,
 ) -> None:
     """Run a paper's recipe through the sweep machinery (resumable), print its tables and check its claims."""
-    from harness.reproduce import SCALES, reproduce as reproduce_recipe
+    from opd_harness.reproduce import SCALES, reproduce as reproduce_recipe
 
     if scale not in SCALES:
         raise _fail(f"--scale {scale!r}: choose one of {', '.join(SCALES)}")
@@ -112,7 +112,7 @@ def _recipe_plans(name: str, scale: str, overrides: list[str] | None) -> None:
     """``harness reproduce --dry-run`` of a scale that names a layout: each distinct run's ``harness run --dry-run`` plan
     (models, the pair, the teacher, the memory plan; the data is checked when the runs start), printed once with how many
     runs share it; exit 2 at the first plan that fails."""
-    from harness.reproduce import distinct_plans, load_recipe
+    from opd_harness.reproduce import distinct_plans, load_recipe
 
     try:
         recipe = load_recipe(name)

@@ -126,7 +126,7 @@ def standin_characters(vocab_size: int) -> list[str]:
     then code points from U+00A1 on that are not controls, surrogates, separators, combining or format characters."""
     import unicodedata
 
-    from harness.models.tiny import CHARSET
+    from opd_harness.models.tiny import CHARSET
 
     chars = list(dict.fromkeys(CHARSET))
     seen = set(chars)
@@ -143,6 +143,6 @@ def standin_characters(vocab_size: int) -> list[str]:
 def build_shape_tokenizer(vocab_size: int = 151_936) -> PreTrainedTokenizerFast:
     """A character-level tokenizer over ``vocab_size`` ids (pad 0, eos 1, unk 2): encode/decode round-trip exactly for
     any text of its characters, so random ids decode to text that encodes back to the same ids."""
-    from harness.models.tiny import build_char_tokenizer
+    from opd_harness.models.tiny import build_char_tokenizer
 
     return build_char_tokenizer("".join(standin_characters(vocab_size)))  # pad 0, eos 1, unk 2, then one id per character

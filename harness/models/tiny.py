@@ -84,7 +84,7 @@ def load_model_and_tokenizer(path: str | Path, *, dtype: torch.dtype | None = No
     import torch
     from transformers import AutoModelForCausalLM
 
-    from harness.models.hub import ModelUnavailable, locate_model
+    from opd_harness.models.hub import ModelUnavailable, locate_model
 
     try:
         where = locate_model(str(path), flag="model")

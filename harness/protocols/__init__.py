@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from harness.errors import ConfigError
+from opd_harness.errors import ConfigError
 
 SETTINGS = ("temperature", "top_p", "top_k", "presence_penalty", "max_new_tokens", "k", "enable_thinking")
 

@@ -4,6 +4,6 @@
 endpoints and their semantics), ``engine.py`` the continuous-batching engine behind it (one decode loop that requests join at any step).
 """
 
-from harness.serve.app import Limits, make_app, render_chat, serve
+from opd_harness.serve.app import Limits, make_app, render_chat, serve
 
 __all__ = ["Limits", "make_app", "render_chat", "serve"]

@@ -38,7 +38,7 @@ fails is decoded again one sequence at a time, so one request cannot fail anothe
 Semantics worth knowing:
 
 * **Continuous batching across requests.** Every request is split into sequences (prompt × sample) that go
-  to one engine (``harness.serve.engine``): a worker thread decodes up to ``max_batch`` sequences together
+  to one engine (``opd_harness.serve.engine``): a worker thread decodes up to ``max_batch`` sequences together
   (and at most ``max_batch_tokens`` padded positions: batch size × (longest prompt + max_tokens), which
   bounds the prompt-logits memory of ``echo``), from however many requests, one forward pass per token.
   Sequences that arrive while others decode are prefilled and join the running batch at its next step;
@@ -88,11 +88,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from harness.backends import MAX_TEMPERATURE, MIN_TEMPERATURE
-from harness.serve.engine import Delta, Engine, Overloaded, TopList
-from harness.serve.engine import Sequence as Seq
+from opd_harness.backends import MAX_TEMPERATURE, MIN_TEMPERATURE
+from opd_harness.serve.engine import Delta, Engine, Overloaded, TopList
+from opd_harness.serve.engine import Sequence as Seq
 
-log = logging.getLogger("harness.serve")
+log = logging.getLogger("opd_harness.serve")
 
 MAX_N = 128
 MAX_STOP = 16
@@ -851,7 +851,7 @@ def serve(
     import torch
     import uvicorn
 
-    from harness.backends.hf import HFBackend
+    from opd_harness.backends.hf import HFBackend
 
     if max_batch < 1:
         raise ValueError(f"--max-batch must be at least 1, got {max_batch}")

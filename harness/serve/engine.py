@@ -42,9 +42,9 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
-from harness.backends.sampling import draw_rows
+from opd_harness.backends.sampling import draw_rows
 
-log = logging.getLogger("harness.serve")
+log = logging.getLogger("opd_harness.serve")
 
 TopList = list[tuple[int, float]]  # (token id, log-prob), most likely first
 

@@ -1,7 +1,7 @@
 """Docker provider: every program runs in a locked-down container from a locally built image.
 
 Each container (``DockerSandbox`` options in brackets):
-  - image ``opd-sandbox:bookworm`` [``image``], built by ``python -m sandbox.build`` (never pulled);
+  - image ``opd-sandbox:bookworm`` [``image``], built by ``python -m opd_harness.sandbox.build`` (never pulled);
   - no network (``network_mode=none``; only ``lo`` exists) unless a request sets ``network=True``;
   - read-only root file system; a writable anonymous volume at ``/box`` (the work root, removed
     with the container) and a tmpfs at ``/tmp`` [``tmpfs_mb``, default 64]; ``/dev/shm`` is
@@ -63,8 +63,8 @@ and Docker's stream demultiplexing), ``session`` (``DockerSession``), ``cleanup`
 exit), ``box`` (what they share of a container: work root, user, limits, input tars, OOM counter).
 """
 
-from sandbox.docker.cleanup import LABEL, OWNER, OWNER_LABEL, reap_leftovers
-from sandbox.docker.provider import DEFAULT_IMAGE, DockerSandbox, build_command
-from sandbox.docker.session import DockerSession
+from opd_harness.sandbox.docker.cleanup import LABEL, OWNER, OWNER_LABEL, reap_leftovers
+from opd_harness.sandbox.docker.provider import DEFAULT_IMAGE, DockerSandbox, build_command
+from opd_harness.sandbox.docker.session import DockerSession
 
 __all__ = ["DEFAULT_IMAGE", "LABEL", "OWNER", "OWNER_LABEL", "DockerSandbox", "DockerSession", "build_command", "reap_leftovers"]

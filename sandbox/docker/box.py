@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandbox import ExecRequest
+from opd_harness.sandbox import ExecRequest
 
 WORKDIR = "/box"
 UID = GID = 65534

@@ -12,7 +12,7 @@ from pathlib import Path
 import docker
 import docker.errors
 
-from sandbox import Sandbox
+from opd_harness.sandbox import Sandbox
 
 LABEL = "opd-harness.sandbox"
 OWNER_LABEL = "opd-harness.sandbox.owner"

@@ -8,8 +8,8 @@ import socket
 import struct
 from collections.abc import Iterator
 
-from sandbox import OutputBuffer
-from sandbox.docker.box import Infra
+from opd_harness.sandbox import OutputBuffer
+from opd_harness.sandbox.docker.box import Infra
 
 
 def server_request(header: dict, tar: bytes) -> bytes:

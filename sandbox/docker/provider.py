@@ -14,11 +14,11 @@ import docker.errors
 import requests
 from docker.types import DriverConfig, LogConfig, Mount, Ulimit
 
-from sandbox import ExecRequest, ExecResult, Sandbox, SandboxUnavailable
-from sandbox.docker.box import GID, UID, WORKDIR, Infra, Limits, NoRetry
-from sandbox.docker.cleanup import LABEL, OWNER, OWNER_LABEL, hold_until_closed, make_client, reap_once, release
-from sandbox.docker.session import DockerSession
-from sandbox.docker.transport import Box, execute
+from opd_harness.sandbox import ExecRequest, ExecResult, Sandbox, SandboxUnavailable
+from opd_harness.sandbox.docker.box import GID, UID, WORKDIR, Infra, Limits, NoRetry
+from opd_harness.sandbox.docker.cleanup import LABEL, OWNER, OWNER_LABEL, hold_until_closed, make_client, reap_once, release
+from opd_harness.sandbox.docker.session import DockerSession
+from opd_harness.sandbox.docker.transport import Box, execute
 
 DEFAULT_IMAGE = "opd-sandbox:bookworm"
 _ENV = {"HOME": "/tmp", "LANG": "C.UTF-8", "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
@@ -43,10 +43,10 @@ DEFAULT_SESSION_POOL = 16  # idle reset sessions kept (and prewarmed) at least, 
 
 
 class DockerSandbox(Sandbox):
-    """Docker provider (see the package docstring, ``sandbox.docker``, for the isolation and the limits).
+    """Docker provider (see the package docstring, ``opd_harness.sandbox.docker``, for the isolation and the limits).
 
     Args:
-        image: image tag to run (built by ``python -m sandbox.build``).
+        image: image tag to run (built by ``python -m opd_harness.sandbox.build``).
         pool_size: most containers kept and most programs running at once.
         prewarm: containers (with default request limits) started when the sandbox opens.
         base_url: Docker daemon URL (default: ``DOCKER_HOST`` or the local socket).
@@ -175,7 +175,7 @@ class DockerSandbox(Sandbox):
             container = client.containers.create(self.image, **kwargs)
             container.start()
         except docker.errors.ImageNotFound as exc:
-            how = f"`{build_command(self.image)}` (or `python -m sandbox.build`)"
+            how = f"`{build_command(self.image)}` (or `python -m opd_harness.sandbox.build`)"
             raise NoRetry(f"image {self.image!r} not found; build it with {how} ({exc})") from exc
         except (docker.errors.DockerException, OSError) as exc:
             if container is not None:

@@ -12,9 +12,9 @@ from typing import Protocol
 
 import docker.errors
 
-from sandbox import MAX_READ_FILE_BYTES, ExecRequest, ExecResult, SandboxUnavailable, Session, resolve_path
-from sandbox.docker.box import WORKDIR, Infra, posixpath_rel, tar_files
-from sandbox.docker.transport import Box, Host, execute, relay
+from opd_harness.sandbox import MAX_READ_FILE_BYTES, ExecRequest, ExecResult, SandboxUnavailable, Session, resolve_path
+from opd_harness.sandbox.docker.box import WORKDIR, Infra, posixpath_rel, tar_files
+from opd_harness.sandbox.docker.transport import Box, Host, execute, relay
 
 
 class SessionHost(Host, Protocol):

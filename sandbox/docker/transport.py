@@ -15,9 +15,9 @@ from typing import Protocol
 import docker
 import docker.errors
 
-from sandbox import ExecRequest, ExecResult, OutputBuffer, resolve_path, signal_status
-from sandbox.docker.box import GID, UID, WORKDIR, Infra, Limits, oom_counter_path, posixpath_rel, read_oom_kills, tar_files
-from sandbox.docker.frames import ServerStream, exec_frames, server_request
+from opd_harness.sandbox import ExecRequest, ExecResult, OutputBuffer, resolve_path, signal_status
+from opd_harness.sandbox.docker.box import GID, UID, WORKDIR, Infra, Limits, oom_counter_path, posixpath_rel, read_oom_kills, tar_files
+from opd_harness.sandbox.docker.frames import ServerStream, exec_frames, server_request
 
 # A session's run is one `docker exec` of this wrapper (each exec costs ~50-100 ms here, put_archive as much):
 #   args: MARK WORKDIR STDIN TIMEOUT NCHUNKS CHUNK... ARGV...

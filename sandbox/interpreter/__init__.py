@@ -1,8 +1,8 @@
 """A persistent Python interpreter in one sandbox session, for multi-turn tool use (one per episode, its session
 taken from a warm pool of reset sessions).
 
-    import sandbox
-    from sandbox.interpreter import PythonInterpreter
+    from opd_harness import sandbox
+    from opd_harness.sandbox.interpreter import PythonInterpreter
     with sandbox.open_sandbox("docker") as sb, PythonInterpreter(sb) as py:
         py.run_cell("import math\\nx = math.factorial(20)")
         py.run_cell("print(x % 1000)").output          # "0\\n"
@@ -99,7 +99,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sandbox import ExecRequest, Sandbox, Session
+from opd_harness.sandbox import ExecRequest, Sandbox, Session
 
 __all__ = ["CellResult", "PythonInterpreter", "CELL_STATUSES"]
 

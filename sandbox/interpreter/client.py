@@ -1,4 +1,4 @@
-"""The exec transport's client (see ``sandbox.interpreter``): ``python -I -S -c <this file> KEY REQUEST_CHUNK...``.
+"""The exec transport's client (see ``opd_harness.sandbox.interpreter``): ``python -I -S -c <this file> KEY REQUEST_CHUNK...``.
 
 Hands the request (the concatenation of the chunks) to the supervisor listening on the abstract socket ``"\\0KEY"`` and
 prints its reply; prints ``NOSERVER`` and exits 3 when nobody listens there.

@@ -1,4 +1,4 @@
-"""The interpreter's supervisor (see ``sandbox.interpreter``): ``python -I -S -c <this file> MODE KEY WORKER_SOURCE GRACE
+"""The interpreter's supervisor (see ``opd_harness.sandbox.interpreter``): ``python -I -S -c <this file> MODE KEY WORKER_SOURCE GRACE
 [IDLE]``.
 
 MODE ``daemon``: fork a detached copy that listens on the abstract socket ``"\\0KEY"``, print ``READY <pid>`` once it

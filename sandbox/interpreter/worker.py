@@ -1,4 +1,4 @@
-"""The interpreter's worker (see ``sandbox.interpreter``): ``python -c <this file> CELL_FD DONE_FD SUP_PGID``.
+"""The interpreter's worker (see ``opd_harness.sandbox.interpreter``): ``python -c <this file> CELL_FD DONE_FD SUP_PGID``.
 
 Reads length-prefixed JSON cells from CELL_FD, runs them in a persistent ``__main__`` namespace, writes one JSON line
 per cell to DONE_FD. SIGUSR1 interrupts a cell. Stdlib only; it runs inside the sandbox, and the cells with it.

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import Field
 
-from harness.task import Task, TaskNotReady, TaskOptions
+from opd_harness.task import Task, TaskNotReady, TaskOptions
 
 
 class SandboxOptions(TaskOptions):
@@ -42,7 +42,7 @@ class SandboxedTask(Task):
     def sandbox(self):
         with self._sb_lock:
             if self._sandbox is None:
-                import sandbox as sandbox_pkg
+                from opd_harness import sandbox as sandbox_pkg
 
                 opts: SandboxOptions = self.options  # type: ignore[assignment]
                 self._sandbox = sandbox_pkg.open_sandbox(opts.sandbox, **opts.sandbox_options)
@@ -59,7 +59,7 @@ class SandboxedTask(Task):
 
     def check_ready(self) -> None:
         """Raise ``TaskNotReady`` when the sandbox cannot run here (bad options, Docker daemon down, image not built)."""
-        import sandbox as sandbox_pkg
+        from opd_harness import sandbox as sandbox_pkg
 
         try:
             sb = self.sandbox

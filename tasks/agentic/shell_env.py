@@ -13,7 +13,7 @@ wall-time limits also end the episode.
 What the episode produced is the benchmark's: :meth:`ShellAgentEnv.outcome` runs the optional :class:`Check` (a
 grader command, its files written first so the agent cannot have edited them) in the session before it goes;
 subclasses override :meth:`~ShellAgentEnv.on_session_open` and :meth:`~ShellAgentEnv.outcome` (SWE-bench's patch,
-:mod:`tasks.swebench.agent`).
+:mod:`opd_harness.tasks.swebench.agent`).
 
 Per episode it counts steps, format errors, commands that timed out, whether the agent submitted, whether it
 ran any test, and whether it repeated the same command 3+ times in a row (a loop).
@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from harness.episode import Env, Observation, StepResult
+from opd_harness.episode import Env, Observation, StepResult
 
 if TYPE_CHECKING:  # a Future is made with the first session
     from concurrent.futures import Future
@@ -175,7 +175,7 @@ class ShellAgentEnv(Env):
 
     def execute(self, command: str) -> str:
         """Run one command with persistence; its return code and (head+tail) output as the agent sees them."""
-        from sandbox import ExecRequest
+        from opd_harness.sandbox import ExecRequest
 
         script = persistent(command, self.workdir, self._state)
         result = self.session().run(ExecRequest(argv=["bash", "-c", script], timeout_s=self.limits.command_timeout_s))
@@ -242,7 +242,7 @@ class ShellAgentEnv(Env):
         """Hook: called once the session is open, before any command runs (SWE-bench records the base commit)."""
 
     def metrics(self) -> dict[str, float]:
-        """The counters, plus the tool-use view every agentic task shares (``harness.evaluation.summarize_episodes``): tool
+        """The counters, plus the tool-use view every agentic task shares (``opd_harness.evaluation.summarize_episodes``): tool
         calls are commands run and format errors, invalid calls the format errors, executed calls the commands run, and
         tool errors the commands that timed out."""
         executed = sum(not is_submission(command, self.submit_word) for command in self.commands)
@@ -262,7 +262,7 @@ class ShellAgentEnv(Env):
 
     def run_check(self, check: Check) -> dict:
         """Write the check's files, run its command in ``workdir`` (a fresh shell: none of the agent's exports)."""
-        from sandbox import ExecRequest
+        from opd_harness.sandbox import ExecRequest
 
         session = self.session()  # an agent that never ran a command is checked on the untouched work directory
         if check.files:

@@ -2,7 +2,7 @@
 
 A subclass reads its problems and says, per problem, which files the work folder starts with (:meth:`workspace`)
 and which command grades it (:meth:`check`, exit 0 = pass); the kit gives the rest: options (sandbox, budgets),
-mini-swe-agent's prompt, one :class:`~tasks.agentic.shell_env.ShellAgentEnv` per episode in a fresh session
+mini-swe-agent's prompt, one :class:`~opd_harness.tasks.agentic.shell_env.ShellAgentEnv` per episode in a fresh session
 (network off), the check run in that session before it closes, and the scores.
 """
 
@@ -15,9 +15,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from tasks.agentic.sandboxed import SandboxedTask, SandboxOptions
-from tasks.agentic.shell_env import AgentLimits, Check, ShellAgentEnv, system_prompt
-from harness.task import Problem, Score
+from opd_harness.tasks.agentic.sandboxed import SandboxedTask, SandboxOptions
+from opd_harness.tasks.agentic.shell_env import AgentLimits, Check, ShellAgentEnv, system_prompt
+from opd_harness.task import Problem, Score
 
 SUBMIT_WORD = "TASK_COMPLETE"
 

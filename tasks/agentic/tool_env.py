@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from harness.episode import Env, StepResult
-from tasks.agentic.tool_formats import InvalidCall, ToolCall, ToolFormat
+from opd_harness.episode import Env, StepResult
+from opd_harness.tasks.agentic.tool_formats import InvalidCall, ToolCall, ToolFormat
 
 
 class ToolInfrastructureError(RuntimeError):

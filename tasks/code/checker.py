@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from tasks.code import sandbox_runner as rt
+from opd_harness.tasks.code import sandbox_runner as rt
 
 MAX_COLLIDING = 32  # distinct values sharing one hash in a decoded set / dict (more: refused, it would be quadratic)
 

@@ -19,9 +19,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from harness.task import Problem, Score
-from tasks.agentic.sandboxed import SandboxedTask, SandboxOptions
-from tasks.code.checker import Report, parse_report
+from opd_harness.task import Problem, Score
+from opd_harness.tasks.agentic.sandboxed import SandboxedTask, SandboxOptions
+from opd_harness.tasks.code.checker import Report, parse_report
 
 RUNNER = (Path(__file__).with_name("sandbox_runner.py")).read_bytes()
 _FENCE = re.compile(r"^\s*```")
@@ -113,7 +113,7 @@ class SandboxedCodeTask(SandboxedTask):
         ``error`` is set only when the sandbox failed or the runner never started (no key line): both happen before
         any model code runs, so a program cannot turn its own failure into an error.
         """
-        from sandbox import ExecRequest
+        from opd_harness.sandbox import ExecRequest
 
         payload = json.dumps(job, allow_nan=True).encode()
         opts: CodeOptions = self.options  # type: ignore[assignment]

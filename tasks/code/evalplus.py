@@ -45,12 +45,13 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from harness.data import download_url
-from harness.task import DataError, DataNeed, Problem, Score, read_jsonl
-from harness.task import DataNotFound as TaskDataNotFound
-from tasks.code import checker
-from tasks.code.common import CodeOptions, SandboxedCodeTask, aligned, cache_root, defines, error, fail, last_fenced_block, syntax_error
-from tasks.code.sandbox_runner import phase_inputs
+from opd_harness.data import download_url
+from opd_harness.task import DataError, DataNeed, Problem, Score, read_jsonl
+from opd_harness.task import DataNotFound as TaskDataNotFound
+from opd_harness.tasks.code import checker
+from opd_harness.tasks.code.common import (CodeOptions, SandboxedCodeTask, aligned, cache_root, defines, error, fail, last_fenced_block,
+                                           syntax_error)
+from opd_harness.tasks.code.sandbox_runner import phase_inputs
 
 INSTRUCTION = "Please provide a self-contained Python script that solves the following problem in a markdown code block:"
 TRUTH_TIMEOUT_S = 300.0

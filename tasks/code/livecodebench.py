@@ -37,10 +37,10 @@ from typing import Any
 
 from pydantic import Field
 
-from harness.data import download_hub_files
-from harness.task import DataError, DataNeed, DataNotFound, Problem, Score, read_jsonl
-from tasks.code import checker
-from tasks.code.common import CodeOptions, SandboxedCodeTask, aligned, error, fail, last_fenced_block, syntax_error
+from opd_harness.data import download_hub_files
+from opd_harness.task import DataError, DataNeed, DataNotFound, Problem, Score, read_jsonl
+from opd_harness.tasks.code import checker
+from opd_harness.tasks.code.common import CodeOptions, SandboxedCodeTask, aligned, error, fail, last_fenced_block, syntax_error
 
 HUB_ID = "livecodebench/code_generation_lite"
 MAX_DECOMPRESSED = 1 << 30

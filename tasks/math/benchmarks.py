@@ -4,11 +4,11 @@ Every task reads one file layout (``DIR/<task name>/<file>``, what ``harness dat
 back to the Hugging Face hub when no local file exists. ``harness data fetch`` rewrites hub rows in the local
 layout (``hub_to_local``: AIME24, AMC23 and Minerva's hub copies use other field names; Minerva's has no
 worked solution, so its gold is stored as ``\boxed{answer}``). Rows are validated one by one: a bad row raises
-:class:`harness.task.DataError` naming the file, the 1-based line (row number for Parquet and hub rows) and
-the field. Duplicate ids are an error. Grading is math-verify (:mod:`tasks.math_grading`) on the last
+:class:`opd_harness.task.DataError` naming the file, the 1-based line (row number for Parquet and hub rows) and
+the field. Duplicate ids are an error. Grading is math-verify (:mod:`opd_harness.tasks.math_grading`) on the last
 ``\boxed{}`` of a completion against the gold below.
 
-Data directory (:meth:`harness.task.Task.load`), first one set wins: the ``data_dir`` argument of ``load()``,
+Data directory (:meth:`opd_harness.task.Task.load`), first one set wins: the ``data_dir`` argument of ``load()``,
 then ``options.data_dir``, then ``$HARNESS_DATA_DIR``, else ``./data``. ``options.source`` picks ``"auto"``
 (local file, else hub), ``"local"`` (never the hub) or ``"hub"`` (always the hub). If neither source works the
 error names the paths looked at.
@@ -70,10 +70,10 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field as OptionField
 
-from harness.data import hub_dataset_rows, write_rows
-from harness.task import DATA_DIR_ENV, DataError, DataNeed, Problem, Task, TaskOptions, read_jsonl
-from harness.task import DataNotFound as TaskDataNotFound
-from tasks.math_grading import MathVerifyGraded, extract_boxed
+from opd_harness.data import hub_dataset_rows, write_rows
+from opd_harness.task import DATA_DIR_ENV, DataError, DataNeed, Problem, Task, TaskOptions, read_jsonl
+from opd_harness.task import DataNotFound as TaskDataNotFound
+from opd_harness.tasks.math_grading import MathVerifyGraded, extract_boxed
 
 log = logging.getLogger(__name__)
 

@@ -1,1 +1,1 @@
-"""SWE-bench on offline per-instance Docker images (data, images, grading); see :mod:`tasks.swebench.task`."""
+"""SWE-bench on offline per-instance Docker images (data, images, grading); see :mod:`opd_harness.tasks.swebench.task`."""

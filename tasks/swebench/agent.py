@@ -1,4 +1,4 @@
-"""SWE-bench's shell agent: the kit's :class:`~tasks.agentic.shell_env.ShellAgentEnv` whose outcome is a patch.
+"""SWE-bench's shell agent: the kit's :class:`~opd_harness.tasks.agentic.shell_env.ShellAgentEnv` whose outcome is a patch.
 
 The agent works in the instance container (network off) on the repository at ``/testbed`` and submits with
 ``echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT``. However it ends, its patch (:func:`patch_script`) is the diff against
@@ -16,9 +16,9 @@ import shlex
 import uuid
 from collections.abc import Callable
 
-from harness.episode import StepResult
-from tasks.agentic.shell_env import AgentLimits, ShellAgentEnv
-from tasks.swebench import patches
+from opd_harness.episode import StepResult
+from opd_harness.tasks.agentic.shell_env import AgentLimits, ShellAgentEnv
+from opd_harness.tasks.swebench import patches
 
 SUBMIT = "COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT"
 
@@ -81,7 +81,7 @@ class SwebenchAgentEnv(ShellAgentEnv):
 
     def on_session_open(self, session) -> None:
         """Record the repository's commit: the base of the patch."""
-        from sandbox import ExecRequest
+        from opd_harness.sandbox import ExecRequest
 
         head = session.run(ExecRequest(argv=["bash", "-c", f"cd {shlex.quote(self.workdir)} && {GIT} rev-parse HEAD"], timeout_s=60))
         if head.status != "ok" or head.exit_code != 0 or not re.fullmatch(r"[0-9a-f]{40,64}", head.stdout.strip()):
@@ -93,7 +93,7 @@ class SwebenchAgentEnv(ShellAgentEnv):
     def outcome(self) -> dict:
         """The episode's patch (:func:`patch_script`); ``patch_too_large`` when it is over ``max_patch_bytes``, and
         ``patch_note`` when the agent removed the base commit (an empty patch: the agent's doing, graded fail)."""
-        from sandbox import ExecRequest
+        from opd_harness.sandbox import ExecRequest
 
         if self.submitted_patch is not None:
             return {"patch": self.submitted_patch, "commands": []}

@@ -15,7 +15,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from harness.task import DataError, DataNotFound, read_jsonl
+from opd_harness.task import DataError, DataNotFound, read_jsonl
 
 HUB_DATASET = "princeton-nlp/SWE-bench_Verified"
 LOCAL_FILES = ("verified_mini_50.csv", "verified_mini_hf", "verified.jsonl")  # under <data dir>/swebench, tried in this order

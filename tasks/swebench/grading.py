@@ -33,8 +33,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tasks.swebench import patches, steering, upstream
-from tasks.swebench.images import TESTBED
+from opd_harness.tasks.swebench import patches, steering, upstream
+from opd_harness.tasks.swebench.images import TESTBED
 
 START, END = ">>>>> Start Test Output", ">>>>> End Test Output"
 APPLY_FAILED = ">>>>> Patch Apply Failed"
@@ -335,7 +335,7 @@ def grade_patch(row: Mapping, patch: str, image: str, log_dir: Path, *, timeout_
 
     Never raises for what the patch or the tests do: what the patch causes is ``fail`` (see :func:`classify`);
     an infrastructure failure (Docker, image, a test patch that does not fit its base) is ``error``."""
-    import sandbox
+    from opd_harness import sandbox
 
     log_path = Path(log_dir) / row["instance_id"] / f"{patch_key(patch)}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from sandbox.build import DEFAULT_TAG as BASE_IMAGE
+from opd_harness.sandbox.build import DEFAULT_TAG as BASE_IMAGE
 
 BUILDER_VERSION = "2"
 IMAGE_REPO = "opd-swebench"
@@ -223,7 +223,7 @@ class _Builder:
                 env[var] = os.environ[var]
         envs = [a for k, v in env.items() for a in ("-e", f"{k}={v}")]
         # the sandbox's ownership labels: a build container left by a crashed process is reaped like any sandbox container
-        from sandbox.docker import LABEL as SANDBOX_LABEL, OWNER, OWNER_LABEL
+        from opd_harness.sandbox.docker import LABEL as SANDBOX_LABEL, OWNER, OWNER_LABEL
 
         labels = ["--label", f"{SANDBOX_LABEL}=1", "--label", f"{OWNER_LABEL}={OWNER}"]
         proc = _docker(

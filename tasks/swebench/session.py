@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import sandbox
-from sandbox import ExecRequest, ExecResult, Session
+from opd_harness import sandbox
+from opd_harness.sandbox import ExecRequest, ExecResult, Session
 
 
 class InstanceSession(Session):

@@ -14,14 +14,14 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from harness.task import DataError, DataNeed, DataNotFound, Problem, Score, Task, TaskNotReady, TaskOptions
-from tasks.swebench import data, upstream
-from tasks.agentic.shell_env import AgentLimits, system_prompt
-from tasks.agentic.shell_task import chat_prompt
-from tasks.swebench.agent import INSTANCE_PROMPT, SUBMIT, SwebenchAgentEnv
-from tasks.swebench.grading import MAX_PATCH_BYTES, Outcome, failed, grade_patch, too_large
-from tasks.swebench.session import InstanceSession, open_session_on
-from tasks.swebench.images import (
+from opd_harness.task import DataError, DataNeed, DataNotFound, Problem, Score, Task, TaskNotReady, TaskOptions
+from opd_harness.tasks.swebench import data, upstream
+from opd_harness.tasks.agentic.shell_env import AgentLimits, system_prompt
+from opd_harness.tasks.agentic.shell_task import chat_prompt
+from opd_harness.tasks.swebench.agent import INSTANCE_PROMPT, SUBMIT, SwebenchAgentEnv
+from opd_harness.tasks.swebench.grading import MAX_PATCH_BYTES, Outcome, failed, grade_patch, too_large
+from opd_harness.tasks.swebench.session import InstanceSession, open_session_on
+from opd_harness.tasks.swebench.images import (
     BuildInputs,
     BuildResult,
     ImageBuildError,
@@ -177,7 +177,7 @@ class SwebenchTask(Task):
     # ---- images
 
     def build_inputs(self, row: dict) -> BuildInputs:
-        """What the instance image is made from (see :mod:`tasks.swebench.images`)."""
+        """What the instance image is made from (see :mod:`opd_harness.tasks.swebench.images`)."""
         source = getattr(self, "_source", None) or self.repo_source()
         spec = upstream.spec_of(row["repo"], row["version"])
         tarball = data.repo_tarball(source, row, self.cache_dir)

@@ -56,7 +56,7 @@ def spec_of(repo: str, version: str) -> dict:
     """The swebench spec of ``repo`` at ``version``; KeyError naming what is known when there is none."""
     known = specs()
     if repo not in known:
-        raise KeyError(f"swebench has no spec for repo {repo!r} (register one with tasks.swebench.upstream.register_repo)")
+        raise KeyError(f"swebench has no spec for repo {repo!r} (register one with opd_harness.tasks.swebench.upstream.register_repo)")
     if version not in known[repo]:
         raise KeyError(f"swebench has no spec for {repo} version {version!r}; known: {', '.join(sorted(known[repo]))}")
     return known[repo][version]

@@ -15,8 +15,8 @@ from typing import TypeVar
 
 from pydantic import Field
 
-from harness.task import Problem, Task, TaskOptions
-from tasks.math_grading import MathVerifyGraded
+from opd_harness.task import Problem, Task, TaskOptions
+from opd_harness.tasks.math_grading import MathVerifyGraded
 
 
 class ArithOptions(TaskOptions):

@@ -16,9 +16,9 @@ from typing import Literal
 
 from pydantic import Field
 
-from harness.task import Problem
-from tasks.synthetic.arith import draw_distinct_splits
-from tasks.tool.base import ToolOptions, ToolTask
+from opd_harness.task import Problem
+from opd_harness.tasks.synthetic.arith import draw_distinct_splits
+from opd_harness.tasks.tool.base import ToolOptions, ToolTask
 
 
 class ArithToolOptions(ToolOptions):

@@ -16,11 +16,11 @@ from typing import Literal
 
 from pydantic import Field
 
-from harness.task import Problem, Score
-from tasks.agentic.sandboxed import SandboxedTask, SandboxOptions
-from tasks.math_grading import MathVerifyGraded
-from tasks.agentic.tool_env import ToolEnv
-from tasks.agentic.tool_formats import CODE_INTERPRETER_SCHEMA, FORMATS, ToolFormat
+from opd_harness.task import Problem, Score
+from opd_harness.tasks.agentic.sandboxed import SandboxedTask, SandboxOptions
+from opd_harness.tasks.math_grading import MathVerifyGraded
+from opd_harness.tasks.agentic.tool_env import ToolEnv
+from opd_harness.tasks.agentic.tool_formats import CODE_INTERPRETER_SCHEMA, FORMATS, ToolFormat
 
 
 class ToolOptions(SandboxOptions):
@@ -105,7 +105,7 @@ class ToolTask(MathVerifyGraded, SandboxedTask):
 
     def open_interpreter(self):
         """A fresh persistent interpreter in this task's sandbox (no network; the task's memory and disk limits)."""
-        from sandbox.interpreter import PythonInterpreter
+        from opd_harness.sandbox.interpreter import PythonInterpreter
 
         opts: ToolOptions = self.options  # type: ignore[assignment]
         return PythonInterpreter(self.sandbox, memory_mb=opts.memory_mb, disk_mb=opts.disk_mb, max_output_chars=opts.max_output_chars)

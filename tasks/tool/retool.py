@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from harness.registry import TASKS, RegistryError
-from harness.task import Problem
-from tasks.math_grading import MathVerifyGraded
-from tasks.tool.base import ToolOptions, ToolTask
+from opd_harness.registry import TASKS, RegistryError
+from opd_harness.task import Problem
+from opd_harness.tasks.math_grading import MathVerifyGraded
+from opd_harness.tasks.tool.base import ToolOptions, ToolTask
 
 PREFIX = "retool"
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import sandbox_request as py
-from sandbox import ExecRequest
+from opd_harness.sandbox import ExecRequest
 
 
 def test_program_signalling_everything_is_contained(sb):

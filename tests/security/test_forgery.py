@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from tasks.code import checker
-from tasks.code import sandbox_runner as rt
-from harness.registry import TASKS
+from opd_harness.tasks.code import checker
+from opd_harness.tasks.code import sandbox_runner as rt
+from opd_harness.registry import TASKS
 
 
 # Runs at import of every attempt: defines forge(), which sprays fake records wherever it can write.

@@ -1,5 +1,5 @@
-"""OPD objectives: pure functions of a :class:`~harness.trajectory.TensorBatch` and the current
-student's log-probs, returning ``(loss, diagnostics)``. Each method is a :class:`harness.method.MethodSpec`,
+"""OPD objectives: pure functions of a :class:`~opd_harness.trajectory.TensorBatch` and the current
+student's log-probs, returning ``(loss, diagnostics)``. Each method is a :class:`opd_harness.method.MethodSpec`,
 declared as an entry point of ``opd_harness.methods`` (``name = "module:SPEC"``; the entry point's name is the
 spec's name) that declares the inputs it needs; this package holds the helpers objectives share.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from harness.lazy import lazy_import
+from opd_harness.lazy import lazy_import
 
 if TYPE_CHECKING:
     import torch

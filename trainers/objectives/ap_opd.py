@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Literal, TypeAlias
 
 from pydantic import Field, field_validator
 
-from harness.lazy import lazy_import
-from harness.method import HParams, MethodSpec, StudentOutputs
-from harness.trajectory import TensorBatch
-from trainers.objectives import masked_mean, masked_sum
-from trainers.objectives.common import dual_clipped, old_logprobs, ppo_clip_per_token
-from trainers.objectives.grpo import DUAL_CLIP, check_dual_clip
+from opd_harness.lazy import lazy_import
+from opd_harness.method import HParams, MethodSpec, StudentOutputs
+from opd_harness.trajectory import TensorBatch
+from opd_harness.trainers.objectives import masked_mean, masked_sum
+from opd_harness.trainers.objectives.common import dual_clipped, old_logprobs, ppo_clip_per_token
+from opd_harness.trainers.objectives.grpo import DUAL_CLIP, check_dual_clip
 
 if TYPE_CHECKING:
     import torch

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
-from harness.lazy import lazy_import
-from harness.method import StudentOutputs
-from harness.trajectory import TensorBatch
-from trainers.objectives import masked_mean, masked_sum
+from opd_harness.lazy import lazy_import
+from opd_harness.method import StudentOutputs
+from opd_harness.trajectory import TensorBatch
+from opd_harness.trainers.objectives import masked_mean, masked_sum
 
 if TYPE_CHECKING:
     import torch

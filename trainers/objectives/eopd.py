@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
-from harness.lazy import lazy_import
-from harness.method import HParams, MethodSpec, StudentOutputs
-from harness.trajectory import TensorBatch
-from trainers.objectives import masked_mean, masked_sum
-from trainers.objectives.common import old_logprobs
-from trainers.objectives.gkd import entropy, kl, require_full, teacher_top_k
+from opd_harness.lazy import lazy_import
+from opd_harness.method import HParams, MethodSpec, StudentOutputs
+from opd_harness.trajectory import TensorBatch
+from opd_harness.trainers.objectives import masked_mean, masked_sum
+from opd_harness.trainers.objectives.common import old_logprobs
+from opd_harness.trainers.objectives.gkd import entropy, kl, require_full, teacher_top_k
 
 if TYPE_CHECKING:
     import torch

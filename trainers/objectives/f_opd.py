@@ -24,11 +24,11 @@ from typing import TYPE_CHECKING, Literal, TypeAlias
 
 from pydantic import Field
 
-from harness.lazy import lazy_import
-from harness.method import HParams, MethodSpec, StudentOutputs
-from harness.trajectory import TensorBatch
-from trainers.objectives.common import k3
-from trainers.objectives.opd import exact_reverse_kl
+from opd_harness.lazy import lazy_import
+from opd_harness.method import HParams, MethodSpec, StudentOutputs
+from opd_harness.trajectory import TensorBatch
+from opd_harness.trainers.objectives.common import k3
+from opd_harness.trainers.objectives.opd import exact_reverse_kl
 
 if TYPE_CHECKING:
     import torch

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from harness.lazy import lazy_import
-from harness.method import HParams, MethodSpec, StudentOutputs
-from harness.trajectory import TensorBatch
-from trainers.objectives import masked_sum
+from opd_harness.lazy import lazy_import
+from opd_harness.method import HParams, MethodSpec, StudentOutputs
+from opd_harness.trajectory import TensorBatch
+from opd_harness.trainers.objectives import masked_sum
 
 if TYPE_CHECKING:
     import torch
@@ -108,7 +108,7 @@ GKD_SPEC = MethodSpec(
     teacher_kinds=lambda hp: ("full", "topk", "student_topk"),
     notes={
         "teacher signal": "full: the exact distributions; topk / student_topk: the JSD (after temperature) of both distributions "
-        "coarse-grained onto the k tokens plus one tail bucket (harness.teacher_signal), not of the full ones",
+        "coarse-grained onto the k tokens plus one tail bucket (opd_harness.teacher_signal), not of the full ones",
         "status": "VERIFIED against current TRL generalized_jsd_loss (arithmetic mixture via logsumexp; β weights KL(p_T‖M))",
         "lambda": "student data fraction λ is a pipeline matter: sync on-policy sampling means λ = 1; seq_kd is not supported",
         "temperature": "default 1.0 (the student's sampling temperature); TRL's default is 0.9",

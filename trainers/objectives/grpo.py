@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field, field_validator
 
-from harness.lazy import lazy_import
-from harness.method import HParams, MethodSpec, StudentOutputs
-from harness.trajectory import TensorBatch
-from trainers.objectives import masked_mean
-from trainers.objectives.common import clipped_surrogate, graded, graded_reward_mean, grpo_advantages, old_logprobs
+from opd_harness.lazy import lazy_import
+from opd_harness.method import HParams, MethodSpec, StudentOutputs
+from opd_harness.trajectory import TensorBatch
+from opd_harness.trainers.objectives import masked_mean
+from opd_harness.trainers.objectives.common import clipped_surrogate, graded, graded_reward_mean, grpo_advantages, old_logprobs
 
 if TYPE_CHECKING:
     import torch

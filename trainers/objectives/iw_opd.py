@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from harness.lazy import lazy_import
-from harness.method import MethodSpec, StudentOutputs
-from harness.trajectory import TensorBatch
-from trainers.objectives.ap_opd import SurrogateParams, ap_opd_needs, penalty, sampled_log_ratio, weighted_opd_loss
+from opd_harness.lazy import lazy_import
+from opd_harness.method import MethodSpec, StudentOutputs
+from opd_harness.trajectory import TensorBatch
+from opd_harness.trainers.objectives.ap_opd import SurrogateParams, ap_opd_needs, penalty, sampled_log_ratio, weighted_opd_loss
 
 if TYPE_CHECKING:
     import torch

@@ -10,7 +10,7 @@ Two per-token estimators of the reverse KL(π_θ ‖ π_T):
   With a top-k teacher signal (``teacher.signal=topk``, chosen automatically for a teacher that returns
   only top-k log-probs, e.g. one served over HTTP) the teacher's distribution is its top-k tokens plus
   one bucket for the rest of the vocabulary, and the KL is taken between these coarse-grained (k+1)-way
-  distributions (harness.teacher_signal).
+  distributions (opd_harness.teacher_signal).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
-from harness.lazy import lazy_import
-from harness.method import HParams, MethodSpec, StudentOutputs
-from harness.trajectory import TensorBatch
-from trainers.objectives import masked_mean, masked_sum
+from opd_harness.lazy import lazy_import
+from opd_harness.method import HParams, MethodSpec, StudentOutputs
+from opd_harness.trajectory import TensorBatch
+from opd_harness.trainers.objectives import masked_mean, masked_sum
 
 if TYPE_CHECKING:
     import torch

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from harness.lazy import lazy_import
-from harness.method import MethodSpec, StudentOutputs
-from harness.trajectory import TensorBatch
-from trainers.objectives import masked_mean
-from trainers.objectives.common import clipped_surrogate, graded_reward_mean, k3, old_logprobs, opd_advantage
-from trainers.objectives.grpo import DUAL_CLIP_NOTE, ClipParams, GroupParams, grpo_sequence_advantages
+from opd_harness.lazy import lazy_import
+from opd_harness.method import MethodSpec, StudentOutputs
+from opd_harness.trajectory import TensorBatch
+from opd_harness.trainers.objectives import masked_mean
+from opd_harness.trainers.objectives.common import clipped_surrogate, graded_reward_mean, k3, old_logprobs, opd_advantage
+from opd_harness.trainers.objectives.grpo import DUAL_CLIP_NOTE, ClipParams, GroupParams, grpo_sequence_advantages
 
 if TYPE_CHECKING:
     import torch

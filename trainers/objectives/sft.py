@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from harness.lazy import lazy_import
-from harness.method import HParams, MethodSpec, StudentOutputs
-from harness.trajectory import TensorBatch
-from trainers.objectives import masked_mean
+from opd_harness.lazy import lazy_import
+from opd_harness.method import HParams, MethodSpec, StudentOutputs
+from opd_harness.trajectory import TensorBatch
+from opd_harness.trainers.objectives import masked_mean
 
 if TYPE_CHECKING:
     import torch
