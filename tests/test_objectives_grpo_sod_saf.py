@@ -537,3 +537,43 @@ def test_methods_registered_with_declared_inputs():
     assert (defaults.anneal_min, defaults.anneal_steps, defaults.anneal_total_steps) == (0.0, 200, 0)
     assert SODParams().delta == 0.2 and GRPOParams().clip_high == 0.28
     assert copy.deepcopy(Schedule.from_params(defaults)).state_dict()["step"] == 0
+
+
+def test_sod_uniform_weights_is_the_grpo_plus_sampled_opd_fusion():
+    """`weights: uniform` (every w_k = 1) is the paper's OPD baseline L_GRPO + L_OPD (App. B.3): the group-normalised
+    reward advantage plus the sampled-token OPD advantage T − o on every model token, under one PPO clip (dual clip c for
+    A < 0), token-mean. The reference is written out here from those definitions, not from the project's helpers."""
+    gen = torch.Generator().manual_seed(7)
+    mask = t([[0, 1, 1, 0, 0, 1, 1, 1, 0], [0, 1, 1, 1, 0, 0, 1, 1, 0], [0, 1, 0, 1, 1, 0, 1, 0, 0],
+              [0, 1, 1, 1, 1, 1, 1, 0, 0], [0, 0, 1, 1, 0, 1, 1, 1, 1], [0, 1, 1, 0, 1, 1, 0, 0, 0]])  # fmt: skip
+    old = -torch.rand(mask.shape, generator=gen, dtype=F64) * 3 * mask
+    teacher = -torch.rand(mask.shape, generator=gen, dtype=F64) * 3 * mask
+    s = old + (torch.rand(mask.shape, generator=gen, dtype=F64) - 0.5) * 1.6 * mask  # ratios far from 1: the clips act
+    s[2, 3] = old[2, 3] + 2.0  # ratio e² > c = 3 on a token whose fused advantage is negative: the dual clip acts
+    teacher[2, 3] = old[2, 3] - 3.0
+    rewards, groups = [1.0, 0.0, 0.0, 1.0, 1.0, 0.0], [0, 0, 0, 0, 1, 1]
+    batch = make_batch(mask, old, teacher, rewards=rewards, groups=groups)
+    hp = SODParams(weights="uniform")
+
+    r, g = torch.tensor(rewards, dtype=F64), torch.tensor(groups)
+    a_grpo = torch.zeros(6, dtype=F64)
+    for group in (0, 1):
+        members = g == group
+        a_grpo[members] = (r[members] - r[members].mean()) / (r[members].std(unbiased=True) + 1e-6)
+    advantage = a_grpo[:, None] * mask + (teacher - old) * mask
+    s_ref = s.clone().requires_grad_(True)
+    ratio = torch.exp(s_ref - old)
+    per_token = -torch.minimum(ratio * advantage, torch.clamp(ratio, 1 - hp.clip_low, 1 + hp.clip_high) * advantage)
+    per_token = torch.where(advantage < 0, torch.minimum(per_token, -hp.dual_clip * advantage), per_token)
+    expected = (per_token * mask).sum() / mask.sum()
+    expected.backward()
+    assert float(torch.clamp(ratio, 1 - hp.clip_low, 1 + hp.clip_high).ne(ratio)[mask > 0].float().mean()) > 0.2
+    assert float(ratio[2, 3]) > hp.dual_clip and float(advantage[2, 3]) < 0
+
+    loss, grad, diag = run(sod_objective, batch, s, hp)  # rewards are float32 in a TensorBatch: its GRPO statistics too
+    assert_close(loss, expected.detach(), atol=1e-8)
+    assert_close(grad, s_ref.grad, atol=1e-8)
+    assert diag["step_weight_mean"] == 1.0 and diag["frac_steps_w_lt_half"] == 0.0
+    # the default (adaptive) weights differ on this batch: the option is what makes them equal
+    adaptive_loss, _, _ = run(sod_objective, batch, s, SODParams())
+    assert abs(float(adaptive_loss) - float(expected)) > 1e-3

@@ -34,6 +34,7 @@ else:  # imported on first use: `harness methods` and config validation read the
 
 WeightRule = Literal["telescoped", "recursive"]
 StepSource = Literal["mask_runs", "step_index"]
+Weights = Literal["adaptive", "uniform"]
 
 
 class SODParams(ClipParams, GroupParams):
@@ -45,6 +46,10 @@ class SODParams(ClipParams, GroupParams):
         "telescoped", description="telescoped = official code (clip the output); recursive = clip the carried product"
     )
     steps: StepSource = Field("mask_runs", description="mask_runs = official code (§2.1); step_index also splits turns by step id")
+    weights: Weights = Field(
+        "adaptive", description="adaptive = SOD's step weights; uniform = w_k = 1 for every step: L_GRPO + L_OPD with the sampled-token "
+        "term, the paper's OPD baseline (App. B.3) and ablation 1.1",
+    )
 
 
 def step_ids(mask: torch.Tensor, step_index: torch.Tensor | None = None) -> torch.Tensor:
@@ -139,9 +144,14 @@ def sod_advantages(
     grpo_coef: float = 1.0,
     step_index: torch.Tensor | None = None,
     rule: WeightRule = "telescoped",
+    weights: Weights = "adaptive",
 ) -> torch.Tensor:
-    """Fused advantage (B, L) from per-sequence A^grpo (B,): A_total = g·A^grpo·m + c_opd·w_{k(t)}·(T − o)·m (§2.4)."""
-    w = step_weights(old_logp, teacher_logp, mask, eps, delta, step_index=step_index, rule=rule)
+    """Fused advantage (B, L) from per-sequence A^grpo (B,): A_total = g·A^grpo·m + c_opd·w_{k(t)}·(T − o)·m (§2.4);
+    ``weights="uniform"`` sets every w_k = 1 (the paper's OPD baseline, L_GRPO + L_OPD)."""
+    if weights == "uniform":
+        w = (mask > 0).to(old_logp.dtype)
+    else:
+        w = step_weights(old_logp, teacher_logp, mask, eps, delta, step_index=step_index, rule=rule)
     opd = opd_advantage(old_logp, teacher_logp, mask)  # (T − o)·m, detached
     return (grpo_coef * grpo_adv.to(opd.dtype)[:, None] * mask + c_opd * w * opd).detach()
 
@@ -177,14 +187,16 @@ def sod_objective(
     step_index = batch.step_index if hp.steps == "step_index" else None
     grpo_adv = grpo_sequence_advantages(batch, hp.grpo_coef)  # g·A^grpo_b (zeros when g = 0)
     advantages = sod_advantages(
-        grpo_adv, old, batch.teacher_logprobs, mask, eps=hp.eps, delta=hp.delta, c_opd=hp.c_opd, step_index=step_index, rule=hp.weight_rule
+        grpo_adv, old, batch.teacher_logprobs, mask, eps=hp.eps, delta=hp.delta, c_opd=hp.c_opd, step_index=step_index, rule=hp.weight_rule,
+        weights=hp.weights,
     )
     d, present, _ = step_divergences(old, batch.teacher_logprobs, mask, step_index)
+    per_step_w = present.to(d.dtype) if hp.weights == "uniform" else weights_from_divergences(d, present, hp.eps, hp.delta, hp.weight_rule)
     opd = opd_advantage(old, batch.teacher_logprobs, mask)
     loss, diagnostics = clipped_surrogate(
         student.logprobs, old, advantages, mask, clip_low=hp.clip_low, clip_high=hp.clip_high, dual_clip=hp.dual_clip
     )
-    diagnostics.update(sod_diagnostics(d, present, weights_from_divergences(d, present, hp.eps, hp.delta, hp.weight_rule)))
+    diagnostics.update(sod_diagnostics(d, present, per_step_w))
     diagnostics.update(
         opd_advantage_mean=float(masked_mean(opd, mask)),
         advantage_mean=float(masked_mean(advantages, mask)),
@@ -216,5 +228,7 @@ SOD_SPEC = MethodSpec(
         "steps": "a step is a maximal run of loss_mask = 1 (official code); "
         "'step_index' also splits adjacent model segments with different step ids",
         "d1_zero": "d_1 = 0 makes every later w_k ≈ 0 (faithful to code); counted in d1_zero_sequences",
+        "weights": "uniform: every w_k = 1, i.e. L_GRPO + L_OPD with the sampled-token OPD term (App. B.3's OPD baseline, "
+        "Table 2 ablation 1.1); with grpo_coef 0 it is naive sampled-token OPD under the PPO clip (App. C.3)",
     },
 )
