@@ -33,13 +33,14 @@ from typing import Any, Literal
 
 import numpy as np
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from rich.console import Console
 
 from opd_harness.config import ConfigError, format_validation_error
+from opd_harness import power
 from opd_harness.gate import bootstrap_deltas, mcnemar_exact_p
 from opd_harness.leaderboard import sample_scores
-from opd_harness.registry import Registry, RegistryError
+from opd_harness.registry import METHODS, Registry, RegistryError
 from opd_harness.report import dotted_get, render_markdown, run_curve, sweep_report
 from opd_harness.store import Store
 from opd_harness.sweep import SweepSpec, expand, load_sweep_record, parse_sweep, run_sweep
@@ -52,6 +53,7 @@ PLACEMENT_KEYS = (
 )  # a layout's keys that say where and how the roles run (not what they train on)
 SCALES = ("paper", "cpu")
 VERDICTS = ("holds", "does not hold", "inconclusive")
+NOT_RESOLVABLE = "not resolvable at this scale"
 
 
 class RecipeError(ConfigError):
@@ -83,6 +85,7 @@ class Scale(_Strict):
 class Row(_Strict):
     label: str
     where: dict[str, Any] = Field(description="dotted config key -> value every run of the row has")
+    scales: list[Literal["paper", "cpu"]] | None = Field(None, description="the scales whose grids have the row (default: both)")
 
 
 class TableSpec(_Strict):
@@ -103,6 +106,36 @@ class PlotSpec(_Strict):
     metric: str | None = Field(None, description="step_metric: the logged metric; avg_vs_step: the task")
 
 
+class Arm(_Strict):
+    name: str = Field(description="the arm's label in tables, claims and messages")
+    where: dict[str, Any] = Field(description="dotted config key -> value: the runs of the arm (one per seed)")
+
+
+class Effect(_Strict):
+    baseline: float = Field(description="the paper's baseline value on the claim's metric (a fraction: 36.27 % is 0.3627)")
+    candidate: float = Field(description="the paper's candidate value")
+    source: str = Field(description="the table or section it comes from")
+    scaling: Literal["relative", "absolute"] = Field(
+        "relative", description="how the paper's effect carries to a scale: relative (candidate/baseline - 1 times the scale's level) "
+        "or absolute (candidate - baseline)",
+    )
+
+
+class Design(_Strict):
+    """What the resolvability computation assumes at one scale; every value with its source."""
+
+    level: float | None = Field(None, description="the baseline arm's expected value at this scale (default at paper scale: "
+                                "effect.baseline)")  # fmt: skip
+    sd: float | None = Field(None, ge=0, description="prior: SD over seeds of the per-seed paired difference (candidate - baseline)")
+    n_problems: int | None = Field(None, ge=1, description="evaluation problems per run when eval.limit does not say")
+    k: int | None = Field(None, ge=1, description="samples per problem when the run's config does not say")
+    task: str | None = Field(None, description="the claim's evaluation task at this scale (default: the claim's task)")
+    where: dict[str, Any] = Field(
+        default_factory=dict, description="added to both arms at this scale: the sub-experiment the claim is about (e.g. one student)",
+    )
+    source: str = Field(description="where level and sd come from (a measured run and its date, or 'prior: ...')")
+
+
 class ClaimSpec(_Strict):
     id: str
     text: str
@@ -111,13 +144,30 @@ class ClaimSpec(_Strict):
     task: str | None = Field(None, description="final_avg / eval_metric: the evaluation task (default: the run's training task)")
     step_metric: str | None = Field(None, description="step_metric / eval_metric: the metric's name")
     window: int = Field(10, ge=1)
-    candidate: dict[str, Any]
-    baseline: dict[str, Any] | None = None
-    value: float | None = Field(None, description="compare with this constant instead of a baseline selection")
+    candidate: Arm
+    baseline: Arm | None = None
+    differ_in: list[str] = Field(
+        default_factory=list, description="dotted keys (or key prefixes) in which the arms' resolved run configs may differ; "
+        "`harness reproduce` refuses the claim when they differ anywhere else",
+    )
+    value: float | None = Field(None, description="compare with this constant instead of a baseline arm")
     op: Literal[">", ">="] = ">="
     margin: float = Field(0.0, ge=0)
     alpha: float = Field(0.05, gt=0, lt=0.5)
+    power: float = Field(0.8, gt=0.5, lt=1, description="the power the resolvability computation asks for")
     min_seeds: int = Field(2, ge=1)
+    effect: Effect | None = Field(None, description="the paper's effect on this metric (resolvability)")
+    design: dict[Literal["paper", "cpu"], Design] = Field(default_factory=dict, description="per scale: resolvability assumptions")
+
+    @model_validator(mode="after")
+    def _arms(self) -> ClaimSpec:
+        if self.baseline is None and self.value is None:
+            raise ValueError("a claim needs a baseline arm or a constant value")
+        if self.baseline is not None and not self.differ_in:
+            raise ValueError("differ_in: name the keys in which the arms may differ (the method under test)")
+        if self.baseline is None and self.differ_in:
+            raise ValueError("differ_in: a claim against a constant has one arm")
+        return self
 
 
 class Recipe(_Strict):
@@ -212,25 +262,267 @@ def scale_sweep(recipe: Recipe, scale: str, overrides: list[str] | None = None) 
 # ---- planning ---------------------------------------------------------------------------------
 
 
-def selections(recipe: Recipe) -> list[tuple[str, dict[str, Any]]]:
-    """Every ``where`` of the recipe's tables, plots and claims, named for messages."""
-    out = [(f"table {t.title!r} row {r.label!r}", r.where) for t in recipe.tables for r in t.rows]
-    out += [(f"plot {p.title!r} row {r.label!r}", r.where) for p in recipe.plots for r in p.rows]
+def selections(recipe: Recipe, scale: str) -> list[tuple[str, dict[str, Any]]]:
+    """Every ``where`` of the recipe's tables, plots and claims at ``scale``, named for messages."""
+    out = [(f"table {t.title!r} row {r.label!r}", r.where) for t in recipe.tables for r in on_scale(t.rows, scale)]
+    out += [(f"plot {p.title!r} row {r.label!r}", r.where) for p in recipe.plots for r in on_scale(p.rows, scale)]
     for c in recipe.claims:
-        out += [(f"claim {c.id} candidate", c.candidate)] + ([(f"claim {c.id} baseline", c.baseline)] if c.baseline is not None else [])
+        out += [(f"claim {c.id} arm {arm.name!r}", arm_where(c, arm, scale)) for arm in claim_arms(c)]
     return out
 
 
-def unmatched_selections(recipe: Recipe, points: list) -> list[str]:
+def on_scale(rows: list[Row], scale: str) -> list[Row]:
+    """The rows a scale's grid has."""
+    return [r for r in rows if r.scales is None or scale in r.scales]
+
+
+def arm_where(claim: ClaimSpec, arm: Arm, scale: str | None) -> dict[str, Any]:
+    """An arm's selection at a scale: its own ``where`` and the scale design's (the sub-experiment the claim is about)."""
+    design = claim.design.get(scale) if scale else None
+    return {**arm.where, **(design.where if design else {})}
+
+
+def claim_arms(claim: ClaimSpec) -> list[Arm]:
+    """The claim's arms: candidate, then baseline (absent for a claim against a constant)."""
+    return [claim.candidate] + ([claim.baseline] if claim.baseline is not None else [])
+
+
+def unmatched_selections(recipe: Recipe, points: list, scale: str) -> list[str]:
     """The selections no planned run of the scale matches (a typo in a key or value would leave a row empty)."""
     configs = [p.config.model_dump(mode="json") for p in points]
-    return [name for name, where in selections(recipe)
+    return [name for name, where in selections(recipe, scale)
             if not any(all(dotted_get(cfg, k) == v for k, v in where.items()) for cfg in configs)]  # fmt: skip
 
 
-def plan_text(recipe: Recipe, scale: str, spec: SweepSpec) -> str:
-    """What ``--dry-run`` prints: the grid, every run (validated and planned), the sources and the resources."""
-    points = expand(spec)
+# ---- a claim compares one thing: its arms' resolved configs --------------------------------------
+
+PAIRING_KEYS = ("seed",)  # arms are compared seed by seed
+_MISSING = object()
+
+
+def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested mappings as dotted key -> leaf value (lists and empty mappings are leaves)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def resolved_config(cfg: Any) -> dict[str, Any]:
+    """A run's full config as dotted key -> value: every field with its default, and the selected method's hyper-parameters
+    resolved (defaults filled in) under ``method_args.<method>``; other methods' args, which the run never reads, left out."""
+    data = cfg.model_dump(mode="json")
+    args = cfg.method_args.get(cfg.method, {})
+    try:
+        hparams = METHODS.get(cfg.method).hparams.model_validate(args).model_dump(mode="json")
+    except (RegistryError, ValidationError):  # planning names a bad method or argument on its own
+        hparams = dict(args)
+    data["method_args"] = {cfg.method: hparams}
+    return flatten(data)
+
+
+def declared(key: str, prefixes: list[str]) -> bool:
+    """Whether ``key`` is one of ``prefixes`` or lies under one."""
+    return any(key == p or key.startswith(p + ".") for p in prefixes)
+
+
+def config_diff(a: dict[str, Any], b: dict[str, Any], ignore: tuple[str, ...] = PAIRING_KEYS) -> list[str]:
+    """The dotted keys in which two resolved configs differ (a key one side lacks included), sorted."""
+    return sorted(k for k in set(a) | set(b) if k not in ignore and a.get(k, _MISSING) != b.get(k, _MISSING))
+
+
+def arm_points(points: list, where: dict[str, Any]) -> dict[int, list]:
+    """The planned runs an arm's selection picks, by seed."""
+    out: dict[int, list] = {}
+    for p in points:
+        cfg = p.config.model_dump(mode="json")
+        if all(dotted_get(cfg, k) == v for k, v in where.items()):
+            out.setdefault(int(cfg.get("seed", 0)), []).append(p)
+    return out
+
+
+def _show(value: Any) -> str:
+    return "unset" if value is _MISSING else json.dumps(value)
+
+
+def claim_arms_problem(claim: ClaimSpec, points: list, scale: str | None = None) -> str | None:
+    """Why the claim does not compare one thing at this scale (None when it does): an arm that selects runs of one seed
+    that differ, or arms whose resolved configs differ in a key outside ``differ_in``. Arms without runs are left to
+    :func:`unmatched_selections`."""
+    resolved: dict[int, dict[str, Any]] = {}
+
+    def flat(point: Any) -> dict[str, Any]:
+        return resolved.setdefault(id(point), resolved_config(point.config))
+
+    by_arm = [(arm, arm_points(points, arm_where(claim, arm, scale))) for arm in claim_arms(claim)]
+    for arm, by_seed in by_arm:
+        for seed, chosen in sorted(by_seed.items()):
+            keys = sorted({k for other in chosen[1:] for k in config_diff(flat(chosen[0]), flat(other))})
+            if keys:
+                return f"arm {arm.name!r} selects {len(chosen)} runs of seed {seed} that differ in {', '.join(keys)}; narrow its where"
+    if len(by_arm) < 2 or not by_arm[0][1] or not by_arm[1][1]:
+        return None
+    (cand_arm, cand), (base_arm, base) = by_arm
+    seeds = sorted(set(cand) & set(base))
+    pairs = [(cand[s][0], base[s][0]) for s in seeds] or [(next(iter(cand.values()))[0], next(iter(base.values()))[0])]
+    extra: dict[str, tuple[Any, Any]] = {}
+    for c, b in pairs:
+        fc, fb = flat(c), flat(b)
+        for key in config_diff(fc, fb):
+            if not declared(key, claim.differ_in):
+                extra.setdefault(key, (fc.get(key, _MISSING), fb.get(key, _MISSING)))
+    if not extra:
+        return None
+    shown = "; ".join(f"{k} {_show(a)} vs {_show(b)}" for k, (a, b) in sorted(extra.items()))
+    return (f"arms {cand_arm.name!r} and {base_arm.name!r} also differ in {shown} "
+            f"(differ_in: {', '.join(claim.differ_in)}): a claim compares one thing")  # fmt: skip
+
+
+def check_claims(recipe: Recipe, scale: str, points: list) -> None:
+    """Refuse (RecipeError, one line) the first claim whose arms differ in more than the keys it declares."""
+    for claim in recipe.claims:
+        problem = claim_arms_problem(claim, points, scale)
+        if problem:
+            raise RecipeError(f"recipe {recipe.name} ({scale} scale): claim {claim.id}: {problem}")
+
+
+# ---- resolvability: what the design can detect, said before running ----------------------------
+
+SIGN_TEST_METRICS = ("samples_per_hour", "step_metric", "eval_metric")
+RATE_METRICS = ("final_avg", "eval_metric")  # a mean of 0/1 outcomes over problems x samples: the binomial floor applies
+
+
+@dataclass
+class Resolvability:
+    claim: str
+    scale: str
+    test: str
+    alpha: float
+    power: float
+    seeds: int  # paired seeds the scale plans
+    sd: float | None  # the per-seed SD of the paired difference the computation uses
+    sd_basis: str  # prior / binomial floor / both
+    mde: float | None  # the smallest effect detectable at alpha with the power (inf: none is)
+    expected: float | None  # the paper's effect carried to this scale
+    threshold: float  # the claim's threshold (margin for '>', -margin for '>=')
+    resolvable: bool | None  # None: no effect or no variance stated
+    seeds_needed: int | None
+    label: str
+    assumptions: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def eval_counts(claim: ClaimSpec, design: Design | None, cfg: Any) -> tuple[int | None, int | None]:
+    """(problems, samples per problem) of the claim's evaluation in a planned run: eval.limit and the task's or eval's k,
+    else what the design states."""
+    task = (design.task if design else None) or claim.task or cfg.task
+    k = (cfg.task_args.get(task) or {}).get("k") or cfg.eval.k or (design.k if design else None)
+    n = cfg.eval.limit or (design.n_problems if design else None)
+    return n, k
+
+
+def expected_effect(claim: ClaimSpec, scale: str) -> tuple[float | None, float | None]:
+    """(the paper's effect carried to this scale, the baseline level there)."""
+    design = claim.design.get(scale)
+    effect = claim.effect
+    level = design.level if design and design.level is not None else (effect.baseline if effect and scale == "paper" else None)
+    if effect is None:
+        return None, level
+    if effect.scaling == "absolute":
+        return effect.candidate - effect.baseline, level
+    if level is None or effect.baseline == 0:
+        return None, level
+    return (effect.candidate / effect.baseline - 1.0) * level, level
+
+
+def resolvability(claim: ClaimSpec, scale: str, points: list) -> Resolvability:
+    """The smallest effect the scale's design detects for the claim with the project's paired statistics, and whether the
+    paper's effect clears it (:mod:`opd_harness.power`)."""
+    design = claim.design.get(scale)
+    arms = [arm_points(points, arm_where(claim, arm, scale)) for arm in claim_arms(claim)]
+    seeds = len(set(arms[0]) & set(arms[1])) if len(arms) == 2 else len(arms[0])
+    sign = claim.metric in SIGN_TEST_METRICS
+    test = "exact sign test over seeds" if sign else "paired mean over seeds (the stratified paired bootstrap)"
+    threshold = claim_threshold(claim)
+    expected, level = expected_effect(claim, scale)
+    floor, floor_note = None, ""
+    first = next((ps[0] for ps in arms[0].values()), None)
+    if claim.metric in RATE_METRICS and level is not None and first is not None:
+        n, k = eval_counts(claim, design, first.config)
+        if n and k:
+            floor = power.binomial_floor(level, expected or 0.0, n, k)
+            floor_note = f"binomial floor {floor:.4f} ({n} problems x {k} samples at {level:.3g})"
+    prior = design.sd if design else None
+    sd = max(x for x in (prior, floor) if x is not None) if (prior is not None or floor is not None) else None
+    basis = "prior and binomial floor" if prior is not None and floor is not None else "prior" if prior is not None else "binomial floor"
+    mde = None
+    if sd is not None:
+        mde = (power.mde_sign_test if sign else power.mde_paired_mean)(sd, seeds, claim.alpha, claim.power)
+    distance = None if expected is None else expected - threshold
+    needed = None
+    if sd is not None and distance is not None:
+        needed = (power.seeds_sign_test if sign else power.seeds_paired_mean)(sd, distance, claim.alpha, claim.power)
+    resolvable: bool | None = None
+    if sign and power.sign_test_critical(seeds, claim.alpha) is None:
+        resolvable = False
+        needs = needed if needed is not None else power.seeds_sign_test(1.0, 10.0, claim.alpha, claim.power)
+        label = f"not resolvable at this scale (needs ~{needs} seeds)"
+    elif mde is not None and distance is not None:
+        resolvable = distance >= mde
+        if resolvable:
+            label = f"resolvable (detects {mde:.3g}; the paper's effect here {expected:+.3g})"
+        elif needed is None:
+            label = "not resolvable at this scale (the paper's effect does not clear the claim's threshold)"
+        else:
+            label = f"not resolvable at this scale (needs ~{needed} seeds)"
+    elif mde is not None:
+        label = f"detects {mde:.3g} (no paper effect stated to compare)"
+    else:
+        label = "resolvability not computed (no variance stated)"
+    if basis == "binomial floor" and resolvable:
+        label += "; floor only, no seed-to-seed SD stated"
+    parts = [f"alpha {claim.alpha:g} one-sided, power {claim.power:g}, {seeds} paired seed(s)"]
+    if prior is not None:
+        parts.append(f"prior sd {prior:.4g} ({design.source})")
+    elif design is not None:
+        parts.append(f"design: {design.source}")
+    if floor_note:
+        parts.append(floor_note)
+    if sd is not None:
+        parts.append(f"sd used {sd:.4g} ({basis})")
+    if claim.effect is not None:
+        how = f"x level {level:.3g}" if claim.effect.scaling == "relative" and level is not None else claim.effect.scaling
+        parts.append(f"paper: {claim.effect.baseline:g} -> {claim.effect.candidate:g} ({claim.effect.source}; {how})")
+    return Resolvability(claim.id, scale, test, claim.alpha, claim.power, seeds, sd, basis if sd is not None else "none", mde,
+                         expected, threshold, resolvable, needed, label, "; ".join(parts))  # fmt: skip
+
+
+def resolvability_text(recipe: Recipe, scale: str, points: list) -> list[str]:
+    """The dry run's claims section: each claim's arms, what they may differ in, and what the design can resolve."""
+    lines = ["claims:"]
+    for claim in recipe.claims:
+        r = resolvability(claim, scale, points)
+        arms = " vs ".join(repr(a.name) for a in claim_arms(claim))
+        arms += f" vs the constant {claim.value:g}" if claim.baseline is None else ""
+        lines.append(f"  {claim.id}: {claim.text}")
+        lines.append(f"    arms: {arms}" + (f"; may differ in: {', '.join(claim.differ_in)}" if claim.differ_in else ""))
+        mde = "-" if r.mde is None else "none (no count of seeds reaches alpha)" if math.isinf(r.mde) else f"{r.mde:.4g}"
+        expected = "-" if r.expected is None else f"{r.expected:+.4g}"
+        lines.append(f"    {r.test}: smallest detectable effect {mde}; the paper's effect here {expected} "
+                     f"(threshold {r.threshold:+g}) -> {r.label}")  # fmt: skip
+        lines.append(f"    assumes: {r.assumptions}")
+    return lines
+
+
+def plan_text(recipe: Recipe, scale: str, spec: SweepSpec, points: list | None = None) -> str:
+    """What ``--dry-run`` prints: the grid, every run (validated and planned), the sources, the resources and, per claim,
+    its arms and what the design can resolve."""
+    points = expand(spec) if points is None else points
     info = recipe.scales[scale]
     lines = [f"# {recipe.name} ({scale} scale): {recipe.paper.title}" + (f", arXiv {recipe.paper.arxiv}" if recipe.paper.arxiv else "")]
     base = spec.base
@@ -248,8 +540,8 @@ def plan_text(recipe: Recipe, scale: str, spec: SweepSpec) -> str:
         lines += [f"  {key}: {json.dumps(value)}" for key, value in layout_placement(info.layout).items()]
     if info.minutes:
         lines.append(f"time: {info.minutes}")
-    lines.append(f"claims: {', '.join(c.id for c in recipe.claims) or 'none'}")
-    lines += [f"warning: {name} matches no run of this scale" for name in unmatched_selections(recipe, points)]
+    lines += resolvability_text(recipe, scale, points) if recipe.claims else ["claims: none"]
+    lines += [f"warning: {name} matches no run of this scale" for name in unmatched_selections(recipe, points, scale)]
     return "\n".join(lines) + "\n"
 
 
@@ -333,6 +625,7 @@ class ClaimResult:
     n_problems: int | None = None
     source: str | None = None
     reasons: list[str] = field(default_factory=list)
+    resolvability: str | None = None  # the design's label (Resolvability.label), said before running
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -389,11 +682,27 @@ def decide(p_holds: float | None, p_fails: float | None, alpha: float) -> str:
     return "inconclusive"
 
 
-def evaluate_claim(store: Store, runs: list[StoredRun], claim: ClaimSpec, n_resamples: int = 10_000) -> ClaimResult:
-    """One claim over the sweep's done runs, paired by seed (and by problem for final_avg)."""
+def with_resolvability(result: ClaimResult, design: Resolvability) -> ClaimResult:
+    """A claim the design cannot resolve is reported with that label, whatever the test reads (never as weak evidence):
+    the test's own reading moves to the reasons."""
+    result.resolvability = design.label
+    if design.resolvable is False:
+        result.reasons.append(f"the test alone reads '{result.verdict}'; the design cannot resolve the paper's effect, so this is "
+                              "no evidence either way")  # fmt: skip
+        result.verdict = design.label
+    return result
+
+
+def evaluate_claim(
+    store: Store, runs: list[StoredRun], claim: ClaimSpec, n_resamples: int = 10_000, scale: str | None = None
+) -> ClaimResult:
+    """One claim over the sweep's done runs, paired by seed (and by problem for final_avg); at ``scale`` its design's
+    ``where`` narrows both arms and its ``task`` (else the claim's, else each run's training task) is evaluated."""
+    design = claim.design.get(scale) if scale else None
+    claim = claim.model_copy(update={"task": design.task}) if design and design.task else claim
     threshold = claim_threshold(claim)
-    cand = select(runs, claim.candidate)
-    base = select(runs, claim.baseline) if claim.baseline is not None else None
+    cand = select(runs, arm_where(claim, claim.candidate, scale))
+    base = select(runs, arm_where(claim, claim.baseline, scale)) if claim.baseline is not None else None
     seeds = sorted(set(cand) & set(base)) if base is not None else sorted(cand)
     result = ClaimResult(claim.id, claim.text, "inconclusive", "", len(seeds), None, None, None, None, None, threshold, None, None,
                          source=claim.source)  # fmt: skip
@@ -464,10 +773,31 @@ def _mean_std(xs: list[float]) -> str:
     return f"{np.mean(xs):.3f}" + (f" ± {np.std(xs, ddof=1):.3f}" if len(xs) > 1 else "")
 
 
-def per_task_table(store: Store, runs: list[StoredRun], spec: TableSpec) -> str:
+ArmRuns = list[tuple[str, str, set[str]]]  # (claim id, arm name, the done runs it selects)
+REFERENCE = "reference (not in a claim)"
+
+
+def claim_arm_runs(recipe: Recipe, runs: list[StoredRun], scale: str) -> ArmRuns:
+    """Every claim arm with the done runs it selects at ``scale``."""
+    return [(c.id, arm.name, {r.run_id for r in select(runs, arm_where(c, arm, scale)).values()})
+            for c in recipe.claims for arm in claim_arms(c)]  # fmt: skip
+
+
+def role(run_ids: set[str], arms: ArmRuns) -> str:
+    """A table row's part in the claims: the claim arms whose runs hold all of its runs, else a reference row."""
+    if not run_ids:
+        return "-"
+    return "; ".join(f"{claim}: {arm}" for claim, arm, ids in arms if run_ids <= ids) or REFERENCE
+
+
+def matching_ids(runs: list[StoredRun], where: dict[str, Any]) -> set[str]:
+    return {r.run_id for r in runs if r.status == "done" and all(dotted_get(r.config, k) == v for k, v in where.items())}
+
+
+def per_task_table(store: Store, runs: list[StoredRun], spec: TableSpec, arms: ArmRuns | None = None) -> str:
     """Final Avg@k per task (mean ± std over seeds), each domain's macro average, and the overall macro."""
     groups = spec.groups or {}
-    head = ["row", "seeds", *spec.tasks, *(f"{g} (macro)" for g in groups), "Macro"]
+    head = ["row", "role", "seeds", *spec.tasks, *(f"{g} (macro)" for g in groups), "Macro"]
     lines = [f"### {spec.title}", *([f"_{spec.source}_", ""] if spec.source else [""]),
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
     for row in spec.rows:
@@ -479,7 +809,8 @@ def per_task_table(store: Store, runs: list[StoredRun], spec: TableSpec) -> str:
                 if curve:
                     per_task.setdefault(task, []).append(curve[-1][1])
         means = {t: float(np.mean(v)) for t, v in per_task.items()}
-        cells = [row.label, str(len(chosen)), *(_mean_std(per_task.get(t, [])) for t in spec.tasks)]
+        cells = [row.label, role(matching_ids(runs, row.where), arms or []), str(len(chosen)),
+                 *(_mean_std(per_task.get(t, [])) for t in spec.tasks)]  # fmt: skip
         for tasks in groups.values():
             cells.append(_f(float(np.mean([means[t] for t in tasks]))) if all(t in means for t in tasks) else "-")
         cells.append(_f(float(np.mean(list(means.values())))) if len(means) == len(spec.tasks) else "-")
@@ -487,19 +818,25 @@ def per_task_table(store: Store, runs: list[StoredRun], spec: TableSpec) -> str:
     return "\n".join(lines) + "\n"
 
 
-def step_metrics_table(store: Store, runs: list[StoredRun], spec: TableSpec) -> str:
+def step_metrics_table(store: Store, runs: list[StoredRun], spec: TableSpec, arms: ArmRuns | None = None) -> str:
     """Each logged metric's mean over the last ``window`` steps (mean over seeds)."""
-    head = ["row", "seeds", *spec.metrics]
+    head = ["row", "role", "seeds", *spec.metrics]
     lines = [f"### {spec.title} (mean of the last {spec.window} steps)", *([f"_{spec.source}_", ""] if spec.source else [""]),
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]  # fmt: skip
     for row in spec.rows:
         chosen = select(runs, row.where)
-        cells = [row.label, str(len(chosen))]
+        cells = [row.label, role(matching_ids(runs, row.where), arms or []), str(len(chosen))]
         for metric in spec.metrics:
             values = [v for r in chosen.values() if (v := window_mean(store, r, metric, spec.window)) is not None]
             cells.append(_mean_std(values))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def with_roles(report: dict, arms: ArmRuns) -> dict:
+    """A sweep report whose rows carry a ``role`` column (claim arms, or a reference row outside every claim)."""
+    rows = [{**row, "role": role(set(row["run_ids"]), arms)} for row in report["rows"]]
+    return {**report, "rows": rows, "grid_keys": [*report["grid_keys"], "role"]}
 
 
 def plot_curves(store: Store, runs: list[StoredRun], spec: PlotSpec, path: Path) -> Path | None:
@@ -547,11 +884,14 @@ def claims_markdown(results: list[ClaimResult]) -> str:
         lines.append(f"| {r.id}: {r.text} | **{r.verdict}** | {_f(r.candidate)} | {_f(r.baseline)} | {_f(r.delta)} | {interval} | "
                      f"{_f(r.p_holds)} | {r.n_seeds} | {r.test or '-'} |")  # fmt: skip
     notes = [f"- {r.id}: {'; '.join(r.reasons)}" for r in results if r.reasons]
+    notes += [f"- {r.id}: design: {r.resolvability}" for r in results if r.resolvability and not r.verdict.startswith(NOT_RESOLVABLE)]
     counts = {v: sum(r.verdict == v for r in results) for v in VERDICTS}
+    unresolvable = [r.id for r in results if r.verdict.startswith(NOT_RESOLVABLE)]
     held = [r.id for r in results if r.verdict == "holds"]
     lines += ["", *notes, *([""] if notes else []),
               f"{counts['holds']} of {len(results)} claims held ({', '.join(held) or 'none'}), {counts['does not hold']} did not hold, "
-              f"{counts['inconclusive']} inconclusive."]  # fmt: skip
+              f"{counts['inconclusive']} inconclusive"
+              + (f", {len(unresolvable)} not resolvable at this scale ({', '.join(unresolvable)})." if unresolvable else ".")]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -567,8 +907,11 @@ class Reproduction:
     failed: list[str] = field(default_factory=list)
 
 
-def render(recipe: Recipe, scale: str, out: Path, n_resamples: int = 10_000) -> Reproduction:
-    """Tables, plots and claims of a recipe's scale from the store under ``out``; written to ``out/reproduce/<id>/``."""
+def render(
+    recipe: Recipe, scale: str, out: Path, n_resamples: int = 10_000, designs: dict[str, Resolvability] | None = None
+) -> Reproduction:
+    """Tables, plots and claims of a recipe's scale from the store under ``out``; written to ``out/reproduce/<id>/``.
+    ``designs``: each claim's resolvability at this scale (:func:`resolvability`), which labels the claims it cannot resolve."""
     sweep_id = f"{recipe.name}-{scale}"
     record = load_sweep_record(out, sweep_id)
     folder = out / "reproduce" / sweep_id
@@ -576,22 +919,25 @@ def render(recipe: Recipe, scale: str, out: Path, n_resamples: int = 10_000) -> 
     plots: list[Path] = []
     with Store(out) as store:
         runs = sweep_runs(store, record)
+        arms = claim_arm_runs(recipe, runs, scale)
         done = sum(r.status == "done" for r in runs)
         parts.append(f"{done} of {len(record.get('points', []))} runs done.\n")
         for spec in recipe.tables:
             if spec.kind == "sweep":
                 parts.append(f"### {spec.title}\n" + (f"_{spec.source}_\n" if spec.source else "") + "\n"
-                             + render_markdown(sweep_report(store, record)).split("\n", 1)[1])  # fmt: skip
+                             + render_markdown(with_roles(sweep_report(store, record), arms)).split("\n", 1)[1])  # fmt: skip
             elif spec.kind == "per_task":
-                parts.append(per_task_table(store, runs, spec))
+                parts.append(per_task_table(store, runs, spec.model_copy(update={"rows": on_scale(spec.rows, scale)}), arms))
             else:
-                parts.append(step_metrics_table(store, runs, spec))
+                parts.append(step_metrics_table(store, runs, spec.model_copy(update={"rows": on_scale(spec.rows, scale)}), arms))
         for i, spec in enumerate(recipe.plots):
-            path = plot_curves(store, runs, spec, folder / f"plot_{i}_{spec.kind}.png")
+            scaled = spec.model_copy(update={"rows": on_scale(spec.rows, scale)})
+            path = plot_curves(store, runs, scaled, folder / f"plot_{i}_{spec.kind}.png")
             if path is not None:
                 plots.append(path)
                 parts.append(f"![{spec.title}]({path.name})\n")
-        claims = [evaluate_claim(store, runs, c, n_resamples) for c in recipe.claims]
+        claims = [evaluate_claim(store, runs, c, n_resamples, scale) for c in recipe.claims]
+        claims = [with_resolvability(r, designs[r.id]) if designs and r.id in designs else r for r in claims]
     parts.append(claims_markdown(claims))
     markdown = "\n".join(parts)
     folder.mkdir(parents=True, exist_ok=True)
@@ -613,11 +959,14 @@ def run_recipe(
 ) -> Reproduction | str:
     """Run a recipe's scale through the sweep machinery (resumable), then render it; ``dry_run`` returns the plan text."""
     spec = scale_sweep(recipe, scale, overrides)
+    points = expand(spec)
+    check_claims(recipe, scale, points)
     if dry_run:
-        return plan_text(recipe, scale, spec)
+        return plan_text(recipe, scale, spec, points)
+    designs = {c.id: resolvability(c, scale, points) for c in recipe.claims}
     out = Path(out)
     result = run_sweep(spec, out, console=console or Console(stderr=True))
-    rendered = render(recipe, scale, out, n_resamples)
+    rendered = render(recipe, scale, out, n_resamples, designs)
     rendered.failed = list(result.failed)
     return rendered
 
