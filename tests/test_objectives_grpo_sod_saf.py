@@ -577,3 +577,19 @@ def test_sod_uniform_weights_is_the_grpo_plus_sampled_opd_fusion():
     # the default (adaptive) weights differ on this batch: the option is what makes them equal
     adaptive_loss, _, _ = run(sod_objective, batch, s, SODParams())
     assert abs(float(adaptive_loss) - float(expected)) > 1e-3
+
+
+def test_sod_uniform_without_grpo_is_naive_sampled_opd_at_one_update_per_step():
+    """The sod recipe's 'naive OPD' arm (App. C.3), `sod` with uniform weights and no GRPO, has the gradient of `opd` with
+    the sampled-token estimator where the batch was sampled from the current student (ratio 1: one update per step)."""
+    from opd_harness.trainers.objectives.opd import OPDParams, opd_objective
+
+    gen = torch.Generator().manual_seed(3)
+    mask = t([[0, 1, 1, 0, 1, 1], [1, 1, 0, 0, 1, 0], [0, 1, 1, 1, 1, 1]])
+    old = -torch.rand(mask.shape, generator=gen, dtype=F64) * 3 * mask
+    teacher = -torch.rand(mask.shape, generator=gen, dtype=F64) * 3 * mask
+    batch = make_batch(mask, old, teacher)
+    _, g_sod, _ = run(sod_objective, batch, old, SODParams(weights="uniform", grpo_coef=0.0))
+    _, g_opd, _ = run(opd_objective, batch, old, OPDParams(estimator="sampled"))
+    assert g_opd.abs().max() > 0.01
+    assert_close(g_sod, g_opd, atol=1e-12)
