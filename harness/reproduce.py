@@ -468,7 +468,9 @@ def resolvability(claim: ClaimSpec, scale: str, points: list) -> Resolvability:
     if sd is not None and distance is not None:
         needed = (power.seeds_sign_test if sign else power.seeds_paired_mean)(sd, distance, claim.alpha, claim.power)
     resolvable: bool | None = None
-    if sign and power.sign_test_critical(seeds, claim.alpha) is None:
+    if seeds == 0:
+        label = "no paired runs of both arms at this scale"
+    elif sign and power.sign_test_critical(seeds, claim.alpha) is None:
         resolvable = False
         needs = needed if needed is not None else power.seeds_sign_test(1.0, 10.0, claim.alpha, claim.power)
         label = f"not resolvable at this scale (needs ~{needs} seeds)"

@@ -193,8 +193,11 @@ def test_a_two_run_f_opd_recipe_runs_end_to_end_and_resumes(tmp_path):
     assert not result.failed
     md = result.markdown
     assert "2 of 2 runs done" in md and "Throughput x final/peak Avg@k" in md and "| opd | sync |" in md
-    assert [c.verdict for c in result.claims] == ["inconclusive"] * len(recipe.claims)
-    assert "0 of 5 claims held" in md
+    # one seed: async-faster's sign test cannot reach p < 0.05, so the design labels it; the claims whose arms this cut grid
+    # lacks are inconclusive (no paired seeds)
+    assert {c.id: c.verdict for c in result.claims} == {
+        **{c.id: "inconclusive" for c in recipe.claims}, "async-faster": "not resolvable at this scale (needs ~5 seeds)"}
+    assert "0 of 5 claims held" in md and "1 not resolvable at this scale (async-faster)" in md
     assert result.plots and all(p.stat().st_size > 0 for p in result.plots)
     claims = json.loads((result.folder / "claims.json").read_text())
     assert [c["id"] for c in claims] == [c.id for c in recipe.claims]
