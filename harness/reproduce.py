@@ -7,7 +7,12 @@ section or table, or ``reconstructed: ...`` where the paper is silent). It also 
 claims. :func:`reproduce` runs the chosen scale through :func:`opd_harness.sweep.run_sweep` (so it resumes like any
 sweep), then renders the tables and plots from the store and checks the claims.
 
-A **claim** compares a candidate selection of runs with a baseline selection (or a constant) on one metric:
+A **claim** compares a candidate arm of runs with a baseline arm (or a constant) on one metric. An arm is ``{name,
+where}``; ``differ_in`` names the keys the arms may differ in, and :func:`check_claims` refuses a claim whose arms' full
+resolved run configs differ anywhere else (a claim compares one thing). From the paper's ``effect`` and the scale's
+``design`` (level, per-seed SD, evaluation size), :func:`resolvability` says before running what the design can detect
+(:mod:`opd_harness.power`); a claim it cannot resolve is reported "not resolvable at this scale (needs ~N seeds)", never
+with a verdict. The tests:
 
 - ``final_avg``: per-problem scores of each run's last evaluated checkpoint, paired by seed and problem. The
   stratified paired bootstrap of :mod:`opd_harness.gate` (each seed a stratum) gives delta = candidate - baseline
@@ -36,8 +41,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from rich.console import Console
 
-from opd_harness.config import ConfigError, format_validation_error
 from opd_harness import power
+from opd_harness.config import ConfigError, format_validation_error
 from opd_harness.gate import bootstrap_deltas, mcnemar_exact_p
 from opd_harness.leaderboard import sample_scores
 from opd_harness.registry import METHODS, Registry, RegistryError
