@@ -175,7 +175,8 @@ def test_reproduce_paper_dry_run_shows_layout_device_and_precision_on_a_cpu_host
     assert "layout: docs/layouts/sod-8xh100.yaml" in text and 'trainer.precision: "bf16"' in text
     placement = "layout (executor ray): rollout 1 × (4 GPU, 8 CPU); teacher 2 × (1 GPU, 4 CPU); learner 2 × (1 GPU, 4 CPU)"
     assert f"{placement}: 8 GPUs in all" in text
-    assert "## plan 1 of 6: run [0]" in text and "and 4 more run(s)" in text and text.count("memory plan (GiB") == 6
+    # one plan per student and method: sod (its four weight/GRPO arms x 5 seeds share one) and grpo
+    assert "## plan 1 of 4: run [0]" in text and "and 19 more run(s)" in text and text.count("memory plan (GiB") == 4
     assert "dry run: every check passed" in text
 
 
