@@ -1040,13 +1040,13 @@ def await_started(ray: ModuleType, actors: list[Any], keys: list[str], faults: "
 
 
 def actor_node(ray: ModuleType, actor: Any) -> str | None:
-    """The node Ray placed ``actor`` on (hex id, from its actor table entry), or None while it is not placed."""
+    """The node Ray placed ``actor`` on (hex id, from its actor table entry; set once it is scheduled, while its
+    constructor runs), or None while it is not placed."""
     try:
         from ray._private.state import actors as actor_table
 
-        entry = actor_table(actor_id=actor._actor_id.hex())
-        node = (entry.get("Address") or {}).get("NodeID")
-        return node if node and entry.get("State") != "PENDING_CREATION" else None
+        node = ((actor_table(actor_id=actor._actor_id.hex()) or {}).get("Address") or {}).get("NodeID")
+        return node if node and node.strip("f0") else None  # Ray's nil id is all f
     except Exception:  # noqa: BLE001 - a private API: the line then says the node is unknown
         return None
 
