@@ -391,9 +391,9 @@ class RolloutActor(ActorRole):
         """The weight group this actor is in (0: none, e.g. restarted since the group formed)."""
         return getattr(self, "generation", 0) if getattr(self, "sync_group", None) is not None else 0
 
-    def receive_weights(self, version: int, layout: WeightLayout, keep: int) -> None:
-        """Receive version ``version``'s broadcast and stage it until it is loaded; at most ``keep`` versions stay staged.
-        A broadcast that fails (a peer lost) leaves the group: the driver forms a new one."""
+    def receive_weights(self, version: int, layout: WeightLayout, keep: int) -> int:
+        """Receive version ``version``'s broadcast and stage it until it is loaded (at most ``keep`` versions stay staged);
+        returns ``version``. A broadcast that fails (a peer lost) leaves the group: the driver forms a new one."""
         try:
             self.staged[version] = self.sync_group.receive(layout)
         except Exception:
@@ -401,6 +401,7 @@ class RolloutActor(ActorRole):
             raise
         for old in [v for v in self.staged if v <= version - keep]:
             del self.staged[old]
+        return version
 
     def generate(self, unit: Unit, version: int) -> tuple[TensorBatch, dict[str, float]]:
         """Unit ``unit`` (its share of batch ``unit.index``'s prompts) from the loaded weights, which must be ``version``
@@ -821,6 +822,7 @@ class RayLearner:
         self.rollouts: list[Any] = []  # the rollout actors weights go to (set by ``connect``)
         self.sides: list[RayRollout] = []  # their driver sides (set by the executor): a hang is killed once, by whoever sees it
         self.dtype, self.layout, self.keep, self.generation = "float32", [], 1, 0
+        self.sync_failures: list[str] = []  # why weight-sync calls of the rollout actors failed (the last in an error)
 
     def connect(self, rollouts: list[Any], keep: int) -> None:
         """Learn the rollout dtype and let the transport set itself up (the ``collective`` group) before the first publish."""
@@ -851,9 +853,11 @@ class RayLearner:
                 what, exc = f"a {names[i]} actor hung while {doing}", None
             except ray.exceptions.RayActorError as error:
                 what, exc = f"a {names[i]} actor died while {doing}", error
-            except Exception:  # noqa: BLE001 - raised inside the actor (its group broke because a peer was lost): alive
+            except Exception as error:  # noqa: BLE001 - raised inside the actor (its group broke because a peer was lost): alive
+                self.sync_failures.append(f"{names[i]}: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}")
                 answers.append(None)
                 continue
+            self.sync_failures.append(what)
             self.faults.check_node(ray, names[i], exc)
             await_restart(ray, self.rollouts[i], what, ROLLOUT_RESTARTS, self.faults, names[i])
             answers.append(None)

@@ -252,7 +252,7 @@ class CollectiveSync:
 
     def publish(self, learner: Any, version: int) -> Published:
         """Broadcast ``version`` from learner rank 0 to every rollout actor, which stages it until it loads it."""
-        failure = "a rollout actor was lost"
+        failure = None
         for _ in range(self.attempts):
             generations = learner.settle([actor.sync_generation.remote() for actor in learner.rollouts], "checking the weight group")
             if any(g != learner.generation for g in generations) and not self.regroup(learner):
@@ -265,7 +265,7 @@ class CollectiveSync:
                 actor = learner.actor
                 return Published(None, digest, nbytes, recover=lambda: actor.staged_copy.remote(version))
         raise WeightSyncError(f"weights version {version} did not reach the rollout actors in {self.attempts} broadcasts "
-                              f"(last: {failure or 'a rollout actor was lost'})")  # fmt: skip
+                              f"(last: {failure or (learner.sync_failures or ['a rollout actor was lost'])[-1]})")  # fmt: skip
 
 
 OBJECT_STORE = ObjectStoreSync()
