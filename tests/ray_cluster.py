@@ -116,7 +116,10 @@ class TwoNodeCluster:
             except subprocess.TimeoutExpired:
                 continue
             if out.returncode == 0:
-                self.node_ids = json.loads(out.stdout.strip().splitlines()[-1])
+                try:  # the last line is the probe's; Ray may print a line of its own after it on a loaded machine
+                    self.node_ids = json.loads((out.stdout.strip().splitlines() or ["{}"])[-1])
+                except ValueError:
+                    continue
                 if len(self.node_ids) >= count:
                     return
             time.sleep(1)
