@@ -409,8 +409,8 @@ class TrainerConfig(Strict):
     actor_restart_timeout_s: float = Field(
         300.0,
         gt=0,
-        description="executor ray: how long a dead or killed rollout/teacher actor may take to come back (imports, model, "
-        "placement) before the run fails naming the role and its node",
+        description="executor ray: how long an actor may take to start (every role, at the run's start) and a dead or killed "
+        "rollout/teacher actor to come back (imports, model, placement) before the run fails naming the role and its node",
     )
     device: str = Field(
         "cpu",

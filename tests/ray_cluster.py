@@ -116,7 +116,10 @@ class TwoNodeCluster:
             except subprocess.TimeoutExpired:
                 continue
             if out.returncode == 0:
-                self.node_ids = json.loads(out.stdout.strip().splitlines()[-1])
+                found = [line for line in out.stdout.splitlines() if line.startswith("{")]  # Ray may print lines of its own
+                if not found:
+                    continue
+                self.node_ids = json.loads(found[-1])
                 if len(self.node_ids) >= count:
                     return
             time.sleep(1)

@@ -503,3 +503,147 @@ def test_a_lost_worker_node_fails_the_run_naming_it_and_resume_onto_the_head_nod
     finally:
         assert cluster.stop() == []
         remove_cluster_dir(cluster)
+
+
+COLLECTIVE = ["--set", "trainer.weight_sync=collective"]
+EVERY_3 = ["--method", "opd", "--mode", "async", "--set", "trainer.steps=6", "--set", "trainer.sync_every=3",
+           "--set", "trainer.max_lag=3"]  # fmt: skip
+
+
+class _SyncProbe:
+    """From the driver: the learner's hash of all its weights (in the rollout dtype) at each version it publishes, each
+    rollout actor's hash of its engine's weights after each load, and the weight group's generation."""
+
+    def __init__(self, monkeypatch) -> None:
+        import ray
+
+        import opd_harness.trainers.ray_executor as rx
+        from opd_harness.trainers.weight_sync import checksum
+
+        self.learner: dict[int, str] = {}
+        self.loaded: list[tuple[str, int, str]] = []
+        self.generations: list[int] = []
+        publish, load = rx.RayLearner.publish, rx.RayRollout.load
+
+        def publish_probe(learner, version):
+            published = publish(learner, version)  # the learner's next step is sent after this returns: it still holds `version`
+            self.learner[version] = checksum(ray.get(learner.actor.rollout_weights.remote(learner.dtype)), every=True)
+            self.generations.append(learner.generation)
+            return published
+
+        def load_probe(side, version):
+            load(side, version)
+            self.loaded.append((side.name, version, ray.get(side.actor.loaded_checksum.remote())))
+
+        monkeypatch.setattr(rx.RayLearner, "publish", publish_probe)
+        monkeypatch.setattr(rx.RayRollout, "load", load_probe)
+
+    def assert_bit_for_bit(self) -> None:
+        assert self.loaded
+        wrong = [(name, version) for name, version, digest in self.loaded if digest != self.learner[version]]
+        assert not wrong, wrong
+
+
+def _parameter_bytes(out) -> int:
+    """The student's parameter bytes in the hf rollout engine's dtype (float32 here), a tied tensor once."""
+    from transformers import AutoModelForCausalLM
+
+    (student,) = (out / "cache" / "models").glob("student-*")
+    model = AutoModelForCausalLM.from_pretrained(student)
+    assert next(model.parameters()).dtype == __import__("torch").float32 and model.config.tie_word_embeddings
+    return sum(p.numel() * p.element_size() for p in model.parameters())  # parameters(): a tied tensor once
+
+
+@pytest.mark.slow
+def test_collective_weight_sync_on_two_nodes_is_bit_for_bit_in_the_rollout_dtype_once_per_three_versions(
+    shared_out, ray_cluster, monkeypatch
+):
+    """trainer.weight_sync=collective with 2 rollout workers, one per node (nodes with 2 fake GPUs each), sync_every=3:
+    versions 0, 3 and 6 are broadcast (no other), each step's sync_bytes is the parameter bytes in the rollout dtype
+    (tied embedding and head once) or 0, and after every load each worker's weights equal the learner's bit for bit."""
+    probe = _SyncProbe(monkeypatch)
+    metrics, checkpoints, _ = run(shared_out, *EVERY_3, *COLLECTIVE, *TWO_ROLLOUTS, "--executor", "ray",
+                                  "--set", f"trainer.ray_address={ray_cluster.address}")  # fmt: skip
+    expected = _parameter_bytes(shared_out)
+    assert {s: metrics[s]["sync_bytes"] for s in sorted(metrics)} == {1: 0, 2: 0, 3: expected, 4: 0, 5: 0, 6: expected}
+    assert sorted(probe.learner) == [0, 3, 6]  # weights moved once per three versions (and the start)
+    probe.assert_bit_for_bit()
+    assert {name for name, _, _ in probe.loaded} == {"rollout.0", "rollout.1"} and {v for _, v, _ in probe.loaded} <= {0, 3, 6}
+    placement = checkpoints[-1]["placement"]
+    assert {placement["rollout.0"], placement["rollout.1"]} == set(ray_cluster.node_ids.values())
+
+
+@pytest.mark.slow
+def test_a_rollout_worker_killed_under_collective_sync_rejoins_and_every_step_is_trained_once(
+    shared_out, ray_cluster, inprocess_lag, monkeypatch
+):
+    """weight_sync=collective, 2 rollout workers on 2 nodes, fixed_lag 1: rollout.0 is SIGKILLed before batch 3. Ray
+    restarts it; it loads the version it missed from the learner's copy, every member joins a new weight group before
+    the next broadcast, every load of both workers equals the learner's weights bit for bit, and every step is trained
+    once with the in-process losses (before, the restarted worker had no staged weights and the broadcast lost a rank)."""
+    import ray
+
+    import opd_harness.trainers.ray_executor as rx
+
+    probe = _SyncProbe(monkeypatch)
+    tmp_path, (inprocess, _) = shared_out, inprocess_lag
+    killed: list[int] = []
+    original, lock = rx.RayRollout.make, threading.Lock()
+
+    def kill_once(self, unit):
+        with lock:
+            if unit.index == 3 and self.name == "rollout.0" and not killed:
+                killed.append(ray.get(self.actor.pid.remote()))
+                os.kill(killed[-1], signal.SIGKILL)
+        return original(self, unit)
+
+    monkeypatch.setattr(rx.RayRollout, "make", kill_once)
+    on_cluster, _, _ = run(tmp_path, *LAG, *COLLECTIVE, *TWO_ROLLOUTS, "--executor", "ray",
+                           "--set", f"trainer.ray_address={ray_cluster.address}")  # fmt: skip
+    assert killed, "the kill never happened"
+    assert_same_run(inprocess, on_cluster)
+    run_id, _ = _last_train_run(tmp_path / "results.sqlite")
+    assert _losses_per_step(tmp_path / "results.sqlite", run_id) == [(1, 1), (2, 1), (3, 1), (4, 1)]
+    probe.assert_bit_for_bit()
+    assert max(probe.generations) >= 2, probe.generations  # the group was formed anew with the restarted worker
+    restarted = [version for name, version, _ in probe.loaded if name == "rollout.0"]
+    assert len(restarted) >= 2, probe.loaded  # loads before and after its restart, each checked above
+
+
+@pytest.mark.slow
+def test_a_hung_teacher_actor_is_killed_within_its_timeout_restarted_and_its_batch_scored_again(
+    shared_out, ray_cluster, inprocess_lag, monkeypatch
+):
+    """The only teacher actor is stopped (SIGSTOP: alive, never answering) before it scores batch 3: the call exceeds
+    trainer.actor_timeout_s, the driver kills it once (Ray restarts it), the batch is scored again by the restarted
+    actor and every step is trained once with the in-process losses (fixed_lag)."""
+    import ray
+
+    import opd_harness.trainers.ray_executor as rx
+
+    tmp_path, (inprocess, _) = shared_out, inprocess_lag
+    stopped: list[float] = []
+    kills: list[float] = []
+    original_score, original_kill, lock = rx.TeacherActors.score, ray.kill, threading.Lock()
+
+    def stop_once(self, batch, metrics, index):
+        with lock:
+            if index == 3 and not stopped:
+                os.kill(ray.get(self.actors[0].pid.remote()), signal.SIGSTOP)
+                stopped.append(time.monotonic())
+        return original_score(self, batch, metrics, index)
+
+    def kill(actor, *, no_restart=True):
+        if not no_restart:  # a kill for Ray to restart (the run's end kills for good)
+            kills.append(time.monotonic())
+        return original_kill(actor, no_restart=no_restart)
+
+    monkeypatch.setattr(rx.TeacherActors, "score", stop_once)
+    monkeypatch.setattr(ray, "kill", kill)
+    on_cluster, _, _ = run(tmp_path, *LAG, "--executor", "ray", "--set", f"trainer.ray_address={ray_cluster.address}",
+                           "--set", f"trainer.actor_timeout_s={HANG_TIMEOUT_S}")  # fmt: skip
+    assert stopped, "the teacher was never stopped"
+    assert len(kills) == 1 and kills[0] - stopped[0] < HANG_TIMEOUT_S + 5, (stopped, kills)  # once, within the timeout
+    assert_same_run(inprocess, on_cluster)
+    run_id, _ = _last_train_run(tmp_path / "results.sqlite")
+    assert _losses_per_step(tmp_path / "results.sqlite", run_id) == [(1, 1), (2, 1), (3, 1), (4, 1)]

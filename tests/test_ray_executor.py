@@ -139,6 +139,23 @@ def test_ray_executor_matches_inprocess(tmp_path, ray_session):
     print(f"ray executor test: {time.perf_counter() - started:.1f}s")
 
 
+@pytest.mark.slow
+def test_an_actor_start_up_past_its_limit_ends_the_run_failed_with_one_line_naming_the_role_and_node(tmp_path, ray_session):
+    """trainer.actor_restart_timeout_s bounds the actors' start-up too (before, wait_ready waited for ever): 0.5 s is
+    shorter than any actor's imports, so the run stops failed, with one line naming the first role and its node and the
+    resume command, and nothing trained."""
+    result = runner.invoke(app, [*BASE, "--out", str(tmp_path), "--executor", "ray", "--set", "trainer.actor_restart_timeout_s=0.5"])
+    line = " ".join(result.output.split())
+    node = ray_session.get_runtime_context().get_node_id()
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    assert f"rollout did not start within trainer.actor_restart_timeout_s=0.5s (on node {node})" in line, line[-2000:]
+    assert "continue from the start (no checkpoint yet) with: harness run --resume" in line
+    (run_id,) = _train_runs(tmp_path / "results.sqlite")
+    with sqlite3.connect(tmp_path / "results.sqlite") as conn:
+        assert conn.execute("SELECT status FROM runs WHERE run_id=?", (run_id,)).fetchone() == ("failed",)
+        assert conn.execute("SELECT COUNT(*) FROM step_metrics WHERE run_id=?", (run_id,)).fetchone() == (0,)
+
+
 class _Recorder:
     def __init__(self, log: list, name: str) -> None:
         self.log, self.name = log, name

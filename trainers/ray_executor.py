@@ -31,7 +31,7 @@ them so, and the learner returns weights and state on the CPU. Each actor's GPU 
 Faults: a rollout actor that dies (its process killed) is restarted by Ray (``ROLLOUT_RESTARTS``); the
 driver re-queues the units it had in flight (only those) and reloads its weights, so no step is lost or trained
 twice. A call that takes longer than ``trainer.actor_timeout_s`` counts as a hung actor: a rollout or teacher actor is
-killed for Ray to restart (and treated as dead), a learner rank fails the run. A restart slower than
+killed for Ray to restart (and treated as dead), a learner rank fails the run. A start-up or restart slower than
 ``trainer.actor_restart_timeout_s``, or a role whose node died, ends the run ``failed`` with one line naming the role
 and the node (:class:`ActorLost`); ``--resume`` continues from the last checkpoint. Teacher actors
 (``trainer.layout.teacher.replicas``) sit behind one chooser (:class:`TeacherActors`): each batch goes to the replica
@@ -68,8 +68,8 @@ from opd_harness.trainers.distributed import Shard, backend_for, collective_dead
 from opd_harness.trainers.distributed import rendezvous_port
 from opd_harness.registry import WEIGHT_SYNCS
 from opd_harness.trainers.loop import MAX_ROLLOUT_LOSSES, LearnResult, Roles, RolloutLost, Unit, WeightBoard, batch_units, unit_problems
-from opd_harness.trainers.weight_sync import (Published, WeightLayout, SyncGroup, checksum, engine_dtype, layout_of, rollout_copy,
-                                              state_bytes)
+from opd_harness.trainers.weight_sync import (NotStaged, Published, WeightLayout, SyncGroup, checksum, engine_dtype, layout_of,
+                                              rollout_copy, state_bytes)
 from opd_harness.trainers.pipeline import (
     Session,
     close_rollout_backend,
@@ -361,27 +361,47 @@ class RolloutActor(ActorRole):
         self.scorer = open_behaviour_scorer(self.plan, self.backend, student_path, model=model, tokenizer=tokenizer, device=self.device)
 
     def load_weights(self, weights: dict[str, torch.Tensor] | None, version: int, expected: str | None = None) -> None:
-        """Load ``weights`` (None: the copy the ``collective`` transport staged for ``version``), checked against ``expected``."""
+        """Load ``weights`` (None: the copy the ``collective`` transport staged for ``version``), checked against ``expected``;
+        :class:`NotStaged` when this actor never received that broadcast (restarted since)."""
         if weights is None:
             staged = getattr(self, "staged", {})
             if version not in staged:
-                raise RolloutLost(f"rollout actor has no staged weights version {version} (restarted: it left the sync group)")
+                raise NotStaged(f"rollout actor has no staged weights version {version} (restarted since it was broadcast)")
             weights = staged[version]
         load_rollout_weights(self.backend, self.scorer, weights, version, expected)
+
+    def loaded_checksum(self) -> str:
+        """A hash of every tensor the rollout engine holds (tests compare it with the learner's, bit for bit)."""
+        return checksum(self.backend.model.state_dict(), every=True)
 
     def weights_dtype(self) -> str:
         """The rollout engine's parameter dtype (what weights are sent in)."""
         return str(engine_dtype(self.backend)).removeprefix("torch.")
 
-    def sync_join(self, address: str, port: int, rank: int, world: int, timeout_s: float) -> None:
-        """Join the ``collective`` transport's group as ``rank`` (rank 0 is the learner's rank 0)."""
-        self.sync_group, self.staged = SyncGroup(address, port, rank, world, self.device, timeout_s), {}
+    def sync_join(self, address: str, port: int, rank: int, world: int, timeout_s: float, generation: int = 1) -> int:
+        """Join generation ``generation`` of the ``collective`` transport's group as ``rank`` (rank 0 is the learner's
+        rank 0), leaving the one before; the versions staged so far stay."""
+        leave_group(self)
+        self.staged = getattr(self, "staged", {})
+        self.sync_group = SyncGroup(address, port, rank, world, self.device, timeout_s)
+        self.generation = generation
+        return generation
 
-    def receive_weights(self, version: int, layout: WeightLayout, keep: int) -> None:
-        """Receive version ``version``'s broadcast and stage it until it is loaded; at most ``keep`` versions stay staged."""
-        self.staged[version] = self.sync_group.receive(layout)
+    def sync_generation(self) -> int:
+        """The weight group this actor is in (0: none, e.g. restarted since the group formed)."""
+        return getattr(self, "generation", 0) if getattr(self, "sync_group", None) is not None else 0
+
+    def receive_weights(self, version: int, layout: WeightLayout, keep: int) -> int:
+        """Receive version ``version``'s broadcast and stage it until it is loaded (at most ``keep`` versions stay staged);
+        returns ``version``. A broadcast that fails (a peer lost) leaves the group: the driver forms a new one."""
+        try:
+            self.staged[version] = self.sync_group.receive(layout)
+        except Exception:
+            leave_group(self)
+            raise
         for old in [v for v in self.staged if v <= version - keep]:
             del self.staged[old]
+        return version
 
     def generate(self, unit: Unit, version: int) -> tuple[TensorBatch, dict[str, float]]:
         """Unit ``unit`` (its share of batch ``unit.index``'s prompts) from the loaded weights, which must be ``version``
@@ -495,16 +515,34 @@ class LearnerActor(ActorRole):
         """``collective``: names, shapes and dtypes of the broadcast, in its order."""
         return layout_of(self.rollout_weights(dtype))
 
-    def sync_join(self, address: str, port: int, world: int, timeout_s: float) -> None:
-        """``collective``: rank 0 of the weight group (not the learners' data-parallel group)."""
-        self.sync_group = SyncGroup(address, port, 0, world, self.device, timeout_s)
+    def sync_join(self, address: str, port: int, world: int, timeout_s: float) -> str | None:
+        """``collective``: rank 0 of a new weight group (not the learners' data-parallel group), leaving the one before;
+        None, or why the group did not form (a member that never joined: the driver forms another)."""
+        leave_group(self)
+        try:
+            self.sync_group = SyncGroup(address, port, 0, world, self.device, timeout_s)
+        except Exception as exc:  # noqa: BLE001 - reported to the driver, which regroups; the learner itself is fine
+            return f"{type(exc).__name__}: {exc}"
+        return None
 
-    def broadcast_weights(self, dtype: str) -> tuple[str, int]:
-        """``collective``: broadcast the weights in the rollout dtype to the rollout actors; (checksum, bytes)."""
+    def broadcast_weights(self, dtype: str, version: int, keep: int) -> tuple[str, int, str | None]:
+        """``collective``: broadcast the weights in the rollout dtype to the rollout actors; (checksum, bytes, None), or
+        why the broadcast failed (a rollout actor lost: the group is left, the driver forms another and sends again).
+        The copy is kept while the weight board may hand out ``version`` (``keep`` versions), for a restarted actor."""
         weights = self.rollout_weights(dtype)
         if not weights:  # an fsdp2 rank other than 0: it only took part in the gather
-            return "", 0
-        return checksum(weights), self.sync_group.send(weights)
+            return "", 0, None
+        self.kept = {v: w for v, w in getattr(self, "kept", {}).items() if v > version - keep}
+        self.kept[version] = weights
+        try:
+            return checksum(weights), self.sync_group.send(weights), None
+        except Exception as exc:  # noqa: BLE001 - a peer lost mid-broadcast; the learner is fine
+            leave_group(self)
+            return checksum(weights), 0, f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+
+    def staged_copy(self, version: int) -> dict[str, torch.Tensor]:
+        """``collective``: the kept copy of weights ``version``, for a rollout actor restarted since its broadcast."""
+        return self.kept[version]
 
     def state(self) -> dict[str, Any]:
         """Full (unsharded) weights, optimizer and method state, for the driver's checkpoints and evaluations (fsdp2: every
@@ -512,6 +550,14 @@ class LearnerActor(ActorRole):
         method_state = self.method_state.state_dict() if self.method_state is not None else None
         with collective_deadline(self.timeout_s):
             return on_cpu({**full_state(self.model, self.optimizer, self.sharding), "method_state": method_state})
+
+
+def leave_group(actor: Any) -> None:
+    """Close the actor's ``collective`` weight group, if it is in one (its peers' calls then fail at once)."""
+    group = getattr(actor, "sync_group", None)
+    actor.sync_group = None
+    if group is not None:
+        group.close()
 
 
 def ray_get(ray: ModuleType, refs: Any, **options: Any) -> Any:
@@ -624,13 +670,29 @@ class RayRollout:
         self.version = -1
         self.name, self.faults = name, faults or Faults()
         self.kills = 0  # hangs this driver side killed the actor for (each kill once, whichever of its calls saw it)
+        self.recovered = 0  # versions loaded from the learner's copy after a restart (``collective``)
         self._lock = threading.Lock()
 
     def load(self, version: int) -> None:
-        """Load ``version`` and wait for it: the actor runs several units at once, so a later call is not ordered after it."""
+        """Load ``version`` and wait for it: the actor runs several units at once, so a later call is not ordered after it.
+        An actor restarted since a ``collective`` broadcast loads that version from the learner's copy instead."""
         kills, published = self.kills, self.board.get(version)
-        self._get(self.actor.load_weights.remote(published.payload, version, published.checksum), f"loading weights {version}", kills)
+        what = f"loading weights {version}"
+        try:
+            self._get(self.actor.load_weights.remote(published.payload, version, published.checksum), what, kills)
+        except NotStaged:
+            if published.recover is None:
+                raise
+            self._get(self.actor.load_weights.remote(published.recover(), version, published.checksum), what, kills)
+            self.recovered += 1
         self.version = version
+
+    def hung(self, kills: int) -> None:
+        """Kill the actor for Ray to restart, unless a hang seen since ``kills`` (this side's count then) killed it already."""
+        with self._lock:
+            if self.kills == kills:  # the first call to see the hang kills it; the others wait for the same restart
+                self.kills += 1
+                self.ray.kill(self.actor, no_restart=False)
 
     def make(self, unit: Unit) -> tuple[Any, dict[str, float]]:
         kills = self.kills
@@ -649,10 +711,7 @@ class RayRollout:
             raise
         except ray.exceptions.GetTimeoutError:
             self.version = -1
-            with self._lock:
-                if self.kills == kills:  # the first call to see the hang kills it; the others wait for the same restart
-                    self.kills += 1
-                    ray.kill(self.actor, no_restart=False)
+            self.hung(kills)
             self.faults.check_node(ray, self.name)
             await_restart(ray, self.actor, f"a {self.name} actor hung with {what} (no answer within {self.faults.call_s:g}s)",
                           ROLLOUT_RESTARTS, self.faults, self.name)  # fmt: skip
@@ -761,7 +820,9 @@ class RayLearner:
         self.killed = False
         self.sync = WEIGHT_SYNCS.get(weight_sync)
         self.rollouts: list[Any] = []  # the rollout actors weights go to (set by ``connect``)
-        self.dtype, self.layout, self.keep = "float32", [], 1
+        self.sides: list[RayRollout] = []  # their driver sides (set by the executor): a hang is killed once, by whoever sees it
+        self.dtype, self.layout, self.keep, self.generation = "float32", [], 1, 0
+        self.sync_failures: list[str] = []  # why weight-sync calls of the rollout actors failed (the last in an error)
 
     def connect(self, rollouts: list[Any], keep: int) -> None:
         """Learn the rollout dtype and let the transport set itself up (the ``collective`` group) before the first publish."""
@@ -772,6 +833,35 @@ class RayLearner:
     def publish(self, version: int) -> Published:
         """Send weights ``version`` by the run's transport (``trainer.weight_sync``)."""
         return self.sync.publish(self, version)
+
+    def settle(self, refs: list[Any], doing: str) -> list[Any]:
+        """Each rollout actor's answer to a weight-sync call (``refs[i]``: actor i's), or None for one that failed (its group
+        broke: it is alive), died or hung past ``trainer.actor_timeout_s`` (killed for Ray to restart); returns once the
+        lost ones are back (:func:`await_restart`: :class:`ActorLost` naming the role and node if one is not)."""
+        ray, names = self.ray, replica_names("rollout", len(self.rollouts))
+        kills = [side.kills for side in self.sides]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=self.faults.call_s)
+        answers: list[Any] = []
+        for i, ref in enumerate(refs):
+            try:
+                if ref not in done:
+                    raise ray.exceptions.GetTimeoutError(doing)
+                answers.append(ray_get(ray, ref))
+                continue
+            except ray.exceptions.GetTimeoutError:
+                self.sides[i].hung(kills[i]) if self.sides else ray.kill(self.rollouts[i], no_restart=False)
+                what, exc = f"a {names[i]} actor hung while {doing}", None
+            except ray.exceptions.RayActorError as error:
+                what, exc = f"a {names[i]} actor died while {doing}", error
+            except Exception as error:  # noqa: BLE001 - raised inside the actor (its group broke because a peer was lost): alive
+                self.sync_failures.append(f"{names[i]}: {type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}")
+                answers.append(None)
+                continue
+            self.sync_failures.append(what)
+            self.faults.check_node(ray, names[i], exc)
+            await_restart(ray, self.rollouts[i], what, ROLLOUT_RESTARTS, self.faults, names[i])
+            answers.append(None)
+        return answers
 
     def on_ranks(self, method: str, *args: Any, returns: int = 1) -> list[Any]:
         """Call ``method`` on rank 0, or on every rank under fsdp2 (a gather); the refs, rank 0's first."""
@@ -805,16 +895,18 @@ class RayLearner:
         if self.session.method_state is not None:
             self.session.method_state.load_state_dict(state["method_state"])
 
-    def _get(self, refs: list[Any], doing: str, first: int = 0) -> list[Any]:
+    def _get(self, refs: list[Any], doing: str, first: int = 0, wait_s: float | None = None) -> list[Any]:
         """Every rank's result (``refs``: ranks ``first``, ``first`` + 1, …), or :class:`LearnerRankFailed` as soon as one rank
-        fails (a dead rank named before one whose collective failed because of it)."""
+        fails (a dead rank named before one whose collective failed because of it) or takes longer than ``wait_s``
+        (default ``trainer.actor_timeout_s``)."""
         ray, pending, failures = self.ray, list(refs), {}
+        wait_s = self.faults.call_s if wait_s is None else wait_s
         while pending and not failures:
-            done, pending = ray.wait(pending, num_returns=1, timeout=self.faults.call_s)
+            done, pending = ray.wait(pending, num_returns=1, timeout=wait_s)
             if not done:  # hung (e.g. a collective or a device that never returns): the run cannot go on without it
                 self.kill()
                 rank = first + refs.index(pending[0])
-                limit = f"trainer.actor_timeout_s={self.faults.call_s:g}s"
+                limit = f"trainer.actor_timeout_s={self.faults.call_s:g}s" if wait_s == self.faults.call_s else f"{wait_s:g}s"
                 raise LearnerRankFailed(f"learner rank {rank} of {len(self.ranks)} hung while {doing} (no answer within {limit})"
                                         + resume_hint(self.session)) from None  # fmt: skip
             for ref in done:
@@ -918,11 +1010,12 @@ def wait_ready(ray: ModuleType, actors: list, names: list[str], console: Console
     ranks = learner.ranks[1:]
     every = [*actors, *ranks]
     keys = [*names, *(f"learner_rank_{i}" for i in range(1, len(learner.ranks)))]
-    failures = ray_get(ray, [actor.ready.remote() for actor in every])
-    placement.update(zip(names, ray.get([actor.node_id.remote() for actor in actors]), strict=True))
-    placement.setdefault("gpus", {}).update(zip(keys, ray.get([actor.devices.remote() for actor in every]), strict=True))
+    failures = await_started(ray, every, keys, learner.faults)
+    call_s = learner.faults.call_s
+    placement.update(zip(names, ray.get([actor.node_id.remote() for actor in actors], timeout=call_s), strict=True))
+    placement.setdefault("gpus", {}).update(zip(keys, ray.get([actor.devices.remote() for actor in every], timeout=call_s), strict=True))
     if len(learner.ranks) > 1:
-        nodes = ray.get([rank.node_id.remote() for rank in learner.ranks])
+        nodes = ray.get([rank.node_id.remote() for rank in learner.ranks], timeout=call_s)
         placement.update({f"learner_rank_{i}": node for i, node in enumerate(nodes)})
     console.print("ray placement: " + ", ".join(f"{role} on node {node[:12]}" + gpu_note(placement, role)
                                                 for role, node in placement.items() if isinstance(node, str)))  # fmt: skip
@@ -933,6 +1026,33 @@ def wait_ready(ray: ModuleType, actors: list, names: list[str], console: Console
         backend, rendezvous = learner.form_group()
         console.print(f"learner: {len(learner.ranks)} data-parallel ranks ({learner.sharding}, {backend}, rendezvous {rendezvous})")
     console.print(f"ray actors ready ({', '.join(names)}); waited {time.perf_counter() - started:.1f}s after the step-0 evaluation")
+
+
+def await_started(ray: ModuleType, actors: list[Any], keys: list[str], faults: "Faults") -> list[str | None]:
+    """Each actor's ``ready`` answer once all are constructed; :class:`ActorLost` (one line naming the role and its node)
+    for the first that is not within ``trainer.actor_restart_timeout_s`` (a start-up that hangs: imports, a model, a
+    placement that never comes)."""
+    refs = [actor.ready.remote() for actor in actors]
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=faults.restart_s)
+    if pending:
+        i = refs.index(pending[0])
+        node = actor_node(ray, actors[i])
+        where = f"on node {node}" if node else "not placed on any node"
+        raise ActorLost(f"{keys[i]} did not start within trainer.actor_restart_timeout_s={faults.restart_s:g}s ({where})"
+                        + resume_hint(faults.session))  # fmt: skip
+    return ray_get(ray, refs)
+
+
+def actor_node(ray: ModuleType, actor: Any) -> str | None:
+    """The node Ray placed ``actor`` on (hex id, from its actor table entry; set once it is scheduled, while its
+    constructor runs), or None while it is not placed."""
+    try:
+        from ray._private.state import actors as actor_table
+
+        node = ((actor_table(actor_id=actor._actor_id.hex()) or {}).get("Address") or {}).get("NodeID")
+        return node if node and node.strip("f0") else None  # Ray's nil id is all f
+    except Exception:  # noqa: BLE001 - a private API: the line then says the node is unknown
+        return None
 
 
 def gpu_note(placement: dict[str, Any], role: str) -> str:
@@ -1015,9 +1135,10 @@ class RayExecutor:
             with checkpoint_evaluation(ray, plan, session, self.groups, placement, console), warnings.catch_warnings():
                 # the session's optimizer mirrors the learner's, so only its scheduler steps
                 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before", category=UserWarning)
+                ray_learner.sides = [RayRollout(ray, plan, rollout, teachers, board, name, faults)
+                                     for rollout, name in zip(rollouts, names, strict=False)]  # fmt: skip
                 yield Roles(
-                    [RayRollout(ray, plan, rollout, teachers, board, name, faults)
-                     for rollout, name in zip(rollouts, names, strict=False)],
+                    ray_learner.sides,
                     ray_learner,
                     ready=ready,
                     placement=placement,

@@ -19,17 +19,24 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 BUCKET_BYTES = 64 << 20  # flat broadcast buckets of at most 64 MiB (a larger tensor gets its own)
+JOIN_GRACE_S = 30.0  # beyond the group's timeout: how long the learner's join may take to give up on a member that is gone
 CHECKED_TENSORS = 4  # tensors the checksum covers: spread over the state dict (first, …, last)
 
 
 class WeightSyncError(RuntimeError):
     """A rollout engine does not hold the weights it was sent (a stale or corrupt load): the run fails."""
+
+
+class NotStaged(Exception):
+    """A rollout actor asked to load a broadcast version it never received (restarted since): load it from
+    :attr:`Published.recover` instead."""
 
 
 @dataclass(frozen=True)
@@ -39,15 +46,31 @@ class Published:
     payload: Any  # a state dict, an object ref to one, or None (already staged on every worker by a broadcast)
     checksum: str
     nbytes: int
+    recover: Callable[[], Any] | None = None  # collective: a ref to the learner's copy, for a worker that missed the broadcast
+
+
+def _storage_key(t: torch.Tensor) -> tuple:
+    """What makes two entries of a state dict one tensor (tied weights: the embedding and the output head)."""
+    return (t.device.type, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
 def rollout_copy(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """A detached CPU copy of ``state`` with its floating tensors in ``dtype`` (one copy, never two)."""
-    return {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype, copy=True) for k, v in state.items()}
+    """A detached CPU copy of ``state`` with its floating tensors in ``dtype`` (one copy, never two); tied entries (one
+    tensor under two names) stay one tensor object, so they are copied, pickled and counted once."""
+    copies: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for name, value in state.items():
+        key = _storage_key(value)
+        if key not in copies:
+            copies[key] = value.detach().to("cpu", dtype if value.is_floating_point() else value.dtype, copy=True)
+        out[name] = copies[key]
+    return out
 
 
 def state_bytes(state: dict[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
+    """Bytes of the distinct tensors of ``state`` (a tied tensor counts once)."""
+    unique = {_storage_key(t): t for t in state.values()}
+    return sum(t.numel() * t.element_size() for t in unique.values())
 
 
 def checked_names(names: list[str]) -> list[str]:
@@ -59,10 +82,11 @@ def checked_names(names: list[str]) -> list[str]:
     return sorted({ordered[round(i * step)] for i in range(CHECKED_TENSORS)})
 
 
-def checksum(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> str:
-    """A hash of the bytes of a few tensors of ``state`` (in ``dtype`` for floating ones, when given): equal bit for bit or not."""
+def checksum(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None, every: bool = False) -> str:
+    """A hash of the bytes of a few tensors of ``state`` (all of them with ``every``; in ``dtype`` for floating ones, when
+    given): equal bit for bit or not."""
     digest = hashlib.sha256()
-    for name in checked_names(list(state)):
+    for name in sorted(state) if every else checked_names(list(state)):
         t = state[name].detach()
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)
@@ -97,18 +121,28 @@ def check_loaded(engine: Any, expected: str | None, version: int) -> None:
 # ---- the collective's buckets ---------------------------------------------------------------------------------------
 
 
-WeightLayout = list[tuple[str, tuple[int, ...], str]]  # (name, shape, dtype name) in broadcast order
+WeightLayout = list[tuple[str, tuple[int, ...], str, str]]  # (name, shape, dtype name, source) in broadcast order
 
 
 def layout_of(state: dict[str, torch.Tensor]) -> WeightLayout:
-    return [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in sorted(state.items())]
+    """The broadcast's layout: each entry's name, shape and dtype, and its source, the first name holding the same tensor
+    (itself, or the tensor a tied entry shares: only sources are sent, a tied entry is rebuilt from its source)."""
+    first: dict[tuple, str] = {}
+    layout = []
+    for name, value in sorted(state.items()):
+        source = first.setdefault(_storage_key(value), name)
+        layout.append((name, tuple(value.shape), str(value.dtype).removeprefix("torch."), source))
+    return layout
 
 
 def buckets(layout: WeightLayout, limit: int = BUCKET_BYTES) -> list[list[int]]:
-    """Indices into ``layout`` grouped into flat buckets: one dtype each, at most ``limit`` bytes (or one larger tensor)."""
+    """Indices into ``layout`` grouped into flat buckets: one dtype each, at most ``limit`` bytes (or one larger tensor);
+    tied entries (whose source is another name) are in none: they are not sent."""
     out: list[list[int]] = []
     open_: dict[str, tuple[list[int], int]] = {}
-    for i, (_, shape, dtype) in enumerate(layout):
+    for i, (name, shape, dtype, source) in enumerate(layout):
+        if source != name:
+            continue
         size = torch.Size(shape).numel() * torch.empty((), dtype=getattr(torch, dtype)).element_size()
         bucket, used = open_.get(dtype, ([], 0))
         if bucket and used + size > limit:
@@ -135,6 +169,15 @@ class SyncGroup:
             self.group = dist.ProcessGroupGloo(self.store, rank, world, timeout)
         self.rank, self.device, self.bucket_bytes = rank, device, bucket_bytes
 
+    def close(self) -> None:
+        """Leave the group for good: its connections close, so a peer blocked in a broadcast fails at once instead of
+        waiting out the timeout (gloo's abort leaves them open)."""
+        try:
+            self.group.shutdown()
+        except Exception:  # noqa: BLE001 - a broken group may refuse; dropping it still closes its sockets
+            pass
+        del self.group
+
     def send(self, state: dict[str, torch.Tensor]) -> int:
         """Rank 0: broadcast ``state`` (already in the rollout dtype) bucket by bucket; returns the bytes sent."""
         layout = layout_of(state)
@@ -153,6 +196,8 @@ class SyncGroup:
             self.group.broadcast(flat, 0).wait()
             for i, part in zip(bucket, flat.split(sizes), strict=True):
                 state[layout[i][0]] = part.view(layout[i][1]).cpu()
+        for name, _, _, source in layout:
+            state[name] = state[source]  # a tied entry: the very tensor of its source
         return state
 
 
@@ -175,26 +220,52 @@ class ObjectStoreSync:
 
 
 class CollectiveSync:
-    """``collective``: bucketed broadcast from the learner's rank 0 to every rollout actor at each loaded version (Ray only)."""
+    """``collective``: bucketed broadcast from the learner's rank 0 to every rollout actor at each loaded version (Ray only).
+
+    A rollout actor that is restarted (it died or hung) leaves the group: before the next broadcast every member joins
+    a new one (a new generation), and a broadcast that fails because a member was lost meanwhile is sent again once the
+    group is formed anew. A restarted actor never received the versions broadcast before it came back: it loads them
+    from the learner's copy (:attr:`Published.recover`; the learner keeps the versions the weight board holds)."""
 
     collective = True
+    attempts = 4  # broadcasts of one version at most: the first, then one after each regroup
 
     def connect(self, learner: Any) -> None:
         """Form the group: learner rank 0 (rank 0, it hosts the store) and the rollout actors (ranks 1…n)."""
-        ray, world, timeout_s = learner.ray, len(learner.rollouts) + 1, learner.faults.call_s or 300.0
-        address, port = learner._get([learner.actor.rendezvous.remote()], "finding the weight group's address")[0]
-        joins = [learner.actor.sync_join.remote(address, port, world, timeout_s)]
-        joins += [actor.sync_join.remote(address, port, rank, world, timeout_s) for rank, actor in enumerate(learner.rollouts, 1)]
-        ray.get(joins, timeout=timeout_s)
+        learner.generation = 0
+        if not self.regroup(learner):
+            raise WeightSyncError("the rollout actors could not form the collective weight group (one was lost while joining)")
         learner.layout = learner._get(learner.on_ranks("weight_layout", learner.dtype), "reading the weight layout")[0]
+
+    def regroup(self, learner: Any) -> bool:
+        """Every member joins a new group (generation + 1) at a new address; False if a rollout actor was lost meanwhile."""
+        world, timeout_s = len(learner.rollouts) + 1, learner.faults.call_s or 300.0
+        learner.generation += 1
+        address, port = learner._get([learner.actor.rendezvous.remote()], "finding the weight group's address")[0]
+        sender = learner.actor.sync_join.remote(address, port, world, timeout_s)
+        joins = [actor.sync_join.remote(address, port, rank, world, timeout_s, learner.generation)
+                 for rank, actor in enumerate(learner.rollouts, 1)]  # fmt: skip
+        joined = learner.settle(joins, "joining the weight group")
+        lost = any(answer is None for answer in joined)  # then the learner's join fails once its store stops waiting
+        failure = learner._get([sender], "forming the weight group", wait_s=timeout_s + JOIN_GRACE_S if lost else None)[0]
+        return not lost and failure is None
 
     def publish(self, learner: Any, version: int) -> Published:
         """Broadcast ``version`` from learner rank 0 to every rollout actor, which stages it until it loads it."""
-        sent = learner.on_ranks("broadcast_weights", learner.dtype)
-        received = [actor.receive_weights.remote(version, learner.layout, learner.keep) for actor in learner.rollouts]
-        learner.ray.get(received, timeout=learner.faults.call_s)
-        digest, nbytes = learner._get(sent, f"broadcasting weights {version}")[0]
-        return Published(None, digest, nbytes)
+        failure = None
+        for _ in range(self.attempts):
+            generations = learner.settle([actor.sync_generation.remote() for actor in learner.rollouts], "checking the weight group")
+            if any(g != learner.generation for g in generations) and not self.regroup(learner):
+                continue  # a rollout actor restarted: it left the group
+            sent = learner.on_ranks("broadcast_weights", learner.dtype, version, learner.keep)
+            received = [actor.receive_weights.remote(version, learner.layout, learner.keep) for actor in learner.rollouts]
+            answers = learner.settle(received, f"receiving weights {version}")
+            digest, nbytes, failure = learner._get(sent, f"broadcasting weights {version}")[0]
+            if failure is None and all(answer is not None for answer in answers):
+                actor = learner.actor
+                return Published(None, digest, nbytes, recover=lambda: actor.staged_copy.remote(version))
+        raise WeightSyncError(f"weights version {version} did not reach the rollout actors in {self.attempts} broadcasts "
+                              f"(last: {failure or (learner.sync_failures or ['a rollout actor was lost'])[-1]})")  # fmt: skip
 
 
 OBJECT_STORE = ObjectStoreSync()
