@@ -178,8 +178,8 @@ def run_device(device: str) -> str:
 
 
 def driver_device(trainer) -> str:
-    """Where the session (this process) keeps its models: ``trainer.device``, except under ``--executor ray``, where they
-    stay on the CPU: the actors take the GPUs Ray assigns them, and what is shipped to them must be CPU tensors."""
+    """Where the session (this process) keeps its models: ``trainer.device`` (under ``--executor ray`` the session holds
+    none, :meth:`Session.open_remote`; ``cpu`` is returned there for completeness)."""
     return "cpu" if trainer.executor == "ray" else run_device(trainer.device)
 
 

@@ -11,11 +11,14 @@ method state; learning rates from the driver's schedule), or W data-parallel lea
 (``trainer.layout.learner.replicas``, :mod:`opd_harness.trainers.distributed`), trains on it and returns each version's
 weights as an object in the object store. The driver runs the very loop of the in-process
 executor (``opd_harness.trainers.loop``: ``Schedule``, ``RolloutWorker``, ``drive``), so max_lag,
-fixed_lag, sync_every and refreshes mean the same, and records through the same ``Session``:
-before every checkpoint and evaluation it pulls the learner's weights, optimizer and method state
-into the session's objects. Sync mode is this schedule with max_lag 0. Batches go from actor to
-actor as object refs; the driver only sees metrics. Ray is imported here only, and this module
-only when the executor is ray.
+fixed_lag, sync_every and refreshes mean the same, and records through the same ``Session``. The driver holds no
+model: the run's models are prepared (built, warmed up, cached) in a Ray task (:func:`prepare_remote`) and every actor
+loads its own from those folders; the driver keeps the config, the paths, the counters and the learning-rate schedule.
+At a checkpoint the learner writes it into the run folder (rank 0, or under FSDP2 each rank its optimizer shard) and
+the driver renames the folder and records its path; evaluations run on evaluation workers that read each checkpoint
+from its folder, the teacher's reference evaluation on the teacher actors. Sync mode is this schedule with max_lag 0.
+Batches go from actor to actor as object refs; the driver only sees metrics. Ray is imported here only, and this
+module only when the executor is ray.
 
 Results match the in-process executor for the same seed: sampling for batch b depends only on
 (seed, b, weights), not on the actor that runs it, every role runs torch with the run's thread count
@@ -25,8 +28,9 @@ so are the losses, with any number of rollout actors.
 Devices: every actor takes its device from the GPUs Ray assigned it (``ray.get_gpu_ids()``, from its role's
 ``trainer.layout.<role>.num_gpus``): ``cuda`` (the first of them, as Ray's ``CUDA_VISIBLE_DEVICES`` numbers them) when it
 has some, else ``cpu``; an actor given GPUs that its torch cannot see stops the run before training (exit 2, naming the
-role's key). Models cross process boundaries as CPU tensors only: the driver keeps its models on the CPU and ships
-them so, and the learner returns weights and state on the CPU. Each actor's GPU ids go into the run's placement.
+role's key). Models cross process boundaries as folders (the prepared models, the checkpoints: the run folder must be
+visible at the same path on every node, checked before training) or CPU tensors (weight versions). Each actor's GPU ids
+go into the run's placement.
 
 Faults: a rollout actor that dies (its process killed) is restarted by Ray (``ROLLOUT_RESTARTS``); the
 driver re-queues the units it had in flight (only those) and reloads its weights, so no step is lost or trained
