@@ -326,6 +326,10 @@ class RayEvalExecutor:
             finally:
                 stop_workers(ray, started, console)
 
+    def shards(self, ray: ModuleType, actors: list[Any], console: Console) -> RayShards:
+        """A shard queue over actors that already run (a training run's teacher actors, for its reference evaluation)."""
+        return RayShards(ray, actors, console)
+
     @contextmanager
     def for_run(
         self, ray: ModuleType, plan, session, groups: dict[str, Any], placement: dict[str, Any], console: Console
@@ -357,8 +361,9 @@ class RayEvalExecutor:
                 raise RunFolderUnavailable(problem)
             names = replica_names("eval", len(workers))
             placement.update(zip(names, ray.get([w.node_id.remote() for w in workers]), strict=True))
-            gpus = placement.setdefault("gpus", {})
-            gpus.update(zip(names, ray.get([w.devices.remote() for w in workers]), strict=True))
+            if placed_eval:  # the unplaced worker asks for no GPU: nothing to record
+                gpus = placement.setdefault("gpus", {})
+                gpus.update(zip(names, ray.get([w.devices.remote() for w in workers]), strict=True))
             session.shard_runner = CheckpointShards(ray, RayShards(ray, workers, console, bound))
             yield
         finally:

@@ -1120,7 +1120,7 @@ class RayExecutor:
         run_folder = mark_run_folder(session)
         rollouts, scorers, learners, pinned = start_actors(ray, plan, session, plan.config.threads or 1, self.groups)  # during step-0 eval
         if session.teacher is None:  # the teacher's reference evaluation runs on the teacher actors, which hold it
-            session.teacher_runner = LazyShards(ray, scorers, console)
+            session.teacher_runner = LazyShards(EVAL_EXECUTORS.get(plan.config.trainer.executor).shards, ray, scorers, console)
         actors = [*rollouts, *scorers, learners[0]]
         names = [*replica_names("rollout", len(rollouts)), *replica_names("teacher", len(scorers)), "learner"]
         trainer = plan.config.trainer
@@ -1160,16 +1160,18 @@ class RayExecutor:
 
 
 class LazyShards:
-    """A shard runner over ``actors`` made when first used (their node ids are asked for then, once they are up)."""
+    """A shard runner over ``actors`` made by ``make(ray, actors, console)`` (the eval executor's) when first used: their
+    node ids are asked for then, once they are up; one that cannot work (GPUs its torch cannot see) stops the run."""
 
-    def __init__(self, ray: ModuleType, actors: list, console: Console) -> None:
-        self.ray, self.actors, self.console, self.shards = ray, actors, console, None
+    def __init__(self, make: Any, ray: ModuleType, actors: list, console: Console) -> None:
+        self.make, self.ray, self.actors, self.console, self.shards = make, ray, actors, console, None
 
     def run(self, task, shards, *, k: int, sampling):
         if self.shards is None:
-            from opd_harness.trainers.ray_eval import RayShards
-
-            self.shards = RayShards(self.ray, self.actors, self.console)
+            failure = next((f for f in ray_get(self.ray, [actor.ready.remote() for actor in self.actors]) if f), None)
+            if failure:
+                raise DeviceUnavailable(failure)
+            self.shards = self.make(self.ray, self.actors, self.console)
         return self.shards.run(task, shards, k=k, sampling=sampling)
 
 
