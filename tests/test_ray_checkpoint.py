@@ -130,3 +130,32 @@ def test_the_run_folder_check_names_the_node_and_the_path(tmp_path):
     problem = run_folder_problem(str(tmp_path / "elsewhere"), "abc", "eval")
     assert problem.startswith(f"the run folder {tmp_path / 'elsewhere'} is not visible from node ") and "(eval)" in problem
     assert "\n" not in problem and "same path" in problem
+
+
+def test_the_session_of_a_ray_run_opens_no_model_and_no_vllm_teacher(tmp_path, monkeypatch):
+    """The driver's session under --executor ray with a vLLM teacher (the shipped 16-GPU layout's): no module is built, no
+    engine opened (before, the driver opened its own vLLM teacher on its GPU 0, which Ray also hands to an actor); it keeps
+    the paths, the counters and a learning-rate schedule at trainer.lr."""
+    from rich.console import Console
+
+    from opd_harness.config import build_config
+    from opd_harness.plan import plan_run
+    from opd_harness.registry import BACKENDS
+    from opd_harness.store import Store
+    from opd_harness.trainers.pipeline import PreparedModels, Session
+
+    cfg = build_config(preset="smoke", overrides=["trainer.executor=ray", "teacher.backend=vllm", "teacher.path=Qwen/Qwen3-8B"])
+    plan = plan_run(cfg)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the driver built a model or opened an engine")
+
+    monkeypatch.setattr(torch.nn.Module, "__init__", refused)
+    monkeypatch.setattr(BACKENDS.get("vllm"), "load", classmethod(refused))
+    store = Store(tmp_path)
+    store.create_run("r1", kind="train", config=cfg.model_dump(mode="json"), method="opd", task="arith")
+    prepared = PreparedModels(str(tmp_path / "student"), None)
+    session = Session.open(plan, store, "r1", resume=False, console=Console(), prepare=lambda plan, root: prepared)
+    assert session.student is None and session.teacher is None and not session.holds_models
+    assert session.student_path == session.weights_path == prepared.student_path and "Qwen/Qwen3-8B" in session.teacher_path
+    assert [group["lr"] for group in session.optimizer.param_groups] == [cfg.trainer.lr]
