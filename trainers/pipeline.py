@@ -121,22 +121,16 @@ def needs_behaviour_scorer(plan, engine: Backend) -> bool:
     return scores_old_logprobs(plan) and plan.config.trainer.behaviour_logprobs == "recompute" and not isinstance(engine, HFBackend)
 
 
-def open_behaviour_scorer(
-    plan, engine: Backend, student_path: str, *, model: torch.nn.Module | None = None, tokenizer=None, device: str = "cpu"
-) -> HFBackend | None:
+def open_behaviour_scorer(plan, engine: Backend, student_path: str, *, device: str = "cpu") -> HFBackend | None:
     """The trainer's model beside a non-hf engine, fed the same weight versions, that recomputes π_old (methods.md's
     ``o``) under the behaviour weights; None when the engine's own scores are used (:func:`needs_behaviour_scorer`).
 
-    It wraps ``model`` when one is given (the student copy shipped to a Ray actor), else is loaded from the
-    student's folder; like the engine it holds no weights version yet (-1) until the loop pushes one.
+    It is loaded from the student's folder; like the engine it holds no weights version yet (-1) until the loop pushes one.
     """
     if not needs_behaviour_scorer(plan, engine):
         return None
     options = {"batch_size": plan.config.trainer.generate_batch_size, "device": device, "score_tokens": plan.config.trainer.forward_tokens}
-    if model is not None:
-        scorer = HFBackend(model, tokenizer, **options)
-    else:
-        scorer = HFBackend.load(student_path, **options)
+    scorer = HFBackend.load(student_path, **options)
     scorer.version = -1
     return scorer
 
@@ -183,13 +177,10 @@ def driver_device(trainer) -> str:
     return "cpu" if trainer.executor == "ray" else run_device(trainer.device)
 
 
-def open_rollout_backend(
-    plan, student_path: str, *, model: torch.nn.Module | None = None, tokenizer=None, device: str = "cpu"
-) -> Backend:
+def open_rollout_backend(plan, student_path: str, *, device: str = "cpu") -> Backend:
     """The rollout role's inference engine, ``trainer.rollout_backend``, with no weights version yet (-1).
 
-    ``hf`` wraps ``model`` when one is given (a copy shipped to a Ray actor); otherwise, and for every other
-    backend (e.g. vLLM on a GPU), the engine is loaded from the student's folder. Either way the loop pushes
+    The engine (hf, or e.g. vLLM on a GPU) is loaded from the student's folder, in process or in a Ray actor; the loop pushes
     the learner's weights through ``load_weights(state, version)`` before the first batch. An hf-family engine runs on
     ``device`` (the in-process executor passes ``trainer.device``; a Ray actor, the device Ray assigned it).
     """
@@ -201,8 +192,8 @@ def open_rollout_backend(
         options.setdefault("device", device)
         if cls is HFBackend:  # its π_old scoring (async with a lag) runs on length-sorted row groups, as the learner's forward
             options.setdefault("score_tokens", cfg.forward_tokens)
-    backend = cls(model, tokenizer, **options) if (model is not None and cls is HFBackend) else cls.load(student_path, **options)
-    if cfg.enable_thinking is not None and backend.tokenizer is not tokenizer:  # an engine loaded from the folder: its own tokenizer
+    backend = cls.load(student_path, **options)
+    if cfg.enable_thinking is not None:  # the engine loaded its own tokenizer from the folder
         from opd_harness.models.hub import set_thinking
 
         set_thinking(backend.tokenizer, cfg.enable_thinking)

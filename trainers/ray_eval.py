@@ -61,28 +61,23 @@ class StaleWeights(RuntimeError):
 class EvalWorker(ActorRole):
     """One evaluation worker: its own backend and task instances; rolls out and grades the shards it is handed.
 
-    Given ``model`` (a training run's student, shipped on the CPU), it wraps it in an hf backend holding no checkpoint's
-    weights (version -1) until :meth:`load_weights`; otherwise it loads ``spec.model`` on ``spec.backend``. An hf-family
+    It loads ``spec.model`` on ``spec.backend`` (a training run's: the student's folder, then each checkpoint's weights
+    from its folder, :meth:`load_checkpoint`). An hf-family
     backend runs on the device Ray assigned the worker (``cuda`` with GPUs, unless ``--backend-option device=`` says
     otherwise); vLLM finds its GPUs through ``CUDA_VISIBLE_DEVICES``, which Ray sets. ``gpu_key`` is the setting that
     asked for the GPUs (``--gpus-per-worker``, or ``trainer.layout.eval.num_gpus`` in a training run)."""
 
     role = "eval"
 
-    def __init__(self, spec: EvalWorkerSpec, threads: int, model: Any = None, tokenizer: Any = None,
-                 gpu_key: str = "--gpus-per-worker") -> None:  # fmt: skip
+    def __init__(self, spec: EvalWorkerSpec, threads: int, gpu_key: str = "--gpus-per-worker") -> None:
         _setup_actor(threads)
         self.spec, self.tasks, self.backend, self.failure, self._gpu_key = spec, {}, None, None, gpu_key
         if not self.take_device():
             return
         try:  # a start-up failure (a missing model folder) is reported by ``ready`` as one line, not a creation traceback
-            cls = HFBackend if model is not None else BACKENDS.get(spec.backend)
+            cls = BACKENDS.get(spec.backend)
             options = {"device": self.device, **spec.backend_options} if issubclass(cls, HFBackend) else spec.backend_options
-            if model is not None:
-                self.backend = HFBackend(model, tokenizer, **options)
-                self.backend.version = -1
-            else:
-                self.backend = cls.load(spec.model, **options)
+            self.backend = cls.load(spec.model, **options)
         except Exception as exc:  # noqa: BLE001 - reported to the driver, which stops the evaluation
             self.failure = f"{type(exc).__name__}: {exc}"
 
@@ -239,7 +234,7 @@ class RayShards:
             probes[worker.ready.remote()] = worker
             return
         if failure is None:
-            if self.weights is not None:  # restarted: it holds the shipped copy, not the checkpoint's weights
+            if self.weights is not None:  # restarted: it holds the student's first weights, not the checkpoint's
                 worker.load_checkpoint.remote(*self.weights)
             self.node_of[id(worker)] = ray.get(worker.node_id.remote())  # restarted, maybe elsewhere
             idle.append(worker)
@@ -263,14 +258,13 @@ def spread(index: int, gpus: float = 0.0) -> dict[str, Any]:
 
 def start_workers(
     ray: ModuleType, spec: EvalWorkerSpec, count: int, console: Console, *, threads: int = WORKER_THREADS,
-    placed: Callable[[int], dict[str, Any]] = spread, model: Any = None, tokenizer: Any = None, gpu_key: str = "--gpus-per-worker",
+    placed: Callable[[int], dict[str, Any]] = spread, gpu_key: str = "--gpus-per-worker",
 ) -> list[Any]:
-    """``count`` workers, worker i placed by ``placed(i)``, each restarted when it dies; ``model`` (an object ref) is a
-    training run's student, shipped instead of loading ``spec.model``. :class:`DeviceUnavailable` (naming ``gpu_key``)
-    when a worker was given GPUs its torch cannot see."""
+    """``count`` workers, worker i placed by ``placed(i)``, each restarted when it dies. :class:`DeviceUnavailable`
+    (naming ``gpu_key``) when a worker was given GPUs its torch cannot see."""
     workers = [
         ray.remote(EvalWorker).options(max_concurrency=1, max_restarts=MAX_RESTARTS, max_task_retries=0, **placed(i))
-        .remote(spec, threads, model, tokenizer, gpu_key)
+        .remote(spec, threads, gpu_key)
         for i in range(count)
     ]  # fmt: skip
     failures = [f for f in ray.get([w.ready.remote() for w in workers]) if f]
@@ -345,8 +339,10 @@ class RayEvalExecutor:
         cfg, layout = plan.config, plan.config.trainer.layout
         placed_eval = layout is not None and layout.eval is not None
         bound = layout.eval.max_sandboxes if placed_eval else None
-        spec = EvalWorkerSpec("hf", session.student_path, {"batch_size": cfg.trainer.generate_batch_size}, cfg.task_args,
-                              sandbox_per_shard=bound is not None)  # fmt: skip
+        options = {"batch_size": cfg.trainer.generate_batch_size}  # the student as the run prepared it (its chat template too)
+        if cfg.student.path is not None and cfg.trainer.enable_thinking is not None:
+            options["enable_thinking"] = cfg.trainer.enable_thinking
+        spec = EvalWorkerSpec("hf", session.student_path, options, cfg.task_args, sandbox_per_shard=bound is not None)
         if placed_eval:
             placed, replicas = (lambda i: placement_options(layout, groups, "eval", i)), layout.eval.replicas
         else:
