@@ -425,8 +425,9 @@ class TeacherActor(ActorRole):
         return batch, metrics
 
     def output_head(self) -> torch.nn.Module | None:
-        """A frozen CPU copy of the teacher's output head (what the learner applies to a full signal's states)."""
-        return head_copy(self.backend)
+        """A frozen CPU copy of the teacher's output head (what the learner applies to a full signal's states); None from an
+        actor that could not take its device (the run then stops on its ``ready`` line, not in the learner's constructor)."""
+        return head_copy(self.backend) if self.device_failure is None else None
 
     def run_shard(self, task: str, problems: list, k: int, sampling: Any, index: int, version: int | None = None) -> list:
         """Shard ``index`` of the teacher's reference evaluation on ``task``: its graded rows (as an evaluation worker's)."""
