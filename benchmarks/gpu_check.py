@@ -18,6 +18,12 @@ both) it measures, on the GPU, in float32 with TF32 off:
 Then, where ``import vllm`` works, it runs ``pytest -m gpu tests/test_vllm_backend.py`` (vLLM
 against the HF backend) and records the outcome; elsewhere it records why it skipped them.
 
+The Ray part (``"ray"`` in the JSON): a ``harness run --executor ray`` of ``--ray-steps`` async steps (opd, ``max_lag`` 1,
+the smoke preset's models) on a local Ray whose learner, rollout and teacher actors share the one GPU through fractional
+``trainer.layout.<role>.num_gpus`` (0.4, 0.3, 0.3): exit code, steps stored, each actor's GPU ids from the run's placement,
+and per step ``sync_seconds``, ``sync_bytes`` and ``time_step_s``. Without CUDA (the dry mode) it only plans that run
+(``harness run … --dry-run --json``) and says it has not run on a GPU; without Ray it says ``skipped: ray not installed``.
+
 Without CUDA, or with ``--dry-run``, it runs the same code on the CPU at toy sizes with the demo
 models only, says which GPU parts it skipped, and writes ``"mode": "dry"``: CI runs it so (see
 ``tests/test_gpu_check.py``). The JSON goes to ``--out`` (default ``$OUT/gpu_check.json`` when
@@ -61,6 +67,8 @@ MODEL_PAIRS: dict[str, tuple[TinyArch, TinyArch]] = {
 }
 DRY_SIZES = {"prompts": 4, "samples": 2, "new_tokens": 8, "steps": 1, "reference_rows": 4, "opd_steps": 2, "vocab_chunk": 5}
 VLLM_TEST_TIMEOUT_S = 900
+RAY_GPU_SHARES = {"learner": 0.4, "rollout": 0.3, "teacher": 0.3}  # one GPU shared by the three roles' actors
+RAY_RUN_CAP_S = 420  # the Ray part's run (actor start-up included) is killed after this
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -80,6 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--bf16-tolerance", type=float, default=0.1,
                         help="largest allowed |hf_static − score| log-prob of a sampled token, bf16 shape models (nats)")  # fmt: skip
     parser.add_argument("--skip-vllm", action="store_true", help="do not run the vLLM GPU tests even where vllm imports")
+    parser.add_argument("--skip-ray", action="store_true", help="do not run the Ray part (fractional GPUs, async steps)")
+    parser.add_argument("--ray-steps", type=int, default=4, help="async steps of the Ray part's run")
     shapes = parser.add_argument_group("real shapes (bf16, random weights; harness/models/shapes.py)")
     shapes.add_argument("--shapes", nargs="*", default=DEFAULT_SHAPES, help="shape archs to measure (none: skip the shape sections)")
     shapes.add_argument("--big-shapes", action="store_true", help=f"also {' and '.join(BIG_SHAPES)} (each within its section caps)")
@@ -109,7 +119,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.raw_argv = [a for a in (sys.argv[1:] if argv is None else argv)]
     for name in ("prompts", "samples", "new_tokens", "steps", "reference_rows", "prompt_len", "rollout_new_tokens", "score_rows",
-                 "score_len", "top_k", "serve_clients", "serve_tokens", "serve_rounds"):  # fmt: skip
+                 "score_len", "top_k", "serve_clients", "serve_tokens", "serve_rounds", "ray_steps"):  # fmt: skip
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     return args
@@ -682,6 +692,74 @@ def vllm_skip_reason(device: str, skip: bool) -> str | None:
     return None
 
 
+def ray_command(steps: int, out: str, *, plan_only: bool) -> list[str]:
+    """The Ray part's ``harness run``: opd, async with ``max_lag`` 1, ``steps`` steps, learner, rollout and teacher actors on
+    one GPU by fractional ``num_gpus`` (:data:`RAY_GPU_SHARES`), a checkpoint at the end; ``plan_only``: ``--dry-run --json``."""
+    shares = [arg for role, share in RAY_GPU_SHARES.items() for arg in ("--set", f"trainer.layout.{role}.num_gpus={share}")]
+    command = [sys.executable, "-m", "opd_harness.cli", *OPD_RUN, "--mode", "async", "--executor", "ray", "--set", "trainer.max_lag=1",
+               "--set", f"trainer.steps={steps}", "--set", f"trainer.checkpoint_every={steps}", *shares]  # fmt: skip
+    return command + (["--dry-run", "--json"] if plan_only else ["--out", out])
+
+
+def ray_part(args: argparse.Namespace, cuda: bool, deadline: float) -> dict:
+    """The Ray part: skipped without Ray (or with ``--skip-ray``); without CUDA only planned (``harness run --dry-run``: the
+    layout validated, nothing started); on a GPU the run itself (:func:`ray_run`)."""
+    if args.skip_ray:
+        return {"ran": False, "skipped": "--skip-ray"}
+    if importlib.util.find_spec("ray") is None:
+        print("ray part skipped: ray not installed", flush=True)
+        return {"ran": False, "skipped": "ray not installed"}
+    if not cuda:
+        command = ray_command(args.ray_steps, "", plan_only=True)
+        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=DRY_SECTION_CAP_S)
+        out = {"ran": False, "mode": "planned", "not_run": "dry mode: the Ray part has NOT run on a GPU (planned only)",
+               "command": command, "returncode": done.returncode, "gpu_shares": dict(RAY_GPU_SHARES)}  # fmt: skip
+        if done.returncode == 0:
+            layout = json.loads(done.stdout)["models"]["layout"]
+            out["planned_num_gpus"] = {role: layout[role]["num_gpus"] for role in RAY_GPU_SHARES}
+        else:
+            out["error"] = f"harness run --dry-run exited {done.returncode}\n{(done.stdout + done.stderr)[-2000:]}"
+        print(f"ray part: {out['not_run']}", flush=True)
+        return out
+    return ray_run(args.ray_steps, max(60.0, min(RAY_RUN_CAP_S, deadline - time.monotonic())))
+
+
+def ray_run(steps: int, cap_s: float) -> dict:
+    """Run the Ray part's ``harness run`` on the GPU: exit code, wall seconds, steps stored, each role's GPU ids (the run's
+    placement) and per-step ``sync_seconds``, ``sync_bytes``, ``time_step_s`` with their means."""
+    import sqlite3
+    import tempfile
+
+    out: dict = {"ran": True, "mode": "gpu", "gpu_shares": dict(RAY_GPU_SHARES), "expected_steps": steps}
+    with tempfile.TemporaryDirectory() as tmp:
+        out["command"] = command = ray_command(steps, tmp, plan_only=False)
+        started = time.perf_counter()
+        try:
+            done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=cap_s)
+            out.update(returncode=done.returncode, output_tail=(done.stdout + done.stderr)[-3000:])
+        except subprocess.TimeoutExpired:
+            out.update(timed_out=True, cap_s=cap_s)
+        out["seconds"] = time.perf_counter() - started
+        store = Path(tmp) / "results.sqlite"
+        if store.exists():
+            with sqlite3.connect(store) as conn:
+                rows = conn.execute("SELECT step, name, value FROM step_metrics WHERE name IN "
+                                    "('sync_seconds', 'sync_bytes', 'time_step_s', 'loss')").fetchall()  # fmt: skip
+                placed = conn.execute("SELECT metrics_json FROM checkpoints ORDER BY step DESC").fetchone()
+            per_step: dict[int, dict[str, float]] = {}
+            for step, name, value in rows:
+                per_step.setdefault(step, {})[name] = value
+            out["steps"] = sum("loss" in row for row in per_step.values())
+            out["per_step"] = {str(step): row for step, row in sorted(per_step.items())}
+            for name in ("sync_seconds", "sync_bytes", "time_step_s"):
+                values = [row[name] for row in per_step.values() if name in row]
+                out[f"{name}_mean"] = sum(values) / len(values) if values else None
+            out["gpus"] = json.loads(placed[0]).get("placement", {}).get("gpus") if placed else None
+    if out.get("returncode", 0) != 0:
+        out["error"] = f"harness run --executor ray exited {out['returncode']}\n{out.get('output_tail', '')}"
+    return out
+
+
 def dry_sizes(args: argparse.Namespace) -> argparse.Namespace:
     """The toy sizes and the demo pair (with ``--dry-shapes`` one layer of the first shape too): the CPU run checks the code
     path, its numbers mean nothing."""
@@ -726,6 +804,13 @@ def check_failures(report: dict, tolerance: float, bf16_tolerance: float = 0.1) 
                 failures.append(f"{key} batch {batch}: hf_static log-probs differ from scoring by {gap:.3f} > {bf16_tolerance}")
     if report["vllm_tests"].get("ran") and not report["vllm_tests"].get("ok"):
         failures.append(f"vLLM GPU tests failed: {report['vllm_tests']}")
+    ray = report.get("ray", {})
+    if "error" in ray:
+        failures.append(f"ray: {ray['error'].strip().splitlines()[0]}")
+    elif ray.get("timed_out"):
+        failures.append(f"ray: killed at its cap of {ray['cap_s']:.0f} s")
+    elif ray.get("ran") and ray.get("steps") != ray.get("expected_steps"):
+        failures.append(f"ray: the run stored {ray.get('steps')} of its {ray.get('expected_steps')} steps")
     return failures
 
 
@@ -793,10 +878,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({key: report["sections"][key]}, indent=1), flush=True)
         write_report(report, args.out)
     report["vllm_tests"] = run_vllm_tests(vllm_skip_reason(device, args.skip_vllm))
+    print("ray part ...", flush=True)
+    report["ray"] = ray_part(args, cuda, deadline)
+    print(json.dumps({"ray": {k: v for k, v in report["ray"].items() if k not in ("output_tail", "per_step")}}, indent=1), flush=True)
+    write_report(report, args.out)
     report["total_s"] = time.perf_counter() - started
     report["failures"] = failures = check_failures(report, args.tolerance, args.bf16_tolerance)
     write_report(report, args.out)
-    print(f"wrote {args.out}; vLLM tests: {report['vllm_tests']}")
+    print(f"wrote {args.out}; vLLM tests: {report['vllm_tests']}; ray part: "
+          + (report["ray"].get("skipped") or report["ray"].get("not_run") or f"ran {report['ray'].get('steps')} steps on the GPU"))
     for failure in failures:
         print(f"FAILED: {failure}")
     return 1 if failures else 0

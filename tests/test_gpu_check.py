@@ -39,6 +39,10 @@ def test_dry_mode_runs_the_whole_check_on_the_cpu(tmp_path):
     assert run["returncode"] == 0 and run["steps"] == run["expected_steps"] == 2, run
     assert {"trainer.device=cpu", "trainer.vocab_chunk=5"} <= set(run["command"])
     assert run["perf_mean"]["perf/learner_tokens_per_s"] > 0 and "perf/mfu/actor" not in run["perf_mean"]  # no MFU on a CPU
+    ray = report["ray"]  # planned on the CPU (the layout of one GPU shared by three roles validated), and said not to have run
+    assert ray["ran"] is False and ray["mode"] == "planned" and ray["returncode"] == 0, ray
+    assert ray["planned_num_gpus"] == {"learner": 0.4, "rollout": 0.3, "teacher": 0.3} and sum(ray["planned_num_gpus"].values()) == 1
+    assert "ray part: dry mode: the Ray part has NOT run on a GPU (planned only)" in done.stdout
 
 
 def test_without_pydantic_or_wheels_it_stops_with_exit_2(tmp_path):
@@ -48,6 +52,25 @@ def test_without_pydantic_or_wheels_it_stops_with_exit_2(tmp_path):
     done = run_script(["--out", str(tmp_path / "x.json")], PY=str(no_site), GPU_WHEELS=str(tmp_path / "empty"))
     assert done.returncode == 2
     assert "fetch-wheels" in done.stderr and not (tmp_path / "x.json").exists()
+
+
+def test_the_ray_part_says_when_ray_is_missing_and_reports_a_failed_or_short_run(monkeypatch, capsys):
+    gpu_check = load_gpu_check()
+
+    original = gpu_check.importlib.util.find_spec
+    monkeypatch.setattr(gpu_check.importlib.util, "find_spec", lambda name, *a: None if name == "ray" else original(name, *a))
+    args = gpu_check.parse_args(["--out", "x.json"])
+    assert gpu_check.ray_part(args, cuda=True, deadline=0.0) == {"ran": False, "skipped": "ray not installed"}
+    assert "ray part skipped: ray not installed" in capsys.readouterr().out
+    base = {"models": {}, "vllm_tests": {"ran": False}}
+    assert gpu_check.check_failures({**base, "ray": {"ran": False, "skipped": "ray not installed"}}, 1e-4) == []
+    short = {"ran": True, "steps": 2, "expected_steps": 4, "returncode": 0}
+    assert gpu_check.check_failures({**base, "ray": short}, 1e-4) == ["ray: the run stored 2 of its 4 steps"]
+    failed = {"ran": True, "returncode": 1, "error": "harness run --executor ray exited 1\nboom"}
+    assert gpu_check.check_failures({**base, "ray": failed}, 1e-4) == ["ray: harness run --executor ray exited 1"]
+    command = gpu_check.ray_command(4, "/tmp/o", plan_only=False)
+    assert {"trainer.layout.learner.num_gpus=0.4", "trainer.layout.rollout.num_gpus=0.3", "trainer.layout.teacher.num_gpus=0.3",
+            "trainer.steps=4", "--executor", "ray", "async"} <= set(command)  # fmt: skip
 
 
 def test_every_failed_check_is_reported():

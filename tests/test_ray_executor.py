@@ -198,10 +198,11 @@ def test_actors_release_their_tasks_and_engines_before_they_are_killed(monkeypat
     monkeypatch.setattr(rx, "start_actors", lambda *a, **k: actors)
     monkeypatch.setattr(rx, "RayRollout", lambda *a, **k: "rollout role")
     monkeypatch.setattr(rx, "RayLearner", lambda *a, **k: learner_role)
-    trainer = SimpleNamespace(layout=None, actor_timeout_s=900.0, actor_restart_timeout_s=300.0,
-                              weight_sync="object_store")  # no eval workers
+    monkeypatch.setattr(rx, "mark_run_folder", lambda session: ("/runs/r1", "token"))
+    monkeypatch.setattr(rx, "checkpoint_evaluation", lambda *a, **k: __import__("contextlib").nullcontext())  # no eval workers
+    trainer = SimpleNamespace(layout=None, actor_timeout_s=900.0, actor_restart_timeout_s=300.0, weight_sync="object_store")
     plan = SimpleNamespace(config=SimpleNamespace(threads=1, trainer=trainer))
-    session = SimpleNamespace(optimizer=None)
+    session = SimpleNamespace(optimizer=None, teacher="a served teacher's client")  # its reference evaluation stays here
     with rx.RayExecutor().roles(plan, session, board=None, console=rx.Console(quiet=True)) as roles:
         assert roles.rollouts == ["rollout role"] and roles.learner is learner_role and log == []
     assert log[:3] == ["close rollout", "close teacher", "close learner"]

@@ -265,7 +265,7 @@ def test_ray_teacher_actor_opens_the_served_teacher_itself(tmp_path):
         cfg = build_config(preset="smoke", overrides=[*SERVED[:1], f"teacher.base_url={url}", "teacher.top_k=4"])
         plan = plan_run(cfg)
         cfg.method_args["opd"] = plan.hparams.model_dump()  # as create_train_run records it
-        actor = TeacherActor(cfg.model_dump(mode="json"), None, tok, str(tmp_path / "teacher"), torch.get_num_threads())
+        actor = TeacherActor(cfg.model_dump(mode="json"), None, str(tmp_path / "teacher"), torch.get_num_threads())
         assert isinstance(actor.backend, OpenAIBackend) and actor.backend.model == "teacher"  # the server's only model
         zeros = torch.zeros(ids.shape)
         batch = TensorBatch(

@@ -83,8 +83,8 @@ class LocalLearner:
         weights = rollout_copy(self.session.student.model.state_dict(), self.dtype)
         return Published(weights, checksum(weights), state_bytes(weights))
 
-    def pull(self) -> None:
-        pass
+    def checkpoint(self, folder, small: dict) -> None:
+        self.session.write_own_checkpoint(folder, small)
 
 
 class InProcessExecutor:
@@ -92,6 +92,10 @@ class InProcessExecutor:
 
     def runtime(self, plan, console: Console):
         return nullcontext()
+
+    def prepare(self) -> None:
+        """None: the session builds the models in this process, where the roles run."""
+        return None
 
     def check(self, plan, console: Console) -> None:
         """Refuse a collective weight transport (it needs separate processes); threads can run any other planned run."""

@@ -43,6 +43,7 @@ from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -53,7 +54,7 @@ from opd_harness.registry import EXECUTORS
 from opd_harness.store import Store
 from opd_harness.trajectory import TensorBatch
 from opd_harness.trainers.guards import enforce_grade_error_rate
-from opd_harness.trainers.pipeline import Session, add_rates
+from opd_harness.trainers.pipeline import PreparedModels, Session, add_rates
 
 
 class PipelineStopped(Exception):
@@ -389,7 +390,9 @@ class Learner(Protocol):
     def publish(self, version: int) -> Any:
         """Send weights ``version`` by the run's transport (``trainer.weight_sync``); a ``Published``."""
 
-    def pull(self) -> None: ...
+    def checkpoint(self, folder: Path, small: dict) -> None:
+        """Write the checkpoint's model, tokenizer, optimizer and ``trainer_state.pt`` (``small`` plus the method state)
+        into ``folder``, where the weights are (the driver only renames the folder and records its path)."""
 
 
 class RolloutWorker(threading.Thread):
@@ -653,7 +656,7 @@ def drive(
                 "dropped_batches": dropped,
                 **({"placement": dict(placement)} if placement else {}),
             }
-            session.record_step(step, metrics, metrics["time_step_s"], checkpoint_metrics, before_checkpoint=learner.pull)
+            session.record_step(step, metrics, metrics["time_step_s"], checkpoint_metrics, write_checkpoint=learner.checkpoint)
             pause.set()
             last_end = time.perf_counter()
             bar.set_postfix(loss=f"{metrics['loss']:.3f}", lag=f"{metrics['lag_mean']:.1f}")
@@ -690,6 +693,10 @@ class Executor(Protocol):
 
     def check(self, plan, console: Console) -> None:
         """Before the run is recorded, refuse (``ConfigError``) what this executor cannot run, e.g. a layout."""
+
+    def prepare(self) -> Callable[[Any, Path], PreparedModels] | None:
+        """Where the run's models are prepared when its actors hold them (the session then holds none); None: the session
+        builds them in this process."""
 
 
 BASE_INPUTS = frozenset(
@@ -736,7 +743,8 @@ class TrainingPipeline:
         executor: Executor = EXECUTORS.get(plan.config.trainer.executor)
         schedule = Schedule.of(plan)
         with executor.runtime(plan, console):
-            session = Session.open(plan, store, run_id, resume=resume, console=console, threads=role_threads(plan))
+            session = Session.open(plan, store, run_id, resume=resume, console=console, threads=role_threads(plan),
+                                   prepare=executor.prepare())  # fmt: skip
             board = WeightBoard(schedule.keep)
             with executor.roles(plan, session, board, console) as roles:  # actors start up during the step-0 evaluation
                 session.evaluate_start()

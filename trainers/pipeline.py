@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +27,8 @@ from opd_harness.rollout import reference_trajectories, rollout
 from opd_harness.store import Store
 from opd_harness.timing import timed
 from opd_harness.trajectory import TensorBatch, Trajectory, to_tensor_batch
-from opd_harness.trainers.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from opd_harness.trainers.checkpoint import (TrainState, checkpoint_dir, load_checkpoint, publish_checkpoint, read_state, restore_scheduler,
+                                             staging_dir, trainer_state, write_state)
 from opd_harness.trainers.guards import enforce_finite, enforce_grade_error_rate, grade_error_count
 from opd_harness.trainers.learner import behaviour_mismatch, old_logprobs_redundant, train_step
 from opd_harness.trainers.perf import flop_params, step_perf
@@ -119,22 +121,16 @@ def needs_behaviour_scorer(plan, engine: Backend) -> bool:
     return scores_old_logprobs(plan) and plan.config.trainer.behaviour_logprobs == "recompute" and not isinstance(engine, HFBackend)
 
 
-def open_behaviour_scorer(
-    plan, engine: Backend, student_path: str, *, model: torch.nn.Module | None = None, tokenizer=None, device: str = "cpu"
-) -> HFBackend | None:
+def open_behaviour_scorer(plan, engine: Backend, student_path: str, *, device: str = "cpu") -> HFBackend | None:
     """The trainer's model beside a non-hf engine, fed the same weight versions, that recomputes π_old (methods.md's
     ``o``) under the behaviour weights; None when the engine's own scores are used (:func:`needs_behaviour_scorer`).
 
-    It wraps ``model`` when one is given (the student copy shipped to a Ray actor), else is loaded from the
-    student's folder; like the engine it holds no weights version yet (-1) until the loop pushes one.
+    It is loaded from the student's folder; like the engine it holds no weights version yet (-1) until the loop pushes one.
     """
     if not needs_behaviour_scorer(plan, engine):
         return None
     options = {"batch_size": plan.config.trainer.generate_batch_size, "device": device, "score_tokens": plan.config.trainer.forward_tokens}
-    if model is not None:
-        scorer = HFBackend(model, tokenizer, **options)
-    else:
-        scorer = HFBackend.load(student_path, **options)
+    scorer = HFBackend.load(student_path, **options)
     scorer.version = -1
     return scorer
 
@@ -176,18 +172,15 @@ def run_device(device: str) -> str:
 
 
 def driver_device(trainer) -> str:
-    """Where the session (this process) keeps its models: ``trainer.device``, except under ``--executor ray``, where they
-    stay on the CPU: the actors take the GPUs Ray assigns them, and what is shipped to them must be CPU tensors."""
+    """Where the session (this process) keeps its models: ``trainer.device`` (under ``--executor ray`` the session holds
+    none, :meth:`Session.open_remote`; ``cpu`` is returned there for completeness)."""
     return "cpu" if trainer.executor == "ray" else run_device(trainer.device)
 
 
-def open_rollout_backend(
-    plan, student_path: str, *, model: torch.nn.Module | None = None, tokenizer=None, device: str = "cpu"
-) -> Backend:
+def open_rollout_backend(plan, student_path: str, *, device: str = "cpu") -> Backend:
     """The rollout role's inference engine, ``trainer.rollout_backend``, with no weights version yet (-1).
 
-    ``hf`` wraps ``model`` when one is given (a copy shipped to a Ray actor); otherwise, and for every other
-    backend (e.g. vLLM on a GPU), the engine is loaded from the student's folder. Either way the loop pushes
+    The engine (hf, or e.g. vLLM on a GPU) is loaded from the student's folder, in process or in a Ray actor; the loop pushes
     the learner's weights through ``load_weights(state, version)`` before the first batch. An hf-family engine runs on
     ``device`` (the in-process executor passes ``trainer.device``; a Ray actor, the device Ray assigned it).
     """
@@ -199,8 +192,8 @@ def open_rollout_backend(
         options.setdefault("device", device)
         if cls is HFBackend:  # its π_old scoring (async with a lag) runs on length-sorted row groups, as the learner's forward
             options.setdefault("score_tokens", cfg.forward_tokens)
-    backend = cls(model, tokenizer, **options) if (model is not None and cls is HFBackend) else cls.load(student_path, **options)
-    if cfg.enable_thinking is not None and backend.tokenizer is not tokenizer:  # an engine loaded from the folder: its own tokenizer
+    backend = cls.load(student_path, **options)
+    if cfg.enable_thinking is not None:  # the engine loaded its own tokenizer from the folder
         from opd_harness.models.hub import set_thinking
 
         set_thinking(backend.tokenizer, cfg.enable_thinking)
@@ -318,9 +311,44 @@ def _scheduler_factory(cfg):
     return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
 
 
+def schedule_optimizer(cfg) -> torch.optim.Optimizer:
+    """What the driver of a run whose learner is elsewhere (``--executor ray``) keeps instead of the optimizer: one group at
+    ``trainer.lr`` over an empty parameter, for the learning-rate schedule alone (its rates go to the learner each step)."""
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(0))], lr=cfg.trainer.lr)
+
+
+@dataclass(frozen=True)
+class PreparedModels:
+    """Where a run's models are, prepared outside the driver (``--executor ray``): the student's folder, and the hf
+    teacher's (None for a teacher another backend opens from ``teacher.path``)."""
+
+    student_path: str
+    teacher_path: str | None
+
+
+def prepare_models(plan, root: Path) -> PreparedModels:
+    """Build, warm up or locate the run's student and hf teacher (:func:`prepare_model`, cached under ``root``) and check
+    that they share a vocabulary; only their folders are returned (an executor runs this where the models may live)."""
+    cfg = plan.config
+    teacher_path, vocab = None, None
+    if cfg.teacher.backend == "hf":
+        _, tokenizer, teacher_path = prepare_model(cfg.teacher, "teacher", plan.task, plan.train_problems, root,
+                                                   enable_thinking=cfg.trainer.enable_thinking)  # fmt: skip
+        vocab = tokenizer.get_vocab()
+    _, student_tok, student_path = prepare_model(cfg.student, "student", plan.task, plan.train_problems, root,
+                                                 enable_thinking=cfg.trainer.enable_thinking)  # fmt: skip
+    if vocab is not None and student_tok.get_vocab() != vocab:
+        raise ValueError("student and teacher tokenizers differ; per-token distillation needs a shared vocabulary")
+    return PreparedModels(student_path, teacher_path)
+
+
 @dataclass
 class Session:
-    """A training run in progress: models, optimizer, counters, and the store it reports to."""
+    """A training run in progress: models, optimizer, counters, and the store it reports to.
+
+    Opened with ``prepare`` (``--executor ray``) it holds no model: ``student`` and ``teacher`` are None (an openai
+    teacher's client excepted), ``optimizer`` only carries the learning-rate schedule (:func:`schedule_optimizer`), the
+    learner writes the checkpoints and evaluations run on the executor's workers (``shard_runner``, ``teacher_runner``)."""
 
     plan: object
     store: Store
@@ -335,16 +363,28 @@ class Session:
     state: TrainState
     method_state: object | None
     train_problems: list = field(default_factory=list)
-    shard_runner: Callable[[Backend, int], ShardRunner] | None = None  # the student's shards at a step run there (Ray eval workers)
+    # the student's shards at a step run there (Ray eval workers), given the folder of that step's weights
+    shard_runner: Callable[[str, int], ShardRunner] | None = None
+    teacher_runner: ShardRunner | None = None  # the teacher's reference evaluation runs there (Ray teacher actors)
+    weights_path: str | None = None  # the folder holding the student's current weights: the resumed or last checkpoint
+
+    @property
+    def holds_models(self) -> bool:
+        """Whether this process trains the student (in process) rather than a learner elsewhere."""
+        return self.student is not None
 
     @classmethod
-    def open(cls, plan, store: Store, run_id: str, *, resume: bool, console: Console, threads: int | None = None) -> "Session":
+    def open(cls, plan, store: Store, run_id: str, *, resume: bool, console: Console, threads: int | None = None,
+             prepare: Callable[[object, Path], PreparedModels] | None = None) -> "Session":  # fmt: skip
         """Build or load the models (resuming from the last checkpoint when asked); the run's data is loaded
-        onto the plan once (``harness run`` has already done it, a sweep's run does it here)."""
+        onto the plan once (``harness run`` has already done it, a sweep's run does it here). With ``prepare`` (an
+        executor whose actors hold the models) no model is built here: see :meth:`open_remote`."""
         cfg = plan.config
         torch.set_num_threads(threads or cfg.threads or os.cpu_count() or 1)
         if plan.train_problems is None:
             load_plan_data(plan)
+        if prepare is not None:
+            return cls.open_remote(plan, store, run_id, resume=resume, console=console, prepared=prepare(plan, store.root))
         local_teacher = cfg.teacher.backend == "hf"
         if local_teacher:
             teacher_model, tokenizer, teacher_path = prepare_model(
@@ -396,7 +436,27 @@ class Session:
             state,
             method_state,
             plan.train_problems,
+            weights_path=last["path"] if last is not None else student_path,
         )
+
+    @classmethod
+    def open_remote(cls, plan, store: Store, run_id: str, *, resume: bool, console: Console, prepared: PreparedModels) -> "Session":
+        """The session of a run whose models live in actors: paths, counters and the learning-rate schedule (restored
+        from the last checkpoint's ``trainer_state.pt`` when resuming; the learner loads its weights and optimizer)."""
+        cfg = plan.config
+        optimizer, scheduler_factory = schedule_optimizer(cfg), _scheduler_factory(cfg)
+        state, scheduler = TrainState(), None
+        last = _last_checkpoint(store, run_id) if resume else None
+        if last is not None:
+            payload = read_state(Path(last["path"]))
+            state, scheduler = TrainState(**payload["state"]), restore_scheduler(optimizer, scheduler_factory, payload["scheduler"])
+            console.print(f"[bold]resuming[/] {run_id} from step {state.step} ({last['path']})")
+        store.delete_steps_after(run_id, state.step)
+        teacher = open_remote_teacher(cfg.teacher, prepared.student_path) if cfg.teacher.backend == "openai" else None  # a client
+        teacher_path = prepared.teacher_path or teacher_label(cfg.teacher, None)
+        return cls(plan, store, run_id, console, None, teacher, teacher_path, prepared.student_path, optimizer,
+                   scheduler or scheduler_factory(optimizer), state, None, plan.train_problems,
+                   weights_path=last["path"] if last is not None else prepared.student_path)  # fmt: skip
 
     def evaluate_start(self) -> None:
         """Teacher reference row, the student before training, or a checkpoint whose eval was interrupted."""
@@ -419,16 +479,19 @@ class Session:
         metrics: dict,
         train_seconds: float,
         checkpoint_metrics: dict | None = None,
-        before_checkpoint: Callable[[], None] | None = None,
+        write_checkpoint: Callable[[Path, dict], None] | None = None,
     ) -> bool:
         """Count the step, log it, and checkpoint + evaluate when due; returns True if it checkpointed.
 
-        ``before_checkpoint`` brings this session's student, optimizer and method state up to date
-        first, when another process (a Ray learner) trains them.
+        ``write_checkpoint(folder, small)`` writes the checkpoint's model, optimizer and ``trainer_state.pt`` (``small``:
+        counters and schedule, :func:`trainer_state`) into ``folder``: the process that holds the weights does (a Ray
+        learner); by default this session writes its own (:meth:`write_own_checkpoint`). This process then renames the
+        folder into place and records its path only.
         """
         cfg = self.plan.config
         self.scheduler.step()
-        self.student.version = step
+        if self.student is not None:
+            self.student.version = step
         self.state.step = step
         self.state.samples_seen += int(metrics["samples"])
         self.state.tokens_seen += int(metrics["model_tokens"])
@@ -439,18 +502,29 @@ class Session:
             self.console.print(f"[yellow]warning:[/] {warning}")
         if step % cfg.trainer.checkpoint_every and step != cfg.trainer.steps:
             return False
-        if before_checkpoint is not None:
-            before_checkpoint()
-        extra = {"method_state": self.method_state.state_dict()} if self.method_state is not None else {}
-        path = save_checkpoint(
-            self.store.run_dir(self.run_id), self.state, self.student.model, self.student.tokenizer, self.optimizer, self.scheduler, extra
-        )
+        target = checkpoint_dir(self.store.run_dir(self.run_id), step)
+        staged = staging_dir(target)
+        shutil.rmtree(staged, ignore_errors=True)
+        staged.mkdir(parents=True)
+        (write_checkpoint or self.write_own_checkpoint)(staged, trainer_state(self.state, self.scheduler.state_dict()))
+        path = publish_checkpoint(staged, target)
+        self.weights_path = str(path)
         self.store.add_checkpoint(
             self.run_id, step, path=str(path), samples_seen=self.state.samples_seen, train_seconds=self.state.train_seconds,
             metrics={"tokens_seen": self.state.tokens_seen, **(checkpoint_metrics or {})},
         )  # fmt: skip
         self.evaluate(self.run_id, step, self.student, label="student")
         return True
+
+    def write_own_checkpoint(self, folder: Path, small: dict) -> None:
+        """Write this session's student, tokenizer, optimizer and method state (in process) into ``folder``."""
+        from opd_harness.models.tiny import save_model_and_tokenizer
+        from opd_harness.trainers.checkpoint import OPTIMIZER_FILE
+
+        save_model_and_tokenizer(self.student.model, self.student.tokenizer, folder)
+        torch.save(self.optimizer.state_dict(), Path(folder) / OPTIMIZER_FILE)
+        extra = {"method_state": self.method_state.state_dict()} if self.method_state is not None else {}
+        write_state(folder, {**small, "extra": extra})
 
     def evaluate(self, run_id: str, step: int, backend: HFBackend, *, label: str, model: str | None = None) -> None:
         """Evaluate on every configured eval task that has no stored result yet for (run, step)."""
@@ -468,7 +542,10 @@ class Session:
                 temperature=cfg.eval.temperature, top_p=cfg.eval.top_p, max_new_tokens=task.options.max_new_tokens, seed=cfg.eval.seed
             )
             stage = ShardStage.of_run(store, run_id, step)  # a killed run's resume reuses finished shards
-            runner = self.shard_runner(backend, step) if self.shard_runner is not None and backend is self.student else None
+            if label == "teacher":
+                runner = self.teacher_runner
+            else:
+                runner = self.shard_runner(self.weights_path, step) if self.shard_runner is not None else None
             result = evaluate_task(backend, task, problems, k=k, sampling=sampling, n_resamples=cfg.eval.n_resamples, stage=stage,
                                    shard_size=cfg.eval.shard_size, runner=runner)  # fmt: skip
             store_eval(store, run_id, step, result)

@@ -8,12 +8,12 @@ one and stores a task's results in one transaction. A worker that dies is restar
 the shard it held goes back to the queue: a shard is staged once, from the one attempt that finished, so none is
 lost or counted twice. Samples depend only on (seed, shard), so the scores equal the in-process evaluation's.
 
-A training run's checkpoint evaluations use the same workers and queue (:meth:`RayEvalExecutor.for_run`, with
-``trainer.layout.eval``): ``trainer.layout.eval.replicas`` workers in the eval role's placement group, each holding a
-copy of the student shipped once; before a checkpoint is evaluated its weights go to every worker through the object
-store (as the rollout actors get theirs) and a worker that does not hold them (restarted by Ray since) refuses the
-shard, which is re-queued while the weights are loaded again. Ray is imported here only, and this module only when the
-executor is ray.
+A training run's checkpoint evaluations use the same workers and queue (:meth:`RayEvalExecutor.for_run`):
+``trainer.layout.eval.replicas`` workers in the eval role's placement group (one worker where Ray puts it without
+``trainer.layout.eval``), each loading the student from its folder; before a checkpoint is evaluated every worker reads
+its weights from the checkpoint's folder (the driver holds no model) and a worker that does not hold them (restarted by
+Ray since) refuses the shard, which is re-queued while the weights are loaded again. Ray is imported here only, and
+this module only when the executor is ray.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 
 from rich.console import Console
 
-from opd_harness.backends import Backend, SamplingParams
+from opd_harness.backends import SamplingParams
 from opd_harness.backends.hf import HFBackend
 from opd_harness.evaluation import EvalWorkersFailed, EvalWorkerSpec, evaluate_shard
 from opd_harness.plan import make_task
@@ -61,34 +61,32 @@ class StaleWeights(RuntimeError):
 class EvalWorker(ActorRole):
     """One evaluation worker: its own backend and task instances; rolls out and grades the shards it is handed.
 
-    Given ``model`` (a training run's student, shipped on the CPU), it wraps it in an hf backend holding no checkpoint's
-    weights (version -1) until :meth:`load_weights`; otherwise it loads ``spec.model`` on ``spec.backend``. An hf-family
+    It loads ``spec.model`` on ``spec.backend`` (a training run's: the student's folder, then each checkpoint's weights
+    from its folder, :meth:`load_checkpoint`). An hf-family
     backend runs on the device Ray assigned the worker (``cuda`` with GPUs, unless ``--backend-option device=`` says
     otherwise); vLLM finds its GPUs through ``CUDA_VISIBLE_DEVICES``, which Ray sets. ``gpu_key`` is the setting that
     asked for the GPUs (``--gpus-per-worker``, or ``trainer.layout.eval.num_gpus`` in a training run)."""
 
     role = "eval"
 
-    def __init__(self, spec: EvalWorkerSpec, threads: int, model: Any = None, tokenizer: Any = None,
-                 gpu_key: str = "--gpus-per-worker") -> None:  # fmt: skip
+    def __init__(self, spec: EvalWorkerSpec, threads: int, gpu_key: str = "--gpus-per-worker") -> None:
         _setup_actor(threads)
         self.spec, self.tasks, self.backend, self.failure, self._gpu_key = spec, {}, None, None, gpu_key
         if not self.take_device():
             return
         try:  # a start-up failure (a missing model folder) is reported by ``ready`` as one line, not a creation traceback
-            cls = HFBackend if model is not None else BACKENDS.get(spec.backend)
+            cls = BACKENDS.get(spec.backend)
             options = {"device": self.device, **spec.backend_options} if issubclass(cls, HFBackend) else spec.backend_options
-            if model is not None:
-                self.backend = HFBackend(model, tokenizer, **options)
-                self.backend.version = -1
-            else:
-                self.backend = cls.load(spec.model, **options)
+            self.backend = cls.load(spec.model, **options)
         except Exception as exc:  # noqa: BLE001 - reported to the driver, which stops the evaluation
             self.failure = f"{type(exc).__name__}: {exc}"
 
-    def load_weights(self, weights: dict, version: int) -> None:
-        """Hold the weights of checkpoint ``version`` (a training run's evaluation workers)."""
-        self.backend.load_weights(weights, version)
+    def load_checkpoint(self, path: str, version: int) -> None:
+        """Hold the weights of checkpoint ``version``, read from its folder ``path`` (a training run's evaluation workers)."""
+        from opd_harness.models.tiny import load_model_and_tokenizer
+
+        model, _ = load_model_and_tokenizer(path)
+        self.backend.load_weights(model.state_dict(), version)
 
     @property
     def gpu_key(self) -> str:
@@ -150,7 +148,7 @@ class RayShards:
     def __init__(self, ray: ModuleType, workers: list[Any], console: Console, max_sandboxes: int | None = None) -> None:
         self.ray, self.workers, self.console, self.max_sandboxes = ray, workers, console, max_sandboxes
         self.requeued = 0  # shards handed out again after their worker died (or lost its checkpoint's weights)
-        self.weights: tuple[Any, int] | None = None  # (object ref, version) every worker must hold: a run's checkpoint
+        self.weights: tuple[str, int] | None = None  # (folder, version) every worker must hold: a run's checkpoint
         self.node_of = dict(zip(map(id, workers), ray.get([w.node_id.remote() for w in workers]), strict=True))  # id(worker) -> node
         self.peak_sandboxes: Counter = Counter()  # node -> most sandboxed shards in flight there at once
 
@@ -163,11 +161,11 @@ class RayShards:
                 return worker
         return None
 
-    def load(self, weights: Any, version: int) -> None:
-        """Every worker holds checkpoint ``version``'s weights (an object ref) before its next shard; one Ray is restarting
-        (or gave up on) is passed over: it refuses its next shard (:class:`StaleWeights`) and is loaded again then."""
-        self.weights = (weights, version)
-        for call in [worker.load_weights.remote(weights, version) for worker in self.workers]:
+    def load(self, path: str, version: int) -> None:
+        """Every worker holds checkpoint ``version``'s weights (read from its folder ``path``) before its next shard; one Ray
+        is restarting (or gave up on) is passed over: it refuses its next shard (:class:`StaleWeights`) and is loaded again then."""
+        self.weights = (path, version)
+        for call in [worker.load_checkpoint.remote(path, version) for worker in self.workers]:
             try:
                 ray_get(self.ray, call)
             except self.ray.exceptions.RayActorError:
@@ -207,7 +205,7 @@ class RayShards:
                     if not isinstance(error, StaleWeights) or self.weights is None:
                         raise error from None
                     self._requeue(task, index, attempts, pending, "lost its checkpoint's weights (restarted)")
-                    worker.load_weights.remote(*self.weights)  # runs before its next shard (one call at a time, in order)
+                    worker.load_checkpoint.remote(*self.weights)  # runs before its next shard (one call at a time, in order)
                     idle.append(worker)
                     continue
                 except ray.exceptions.RayActorError as exc:  # the worker died (Ray restarts it): the shard goes back
@@ -236,8 +234,8 @@ class RayShards:
             probes[worker.ready.remote()] = worker
             return
         if failure is None:
-            if self.weights is not None:  # restarted: it holds the shipped copy, not the checkpoint's weights
-                worker.load_weights.remote(*self.weights)
+            if self.weights is not None:  # restarted: it holds the student's first weights, not the checkpoint's
+                worker.load_checkpoint.remote(*self.weights)
             self.node_of[id(worker)] = ray.get(worker.node_id.remote())  # restarted, maybe elsewhere
             idle.append(worker)
 
@@ -260,14 +258,13 @@ def spread(index: int, gpus: float = 0.0) -> dict[str, Any]:
 
 def start_workers(
     ray: ModuleType, spec: EvalWorkerSpec, count: int, console: Console, *, threads: int = WORKER_THREADS,
-    placed: Callable[[int], dict[str, Any]] = spread, model: Any = None, tokenizer: Any = None, gpu_key: str = "--gpus-per-worker",
+    placed: Callable[[int], dict[str, Any]] = spread, gpu_key: str = "--gpus-per-worker",
 ) -> list[Any]:
-    """``count`` workers, worker i placed by ``placed(i)``, each restarted when it dies; ``model`` (an object ref) is a
-    training run's student, shipped instead of loading ``spec.model``. :class:`DeviceUnavailable` (naming ``gpu_key``)
-    when a worker was given GPUs its torch cannot see."""
+    """``count`` workers, worker i placed by ``placed(i)``, each restarted when it dies. :class:`DeviceUnavailable`
+    (naming ``gpu_key``) when a worker was given GPUs its torch cannot see."""
     workers = [
         ray.remote(EvalWorker).options(max_concurrency=1, max_restarts=MAX_RESTARTS, max_task_retries=0, **placed(i))
-        .remote(spec, threads, model, tokenizer, gpu_key)
+        .remote(spec, threads, gpu_key)
         for i in range(count)
     ]  # fmt: skip
     failures = [f for f in ray.get([w.ready.remote() for w in workers]) if f]
@@ -293,15 +290,15 @@ def stop_workers(ray: ModuleType, workers: list[Any], console: Console) -> None:
 
 
 class CheckpointShards:
-    """A training run's checkpoint evaluations on its evaluation workers (``Session.shard_runner``): the student's
-    weights at a step go to every worker through the object store once, then that step's shards run on them."""
+    """A training run's checkpoint evaluations on its evaluation workers (``Session.shard_runner``): every worker reads the
+    student's weights at a step from that step's folder once, then that step's shards run on them."""
 
     def __init__(self, ray: ModuleType, shards: RayShards) -> None:
         self.ray, self.shards = ray, shards
 
-    def __call__(self, backend: Backend, step: int) -> RayShards:
-        if self.shards.weights is None or self.shards.weights[1] != step:
-            self.shards.load(self.ray.put(backend.model.state_dict()), step)
+    def __call__(self, path: str, step: int) -> RayShards:
+        if self.shards.weights != (path, step):
+            self.shards.load(path, step)
         return self.shards
 
 
@@ -323,33 +320,51 @@ class RayEvalExecutor:
             finally:
                 stop_workers(ray, started, console)
 
+    def shards(self, ray: ModuleType, actors: list[Any], console: Console) -> RayShards:
+        """A shard queue over actors that already run (a training run's teacher actors, for its reference evaluation)."""
+        return RayShards(ray, actors, console)
+
     @contextmanager
     def for_run(
         self, ray: ModuleType, plan, session, groups: dict[str, Any], placement: dict[str, Any], console: Console
     ) -> Iterator[None]:
-        """``trainer.layout.eval.replicas`` workers, worker i in bundle i of the eval role's placement group, holding the
-        session's student (shipped once) and the run's eval tasks; the session's checkpoint evaluations run their shards
-        there while the run lasts (its teacher's reference evaluation stays in the driver). Their nodes go into
-        ``placement`` as ``eval`` (``eval.0``, ``eval.1``, … for several), their GPU ids under ``gpus``."""
+        """``trainer.layout.eval.replicas`` workers, worker i in bundle i of the eval role's placement group (without
+        ``trainer.layout.eval``: one worker asking for no CPU, where Ray puts it), each loading the student from its folder,
+        with the run's eval tasks; the session's checkpoint evaluations run their shards there while the run lasts, each
+        worker reading a checkpoint's weights from its folder. Their nodes go into ``placement`` as ``eval`` (``eval.0``,
+        ``eval.1``, … for several), their GPU ids under ``gpus``. A worker that does not see the run folder stops the run
+        (exit 2, before training)."""
+        from opd_harness.trainers.ray_executor import RUN_FOLDER_TOKEN, RunFolderUnavailable
+
         cfg, layout = plan.config, plan.config.trainer.layout
-        bound = layout.eval.max_sandboxes
-        spec = EvalWorkerSpec("hf", session.student_path, {"batch_size": cfg.trainer.generate_batch_size}, cfg.task_args,
-                              sandbox_per_shard=bound is not None)  # fmt: skip
-        shipped = ray.put(session.student.model)  # kept until the workers are gone: a restarted worker is built from it again
-        placed = lambda i: placement_options(layout, groups, "eval", i)  # noqa: E731
-        workers = start_workers(ray, spec, layout.eval.replicas, console, threads=cfg.threads or 1, placed=placed, model=shipped,
-                                tokenizer=session.student.tokenizer, gpu_key="trainer.layout.eval.num_gpus")  # fmt: skip
+        placed_eval = layout is not None and layout.eval is not None
+        bound = layout.eval.max_sandboxes if placed_eval else None
+        options = {"batch_size": cfg.trainer.generate_batch_size}  # the student as the run prepared it (its chat template too)
+        if cfg.student.path is not None and cfg.trainer.enable_thinking is not None:
+            options["enable_thinking"] = cfg.trainer.enable_thinking
+        spec = EvalWorkerSpec("hf", session.student_path, options, cfg.task_args, sandbox_per_shard=bound is not None)
+        if placed_eval:
+            placed, replicas = (lambda i: placement_options(layout, groups, "eval", i)), layout.eval.replicas
+        else:
+            placed, replicas = (lambda i: {"num_cpus": 0}), 1
+        workers = start_workers(ray, spec, replicas, console, threads=cfg.threads or 1, placed=placed,
+                                gpu_key="trainer.layout.eval.num_gpus")  # fmt: skip
         try:
+            folder = session.store.run_dir(session.run_id)
+            token = (folder / RUN_FOLDER_TOKEN).read_text()
+            problem = next((p for p in ray.get([w.sees_run_folder.remote(str(folder), token) for w in workers]) if p), None)
+            if problem:
+                raise RunFolderUnavailable(problem)
             names = replica_names("eval", len(workers))
             placement.update(zip(names, ray.get([w.node_id.remote() for w in workers]), strict=True))
-            gpus = placement.setdefault("gpus", {})
-            gpus.update(zip(names, ray.get([w.devices.remote() for w in workers]), strict=True))
+            if placed_eval:  # the unplaced worker asks for no GPU: nothing to record
+                gpus = placement.setdefault("gpus", {})
+                gpus.update(zip(names, ray.get([w.devices.remote() for w in workers]), strict=True))
             session.shard_runner = CheckpointShards(ray, RayShards(ray, workers, console, bound))
             yield
         finally:
             session.shard_runner = None
             stop_workers(ray, workers, console)
-            del shipped
 
 
 RAY_EVAL = RayEvalExecutor()

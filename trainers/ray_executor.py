@@ -11,11 +11,14 @@ method state; learning rates from the driver's schedule), or W data-parallel lea
 (``trainer.layout.learner.replicas``, :mod:`opd_harness.trainers.distributed`), trains on it and returns each version's
 weights as an object in the object store. The driver runs the very loop of the in-process
 executor (``opd_harness.trainers.loop``: ``Schedule``, ``RolloutWorker``, ``drive``), so max_lag,
-fixed_lag, sync_every and refreshes mean the same, and records through the same ``Session``:
-before every checkpoint and evaluation it pulls the learner's weights, optimizer and method state
-into the session's objects. Sync mode is this schedule with max_lag 0. Batches go from actor to
-actor as object refs; the driver only sees metrics. Ray is imported here only, and this module
-only when the executor is ray.
+fixed_lag, sync_every and refreshes mean the same, and records through the same ``Session``. The driver holds no
+model: the run's models are prepared (built, warmed up, cached) in a Ray task (:func:`prepare_remote`) and every actor
+loads its own from those folders; the driver keeps the config, the paths, the counters and the learning-rate schedule.
+At a checkpoint the learner writes it into the run folder (rank 0, or under FSDP2 each rank its optimizer shard) and
+the driver renames the folder and records its path; evaluations run on evaluation workers that read each checkpoint
+from its folder, the teacher's reference evaluation on the teacher actors. Sync mode is this schedule with max_lag 0.
+Batches go from actor to actor as object refs; the driver only sees metrics. Ray is imported here only, and this
+module only when the executor is ray.
 
 Results match the in-process executor for the same seed: sampling for batch b depends only on
 (seed, b, weights), not on the actor that runs it, every role runs torch with the run's thread count
@@ -25,8 +28,9 @@ so are the losses, with any number of rollout actors.
 Devices: every actor takes its device from the GPUs Ray assigned it (``ray.get_gpu_ids()``, from its role's
 ``trainer.layout.<role>.num_gpus``): ``cuda`` (the first of them, as Ray's ``CUDA_VISIBLE_DEVICES`` numbers them) when it
 has some, else ``cpu``; an actor given GPUs that its torch cannot see stops the run before training (exit 2, naming the
-role's key). Models cross process boundaries as CPU tensors only: the driver keeps its models on the CPU and ships
-them so, and the learner returns weights and state on the CPU. Each actor's GPU ids go into the run's placement.
+role's key). Models cross process boundaries as folders (the prepared models, the checkpoints: the run folder must be
+visible at the same path on every node, checked before training) or CPU tensors (weight versions). Each actor's GPU ids
+go into the run's placement.
 
 Faults: a rollout actor that dies (its process killed) is restarted by Ray (``ROLLOUT_RESTARTS``); the
 driver re-queues the units it had in flight (only those) and reloads its weights, so no step is lost or trained
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import copy
 import json
+import secrets
 import math
 import os
 import socket
@@ -50,28 +55,32 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from types import ModuleType
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 
-from opd_harness.backends.hf import HFBackend
 from opd_harness.errors import TrainingAborted
 from opd_harness.registry import EVAL_EXECUTORS
 from opd_harness.trajectory import TensorBatch, concat_batches
 from opd_harness.task import close_tasks
 from opd_harness.config import LAYOUT_ROLES, ConfigError, Layout, RoleLayout
-from opd_harness.trainers.distributed import Shard, backend_for, collective_deadline, data_parallel, full_state, full_weights, join_group
+from opd_harness.trainers.checkpoint import (OPTIMIZER_FILE, OPTIMIZER_SHARDS, load_optimizer_state, read_state, save_sharded_optimizer,
+                                             set_rng_state, write_state)
+from opd_harness.trainers.distributed import Shard, backend_for, collective_deadline, data_parallel, full_weights, join_group
 from opd_harness.trainers.distributed import rendezvous_port
 from opd_harness.registry import WEIGHT_SYNCS
 from opd_harness.trainers.loop import MAX_ROLLOUT_LOSSES, LearnResult, Roles, RolloutLost, Unit, WeightBoard, batch_units, unit_problems
 from opd_harness.trainers.weight_sync import (NotStaged, Published, WeightLayout, SyncGroup, checksum, engine_dtype, layout_of,
                                               rollout_copy, state_bytes)
 from opd_harness.trainers.pipeline import (
+    PreparedModels,
     Session,
+    _optimizer_factory,
     close_rollout_backend,
     generate_batch,
     learn,
@@ -79,11 +88,13 @@ from opd_harness.trainers.pipeline import (
     needs_teacher,
     open_behaviour_scorer,
     open_rollout_backend,
+    prepare_models,
     response_lengths,
     sample_problems,
     teacher_phase,
 )
 from opd_harness.trainers.teacher import open_remote_teacher, output_head, wrap_hf_teacher
+from opd_harness.trainers.warmup import load_prepared
 
 # environment.md §4: no token file in ~/.ray (auth on by default in Ray 2.60), no usage reporting.
 RAY_ENV_DEFAULTS = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -282,18 +293,6 @@ def assigned_device() -> tuple[str, list[str]]:
     return ("cuda" if ids else "cpu"), ids
 
 
-def on_cpu(value: Any) -> Any:
-    """``value`` (a state dict, an optimizer's, nested) with every tensor on the CPU: what crosses a process boundary
-    (a CUDA-pickled tensor cannot be loaded where torch sees no CUDA)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {key: on_cpu(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(on_cpu(item) for item in value)
-    return value
-
-
 class ActorRole:
     """What every actor answers: ``ready`` returns once the constructor (imports, plan, models) is done (None, or why the
     actor cannot work: GPUs its torch cannot see); ``close`` releases what the actor's own plan holds (task sandboxes, an
@@ -324,6 +323,10 @@ class ActorRole:
     def ready(self) -> str | None:
         return self.device_failure
 
+    def sees_run_folder(self, folder: str, token: str) -> str | None:
+        """None when this actor sees the driver's ``token`` in the run folder ``folder``, else why not (one line)."""
+        return run_folder_problem(folder, token, self.role)
+
     def devices(self) -> list[str]:
         """The GPU ids Ray assigned this actor (empty on the CPU)."""
         return list(self.gpu_ids)
@@ -346,19 +349,19 @@ class ActorRole:
 
 
 class RolloutActor(ActorRole):
-    """Rollout role: the run's rollout backend (the shipped student copy for ``hf``, else loaded from the
-    student's folder, which the actor's node must see); generates (and grades) batch b with weights r. Beside
-    a non-hf engine the shipped copy recomputes π_old (``trainer.behaviour_logprobs=recompute``)."""
+    """Rollout role: the run's rollout backend, loaded from the student's folder (which the actor's node must see) on the
+    actor's device, as the in-process rollout loads it; generates (and grades) batch b with weights r. Beside a non-hf
+    engine the trainer's model, loaded from the same folder, recomputes π_old (``trainer.behaviour_logprobs=recompute``)."""
 
     role = "rollout"
 
-    def __init__(self, config: dict, model: torch.nn.Module, tokenizer: Any, student_path: str, train_problems: list, threads: int) -> None:
+    def __init__(self, config: dict, student_path: str, train_problems: list, threads: int) -> None:
         _setup_actor(threads)
         self.plan, self.train_problems = _plan(config), train_problems
         if not self.take_device():
             return
-        self.backend = open_rollout_backend(self.plan, student_path, model=model, tokenizer=tokenizer, device=self.device)
-        self.scorer = open_behaviour_scorer(self.plan, self.backend, student_path, model=model, tokenizer=tokenizer, device=self.device)
+        self.backend = open_rollout_backend(self.plan, student_path, device=self.device)
+        self.scorer = open_behaviour_scorer(self.plan, self.backend, student_path, device=self.device)
 
     def load_weights(self, weights: dict[str, torch.Tensor] | None, version: int, expected: str | None = None) -> None:
         """Load ``weights`` (None: the copy the ``collective`` transport staged for ``version``), checked against ``expected``;
@@ -416,18 +419,20 @@ class RolloutActor(ActorRole):
 
 
 class TeacherActor(ActorRole):
-    """Teacher role: holds the teacher (the shipped model for ``hf``, else ``teacher.backend``'s engine or client, opened
-    here) and fills its log-probs (or distributions) into batches."""
+    """Teacher role: holds the teacher (an hf teacher loaded from its prepared folder ``teacher_path``, else
+    ``teacher.backend``'s engine or client, opened here), fills its log-probs (or distributions) into batches, and runs the
+    shards of the teacher's reference evaluation (``eval.teacher``)."""
 
     role = "teacher"
 
-    def __init__(self, config: dict, model: torch.nn.Module | None, tokenizer: Any, student_path: str, threads: int) -> None:
+    def __init__(self, config: dict, teacher_path: str | None, student_path: str, threads: int) -> None:
         _setup_actor(threads)
-        self.plan = _plan(config)
+        self.plan, self.tasks = _plan(config), {}
         if not self.take_device():
             return
         spec = self.plan.config.teacher
-        if model is not None:
+        if teacher_path is not None:
+            model, tokenizer = load_prepared(spec, teacher_path, self.plan.config.trainer.enable_thinking)
             trainer = self.plan.config.trainer
             options = {"device": self.device, "score_tokens": trainer.forward_tokens, "score_chunk": trainer.vocab_chunk,
                        **spec.backend_options}  # fmt: skip
@@ -439,28 +444,52 @@ class TeacherActor(ActorRole):
         teacher_phase(self.plan, self.backend, batch, metrics, step=index)
         return batch, metrics
 
+    def output_head(self) -> torch.nn.Module | None:
+        """A frozen CPU copy of the teacher's output head (what the learner applies to a full signal's states); None from an
+        actor that could not take its device (the run then stops on its ``ready`` line, not in the learner's constructor)."""
+        return head_copy(self.backend) if self.device_failure is None else None
+
+    def run_shard(self, task: str, problems: list, k: int, sampling: Any, index: int, version: int | None = None) -> list:
+        """Shard ``index`` of the teacher's reference evaluation on ``task``: its graded rows (as an evaluation worker's)."""
+        from opd_harness.evaluation import evaluate_shard
+        from opd_harness.plan import make_task
+
+        if task not in self.tasks:
+            made = make_task(task, self.plan.config.task_args)
+            made.load("test", None)  # the data folder as the run's tasks find it (task_args, $HARNESS_DATA_DIR)
+            made.check_ready()
+            self.tasks[task] = made
+        rows, _ = evaluate_shard(self.backend, self.tasks[task], problems, k=k, sampling=sampling, index=index, show_progress=False)
+        return rows
+
+    def close(self) -> None:
+        close_tasks(self.tasks.values())
+        super().close()
+
 
 class LearnerActor(ActorRole):
     """Learner role: student, optimizer and method state; one optimizer step per batch at the driver's learning rates.
 
-    One of ``world`` data-parallel ranks when ``world`` > 1: after :meth:`join` every rank trains its shard of each
-    global batch in one torch.distributed group (:mod:`opd_harness.trainers.distributed`); all ranks then hold the same weights,
-    optimizer and method state, and the driver reads rank 0's. With ``sharding`` fsdp2 each rank holds a shard of them, and
-    reading the weights or the state is a collective: the driver calls every rank, rank 0 returns the full tensors."""
+    Each rank loads the student itself, on its device: from the prepared folder ``student_path``, or with ``checkpoint``
+    (a resumed run) from that checkpoint folder, optimizer, method state and RNG included. One of ``world`` data-parallel
+    ranks when ``world`` > 1: after :meth:`join` every rank trains its shard of each global batch in one torch.distributed
+    group (:mod:`opd_harness.trainers.distributed`); all ranks then hold the same weights, optimizer and method state. With
+    ``sharding`` fsdp2 each rank holds a shard of them, and reading the weights is a collective: the driver calls every
+    rank, rank 0 returns the full tensors. Checkpoints are written here (:meth:`write_checkpoint`), never by the driver."""
 
     role = "learner"
 
     def __init__(
-        self, config: dict, parts: tuple, threads: int, rank: int = 0, world: int = 1, teacher_head: torch.nn.Module | None = None
-    ) -> None:
+        self, config: dict, student_path: str, checkpoint: str | None, threads: int, rank: int = 0, world: int = 1,
+        teacher_head: torch.nn.Module | None = None,
+    ) -> None:  # fmt: skip
         _setup_actor(threads)
         self.plan = _plan(config)
-        self.model, self.optimizer, self.method_state = parts  # one pickle: the optimizer still holds this model's parameters
-        self.teacher_head = teacher_head  # a copy of the teacher's output head, for a full teacher signal (shipped once)
-        if self.take_device() and self.device != "cpu":  # shipped on the CPU; moved in place, so the optimizer keeps its parameters
-            self.model.to(self.device)
-            self.optimizer.load_state_dict(self.optimizer.state_dict())  # its state (a resumed run's) follows the parameters' device
-            self.teacher_head = teacher_head.to(self.device) if teacher_head is not None else None
+        self.rank = rank
+        if not self.take_device():
+            return
+        self.model, self.tokenizer, self.optimizer, self.method_state = load_learner(self.plan, student_path, checkpoint, self.device)
+        self.teacher_head = teacher_head.to(self.device) if teacher_head is not None else None  # the full signal's output head
         self.shard = Shard(rank, world) if world > 1 else None
         layout = self.plan.config.trainer.layout
         self.sharding = layout.learner.sharding if layout is not None and world > 1 else "ddp"
@@ -544,12 +573,37 @@ class LearnerActor(ActorRole):
         """``collective``: the kept copy of weights ``version``, for a rollout actor restarted since its broadcast."""
         return self.kept[version]
 
-    def state(self) -> dict[str, Any]:
-        """Full (unsharded) weights, optimizer and method state, for the driver's checkpoints and evaluations (fsdp2: every
-        rank must be called; rank 0's answer holds them)."""
-        method_state = self.method_state.state_dict() if self.method_state is not None else None
+    def write_checkpoint(self, folder: str, small: dict) -> None:
+        """Write this learner's checkpoint into ``folder`` (the driver renames it into place): rank 0 writes the model and
+        tokenizer, ``trainer_state.pt`` (``small``, the method state, its RNG) and, unsharded, ``optimizer.pt``; under
+        fsdp2 every rank must be called: the full weights are gathered onto rank 0 (the model files), and each rank
+        writes its own shard of the optimizer state (torch.distributed.checkpoint, ``optimizer/``)."""
+        folder_path = Path(folder)
+        extra = {"method_state": self.method_state.state_dict()} if self.method_state is not None else {}
         with collective_deadline(self.timeout_s):
-            return on_cpu({**full_state(self.model, self.optimizer, self.sharding), "method_state": method_state})
+            if self.sharding == "fsdp2":
+                weights = full_weights(self.model)
+                save_sharded_optimizer(folder_path / OPTIMIZER_SHARDS, self.model, self.optimizer)
+                if self.rank == 0:
+                    self.model.save_pretrained(str(folder_path), state_dict=weights)
+            elif self.rank == 0:
+                self.model.save_pretrained(str(folder_path))
+                torch.save(self.optimizer.state_dict(), folder_path / OPTIMIZER_FILE)
+        if self.rank == 0:
+            self.tokenizer.save_pretrained(str(folder_path))
+            write_state(folder_path, {**small, "extra": extra})
+
+    def sees_run_folder(self, folder: str, token: str) -> str | None:
+        """Whether this rank can read the driver's token in the run folder and write there (it writes checkpoints)."""
+        problem = run_folder_problem(folder, token, self.role + (f" rank {self.rank}" if getattr(self, "shard", None) else ""))
+        if problem is None:
+            try:
+                probe = Path(folder) / f".write-probe-{os.getpid()}"
+                probe.write_text(token)
+                probe.unlink()
+            except OSError as exc:
+                problem = f"the run folder {folder} is not writable from node {self.node_id()[:12]} (learner: {exc.strerror})"
+        return problem
 
 
 def leave_group(actor: Any) -> None:
@@ -882,18 +936,10 @@ class RayLearner:
         backends = self._get([rank.join.remote(address, port) for rank in self.ranks], "joining the group")
         return backends[0], f"{address}:{port}"
 
-    def pull(self) -> None:
-        """Copy the learner's weights, optimizer and method state into the session before it checkpoints/evaluates."""
+    def checkpoint(self, folder: Path, small: dict) -> None:
+        """The learner writes the checkpoint into ``folder`` (rank 0, or every rank under fsdp2); nothing comes back here."""
         readers = self.ranks if self.sharded else [self.actor]
-        state = self._get([rank.state.remote() for rank in readers], "reading its state")[0]
-        optimizer = self.session.optimizer
-        lrs = [group["lr"] for group in optimizer.param_groups]  # the schedule is the session's: it stepped already
-        self.session.student.model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-            group["lr"] = lr
-        if self.session.method_state is not None:
-            self.session.method_state.load_state_dict(state["method_state"])
+        self._get([rank.write_checkpoint.remote(str(folder), small) for rank in readers], "writing its checkpoint")
 
     def _get(self, refs: list[Any], doing: str, first: int = 0, wait_s: float | None = None) -> list[Any]:
         """Every rank's result (``refs``: ranks ``first``, ``first`` + 1, …), or :class:`LearnerRankFailed` as soon as one rank
@@ -968,31 +1014,102 @@ def start_actors(
     (Ray frees a ``ray.put`` object once no ref to it is left, and a restart would then fail)."""
     config = plan.config.model_dump(mode="json")
     layout, groups = plan.config.trainer.layout, groups or {}
-    student, teacher = session.student, session.teacher
 
     def remote(cls: type, role: str, bundle: int = 0, concurrency: int = 1, **options: Any) -> Any:  # one call at a time, in order
         return ray.remote(cls).options(max_concurrency=concurrency, **options, **placement_options(layout, groups, role, bundle))
 
-    shipped_student, problems = ray.put(student.model), ray.put(session.train_problems)
+    problems = ray.put(session.train_problems)
     units = batch_units(plan, len(session.train_problems))  # a worker's units in flight, plus one for ready/pid/close
     rollouts = [
         remote(RolloutActor, "rollout", i, concurrency=units + 1 if units > 1 else 1, max_restarts=ROLLOUT_RESTARTS).remote(
-            config, shipped_student, student.tokenizer, session.student_path, problems, threads
+            config, session.student_path, problems, threads
         )
         for i in range(replicas_of(plan, "rollout"))
     ]
-    shipped = ray.put(teacher.model) if isinstance(teacher, HFBackend) else None  # a remote teacher is reopened in the actor
+    teacher_path = session.teacher_path if plan.config.teacher.backend == "hf" else None  # else reopened from teacher.path
     scorers = [
-        remote(TeacherActor, "teacher", i, max_restarts=TEACHER_RESTARTS).remote(
-            config, shipped, teacher.tokenizer, session.student_path, threads
-        )
+        remote(TeacherActor, "teacher", i, max_restarts=TEACHER_RESTARTS).remote(config, teacher_path, session.student_path, threads)
         for i in range(replicas_of(plan, "teacher"))
     ]
-    parts = ray.put((student.model, session.optimizer, session.method_state))
     world = layout.learner.replicas if layout is not None else 1
-    head = ray.put(head_copy(teacher)) if plan.config.teacher.signal == "full" else None  # the full signal's output head, once
-    learners = [remote(LearnerActor, "learner", rank).remote(config, parts, threads, rank, world, head) for rank in range(world)]
-    return rollouts, scorers, learners, (shipped_student, problems, shipped)
+    # the full signal's output head, from the teacher actor to the learners (the driver passes the reference on, never the head)
+    head = scorers[0].output_head.remote() if plan.config.teacher.signal == "full" else None
+    resumed = session.weights_path if session.state.step > 0 else None
+    learners = [remote(LearnerActor, "learner", rank).remote(config, session.student_path, resumed, threads, rank, world, head)
+                for rank in range(world)]  # fmt: skip
+    return rollouts, scorers, learners, (problems,)
+
+
+def load_learner(plan, student_path: str, checkpoint: str | None, device: str) -> tuple:
+    """(model, tokenizer, optimizer, method state) of a learner rank on ``device``: the prepared student with a fresh
+    optimizer, or checkpoint ``checkpoint`` whole (weights, optimizer, method state, and this process's RNG)."""
+    from opd_harness.models.tiny import load_model_and_tokenizer
+
+    cfg = plan.config
+    if checkpoint is None:
+        model, tokenizer = load_prepared(cfg.student, student_path, cfg.trainer.enable_thinking)
+    else:
+        model, tokenizer = load_model_and_tokenizer(checkpoint)
+    model.to(device)  # before the optimizer is built (fused AdamW on CUDA) or its state loaded
+    if cfg.trainer.activation_checkpointing:
+        model.gradient_checkpointing_enable()
+    optimizer = _optimizer_factory(cfg)(model)
+    method_state = plan.method.make_state(plan.hparams) if plan.method.make_state else None
+    if checkpoint is not None:
+        payload = read_state(Path(checkpoint))
+        load_optimizer_state(Path(checkpoint), payload, model, optimizer)
+        set_rng_state(payload["rng"])
+        if method_state is not None:
+            method_state.load_state_dict(payload["extra"]["method_state"])
+    return model, tokenizer, optimizer, method_state
+
+
+def run_folder_problem(folder: str, token: str, role: str) -> str | None:
+    """Why this process (``role``) cannot use the run folder ``folder``: it does not see the driver's ``token`` there (not
+    the same shared filesystem at the same path); None when it does."""
+    import ray
+
+    marker = Path(folder) / RUN_FOLDER_TOKEN
+    try:
+        seen = marker.read_text()
+    except OSError:
+        seen = None
+    if seen == token:
+        return None
+    node = ray.get_runtime_context().get_node_id()[:12] if ray.is_initialized() else socket.gethostname()
+    return (f"the run folder {folder} is not visible from node {node} ({role}): on a cluster --out must be a filesystem "
+            "every node mounts at the same path (docs/guides/cluster.md#the-run-folder)")  # fmt: skip
+
+
+RUN_FOLDER_TOKEN = ".driver-token"  # written by the driver into the run folder; actors that write or read checkpoints must see it
+
+
+class RunFolderUnavailable(ConfigError):
+    """An actor that writes or reads checkpoints does not see the run folder (exit 2, before training)."""
+
+
+def mark_run_folder(session: Session) -> tuple[str, str]:
+    """(run folder, token): a fresh token written into the run folder, which the learner ranks and evaluation workers
+    must read back (:func:`run_folder_problem`)."""
+    folder = session.store.run_dir(session.run_id)
+    folder.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_hex(8)
+    (folder / RUN_FOLDER_TOKEN).write_text(token)
+    return str(folder), token
+
+
+def prepare_remote(ray: ModuleType, plan, root: Path) -> PreparedModels:
+    """The run's models prepared (built, warmed up, cached under ``root``, or located) in a Ray task, not in the driver:
+    only their folders come back. The task takes no CPU of the layout's reservations (it runs before the actors start)."""
+    task = ray.remote(num_cpus=0, max_retries=0)(_prepare_in_task)
+    return ray_get(ray, task.remote(plan.config.model_dump(mode="json"), plan.train_problems, str(root), plan.config.threads or 1))
+
+
+def _prepare_in_task(config: dict, problems: list, root: str, threads: int) -> PreparedModels:
+    _setup_actor(threads)
+    plan = _plan(config)
+    plan.train_problems = problems
+    return prepare_models(plan, Path(root))
 
 
 def head_copy(teacher: Any) -> torch.nn.Module | None:
@@ -1001,7 +1118,8 @@ def head_copy(teacher: Any) -> torch.nn.Module | None:
     return copy.deepcopy(head).cpu().requires_grad_(False) if head is not None else None
 
 
-def wait_ready(ray: ModuleType, actors: list, names: list[str], console: Console, placement: dict[str, Any], learner: RayLearner) -> None:
+def wait_ready(ray: ModuleType, actors: list, names: list[str], console: Console, placement: dict[str, Any], learner: RayLearner,
+               run_folder: tuple[str, str] | None = None) -> None:
     """Block until every actor is constructed (start-up is not training time) and the learner ranks have formed their
     group; record the node each one (``names``; ``learner``: rank 0) runs on, and ``learner_rank_<i>`` when there are
     several, and under ``gpus`` each one's assigned GPU ids. :class:`DeviceUnavailable` (naming the role's key) when an
@@ -1022,6 +1140,10 @@ def wait_ready(ray: ModuleType, actors: list, names: list[str], console: Console
     failure = next((f for f in failures if isinstance(f, str)), None)
     if failure:
         raise DeviceUnavailable(failure)
+    if run_folder is not None:  # every rank writes (fsdp2) or rank 0 does; all must see it to resume after a failover too
+        problem = next((p for p in ray.get([rank.sees_run_folder.remote(*run_folder) for rank in learner.ranks]) if p), None)
+        if problem:
+            raise RunFolderUnavailable(problem)
     if len(learner.ranks) > 1:
         backend, rendezvous = learner.form_group()
         console.print(f"learner: {len(learner.ranks)} data-parallel ranks ({learner.sharding}, {backend}, rendezvous {rendezvous})")
@@ -1072,11 +1194,9 @@ def write_placement(session: Session, placement: dict[str, Any]) -> None:
 def checkpoint_evaluation(
     ray: ModuleType, plan, session: Session, groups: dict[str, Any], placement: dict[str, Any], console: Console
 ) -> AbstractContextManager[None]:
-    """The run's checkpoint evaluations on the ``trainer.layout.eval`` workers of the eval executor of the same name
-    (``opd_harness.trainers.ray_eval``, found through the registry), in the eval role's placement group; in the driver without one."""
-    layout = plan.config.trainer.layout
-    if layout is None or layout.eval is None:
-        return nullcontext()
+    """The run's checkpoint evaluations on evaluation workers of the eval executor of the same name
+    (``opd_harness.trainers.ray_eval``, found through the registry): the ``trainer.layout.eval`` workers in the eval role's
+    placement group, or without one a single worker where Ray puts it (the driver holds no model to evaluate)."""
     return EVAL_EXECUTORS.get(plan.config.trainer.executor).for_run(ray, plan, session, groups, placement, console)
 
 
@@ -1094,6 +1214,10 @@ class RayExecutor:
             return
         with self._join(plan, console) as ray:
             release_layout(ray, reserve_layout(ray, layout))
+
+    def prepare(self):
+        """The run's models are prepared in a Ray task (:func:`prepare_remote`): the driver keeps their folders only."""
+        return lambda plan, root: prepare_remote(import_ray(), plan, root)
 
     def _join(self, plan, console: Console):
         trainer, threads = plan.config.trainer, plan.config.threads or 1
@@ -1114,7 +1238,10 @@ class RayExecutor:
     @contextmanager
     def roles(self, plan, session: Session, board: WeightBoard, console: Console) -> Iterator[Roles]:
         ray = import_ray()
+        run_folder = mark_run_folder(session)
         rollouts, scorers, learners, pinned = start_actors(ray, plan, session, plan.config.threads or 1, self.groups)  # during step-0 eval
+        if session.teacher is None:  # the teacher's reference evaluation runs on the teacher actors, which hold it
+            session.teacher_runner = LazyShards(EVAL_EXECUTORS.get(plan.config.trainer.executor).shards, ray, scorers, console)
         actors = [*rollouts, *scorers, learners[0]]
         names = [*replica_names("rollout", len(rollouts)), *replica_names("teacher", len(scorers)), "learner"]
         trainer = plan.config.trainer
@@ -1126,7 +1253,7 @@ class RayExecutor:
 
         def ready() -> None:
             try:
-                wait_ready(ray, actors, names, console, placement, ray_learner)
+                wait_ready(ray, actors, names, console, placement, ray_learner, run_folder)
                 ray_learner.connect(rollouts, board.keep)
             finally:
                 write_placement(session, placement)
@@ -1152,6 +1279,22 @@ class RayExecutor:
             for actor in every:
                 ray.kill(actor)
             del pinned  # the rollout and teacher actors' constructor arguments, kept alive for their restarts until here
+
+
+class LazyShards:
+    """A shard runner over ``actors`` made by ``make(ray, actors, console)`` (the eval executor's) when first used: their
+    node ids are asked for then, once they are up; one that cannot work (GPUs its torch cannot see) stops the run."""
+
+    def __init__(self, make: Any, ray: ModuleType, actors: list, console: Console) -> None:
+        self.make, self.ray, self.actors, self.console, self.shards = make, ray, actors, console, None
+
+    def run(self, task, shards, *, k: int, sampling):
+        if self.shards is None:
+            failure = next((f for f in ray_get(self.ray, [actor.ready.remote() for actor in self.actors]) if f), None)
+            if failure:
+                raise DeviceUnavailable(failure)
+            self.shards = self.make(self.ray, self.actors, self.console)
+        return self.shards.run(task, shards, k=k, sampling=sampling)
 
 
 RAY_EXECUTOR = RayExecutor()

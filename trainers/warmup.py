@@ -71,6 +71,17 @@ def prepare_model(
     return model, tokenizer, str(target)
 
 
+def load_prepared(spec: ModelSpec, path: str, enable_thinking: bool | None = None):
+    """(model, tokenizer) from the folder :func:`prepare_model` returned for ``spec``, as it returned them: float32, with a
+    pretrained model's chat template set to ``enable_thinking`` (what another process of the run loads)."""
+    model, tokenizer = load_model_and_tokenizer(path)
+    if spec.path is not None and enable_thinking is not None:
+        from opd_harness.models.hub import set_thinking
+
+        set_thinking(tokenizer, enable_thinking)
+    return model, tokenizer
+
+
 def build_model(spec: ModelSpec):
     """(model, tokenizer) built from ``spec.arch``: a tiny shape (float32, character tokenizer) or a published Qwen3
     shape by name (bfloat16, random weights, a stand-in tokenizer with its 151,936-id vocabulary)."""
