@@ -263,6 +263,10 @@ def test_forced_lag_run_logs_staleness_and_measured_supervision_drift(tmp_path):
     assert last["staleness_worst_max"] == lag and last["spans_max"] == 1
     assert last["staleness_mean"] == pytest.approx(sum(min(s - 1, lag) for s in range(1, steps + 1)) / steps)
     assert f"{last['staleness_mean']:.1f} / {lag}" in render_markdown(board)
+    from opd_harness.leaderboard_page import load_board, render_html
+
+    page = render_html(load_board([tmp_path]))
+    assert "stale worst (max)" in page and f'data-sort="{float(lag)!r}">{lag}</td>' in page
 
 
 def test_ray_executor_refuses_teacher_rescoring(tmp_path):
