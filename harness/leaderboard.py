@@ -72,7 +72,7 @@ def leaderboard_rows(store: Store, run_ids: list[str] | None = None) -> list[dic
     return rows
 
 
-STALE = "staleness/trajectory_"  # the learner's per-trajectory off-policy metrics (opd_harness.trainers.pipeline.staleness_metrics)
+STALE = "trajectory_"  # the learner's per-trajectory off-policy metrics (opd_harness.trainers.pipeline.staleness_metrics)
 
 
 def staleness_to(step_metrics: dict[int, dict[str, float]], step: int) -> dict[str, float | None]:

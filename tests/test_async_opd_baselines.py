@@ -16,6 +16,7 @@ from opd_harness.method import StudentOutputs
 from opd_harness.registry import METHODS
 from opd_harness.store import Store
 from opd_harness.teacher_signal import TopKDistribution
+from opd_harness.tracking import step_key
 from opd_harness.trajectory import Segment, Trajectory, to_tensor_batch
 from opd_harness.trainers.objectives.f_opd import AsyncOPDParams, FOPDParams, supervision_drift
 from opd_harness.trainers.objectives.forward_kl import ForwardKLParams, forward_kl_objective
@@ -229,9 +230,12 @@ def test_staleness_metrics_follow_verls_definitions_on_mixed_version_trajectorie
     metrics = staleness_metrics(batch.policy_version, batch.newest_version, learner_version=6)
     spans, newest, worst = [1, 3, 1], [6 - 2, 6 - 4, 6 - 5], [6 - 2, 6 - 2, 6 - 5]
     for name, values in (("trajectory_spans", spans), ("trajectory_staleness", newest), ("trajectory_staleness_worst", worst)):
-        assert metrics[f"staleness/{name}_mean"] == pytest.approx(sum(values) / 3)
-        assert metrics[f"staleness/{name}_max"] == max(values) and metrics[f"staleness/{name}_min"] == min(values)
+        assert metrics[f"{name}_mean"] == pytest.approx(sum(values) / 3)
+        assert metrics[f"{name}_max"] == max(values) and metrics[f"{name}_min"] == min(values)
     assert staleness_metrics(torch.tensor([-1]), torch.tensor([-1]), 3) == {}
+    keys = {step_key(name) for name in metrics}
+    assert "training/off_policy/trajectory_staleness_worst/max" in keys and "training/off_policy/trajectory_spans/mean" in keys
+    assert len(keys) == 9 and all(k.startswith("training/off_policy/") for k in keys)
 
 
 BASE = ["run", "--task", "arith", "--preset", "smoke", "--set", "threads=1", "--set", "eval.teacher=false",
@@ -254,9 +258,9 @@ def test_forced_lag_run_logs_staleness_and_measured_supervision_drift(tmp_path):
         m = metrics[step]
         behind = min(step - 1, lag)  # batch b is made by version max(b − 1 − L, 0) and trained at version b − 1
         for stat in ("mean", "max", "min"):
-            assert m[f"staleness/trajectory_staleness_worst_{stat}"] == behind
-            assert m[f"staleness/trajectory_staleness_{stat}"] == behind  # one version per trajectory here
-            assert m[f"staleness/trajectory_spans_{stat}"] == 1
+            assert m[f"trajectory_staleness_worst_{stat}"] == behind
+            assert m[f"trajectory_staleness_{stat}"] == behind  # one version per trajectory here
+            assert m[f"trajectory_spans_{stat}"] == 1
         assert m["time_rescore_s"] > 0 and 0 <= m["d_sup_mean"] < 1e-6  # measured: the stored context did not change
     board = leaderboard_rows(Store(tmp_path), [run_id])
     last = [r for r in board if r["step"] == steps][0]

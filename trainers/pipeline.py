@@ -284,13 +284,11 @@ def learn(
     metrics.update(learner_perf(model, batch, time.perf_counter() - started, shard))
 
 
-STALENESS = "staleness/"  # prefix of the per-trajectory off-policy metrics (verl's training/off_policy/*)
-
-
 def staleness_metrics(oldest: torch.Tensor, newest: torch.Tensor | None, learner_version: int) -> dict[str, float]:
     """verl's per-trajectory off-policy accounting over the rows with a known version (none: no metrics), each as
     ``_mean``/``_max``/``_min``: ``trajectory_spans`` = newest − oldest + 1 (policy versions a trajectory's tokens came from),
-    ``trajectory_staleness`` = learner version − newest, ``trajectory_staleness_worst`` = learner version − oldest (the lag)."""
+    ``trajectory_staleness`` = learner version − newest, ``trajectory_staleness_worst`` = learner version − oldest (the lag).
+    Trackers get them under verl's keys, ``training/off_policy/<name>/<stat>`` (:func:`opd_harness.tracking.step_key`)."""
     newest = oldest if newest is None else newest
     known = (oldest >= 0) & (newest >= 0)
     if not bool(known.any()):
@@ -302,7 +300,7 @@ def staleness_metrics(oldest: torch.Tensor, newest: torch.Tensor | None, learner
         "trajectory_staleness_worst": learner_version - oldest,
     }
     return {
-        f"{STALENESS}{name}_{stat}": float(getattr(v, stat)())
+        f"{name}_{stat}": float(getattr(v, stat)())
         for name, v in values.items()
         for stat in ("mean", "max", "min")
     }
