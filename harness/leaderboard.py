@@ -25,6 +25,9 @@ COLUMNS = (
     "n_problems",
     "n_errors",
     "samples_per_hour",
+    "staleness_mean",
+    "staleness_worst_max",
+    "spans_max",
     "grader",
     "protocol",
 )
@@ -34,11 +37,15 @@ def leaderboard_rows(store: Store, run_ids: list[str] | None = None) -> list[dic
     """One row per (run, checkpoint step, task) evaluation, with the checkpoint's throughput."""
     runs = {r["run_id"]: r for r in store.runs()}
     throughput = {(c["run_id"], c["step"]): c["samples_per_hour"] for rid in runs for c in store.checkpoints(rid)}
+    steps: dict[str, dict[int, dict[str, float]]] = {}
     rows = []
     for e in store.evals():
         if run_ids and e["run_id"] not in run_ids and e["run_id"].split(".")[0] not in run_ids:
             continue
         run = runs.get(e["run_id"], {})
+        if e["run_id"] not in steps:
+            steps[e["run_id"]] = store.step_metrics(e["run_id"]) if run.get("kind") == "train" else {}
+        stale = staleness_to(steps[e["run_id"]], e["step"])
         rows.append(
             {
                 "run_id": e["run_id"],
@@ -53,6 +60,7 @@ def leaderboard_rows(store: Store, run_ids: list[str] | None = None) -> list[dic
                 "n_problems": e["n_problems"],
                 "n_errors": e["n_errors"],
                 "samples_per_hour": throughput.get((e["run_id"], e["step"])),
+                **stale,
                 "grader": f"{e['grader']} {e['grader_version']}",
                 "protocol": run.get("protocol"),  # the eval run's --protocol; None: none named (and every training run)
                 "created_at": run.get("created_at", 0.0),
@@ -62,6 +70,22 @@ def leaderboard_rows(store: Store, run_ids: list[str] | None = None) -> list[dic
     for r in rows:
         r.pop("created_at")
     return rows
+
+
+STALE = "trajectory_"  # the learner's per-trajectory off-policy metrics (opd_harness.trainers.pipeline.staleness_metrics)
+
+
+def staleness_to(step_metrics: dict[int, dict[str, float]], step: int) -> dict[str, float | None]:
+    """A training run's off-policy accounting over its steps up to ``step``: mean over steps of the mean newest-version
+    staleness, the worst staleness of any trajectory, and the most policy versions one trajectory spans (None: not logged)."""
+    logged = [m for s, m in step_metrics.items() if s <= step and f"{STALE}staleness_mean" in m]
+    if not logged:
+        return {"staleness_mean": None, "staleness_worst_max": None, "spans_max": None}
+    return {
+        "staleness_mean": float(np.mean([m[f"{STALE}staleness_mean"] for m in logged])),
+        "staleness_worst_max": float(max(m[f"{STALE}staleness_worst_max"] for m in logged)),
+        "spans_max": float(max(m[f"{STALE}spans_max"] for m in logged)),
+    }
 
 
 def _fmt(value, digits: int = 3) -> str:
@@ -80,17 +104,26 @@ def _display(row: dict) -> list[str]:
         str(row["k"]),
         str(row["n_problems"]),
         _fmt(row["samples_per_hour"], 0),
+        _staleness_cell(row),
+        _fmt(row.get("spans_max"), 0),
         row.get("protocol") or "-",
     ]
 
 
-HEADERS = ("run", "method", "step", "task", "Avg@k [95% CI]", "k", "problems", "samples/h", "protocol")
+def _staleness_cell(row: dict) -> str:
+    """'newest mean / worst max' versions, or '-' for a run that logged none (an evaluation, or a run before the metric)."""
+    if row.get("staleness_mean") is None:
+        return "-"
+    return f"{_fmt(row['staleness_mean'], 1)} / {_fmt(row['staleness_worst_max'], 0)}"
+
+
+HEADERS = ("run", "method", "step", "task", "Avg@k [95% CI]", "k", "problems", "samples/h", "stale newest/worst", "spans", "protocol")
 
 
 def render_table(rows: list[dict]) -> Table:
     table = Table(title="opd-harness leaderboard")
     for h in HEADERS:
-        table.add_column(h, justify="right" if h in ("step", "k", "problems", "samples/h") else "left")
+        table.add_column(h, justify="right" if h in ("step", "k", "problems", "samples/h", "spans") else "left")
     for row in rows:
         table.add_row(*_display(row))
     return table

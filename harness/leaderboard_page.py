@@ -28,6 +28,7 @@ import numpy as np
 from opd_harness.report import match_key, dotted_get, plot_lag_curve, run_curve, summarize_run, sweep_report
 from opd_harness.config import LAYOUT_ROLES
 from opd_harness.evaluation import GENERIC_SUMMARY_KEYS
+from opd_harness.leaderboard import staleness_to
 from opd_harness.store import Store
 from opd_harness.viewer import EvalRef, merge_payloads, viewer_payload, viewer_section
 
@@ -108,6 +109,7 @@ def _rows(store: Store, info: RunInfo, collapse_threshold: float) -> list[dict]:
                 "samples_per_hour": last_ckpt.get("samples_per_hour"), "relative_throughput": None, "throughput_baseline": None,
                 "collapsed": summary["collapsed"] if summary and info.run["kind"] == "train" and len(scored) > 1 else None,
                 "task_metrics": _task_metrics(last),
+                "staleness": staleness_to(info.steps, last["step"]),
                 "config": info.config,
             }
         )  # fmt: skip
@@ -407,6 +409,9 @@ def main_table(board: Board) -> str:
         "last Avg@k [95% CI] @step",
         "samples/h",
         "rel. throughput",
+        "stale newest (mean)",
+        "stale worst (max)",
+        "spans (max)",
         "collapsed",
         "errors",
         *metric_names,
@@ -421,6 +426,7 @@ def main_table(board: Board) -> str:
             f'<td><a href="#{r["anchor"]}">{e(r["run"])}</a></td>', f"<td>{e(r['method'])}</td>", f"<td>{e(r['mode'])}</td>",
             f"<td>{e(r['task'])}</td>", f'<td class="num">{r["k"]}</td>', _avg_cell(r["best"]), _avg_cell(r["last"]),
             _num(r["samples_per_hour"], 0), rel,
+            _num(r["staleness"]["staleness_mean"], 1), _num(r["staleness"]["staleness_worst_max"], 0), _num(r["staleness"]["spans_max"], 0),
             f'<td data-sort="{"" if r["collapsed"] is None else int(r["collapsed"])}">{collapsed}</td>',
             f'<td class="num">{r["n_errors"]}</td>',
             *[_num(r["task_metrics"].get(name)) for name in metric_names], f"<td>{e(r['grader'])}</td>",

@@ -63,10 +63,17 @@ def _safe(key: str) -> str:
     return _UNSAFE.sub("_", key)
 
 
+OFF_POLICY = re.compile(r"(trajectory_spans|trajectory_staleness|trajectory_staleness_worst)_(mean|max|min)")  # verl's names
+
+
 def step_key(name: str) -> str:
-    """The tracker key of a store step metric: ``STEP_KEYS``, ``time_<stage>_s`` -> ``timing_s/<stage>``, else ``train/<name>``."""
+    """The tracker key of a store step metric: ``STEP_KEYS``, ``time_<stage>_s`` -> ``timing_s/<stage>``,
+    ``trajectory_<x>_<stat>`` -> verl's ``training/off_policy/trajectory_<x>/<stat>``, else ``train/<name>``."""
     if name in STEP_KEYS:
         return STEP_KEYS[name]
+    off_policy = OFF_POLICY.fullmatch(name)
+    if off_policy:
+        return f"training/off_policy/{off_policy[1]}/{off_policy[2]}"
     if name.startswith("time_") and name.endswith("_s") and len(name) > len("time__s"):
         return _safe(f"timing_s/{name[len('time_'):-len('_s')]}")
     return _safe(f"train/{name}")

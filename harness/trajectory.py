@@ -83,6 +83,12 @@ class Trajectory:
         versions = [s.policy_version for s in self.model_segments if s.policy_version is not None]
         return min(versions) if versions else None
 
+    @property
+    def newest_policy_version(self) -> int | None:
+        """The newest policy version that produced any token (equals :attr:`policy_version` unless the episode spans several)."""
+        versions = [s.policy_version for s in self.model_segments if s.policy_version is not None]
+        return max(versions) if versions else None
+
 
 @dataclass
 class TensorBatch:
@@ -109,6 +115,7 @@ class TensorBatch:
     old_logprobs: torch.Tensor | None = None  # (B, T) trainer-recomputed π_old; None ⇒ the current student, detached
     teacher_fresh_logprobs: torch.Tensor | None = None  # (B, T) teacher re-scored at learner time (async)
     policy_lag: torch.Tensor | None = None  # (B,) learner version − behaviour version; None ⇒ 0 (sync)
+    newest_version: torch.Tensor | None = None  # (B,) long: newest policy version among a row's tokens, -1 where unknown
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -142,9 +149,10 @@ def to_tensor_batch(trajectories: list[Trajectory], pad_id: int) -> TensorBatch:
     group_ids = torch.tensor([groups.setdefault((t.task, t.problem_id), len(groups)) for t in trajectories])
     rewards = torch.tensor([float("nan") if t.reward is None else float(t.reward) for t in trajectories])
     versions = torch.tensor([-1 if t.policy_version is None else t.policy_version for t in trajectories])
+    newest = torch.tensor([-1 if t.newest_policy_version is None else t.newest_policy_version for t in trajectories])
     top_ids = student_top_ids(trajectories, width)
     return TensorBatch(input_ids, attention, loss_mask, steps, behaviour, teacher, rewards, versions, group_ids,
-                       student_topk_ids=top_ids)  # fmt: skip
+                       student_topk_ids=top_ids, newest_version=newest)  # fmt: skip
 
 
 def student_top_ids(trajectories: list[Trajectory], width: int) -> torch.Tensor | None:

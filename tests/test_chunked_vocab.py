@@ -28,6 +28,7 @@ CASES = [
     ("eopd", {"entropy_threshold": 2.0}),
     ("eopd", {"gate": "soft", "rkl_estimator": "full", "fkl_top_k": TOP_K}),
     *[(name, {"estimator": "full"}) for name in ("f_opd", "opd_async", "opd_kl", "opd_clipped_iw", "opd_lag_only", "opd_hard_refresh")],
+    ("opd_forward_kl", {}),
 ]
 
 

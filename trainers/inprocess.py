@@ -16,7 +16,7 @@ from opd_harness.config import ConfigError
 from opd_harness.registry import WEIGHT_SYNCS
 from opd_harness.trainers.loop import LearnResult, Roles, Unit, WeightBoard, unit_problems
 from opd_harness.trainers.weight_sync import Published, checksum, engine_dtype, rollout_copy, state_bytes
-from opd_harness.trainers.teacher import output_head
+from opd_harness.trainers.teacher import output_head, rescore_teacher
 from opd_harness.trainers.pipeline import (
     CONCURRENT_ENGINES,
     Session,
@@ -74,9 +74,15 @@ class LocalLearner:
     def train(self, parts: list[TensorBatch], version: int) -> LearnResult:
         batch = concat_batches(parts)
         metrics: dict[str, float] = {}
+        teacher = self.session.teacher
         learn(self.plan, self.session.student.model, self.session.optimizer, batch, self.session.method_state, version, metrics,
-              teacher_head=output_head(self.session.teacher) if self.session.teacher is not None else None)  # fmt: skip
+              teacher_head=output_head(teacher) if teacher is not None else None,
+              rescore=self.rescore if teacher is not None else None)  # fmt: skip
         return LearnResult(metrics, batch.policy_lag.tolist(), response_lengths(batch))
+
+    def rescore(self, batch: TensorBatch) -> torch.Tensor:
+        """T^fresh: the session's teacher scores the batch's sampled tokens now (on the learner's thread)."""
+        return rescore_teacher(self.session.teacher, batch, retries=self.plan.config.teacher.step_retries)
 
     def publish(self, version: int) -> Published:
         """The ``object_store`` transport in process: a copy in the rollout dtype, passed by reference."""

@@ -708,6 +708,7 @@ BASE_INPUTS = frozenset(
         "student_full",
         "step_boundaries",
         "policy_lag",
+        "teacher_fresh_logprobs",  # re-scored by the learner (the in-process executor's; the ray executor refuses a method needing it)
     }
 )
 

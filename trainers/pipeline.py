@@ -247,15 +247,24 @@ def teacher_phase(plan, teacher: Backend, batch: TensorBatch, metrics: dict, ste
 
 
 def learn(
-    plan, model, optimizer, batch: TensorBatch, method_state, learner_version: int, metrics: dict, shard=None, teacher_head=None
+    plan, model, optimizer, batch: TensorBatch, method_state, learner_version: int, metrics: dict, shard=None, teacher_head=None,
+    rescore: Callable[[TensorBatch], torch.Tensor] | None = None,
 ) -> None:
     """One optimizer step (one rank's part of it with a data-parallel ``shard``); policy lag = learner version − behaviour
-    version, per sample. ``teacher_head``: the teacher's output head, for a ``full`` signal that arrived without it."""
+    version, per sample. ``teacher_head``: the teacher's output head, for a ``full`` signal that arrived without it.
+    ``rescore``: the teacher's log-probs of the batch's sampled tokens scored now (T^fresh), for a method that declares
+    ``teacher_fresh_logprobs``."""
     batch.teacher_dist = attach_head(batch.teacher_dist, teacher_head)
+    if "teacher_fresh_logprobs" in plan.method.needs(plan.hparams):
+        if rescore is None:
+            raise RuntimeError(f"method {plan.method.name!r} needs the teacher re-scored at update time, and this learner cannot")
+        with timed("rescore", metrics):
+            batch.teacher_fresh_logprobs = rescore(batch)
     known = batch.policy_version >= 0  # reference responses have no behaviour version
     batch.policy_lag = torch.where(known, learner_version - batch.policy_version, 0).clamp(min=0)
     metrics["lag_mean"] = float(batch.policy_lag.float().mean())
     metrics["lag_max"] = float(batch.policy_lag.max())
+    metrics.update(staleness_metrics(batch.policy_version, batch.newest_version, learner_version))
     trainer, started = plan.config.trainer, time.perf_counter()
     with timed("train", metrics):
         metrics.update(
@@ -266,6 +275,28 @@ def learn(
             )
         )
     metrics.update(learner_perf(model, batch, time.perf_counter() - started, shard))
+
+
+def staleness_metrics(oldest: torch.Tensor, newest: torch.Tensor | None, learner_version: int) -> dict[str, float]:
+    """verl's per-trajectory off-policy accounting over the rows with a known version (none: no metrics), each as
+    ``_mean``/``_max``/``_min``: ``trajectory_spans`` = newest − oldest + 1 (policy versions a trajectory's tokens came from),
+    ``trajectory_staleness`` = learner version − newest, ``trajectory_staleness_worst`` = learner version − oldest (the lag).
+    Trackers get them under verl's keys, ``training/off_policy/<name>/<stat>`` (:func:`opd_harness.tracking.step_key`)."""
+    newest = oldest if newest is None else newest
+    known = (oldest >= 0) & (newest >= 0)
+    if not bool(known.any()):
+        return {}
+    oldest, newest = oldest[known].double(), newest[known].double()
+    values = {
+        "trajectory_spans": newest - oldest + 1,
+        "trajectory_staleness": learner_version - newest,
+        "trajectory_staleness_worst": learner_version - oldest,
+    }
+    return {
+        f"{name}_{stat}": float(getattr(v, stat)())
+        for name, v in values.items()
+        for stat in ("mean", "max", "min")
+    }
 
 
 def learner_perf(model, batch: TensorBatch, seconds: float, shard=None) -> dict[str, float]:

@@ -1209,6 +1209,9 @@ class RayExecutor:
 
     def check(self, plan, console: Console) -> None:
         """Before anything is written: join Ray and reserve the layout once (released again), or :class:`LayoutError`."""
+        if "teacher_fresh_logprobs" in plan.method.needs(plan.hparams):
+            raise ConfigError(f"method_args.{plan.method.name}.rescore_teacher: the ray executor's learner holds no teacher; "
+                              "use --executor inprocess")  # fmt: skip
         layout = plan.config.trainer.layout
         if layout is None:
             return

@@ -176,6 +176,24 @@ def score_teacher(
     times, then raises :class:`TeacherFailed`, so no step trains without them."""
     want = teacher_wants(kind)
     extra = {"token_ids": batch.student_topk_ids} if kind == "student_topk" else {}
+    scores = scores_with_retries(teacher, batch, want, top_k, extra, retries, step)
+    batch.teacher_logprobs = scores["logprobs"].float().cpu() * batch.loss_mask
+    batch.teacher_dist = signal_from_scores(kind, scores, dtype, output_head(teacher), batch.student_topk_ids)
+
+
+@torch.no_grad()
+def rescore_teacher(teacher: Backend, batch: TensorBatch, *, retries: int = 0, step: int | None = None) -> torch.Tensor:
+    """T^fresh: the teacher's log-probs of the sampled tokens scored now, on the batch's context as it is at update time
+    (``input_ids``), (B, T) on the CPU, zero off trained tokens; the batch is left as it is."""
+    scores = scores_with_retries(teacher, batch, ("logprobs",), 0, {}, retries, step)
+    return scores["logprobs"].float().cpu() * batch.loss_mask
+
+
+def scores_with_retries(
+    teacher: Backend, batch: TensorBatch, want: tuple[str, ...], top_k: int, extra: dict, retries: int, step: int | None
+) -> dict[str, torch.Tensor]:
+    """``teacher.score`` of the batch's rows, checked (:func:`check_scores`); tried ``retries`` more times, then
+    :class:`TeacherFailed`."""
     for attempt in range(retries + 1):
         try:
             scores = teacher.score(batch.input_ids, batch.attention_mask, want=want, top_k=top_k, **extra)
@@ -191,8 +209,7 @@ def score_teacher(
                 ) from exc
             log.warning("teacher scoring of %s failed (%s: %s); retry %d/%d", where, type(exc).__name__, exc, attempt + 1, retries)
             time.sleep(RETRY_BACKOFF_S * 2**attempt)
-    batch.teacher_logprobs = scores["logprobs"].float().cpu() * batch.loss_mask
-    batch.teacher_dist = signal_from_scores(kind, scores, dtype, output_head(teacher), batch.student_topk_ids)
+    return scores
 
 
 def signal_from_scores(

@@ -335,6 +335,12 @@ class AsyncOPDParams(HParams):
         description="sampled: ℓ_t = sg(s_t − T_t)·s_t (the paper's); full: exact full-vocabulary reverse KL at each position "
         "against the rollout-time teacher distribution (lower variance at small batches; stale samples only shift the states)",
     )
+    rescore_teacher: bool = Field(
+        False,
+        description="re-score the teacher's log-probs of the sampled tokens at update time on the batch's context as it is then "
+        "(T^fresh): D_sup and U^sup are measured instead of 0 / all tokens and the sampled loss targets T^fresh "
+        "(one more teacher forward per step; in-process executor)",
+    )
 
 
 class FOPDParams(AsyncOPDParams):
@@ -536,7 +542,8 @@ SHARED_NOTES = {
 
 def _needs(hp: HParams) -> frozenset[str]:
     full = getattr(hp, "estimator", "sampled") == "full"
-    return ASYNC_NEEDS | {"teacher_dist", "student_full"} if full else ASYNC_NEEDS
+    needs = ASYNC_NEEDS | {"teacher_dist", "student_full"} if full else ASYNC_NEEDS
+    return needs | {"teacher_fresh_logprobs"} if getattr(hp, "rescore_teacher", False) else needs
 
 
 def _spec(description: str, objective, hparams: type[HParams], make_state=None, notes: dict[str, str] | None = None) -> MethodSpec:
