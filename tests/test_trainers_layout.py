@@ -10,7 +10,7 @@ TRAINERS = Path(__file__).resolve().parents[1] / "trainers"
 
 
 def imported_trainer_modules(path: Path) -> set[str]:
-    """``trainers.*`` modules (not objectives) that ``path`` imports anywhere in its body."""
+    """``opd_harness.trainers.*`` modules (not objectives) that ``path`` imports anywhere in its body."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         names = (
@@ -20,7 +20,7 @@ def imported_trainer_modules(path: Path) -> set[str]:
             if isinstance(node, ast.Import)
             else []
         )
-        found |= {n for n in names if n.startswith("trainers.") and not n.startswith("opd_harness.trainers.objectives")}
+        found |= {n for n in names if n.startswith("opd_harness.trainers.") and not n.startswith("opd_harness.trainers.objectives")}
     return found
 
 
