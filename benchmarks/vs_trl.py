@@ -218,6 +218,12 @@ def quartiles(values: list[float]) -> str:
     return f"{med:.3f} [{q1:.3f}, {q3:.3f}]"
 
 
+def report(side: str, steps: list[dict]) -> None:
+    """One process's kept steps, as it finishes."""
+    print(f"  {side:8s} process: " + "  ".join(f"{phase} {statistics.median(r[phase] for r in steps):.3f}" for phase in PHASES)
+          + f" s (medians of {len(steps)}); load {load()}", flush=True)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trl-python", help="an interpreter with TRL installed (the TRL side's process)")
@@ -248,6 +254,7 @@ def main() -> None:
     spec["fixed"], losses["harness"] = first[0]["fixed_batch"], first[0]["loss"]
     (root / "spec.json").write_text(json.dumps(spec))
     kept["harness"] += first[1 + args.warmup :]
+    report("harness", first[1 + args.warmup :])
     order = ["trl", "trl", "harness"] + [s for r in range(1, args.rounds) for s in (("harness", "trl", "trl", "harness") if r % 2
                                                                                     else ("trl", "harness", "harness", "trl"))]  # fmt: skip
     for side in order:
@@ -255,8 +262,7 @@ def main() -> None:
         losses.setdefault(side, rows[0]["loss"])
         steps = rows[1 + args.warmup :]
         kept[side] += steps
-        print(f"  {side:8s} step medians {statistics.median(r['step'] for r in steps):.3f} s; load {load()}",
-              flush=True)  # fmt: skip
+        report(side, steps)
     for side in ("harness", "trl"):
         print(f"{side:8s} n={len(kept[side])}: " + "  ".join(f"{phase} {quartiles([r[phase] for r in kept[side]])}" for phase in PHASES))
     h, t = (statistics.median(r["step"] for r in kept[s]) for s in ("harness", "trl"))

@@ -75,12 +75,14 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 def counts_of(sample, logits: torch.Tensor, draws: int, rows: int = 500) -> torch.Tensor:
-    """Token counts of ``draws`` draws of ``sample(batch of rows logits, generators)`` (fixed seeds)."""
-    generators = [torch.Generator().manual_seed(s) for s in range(rows)]
+    """Token counts of ``draws`` draws of ``sample(batch of rows logits, uniforms (rows,))``, each row's uniforms from its
+    own fixed seed (drawn all at once per row, as the hf engine does)."""
+    steps = draws // rows
+    uniforms = RowUniforms([torch.Generator().manual_seed(s) for s in range(rows)], steps)
     batch = logits.expand(rows, -1)
     counts = torch.zeros(logits.shape[-1], dtype=torch.long)
-    for _ in range(draws // rows):
-        tokens, valid = sample(batch, generators)
+    for _ in range(steps):
+        tokens, valid = sample(batch, uniforms.next())
         assert valid.all()
         counts += torch.bincount(tokens, minlength=logits.shape[-1])
     return counts
@@ -91,10 +93,11 @@ LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -4.0, -30.0, 0
 
 @pytest.mark.parametrize("setting", SETTINGS)
 def test_the_batched_draw_samples_the_tempered_top_k_top_p_distribution(setting):
+    """What ``draw_rows`` and ``RowSampler`` draw (both are this inverse CDF, see above) against the distribution itself."""
     temperature, top_p, top_k = setting
     probs = nucleus_probs(LOGITS[None], temperature, top_p, top_k)[0]
     probs = probs / probs.sum()
-    counts = counts_of(lambda batch, gens: draw_rows(batch, temperature, top_p, gens, top_k), LOGITS, 60_000)
+    counts = counts_of(lambda batch, u: inverse_cdf(nucleus_probs(batch, temperature, top_p, top_k), u), LOGITS, 60_000)
     assert chi_square_p(counts, probs) > 1e-4
     assert (counts[probs == 0] == 0).all()  # tokens cut by top-k / top-p are never drawn
 
@@ -103,9 +106,9 @@ def test_the_chi_square_test_rejects_a_slightly_biased_sampler():
     """The same test on a sampler whose uniforms are skewed (u^1.05, about one point of mass moved between tokens) fails:
     the test above is tight enough to see a biased draw."""
     probs = torch.softmax(LOGITS, -1)
-    biased = lambda batch, gens: inverse_cdf(torch.softmax(batch, -1), next_uniforms(gens) ** 1.05)  # noqa: E731
+    biased = lambda batch, u: inverse_cdf(torch.softmax(batch, -1), u**1.05)  # noqa: E731
     assert chi_square_p(counts_of(biased, LOGITS, 60_000), probs) < 1e-6
-    tempered = lambda batch, gens: draw_rows(batch, 1.1, 1.0, gens)  # noqa: E731  the wrong temperature
+    tempered = lambda batch, u: inverse_cdf(nucleus_probs(batch, 1.1, 1.0), u)  # noqa: E731  the wrong temperature
     assert chi_square_p(counts_of(tempered, LOGITS, 60_000), probs) < 1e-6
 
 
