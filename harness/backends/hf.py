@@ -144,7 +144,8 @@ class HFBackend:
         The sampler sees the float32 logits generate hands its processors: the raw logits, bit for bit what
         ``output_logits`` kept before, as long as the generation config adds no processor of its own under
         ``do_sample=False`` (e.g. ``repetition_penalty``; Qwen3's and the tiny models' add none)."""
-        sampler = ScoredRowSampler(seeds, params.temperature, params.top_p, self.device, top_ids=params.top_logprobs, top_k=params.top_k)
+        sampler = ScoredRowSampler(seeds, params.temperature, params.top_p, self.device, top_ids=params.top_logprobs, top_k=params.top_k,
+                                   block=params.max_new_tokens)  # fmt: skip
         kwargs.update(logits_processor=LogitsProcessorList([sampler]), **self._generate_options())
         result = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
         new_tokens = result.sequences[:, ids.shape[1] :]
