@@ -6,6 +6,7 @@ phase when.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import threading
@@ -32,7 +33,7 @@ from opd_harness.trainers.learner import behaviour_mismatch, old_logprobs_redund
 from opd_harness.trainers.perf import flop_params, step_perf
 from opd_harness.teacher_signal import attach_head
 from opd_harness.trainers.teacher import open_remote_teacher, score_teacher, teacher_label, wrap_hf_teacher
-from opd_harness.trainers.warmup import prepare_model
+from opd_harness.trainers.warmup import describe_warmup, prepare_model, warmup_record
 
 TEACHER_SUFFIX = ".teacher"
 
@@ -318,6 +319,18 @@ def _scheduler_factory(cfg):
     return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0)
 
 
+def record_warmups(store: Store, run_id: str, console: Console, paths: dict[str, str | None]) -> dict[str, dict]:
+    """Store and print what the warm-ups of the run's models did and reached (``warmup.json`` in the run folder, the run
+    row's ``warmup``); a model with no record (pretrained, or not warmed up) is left out."""
+    records = {role: rec for role, path in paths.items() if path is not None and (rec := warmup_record(path)) is not None}
+    if records:
+        store.set_warmup(run_id, records)
+        (store.run_dir(run_id) / "warmup.json").write_text(json.dumps(records, indent=2, sort_keys=True))
+    for role, rec in records.items():
+        console.print(f"{role} warm-up: {describe_warmup(rec)}", highlight=False)
+    return records
+
+
 @dataclass
 class Session:
     """A training run in progress: models, optimizer, counters, and the store it reports to."""
@@ -353,6 +366,7 @@ class Session:
         student_model, student_tok, student_path = prepare_model(
             cfg.student, "student", plan.task, plan.train_problems, store.root, enable_thinking=cfg.trainer.enable_thinking
         )
+        record_warmups(store, run_id, console, {"teacher": teacher_path if local_teacher else None, "student": student_path})
         device = driver_device(cfg.trainer)
         student_model.to(device)  # before the optimizer is built (fused AdamW on CUDA) or a checkpoint's state loaded into it
         if cfg.trainer.activation_checkpointing:
