@@ -739,6 +739,7 @@ def fit_preset_models(preset: dict, task: str, options: dict) -> dict:
         spec = dict(out.get(role) or {})
         if spec.get("sft_steps", 0) > 0 and not cls.provides_references:
             spec["sft_steps"] = 0
+            spec.pop("sft_target", None)  # no warm-up, so no quality for it to reach
         if (
             isinstance(spec.get("arch"), dict)
             and isinstance(budget, int)
@@ -756,7 +757,7 @@ def without_tiny_teacher(preset: dict, user: dict) -> dict:
     backend = (user.get("teacher") or {}).get("backend")
     if backend in (None, "hf") or "teacher" not in preset:
         return preset
-    tiny = {"arch", "sft_steps", "sft_lr", "sft_batch_size", "seed"}
+    tiny = {"arch", "sft_steps", "sft_lr", "sft_batch_size", "seed", "sft_target"}
     return {**preset, "teacher": {k: v for k, v in preset["teacher"].items() if k not in tiny}}
 
 
@@ -787,7 +788,7 @@ def names_a_model(user: dict, role: str) -> bool:
 def without_preset_models(preset: dict, user: dict) -> dict:
     """A preset's tiny model (``arch``, warm-up) gives way to a model the user names for that role (``--student DIR``,
     ``--set teacher.path=ID``): a named model is loaded, never built or warmed up here."""
-    tiny = {"arch", "path", "sft_steps", "sft_lr", "sft_batch_size"}
+    tiny = {"arch", "path", "sft_steps", "sft_lr", "sft_batch_size", "sft_target"}
     out = dict(preset)
     for role in ("student", "teacher"):
         named = {"path", "arch"} & set((user.get(role) or {}) if isinstance(user.get(role), dict) else {})

@@ -112,3 +112,12 @@ def test_the_held_out_problems_are_disjoint_from_the_sft_data_and_their_duplicat
 def test_a_target_that_cannot_be_run_is_refused(fields, message):
     with pytest.raises(ValidationError, match=message):
         ModelSpec(**{"arch": ARCH, "sft_target": {"avg_at_k": 0.5, "max_steps": 2}, **fields})
+
+
+def test_a_named_or_served_teacher_drops_the_presets_warm_up_target():
+    from opd_harness.config import build_config
+
+    for overrides in (["teacher.path=/some/teacher"], ["teacher.backend=openai", "teacher.base_url=http://host:1/v1"]):
+        cfg = build_config(preset="tool-demo", overrides=overrides)
+        assert cfg.teacher.sft_target is None and cfg.teacher.sft_steps == 0
+    assert build_config(preset="tool-demo").teacher.sft_target.avg_at_k == 0.85
