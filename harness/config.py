@@ -25,6 +25,25 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class SFTTarget(Strict):
+    """The held-out quality a tiny model's supervised warm-up must reach: rounds of ``sft_steps`` one-cycle SFT steps, each
+    followed by Avg@k on ``heldout`` training problems kept out of the SFT data, until ``avg_at_k`` or ``max_steps``."""
+
+    avg_at_k: float = Field(ge=0.0, le=1.0, description="held-out Avg@k the warm-up trains until (checked after every round of sft_steps)")
+    max_steps: int = Field(ge=1, description="cap on the SFT steps of all rounds together (a multiple of sft_steps)")
+    heldout: int = Field(50, ge=1, description="training problems held out of the SFT data and evaluated after each round")
+    k: int = Field(4, ge=1, description="episodes per held-out problem (Avg@k)")
+    temperature: float = Field(1.0, gt=0.0, description="sampling temperature of the held-out episodes")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling of the held-out episodes (set it as eval.top_p is)")
+    on_miss: Literal["fail", "warn"] = Field(
+        "fail",
+        description=(
+            "when max_steps ends the warm-up below avg_at_k: fail (the run stops, exit 2, naming this key) or warn (the run goes on "
+            "with the model, recorded and printed as below its target)"
+        ),
+    )
+
+
 class ModelSpec(Strict):
     """Either a pretrained model (``path``: local dir or hub id) or a tiny model built from ``arch``."""
 
@@ -40,6 +59,13 @@ class ModelSpec(Strict):
     sft_lr: float = Field(3e-3, gt=0)
     sft_batch_size: int = Field(64, ge=1)
     seed: int = 0
+    sft_target: SFTTarget | None = Field(
+        None,
+        description=(
+            "warm up until this held-out quality (rounds of sft_steps, checked on training problems kept out of the SFT data) "
+            "instead of a fixed sft_steps; what it reached is recorded with the run (opd_harness.trainers.warmup)"
+        ),
+    )
 
     @field_validator("arch", mode="before")
     @classmethod
@@ -52,6 +78,18 @@ class ModelSpec(Strict):
     @model_validator(mode="after")
     def _one_source(self) -> "ModelSpec":
         check_one_source(self)
+        return self
+
+    @model_validator(mode="after")
+    def _target_needs_warmup(self) -> "ModelSpec":
+        """sft_target: a tiny model warmed up here, in whole rounds of sft_steps."""
+        target = self.sft_target
+        if target is None:
+            return self
+        if not self.sft_steps or not isinstance(self.arch, TinyArch):
+            raise ValueError("sft_target needs a tiny model warmed up here: a tiny arch and sft_steps > 0 (the length of one round)")
+        if target.max_steps % self.sft_steps:
+            raise ValueError(f"sft_target.max_steps ({target.max_steps}) must be a multiple of sft_steps ({self.sft_steps}): whole rounds")
         return self
 
 
@@ -701,6 +739,7 @@ def fit_preset_models(preset: dict, task: str, options: dict) -> dict:
         spec = dict(out.get(role) or {})
         if spec.get("sft_steps", 0) > 0 and not cls.provides_references:
             spec["sft_steps"] = 0
+            spec.pop("sft_target", None)  # no warm-up, so no quality for it to reach
         if (
             isinstance(spec.get("arch"), dict)
             and isinstance(budget, int)
@@ -718,7 +757,7 @@ def without_tiny_teacher(preset: dict, user: dict) -> dict:
     backend = (user.get("teacher") or {}).get("backend")
     if backend in (None, "hf") or "teacher" not in preset:
         return preset
-    tiny = {"arch", "sft_steps", "sft_lr", "sft_batch_size", "seed"}
+    tiny = {"arch", "sft_steps", "sft_lr", "sft_batch_size", "seed", "sft_target"}
     return {**preset, "teacher": {k: v for k, v in preset["teacher"].items() if k not in tiny}}
 
 
@@ -749,7 +788,7 @@ def names_a_model(user: dict, role: str) -> bool:
 def without_preset_models(preset: dict, user: dict) -> dict:
     """A preset's tiny model (``arch``, warm-up) gives way to a model the user names for that role (``--student DIR``,
     ``--set teacher.path=ID``): a named model is loaded, never built or warmed up here."""
-    tiny = {"arch", "path", "sft_steps", "sft_lr", "sft_batch_size"}
+    tiny = {"arch", "path", "sft_steps", "sft_lr", "sft_batch_size", "sft_target"}
     out = dict(preset)
     for role in ("student", "teacher"):
         named = {"path", "arch"} & set((user.get(role) or {}) if isinstance(user.get(role), dict) else {})

@@ -45,6 +45,7 @@ CREATE TABLE IF NOT EXISTS samples (
 ADDED_COLUMNS = (
     ("evals", "metrics_json", "TEXT"), ("samples", "metrics_json", "TEXT"), ("samples", "episode_json", "TEXT"),
     ("runs", "protocol", "TEXT"),  # the evaluation protocol of an eval run (harness eval --protocol); NULL: none named
+    ("runs", "warmup_json", "TEXT"),  # a train run's warm-up records by role (opd_harness.trainers.warmup.warmup_record); NULL: none
 )  # columns newer than the first schema (an older store gains them, NULL in its rows, when it is opened)
 EVAL_COLUMNS = ("k", "n_samples", "n_problems", "avg_at_k", "ci_low", "ci_high", "pass_at_k", "n_errors")  # summary keys with columns
 
@@ -166,7 +167,15 @@ class Store:
             return None
         out = dict(row)
         out["config"] = json.loads(out.pop("config_json"))
+        out["warmup"] = json.loads(out.pop("warmup_json") or "{}")
         return out
+
+    def set_warmup(self, run_id: str, records: dict[str, dict]) -> None:
+        """Record what the warm-ups of a run's models did and reached, by role (``teacher``, ``student``)."""
+        with self._tx() as c:
+            c.execute(
+                "UPDATE runs SET warmup_json=?, updated_at=? WHERE run_id=?", (json.dumps(records, sort_keys=True), time.time(), run_id)
+            )
 
     def runs(self) -> list[dict]:
         return [

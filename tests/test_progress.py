@@ -72,7 +72,7 @@ def test_warmed_up_models_say_they_are_cached_and_then_loaded(tmp_path, capsys):
         prepare_model(spec, "teacher", task, task.load("train")[:8], tmp_path)
     err = capsys.readouterr().err
     assert "teacher: cached at " in err and "the next run with the same teacher and task loads it from there" in err
-    assert "teacher: loaded from " in err and "(2 SFT steps done by an earlier run)" in err
+    assert "teacher: loaded from " in err and "(2 SFT steps (seed 0, " in err and "done by an earlier run)" in err
 
 
 def test_the_cpu_demo_states_how_long_it_takes_and_that_its_models_are_cached(tmp_path, monkeypatch):

@@ -6,6 +6,7 @@ phase when.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -34,7 +35,7 @@ from opd_harness.trainers.learner import behaviour_mismatch, old_logprobs_redund
 from opd_harness.trainers.perf import flop_params, step_perf
 from opd_harness.teacher_signal import attach_head
 from opd_harness.trainers.teacher import open_remote_teacher, score_teacher, teacher_label, wrap_hf_teacher
-from opd_harness.trainers.warmup import prepare_model
+from opd_harness.trainers.warmup import describe_warmup, prepare_model, warmup_record
 
 TEACHER_SUFFIX = ".teacher"
 
@@ -372,6 +373,17 @@ def prepare_models(plan, root: Path) -> PreparedModels:
         raise ValueError("student and teacher tokenizers differ; per-token distillation needs a shared vocabulary")
     return PreparedModels(student_path, teacher_path)
 
+def record_warmups(store: Store, run_id: str, console: Console, paths: dict[str, str | None]) -> dict[str, dict]:
+    """Store and print what the warm-ups of the run's models did and reached (``warmup.json`` in the run folder, the run
+    row's ``warmup``); a model with no record (pretrained, or not warmed up) is left out."""
+    records = {role: rec for role, path in paths.items() if path is not None and (rec := warmup_record(path)) is not None}
+    if records:
+        store.set_warmup(run_id, records)
+        (store.run_dir(run_id) / "warmup.json").write_text(json.dumps(records, indent=2, sort_keys=True))
+    for role, rec in records.items():
+        console.print(f"{role} warm-up: {describe_warmup(rec)}", highlight=False)
+    return records
+
 
 @dataclass
 class Session:
@@ -424,6 +436,7 @@ class Session:
         student_model, student_tok, student_path = prepare_model(
             cfg.student, "student", plan.task, plan.train_problems, store.root, enable_thinking=cfg.trainer.enable_thinking
         )
+        record_warmups(store, run_id, console, {"teacher": teacher_path if local_teacher else None, "student": student_path})
         device = driver_device(cfg.trainer)
         student_model.to(device)  # before the optimizer is built (fused AdamW on CUDA) or a checkpoint's state loaded into it
         if cfg.trainer.activation_checkpointing:
@@ -475,6 +488,7 @@ class Session:
         """The session of a run whose models live in actors: paths, counters and the learning-rate schedule (restored
         from the last checkpoint's ``trainer_state.pt`` when resuming; the learner loads its weights and optimizer)."""
         cfg = plan.config
+        record_warmups(store, run_id, console, {"teacher": prepared.teacher_path, "student": prepared.student_path})
         optimizer, scheduler_factory = schedule_optimizer(cfg), _scheduler_factory(cfg)
         state, scheduler = TrainState(), None
         last = _last_checkpoint(store, run_id) if resume else None
