@@ -15,8 +15,11 @@ step() { echo "  newer_python: $1 at $((SECONDS - start)) s"; }
 
 # 1. The image: Debian trixie's python3 (3.13) and venv, nothing from PyPI.
 if ! docker image inspect "$image" > /dev/null 2>&1; then
-  [ -f "$cache/trixie.tar" ] || mmdebstrap --variant=apt --format=tar --quiet --include=python3,python3-venv \
-    --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' trixie "$cache/trixie.tar"
+  if [ ! -f "$cache/trixie.tar" ]; then   # written under another name first: an interrupted build is never reused
+    mmdebstrap --variant=apt --format=tar --quiet --include=python3,python3-venv \
+      --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' trixie "$cache/trixie.partial.tar"
+    mv "$cache/trixie.partial.tar" "$cache/trixie.tar"
+  fi
   docker import -c 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' -c 'ENV LANG=C.UTF-8' \
     "$cache/trixie.tar" "$image" > /dev/null
 fi
