@@ -15,7 +15,7 @@ pip=$work/venv/bin/pip
 # check NAME PIP-ARGS...: one dry-run resolution; prints what it would install, or pip's conflict.
 check() {
   local name=$1; shift
-  if "$pip" install --dry-run --ignore-installed -q --only-binary=:all: --report "$work/$name.json" "$@" > "$work/$name.log" 2>&1; then
+  if "$pip" install --dry-run --ignore-installed --only-binary=:all: --report "$work/$name.json" "$@" > "$work/$name.log" 2>&1; then
     python3 - "$work/$name.json" "$name" <<'PY'
 import json, sys
 pins = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in json.load(open(sys.argv[1]))["install"]}
@@ -23,7 +23,7 @@ picked = " ".join(f"{n} {pins[n]}" for n in ("torch", "transformers", "numpy", "
 print(f"  resolve {sys.argv[2]}: ok, {len(pins)} distributions ({picked})")
 PY
   else
-    echo "  resolve $name: FAILED"; grep -v "is ignored" "$work/$name.log" | tail -n 30; return 1
+    echo "  resolve $name: FAILED"; grep -v "is ignored" "$work/$name.log" | grep -A 20 -E "conflict is caused|^ERROR" | head -n 40; return 1
   fi
 }
 pids=()
