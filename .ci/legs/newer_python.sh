@@ -28,6 +28,7 @@ step "image ready"
 # 2. The wheels for CPython 3.13 (the resolution itself is the 3.13 check of resolve.sh, here made real). pip download
 # --python-version needs binary wheels only: the few lock entries published only as pure-Python sdists are built first.
 python3 -m venv "$cache/pipvenv"
+"$cache/pipvenv/bin/pip" install -q pip==26.3 2>&1 | grep -v "is ignored" || true   # as in resolve.sh
 .ci/sdist_wheels.sh "$cache/pipvenv/bin/pip" "$cache/wheels"
 "$cache/pipvenv/bin/pip" download -q --python-version 3.13 --only-binary=:all: --find-links "$cache/wheels" -d "$cache/wheels" \
   -c requirements/ci.lock torch==2.13.0 '.[dev]' setuptools 2>&1 | grep -v "is ignored" || true

@@ -10,6 +10,9 @@ trap 'echo "leg resolve: $((SECONDS - start)) s"' EXIT
 work=$(mktemp -d /tmp/opd-resolve-leg.XXXXXX)
 python3 -m venv "$work/venv"
 pip=$work/venv/bin/pip
+# pip 23.2 (the venv default of Python 3.11.7) refuses pymdown-extensions 13.1.2 with --python-version 3.11 --only-binary;
+# 26.3 resolves it (measured).
+"$pip" install -q pip==26.3 2>&1 | grep -v "is ignored" || true
 .ci/sdist_wheels.sh "$pip" "$work/wheels"   # --only-binary=:all: needs wheels for the three sdist-only lock entries
 
 # check NAME PIP-ARGS...: one dry-run resolution; prints what it would install, or pip's conflict.
