@@ -11,7 +11,7 @@ work=$(mktemp -d /tmp/opd-resolve-leg.XXXXXX)
 python3 -m venv "$work/venv"
 pip=$work/venv/bin/pip
 # pip 23.2 (the venv default of Python 3.11.7) refuses pymdown-extensions 13.1.2 with --python-version 3.11 --only-binary;
-# 26.3 resolves it (measured).
+# 26.3 resolved the same lock for 3.13 (measured); not yet run for 3.11.
 "$pip" install -q pip==26.3 2>&1 | grep -v "is ignored" || true
 .ci/sdist_wheels.sh "$pip" "$work/wheels"   # --only-binary=:all: needs wheels for the three sdist-only lock entries
 
