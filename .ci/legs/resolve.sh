@@ -10,8 +10,8 @@ trap 'echo "leg resolve: $((SECONDS - start)) s"' EXIT
 work=$(mktemp -d /tmp/opd-resolve-leg.XXXXXX)
 python3 -m venv "$work/venv"
 pip=$work/venv/bin/pip
-# pip 23.2 (the venv default of Python 3.11.7) refuses pymdown-extensions 13.1.2 with --python-version 3.11 --only-binary;
-# 26.3 resolved the same lock for 3.13 (measured); not yet run for 3.11.
+# With pip 23.2 (Python 3.11.7's venv default) the 3.11 check failed (pymdown-extensions 13.1.2 reported unavailable)
+# while 3.12 and 3.13 passed; cause not yet found. A newer pip is tried (26.3 resolved the lock for 3.13; 3.11 not rerun).
 "$pip" install -q pip==26.3 2>&1 | grep -v "is ignored" || true
 .ci/sdist_wheels.sh "$pip" "$work/wheels"   # --only-binary=:all: needs wheels for the three sdist-only lock entries
 
