@@ -13,10 +13,10 @@ image=opd-py313:trixie
 mkdir -p "$cache/wheels"
 step() { echo "  newer_python: $1 at $((SECONDS - start)) s"; }
 
-# 1. The image: Debian trixie's python3 (3.13) and venv, nothing from PyPI.
+# 1. The image: Debian trixie's python3 (3.13), venv, git (the local-sandbox SWE-bench agent tests) and procps; nothing from PyPI.
 if ! docker image inspect "$image" > /dev/null 2>&1; then
   if [ ! -f "$cache/trixie.tar" ]; then   # written under another name first: an interrupted build is never reused
-    mmdebstrap --variant=apt --format=tar --quiet --include=python3,python3-venv \
+    mmdebstrap --variant=apt --format=tar --quiet --include=python3,python3-venv,git,procps \
       --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' trixie "$cache/trixie.partial.tar"
     mv "$cache/trixie.partial.tar" "$cache/trixie.tar"
   fi
