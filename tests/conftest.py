@@ -160,3 +160,15 @@ def ray_cluster():
     left = cluster.stop()
     remove_cluster_dir(cluster)
     assert not left, f"processes of the test cluster still alive: {left}"
+
+
+def pytest_collection_modifyitems(items):
+    """Mark ``ray`` (a test in a test_ray_* module or using a Ray fixture: ray_cluster, local_ray, ...) and ``browser``
+    (the headless Chromium fixture), so that ``-m "not docker and not ray and not browser"`` selects the tests that need
+    none of those services (the newer-Python CI leg, .ci/legs/newer_python.sh)."""
+    for item in items:
+        fixtures = getattr(item, "fixturenames", ())
+        if item.path.name.startswith("test_ray_") or any("ray" in name.split("_") for name in fixtures):
+            item.add_marker(pytest.mark.ray)
+        if "chromium" in fixtures:
+            item.add_marker(pytest.mark.browser)

@@ -17,8 +17,9 @@ DOCS = [ROOT / "README.md", ROOT / "DEVELOPERS.md", *sorted((ROOT / "docs").glob
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")  # [text](target) with a relative target
 UP = re.compile(r"(?:\.\./)+[\w.\-/]*")  # a relative path that climbs: ../x, ../../y/z
 README_COMMANDS = (  # .ci/run runs the second verbatim, the tests' set-up is the first
-    "python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e . && .venv/bin/harness run --preset cpu-demo",
-    "python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e '.[dev]' && .venv/bin/python -m pytest -q",
+    "python3 -m venv .venv && .venv/bin/pip install -q -c requirements/ci.lock torch==2.13.0 -e . "
+    "&& .venv/bin/harness run --preset cpu-demo",
+    "python3 -m venv .venv && .venv/bin/pip install -q -c requirements/ci.lock torch==2.13.0 -e '.[dev]' && .venv/bin/python -m pytest -q",
 )
 
 sys.path.insert(0, str(ROOT / "docs"))

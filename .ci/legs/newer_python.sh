@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Newer-Python leg: the unit tests on Python 3.13, in a container built from Debian trixie's packages with the sandbox's
+# image tooling (mmdebstrap + docker import, never docker pull). The host downloads the wheels for CPython 3.13 (binary
+# wheels only, the lock's versions; torch 2.13.0 for cp313 exists only as the CUDA build, which runs on the CPU), the
+# container installs them with no network and runs every test not marked docker, ray, browser or slow.
+# Needs a running dockerd and mmdebstrap (.ci/run sets both up) and network for pip. Prints "leg newer_python: N s".
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+start=$SECONDS
+trap 'echo "leg newer_python: $((SECONDS - start)) s"' EXIT
+cache=${NEWER_PYTHON_CACHE:-.cache/newer-python}    # git-ignored; the rootfs tarball and the wheels are reused when present
+image=opd-py313:trixie
+mkdir -p "$cache/wheels"
+step() { echo "  newer_python: $1 at $((SECONDS - start)) s"; }
+
+# 1. The image: Debian trixie's python3 (3.13), venv, git (the local-sandbox SWE-bench agent tests) and procps; nothing from PyPI.
+if ! docker image inspect "$image" > /dev/null 2>&1; then
+  if [ ! -f "$cache/trixie.tar" ]; then   # written under another name first: an interrupted build is never reused
+    mmdebstrap --variant=apt --format=tar --quiet --include=python3,python3-venv,git,procps \
+      --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-exclude=/usr/share/man/*' trixie "$cache/trixie.partial.tar"
+    mv "$cache/trixie.partial.tar" "$cache/trixie.tar"
+  fi
+  docker import -c 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' -c 'ENV LANG=C.UTF-8' \
+    "$cache/trixie.tar" "$image" > /dev/null
+fi
+step "image ready"
+
+# 2. The wheels for CPython 3.13 (the resolution itself is the 3.13 check of resolve.sh, here made real). pip download
+# --python-version needs binary wheels only: the few lock entries published only as pure-Python sdists are built first.
+python3 -m venv "$cache/pipvenv"
+"$cache/pipvenv/bin/pip" install -q pip==26.3 2>&1 | grep -v "is ignored" || true   # as in resolve.sh
+.ci/sdist_wheels.sh "$cache/pipvenv/bin/pip" "$cache/wheels"
+"$cache/pipvenv/bin/pip" download -q --python-version 3.13 --only-binary=:all: --find-links "$cache/wheels" -d "$cache/wheels" \
+  -c requirements/ci.lock torch==2.13.0 '.[dev]' setuptools 2>&1 | grep -v "is ignored" || true
+ls "$cache"/wheels/torch-2.13.0-cp313-*.whl > /dev/null   # the download above failed if torch is missing
+step "wheels downloaded ($(du -sh "$cache/wheels" | cut -f1))"
+
+# 3. Install and test in the container, offline: the checkout's tracked and untracked-but-not-ignored files only.
+mkdir -p "$cache/src" && rm -rf "$cache/src"/* && git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$cache/src"
+docker run --rm --network none -v "$PWD/$cache/src:/src:ro" -v "$PWD/$cache/wheels:/wheels:ro" \
+  -v "${HARNESS_DATA_DIR:-$PWD/../shared/data}:/data:ro" "$image" bash -euo pipefail -c '
+    python3 --version
+    cp -r /src /work && cd /work
+    python3 -m venv /venv
+    /venv/bin/pip install -q --no-index --find-links /wheels -c requirements/ci.lock torch==2.13.0 -e ".[dev]"
+    echo "  newer_python: installed $(/venv/bin/python -c "import torch, transformers; print(\"torch\", torch.__version__, \"transformers\", transformers.__version__)")"
+    HARNESS_DATA_DIR=/data OMP_NUM_THREADS=2 /venv/bin/python -m pytest -q -p no:cacheprovider -m "not docker and not ray and not browser and not slow and not gpu"'
