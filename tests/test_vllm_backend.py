@@ -324,6 +324,18 @@ def test_load_weights_updates_the_engine_in_memory_and_checks_it(fake_backend):
     assert torch.equal(model.params["model.norm.weight"], state["model.norm.weight"] + 1) and fake_backend.version == 8
 
 
+def test_the_rollout_compares_the_backends_loaded_checksum_with_the_learners(fake_backend):
+    """check_loaded (what every rollout runs after load_weights) reads vLLM's loaded_checksum: a transport that altered the
+    weights before they reached the backend is refused even though the engine took what it was handed."""
+    from opd_harness.trainers.weight_sync import check_loaded
+
+    state = new_weights()
+    fake_backend.load_weights(state, version=2)
+    check_loaded(fake_backend, checksum(state), 2)
+    with pytest.raises(WeightSyncError, match="did not take weights version 2"):
+        check_loaded(fake_backend, checksum({k: v * 2 for k, v in state.items()}), 2)
+
+
 @pytest.mark.parametrize(("fault", "message"), [("stale", r"its weights did not change \(a stale load\)"), ("corrupt", "a corrupt load")])
 def test_a_stale_or_corrupt_load_is_refused_and_nothing_is_bumped(fake_backend, fault, message):
     fake_backend.llm.worker.fault = fault
