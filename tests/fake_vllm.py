@@ -38,8 +38,8 @@ MAX_TEMP_CLAMP = 1e-2  # vllm.sampling_params._MAX_TEMP
 EOS = 1
 
 
-class VLLMValidationError(ValueError):
-    """vLLM's ``VLLMValidationError`` is a ``ValueError``."""
+class VLLMValidationError(Exception):
+    """vLLM 0.33's ``VLLMValidationError`` is a ``VLLMClientError``, not a ``ValueError`` (``vllm/exceptions.py``)."""
 
 
 def lp(value: float, rank: int | None = None):
@@ -310,7 +310,8 @@ class FakeLLM:
             if sp.get(key) is not None and sp[key] > self.max_logprobs:
                 raise VLLMValidationError(f"Requested {key} of {sp[key]}, which is greater than max allowed: {self.max_logprobs}")
 
-    def generate(self, prompts, sampling_params, use_tqdm=True):
+    def generate(self, prompts, sampling_params=None, *, use_tqdm=True, lora_request=None, priority=None, tokenization_kwargs=None,
+                 mm_processor_kwargs=None):  # fmt: skip
         self.calls.append((prompts, sampling_params))
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
@@ -422,7 +423,8 @@ class HFEngineLLM(FakeLLM):
         ]
         return SimpleNamespace(prompt_logprobs=None, outputs=samples)
 
-    def generate(self, prompts, sampling_params, use_tqdm=True):
+    def generate(self, prompts, sampling_params=None, *, use_tqdm=True, lora_request=None, priority=None, tokenization_kwargs=None,
+                 mm_processor_kwargs=None):  # fmt: skip
         self.calls.append((prompts, sampling_params))
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         for prompt, sp in zip(prompts, params, strict=True):
