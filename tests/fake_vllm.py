@@ -12,8 +12,14 @@ Each rule below cites the vLLM source it copies, so a CPU test fails where the r
   non-msgpack object is a ``TypeError`` without ``VLLM_ALLOW_INSECURE_SERIALIZATION``) and decodes
   it untyped, as the engine core decodes UTILITY requests (``v1/serial_utils.py``,
   ``v1/engine/core.py``): a tensor argument reaches the worker as a list. The worker then runs the
-  named method: vLLM's ``Worker.reload_weights`` (reads ``*.safetensors`` from ``weights_path``
-  like ``DefaultModelLoader``) or a method of ``worker_extension_cls``.
+  named method: one of vLLM's ``Worker`` or of ``worker_extension_cls`` (mixed in as vLLM does).
+* The weight-transfer calls (``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights``,
+  ``finish_weight_update``; ``vllm/entrypoints/rl/offline.py``) keep the worker's session rules
+  (``v1/worker/gpu_worker.py``: no transfer without ``weight_transfer_config``; update only inside a started
+  session; finish only after a start) and validate the IPC update info like ``IPCWeightTransferUpdateInfo``
+  (``distributed/weight_transfer/ipc_engine.py``). CUDA IPC is replaced at the device boundary by
+  :func:`fake_export`: a handle names a tensor in this process's :data:`SHARED` table. ``fault`` makes the
+  worker drop an update silently ("stale") or load garbage ("corrupt"), the failures the backend must catch.
 * ``reset_prefix_cache`` returns a bool, as ``LLM.reset_prefix_cache`` does.
 """
 
@@ -21,7 +27,6 @@ from __future__ import annotations
 
 import importlib
 import types
-from pathlib import Path
 from types import SimpleNamespace
 
 import msgpack
@@ -33,8 +38,8 @@ MAX_TEMP_CLAMP = 1e-2  # vllm.sampling_params._MAX_TEMP
 EOS = 1
 
 
-class VLLMValidationError(ValueError):
-    """vLLM's ``VLLMValidationError`` is a ``ValueError``."""
+class VLLMValidationError(Exception):
+    """vLLM 0.33's ``VLLMValidationError`` is a ``VLLMClientError``, not a ``ValueError`` (``vllm/exceptions.py``)."""
 
 
 def lp(value: float, rank: int | None = None):
@@ -105,62 +110,147 @@ def utility_round_trip(payload):
 # ---------------------------------------------------------------------------- the worker side
 
 
-class FakeModel(torch.nn.Module):
-    """A model with vLLM's ``load_weights(weights)`` (an iterable of (name, tensor); returns the loaded names)."""
+SHARED: dict[int, torch.Tensor] = {}  # stands in for GPU memory shared through CUDA IPC handles
+FAKE_GPU = "fake-gpu-{}"  # a device's UUID, as torch.cuda.get_device_properties(d).uuid names it
+IPC_FIELDS = ("names", "dtype_names", "shapes", "ipc_handles")  # IPCWeightTransferUpdateInfo's fields this backend sends
 
-    def __init__(self):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1))
-        self.loaded: dict[str, torch.Tensor] = {}
 
-    def load_weights(self, weights):
-        names = set()
+def fake_export(state: dict[str, torch.Tensor], devices: list[int]) -> tuple[list[torch.Tensor], list[dict[str, tuple]]]:
+    """``export_ipc`` on a CPU: each tensor copied once per device into :data:`SHARED`; a handle is its key there."""
+    keep, handles = [], []
+    for tensor in state.values():
+        entry = {}
+        for device in devices:
+            copy = tensor.detach().clone()
+            keep.append(copy)
+            SHARED[id(copy)] = copy
+            entry[FAKE_GPU.format(device)] = (id(copy),)
+        handles.append(entry)
+    return keep, handles
+
+
+class FakeModel:
+    """A vLLM model: parameters under vLLM's names (q/k/v fused into ``qkv_proj``, like ``QKVParallelLinear``) and
+    ``load_weights(weights)`` taking (HF name, tensor) pairs; an unknown name is a ``KeyError``, as in vLLM's loaders."""
+
+    PACKED = {"q_proj": 0, "k_proj": 1, "v_proj": 2}  # stacked params_mapping: shard index in qkv_proj
+
+    def __init__(self, hidden: int = 4, vocab: int = 8):
+        g = torch.Generator().manual_seed(0)
+        self.params = {
+            "model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g),
+            "model.layers.0.input_layernorm.weight": torch.randn(hidden, generator=g),
+            "model.layers.0.self_attn.qkv_proj.weight": torch.randn(3 * hidden, hidden, generator=g),
+            "model.layers.0.self_attn.o_proj.weight": torch.randn(hidden, hidden, generator=g),
+            "model.norm.weight": torch.randn(hidden, generator=g),
+        }
+        self.hidden = hidden
+
+    def named_parameters(self):
+        return iter(self.params.items())
+
+    def load_weights(self, weights) -> set[str]:
+        loaded = set()
         for name, tensor in weights:
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"load_weights: {name} is a {type(tensor).__name__}, not a tensor")
-            self.loaded[name] = tensor.clone()
-            names.add(name)
-        return names
+            prefix, _, leaf = name.rpartition(".")
+            module, _, proj = prefix.rpartition(".")
+            if proj in self.PACKED:
+                rows = slice(self.PACKED[proj] * self.hidden, (self.PACKED[proj] + 1) * self.hidden)
+                self.params[f"{module}.qkv_proj.{leaf}"][rows].copy_(tensor)
+            elif name == "lm_head.weight":  # tied to the embeddings: vLLM skips it
+                continue
+            else:
+                self.params[name].copy_(tensor)
+            loaded.add(name)
+        return loaded
 
 
-class FakeModelRunner:
-    def __init__(self):
-        self.model = FakeModel()
-        self.reloads = 0
+def hf_state(model: FakeModel) -> dict[str, torch.Tensor]:
+    """The HF-named state dict that holds exactly ``model``'s weights (q/k/v split, lm_head tied)."""
+    state = {k: v.clone() for k, v in model.params.items() if ".qkv_proj." not in k}
+    qkv = model.params["model.layers.0.self_attn.qkv_proj.weight"]
+    for proj, index in FakeModel.PACKED.items():
+        state[f"model.layers.0.self_attn.{proj}.weight"] = qkv[index * model.hidden : (index + 1) * model.hidden].clone()
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    return state
+
+
+class FakeWorker:
+    """``vllm.v1.worker.gpu_worker.Worker``: ``get_model`` and the weight-transfer session of an "ipc" engine."""
+
+    def __init__(self, rank: int = 0, model=None, transfer: bool = True, fault=None):
+        self.rank, self.model, self.fault = rank, model if model is not None else FakeModel(), fault
+        self.transfer = transfer  # weight_transfer_config was given
+        self.active = False
+        self.packed = None
+        self.updates = 0
 
     def get_model(self):
         return self.model
 
-    def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
-        """``GPUModelRunner.reload_weights``: from an iterator, or every ``*.safetensors`` file in ``weights_path``."""
-        from safetensors.torch import load_file
+    def _check_weight_transfer_engine(self):
+        if not self.transfer:
+            raise RuntimeError("Weight transfer not configured. Please set weight_transfer_config to enable weight transfer.")
 
-        if weights_iterator is None:
-            files = sorted(Path(weights_path).glob("*.safetensors"))
-            if not files:
-                raise RuntimeError(f"Cannot find any model weights with `{weights_path}`")
-            weights_iterator = [item for f in files for item in load_file(str(f)).items()]
-        self.model.load_weights(weights_iterator)
-        self.reloads += 1
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self._check_weight_transfer_engine()
+        unknown = set(init_info) - {"packed"}
+        if unknown:
+            raise TypeError(f"IPCWeightTransferInitInfo.__init__() got unexpected keyword arguments {sorted(unknown)}")
+        self.packed = bool(init_info.get("packed", False))
+
+    def start_weight_update(self) -> None:
+        self._check_weight_transfer_engine()
+        if self.active:
+            raise RuntimeError("start_weight_update called while a weight update is already active. Call finish_weight_update first.")
+        self.active = True
+
+    def update_weights(self, update_info: dict) -> None:
+        self._check_weight_transfer_engine()
+        if not self.active:
+            raise RuntimeError("start_weight_update must be called before update_weights.")
+        if set(update_info) != set(IPC_FIELDS) or self.packed is not False:
+            raise TypeError(f"unexpected IPC update info fields {sorted(update_info)} (packed={self.packed})")
+        names = update_info["names"]
+        if not all(len(update_info[k]) == len(names) for k in IPC_FIELDS):
+            raise ValueError("`dtype_names`, `shapes` and `ipc_handles` should be of the same size as `names`")
+        weights = []
+        for name, dtype, shape, handle in zip(*(update_info[k] for k in IPC_FIELDS)):
+            uuid = FAKE_GPU.format(self.rank)
+            if uuid not in handle:
+                raise ValueError(f"IPC handle not found for GPU UUID {uuid}. Available UUIDs: {list(handle)}")
+            tensor = SHARED[handle[uuid][0]]
+            assert str(tensor.dtype).removeprefix("torch.") == dtype and list(tensor.shape) == list(shape)
+            weights.append((name, torch.zeros_like(tensor) if self.fault == "corrupt" else tensor))
+        if self.fault != "stale":  # "stale": the update is dropped without a word, as in the reports the check is for
+            load_into(self.model, weights)
+        self.updates += 1
+
+    def finish_weight_update(self) -> None:
+        self._check_weight_transfer_engine()
+        if not self.active:
+            raise RuntimeError("finish_weight_update called without a matching start_weight_update.")
+        self.active = False
 
 
-class FakeWorker:
-    """``vllm.v1.worker.gpu_worker.Worker``: its ``reload_weights`` plus any ``worker_extension_cls`` methods."""
+def load_into(model, weights) -> None:
+    """The model's own ``load_weights`` (vLLM's models have one); an HF model takes its state dict."""
+    if hasattr(model, "load_weights"):
+        model.load_weights(weights)
+    else:
+        with torch.no_grad():
+            model.load_state_dict(dict(weights), strict=True)
 
-    def __init__(self):
-        self.model_runner = FakeModelRunner()
 
-    def reload_weights(self, *args, **kwargs):
-        self.model_runner.reload_weights(*args, **kwargs)
-
-
-def make_worker(extension: str | None) -> FakeWorker:
+def make_worker(extension: str | None, rank: int = 0, model=None, transfer: bool = True) -> FakeWorker:
     """A worker with the extension class mixed in, as vLLM does with ``worker_extension_cls``."""
     if not extension:
-        return FakeWorker()
+        return FakeWorker(rank, model, transfer)
     module, _, name = extension.rpartition(".")
     mixin = getattr(importlib.import_module(module), name)
-    return type("WorkerWithExtension", (FakeWorker, mixin), {})()
+    return type("WorkerWithExtension", (FakeWorker, mixin), {})(rank, model, transfer)
 
 
 # ---------------------------------------------------------------------------- the engine
@@ -190,13 +280,17 @@ class FakeLLM:
 
     def __init__(self, max_model_len: int = 64, max_logprobs: int = 20, **kwargs):
         self.kwargs = {"max_model_len": max_model_len, "max_logprobs": max_logprobs, **kwargs}
-        self.model_config = SimpleNamespace(max_model_len=max_model_len, runner_type="generate")
+        self.model_config = SimpleNamespace(max_model_len=max_model_len, runner_type="generate", dtype=torch.float32)
         self.max_logprobs = max_logprobs
         self.calls = []
         self.rpc = []
         self.prefix_resets = 0
         self.prefix_reset_result = True
-        self.worker = make_worker(kwargs.get("worker_extension_cls"))
+        self.weight_version = None
+        transfer = kwargs.get("weight_transfer_config") is not None
+        extension = kwargs.get("worker_extension_cls")
+        self.workers = [make_worker(extension, rank, transfer=transfer) for rank in range(int(kwargs.get("tensor_parallel_size", 1)))]
+        self.worker = self.workers[0]
 
     def get_tokenizer(self):
         return FakeTokenizer()
@@ -216,7 +310,8 @@ class FakeLLM:
             if sp.get(key) is not None and sp[key] > self.max_logprobs:
                 raise VLLMValidationError(f"Requested {key} of {sp[key]}, which is greater than max allowed: {self.max_logprobs}")
 
-    def generate(self, prompts, sampling_params, use_tqdm=True):
+    def generate(self, prompts, sampling_params=None, *, use_tqdm=True, lora_request=None, priority=None, tokenization_kwargs=None,
+                 mm_processor_kwargs=None):  # fmt: skip
         self.calls.append((prompts, sampling_params))
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
@@ -243,7 +338,28 @@ class FakeLLM:
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         method, timeout, args, kwargs = utility_round_trip([method, timeout, list(args), kwargs or {}])
         self.rpc.append((method, args, kwargs))
-        return [getattr(self.worker, method)(*args, **kwargs)]
+        return [getattr(worker, method)(*args, **kwargs) for worker in self.workers]
+
+    # vllm/entrypoints/rl/offline.py (RLOfflineMixin): each is a collective_rpc of the worker method of the same name.
+    # The IPC handles need VLLM_ALLOW_INSECURE_SERIALIZATION (pickled), so they skip the msgpack round trip here.
+
+    def init_weight_transfer_engine(self, request) -> None:
+        self.rpc.append(("init_weight_transfer_engine", [], {"init_info": request["init_info"]}))
+        for worker in self.workers:
+            worker.init_weight_transfer_engine(request["init_info"])
+
+    def start_weight_update(self) -> None:
+        self.collective_rpc("start_weight_update")
+
+    def update_weights(self, request) -> None:
+        self.rpc.append(("update_weights", [], {"update_info": request["update_info"]}))
+        for worker in self.workers:
+            worker.update_weights(request["update_info"])
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.collective_rpc("finish_weight_update")
+        if weight_version is not None:
+            self.weight_version = weight_version
 
     def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False) -> bool:
         self.prefix_resets += 1
@@ -263,23 +379,6 @@ def fake_vllm_module(llm_factory=None):
 ENGINE_LOGPROB_SCALE = 1.1  # the engine reports 1.1 × the trainer's log-probs: another precision or kernel, a known mismatch
 
 
-class HFWorker:
-    """The worker of :class:`HFEngineLLM`: vLLM's ``reload_weights(weights_path=...)`` into the HF model."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-        self.reloads = 0
-
-    def reload_weights(self, weights_path=None, **_):
-        from safetensors.torch import load_file
-
-        files = sorted(Path(weights_path).glob("*.safetensors"))
-        if not files:
-            raise RuntimeError(f"Cannot find any model weights with `{weights_path}`")
-        self.model.load_state_dict({k: v for f in files for k, v in load_file(str(f)).items()})
-        self.reloads += 1
-
-
 class HFEngineLLM(FakeLLM):
     """``vllm.LLM(model=folder)`` that samples and scores with the folder's HF model (so a training run can use it as its
     rollout engine on CPU), but reports every log-prob ``ENGINE_LOGPROB_SCALE`` times the model's, as a real engine's
@@ -290,7 +389,8 @@ class HFEngineLLM(FakeLLM):
 
         self.hf = HFBackend.load(model)
         super().__init__(max_model_len=self.hf.max_context, max_logprobs=max_logprobs, model=model, **kwargs)
-        self.worker = HFWorker(self.hf.model)
+        self.workers = [make_worker(kwargs.get("worker_extension_cls"), 0, self.hf.model, kwargs.get("weight_transfer_config") is not None)]
+        self.worker = self.workers[0]
 
     def get_tokenizer(self):
         return self.hf.tokenizer
@@ -323,7 +423,8 @@ class HFEngineLLM(FakeLLM):
         ]
         return SimpleNamespace(prompt_logprobs=None, outputs=samples)
 
-    def generate(self, prompts, sampling_params, use_tqdm=True):
+    def generate(self, prompts, sampling_params=None, *, use_tqdm=True, lora_request=None, priority=None, tokenization_kwargs=None,
+                 mm_processor_kwargs=None):  # fmt: skip
         self.calls.append((prompts, sampling_params))
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         for prompt, sp in zip(prompts, params, strict=True):

@@ -11,10 +11,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from opd_harness.backends import vllm_backend
 from opd_harness.cli import app
 from opd_harness.trainers.pipeline import behaviour_mismatch
 
-from fake_vllm import ENGINE_LOGPROB_SCALE, HFEngineLLM, fake_vllm_module
+from fake_vllm import ENGINE_LOGPROB_SCALE, HFEngineLLM, fake_export, fake_vllm_module
 
 runner = CliRunner()
 BASE = ["run", "--task", "arith", "--preset", "smoke", "--set", "threads=1", "--set", "eval.teacher=false",
@@ -73,6 +74,8 @@ def test_mismatch_kl_is_the_k3_estimate_and_zero_when_engine_and_trainer_agree()
 def mismatched_vllm(monkeypatch):
     """``trainer.rollout_backend=vllm`` on CPU: a stand-in vLLM over the student's model that reports 1.1 × its log-probs."""
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm_module(HFEngineLLM))
+    monkeypatch.setattr(vllm_backend, "export_ipc", fake_export)  # CUDA IPC handles -> the stand-in's shared table
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)  # load() sets it; undone after the test
     return ["--method", "grpo", "--set", "trainer.fixed_lag=0", "--set", "trainer.lr=0.05", "--set", "trainer.rollout_backend=vllm",
             "--set", "trainer.steps=2", "--set", "trainer.checkpoint_every=2"]  # fmt: skip
 

@@ -16,9 +16,13 @@ import pytest
 import torch
 
 from opd_harness.backends import Completion, SamplingParams
+from opd_harness.backends import vllm_backend
 from opd_harness.backends.vllm_backend import (
     RAW_LOGPROBS,
     VLLMBackend,
+    WeightSyncError,
+    check_engine_load,
+    probe_names,
     check_score_request,
     request_to_completions,
     sampling_kwargs,
@@ -26,16 +30,21 @@ from opd_harness.backends.vllm_backend import (
     to_completion,
 )
 from opd_harness.backends.prompt_logprobs import prompt_logprobs_to_tensor, topk_from_entry
+from opd_harness.backends.vllm_worker import EXTENSION
+from opd_harness.backends.weight_check import checksum
 
 from fake_vllm import (
     ENGINE_LOGPROB_SCALE,
     EOS,
     FakeLLM,
+    FakeModel,
     FakeSamplingParams,
     HFEngineLLM,
     VLLMValidationError,
     completion_output,
+    fake_export,
     fake_vllm_module,
+    hf_state,
     lp,
     utility_round_trip,
 )
@@ -62,6 +71,7 @@ def test_load_without_vllm_raises_a_clear_runtime_error(monkeypatch):
 
 def test_load_passes_engine_options_and_forces_raw_logprobs(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm_module(FakeLLM))
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
     backend = VLLMBackend.load(
         "/m",
         tensor_parallel_size="2",
@@ -75,6 +85,11 @@ def test_load_passes_engine_options_and_forces_raw_logprobs(monkeypatch):
     assert kw["model"] == "/m" and kw["tensor_parallel_size"] == 2 and kw["gpu_memory_utilization"] == 0.3
     assert kw["dtype"] == "float32" and kw["max_model_len"] == 256 and kw["enforce_eager"] is True and kw["seed"] == 0
     assert kw["logprobs_mode"] == RAW_LOGPROBS and kw["max_logprobs"] == 8
+    assert kw["weight_transfer_config"] == {"backend": "ipc"} and kw["worker_extension_cls"] == EXTENSION  # in-memory updates, checked
+    assert os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"  # the IPC handles cross the engine core's msgpack pickled
+    for owned in ("weight_transfer_config", "worker_extension_cls"):
+        with pytest.raises(ValueError, match=f"'{owned}'.* set by the backend"):
+            VLLMBackend.load("/m", **{owned: "x"})
     assert backend.tokenizer.padding_side == "left" and backend.version == 0 and backend.eos_id == EOS
     with pytest.raises(ValueError, match="raw_logprobs"):
         VLLMBackend.load("/m", logprobs_mode="processed_logprobs")
@@ -224,6 +239,8 @@ def test_unsupported_score_fields_are_refused_clearly():
 def fake_backend(monkeypatch):
     """A backend started by ``load`` on the fake engine, so the engine sees exactly the options the backend gives it."""
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm_module(FakeLLM))
+    monkeypatch.setattr(vllm_backend, "export_ipc", fake_export)  # CUDA IPC handles -> the stand-in's shared table
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)  # load() sets it; undone after the test
     return VLLMBackend.load("/m", max_logprobs=20)
 
 
@@ -277,31 +294,87 @@ def test_the_fake_rpc_boundary_turns_tensors_into_lists_as_vllm_does():
         utility_round_trip(["m", None, [object()], {}])
 
 
-def test_load_weights_reaches_the_worker_model_through_the_rpc_boundary(fake_backend):
-    embed = torch.arange(6, dtype=torch.float32).reshape(3, 2)
-    state = {
-        "model.embed_tokens.weight": embed,
-        "lm_head.weight": embed,
-        "model.norm.weight": torch.ones(2, dtype=torch.bfloat16),
-    }  # tied, like tiny models
+def new_weights(seed: int = 1) -> dict[str, torch.Tensor]:
+    """An HF-named state dict (q/k/v split, lm_head tied) unlike the stand-in engine's initial weights."""
+    g = torch.Generator().manual_seed(seed)
+    state = {k: torch.randn(v.shape, generator=g) for k, v in hf_state(FakeModel()).items()}
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    return state
+
+
+def test_load_weights_updates_the_engine_in_memory_and_checks_it(fake_backend):
+    state = new_weights()
     fake_backend.load_weights(state, version=7)
-    method, args, kwargs = fake_backend.llm.rpc[-1]
-    assert method == "reload_weights" and args == [] and set(kwargs) == {"weights_path"}  # only a path crosses the boundary
-    loaded = fake_backend.llm.worker.model_runner.get_model().loaded
-    assert set(loaded) == set(state) and all(torch.equal(loaded[k], v) and loaded[k].dtype == v.dtype for k, v in state.items())
-    assert fake_backend.llm.prefix_resets == 1 and fake_backend.version == 7
-    fake_backend.load_weights({k: v + 1 for k, v in state.items()}, version=8)  # the folder is reused, the file replaced
-    assert torch.equal(fake_backend.llm.worker.model_runner.get_model().loaded["lm_head.weight"], embed + 1)
-    assert sorted(p.name for p in fake_backend.weights_dir.iterdir()) == ["model.safetensors"]
-    folder = fake_backend.weights_dir
-    fake_backend.close()
-    assert not folder.exists() and fake_backend.weights_dir is None
+    llm, model = fake_backend.llm, fake_backend.llm.worker.get_model()
+    assert [m for m, _, _ in llm.rpc] == [
+        "harness_param_shapes", "harness_checksum", "init_weight_transfer_engine", "start_weight_update", "update_weights",
+        "finish_weight_update", "harness_checksum",
+    ]  # fmt: skip
+    update_info = llm.rpc[4][2]["update_info"]
+    assert update_info["names"] == list(state) and update_info["shapes"] == [list(t.shape) for t in state.values()]
+    assert update_info["dtype_names"] == ["float32"] * len(state) and all(set(h) == {"fake-gpu-0"} for h in update_info["ipc_handles"])
+    assert hf_state(model).keys() == state.keys() and all(torch.equal(hf_state(model)[k], v) for k, v in state.items())
+    probe = llm.rpc[1][1][0]
+    assert len(probe) == 4 and not any("q_proj" in n or "k_proj" in n or "v_proj" in n or n == "lm_head.weight" for n in probe)
+    assert llm.prefix_resets == 1 and fake_backend.version == 7 and llm.weight_version == "7"
+    assert fake_backend.loaded_checksum == checksum(state)  # what check_loaded compares with the learner's
+    fake_backend.load_weights({k: v + 1 for k, v in state.items()}, version=8)
+    methods = [m for m, _, _ in llm.rpc]
+    assert methods.count("init_weight_transfer_engine") == 1 and methods.count("harness_param_shapes") == 1  # once per engine
+    assert torch.equal(model.params["model.norm.weight"], state["model.norm.weight"] + 1) and fake_backend.version == 8
+
+
+def test_the_rollout_compares_the_backends_loaded_checksum_with_the_learners(fake_backend):
+    """check_loaded (what every rollout runs after load_weights) reads vLLM's loaded_checksum: a transport that altered the
+    weights before they reached the backend is refused even though the engine took what it was handed."""
+    from opd_harness.trainers.weight_sync import check_loaded
+
+    state = new_weights()
+    fake_backend.load_weights(state, version=2)
+    check_loaded(fake_backend, checksum(state), 2)
+    with pytest.raises(WeightSyncError, match="did not take weights version 2"):
+        check_loaded(fake_backend, checksum({k: v * 2 for k, v in state.items()}), 2)
+
+
+@pytest.mark.parametrize(("fault", "message"), [("stale", r"its weights did not change \(a stale load\)"), ("corrupt", "a corrupt load")])
+def test_a_stale_or_corrupt_load_is_refused_and_nothing_is_bumped(fake_backend, fault, message):
+    fake_backend.llm.worker.fault = fault
+    with pytest.raises(WeightSyncError, match=f"engine worker 0 did not take weights version 3: .*{message}"):
+        fake_backend.load_weights(new_weights(), version=3)
+    assert fake_backend.version == 0 and fake_backend.loaded_checksum is None and fake_backend.llm.prefix_resets == 0
+
+
+def test_every_tensor_parallel_worker_is_checked(monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm_module(FakeLLM))
+    monkeypatch.setattr(vllm_backend, "export_ipc", fake_export)
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    backend = VLLMBackend.load("/m", tensor_parallel_size=2)
+    backend.llm.workers[1].fault = "stale"
+    with pytest.raises(WeightSyncError, match="engine worker 1 did not take weights version 1"):
+        backend.load_weights(new_weights(), version=1)
+    handles = backend.llm.rpc[-3][2]["update_info"]["ipc_handles"]
+    assert all(set(h) == {"fake-gpu-0", "fake-gpu-1"} for h in handles)  # a copy on each of the engine's GPUs
+
+
+def test_the_same_weights_sent_again_are_a_valid_load():
+    assert check_engine_load(["a1", "a1"], ["a1", "a1"], "a1", 4) is None  # unchanged, and equal to what was sent
+    with pytest.raises(WeightSyncError, match="2 workers answered before the update, 1 after"):
+        check_engine_load(["a1", "a1"], ["a1"], "a1", 4)
+
+
+def test_a_model_whose_names_all_differ_from_the_state_dict_cannot_be_checked_and_is_refused():
+    state = {"q_proj.weight": torch.ones(2, 2), "norm.weight": torch.ones(2)}
+    assert probe_names(state, [{"qkv.weight": [6, 2], "norm.weight": [2]}] * 2) == ["norm.weight"]
+    with pytest.raises(WeightSyncError, match="cannot check weight updates"):
+        probe_names(state, [{"norm.weight": [2]}, {"norm.weight": [1]}])  # sharded on worker 1: not a full copy anywhere else
+    with pytest.raises(WeightSyncError, match="cannot check weight updates"):
+        probe_names(state, [{"model.language_model.norm.weight": [2]}])
 
 
 def test_a_failed_prefix_cache_reset_is_an_error(fake_backend):
     fake_backend.llm.prefix_reset_result = False
     with pytest.raises(RuntimeError, match="reset_prefix_cache"):
-        fake_backend.load_weights({"w": torch.ones(2)}, version=1)
+        fake_backend.load_weights(new_weights(), version=1)
     assert fake_backend.version == 0
 
 
@@ -355,6 +428,8 @@ def test_the_mismatched_stand_in_engine_scores_and_samples_off_the_trainer_and_t
     models = [build_tiny_model(arch, len(tok), pad_id=tok.pad_token_id, eos_id=tok.eos_token_id, seed=seed) for seed in (0, 1)]
     save_model_and_tokenizer(models[0], tok, tmp_path / "m")
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm_module(HFEngineLLM))
+    monkeypatch.setattr(vllm_backend, "export_ipc", fake_export)
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
     engine = VLLMBackend.load(str(tmp_path / "m"))
     ids = torch.tensor([tok("12+7=19", add_special_tokens=False)["input_ids"]])
     for model, version in zip(models, (0, 3)):

@@ -3,8 +3,8 @@
 Rollout actors (``trainer.layout.rollout.replicas`` of them, one per bundle of the rollout placement
 group, each its own copy of the student behind its own engine) generate and grade batch b with the
 weights of version r, every actor fed every version it needs (an object ref to the learner's snapshot; an
-hf engine loads it directly, vLLM writes it to its own safetensors folder and reloads from there, as in
-process); a driver thread per actor takes units (whole batches, or prompt groups with
+hf engine loads it directly, vLLM updates its engine in memory through its weight-transfer API and checks the
+load, as in process); a driver thread per actor takes units (whole batches, or prompt groups with
 ``trainer.rollout_unit=group``, then several in flight per actor: a threaded actor) from one shared queue;
 a teacher actor scores them; a learner actor (student, optimizer,
 method state; learning rates from the driver's schedule), or W data-parallel learner ranks

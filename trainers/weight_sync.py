@@ -18,20 +18,18 @@ Built-ins (entry-point group ``opd_harness.weight_syncs``):
 from __future__ import annotations
 
 import datetime
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from opd_harness.backends.weight_check import CHECKED_TENSORS, WeightSyncError, checked_names, checksum
+
+__all__ = ["CHECKED_TENSORS", "WeightSyncError", "checked_names", "checksum"]  # re-exported: the engines' side of the check
+
 BUCKET_BYTES = 64 << 20  # flat broadcast buckets of at most 64 MiB (a larger tensor gets its own)
 JOIN_GRACE_S = 30.0  # beyond the group's timeout: how long the learner's join may take to give up on a member that is gone
-CHECKED_TENSORS = 4  # tensors the checksum covers: spread over the state dict (first, …, last)
-
-
-class WeightSyncError(RuntimeError):
-    """A rollout engine does not hold the weights it was sent (a stale or corrupt load): the run fails."""
 
 
 class NotStaged(Exception):
@@ -73,28 +71,6 @@ def state_bytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in unique.values())
 
 
-def checked_names(names: list[str]) -> list[str]:
-    """The names :func:`checksum` covers: ``CHECKED_TENSORS`` spread evenly over the sorted names."""
-    ordered = sorted(names)
-    if len(ordered) <= CHECKED_TENSORS:
-        return ordered
-    step = (len(ordered) - 1) / (CHECKED_TENSORS - 1)
-    return sorted({ordered[round(i * step)] for i in range(CHECKED_TENSORS)})
-
-
-def checksum(state: dict[str, torch.Tensor], dtype: torch.dtype | None = None, every: bool = False) -> str:
-    """A hash of the bytes of a few tensors of ``state`` (all of them with ``every``; in ``dtype`` for floating ones, when
-    given): equal bit for bit or not."""
-    digest = hashlib.sha256()
-    for name in sorted(state) if every else checked_names(list(state)):
-        t = state[name].detach()
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        digest.update(name.encode())
-        digest.update(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:16]
-
-
 def engine_dtype(engine: Any) -> torch.dtype:
     """The rollout engine's parameter dtype: what weights are sent in (its ``param_dtype``, else its model's, else fp32)."""
     dtype = getattr(engine, "param_dtype", None)
@@ -108,11 +84,17 @@ def engine_dtype(engine: Any) -> torch.dtype:
 
 def check_loaded(engine: Any, expected: str | None, version: int) -> None:
     """Refuse (:class:`WeightSyncError`) an engine whose loaded weights do not hash to the learner's ``expected`` checksum.
-    An engine that cannot show its weights (no ``model``, e.g. vLLM) is not checked."""
-    model = getattr(engine, "model", None)
-    if expected is None or not isinstance(model, torch.nn.Module):
+    An engine whose model lives elsewhere (vLLM's, in its workers) verifies its own load and reports the checksum of
+    the weights it verified as ``loaded_checksum``; that is compared here. An engine with neither is not checked."""
+    if expected is None:
         return
-    found = checksum(model.state_dict())
+    model, reported = getattr(engine, "model", None), getattr(engine, "loaded_checksum", None)
+    if isinstance(reported, str):
+        found = reported
+    elif isinstance(model, torch.nn.Module):
+        found = checksum(model.state_dict())
+    else:
+        return
     if found != expected:
         raise WeightSyncError(f"rollout engine {type(engine).__name__} did not take weights version {version}: its weights hash to "
                               f"{found}, the learner's to {expected} (a stale or corrupt load); refusing it")  # fmt: skip

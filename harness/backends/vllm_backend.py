@@ -66,32 +66,48 @@ How our contract maps onto vLLM (evidence in the docstrings below and in the clo
   ``allowed_token_ids=[last token]``, ``logprobs=k``: the one generated token is then the row's last
   token, and its log-prob entry (raw, computed before the allowed-token mask) is that position's
   score. A row longer than ``max_model_len`` is a ``ValueError`` naming the row.
-* **Weight updates** (``load_weights``): the state dict (HF checkpoint names) is written to
-  ``model.safetensors`` in a folder this backend owns, then ``LLM.collective_rpc("reload_weights",
-  kwargs={"weights_path": folder})`` makes every worker reload in place from it (vLLM's own
-  ``Worker.reload_weights`` → ``model_loader.reload.reload_weights``: the model class maps HF names
-  and shards for tensor parallelism), and ``reset_prefix_cache()`` (which must return True) drops KV
-  computed with the old weights. Tensors are never sent through ``collective_rpc``: vLLM's engine
-  core decodes UTILITY arguments untyped, so a tensor would arrive as ``[dtype, shape, bytes]``
-  (``v1/serial_utils.py``, ``v1/engine/core.py``); only the folder's path crosses that boundary.
-  The folder must be visible to every worker (one machine). **Not run here** (no vllm on any
-  machine this project has used); the GPU tests cover it where vllm is installed.
+* **Weight updates** (``load_weights``), in memory through vLLM 0.33's weight-transfer API, never a file: the engine
+  is started with ``weight_transfer_config={"backend": "ipc"}`` (``vllm/config/weight_transfer.py``; the worker
+  builds ``IPCWeightTransferEngine``, ``vllm/distributed/weight_transfer/ipc_engine.py``) and
+  ``worker_extension_cls`` = :class:`opd_harness.backends.vllm_worker.WeightCheck`. Each update casts the state
+  dict (HF names) to the engine's dtype, copies it onto each of the engine's GPUs (one transient copy per GPU, held
+  until the update finishes, as vLLM's own unpacked IPC sender does) and exports CUDA IPC handles
+  (``torch.multiprocessing.reductions.reduce_tensor``, keyed by the GPU's UUID); then
+  ``LLM.init_weight_transfer_engine({"init_info": {"packed": False}})`` (first time only),
+  ``LLM.start_weight_update()`` (layerwise reload set up), ``LLM.update_weights({"update_info": {"names",
+  "dtype_names", "shapes", "ipc_handles"}})`` (each worker rebuilds the tensors on its GPU and calls the model's own
+  ``load_weights``, which maps HF names onto vLLM's fused, sharded parameters) and
+  ``LLM.finish_weight_update(weight_version=str(version))``. The handles hold Python types, so this needs
+  ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (set by ``load`` unless already set) for the engine core's msgpack.
+* **What is checked after every update** (:func:`check_engine_load`): vLLM has reports of reloads that silently keep
+  stale weights (vllm-project/vllm#32718; #48312 "Weight Reload Correctness for RL"). Before and after the update
+  every worker hashes a few of its parameters, chosen among those that keep their HF name and full shape in vLLM
+  (norms; at tensor parallel 1 also the row-parallel projections and embeddings), with
+  :func:`opd_harness.backends.weight_check.checksum`; each must equal the same hash of the sent state dict. A worker
+  whose hash did not change is a stale load; any other mismatch a corrupt one; both raise ``WeightSyncError`` and the
+  run fails. A model where no parameter keeps its HF name and shape cannot be checked and is refused. Only after a
+  verified load are the prefix cache reset (``reset_prefix_cache()`` must return True: cached KV was computed with
+  the old weights), ``version`` bumped and ``loaded_checksum`` set to the learner's checksum of the state dict it was
+  handed (the rollout compares it with the learner's, :func:`opd_harness.trainers.weight_sync.check_loaded`).
+  **Not run on a GPU here** (no machine this project has used has one); the CPU tests drive the same calls against a
+  stand-in engine (``tests/fake_vllm.py``) whose every method is checked against vLLM 0.33.0's signatures
+  (``tests/test_vllm_api.py``), and the GPU tests cover it where vllm and CUDA are installed.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from opd_harness.backends import MAX_TEMPERATURE, MIN_TEMPERATURE, SCORE_FIELDS, Completion, SamplingParams, as_bool, prompt_seed
 from opd_harness.backends.prompt_logprobs import logprob_value, prompt_logprobs_to_tensor, unpadded_sequences
+from opd_harness.backends.vllm_worker import EXTENSION
+from opd_harness.backends.weight_check import WeightSyncError, checked_names, checksum
 
 VLLM_MISSING = (
     "the vllm backend needs the `vllm` package, which is not installed in this environment. vLLM is CUDA-only and pins "
@@ -100,7 +116,8 @@ VLLM_MISSING = (
 )
 RAW_LOGPROBS = "raw_logprobs"
 UNSUPPORTED_SCORE_FIELDS = ("entropy", "full", "hidden", "at_ids")
-WEIGHTS_FILE = "model.safetensors"
+WEIGHT_TRANSFER = {"backend": "ipc"}  # vLLM's colocated in-memory weight transfer (CUDA IPC handles)
+OWNED_ENGINE_OPTIONS = ("weight_transfer_config", "worker_extension_cls")  # set by this backend: refused from the caller
 
 
 def import_vllm():
@@ -291,29 +308,70 @@ def forced_last_entry(request_output, last_token: int, row: int) -> dict:
     return outputs[0].logprobs[0]
 
 
-def cpu_state(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Detached CPU copies, each with its own storage (safetensors refuses tied weights that share one)."""
-    seen: set[int] = set()
-    out = {}
-    for name, tensor in state_dict.items():
-        cpu = tensor.detach().to("cpu").contiguous()
-        if cpu.untyped_storage().data_ptr() in seen:
-            cpu = cpu.clone()
-        seen.add(cpu.untyped_storage().data_ptr())
-        out[name] = cpu
-    return out
+def engine_state(state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Detached tensors with the floating ones in the engine's ``dtype`` (what its parameters hold)."""
+    return {k: v.detach().to(dtype) if dtype is not None and v.is_floating_point() else v.detach() for k, v in state_dict.items()}
 
 
-def save_weights(state_dict: dict[str, torch.Tensor], folder: Path) -> Path:
-    """Write ``state_dict`` as ``folder/model.safetensors`` (atomically: a reader never sees half a file)."""
-    from safetensors.torch import save_file
+def probe_names(state: dict[str, torch.Tensor], worker_shapes: list[dict[str, list[int]]]) -> list[str]:
+    """The parameters the load check hashes: among those every worker holds under the state dict's (HF) name with the
+    full shape, i.e. neither fused (qkv_proj, gate_up_proj) nor sharded, ``CHECKED_TENSORS`` spread over the names."""
+    same = [name for name, t in state.items() if all(shapes.get(name) == list(t.shape) for shapes in worker_shapes)]
+    if not same:
+        raise WeightSyncError(
+            "vllm backend: cannot check weight updates: no parameter of the engine's model keeps the state dict's name and "
+            f"shape (state names like {sorted(state)[:3]}, engine names like {sorted(worker_shapes[0])[:3] if worker_shapes else []})"
+        )
+    return checked_names(same)
 
-    folder.mkdir(parents=True, exist_ok=True)
-    target = folder / WEIGHTS_FILE
-    partial = folder / (WEIGHTS_FILE + ".partial")  # not *.safetensors: vLLM's loader ignores it
-    save_file(cpu_state(state_dict), str(partial), metadata={"format": "pt"})
-    os.replace(partial, target)
-    return target
+
+def check_engine_load(before: list[str], after: list[str], expected: str, version: int) -> None:
+    """Refuse a load unless every worker's hash of the checked parameters equals the sent weights' ``expected`` hash.
+
+    A worker whose hash did not move is a stale load (the update was silently dropped); any other mismatch, a corrupt
+    one. Equal ``before`` and ``expected`` (the same weights sent again) is a valid load.
+    """
+    if len(after) != len(before) or not after:
+        raise WeightSyncError(f"vllm backend: weights version {version}: {len(before)} workers answered before the update, "
+                              f"{len(after)} after")  # fmt: skip
+    for rank, (was, now) in enumerate(zip(before, after)):
+        if now == expected:
+            continue
+        stale = now == was
+        kind = "its weights did not change (a stale load)" if stale else "they match neither the old nor the sent ones (a corrupt load)"
+        raise WeightSyncError(
+            f"vllm backend: engine worker {rank} did not take weights version {version}: {kind}; its checked parameters hash to "
+            f"{now}, the sent weights to {expected}; refusing it"
+        )
+
+
+def ipc_update_info(state: dict[str, torch.Tensor], handles: list[dict[str, tuple]]) -> dict[str, Any]:
+    """vLLM's ``IPCWeightTransferUpdateInfo`` fields (unpacked) for ``state`` and one handle dict per tensor."""
+    return {
+        "names": list(state),
+        "dtype_names": [str(t.dtype).removeprefix("torch.") for t in state.values()],
+        "shapes": [list(t.shape) for t in state.values()],
+        "ipc_handles": handles,
+    }
+
+
+def export_ipc(state: dict[str, torch.Tensor], devices: list[int]) -> tuple[list[torch.Tensor], list[dict[str, tuple]]]:
+    """CUDA IPC handles of a copy of each tensor on each of ``devices``, keyed by the GPU's UUID (what vLLM's
+    ``IPCWeightTransferEngine.receive_weights`` looks up), and the copies, which must stay alive until the update
+    finishes. GPU only: not run on this project's machines."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    uuids = {d: str(torch.cuda.get_device_properties(d).uuid) for d in devices}
+    keep: list[torch.Tensor] = []
+    handles: list[dict[str, tuple]] = []
+    for tensor in state.values():
+        entry = {}
+        for device in devices:
+            copy = tensor.to(f"cuda:{device}").contiguous()
+            keep.append(copy)
+            entry[uuids[device]] = reduce_tensor(copy)[1]
+        handles.append(entry)
+    return keep, handles
 
 
 # ---------------------------------------------------------------------------- the backend
@@ -326,7 +384,16 @@ class VLLMBackend:
 
     score_fields = tuple(f for f in SCORE_FIELDS if f not in UNSUPPORTED_SCORE_FIELDS)  # what ``score`` can return
 
-    def __init__(self, llm, tokenizer=None, *, max_logprobs: int | None = 20, show_progress: bool = False) -> None:
+    def __init__(
+        self,
+        llm,
+        tokenizer=None,
+        *,
+        max_logprobs: int | None = 20,
+        show_progress: bool = False,
+        tensor_parallel_size: int = 1,
+        export: Callable[[dict[str, torch.Tensor], list[int]], tuple[list[torch.Tensor], list[dict[str, tuple]]]] | None = None,
+    ) -> None:
         self.llm = llm
         self.tokenizer = tokenizer if tokenizer is not None else llm.get_tokenizer()
         try:
@@ -339,7 +406,17 @@ class VLLMBackend:
         self.max_logprobs = max_logprobs
         self.show_progress = show_progress
         self.version = 0
-        self.weights_dir: Path | None = None  # created by the first load_weights, removed by close()
+        self.loaded_checksum: str | None = None  # the learner's checksum of the last verified load (check_loaded reads it)
+        self.devices = list(range(int(tensor_parallel_size)))  # the engine's GPUs as this process numbers them
+        self.export = export if export is not None else export_ipc  # the device boundary: state -> (copies, IPC handles)
+        self._transfer_ready = False
+        self._worker_shapes: list[dict[str, list[int]]] | None = None
+
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        """The engine's parameter dtype (``LLM.model_config.dtype``): weights are sent in it."""
+        dtype = getattr(getattr(self.llm, "model_config", None), "dtype", None)
+        return dtype if isinstance(dtype, torch.dtype) else None
 
     @classmethod
     def load(
@@ -364,7 +441,11 @@ class VLLMBackend:
             raise ValueError(
                 f"vllm backend: logprobs_mode must be {RAW_LOGPROBS!r} (log-probs of the untempered model distribution), got {mode!r}"
             )
+        owned = [k for k in OWNED_ENGINE_OPTIONS if k in engine_kwargs]
+        if owned:
+            raise ValueError(f"vllm backend: {owned} are set by the backend (in-memory weight updates and their check); do not pass them")
         vllm = import_vllm()
+        os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # CUDA IPC handles cross the engine core's msgpack
         kwargs: dict[str, Any] = dict(
             model=str(model),
             tensor_parallel_size=int(tensor_parallel_size),
@@ -374,6 +455,8 @@ class VLLMBackend:
             enforce_eager=as_bool(enforce_eager),
             max_logprobs=int(max_logprobs),
             logprobs_mode=RAW_LOGPROBS,
+            weight_transfer_config=dict(WEIGHT_TRANSFER),
+            worker_extension_cls=EXTENSION,
             **engine_kwargs,
         )
         if max_model_len is not None:
@@ -381,7 +464,9 @@ class VLLMBackend:
         if enable_prefix_caching is not None:
             kwargs["enable_prefix_caching"] = as_bool(enable_prefix_caching)
         llm = vllm.LLM(**kwargs)
-        backend = cls(llm, max_logprobs=int(max_logprobs), show_progress=as_bool(show_progress))
+        backend = cls(
+            llm, max_logprobs=int(max_logprobs), show_progress=as_bool(show_progress), tensor_parallel_size=int(tensor_parallel_size)
+        )
         if enable_thinking is not None:
             from opd_harness.models.hub import set_thinking
 
@@ -473,21 +558,49 @@ class VLLMBackend:
         return {k: v.to(input_ids.device) for k, v in scores.items()}
 
     def close(self) -> None:
-        """Best effort: stop the engine's background process now instead of at garbage collection; drop the weights folder."""
+        """Best effort: stop the engine's background process now instead of at garbage collection."""
         engine_core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         shutdown = getattr(engine_core, "shutdown", None)
         if shutdown is not None:
             shutdown()
-        if self.weights_dir is not None:
-            shutil.rmtree(self.weights_dir, ignore_errors=True)
-            self.weights_dir = None
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Reload every worker's weights from ``state_dict`` (HF names) through a safetensors folder; record ``version``."""
-        if self.weights_dir is None:
-            self.weights_dir = Path(tempfile.mkdtemp(prefix="harness-vllm-weights-"))
-        save_weights(state_dict, self.weights_dir)
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(self.weights_dir)})
+        """Update every worker's weights in memory from ``state_dict`` (HF names), check what they hold, then record ``version``.
+
+        See the module docstring: vLLM's IPC weight transfer, then every worker's hash of a few parameters against the
+        sent weights' (:func:`check_engine_load`); a stale or corrupt load raises ``WeightSyncError`` and nothing is bumped.
+        """
+        dtype = self.param_dtype
+        dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else None
+        state = engine_state(state_dict, dtype)
+        probe = probe_names(state, self.worker_shapes())
+        expected = checksum({name: state[name] for name in probe}, dtype)
+        before = self.llm.collective_rpc("harness_checksum", args=(probe, dtype_name))
+        self._transfer(state, version)
+        after = self.llm.collective_rpc("harness_checksum", args=(probe, dtype_name))
+        check_engine_load(list(before), list(after), expected, version)
         if not self.llm.reset_prefix_cache():  # cached KV blocks were computed with the old weights
             raise RuntimeError("vllm backend: reset_prefix_cache() failed after a weight update (requests still running?)")
         self.version = version
+        self.loaded_checksum = checksum(state_dict)
+
+    def worker_shapes(self) -> list[dict[str, list[int]]]:
+        """Each worker's parameter names and shapes (asked once: a model's layout does not change)."""
+        if self._worker_shapes is None:
+            self._worker_shapes = list(self.llm.collective_rpc("harness_param_shapes"))
+        return self._worker_shapes
+
+    def _transfer(self, state: dict[str, torch.Tensor], version: int) -> None:
+        """One update session of vLLM's IPC weight transfer: start, the whole state in one chunk, finish."""
+        if not self._transfer_ready:
+            self.llm.init_weight_transfer_engine({"init_info": {"packed": False}})
+            self._transfer_ready = True
+        keep, handles = self.export(state, self.devices)
+        try:
+            self.llm.start_weight_update()
+            self.llm.update_weights({"update_info": ipc_update_info(state, handles)})
+            self.llm.finish_weight_update(weight_version=str(version))
+        finally:
+            del keep  # the copies outlive the update (the workers read them through the handles), then go
+            if torch.cuda.is_available():
+                torch.cuda.ipc_collect()
