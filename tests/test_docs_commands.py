@@ -36,7 +36,11 @@ from pathlib import Path
 
 import pytest
 from typer import Exit
-from typer._click.exceptions import UsageError  # Typer carries its own click
+
+try:  # Typer 0.2x carries its own click; older ones use click itself
+    from typer._click.exceptions import UsageError
+except ImportError:  # pragma: no cover - depends on the installed Typer
+    from click.exceptions import UsageError
 
 from conftest import benchmark_data_dir
 
