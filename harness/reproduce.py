@@ -49,6 +49,7 @@ from opd_harness.registry import METHODS, Registry, RegistryError
 from opd_harness.report import dotted_get, render_markdown, run_curve, sweep_report
 from opd_harness.store import Store
 from opd_harness.sweep import SweepSpec, expand, load_sweep_record, parse_sweep, run_sweep
+from opd_harness.tracking import flatten
 
 RECIPES: Registry[Path] = Registry("recipes")
 LAYOUTS = Path(__file__).resolve().parents[1] / "docs" / "layouts"  # the shipped layouts (a source checkout's docs/layouts)
@@ -303,17 +304,6 @@ def unmatched_selections(recipe: Recipe, points: list, scale: str) -> list[str]:
 
 PAIRING_KEYS = ("seed",)  # arms are compared seed by seed
 _MISSING = object()
-
-
-def flatten(data: dict, prefix: str = "") -> dict[str, Any]:
-    """Nested mappings as dotted key -> leaf value (lists and empty mappings are leaves)."""
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and value:
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def resolved_config(cfg: Any) -> dict[str, Any]:
