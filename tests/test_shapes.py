@@ -17,6 +17,8 @@ CARDS = {
     "qwen3-1.7b-shape": (1.7, 1.4),
     "qwen3-4b-shape": (4.0, 3.6),
     "qwen3-8b-shape": (8.2, 6.95),
+    "qwen3-14b-shape": (14.8, 13.2),
+    "qwen3-32b-shape": (32.8, 31.2),
 }
 
 

@@ -1,16 +1,16 @@
-"""Qwen3 models at the published shapes (0.6B, 1.7B, 4B, 8B) with random weights, built without the hub.
+"""Qwen3 models at the published shapes (0.6B, 1.7B, 4B, 8B, 14B, 32B) with random weights, built without the hub.
 
 For cost measurements only (step time, tokens/s, MFU, memory): the weights are random, so nothing measured with
 them says anything about accuracy. A real checkpoint (``path:`` a hub id or folder) goes through the same model
 class (``Qwen3ForCausalLM``) and the same learner/engine code.
 
 Every number below is copied from the ``config.json`` of the Qwen organisation's repositories on the Hugging Face
-hub (``Qwen/Qwen3-0.6B``, ``Qwen/Qwen3-1.7B``, ``Qwen/Qwen3-4B``, ``Qwen/Qwen3-8B``; transformers 4.51 era):
+hub (``Qwen/Qwen3-0.6B``, ``-1.7B``, ``-4B``, ``-8B``, ``-14B``, ``-32B``; transformers 4.51 era):
 ``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``, ``num_key_value_heads``, ``head_dim`` (128 in all
-four), ``intermediate_size``, ``vocab_size`` (151,936), ``rope_theta`` (1,000,000), ``max_position_embeddings``
-(40,960), ``rms_norm_eps`` (1e-6) and ``tie_word_embeddings`` (true for 0.6B, 1.7B and 4B; false for 8B). The
-parameter counts in ``published_params`` are the model cards' "Number of Parameters" lines (0.6B, 1.7B, 4.0B,
-8.2B); ``tests/test_shapes.py`` checks the built models against them.
+six), ``intermediate_size``, ``vocab_size`` (151,936), ``rope_theta`` (1,000,000), ``max_position_embeddings``
+(40,960), ``rms_norm_eps`` (1e-6) and ``tie_word_embeddings`` (true for 0.6B, 1.7B and 4B; false for 8B, 14B, 32B).
+The parameter counts in ``published_params`` are the model cards' "Number of Parameters" lines (0.6B, 1.7B, 4.0B,
+8.2B, 14.8B, 32.8B); ``tests/test_shapes.py`` checks the built models against them.
 
 torch and transformers are imported where used, so the config (which reads ``SHAPES``) stays cheap to import.
 """
@@ -50,6 +50,8 @@ SHAPES: dict[str, QwenShape] = {
     "qwen3-1.7b-shape": QwenShape(28, 2048, 16, 8, 6144, True, 1.7e9, "Qwen/Qwen3-1.7B config.json"),
     "qwen3-4b-shape": QwenShape(36, 2560, 32, 8, 9728, True, 4.0e9, "Qwen/Qwen3-4B config.json"),
     "qwen3-8b-shape": QwenShape(36, 4096, 32, 8, 12288, False, 8.2e9, "Qwen/Qwen3-8B config.json"),
+    "qwen3-14b-shape": QwenShape(40, 5120, 40, 8, 17408, False, 14.8e9, "Qwen/Qwen3-14B config.json"),
+    "qwen3-32b-shape": QwenShape(64, 5120, 64, 8, 25600, False, 32.8e9, "Qwen/Qwen3-32B config.json"),
 }
 
 # Special ids of the stand-in tokenizer (the rest of the id space is one character per id).
