@@ -335,7 +335,7 @@ def _fields_table(obj: type) -> list[str]:
     else:
         for f in dataclasses.fields(obj):
             if f.default is not dataclasses.MISSING:
-                default = _code(repr(f.default))
+                default = "(a function)" if callable(f.default) else _code(repr(f.default))
             elif f.default_factory is not dataclasses.MISSING:
                 default = "(computed)"
             else:
@@ -349,9 +349,12 @@ def _members(cls: type) -> list[str]:
     """The public methods and properties a class defines itself, each with its signature and first docstring paragraph."""
     import inspect
 
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
     out = []
     for name, member in vars(cls).items():
-        if name.startswith("_"):
+        if name.startswith("_") or name in fields:  # a dataclass field's default (a function, say) is not a method
             continue
         func = member.__func__ if isinstance(member, (classmethod, staticmethod)) else member
         if isinstance(member, property):
