@@ -1,10 +1,12 @@
 """Reference pages generated from the code, so they cannot drift: the CLI (the Typer app), the configuration (the
-pydantic models of ``harness/config.py``) and each method's hyper-parameters (its ``MethodSpec``). ``docs/hooks.py``
+pydantic models of ``harness/config.py``), each method's hyper-parameters (its ``MethodSpec``) and the Python API
+(signatures and docstrings of the names in ``API``). ``docs/hooks.py``
 puts them into the pages at build time; ``tests/test_docs.py`` checks they cover every command, key and method."""
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 import types
 import typing
@@ -197,3 +199,218 @@ def method_markdown(name: str) -> str:
         out += ["", "Notes (`MethodSpec.notes`, also in every run's `method.json`):", ""]
         out += [f"- `{k}`: {_cell(v)}" for k, v in spec.notes.items()]
     return "\n".join(out) + "\n"
+
+
+# ---- the Python API ---------------------------------------------------------------------------------------------------
+
+API: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    (
+        "Tasks",
+        "A task is a `Task` subclass declared as an entry point in the group `opd_harness.tasks` "
+        "([Adding a task](../extending/add-a-task.md)); multi-turn tasks return an `Env` per episode.",
+        (
+            "opd_harness.task.Task", "opd_harness.task.TaskOptions", "opd_harness.task.Problem", "opd_harness.task.Score",
+            "opd_harness.task.read_jsonl", "opd_harness.task.DataError", "opd_harness.task.DataNotFound",
+            "opd_harness.task.DataNeed", "opd_harness.episode.Env", "opd_harness.episode.StepResult",
+            "opd_harness.episode.Observation", "opd_harness.episode.SingleTurnEnv",
+            "opd_harness.tasks.math_grading.MathVerifyGraded", "opd_harness.tasks.math_grading.grade_answer",
+            "opd_harness.tasks.agentic.sandboxed.SandboxedTask", "opd_harness.tasks.agentic.shell_task.ShellAgentTask",
+            "opd_harness.tasks.agentic.shell_env.Check",
+        ),
+    ),
+    (
+        "Methods",
+        "A method is a `MethodSpec` declared as an entry point in the group `opd_harness.methods`; its objective reads "
+        "a `TensorBatch` and the student's `StudentOutputs` ([Adding a method](../extending/add-a-method.md)).",
+        (
+            "opd_harness.method.MethodSpec", "opd_harness.method.HParams", "opd_harness.method.StudentOutputs",
+            "opd_harness.method.INPUTS", "opd_harness.trajectory.TensorBatch", "opd_harness.trainers.objectives.masked_mean",
+            "opd_harness.lazy.lazy_import",
+        ),
+    ),
+    (
+        "Registries",
+        "Everything the harness looks up by name ([Plug-ins](../extending/plugins.md)).",
+        ("opd_harness.registry.Registry", "opd_harness.registry.RegistryError", "opd_harness.registry.TASKS",
+         "opd_harness.registry.METHODS", "opd_harness.registry.BACKENDS"),
+    ),
+    (
+        "Backends",
+        "Inference engines (group `opd_harness.backends`): `hf`, `hf_static`, `replay`, `openai`, `vllm`.",
+        ("opd_harness.backends.Backend", "opd_harness.backends.RolloutEngine", "opd_harness.backends.SamplingParams",
+         "opd_harness.backends.Completion"),
+    ),
+    (
+        "Sandboxes",
+        "Where model-written code runs (group `opd_harness.sandboxes`): `docker`, `local`.",
+        ("opd_harness.sandbox.open_sandbox", "opd_harness.sandbox.Sandbox", "opd_harness.sandbox.Session",
+         "opd_harness.sandbox.ExecRequest", "opd_harness.sandbox.ExecResult"),
+    ),
+    (
+        "Configuration",
+        "The run configuration `harness run` builds from a preset, a file and `--set` overrides "
+        "([Configuration reference](config.md)).",
+        ("opd_harness.config.build_config", "opd_harness.config.RunConfig"),
+    ),
+    (
+        "Results store and statistics",
+        "Reading what runs and evaluations wrote to `DIR/results.sqlite` ([Results store](results-store.md)), and the "
+        "statistics the leaderboard and the gate use ([Statistics](statistics.md)).",
+        ("opd_harness.store.Store", "opd_harness.metrics.avg_at_k", "opd_harness.metrics.pass_at_k",
+         "opd_harness.metrics.bootstrap_ci", "opd_harness.metrics.paired_bootstrap", "opd_harness.metrics.PairedResult",
+         "opd_harness.metrics.summarize", "opd_harness.gate.gate"),
+    ),
+)
+
+_ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|obj|exc):`~?([^`]+)`")
+
+
+def api_object(dotted: str) -> object:
+    """Import ``package.module.Name`` (the longest importable module prefix, then attributes)."""
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ModuleNotFoundError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise ImportError(f"cannot import {dotted}")
+
+
+def _md(text: str) -> str:
+    """A docstring as Markdown: reST roles and ``literals`` as code spans; ``<`` escaped outside code spans; every line
+    flush left (indented docstring lines would otherwise become code blocks), bullets kept."""
+    text = _ROLE.sub(r"`\1`", text).replace("``", "`")
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        pieces = line.split("`")
+        line = "`".join(p.replace("<", "&lt;") if i % 2 == 0 else p for i, p in enumerate(pieces))
+        out.append(line)
+    return "\n".join(out)
+
+
+class _Annotation:
+    """An annotation written as source text (``from __future__ import annotations``), shown without quotes."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _signature(obj: object, *, returns: bool = True) -> str:
+    """``(a: int, b: str = 'x') -> T``: annotations as written in the source, no quotes; '' when there is none to show."""
+    import inspect
+
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return ""
+
+    def unquoted(annotation: object) -> object:
+        return _Annotation(annotation) if isinstance(annotation, str) else annotation
+
+    params = [p.replace(annotation=unquoted(p.annotation)) for p in sig.parameters.values()]
+    ret = unquoted(sig.return_annotation) if returns else inspect.Signature.empty
+    text = str(sig.replace(parameters=params, return_annotation=ret))
+    return "" if text in ("(*args, **kwargs)", "(self, /, *args, **kwargs)") else text
+
+
+def _fields_table(obj: type) -> list[str]:
+    """Fields of a pydantic model or a dataclass: name, type, default (and description)."""
+    import dataclasses
+
+    from pydantic import BaseModel
+
+    rows = ["| field | type | default | description |", "|---|---|---|---|"]
+    if isinstance(obj, type) and issubclass(obj, BaseModel):
+        for name, field in obj.model_fields.items():
+            rows.append(f"| `{name}` | {_cell(_type_name(field.annotation))} | {_default(field)} | {_cell(field.description or '')} |")
+    else:
+        for f in dataclasses.fields(obj):
+            if f.default is not dataclasses.MISSING:
+                default = "(a function)" if callable(f.default) else _code(repr(f.default))
+            elif f.default_factory is not dataclasses.MISSING:
+                default = "(computed)"
+            else:
+                default = "(required)"
+            kind = f.type if isinstance(f.type, str) else _type_name(f.type)
+            rows.append(f"| `{f.name}` | {_cell(kind)} | {default} | |")
+    return rows if len(rows) > 2 else []
+
+
+def _members(cls: type) -> list[str]:
+    """The public methods and properties a class defines itself, each with its signature and first docstring paragraph."""
+    import inspect
+
+    import dataclasses
+
+    fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+    out = []
+    for name, member in vars(cls).items():
+        if name.startswith("_") or name in fields:  # a dataclass field's default (a function, say) is not a method
+            continue
+        func = member.__func__ if isinstance(member, (classmethod, staticmethod)) else member
+        if isinstance(member, property):
+            func, sig = member.fget, ""
+        elif inspect.isfunction(func):
+            sig = _signature(func)
+        else:
+            continue
+        doc = (inspect.getdoc(func) or "").split("\n\n")[0]
+        out.append(f"- `{name}{sig}`" + (f": {_md(doc)}".replace("\n", " ") if doc else ""))
+    return out
+
+
+def api_entry(dotted: str) -> str:
+    """One public name: its kind, signature, docstring, and for classes their fields and own public methods."""
+    import dataclasses
+    import inspect
+
+    from pydantic import BaseModel
+
+    obj = api_object(dotted)
+    out = [f"### `{dotted}`", ""]
+    if inspect.isclass(obj) or inspect.isfunction(obj):
+        kind = "class" if inspect.isclass(obj) else "function"
+        is_model = inspect.isclass(obj) and (issubclass(obj, BaseModel) or dataclasses.is_dataclass(obj))
+        sig = "" if is_model else _signature(obj, returns=kind == "function")
+        out += ["```python", f"{kind} {dotted.rsplit('.', 1)[1]}{sig}", "```", ""]
+        out += [_md(inspect.getdoc(obj) or ""), ""]
+        if is_model:
+            out += _fields_table(obj) + [""]
+        if inspect.isclass(obj):
+            members = _members(obj)
+            if members:
+                out += ["Methods:", "", *members, ""]
+    elif isinstance(obj, dict):
+        out += [f"A `dict` of {len(obj)} entries:", "", "| key | value |", "|---|---|"]
+        out += [f"| `{k}` | {_cell(v)} |" for k, v in obj.items()] + [""]
+    elif hasattr(obj, "entry_point_group"):
+        name = dotted.rsplit(".", 1)[1]
+        out += [f"The `Registry` of the entry-point group `{obj.entry_point_group}`: `{name}.names()` lists what is "
+                f"registered, `{name}.get(name)` returns one (an unknown name raises `RegistryError` listing the valid "
+                f"names and the closest match), `{name}.add(name, obj)` registers one (a test's own, say).", ""]
+    else:
+        out += [f"An instance of `{type(obj).__module__}.{type(obj).__qualname__}`.", ""]
+    return "\n".join(out)
+
+
+def api_names() -> list[str]:
+    """Every name the Python API page documents, in page order."""
+    return [name for _, _, names in API for name in names]
+
+
+def api_markdown() -> str:
+    """Every section of ``API``: its introduction, then one entry per name."""
+    out: list[str] = []
+    for title, intro, names in API:
+        out += [f"## {title}", "", intro, ""]
+        out += [api_entry(name) for name in names]
+    return "\n".join(out)

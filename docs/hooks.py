@@ -10,7 +10,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import gen_reference  # noqa: E402
 
-MARKER = re.compile(r"<!-- gen:(cli|config|method) ?([\w-]*) -->")
+MARKER = re.compile(r"<!-- gen:(cli|config|method|api) ?([\w-]*) -->")
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
@@ -20,6 +20,8 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
             return gen_reference.cli_markdown()
         if kind == "config":
             return gen_reference.config_markdown()
+        if kind == "api":
+            return gen_reference.api_markdown()
         return gen_reference.method_markdown(arg)
 
     return MARKER.sub(fill, markdown)

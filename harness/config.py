@@ -577,6 +577,8 @@ class EvalConfig(Strict):
 
 
 class RunConfig(Strict):
+    """The whole configuration of one run (`harness run --print-config` prints it); `build_config` makes one from the layers."""
+
     method: str = "opd"
     task: str = "arith"
     seed: int = 0

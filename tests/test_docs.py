@@ -184,3 +184,58 @@ def test_the_documented_method_runs_and_registers(tmp_path) -> None:
         assert METHODS.get(name).describe()["name"] == name
     finally:
         METHODS._items.pop(name, None)
+
+
+IMPORT = re.compile(r"^\s*from (opd_harness[\w.]*) import ([\w, ]+)$", re.MULTILINE)
+
+
+def test_the_python_api_reference_is_generated_and_every_name_imports_with_its_own_docstring() -> None:
+    """Each listed name imports; classes and functions carry a docstring of their own (not one inherited from a base
+    class), and the generated page has an entry for every name."""
+    import inspect
+
+    assert "<!-- gen:api -->" in (ROOT / "docs" / "reference" / "python-api.md").read_text(encoding="utf-8")
+    undocumented = []
+    for name in gen_reference.api_names():
+        obj = gen_reference.api_object(name)
+        if (inspect.isclass(obj) or inspect.isfunction(obj)) and not (obj.__doc__ or "").strip():
+            undocumented.append(name)
+    assert undocumented == []
+    text = gen_reference.api_markdown()
+    assert [n for n in gen_reference.api_names() if f"\n### `{n}`\n" not in "\n" + text] == []
+
+
+def test_every_name_the_guides_import_from_the_harness_is_in_the_python_api() -> None:
+    """What the extending guides' and the API page's examples import is what the API page documents."""
+    pages = [*(ROOT / "docs" / "extending").glob("*.md"), ROOT / "docs" / "reference" / "python-api.md"]
+    imported = {f"{module}.{name.strip()}" for page in pages for module, names in IMPORT.findall(page.read_text(encoding="utf-8"))
+                for name in names.split(",") if name.strip()}
+    assert len(imported) >= 10  # the task, method and store examples
+    assert sorted(imported - set(gen_reference.api_names())) == []
+
+
+def test_the_documented_results_store_reader_runs(tmp_path) -> None:
+    """The API page's example reads a store written through `Store`: Avg@k rows, per-problem means without error
+    samples, and the paired comparison's delta."""
+    from opd_harness.store import SampleRow, Store
+
+    module = _module("store_reader_doc", _block("reference/python-api.md", "Reading a results store"), tmp_path)
+
+    def samples(passed: set[str], errored: set[str] = frozenset()) -> list[SampleRow]:
+        def row(pid: str, i: int) -> SampleRow:  # an error sample scores 0: the reader must leave it out, not average it in
+            if (pid, i) in errored:
+                return SampleRow(pid, i, "", None, 0.0, "error", 0.1)
+            return SampleRow(pid, i, "", None, float(pid in passed), "pass" if pid in passed else "fail", 0.1)
+
+        return [row(pid, i) for pid in ("p1", "p2", "p3", "p4") for i in range(2)]
+
+    root = tmp_path / "out"
+    with Store(root) as store:
+        for run, passed, errored in (("a", {"p1"}, set()), ("b", {"p1", "p2", "p3"}, {("p3", 0)})):
+            store.create_run(run, kind="eval", config={})
+            summary = {"k": 2, "n_samples": 8, "n_problems": 4, "avg_at_k": len(passed) / 4, "ci_low": 0.0, "ci_high": 1.0}
+            store.add_eval(run, 0, "math500", summary, samples(passed, errored), grader="g", grader_version="1")
+    assert module.evaluations(str(root)) == [("a", 0, "math500", 0.25, 0.0, 1.0), ("b", 0, "math500", 0.75, 0.0, 1.0)]
+    assert module.per_problem(str(root), "b", 0, "math500") == {"p1": 1.0, "p2": 1.0, "p3": 1.0, "p4": 0.0}
+    result = module.compare(str(root), ("a", 0), ("b", 0), "math500")
+    assert (result.n, result.mean_a, result.mean_b, result.delta) == (4, 0.25, 0.75, 0.5)
