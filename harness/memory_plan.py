@@ -314,14 +314,15 @@ def kv_cache_bytes(shape: ModelShape, rows: int, tokens: int, dtype_bytes: int) 
 
 
 def mlp_activation_bytes_per_token(shape: ModelShape, dtype_bytes: int, sparse: bool) -> int:
-    """What one layer's MLP keeps per token for its backward: a dense SwiGLU's gate, up, activation and product (4 I);
-    a sparse layer's router logits (E, activation dtype) and float32 routing probabilities (E × 4 bytes), and for each of
-    the experts_per_token experts the token is routed to, its gathered input and weighted output (2 H) and the expert's
-    gate, up, activation and product (4 I_e) (transformers' Qwen3MoeSparseMoeBlock)."""
+    """What one layer's MLP keeps per token for its backward: a dense SwiGLU's gate, up, activation and product (4 I).
+    A sparse layer (transformers' Qwen3MoeSparseMoeBlock, its expert loop), per routed expert: the gathered input, the
+    down projection's output and the weighted output (3 H), the expert's gate, up, activation and product (4 I_e) and the
+    routing weight twice, in the activation dtype, plus 24 bytes of int64 expert id and indices; and the router's float32
+    probabilities over the E experts. Counted with saved-tensor hooks (``benchmarks/moe_layer_activations.py``)."""
     if not sparse:
         return dtype_bytes * 4 * shape.intermediate
-    routed = shape.experts_per_token * (2 * shape.hidden + 4 * shape.expert_intermediate)
-    return dtype_bytes * (routed + shape.experts) + FP32 * shape.experts
+    k = shape.experts_per_token
+    return dtype_bytes * k * (3 * shape.hidden + 4 * shape.expert_intermediate + 2) + 24 * k + FP32 * shape.experts
 
 
 def layer_activation_bytes_per_token(shape: ModelShape, dtype_bytes: int, sparse: bool | None = None) -> int:

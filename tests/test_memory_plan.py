@@ -109,15 +109,48 @@ def test_qwen3_30b_a3b_from_its_config_json_is_planned_with_every_expert(tmp_pat
 
 
 def test_moe_activations_grow_with_the_routed_experts_not_with_all_of_them():
-    """A sparse layer keeps per token what its experts_per_token experts compute (and the router's E logits and
-    probabilities), so doubling the experts adds only router bytes and doubling the routed ones adds expert bytes."""
+    """A sparse layer keeps per token what its experts_per_token experts compute (and the router's E probabilities),
+    so doubling the experts adds only router bytes and doubling the routed ones adds expert bytes."""
     shape = published_shape("qwen3-30b-a3b-shape")
     base = layer_activation_bytes_per_token(shape, 2)
     more_experts = layer_activation_bytes_per_token(replace(shape, experts=256), 2)
     more_routed = layer_activation_bytes_per_token(replace(shape, experts_per_token=16), 2)
-    assert more_experts - base == 128 * (2 + 4)  # router logits (bf16) and float32 probabilities of 128 more experts
-    assert more_routed - base == 8 * (2 * 2048 + 4 * 768) * 2
-    assert base < layer_activation_bytes_per_token(published_shape("qwen3-8b-shape"), 2)  # 8 × 768 routed < 12,288 dense
+    assert more_experts - base == 128 * 4  # the router's float32 probabilities over 128 more experts
+    assert more_routed - base == 8 * ((3 * 2048 + 4 * 768 + 2) * 2 + 24)
+    assert base > layer_activation_bytes_per_token(shape, 2, sparse=False)  # more than a dense MLP of the unused 6144 would keep
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_sparse_mlp_term_is_what_transformers_saves_for_the_backward(dtype):
+    """transformers' Qwen3MoeSparseMoeBlock (16 experts, 4 per token) on 256 tokens: the distinct non-weight tensors
+    autograd saves, less the block's input (the layer term counts it as the norm's output), are the plan's per-token
+    sparse MLP term within 1 % (the int64 indices per expert vary with the routing)."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from opd_harness.memory_plan import mlp_activation_bytes_per_token
+
+    config = Qwen3MoeConfig(hidden_size=128, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=48, norm_topk_prob=True)
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(config).to(dtype)
+    for weight in block.parameters():  # the experts start as torch.empty
+        torch.nn.init.normal_(weight, std=0.02)
+    weights = {w.untyped_storage().data_ptr() for w in block.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in weights:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    tokens = 256
+    x = torch.randn(1, tokens, 128, dtype=dtype, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x).float().sum().backward()
+    measured = (sum(saved.values()) - x.numel() * x.element_size()) / tokens
+    shape = ModelShape("m", "test", 1, 128, 4, 2, 32, 0, 1000, False, 16, 4, 48, 1)
+    planned = mlp_activation_bytes_per_token(shape, x.element_size(), sparse=True)
+    assert abs(planned - measured) / measured < 0.01, (planned, measured)
 
 
 def test_a_mixture_of_experts_layout_the_plan_does_not_model_is_refused_naming_the_key(tmp_path):
