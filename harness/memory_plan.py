@@ -51,7 +51,9 @@ TEACHER_CHUNK_COPIES = 1
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the memory plan needs of a decoder-only transformer (Qwen3/Llama layout), and where it was read."""
+    """What the memory plan needs of a decoder-only transformer (Qwen3/Llama layout), and where it was read. A
+    mixture-of-experts model (Qwen3-MoE) has ``moe_layers`` sparse layers of ``experts`` SwiGLU experts of width
+    ``expert_intermediate`` with ``experts_per_token`` routed per token; its other layers are dense (``intermediate``)."""
 
     name: str
     source: str
@@ -63,6 +65,10 @@ class ModelShape:
     intermediate: int
     vocab: int
     tied: bool
+    experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate: int = 0
+    moe_layers: int = 0
 
 
 @dataclass
@@ -114,25 +120,91 @@ def fits(total: int, capacity: int | None) -> bool | None:
 # ---- model shapes, without weights
 
 
-def layer_parameters(shape: ModelShape) -> int:
-    """Parameters of one decoder layer: q/k/v/o projections, q/k norms (Qwen3), SwiGLU MLP, two RMSNorms."""
+def layer_kinds(shape: ModelShape) -> list[tuple[bool, int]]:
+    """(sparse, how many layers) for each kind of decoder layer the model has: dense and/or mixture-of-experts."""
+    kinds = [(False, shape.layers - shape.moe_layers), (True, shape.moe_layers)]
+    return [(sparse, count) for sparse, count in kinds if count > 0]
+
+
+def mlp_parameters(shape: ModelShape, sparse: bool, *, active: bool = False) -> int:
+    """Parameters of one layer's MLP: a SwiGLU (3·H·I); a sparse layer's experts (E·3·H·I_e) and router (E·H), or with
+    ``active`` only the ``experts_per_token`` experts a token goes through."""
+    if not sparse:
+        return 3 * shape.hidden * shape.intermediate
+    experts = shape.experts_per_token if active else shape.experts
+    return experts * 3 * shape.hidden * shape.expert_intermediate + shape.experts * shape.hidden
+
+
+def layer_parameters(shape: ModelShape, sparse: bool | None = None, *, active: bool = False) -> int:
+    """Parameters of one decoder layer: q/k/v/o projections, q/k norms (Qwen3), the MLP, two RMSNorms. ``sparse`` None:
+    the largest layer the model has (what FSDP2 gathers whole)."""
+    if sparse is None:
+        return max(layer_parameters(shape, kind, active=active) for kind, _ in layer_kinds(shape))
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     attention = shape.hidden * q + 2 * shape.hidden * kv + q * shape.hidden + 2 * shape.head_dim
-    return attention + 3 * shape.hidden * shape.intermediate + 2 * shape.hidden
+    return attention + mlp_parameters(shape, sparse, active=active) + 2 * shape.hidden
 
 
-def parameter_count(shape: ModelShape) -> int:
-    """Parameters of the whole model: embedding, layers, final norm, and the output head unless tied to the embedding."""
+def parameter_count(shape: ModelShape, *, active: bool = False) -> int:
+    """Parameters of the whole model: embedding, layers (every expert; ``active``: only those one token is routed
+    through), final norm, and the output head unless tied to the embedding."""
     head = 0 if shape.tied else shape.vocab * shape.hidden
-    return shape.vocab * shape.hidden + shape.layers * layer_parameters(shape) + shape.hidden + head
+    layers = sum(count * layer_parameters(shape, sparse, active=active) for sparse, count in layer_kinds(shape))
+    return shape.vocab * shape.hidden + layers + shape.hidden + head
+
+
+def mlp_width(shape: ModelShape) -> int:
+    """The widest per-token MLP intermediate of the model's layers: I for a dense layer, experts_per_token · I_e for a
+    sparse one (what one token's forward computes)."""
+    return max(shape.experts_per_token * shape.expert_intermediate if sparse else shape.intermediate for sparse, _ in layer_kinds(shape))
+
+
+def describe_shape(shape: ModelShape) -> str:
+    """Parameters, layers, widths and (mixture-of-experts) the experts, for the plan's assumptions."""
+    moe = ""
+    if shape.moe_layers:
+        moe = (f", {parameter_count(shape, active=True) / 1e9:.3g}B active per token ({shape.experts} experts of "
+               f"{shape.expert_intermediate}, {shape.experts_per_token} per token, in {shape.moe_layers} of {shape.layers} layers)")
+    return (f"{shape.name}, {parameter_count(shape) / 1e9:.3g}B parameters{moe}, {shape.layers} layers, hidden {shape.hidden}, "
+            f"vocab {shape.vocab} ({shape.source})")  # fmt: skip
+
+
+# Mixture-of-experts layouts other than Qwen3-MoE's, named by a config key the plan does not model.
+UNMODELLED_MOE_KEYS = {"n_routed_experts": "DeepSeek-style experts", "shared_expert_intermediate_size": "a shared expert"}
+
+
+def moe_fields(config: dict, layers: int, source: str) -> dict[str, int]:
+    """The expert fields of a Qwen3-MoE config: ``num_experts`` (``num_local_experts`` as transformers 5 writes it),
+    ``num_experts_per_tok``, ``moe_intermediate_size``; layer i is sparse unless in ``mlp_only_layers`` or (i + 1) is not a
+    multiple of ``decoder_sparse_step``, as transformers' Qwen3MoeDecoderLayer decides. {} for a dense config; another
+    MoE layout (experts without ``moe_intermediate_size``, e.g. Mixtral's; DeepSeek's; a shared expert) is a ValueError."""
+    for key, what in UNMODELLED_MOE_KEYS.items():
+        if config.get(key):
+            raise ValueError(f"{source} has {key} ({what}): the memory plan counts only Qwen3-MoE experts "
+                             "(num_experts, num_experts_per_tok, moe_intermediate_size)")  # fmt: skip
+    experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    if not experts:
+        return {}
+    if not config.get("moe_intermediate_size"):
+        key = "num_experts" if config.get("num_experts") else "num_local_experts"
+        raise ValueError(f"{source} has {key} but no moe_intermediate_size (Mixtral-style experts): the memory plan counts "
+                         "only Qwen3-MoE experts (num_experts, num_experts_per_tok, moe_intermediate_size)")  # fmt: skip
+    step = int(config.get("decoder_sparse_step") or 1)
+    dense = set(config.get("mlp_only_layers") or [])
+    sparse = sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    return {"experts": experts, "experts_per_token": int(config["num_experts_per_tok"]),
+            "expert_intermediate": int(config["moe_intermediate_size"]), "moe_layers": sparse}  # fmt: skip
 
 
 def shape_from_config(config: dict, name: str, source: str) -> ModelShape:
     """A :class:`ModelShape` from a ``config.json`` mapping (a multimodal one's ``text_config``); ``head_dim`` defaults to
-    hidden / heads, ``num_key_value_heads`` to the heads. A missing field is a ``ValueError`` naming it."""
+    hidden / heads, ``num_key_value_heads`` to the heads; Qwen3-MoE expert fields when present (:func:`moe_fields`). A
+    missing field is a ``ValueError`` naming it."""
     config = config.get("text_config", config)
     try:
         hidden, heads, layers = int(config["hidden_size"]), int(config["num_attention_heads"]), int(config["num_hidden_layers"])
+        moe = moe_fields(config, layers, source)
+        every_layer_sparse = bool(moe) and moe["moe_layers"] == layers
         return ModelShape(
             name=name,
             source=source,
@@ -141,9 +213,10 @@ def shape_from_config(config: dict, name: str, source: str) -> ModelShape:
             heads=heads,
             kv_heads=int(config.get("num_key_value_heads") or heads),
             head_dim=int(config.get("head_dim") or hidden // heads),
-            intermediate=int(config["intermediate_size"]),
+            intermediate=int(config.get("intermediate_size") or 0) if every_layer_sparse else int(config["intermediate_size"]),
             vocab=int(config["vocab_size"]),
             tied=bool(config.get("tie_word_embeddings", False)),
+            **moe,
         )
     except KeyError as exc:
         raise ValueError(f"{source} has no {exc.args[0]!r}") from None
@@ -155,7 +228,8 @@ def published_shape(arch: str, source: str | None = None) -> ModelShape:
 
     s = get_shape(arch)
     return ModelShape(arch, source or f"harness/models/shapes.py ({s.source})", s.layers, s.hidden, s.heads, s.kv_heads, s.head_dim,
-                      s.intermediate, s.vocab, s.tie_word_embeddings)  # fmt: skip
+                      s.intermediate, s.vocab, s.tie_word_embeddings, s.experts, s.experts_per_token, s.expert_intermediate,
+                      s.layers if s.experts else 0)  # fmt: skip
 
 
 def tiny_shape(arch: Any) -> ModelShape:
@@ -168,10 +242,12 @@ def tiny_shape(arch: Any) -> ModelShape:
 
 
 def published_hub_ids() -> dict[str, str]:
-    """Hub ids whose config.json :data:`~opd_harness.models.shapes.SHAPES` copies (``Qwen/Qwen3-1.7B`` → its shape name)."""
-    from opd_harness.models.shapes import SHAPES
+    """Hub ids whose config.json :data:`~opd_harness.models.shapes.SHAPES` copies (``Qwen/Qwen3-1.7B`` → its shape name),
+    and those of :data:`~opd_harness.models.shapes.HUB_VARIANTS` (the same architectures under other checkpoints)."""
+    from opd_harness.models.shapes import HUB_VARIANTS, SHAPES
 
-    return {shape.source.removesuffix(" config.json"): name for name, shape in SHAPES.items()}
+    ids = {shape.source.removesuffix(" config.json"): name for name, shape in SHAPES.items()}
+    return ids | {repo: name for repo, (name, _) in HUB_VARIANTS.items()}
 
 
 def hub_shape(repo: str, key: str) -> ModelShape:
@@ -180,14 +256,18 @@ def hub_shape(repo: str, key: str) -> ModelShape:
     ConfigError naming ``key``."""
     from huggingface_hub import hf_hub_download
 
+    from opd_harness.models.shapes import HUB_VARIANTS
+
     try:
-        cached = hf_hub_download(repo, "config.json", local_files_only=True)
-        return shape_from_config(json.loads(Path(cached).read_text()), repo, f"{repo} config.json (local hub cache)")
+        config = json.loads(Path(hf_hub_download(repo, "config.json", local_files_only=True)).read_text())
     except Exception:  # noqa: BLE001 - not cached (or unreadable): the published shape or the hub below
-        pass
+        config = None
+    if config is not None:
+        return shape_of_config(config, repo, f"{repo} config.json (local hub cache)", key)
     known = published_hub_ids().get(repo)
     if known is not None:
-        return published_shape(known, f"{repo}: not in the hub cache; the published shape {known} (harness/models/shapes.py)")
+        why = f"; {HUB_VARIANTS[repo][1]}" if repo in HUB_VARIANTS else ""
+        return published_shape(known, f"{repo}: not in the hub cache; the published shape {known} (harness/models/shapes.py{why})")
     hint = f"give a local model folder or a published shape ({key.rsplit('.', 1)[0]}.arch)"
     why = hub_unavailable()
     if why:
@@ -197,7 +277,15 @@ def hub_shape(repo: str, key: str) -> ModelShape:
     except Exception as exc:  # noqa: BLE001 - unreachable hub, unknown or gated repo: one line either way
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise ConfigError(f"{key}={repo}: cannot read its config.json from the hub ({first}); {hint}") from None
-    return shape_from_config(config, repo, f"{repo} config.json (hub)")
+    return shape_of_config(config, repo, f"{repo} config.json (hub)", key)
+
+
+def shape_of_config(config: dict, name: str, source: str, key: str) -> ModelShape:
+    """:func:`shape_from_config`, its ValueError (a missing field, an unmodelled MoE layout) a one-line ConfigError naming ``key``."""
+    try:
+        return shape_from_config(config, name, source)
+    except ValueError as exc:
+        raise ConfigError(f"{key}={name}: cannot plan its memory ({exc})") from None
 
 
 def model_shape(spec: ModelSpec, key: str) -> ModelShape:
@@ -225,12 +313,31 @@ def kv_cache_bytes(shape: ModelShape, rows: int, tokens: int, dtype_bytes: int) 
     return 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype_bytes * rows * tokens
 
 
-def layer_activation_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
+def mlp_activation_bytes_per_token(shape: ModelShape, dtype_bytes: int, sparse: bool) -> int:
+    """What one layer's MLP keeps per token for its backward: a dense SwiGLU's gate, up, activation and product (4 I).
+    A sparse layer (transformers' Qwen3MoeSparseMoeBlock, its expert loop), per routed expert: the gathered input, the
+    down projection's output and the weighted output (3 H), the expert's gate, up, activation and product (4 I_e) and the
+    routing weight twice, in the activation dtype, plus 24 bytes of int64 expert id and indices; and the router's float32
+    probabilities over the E experts. Counted with saved-tensor hooks (``benchmarks/moe_layer_activations.py``)."""
+    if not sparse:
+        return dtype_bytes * 4 * shape.intermediate
+    k = shape.experts_per_token
+    return dtype_bytes * k * (3 * shape.hidden + 4 * shape.expert_intermediate + 2) + 24 * k + FP32 * shape.experts
+
+
+def layer_activation_bytes_per_token(shape: ModelShape, dtype_bytes: int, sparse: bool | None = None) -> int:
     """Tensors one decoder layer keeps per token for its backward (SDPA attention: no tokens² term): the two RMSNorms'
     inputs and outputs (4 H), q/k/v, their norms and rotations, the attention output (5 q + 4 kv widths), and the MLP's
-    gate, up, activation and product (4 I)."""
+    (:func:`mlp_activation_bytes_per_token`). ``sparse`` None: the model's largest layer."""
+    if sparse is None:
+        return max(layer_activation_bytes_per_token(shape, dtype_bytes, kind) for kind, _ in layer_kinds(shape))
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    return dtype_bytes * (4 * shape.hidden + 5 * q + 4 * kv + 4 * shape.intermediate)
+    return dtype_bytes * (4 * shape.hidden + 5 * q + 4 * kv) + mlp_activation_bytes_per_token(shape, dtype_bytes, sparse)
+
+
+def model_activation_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
+    """:func:`layer_activation_bytes_per_token` summed over every decoder layer (dense and sparse ones)."""
+    return sum(count * layer_activation_bytes_per_token(shape, dtype_bytes, sparse) for sparse, count in layer_kinds(shape))
 
 
 def learner_activation_bytes(
@@ -243,11 +350,10 @@ def learner_activation_bytes(
     the vocabulary terms are float32; ``teacher_in_chunk``: a full teacher signal's distribution is computed in each chunk
     too. ``rank_tokens`` (the rank's tokens, per-bucket backward only): the first pass holds the student distribution of all
     of them while the objective runs, as (tokens, H) hidden states chunked or (tokens, V) log-probabilities unchunked."""
-    per_layer = layer_activation_bytes_per_token(shape, dtype_bytes)
     if checkpointing:
-        layers = graph_tokens * (shape.layers * shape.hidden * dtype_bytes + per_layer)
+        layers = graph_tokens * (shape.layers * shape.hidden * dtype_bytes + layer_activation_bytes_per_token(shape, dtype_bytes))
     else:
-        layers = graph_tokens * shape.layers * per_layer
+        layers = graph_tokens * model_activation_bytes_per_token(shape, dtype_bytes)
     row = shape.vocab * FP32
     first_pass = rank_tokens if rank_tokens is not None and rank_tokens > graph_tokens else 0
     if vocab_chunk:  # every method: the head runs a chunk of positions at a time (the full terms too when the method reads them)
@@ -335,8 +441,7 @@ def build_memory_plan(plan: Plan, device_memory_gib: float | None = None) -> Mem
     teacher = None if cfg.teacher.backend == "openai" else model_shape(cfg.teacher, "teacher")
     for label, shape in (("student", student), ("teacher", teacher)):
         if shape is not None:
-            out.assumptions.append(f"{label}: {shape.name}, {parameter_count(shape) / 1e9:.3g}B parameters, "
-                                   f"{shape.layers} layers, hidden {shape.hidden}, vocab {shape.vocab} ({shape.source})")  # fmt: skip
+            out.assumptions.append(f"{label}: {describe_shape(shape)}")
     tokens, how = row_tokens(plan.task, cfg)
     rows = trainer.prompts_per_step * trainer.samples_per_prompt
     layout = trainer.layout if trainer.executor == "ray" else None
@@ -441,7 +546,7 @@ def build_memory_plan(plan: Plan, device_memory_gib: float | None = None) -> Mem
         chunk = trainer.vocab_chunk  # the teacher scores in chunks too, in process and as a Ray actor
         logits_tokens = min(chunk, score) if chunk else score
         add("teacher", "scoring (no grad)", 2 * logits_tokens * teacher.vocab * FP32
-            + score * 2 * (teacher.hidden + teacher.intermediate) * FP32,
+            + score * 2 * (teacher.hidden + mlp_width(teacher)) * FP32,
             f"logits and log-softmax of {logits_tokens} tokens")  # fmt: skip
         add("teacher", "teacher signal (one batch)", per_token * batch_tokens, f"{kind}, before it leaves the teacher")
     else:

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,11 +16,15 @@ from opd_harness.config import ConfigError, build_config
 from opd_harness.teacher_signal import bytes_per_token
 from opd_harness.memory_plan import (
     ModelShape,
+    describe_shape,
     kv_cache_bytes,
+    layer_activation_bytes_per_token,
     learner_state_terms,
+    mlp_width,
     model_shape,
     parameter_count,
     published_shape,
+    shape_from_config,
 )
 from opd_harness.models.shapes import SHAPES
 
@@ -57,6 +62,104 @@ def test_parameter_count_equals_an_instantiated_model(tmp_path):
     shape = model_shape(spec, "student")
     assert parameter_count(shape) == sum(p.numel() for p in model.parameters())
     assert (shape.vocab, shape.layers, shape.kv_heads, shape.head_dim) == (1000, 3, 2, 8)
+
+
+def meta_parameters(config) -> int:
+    """Parameters of ``Qwen3MoeForCausalLM(config)`` built on the meta device (no memory), tied embeddings counted once."""
+    from transformers import Qwen3MoeForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in Qwen3MoeForCausalLM(config).parameters())
+
+
+def folder_shape(config, folder: Path) -> ModelShape:
+    """The plan's shape of a model folder holding only ``config``'s config.json (the plan reads no weights)."""
+    config.save_pretrained(folder)
+    return model_shape(build_config(overrides=[f"student.path={folder}", "student.sft_steps=0"]).student, "student")
+
+
+def test_a_qwen3_moe_config_counts_every_expert_and_router_like_transformers(tmp_path):
+    """Sparse and dense layers mixed as transformers decides (decoder_sparse_step 2, layer 3 in mlp_only_layers: only
+    layer 1 is sparse), untied: the count from config.json equals the model transformers builds from it."""
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(vocab_size=1000, hidden_size=32, intermediate_size=80, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=8, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+                            decoder_sparse_step=2, mlp_only_layers=[3], tie_word_embeddings=False)  # fmt: skip
+    shape = folder_shape(config, tmp_path)
+    assert (shape.moe_layers, shape.experts, shape.experts_per_token, shape.expert_intermediate) == (1, 6, 2, 24)
+    assert parameter_count(shape) == meta_parameters(config)
+    hub_style = {("num_experts" if k == "num_local_experts" else k): v for k, v in config.to_dict().items()}  # the hub's spelling
+    assert shape_from_config(hub_style, "m", "hub config.json") == replace(shape, name="m", source="hub config.json")
+    assert mlp_width(shape) == 80  # the dense layers' 80 is wider than 2 routed experts of 24
+
+
+def test_qwen3_30b_a3b_from_its_config_json_is_planned_with_every_expert(tmp_path):
+    """The config.json an online plan reads for Qwen/Qwen3-30B-A3B(-Instruct-2507) carries an intermediate_size (6144)
+    that no layer uses: counted from it, the model had 3.3B parameters; with its 128 experts it has 30.5B, as
+    transformers builds it, and a token's forward goes through 8 experts of 768."""
+    from transformers import AutoConfig
+
+    from opd_harness.models.shapes import shape_config
+
+    shape = folder_shape(shape_config("qwen3-30b-a3b-shape"), tmp_path)
+    assert parameter_count(shape) == meta_parameters(AutoConfig.from_pretrained(tmp_path)) == 30_532_122_624
+    assert "30.5B parameters, 3.35B active per token (128 experts of 768, 8 per token, in 48 of 48 layers)" in describe_shape(shape)
+    assert mlp_width(shape) == 8 * 768
+
+
+def test_moe_activations_grow_with_the_routed_experts_not_with_all_of_them():
+    """A sparse layer keeps per token what its experts_per_token experts compute (and the router's E probabilities),
+    so doubling the experts adds only router bytes and doubling the routed ones adds expert bytes."""
+    shape = published_shape("qwen3-30b-a3b-shape")
+    base = layer_activation_bytes_per_token(shape, 2)
+    more_experts = layer_activation_bytes_per_token(replace(shape, experts=256), 2)
+    more_routed = layer_activation_bytes_per_token(replace(shape, experts_per_token=16), 2)
+    assert more_experts - base == 128 * 4  # the router's float32 probabilities over 128 more experts
+    assert more_routed - base == 8 * ((3 * 2048 + 4 * 768 + 2) * 2 + 24)
+    assert base > layer_activation_bytes_per_token(shape, 2, sparse=False)  # more than a dense MLP of the unused 6144 would keep
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_sparse_mlp_term_is_what_transformers_saves_for_the_backward(dtype):
+    """transformers' Qwen3MoeSparseMoeBlock (16 experts, 4 per token) on 256 tokens: the distinct non-weight tensors
+    autograd saves, less the block's input (the layer term counts it as the norm's output), are the plan's per-token
+    sparse MLP term within 1 % (the int64 indices per expert vary with the routing)."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from opd_harness.memory_plan import mlp_activation_bytes_per_token
+
+    config = Qwen3MoeConfig(hidden_size=128, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=48, norm_topk_prob=True)
+    torch.manual_seed(0)
+    block = Qwen3MoeSparseMoeBlock(config).to(dtype)
+    for weight in block.parameters():  # the experts start as torch.empty
+        torch.nn.init.normal_(weight, std=0.02)
+    weights = {w.untyped_storage().data_ptr() for w in block.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in weights:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    tokens = 256
+    x = torch.randn(1, tokens, 128, dtype=dtype, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        block(x).float().sum().backward()
+    measured = (sum(saved.values()) - x.numel() * x.element_size()) / tokens
+    shape = ModelShape("m", "test", 1, 128, 4, 2, 32, 0, 1000, False, 16, 4, 48, 1)
+    planned = mlp_activation_bytes_per_token(shape, x.element_size(), sparse=True)
+    assert abs(planned - measured) / measured < 0.01, (planned, measured)
+
+
+def test_a_mixture_of_experts_layout_the_plan_does_not_model_is_refused_naming_the_key(tmp_path):
+    from transformers import MixtralConfig
+
+    config = MixtralConfig(vocab_size=1000, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"student\.path=.*num_local_experts but no moe_intermediate_size \(Mixtral-style"):
+        folder_shape(config, tmp_path)
 
 
 def test_teacher_signal_and_kv_cache_sizes():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from opd_harness.config import ConfigError, build_config
-from opd_harness.models.shapes import EOS_ID, PAD_ID, SHAPES, build_shape_model, build_shape_tokenizer, shape_config
+from opd_harness.models.shapes import EOS_ID, HUB_VARIANTS, PAD_ID, SHAPES, build_shape_model, build_shape_tokenizer, shape_config
 
 # The model cards' "Number of Parameters" (total, non-embedding), in billions, at the cards' precision.
 CARDS = {
@@ -19,6 +19,7 @@ CARDS = {
     "qwen3-8b-shape": (8.2, 6.95),
     "qwen3-14b-shape": (14.8, 13.2),
     "qwen3-32b-shape": (32.8, 31.2),
+    "qwen3-30b-a3b-shape": (30.5, 29.9),  # Qwen3-30B-A3B(-Instruct-2507): "30.5B in total", "29.9B" non-embedding
 }
 
 
@@ -41,6 +42,37 @@ def test_each_shape_on_the_meta_device_has_its_published_parameter_count(arch):
     assert model.config.vocab_size == 151_936 and model.config.head_dim == 128 and model.config.rope_parameters["rope_theta"] == 1e6
     if arch == "qwen3-0.6b-shape":
         assert abs(total - 0.6e9) / 0.6e9 < 0.01  # 596,049,920
+
+
+def test_the_moe_shape_builds_every_expert_and_routes_eight_of_128():
+    """Qwen3-30B-A3B on the meta device: a Qwen3MoeForCausalLM whose 48 layers are all sparse (128 experts of 768, a
+    router), and whose parameters one token is routed through match the card's "3.3B activated" (the card truncates:
+    3.35B counting both untied embeddings and the router)."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from opd_harness.memory_plan import parameter_count, published_shape
+
+    model = build_shape_model("qwen3-30b-a3b-shape", device="meta")
+    assert isinstance(model, Qwen3MoeForCausalLM) and model.config.num_hidden_layers == 48
+    mlp = model.model.layers[47].mlp
+    assert tuple(mlp.experts.gate_up_proj.shape) == (128, 2 * 768, 2048) and tuple(mlp.gate.weight.shape) == (128, 2048)
+    assert model.config.num_experts_per_tok == 8 and model.config.norm_topk_prob
+    shape = published_shape("qwen3-30b-a3b-shape")
+    assert parameter_count(shape) == sum(p.numel() for p in model.parameters()) == 30_532_122_624
+    active = parameter_count(shape, active=True)
+    assert 3.3e9 <= active < 3.4e9, active  # 3,353,032,704
+    expert = 3 * 2048 * 768
+    assert parameter_count(shape) - active == 48 * (128 - 8) * expert
+
+
+def test_every_hub_variant_names_a_shape_and_what_was_checked():
+    from opd_harness.memory_plan import published_hub_ids
+
+    ids = published_hub_ids()
+    for repo, (name, why) in HUB_VARIANTS.items():
+        assert name in SHAPES and ids[repo] == name and len(why) > 40, repo
+    assert ids["Qwen/Qwen3-30B-A3B"] == ids["Qwen/Qwen3-30B-A3B-Instruct-2507"] == "qwen3-30b-a3b-shape"
+    assert ids["Qwen/Qwen3-1.7B-Base"] == "qwen3-1.7b-shape" and ids["Qwen/Qwen3-8B"] == "qwen3-8b-shape"
 
 
 @pytest.mark.slow  # about 40 s on a loaded 2-core machine
