@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # torch stays unloaded until an objective runs: listing metho
 INPUTS = {
     "behaviour_logprobs": "student log-probs of sampled tokens at generation time",
     "old_logprobs": "π_old: log-probs of the sampled tokens under the behaviour weights, recomputed by the trainer's model "
-    "(trainer.behaviour_logprobs=recompute) or the rollout engine's (engine); PPO-style ratios, methods.md §0",
+    "(trainer.behaviour_logprobs=recompute) or the rollout engine's (engine); PPO-style ratios, docs/methods/opd.md and grpo.md",
     "teacher_logprobs": "teacher log-probs of the sampled tokens",
     "teacher_dist": "the teacher's distribution at every position, in a kind the method accepts (MethodSpec.teacher_kinds: "
     "full, topk, student_topk; teacher.signal chooses, opd_harness.teacher_signal)",

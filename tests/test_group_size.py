@@ -14,7 +14,7 @@ from opd_harness.registry import METHODS
 from opd_harness.store import Store
 from opd_harness.runs import create_train_run
 
-GROUP_METHODS = {"grpo": 8, "sod": 16, "saf_opd": 8}  # methods.md §2.5 (SOD 16), §3.6 (SAF-OPD and its GRPO config: 8)
+GROUP_METHODS = {"grpo": 8, "sod": 16, "saf_opd": 8}  # docs/methods/sod.md (SOD 16), saf-opd.md (SAF-OPD and its GRPO config: 8)
 
 
 def plan(*overrides: str, preset: str | None = None):

@@ -1,5 +1,5 @@
 """A run's method.json records its reconstructed and non-default choices: for ``opd`` the token-mean vs sum
-aggregation (methods.md §1.1 specifies a sum) and the estimator that run used, not the defaults."""
+aggregation (docs/methods/opd.md specifies a sum) and the estimator that run used, not the defaults."""
 
 import json
 
@@ -22,8 +22,8 @@ def method_record(tmp_path, *overrides: str) -> dict:
 
 @pytest.mark.parametrize(
     ("aggregation", "says"),
-    [("token-mean", "token-mean over the batch's valid tokens (verl-style; the default), NOT methods.md §1.1's sum"),
-     ("sum", "sum over the batch's valid tokens, as methods.md §1.1 (Tinker) specifies")],
+    [("token-mean", "token-mean over the batch's valid tokens (verl-style; the default), NOT docs/methods/opd.md's Tinker sum"),
+     ("sum", "sum over the batch's valid tokens, as docs/methods/opd.md (Tinker) specifies")],
 )  # fmt: skip
 def test_opd_method_json_notes_the_runs_aggregation(tmp_path, aggregation, says):
     record = method_record(tmp_path, f"method_args.opd.aggregation={aggregation}")

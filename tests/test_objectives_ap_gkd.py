@@ -1,4 +1,4 @@
-"""AP-OPD (+ controls), IW-OPD stand-in, EOPD and GKD objectives on hand-computed tensors (methods.md §1.3, §4, §6)."""
+"""AP-OPD (+ controls), IW-OPD stand-in, EOPD and GKD objectives on hand-computed tensors (docs/methods/gkd.md, ap-opd.md, stand-ins.md)."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""f-OPD and its asynchronous baselines (methods.md §5) on hand-computed tensors and properties."""
+"""f-OPD and its asynchronous baselines (docs/methods/f-opd.md) on hand-computed tensors and properties."""
 
 import dataclasses
 import math

@@ -1,4 +1,4 @@
-"""GRPO, SOD and SAF-OPD objectives: the worked examples of methods.md §2.7, §3.7, §3.8 (abs tol 1e-6),
+"""GRPO, SOD and SAF-OPD objectives: worked examples computed by hand (docs/methods/sod.md, saf-opd.md) (abs tol 1e-6),
 hand-computed GRPO advantages, property tests (bounds, masking, empty batches) and gradchecks."""
 
 import copy

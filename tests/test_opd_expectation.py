@@ -1,5 +1,5 @@
 """The sampled-token OPD estimator is unbiased: with the prefix fixed, E_{y~π}[∇ loss(y)] equals the gradient of the
-full-vocabulary reverse KL(π_θ ‖ π_T) at that position (methods.md §1.1 vs the ``full`` estimator).
+full-vocabulary reverse KL(π_θ ‖ π_T) at that position (docs/methods/opd.md vs the ``full`` estimator).
 
 Exact, not Monte Carlo: a tiny student and teacher, one row per vocabulary token y after a fixed prefix, the real
 objectives run through the method contract on the learner's own forward (``opd_harness.trainers.learner.student_outputs``) and the

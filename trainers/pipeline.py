@@ -123,7 +123,7 @@ def needs_behaviour_scorer(plan, engine: Backend) -> bool:
 
 
 def open_behaviour_scorer(plan, engine: Backend, student_path: str, *, device: str = "cpu") -> HFBackend | None:
-    """The trainer's model beside a non-hf engine, fed the same weight versions, that recomputes π_old (methods.md's
+    """The trainer's model beside a non-hf engine, fed the same weight versions, that recomputes π_old (docs/methods/opd.md's
     ``o``) under the behaviour weights; None when the engine's own scores are used (:func:`needs_behaviour_scorer`).
 
     It is loaded from the student's folder; like the engine it holds no weights version yet (-1) until the loop pushes one.
@@ -157,7 +157,7 @@ def episode_step_metrics(task, trajectories: list[Trajectory]) -> dict[str, floa
 
 @torch.no_grad()
 def behaviour_logprobs(backend: Backend, batch: TensorBatch) -> torch.Tensor:
-    """o_t (methods.md §0): log-probs of the sampled tokens scored by ``backend`` under the weights that generated
+    """o_t (docs/methods/opd.md and grpo.md): log-probs of the sampled tokens scored by ``backend`` under the weights that generated
     them, on exactly the padded layout the learner scores. With the trainer's model (an hf engine, or the behaviour
     scorer beside another engine) the importance ratio exp(s − o) is exactly 1 at lag 0; with another engine's
     scores (``trainer.behaviour_logprobs=engine``) it is off 1 by the engine/trainer mismatch."""

@@ -1,4 +1,4 @@
-"""AP-OPD — Adaptive Pullback on-policy distillation (methods.md §4, RECONSTRUCTED) and its controls (§4.9).
+"""AP-OPD — Adaptive Pullback on-policy distillation (docs/methods/ap-opd.md, RECONSTRUCTED) and its controls (docs/methods/ap-opd.md).
 
 Penalty d_t = sg([o_t − T_t]_+) is averaged over blocks of ``block`` valid tokens (each maximal run of
 mask==1 is blocked on its own, paper App. B.3). When a block's mean penalty jumps above its
@@ -225,7 +225,7 @@ def magnitude_cap_weights(
     counts_as: CountsAs = "blocks",
     partial: PartialBlock = "keep",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Magnitude-cap control weights (B, L) and #capped blocks per row (B,) (§4.9)."""
+    """Magnitude-cap control weights (B, L) and #capped blocks per row (B,) (docs/methods/ap-opd.md)."""
 
     def rule(blocks: Blocks, d_valid: torch.Tensor) -> tuple[torch.Tensor, int]:
         return magnitude_cap_block_weights(blocks, float(d_valid.mean()), alpha, counts_as)
@@ -234,7 +234,7 @@ def magnitude_cap_weights(
 
 
 def removed_mass(weights: torch.Tensor, d: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """q = Σ_t m(1−w)d / Σ_t m·d per response, averaged over responses with non-zero penalty mass (§4.9)."""
+    """q = Σ_t m(1−w)d / Σ_t m·d per response, averaged over responses with non-zero penalty mass (docs/methods/ap-opd.md)."""
     valid = mask > 0
     zero = torch.zeros_like(d)
     removed = torch.where(valid, (1.0 - weights) * d, zero).sum(-1)
@@ -250,7 +250,7 @@ def removed_mass(weights: torch.Tensor, d: torch.Tensor, mask: torch.Tensor) -> 
 
 
 class SurrogateParams(HParams):
-    """Loss options shared by the reweighted sampled-token OPD methods (§4.4)."""
+    """Loss options shared by the reweighted sampled-token OPD methods (docs/methods/ap-opd.md)."""
 
     advantage: AdvantageSign = Field("signed", description="A = T − o (signed, default) or −[o − T]_+ (RECONSTRUCTED alternative, §9.9)")
     clip: bool = Field(False, description="PPO-clip the ratio (off for the paper's vanilla OPD)")
@@ -365,7 +365,7 @@ class MagCapParams(BlockParams):
 def ap_opd_objective(
     batch: TensorBatch, student: StudentOutputs, hp: APOPDParams, state: object = None
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """AP-OPD: token-mean OPD surrogate with pullback weights on post-jump blocks (§4.4)."""
+    """AP-OPD: token-mean OPD surrogate with pullback weights on post-jump blocks (docs/methods/ap-opd.md)."""
     old, r = sampled_log_ratio(batch, student)
     weights, jumps = pullback(
         r, batch.loss_mask, hp.block, hp.z, hp.detector, hp.alpha, w_min=hp.w_min, counts_as=hp.counts_as, partial=hp.partial_block
@@ -377,7 +377,7 @@ def ap_opd_objective(
 def ap_opd_fixed_objective(
     batch: TensorBatch, student: StudentOutputs, hp: FixedWeightParams, state: object = None
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Fixed-weight control: AP-OPD's detector, constant weight on post-jump blocks (§4.9)."""
+    """Fixed-weight control: AP-OPD's detector, constant weight on post-jump blocks (docs/methods/ap-opd.md)."""
     old, r = sampled_log_ratio(batch, student)
     weights, jumps = pullback(
         r, batch.loss_mask, hp.block, hp.z, hp.detector, hp.alpha, counts_as=hp.counts_as, partial=hp.partial_block, fixed=hp.fixed_weight
@@ -389,7 +389,7 @@ def ap_opd_fixed_objective(
 def ap_opd_magcap_objective(
     batch: TensorBatch, student: StudentOutputs, hp: MagCapParams, state: object = None
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Magnitude-cap control: cap the largest post-boundary blocks at the response mean penalty (§4.9)."""
+    """Magnitude-cap control: cap the largest post-boundary blocks at the response mean penalty (docs/methods/ap-opd.md)."""
     old, r = sampled_log_ratio(batch, student)
     weights, capped = magnitude_cap_weights(r, batch.loss_mask, hp.block, hp.alpha, counts_as=hp.counts_as, partial=hp.partial_block)
     loss, diagnostics = weighted_opd_loss(batch, student, old, r, weights, hp)
@@ -402,7 +402,7 @@ def ap_opd_needs(hp: HParams) -> frozenset[str]:
 
 
 _COMMON_NOTES = {
-    "status": "RECONSTRUCTED (methods.md §4): no paper equations or code were available",
+    "status": "RECONSTRUCTED (docs/methods/ap-opd.md): no paper equations or code were available",
     "log_ratio": "r_t = o_t − T_t with o the trainer-side old log-prob (batch.old_logprobs, else the current student detached)",
     "blocks": "formed over valid tokens; each maximal mask==1 run (assistant turn) is blocked separately (App. B.3); "
     "boundaries never cross a mask break",

@@ -1,4 +1,4 @@
-"""Building blocks shared by the objectives (methods.md §0): OPD and GRPO advantages, the clipped
+"""Building blocks shared by the objectives (docs/methods/opd.md and grpo.md): OPD and GRPO advantages, the clipped
 surrogate, the k3 KL estimator and masked reductions. Pure tensor functions, no I/O.
 """
 

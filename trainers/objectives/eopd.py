@@ -1,4 +1,4 @@
-"""EOPD — Entropy-aware OPD (arXiv 2603.07079), RECONSTRUCTED stand-in of methods.md §6.
+"""EOPD — Entropy-aware OPD (arXiv 2603.07079), RECONSTRUCTED stand-in of docs/methods/stand-ins.md.
 
 Reverse-KL OPD everywhere, plus forward KL where the teacher is uncertain:
 L_t = RKL_t + 1[H_t > h]·FKL_t, with H_t = −Σ_v p_T log p_T from the full teacher distribution,
@@ -119,7 +119,7 @@ EOPD_SPEC = MethodSpec(
     hparams=EOPDParams,
     needs=eopd_needs,  # type: ignore[arg-type]
     notes={
-        "status": "RECONSTRUCTED from the abstract (methods.md §6); official repo WLS04/EOPD not read",
+        "status": "RECONSTRUCTED from the abstract (docs/methods/stand-ins.md); official repo WLS04/EOPD not read",
         "loss": "token-mean of RKL_t + 1[H_t > h]·FKL_t; H_t from the full teacher distribution",
         "rkl": "sampled-token surrogate −exp(s − o)·sg(T − o) with o = trainer old log-probs (default); 'full' = exact reverse KL",
         "threshold": "h = 1.0 nats is a placeholder: set it to a high percentile (p80–p90) of the logged"

@@ -1,4 +1,4 @@
-"""f-OPD: freshness-aware asynchronous on-policy distillation (methods.md §5, arXiv 2605.17862), and
+"""f-OPD: freshness-aware asynchronous on-policy distillation (docs/methods/f-opd.md, arXiv 2605.17862), and
 the asynchronous baselines of its paper (§5.8).
 
 All six methods share one per-token distillation loss ``ℓ_t = sg(s_t − T_t)·s_t`` (T = T^fresh when the

@@ -1,4 +1,4 @@
-"""GKD (Agarwal et al., 2306.13649) as in current TRL ``GKDTrainer`` (methods.md §1.3, VERIFIED).
+"""GKD (Agarwal et al., 2306.13649) as in current TRL ``GKDTrainer`` (docs/methods/gkd.md, VERIFIED).
 
 Per position, with student/teacher log-distributions ls, lt (after temperature):
 β = 0: KL(p_T ‖ p_S); β = 1: KL(p_S ‖ p_T); else the generalized JSD with the *arithmetic* mixture

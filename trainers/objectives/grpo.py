@@ -1,4 +1,4 @@
-"""GRPO (methods.md §0): group-normalised outcome rewards broadcast to every model token, then the
+"""GRPO (docs/methods/opd.md and grpo.md): group-normalised outcome rewards broadcast to every model token, then the
 verl PPO-clip surrogate with asymmetric clip (DAPO "clip-higher": ε_lo = 0.2, ε_hi = 0.28), token-mean.
 
 SOD and SAF-OPD fuse their OPD advantage with this GRPO advantage, so the token broadcast and the
@@ -65,7 +65,7 @@ DUAL_CLIP_NOTE = (
     "with recomputed π_old ρ = 1 and it never acts; null or 0 disables it"
 )
 
-GRPO_GROUP_SIZE = 8  # methods.md §3.6: the GRPO training config of SAF-OPD's paper, n = 8 rollouts per prompt
+GRPO_GROUP_SIZE = 8  # docs/methods/saf-opd.md: the GRPO training config of SAF-OPD's paper, n = 8 rollouts per prompt
 
 
 def grpo_sequence_advantages(batch: TensorBatch, coef: float = 1.0) -> torch.Tensor:

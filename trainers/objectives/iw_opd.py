@@ -1,4 +1,4 @@
-"""IW-OPD baseline (Xie et al., arXiv 2606.22600) — APPROXIMATE STAND-IN, methods.md §4.9.
+"""IW-OPD baseline (Xie et al., arXiv 2606.22600) — APPROXIMATE STAND-IN, docs/methods/stand-ins.md.
 
 The paper's exact formula could not be read. This stand-in keeps its idea: a token's weight decays
 with the student–teacher discrepancy accumulated over its prefix, so late tokens reached through a
@@ -69,7 +69,8 @@ IW_OPD_SPEC = MethodSpec(
     hparams=IWOPDParams,
     needs=ap_opd_needs,  # type: ignore[arg-type]
     notes={
-        "status": "APPROXIMATE stand-in (methods.md §4.9): the IW-OPD formula was not available; do not report as the paper's method",
+        "status": "APPROXIMATE stand-in (docs/methods/stand-ins.md): the IW-OPD formula was not available; "
+        "do not report as the paper's method",
         "weights": "c_t = Σ_{u<t} m_u [o_u − T_u]_+ (accumulates across tool segments), "
         "w_t = exp(−c_t/λ), renormalised to masked mean 1 per sequence",
         "iw_lambda": "λ_iw default 10 nats is a guess; sweep {1, 10, 100}",

@@ -1,9 +1,9 @@
-"""Vanilla on-policy distillation (methods.md §1): the student samples, the teacher scores.
+"""Vanilla on-policy distillation (docs/methods/opd.md): the student samples, the teacher scores.
 
 Two per-token estimators of the reverse KL(π_θ ‖ π_T):
 - ``sampled`` (Thinking Machines / Tinker): the sampled-token log-ratio k_t = q_t − T_t is a
   per-token reward; advantage A_t = −c_kl·k_t (detached); importance-sampling loss
-  −Σ_t exp(s_t − q_t)·A_t, token-mean by default (Tinker's sum, which methods.md §1.1 specifies, as
+  −Σ_t exp(s_t − q_t)·A_t, token-mean by default (Tinker's sum, which docs/methods/opd.md specifies, as
   ``aggregation: sum``; a run's ``method.json`` notes which one it used).
 - ``full``: the exact per-token reverse KL Σ_v π_θ(v)(log π_θ(v) − log π_T(v)) over the whole
   vocabulary, differentiated directly (GKD-style, β = 1). Far lower variance at small batch sizes.
@@ -81,14 +81,14 @@ def opd_needs(hp: OPDParams) -> frozenset[str]:
 
 
 AGGREGATION_NOTES = {
-    "token-mean": "token-mean over the batch's valid tokens (verl-style; the default), NOT methods.md §1.1's sum "
+    "token-mean": "token-mean over the batch's valid tokens (verl-style; the default), NOT docs/methods/opd.md's Tinker sum "
     "over tokens (Tinker); aggregation=sum selects the sum",
-    "sum": "sum over the batch's valid tokens, as methods.md §1.1 (Tinker) specifies; the loss and gradient scale "
+    "sum": "sum over the batch's valid tokens, as docs/methods/opd.md (Tinker) specifies; the loss and gradient scale "
     "with the number of tokens per step",
 }
 ESTIMATOR_NOTES = {
     "sampled": "Tinker's importance-sampling loss −Σ exp(s − q)·A with A = −c_kl(q − T), ratio against the sampler "
-    "log-probs q (methods.md §1.1)",
+    "log-probs q (docs/methods/opd.md)",
     "full": "exact full-vocabulary reverse KL(π_θ ‖ π_T) per position, differentiated directly (GKD-style, β = 1); "
     "not §1.1's sampled-token estimator. With a top-k teacher signal (teacher.signal topk or student_topk, the run's config "
     "says which) the KL is over those k tokens plus one bucket for the rest of the vocabulary: a lower bound on the "
@@ -97,7 +97,7 @@ ESTIMATOR_NOTES = {
 
 
 def opd_run_notes(hp: OPDParams) -> dict[str, str]:
-    """The run's aggregation and estimator, and how each relates to methods.md §1.1, for ``method.json``."""
+    """The run's aggregation and estimator, and how each relates to docs/methods/opd.md, for ``method.json``."""
     return {"aggregation": AGGREGATION_NOTES[hp.aggregation], "estimator": ESTIMATOR_NOTES[hp.estimator]}
 
 

@@ -1,4 +1,4 @@
-"""SAF-OPD — Stable Advantage Fusion (methods.md §3, verified from the official verl fork).
+"""SAF-OPD — Stable Advantage Fusion (docs/methods/saf-opd.md, verified from the official verl fork).
 
 Four switchable stages act on the raw OPD advantage a_t = (T_t − o_t)·m_t only, in order:
 
@@ -260,7 +260,7 @@ SAF_OPD_SPEC = MethodSpec(
     hparams=SAFParams,
     needs=saf_needs,  # type: ignore[arg-type]
     make_state=Schedule.from_params,  # type: ignore[arg-type]
-    group_size=8,  # methods.md §3.6: GRPO with n = 8 rollouts per prompt
+    group_size=8,  # docs/methods/saf-opd.md: GRPO with n = 8 rollouts per prompt
     notes={
         "dual_clip": DUAL_CLIP_NOTE,
         "samples_per_prompt": "default 8 per prompt (the paper's training config); with grpo_coef ≠ 0, 1 needs allow_single_sample",

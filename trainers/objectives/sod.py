@@ -1,4 +1,4 @@
-"""SOD — Step-wise On-policy Distillation (methods.md §2, verified from the official verl fork).
+"""SOD — Step-wise On-policy Distillation (docs/methods/sod.md, verified from the official verl fork).
 
 A *step* is a maximal contiguous run of model tokens (one assistant turn between tool outputs). Each
 step k gets a detached reliability weight from its mean absolute student–teacher log-prob gap d_k:
@@ -218,7 +218,7 @@ SOD_SPEC = MethodSpec(
     objective=sod_objective,  # type: ignore[arg-type]
     hparams=SODParams,
     needs=sod_needs,  # type: ignore[arg-type]
-    group_size=16,  # methods.md §2.5: 16 rollouts per prompt (run_sod.sh)
+    group_size=16,  # docs/methods/sod.md: 16 rollouts per prompt (run_sod.sh)
     notes={
         "dual_clip": DUAL_CLIP_NOTE,
         "samples_per_prompt": "default 16 per prompt (official run script); with grpo_coef ≠ 0, 1 needs allow_single_sample",
