@@ -95,7 +95,8 @@ def fits_one_graph(
     step needs no per-bucket backward and its extra forward. False when the model has no readable config."""
     from opd_harness.memory_plan import GIB, one_graph_bytes, shape_from_config
 
-    config = getattr(getattr(model, "module", model), "config", None)
+    inner = getattr(model, "module", model)  # DDP's wrapped model
+    config = getattr(inner, "config", None)
     if budget_gib <= 0 or config is None or not hasattr(config, "to_dict"):
         return False
     try:
@@ -103,7 +104,6 @@ def fits_one_graph(
     except ValueError:
         return False
     graph, bucket = rank_bucket_tokens(attention, shard, forward_tokens)
-    inner = getattr(model, "module", model)
     flag = "is_activation_checkpointing" if hasattr(type(inner), "is_activation_checkpointing") else "is_gradient_checkpointing"
     checkpointing = bool(getattr(inner, flag, False))  # transformers 5 renamed the flag
     need = one_graph_bytes(shape, graph_tokens=graph, bucket_tokens=bucket, dtype_bytes=2 if precision == "bf16" else 4,
