@@ -4,7 +4,7 @@ Both sides train the same student against the same teacher (the cpu-demo shapes,
 preset's seeds and saved for both; ``--vocab 151936`` widens both to a real vocabulary at a tiny hidden size), on the
 same prompts (step ``s`` takes the harness's ``sample_problems`` of step ``s``, 64 prompts, one sample each), with the
 same work per step: sample ≤ 48 new tokens at temperature 1.0, score the samples with the teacher, one AdamW step
-(lr 1e-3, clip 1.0, fp32) on the token-mean full-vocabulary reverse KL, two torch threads. Each side runs in its own
+(lr 1e-3, clip 1.0, fp32) on the token-mean full-vocabulary reverse KL, ``--threads`` torch threads (default two). Each side runs in its own
 process (``--trl-python``: an environment with TRL, e.g. ``pip install torch==2.13.0 'trl>=1.16,<1.17'``; the
 harness side runs with this interpreter), processes alternated A B B A over ``--rounds``; the first ``--warmup`` steps
 of every process are discarded. Printed: per-step medians (whole step, generation, teacher scoring + learner step)
@@ -13,7 +13,7 @@ cross-check: both sides' loss functions on one fixed batch (64 of the harness's 
 1e-6 relative.
 
     PYTHONPATH=. python benchmarks/vs_trl.py --trl-python /path/to/venv-trl/bin/python [--steps 12] [--warmup 2]
-        [--rounds 2] [--vocab 0|151936] [--hidden 0]
+        [--rounds 2] [--vocab 0|151936] [--hidden 0] [--set trainer.KEY=VALUE ...]
 
 (``--vocab 0``: the char tokenizer's own vocabulary; ``--hidden`` > 0 sets the student's and teacher's hidden size,
 e.g. 32 with ``--vocab 151936``.) Needs ``arith`` problems (generated, no data folder).
@@ -53,13 +53,13 @@ def build_models(out: Path, vocab: int, hidden: int) -> dict:
     return paths
 
 
-def harness_plan(models: dict):
-    """The cpu-demo plan with the saved models, no warm-ups, two threads."""
+def harness_plan(models: dict, extra: list[str] = (), threads: int = 2):
+    """The cpu-demo plan with the saved models, no warm-ups, ``threads`` torch threads, and ``extra`` ``--set`` overrides."""
     from opd_harness.config import build_config
     from opd_harness.plan import load_plan_data, plan_run
 
     sets = [f"student.path={models['student']}", "student.arch=null", "student.sft_steps=0", f"teacher.path={models['teacher']}",
-            "teacher.arch=null", "teacher.sft_steps=0", "threads=2"]  # fmt: skip
+            "teacher.arch=null", "teacher.sft_steps=0", f"threads={threads}", *extra]  # fmt: skip
     return load_plan_data(plan_run(build_config(preset="cpu-demo", overrides=sets)))
 
 
@@ -70,7 +70,7 @@ def step_prompts(plan, steps: int) -> list[list[str]]:
     return [[plan.task.env(p, None).reset() for p in sample_problems(plan.config, plan.train_problems, s)] for s in range(steps)]
 
 
-def run_harness(models: dict, steps: int) -> list[dict]:
+def run_harness(models: dict, steps: int, extra: list[str] = (), threads: int = 2) -> list[dict]:
     """The harness's sync in-process step, ``steps`` times: publish the learner's weights to the rollout engine, roll out
     and teacher-score (``make_batch``), learn (``learn``). Per step: seconds of the whole, generation, teacher + learner."""
     import torch
@@ -83,9 +83,9 @@ def run_harness(models: dict, steps: int) -> list[dict]:
     from opd_harness.trainers.teacher import output_head, wrap_hf_teacher
     from opd_harness.trainers.weight_sync import checksum, rollout_copy
 
-    plan = harness_plan(models)
+    plan = harness_plan(models, extra, threads)
     cfg = plan.config
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     student, tok = load_model_and_tokenizer(models["student"])
     engine = HFBackend.load(models["student"], batch_size=cfg.trainer.generate_batch_size, device="cpu")
     teacher_model, teacher_tok = load_model_and_tokenizer(models["teacher"])
@@ -191,7 +191,7 @@ def child(args: argparse.Namespace) -> None:
     """One side's process: its steps as JSON lines on stdout."""
     spec = json.loads(Path(args.spec).read_text())
     if args.child == "harness":
-        rows = run_harness(spec["models"], spec["steps"])
+        rows = run_harness(spec["models"], spec["steps"], spec.get("set", []), spec["threads"])
     else:
         rows = run_trl(spec["models"], spec["prompts"], spec["steps"], spec["fixed"], spec["threads"])
     print("RESULT " + json.dumps(rows), flush=True)
@@ -199,7 +199,9 @@ def child(args: argparse.Namespace) -> None:
 
 def side_run(python: str, side: str, spec: Path) -> list[dict]:
     """Run one side in a fresh process; its rows."""
-    env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", str(Path(__file__).resolve().parents[1]))}
+    threads = json.loads(spec.read_text())["threads"]  # OpenMP's pool sized like torch's on both sides
+    env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", str(Path(__file__).resolve().parents[1])),
+           "OMP_NUM_THREADS": str(threads)}
     done = subprocess.run([python, __file__, "--child", side, "--spec", str(spec)], capture_output=True, text=True, env=env)
     line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
     if done.returncode != 0 or line is None:
@@ -232,7 +234,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="A B B A rounds (two processes per side each)")
     parser.add_argument("--vocab", type=int, default=0, help="vocabulary size of both models (0: the char tokenizer's)")
     parser.add_argument("--hidden", type=int, default=0, help="hidden size of both models (0: the cpu-demo shapes)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of each side")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each side (1 on a loaded machine: 2 threads "
+                        "spin at their barriers when the cores are shared)")
+    parser.add_argument("--set", action="append", default=[], help="a harness override KEY=VALUE, e.g. trainer.graph_memory_gib=16")
     parser.add_argument("--child", choices=("harness", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -242,12 +246,12 @@ def main() -> None:
         parser.error("--trl-python is required")
     root = Path(tempfile.mkdtemp(prefix="vs-trl-"))
     models = build_models(root, args.vocab, args.hidden)
-    plan = harness_plan(models)
-    spec = {"models": models, "steps": args.steps, "threads": args.threads, "prompts": step_prompts(plan, args.steps)}
+    plan = harness_plan(models, args.set)
+    spec = {"models": models, "steps": args.steps, "threads": args.threads, "prompts": step_prompts(plan, args.steps), "set": args.set}
     (root / "spec.json").write_text(json.dumps(spec))
     pythons = {"harness": sys.executable, "trl": args.trl_python}
     print(f"vocab {args.vocab or 'char'}, hidden {args.hidden or 'cpu-demo'}, {args.steps} steps/process ({args.warmup} discarded), "
-          f"{args.rounds} ABBA rounds, threads {args.threads}; loadavg {load()}", flush=True)  # fmt: skip
+          f"{args.rounds} ABBA rounds, threads {args.threads}, harness --set {args.set}; loadavg {load()}", flush=True)  # fmt: skip
     kept: dict[str, list[dict]] = {"harness": [], "trl": []}
     losses: dict[str, float] = {}
     first = side_run(pythons["harness"], "harness", root / "spec.json")  # the fixed batch comes from the harness's first step

@@ -423,6 +423,13 @@ class TrainerConfig(Strict):
         "without a graph, the objective on the whole batch, then each group's forward and backward again): the gradients of "
         "one graph, activation memory of one group, about one more forward of compute; false: one graph over the step",
     )
+    graph_memory_gib: float = Field(
+        8.0,
+        ge=0,
+        description="bucket_backward applies only to steps whose one graph would keep more than this many GiB of activations "
+        "(estimated per learner rank with the memory plan's formula from the student's shape and the step's bucketed tokens); "
+        "smaller steps keep one graph over their forward_tokens groups, as TRL does, and skip the extra forward (0: always per group)",
+    )
     vocab_chunk: int = Field(
         0,
         ge=0,

@@ -367,6 +367,17 @@ def learner_activation_bytes(
     return layers, vocab
 
 
+def one_graph_bytes(
+    shape: ModelShape, *, graph_tokens: int, bucket_tokens: int, dtype_bytes: int, checkpointing: bool, student_full: bool,
+    vocab_chunk: int,
+) -> int:
+    """Activation bytes of a learner step that keeps one graph over ``graph_tokens`` (all its buckets): the sum of
+    :func:`learner_activation_bytes`; what ``trainer.graph_memory_gib`` is compared with to choose the per-bucket backward."""
+    layers, vocab = learner_activation_bytes(shape, graph_tokens=graph_tokens, bucket_tokens=bucket_tokens, dtype_bytes=dtype_bytes,
+                                             checkpointing=checkpointing, student_full=student_full, vocab_chunk=vocab_chunk)  # fmt: skip
+    return layers + vocab
+
+
 def first_pass_bytes(*, step_tokens: int, student_full: bool) -> int:
     """What the per-bucket backward's first pass keeps while the buckets' backwards run: the global (B, T) float32
     log-probs, entropy, their gradient and this rank's slice of it (×W), and a full-distribution method's recorded terms
@@ -450,7 +461,11 @@ def build_memory_plan(plan: Plan, device_memory_gib: float | None = None) -> Mem
     rank_rows = -(-rows // ranks)
     rank_tokens = rank_rows * tokens
     bucket = min(rank_tokens, max(trainer.forward_tokens, tokens)) if trainer.forward_tokens else rank_tokens
-    per_bucket = trainer.bucket_backward and bucket < rank_tokens
+    precision_bytes = 2 if trainer.precision == "bf16" else FP32
+    whole = one_graph_bytes(student, graph_tokens=rank_tokens, bucket_tokens=bucket, dtype_bytes=precision_bytes,
+                            checkpointing=trainer.activation_checkpointing, student_full="student_full" in needs,
+                            vocab_chunk=trainer.vocab_chunk)  # fmt: skip
+    per_bucket = trainer.bucket_backward and bucket < rank_tokens and whole > trainer.graph_memory_gib * GIB
     graph = bucket if per_bucket else rank_tokens
     out.assumptions.append(f"rows of {tokens} tokens ({how}); {rows} rows per step, {rank_rows} per learner rank")
     if per_bucket:
@@ -488,7 +503,6 @@ def build_memory_plan(plan: Plan, device_memory_gib: float | None = None) -> Mem
         out.terms.append(Term(role, device_of(role).name, term, size, note, share))
 
     # learner
-    precision_bytes = 2 if trainer.precision == "bf16" else FP32
     for term, (size, note) in learner_state_terms(student, ranks=ranks, sharding=sharding, precision=trainer.precision).items():
         add("learner", term, size, note)
     student_full = "student_full" in needs

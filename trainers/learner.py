@@ -74,6 +74,43 @@ def bucket_calls(attention: torch.Tensor, shard: Shard | None, token_budget: int
     return max(len(length_buckets(lengths[start:stop], token_budget)) for start, stop in bounds)
 
 
+def rank_bucket_tokens(attention: torch.Tensor, shard: Shard | None, token_budget: int) -> tuple[int, int]:
+    """(padded tokens of all its length buckets, of its largest bucket) of the rank with the most bucketed tokens, from the
+    global (B, T) mask: every rank computes the same numbers without communicating."""
+    lengths = [int(n) for n in attention.sum(-1).tolist()]
+    world = shard.world if shard is not None else 1
+    worst = (0, 0)
+    for start, stop in (shard_bounds(len(lengths), rank, world) for rank in range(world)):
+        sizes = [len(group) * max(lengths[start + group[0]], 1) for group in length_buckets(lengths[start:stop], token_budget)]
+        worst = max(worst, (sum(sizes), max(sizes, default=0)))
+    return worst
+
+
+def fits_one_graph(
+    model: torch.nn.Module, attention: torch.Tensor, shard: Shard | None, forward_tokens: int, full: bool, vocab_chunk: int,
+    precision: str, budget_gib: float,
+) -> bool:
+    """Whether one graph over the step's length buckets keeps at most ``budget_gib`` GiB of activations on every rank
+    (the memory plan's estimate, :func:`opd_harness.memory_plan.one_graph_bytes`, from the student's config): then the
+    step needs no per-bucket backward and its extra forward. False when the model has no readable config."""
+    from opd_harness.memory_plan import GIB, one_graph_bytes, shape_from_config
+
+    inner = getattr(model, "module", model)  # DDP's wrapped model
+    config = getattr(inner, "config", None)
+    if budget_gib <= 0 or config is None or not hasattr(config, "to_dict"):
+        return False
+    try:
+        shape = shape_from_config(config.to_dict(), "student", "the student's config")
+    except ValueError:
+        return False
+    graph, bucket = rank_bucket_tokens(attention, shard, forward_tokens)
+    flag = "is_activation_checkpointing" if hasattr(type(inner), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    checkpointing = bool(getattr(inner, flag, False))  # transformers 5 renamed the flag
+    need = one_graph_bytes(shape, graph_tokens=graph, bucket_tokens=bucket, dtype_bytes=2 if precision == "bf16" else 4,
+                           checkpointing=checkpointing, student_full=full, vocab_chunk=vocab_chunk)  # fmt: skip
+    return need <= budget_gib * GIB
+
+
 def paired_bucketed(
     forward: Callable[[torch.Tensor, torch.Tensor], dict[str, torch.Tensor]],
     ids: torch.Tensor,
@@ -152,13 +189,17 @@ def student_pass(
     vocab_chunk: int = 0,
     forward_tokens: int = 0,
     bucket_backward: bool = True,
+    graph_memory_gib: float = 0.0,
 ) -> StudentPass:
     """The student's outputs for one training step, and their backward.
 
     A step whose rows fit one ``forward_tokens`` bucket on every rank (or ``forward_tokens`` 0, or ``bucket_backward``
-    off) keeps one graph: :func:`student_outputs`, then ``loss.backward()``. Otherwise the step is cut into buckets in
-    both directions (:class:`BucketBackward`): activation memory is one bucket's, for one more forward without a graph."""
+    off, or whose one graph over its buckets fits ``graph_memory_gib``: :func:`fits_one_graph`) keeps one graph:
+    :func:`student_outputs`, then ``loss.backward()``. Otherwise the step is cut into buckets in both directions
+    (:class:`BucketBackward`): activation memory is one bucket's, for one more forward without a graph."""
     calls = bucket_calls(batch.attention_mask, shard, forward_tokens) if forward_tokens and bucket_backward else 1
+    if calls > 1 and fits_one_graph(model, batch.attention_mask, shard, forward_tokens, full, vocab_chunk, precision, graph_memory_gib):
+        calls = 1
     if calls <= 1:
         outputs, entropy = student_outputs(model, batch, full, shard=shard, precision=precision, vocab_chunk=vocab_chunk,
                                            forward_tokens=forward_tokens)  # fmt: skip
@@ -329,6 +370,7 @@ def train_step(
     vocab_chunk: int = 0,
     forward_tokens: int = 0,
     bucket_backward: bool = True,
+    graph_memory_gib: float = 0.0,
 ) -> dict[str, float]:
     """One optimizer step of ``method`` on ``batch``; returns loss, grad norm, entropy and diagnostics.
 
@@ -343,7 +385,7 @@ def train_step(
     ``precision="bf16"`` is autocast with float32 master weights, gradients and optimizer state; ``vocab_chunk`` > 0
     computes a full-vocabulary method's terms that many positions at a time (:mod:`opd_harness.trainers.chunked_vocab`);
     ``forward_tokens`` > 0 runs the forward on length-sorted row groups, and with ``bucket_backward`` the backward too, one
-    group at a time (:func:`student_pass`).
+    group at a time (:func:`student_pass`) unless one graph over the groups fits ``graph_memory_gib`` GiB.
 
     A method that reads π_old on a batch without ``old_logprobs`` (:func:`old_logprobs_redundant`: they equal this
     forward's log-probs, detached) gets the engine/trainer mismatch measured against this forward instead.
@@ -352,7 +394,7 @@ def train_step(
     needs = method.needs(hparams)
     batch = batch_to(batch, next(model.parameters()).device)
     student = student_pass(model, batch, full="student_full" in needs, shard=shard, precision=precision, vocab_chunk=vocab_chunk,
-                           forward_tokens=forward_tokens, bucket_backward=bucket_backward)  # fmt: skip
+                           forward_tokens=forward_tokens, bucket_backward=bucket_backward, graph_memory_gib=graph_memory_gib)  # fmt: skip
     outputs, entropy = student.outputs, student.entropy
     loss, diagnostics = method.objective(batch, outputs, hparams, state)
     if "old_logprobs" in needs and batch.old_logprobs is None and batch.behaviour_logprobs is not None:

@@ -272,7 +272,7 @@ def learn(
             train_step(
                 model, optimizer, batch, plan.method, plan.hparams, method_state, grad_clip=trainer.grad_clip, shard=shard,
                 precision=trainer.precision, vocab_chunk=trainer.vocab_chunk, forward_tokens=trainer.forward_tokens,
-                bucket_backward=trainer.bucket_backward,
+                bucket_backward=trainer.bucket_backward, graph_memory_gib=trainer.graph_memory_gib,
             )
         )
     metrics.update(learner_perf(model, batch, time.perf_counter() - started, shard))
