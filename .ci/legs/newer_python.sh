@@ -11,6 +11,8 @@ trap 'echo "leg newer_python: $((SECONDS - start)) s"' EXIT
 cache=${NEWER_PYTHON_CACHE:-.cache/newer-python}    # git-ignored; the rootfs tarball and the wheels are reused when present
 image=opd-py313:trixie
 mkdir -p "$cache/wheels"
+# pytest's arguments in the container: the CI selection unless given (e.g. `.ci/legs/newer_python.sh tests/test_x.py -x`).
+[ $# -gt 0 ] || set -- -m "not docker and not ray and not browser and not slow and not gpu"
 step() { echo "  newer_python: $1 at $((SECONDS - start)) s"; }
 
 # 1. The image: Debian trixie's python3 (3.13), venv, git (the local-sandbox SWE-bench agent tests) and procps; nothing from PyPI.
@@ -44,4 +46,4 @@ docker run --rm --network none -v "$PWD/$cache/src:/src:ro" -v "$PWD/$cache/whee
     python3 -m venv /venv
     /venv/bin/pip install -q --no-index --find-links /wheels -c requirements/ci.lock torch==2.13.0 -e ".[dev]"
     echo "  newer_python: installed $(/venv/bin/python -c "import torch, transformers; print(\"torch\", torch.__version__, \"transformers\", transformers.__version__)")"
-    HARNESS_DATA_DIR=/data OMP_NUM_THREADS=2 /venv/bin/python -m pytest -q -p no:cacheprovider -m "not docker and not ray and not browser and not slow and not gpu"'
+    HARNESS_DATA_DIR=/data OMP_NUM_THREADS=2 /venv/bin/python -m pytest -q -p no:cacheprovider "$@"' newer_python "$@"
