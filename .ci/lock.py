@@ -15,7 +15,13 @@ import json
 import subprocess
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
+
+try:
+    from packaging.specifiers import SpecifierSet
+except ImportError:  # a bare python3: pip vendors the same module
+    from pip._vendor.packaging.specifiers import SpecifierSet
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCK = ROOT / "requirements" / "ci.lock"
@@ -42,6 +48,29 @@ def lock_lines(report: dict) -> list[str]:
     return [pins[key] for key in sorted(pins)]
 
 
+def oldest_python() -> str:
+    """The oldest Python the package admits (``requires-python = ">=3.11"`` gives ``3.11.0``)."""
+    spec = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    floors = [s.version for s in SpecifierSet(spec) if s.operator == ">="]
+    assert len(floors) == 1, f"requires-python {spec!r}: expected one >= bound"
+    return ".".join((floors[0].split(".") + ["0", "0"])[:3])
+
+
+def excluded_by_python(report: dict, python: str) -> list[str]:
+    """Entries of a pip ``--report`` whose Requires-Python refuses ``python``.
+
+    The lock is resolved on the machine's own Python (3.11.7 here), so pip may pick releases that refuse an older patch
+    release the package admits (pymdown-extensions 13 and soupsieve 3+ need 3.11.5; Debian bookworm ships 3.11.2); the
+    lock must install on every Python the package admits, and resolve.sh checks 3.11.0."""
+    out = []
+    for item in report["install"]:
+        meta = item["metadata"]
+        requires = meta.get("requires_python")
+        if requires and not SpecifierSet(requires).contains(python):
+            out.append(f"{meta['name']}=={meta['version']} (Requires-Python {requires})")
+    return sorted(out)
+
+
 def resolve(keep: bool) -> dict:
     """pip's resolution report of CI's install command in a fresh environment (nothing is installed)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -57,8 +86,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keep", action="store_true", help="prefer the versions already locked")
     args = parser.parse_args()
+    report = resolve(args.keep)
+    python = oldest_python()
+    if refused := excluded_by_python(report, python):
+        sys.exit(f"not written: these releases refuse Python {python}, which the package admits: {', '.join(refused)}. "
+                 "Pin the newest release that installs there in requirements/ci.lock by hand and run with --keep.")
     LOCK.parent.mkdir(exist_ok=True)
-    LOCK.write_text(HEADER + "\n".join(lock_lines(resolve(args.keep))) + "\n")
+    LOCK.write_text(HEADER + "\n".join(lock_lines(report)) + "\n")
     print(f"wrote {LOCK.relative_to(ROOT)}")
 
 

@@ -156,13 +156,31 @@ def test_every_ci_leg_script_is_called_from_ci_run():
     assert legs and [leg for leg in legs if leg not in called] == []
 
 
-def test_the_lock_writer_drops_the_project_and_local_labels():
+def lock_writer():
     spec = importlib.util.spec_from_file_location("ci_lock", ROOT / ".ci" / "lock.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_the_lock_writer_drops_the_project_and_local_labels():
+    module = lock_writer()
     report = {"install": [{"metadata": {"name": n, "version": v}} for n, v in
                           (("torch", "2.13.0+cpu"), ("opd-harness", "0.1.0"), ("Babel", "2.1"), ("aiohttp", "3.14.5"))]}
     assert module.lock_lines(report) == ["aiohttp==3.14.5", "Babel==2.1", "torch==2.13.0"]
+
+
+def test_the_lock_writer_refuses_releases_that_the_oldest_admitted_python_cannot_install():
+    """Resolved on 3.11.7, pip picked soupsieve 4.1.4 and pymdown-extensions 13.1.2 (Requires-Python >=3.11.5), which
+    made the lock fail on Debian bookworm's 3.11.2 and in resolve.sh's 3.11 check."""
+    module = lock_writer()
+    assert module.oldest_python() == "3.11.0"
+    report = {"install": [{"metadata": {"name": n, "version": v, **({"requires_python": r} if r else {})}} for n, v, r in
+                          (("soupsieve", "4.1.4", ">=3.11.5"), ("soupsieve", "2.10", ">=3.9"), ("torch", "2.13.0", None),
+                           ("numpy", "2.4.6", ">=3.11"), ("future", "9.0", ">=3.12"))]}
+    assert module.excluded_by_python(report, "3.11.0") == ["future==9.0 (Requires-Python >=3.12)",
+                                                            "soupsieve==4.1.4 (Requires-Python >=3.11.5)"]
+    assert module.excluded_by_python(report, "3.12.1") == []
 
 
 def test_every_data_file_of_the_packages_is_in_the_wheel():

