@@ -466,9 +466,6 @@ NODE_LOSS_LAYOUT = ["--set", "trainer.layout.rollout.resources={node_a: 0.1}", "
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="KNOWN DEFECT since the learner writes its own checkpoints (2026-12-05 merge of the "
-                   "checkpoint and faults work): node b is killed at step 3 yet the run finishes steps 4 and its checkpoint, so "
-                   "the learner's process was not among node b's; the lost-node path is untested until this is understood")
 def test_a_lost_worker_node_fails_the_run_naming_it_and_resume_onto_the_head_node_finishes(tmp_path, monkeypatch):
     """Its own two-node cluster (this test kills a node): the learner runs on node b, which is killed (every process of
     it) once step 3 is recorded, after the step-2 checkpoint. The run ends failed (exit 1) with one line naming the
