@@ -461,6 +461,63 @@ def test_a_hung_rollout_actor_is_killed_within_its_timeout_restarted_and_every_s
     assert _losses_per_step(tmp_path / "results.sqlite", run_id) == [(1, 1), (2, 1), (3, 1), (4, 1)]
 
 
+@pytest.mark.slow
+def test_a_hung_eval_worker_is_killed_within_its_timeout_restarted_and_its_shard_evaluated_again(
+    shared_out, ray_cluster, inprocess_lag, monkeypatch
+):
+    """The run's evaluation worker is stopped (SIGSTOP: alive, never answering) once it holds step 4's weights: its shard
+    call exceeds trainer.actor_timeout_s, the driver kills it once (Ray restarts it, it reads step 4's weights again), the
+    shard is re-queued and every stored sample equals the in-process run's. (Before, the driver waited on the shard for
+    ever: here a watchdog resumes the stopped worker after WATCHDOG_S, so the run ends and the test fails on the kill.)"""
+    import ray
+
+    import opd_harness.trainers.ray_eval as re_
+
+    db = shared_out / "results.sqlite"
+    stopped: list[float] = []
+    kills: list[float] = []
+    runners: list = []
+    watchdog: list[threading.Timer] = []
+    real_call, original_kill = re_.CheckpointShards.__call__, ray.kill
+
+    def stop_at_step_4(self, path, step):
+        shards = real_call(self, path, step)
+        runners.append(shards)
+        if step == 4 and not stopped:
+            pid = ray.get(shards.workers[0].pid.remote())
+            os.kill(pid, signal.SIGSTOP)
+            stopped.append(time.monotonic())
+            watchdog.append(threading.Timer(WATCHDOG_S, os.kill, (pid, signal.SIGCONT)))
+            watchdog[-1].start()
+        return shards
+
+    def kill(actor, *, no_restart=True):
+        if not no_restart:  # a kill for Ray to restart (the run's end kills for good)
+            kills.append(time.monotonic())
+            for timer in watchdog:
+                timer.cancel()
+        return original_kill(actor, no_restart=no_restart)
+
+    monkeypatch.setattr(re_.CheckpointShards, "__call__", stop_at_step_4)
+    monkeypatch.setattr(ray, "kill", kill)
+    try:
+        on_cluster, _, evals = run(shared_out, *LAG, "--executor", "ray", "--set", f"trainer.ray_address={ray_cluster.address}",
+                                   "--set", f"trainer.actor_timeout_s={HANG_TIMEOUT_S}")  # fmt: skip
+    finally:
+        for timer in watchdog:
+            timer.cancel()
+    assert stopped, "the evaluation worker was never stopped"
+    assert len(kills) == 1 and kills[0] - stopped[0] < HANG_TIMEOUT_S + 5, (stopped, kills)  # once, within the timeout
+    assert runners[-1].requeued >= 1 and runners[-1].kills == 1
+    assert_same_run(inprocess_lag[0], on_cluster)
+    assert evals == inprocess_lag[1]
+    run_id, _ = _last_train_run(db)
+    assert _samples(db, run_id) == _samples(db, _inprocess_run(db)) and {row[0] for row in _samples(db, run_id)} == {2, 4}
+
+
+WATCHDOG_S = 90.0  # the hung-eval-worker test resumes its stopped worker after this (without detection the run never ends)
+
+
 NODE_LOSS_LAYOUT = ["--set", "trainer.layout.rollout.resources={node_a: 0.1}", "--set", "trainer.layout.teacher.resources={node_a: 0.1}"]
 # the rollout and teacher actors fill node a's 2 CPUs, so the learner (1 CPU) goes to node b; halved, all fit on node a
 

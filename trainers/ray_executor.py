@@ -1243,14 +1243,14 @@ class RayExecutor:
         ray = import_ray()
         run_folder = mark_run_folder(session)
         rollouts, scorers, learners, pinned = start_actors(ray, plan, session, plan.config.threads or 1, self.groups)  # during step-0 eval
-        if session.teacher is None:  # the teacher's reference evaluation runs on the teacher actors, which hold it
-            session.teacher_runner = LazyShards(EVAL_EXECUTORS.get(plan.config.trainer.executor).shards, ray, scorers, console)
-        actors = [*rollouts, *scorers, learners[0]]
-        names = [*replica_names("rollout", len(rollouts)), *replica_names("teacher", len(scorers)), "learner"]
         trainer = plan.config.trainer
-        sharding = trainer.layout.learner.sharding if trainer.layout is not None else "ddp"
         placement: dict[str, Any] = {}
         faults = Faults(trainer.actor_timeout_s, trainer.actor_restart_timeout_s, placement, session)
+        if session.teacher is None:  # the teacher's reference evaluation runs on the teacher actors, which hold it
+            session.teacher_runner = LazyShards(EVAL_EXECUTORS.get(plan.config.trainer.executor).shards, ray, scorers, console, faults)
+        actors = [*rollouts, *scorers, learners[0]]
+        names = [*replica_names("rollout", len(rollouts)), *replica_names("teacher", len(scorers)), "learner"]
+        sharding = trainer.layout.learner.sharding if trainer.layout is not None else "ddp"
         ray_learner = RayLearner(ray, learners, session, sharding, faults, trainer.weight_sync)
         teachers = TeacherActors(ray, scorers, faults)
 
@@ -1285,18 +1285,21 @@ class RayExecutor:
 
 
 class LazyShards:
-    """A shard runner over ``actors`` made by ``make(ray, actors, console)`` (the eval executor's) when first used: their
-    node ids are asked for then, once they are up; one that cannot work (GPUs its torch cannot see) stops the run."""
+    """A shard runner over the teacher ``actors`` made by ``make(ray, actors, console, faults, names)`` (the eval
+    executor's) when first used: their node ids are asked for then, once they are up (within ``faults.restart_s``, else
+    :class:`ActorLost`); one that cannot work (GPUs its torch cannot see) stops the run. Its calls are bounded by
+    ``faults`` as every other call to an actor."""
 
-    def __init__(self, make: Any, ray: ModuleType, actors: list, console: Console) -> None:
+    def __init__(self, make: Any, ray: ModuleType, actors: list, console: Console, faults: Faults | None = None) -> None:
         self.make, self.ray, self.actors, self.console, self.shards = make, ray, actors, console, None
+        self.faults, self.names = faults or Faults(), replica_names("teacher", len(actors))
 
     def run(self, task, shards, *, k: int, sampling):
         if self.shards is None:
-            failure = next((f for f in ray_get(self.ray, [actor.ready.remote() for actor in self.actors]) if f), None)
+            failure = next((f for f in await_started(self.ray, self.actors, self.names, self.faults) if f), None)
             if failure:
                 raise DeviceUnavailable(failure)
-            self.shards = self.make(self.ray, self.actors, self.console)
+            self.shards = self.make(self.ray, self.actors, self.console, self.faults, self.names)
         return self.shards.run(task, shards, k=k, sampling=sampling)
 
 
