@@ -35,7 +35,8 @@ go into the run's placement.
 Faults: a rollout actor that dies (its process killed) is restarted by Ray (``ROLLOUT_RESTARTS``); the
 driver re-queues the units it had in flight (only those) and reloads its weights, so no step is lost or trained
 twice. A call that takes longer than ``trainer.actor_timeout_s`` counts as a hung actor: a rollout or teacher actor is
-killed for Ray to restart (and treated as dead), a learner rank fails the run. A start-up or restart slower than
+killed for Ray to restart (and treated as dead), a learner rank fails the run; evaluation workers are bounded the same
+way (:mod:`opd_harness.trainers.ray_eval`). A start-up or restart slower than
 ``trainer.actor_restart_timeout_s``, or a role whose node died, ends the run ``failed`` with one line naming the role
 and the node (:class:`ActorLost`); ``--resume`` continues from the last checkpoint. Teacher actors
 (``trainer.layout.teacher.replicas``) sit behind one chooser (:class:`TeacherActors`): each batch goes to the replica
