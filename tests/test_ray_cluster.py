@@ -671,6 +671,85 @@ def test_a_rollout_worker_killed_under_collective_sync_rejoins_and_every_step_is
     assert {name for name, _, _ in probe.loaded} == {"rollout.0", "rollout.1"}
 
 
+REGROUP_TIMEOUT_S = 120.0  # trainer.actor_timeout_s of the regroup test: what a join waited before a lost member was detected
+
+
+@pytest.mark.slow
+def test_a_rollout_worker_lost_while_the_weight_group_is_formed_anew_is_restarted_and_both_rejoin(
+    shared_out, ray_cluster, inprocess_lag, monkeypatch
+):
+    """weight_sync=collective, 2 rollout workers on 2 nodes, fixed_lag 1: the worker that makes batch 3 is SIGKILLed (as
+    above), and while the group is formed anew with it (generation 2) the other worker is SIGKILLed too. The forming
+    group's store is stopped at once, so the restarted worker and the learner give up their join instead of waiting
+    trainer.actor_timeout_s (and no live worker is killed as hung); the lost worker is restarted, a later group forms with
+    both, every load equals the learner's weights bit for bit and every step is trained once with the in-process losses.
+    (Before, the members waited out the timeout in their join, and the live one was then killed as hung.)"""
+    import ray
+
+    import opd_harness.trainers.ray_executor as rx
+    import opd_harness.trainers.weight_sync as ws
+
+    probe = _SyncProbe(monkeypatch)
+    tmp_path, (inprocess, _) = shared_out, inprocess_lag
+    pids: dict[str, int] = {}
+    killed: list[str] = []
+    hung_kills: list[str] = []
+    regroups: list[tuple[int, bool, float, float]] = []  # (generation, formed, started, ended)
+    make, settle, regroup, original_kill = rx.RayRollout.make, rx.RayLearner.settle, ws.CollectiveSync.regroup, ray.kill
+    lock = threading.Lock()
+
+    def kill_maker_of_batch_3(self, unit):
+        with lock:
+            if unit.index == 3 and not killed:
+                killed.append(self.name)
+                os.kill(pids[self.name], signal.SIGKILL)
+        return make(self, unit)
+
+    def settle_probe(learner, refs, doing, abort=None):
+        if doing == "joining the weight group" and learner.generation == 2 and len(killed) == 1:
+            (other,) = set(pids) - set(killed)  # alive since the start: its join is sent and not answered yet
+            killed.append(other)
+            os.kill(pids[other], signal.SIGKILL)
+        answers = settle(learner, refs, doing, **({"abort": abort} if abort is not None else {}))
+        if doing == "joining the weight group" and not pids:  # the first group formed: every worker is idle now
+            names = replica_names_of(learner)
+            pids.update(zip(names, ray.get([actor.pid.remote() for actor in learner.rollouts]), strict=True))
+        return answers
+
+    def regroup_probe(sync, learner):
+        started = time.monotonic()
+        formed = regroup(sync, learner)
+        regroups.append((learner.generation, formed, started, time.monotonic()))
+        return formed
+
+    def kill(actor, *, no_restart=True):
+        if not no_restart:  # only a hang is killed for Ray to restart: here no worker hangs
+            hung_kills.append(repr(actor))
+        return original_kill(actor, no_restart=no_restart)
+
+    def replica_names_of(learner):
+        return rx.replica_names("rollout", len(learner.rollouts))
+
+    monkeypatch.setattr(rx.RayRollout, "make", kill_maker_of_batch_3)
+    monkeypatch.setattr(rx.RayLearner, "settle", settle_probe)
+    monkeypatch.setattr(ws.CollectiveSync, "regroup", regroup_probe)
+    monkeypatch.setattr(ray, "kill", kill)
+    cluster = ["--executor", "ray", "--set", f"trainer.ray_address={ray_cluster.address}"]
+    on_cluster, _, _ = run(tmp_path, *LAG, *COLLECTIVE, *TWO_ROLLOUTS, *cluster, "--set", f"trainer.actor_timeout_s={REGROUP_TIMEOUT_S}")
+    print("regroups (generation, formed, seconds):", [(g, f, round(end - start, 1)) for g, f, start, end in regroups])
+    assert len(killed) == 2, ("the kills never happened", killed, regroups)
+    broken = [r for r in regroups if r[0] == 2]
+    assert broken and not broken[0][1], regroups  # generation 2 lost a member while forming
+    assert broken[0][3] - broken[0][2] < REGROUP_TIMEOUT_S, regroups  # given up at once (the lost one's restart included)
+    assert hung_kills == [], hung_kills  # no live worker taken for hung
+    assert any(formed and generation > 2 for generation, formed, _, _ in regroups), regroups
+    assert_same_run(inprocess, on_cluster)
+    run_id, _ = _last_train_run(tmp_path / "results.sqlite")
+    assert _losses_per_step(tmp_path / "results.sqlite", run_id) == [(1, 1), (2, 1), (3, 1), (4, 1)]
+    probe.assert_bit_for_bit()
+    assert {name for name, _, _ in probe.loaded} == {"rollout.0", "rollout.1"}
+
+
 @pytest.mark.slow
 def test_a_hung_teacher_actor_is_killed_within_its_timeout_restarted_and_its_batch_scored_again(
     shared_out, ray_cluster, inprocess_lag, monkeypatch
