@@ -241,8 +241,10 @@ class CollectiveSync:
 
     A rollout actor that is restarted (it died or hung) leaves the group: before the next broadcast every member joins
     a new one (a new generation), and a broadcast that fails because a member was lost meanwhile is sent again once the
-    group is formed anew. A restarted actor never received the versions broadcast before it came back: it loads them
-    from the learner's copy (:attr:`Published.recover`; the learner keeps the versions the weight board holds)."""
+    group is formed anew. A member lost while a group forms stops the forming (:class:`GroupHost`): the others give up at
+    once and the group is formed again once the lost one is back. A restarted actor never received the versions
+    broadcast before it came back: it loads them from the learner's copy (:attr:`Published.recover`; the learner keeps
+    the versions the weight board holds)."""
 
     collective = True
     attempts = 4  # broadcasts of one version at most: the first, then one after each regroup
