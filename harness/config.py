@@ -447,15 +447,16 @@ class TrainerConfig(Strict):
     actor_timeout_s: float = Field(
         900.0,
         gt=0,
-        description="executor ray: the longest one call to a rollout, teacher or learner actor may take (a unit's generation, a "
-        "batch's scoring, a step); past it the actor counts as hung: a rollout or teacher actor is killed, restarted by Ray and "
-        "its work re-queued, a learner rank fails the run",
+        description="executor ray: the longest one call to a rollout, teacher or learner actor or an evaluation worker may take "
+        "(a unit's generation, a batch's scoring, a step, an evaluation shard); past it the actor counts as hung: a rollout or "
+        "teacher actor or an evaluation worker is killed, restarted by Ray and its work re-queued, a learner rank fails the run",
     )
     actor_restart_timeout_s: float = Field(
         300.0,
         gt=0,
         description="executor ray: how long an actor may take to start (every role, at the run's start) and a dead or killed "
-        "rollout/teacher actor to come back (imports, model, placement) before the run fails naming the role and its node",
+        "rollout/teacher actor or evaluation worker to come back (imports, model, placement) before the run fails naming the "
+        "role and its node",
     )
     device: str = Field(
         "cpu",

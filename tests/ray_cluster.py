@@ -55,7 +55,9 @@ def _node_args(temp_dir: str, resource: str) -> list[str]:
 
 
 def processes_of(marker: str, groups: set[int]) -> list[int]:
-    """Pids of live processes in one of ``groups`` (process groups) or whose command line names ``marker``."""
+    """Pids of live processes in one of ``groups`` (process groups or sessions: each node's ``ray start`` leads its own
+    session, and Ray puts every worker process, an actor's too, in a process group of its own inside it) or whose command
+    line names ``marker``."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -68,7 +70,7 @@ def processes_of(marker: str, groups: set[int]) -> list[int]:
         fields = stat.rsplit(")", 1)[1].split()
         if fields[0] == "Z":
             continue
-        if int(fields[2]) in groups or marker in cmdline:
+        if int(fields[2]) in groups or int(fields[3]) in groups or marker in cmdline:
             found.append(int(entry.name))
     return found
 

@@ -14,6 +14,13 @@ A training run's checkpoint evaluations use the same workers and queue (:meth:`R
 its weights from the checkpoint's folder (the driver holds no model) and a worker that does not hold them (restarted by
 Ray since) refuses the shard, which is re-queued while the weights are loaded again. Ray is imported here only, and
 this module only when the executor is ray.
+
+Faults in a training run (the run's :class:`~opd_harness.trainers.ray_executor.Faults`): every call to a worker is bounded
+by ``trainer.actor_timeout_s``: a worker that does not answer a shard (or a checkpoint's load) in time counts as hung, is
+killed for Ray to restart and its shard re-queued, like a dead one; a start-up or restart past
+``trainer.actor_restart_timeout_s``, or a worker whose node died, ends the run ``failed`` with one line naming the worker
+(``eval``, ``eval.0``, …; ``teacher…`` for the teacher's reference evaluation) and its node. ``harness eval``'s own
+workers have no such bounds (a shard of agent episodes may take hours): a dead one is restarted and its shard re-queued.
 """
 
 from __future__ import annotations
@@ -39,13 +46,18 @@ from opd_harness.task import Problem, Task, close_tasks
 from opd_harness.trainers.pipeline import close_rollout_backend
 from opd_harness.trainers.ray_executor import (
     CLOSE_TIMEOUT_S,
+    ActorLost,
     ActorRole,
     DeviceUnavailable,
+    Faults,
     _setup_actor,
+    await_started,
+    dead_nodes,
     placement_options,
     ray_get,
     ray_runtime,
     replica_names,
+    resume_hint,
 )
 
 MAX_RESTARTS = 3  # Ray restarts a dead evaluation worker this often
@@ -140,17 +152,52 @@ def task_error(ray: ModuleType, exc: Exception) -> Exception:
 class RayShards:
     """The driver's side of the workers: a queue of shards, one in flight per worker, re-queued when its worker dies.
 
+    With ``faults`` (a training run's: :class:`Faults`), a call unanswered past ``faults.call_s`` (``trainer.actor_timeout_s``)
+    means its worker hung: it is killed for Ray to restart and its shard re-queued; a worker not back within
+    ``faults.restart_s`` (``trainer.actor_restart_timeout_s``), or one whose node died, raises :class:`ActorLost` naming it
+    (``names``: the run's placement keys) and its node. Without (``harness eval``), calls are unbounded and the queue's
+    own failures raise :class:`EvalWorkersFailed`.
+
     With ``max_sandboxes``, a shard of a sandboxed task goes to an idle worker only on a node where fewer than that many
     of its shards are in flight; the workers close such a task's sandbox after each shard (``sandbox_per_shard``), so
     at most ``max_sandboxes`` of these workers hold a sandbox open on one node at once. ``peak_sandboxes`` counts, per
     node, the most shards of a sandboxed task in flight there at once (bounded or not)."""
 
-    def __init__(self, ray: ModuleType, workers: list[Any], console: Console, max_sandboxes: int | None = None) -> None:
+    def __init__(
+        self, ray: ModuleType, workers: list[Any], console: Console, max_sandboxes: int | None = None, *,
+        faults: Faults | None = None, names: list[str] | None = None,
+    ) -> None:  # fmt: skip
         self.ray, self.workers, self.console, self.max_sandboxes = ray, workers, console, max_sandboxes
+        self.faults = faults
+        self.call_s = faults.call_s if faults is not None else None  # None: unbounded
+        self.restart_s = faults.restart_s if faults is not None else None
+        self.names = dict(zip(map(id, workers), names or replica_names("eval", len(workers)), strict=True))  # id(worker) -> name
         self.requeued = 0  # shards handed out again after their worker died (or lost its checkpoint's weights)
+        self.kills = 0  # workers killed (for Ray to restart) because a call to them hung
         self.weights: tuple[str, int] | None = None  # (folder, version) every worker must hold: a run's checkpoint
-        self.node_of = dict(zip(map(id, workers), ray.get([w.node_id.remote() for w in workers]), strict=True))  # id(worker) -> node
+        nodes = ray.get([w.node_id.remote() for w in workers], timeout=self.call_s)
+        self.node_of = dict(zip(map(id, workers), nodes, strict=True))  # id(worker) -> node
+        self.down: dict[int, float] = {}  # id(worker) -> when it was found dead or hung (its restart is bounded from then)
         self.peak_sandboxes: Counter = Counter()  # node -> most sandboxed shards in flight there at once
+
+    def fatal(self, line: str) -> Exception:
+        """The error that stops the evaluation: in a training run :class:`ActorLost` (the run fails, with its resume line),
+        else :class:`EvalWorkersFailed` (``harness eval`` keeps the staged shards and prints its resume line)."""
+        if self.faults is None:
+            return EvalWorkersFailed(line)
+        return ActorLost(line + resume_hint(self.faults.session))
+
+    def lost(self, worker: Any, what: str) -> Exception:
+        """:meth:`fatal` for ``worker`` (``what`` happened to it), naming it and its node (and that the node died, if so)."""
+        node = self.node_of[id(worker)]
+        where = f"node {node} died" if node in dead_nodes(self.ray, {node}) else f"on node {node}"
+        return self.fatal(f"{self.names[id(worker)]} {what}; {where}")
+
+    def hung(self, worker: Any) -> None:
+        """Kill a worker whose call went unanswered past ``trainer.actor_timeout_s``, for Ray to restart (as if it died)."""
+        self.kills += 1
+        self.ray.kill(worker, no_restart=False)
+        self.down.setdefault(id(worker), time.monotonic())
 
     def _next_worker(self, idle: deque, open_on: Counter | None) -> Any:
         """An idle worker to hand the next shard to (for a sandboxed task under ``max_sandboxes``, one on a node where
@@ -165,7 +212,12 @@ class RayShards:
         """Every worker holds checkpoint ``version``'s weights (read from its folder ``path``) before its next shard; one Ray
         is restarting (or gave up on) is passed over: it refuses its next shard (:class:`StaleWeights`) and is loaded again then."""
         self.weights = (path, version)
-        for call in [worker.load_checkpoint.remote(path, version) for worker in self.workers]:
+        calls = [worker.load_checkpoint.remote(path, version) for worker in self.workers]
+        done, _ = self.ray.wait(calls, num_returns=len(calls), timeout=self.call_s)
+        for worker, call in zip(self.workers, calls, strict=True):
+            if call not in done:  # hung: killed for Ray to restart; its next shard fails, is re-queued, and it loads again once back
+                self.hung(worker)
+                continue
             try:
                 ray_get(self.ray, call)
             except self.ray.exceptions.RayActorError:
@@ -177,25 +229,44 @@ class RayShards:
         ray = self.ray
         pending, idle, attempts = deque(shards), deque(self.workers), Counter()
         inflight: dict[Any, tuple[int, Any]] = {}  # shard call -> (shard, worker)
-        probes: dict[Any, Any] = {}  # ``ready`` call -> a worker that died, until it is back
+        sent: dict[Any, float] = {}  # shard call -> when it was sent (``trainer.actor_timeout_s`` counts from then)
+        probes: dict[Any, Any] = {}  # ``ready`` call -> a worker that died or hung, until it is back
+        for worker in self.workers:  # hung or dead in an earlier evaluation (or a checkpoint's load) and not back yet
+            if id(worker) in self.down:
+                idle.remove(worker)
+                probes[worker.ready.remote()] = worker
         open_on: Counter | None = Counter() if task.needs_sandbox else None  # node -> this task's shards in flight there
         try:
             while pending or inflight:
                 while pending and (worker := self._next_worker(idle, open_on)) is not None:
                     index = pending.popleft()
                     version = self.weights[1] if self.weights is not None else None
-                    inflight[worker.run_shard.remote(task.name, shards[index], k, sampling, index, version)] = (index, worker)
+                    call = worker.run_shard.remote(task.name, shards[index], k, sampling, index, version)
+                    inflight[call], sent[call] = (index, worker), time.monotonic()
                     if open_on is not None:
                         node = self.node_of[id(worker)]
                         open_on[node] += 1
                         self.peak_sandboxes[node] = max(self.peak_sandboxes[node], open_on[node])
                 if not inflight and not probes:
-                    raise EvalWorkersFailed(f"{task.name}: every evaluation worker died for good ({len(pending)} shards left)")
-                (ref,), _ = ray.wait([*inflight, *probes], num_returns=1)
+                    raise self.fatal(f"{task.name}: every evaluation worker died for good ({len(pending)} shards left)")
+                done, _ = ray.wait([*inflight, *probes], num_returns=1, timeout=self._next_deadline(sent, probes))
+                for ref in self._overdue(sent, probes, done):  # a shard's worker hung (a restart past its limit raised)
+                    index, worker = inflight.pop(ref)
+                    sent.pop(ref)
+                    if open_on is not None:
+                        open_on[self.node_of[id(worker)]] -= 1
+                    self.hung(worker)
+                    self._requeue(task, index, attempts, pending, f"{self.names[id(worker)]} hung (no answer within "
+                                  f"trainer.actor_timeout_s={self.call_s:g}s; killed for Ray to restart)")  # fmt: skip
+                    probes[worker.ready.remote()] = worker
+                if not done:
+                    continue
+                (ref,) = done
                 if ref in probes:
                     self._probed(ref, probes, idle)
                     continue
                 index, worker = inflight.pop(ref)
+                sent.pop(ref)
                 if open_on is not None:  # finished or lost: its worker closed its sandbox (a killed one's are reaped on restart)
                     open_on[self.node_of[id(worker)]] -= 1
                 try:
@@ -209,6 +280,9 @@ class RayShards:
                     idle.append(worker)
                     continue
                 except ray.exceptions.RayActorError as exc:  # the worker died (Ray restarts it): the shard goes back
+                    if self.faults is not None and self.node_of[id(worker)] in dead_nodes(ray, {self.node_of[id(worker)]}):
+                        raise self.lost(worker, f"was lost with {task.name} shard {index} ({type(exc).__name__})") from None
+                    self.down.setdefault(id(worker), time.monotonic())
                     self._requeue(task, index, attempts, pending, f"died ({type(exc).__name__})")
                     probes[worker.ready.remote()] = worker
                     continue
@@ -221,6 +295,24 @@ class RayShards:
                 except Exception:  # noqa: BLE001 - the worker may be gone already; the workers are killed next
                     pass
 
+    def _next_deadline(self, sent: dict[Any, float], probes: dict[Any, Any]) -> float | None:
+        """Seconds until the first shard call passes ``call_s`` or the first restarting worker passes ``restart_s`` (None:
+        no bound, wait for the next answer)."""
+        deadlines = [at + self.call_s for at in sent.values()] if self.call_s is not None else []
+        if self.restart_s is not None:
+            deadlines += [self.down[id(worker)] + self.restart_s for worker in probes.values() if id(worker) in self.down]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+    def _overdue(self, sent: dict[Any, float], probes: dict[Any, Any], done: list[Any]) -> list[Any]:
+        """The shard calls past ``call_s`` (not among ``done``, answered just now); raises :meth:`lost` for a worker whose
+        restart is past ``restart_s``."""
+        now = time.monotonic()
+        for ref, worker in probes.items():
+            if ref not in done and self.restart_s is not None and now - self.down.get(id(worker), now) >= self.restart_s:
+                raise self.lost(worker, f"did not come back within trainer.actor_restart_timeout_s={self.restart_s:g}s "
+                                "(restarted after it died or hung)")  # fmt: skip
+        return [ref for ref, at in sent.items() if ref not in done and self.call_s is not None and now - at >= self.call_s]
+
     def _probed(self, ref: Any, probes: dict[Any, Any], idle: deque) -> None:
         """A dead worker's ``ready`` answered: back to work once restarted, probed again while restarting, dropped when
         Ray gave up on it (or it cannot load the model again)."""
@@ -228,15 +320,17 @@ class RayShards:
         try:
             failure = ray.get(ref)
         except ray.exceptions.ActorDiedError:
+            self.down.pop(id(worker), None)
             return
         except ray.exceptions.RayActorError:  # still restarting
             time.sleep(PROBE_INTERVAL_S)
             probes[worker.ready.remote()] = worker
             return
+        self.down.pop(id(worker), None)
         if failure is None:
             if self.weights is not None:  # restarted: it holds the student's first weights, not the checkpoint's
                 worker.load_checkpoint.remote(*self.weights)
-            self.node_of[id(worker)] = ray.get(worker.node_id.remote())  # restarted, maybe elsewhere
+            self.node_of[id(worker)] = ray.get(worker.node_id.remote(), timeout=self.call_s)  # restarted, maybe elsewhere
             idle.append(worker)
 
     def _requeue(self, task: Task, index: int, attempts: Counter, pending: deque, what: str) -> None:
@@ -244,7 +338,7 @@ class RayShards:
         happened to it :data:`MAX_SHARD_ATTEMPTS` times (something kills every attempt)."""
         attempts[index] += 1
         if attempts[index] >= MAX_SHARD_ATTEMPTS:
-            raise EvalWorkersFailed(f"{task.name} shard {index}: its evaluation worker {what} {attempts[index]} times") from None
+            raise self.fatal(f"{task.name} shard {index}: its evaluation worker {what} {attempts[index]} times") from None
         self.requeued += 1
         self.console.print(f"[yellow]warning:[/] {task.name} shard {index}: evaluation worker {what}; shard re-queued")
         pending.appendleft(index)
@@ -258,16 +352,23 @@ def spread(index: int, gpus: float = 0.0) -> dict[str, Any]:
 
 def start_workers(
     ray: ModuleType, spec: EvalWorkerSpec, count: int, console: Console, *, threads: int = WORKER_THREADS,
-    placed: Callable[[int], dict[str, Any]] = spread, gpu_key: str = "--gpus-per-worker",
+    placed: Callable[[int], dict[str, Any]] = spread, gpu_key: str = "--gpus-per-worker", faults: Faults | None = None,
 ) -> list[Any]:
     """``count`` workers, worker i placed by ``placed(i)``, each restarted when it dies. :class:`DeviceUnavailable`
-    (naming ``gpu_key``) when a worker was given GPUs its torch cannot see."""
+    (naming ``gpu_key``) when a worker was given GPUs its torch cannot see; with ``faults`` (a training run's),
+    :class:`ActorLost` naming the worker and its node when one has not started within ``trainer.actor_restart_timeout_s``."""
     workers = [
         ray.remote(EvalWorker).options(max_concurrency=1, max_restarts=MAX_RESTARTS, max_task_retries=0, **placed(i))
         .remote(spec, threads, gpu_key)
         for i in range(count)
     ]  # fmt: skip
-    failures = [f for f in ray.get([w.ready.remote() for w in workers]) if f]
+    try:
+        answers = ray.get([w.ready.remote() for w in workers]) if faults is None else await_started(
+            ray, workers, replica_names("eval", count), faults)  # fmt: skip
+    except BaseException:
+        stop_workers(ray, workers, console)
+        raise
+    failures = [f for f in answers if f]
     if failures:
         device = next((p for p in ray.get([w.device_problem.remote() for w in workers]) if p), None)
         stop_workers(ray, workers, console)
@@ -320,9 +421,11 @@ class RayEvalExecutor:
             finally:
                 stop_workers(ray, started, console)
 
-    def shards(self, ray: ModuleType, actors: list[Any], console: Console) -> RayShards:
-        """A shard queue over actors that already run (a training run's teacher actors, for its reference evaluation)."""
-        return RayShards(ray, actors, console)
+    def shards(self, ray: ModuleType, actors: list[Any], console: Console, faults: Faults | None = None,
+               names: list[str] | None = None) -> RayShards:  # fmt: skip
+        """A shard queue over actors that already run (a training run's teacher actors, for its reference evaluation,
+        named ``names`` and bounded by the run's ``faults``)."""
+        return RayShards(ray, actors, console, faults=faults, names=names)
 
     @contextmanager
     def for_run(
@@ -347,20 +450,23 @@ class RayEvalExecutor:
             placed, replicas = (lambda i: placement_options(layout, groups, "eval", i)), layout.eval.replicas
         else:
             placed, replicas = (lambda i: {"num_cpus": 0}), 1
+        faults = Faults(cfg.trainer.actor_timeout_s, cfg.trainer.actor_restart_timeout_s, placement, session)
         workers = start_workers(ray, spec, replicas, console, threads=cfg.threads or 1, placed=placed,
-                                gpu_key="trainer.layout.eval.num_gpus")  # fmt: skip
+                                gpu_key="trainer.layout.eval.num_gpus", faults=faults)  # fmt: skip
         try:
             folder = session.store.run_dir(session.run_id)
             token = (folder / RUN_FOLDER_TOKEN).read_text()
-            problem = next((p for p in ray.get([w.sees_run_folder.remote(str(folder), token) for w in workers]) if p), None)
+            call_s = faults.call_s
+            seen = ray.get([w.sees_run_folder.remote(str(folder), token) for w in workers], timeout=call_s)
+            problem = next((p for p in seen if p), None)
             if problem:
                 raise RunFolderUnavailable(problem)
             names = replica_names("eval", len(workers))
-            placement.update(zip(names, ray.get([w.node_id.remote() for w in workers]), strict=True))
+            placement.update(zip(names, ray.get([w.node_id.remote() for w in workers], timeout=call_s), strict=True))
             if placed_eval:  # the unplaced worker asks for no GPU: nothing to record
                 gpus = placement.setdefault("gpus", {})
-                gpus.update(zip(names, ray.get([w.devices.remote() for w in workers]), strict=True))
-            session.shard_runner = CheckpointShards(ray, RayShards(ray, workers, console, bound))
+                gpus.update(zip(names, ray.get([w.devices.remote() for w in workers], timeout=call_s), strict=True))
+            session.shard_runner = CheckpointShards(ray, RayShards(ray, workers, console, bound, faults=faults, names=names))
             yield
         finally:
             session.shard_runner = None

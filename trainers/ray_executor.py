@@ -35,7 +35,8 @@ go into the run's placement.
 Faults: a rollout actor that dies (its process killed) is restarted by Ray (``ROLLOUT_RESTARTS``); the
 driver re-queues the units it had in flight (only those) and reloads its weights, so no step is lost or trained
 twice. A call that takes longer than ``trainer.actor_timeout_s`` counts as a hung actor: a rollout or teacher actor is
-killed for Ray to restart (and treated as dead), a learner rank fails the run. A start-up or restart slower than
+killed for Ray to restart (and treated as dead), a learner rank fails the run; evaluation workers are bounded the same
+way (:mod:`opd_harness.trainers.ray_eval`). A start-up or restart slower than
 ``trainer.actor_restart_timeout_s``, or a role whose node died, ends the run ``failed`` with one line naming the role
 and the node (:class:`ActorLost`); ``--resume`` continues from the last checkpoint. Teacher actors
 (``trainer.layout.teacher.replicas``) sit behind one chooser (:class:`TeacherActors`): each batch goes to the replica
@@ -75,8 +76,8 @@ from opd_harness.trainers.distributed import Shard, backend_for, collective_dead
 from opd_harness.trainers.distributed import rendezvous_port
 from opd_harness.registry import WEIGHT_SYNCS
 from opd_harness.trainers.loop import MAX_ROLLOUT_LOSSES, LearnResult, Roles, RolloutLost, Unit, WeightBoard, batch_units, unit_problems
-from opd_harness.trainers.weight_sync import (NotStaged, Published, WeightLayout, SyncGroup, checksum, engine_dtype, layout_of,
-                                              rollout_copy, state_bytes)
+from opd_harness.trainers.weight_sync import (ABORT_GRACE_S, GroupHost, NotStaged, Published, WeightLayout, SyncGroup, checksum,
+                                              engine_dtype, layout_of, rollout_copy, state_bytes)
 from opd_harness.trainers.pipeline import (
     PreparedModels,
     Session,
@@ -544,15 +545,30 @@ class LearnerActor(ActorRole):
         """``collective``: names, shapes and dtypes of the broadcast, in its order."""
         return layout_of(self.rollout_weights(dtype))
 
-    def sync_join(self, address: str, port: int, world: int, timeout_s: float) -> str | None:
-        """``collective``: rank 0 of a new weight group (not the learners' data-parallel group), leaving the one before;
-        None, or why the group did not form (a member that never joined: the driver forms another)."""
+    def sync_host(self, address: str, port: int, world: int, timeout_s: float) -> None:
+        """``collective``: host a new weight group (not the learners' data-parallel group) at ``address:port``, leaving the
+        one before, and join it as rank 0 in the background (:class:`GroupHost`): this returns at once, so the driver can
+        :meth:`sync_abort` the forming group when a member is lost; :meth:`sync_formed` says how it ended."""
         leave_group(self)
-        try:
-            self.sync_group = SyncGroup(address, port, 0, world, self.device, timeout_s)
-        except Exception as exc:  # noqa: BLE001 - reported to the driver, which regroups; the learner itself is fine
-            return f"{type(exc).__name__}: {exc}"
-        return None
+        self.sync_pending = GroupHost(address, port, world, self.device, timeout_s)
+
+    def sync_formed(self, wait_s: float) -> str | None:
+        """None once rank 0 is in the group hosted last, or why it is not (a member lost: the driver forms another)."""
+        pending = getattr(self, "sync_pending", None)
+        if pending is None:
+            return "no weight group is being formed"
+        done, error = pending.formed(wait_s)
+        if not done:
+            return f"rank 0 did not join within {wait_s:g}s"
+        if error is None:
+            self.sync_group = pending.group
+        return error
+
+    def sync_abort(self) -> None:
+        """Stop the forming group's store: the members still joining fail at once (a member was lost)."""
+        pending = getattr(self, "sync_pending", None)
+        if pending is not None:
+            pending.abort()
 
     def broadcast_weights(self, dtype: str, version: int, keep: int) -> tuple[str, int, str | None]:
         """``collective``: broadcast the weights in the rollout dtype to the rollout actors; (checksum, bytes, None), or
@@ -607,11 +623,25 @@ class LearnerActor(ActorRole):
 
 
 def leave_group(actor: Any) -> None:
-    """Close the actor's ``collective`` weight group, if it is in one (its peers' calls then fail at once)."""
+    """Close the actor's ``collective`` weight group, if it is in one (its peers' calls then fail at once), and the store
+    of the one it hosts (the learner's rank 0)."""
     group = getattr(actor, "sync_group", None)
     actor.sync_group = None
     if group is not None:
         group.close()
+    pending = getattr(actor, "sync_pending", None)
+    actor.sync_pending = None
+    if pending is not None:
+        pending.abort()
+
+
+def _succeeded(ray: ModuleType, ref: Any) -> bool:
+    """Whether a finished call returned (rather than raised, or its actor died)."""
+    try:
+        ray.get(ref)
+    except Exception:  # noqa: BLE001 - any failure counts
+        return False
+    return True
 
 
 def ray_get(ray: ModuleType, refs: Any, **options: Any) -> Any:
@@ -888,13 +918,15 @@ class RayLearner:
         """Send weights ``version`` by the run's transport (``trainer.weight_sync``)."""
         return self.sync.publish(self, version)
 
-    def settle(self, refs: list[Any], doing: str) -> list[Any]:
+    def settle(self, refs: list[Any], doing: str, abort: Any = None) -> list[Any]:
         """Each rollout actor's answer to a weight-sync call (``refs[i]``: actor i's), or None for one that failed (its group
         broke: it is alive), died or hung past ``trainer.actor_timeout_s`` (killed for Ray to restart); returns once the
-        lost ones are back (:func:`await_restart`: :class:`ActorLost` naming the role and node if one is not)."""
+        lost ones are back (:func:`await_restart`: :class:`ActorLost` naming the role and node if one is not). ``abort``
+        (forming a group) is called at the first failure or at the timeout, so that the members still waiting for the lost
+        one give up (within ``ABORT_GRACE_S``) instead of being taken for hung."""
         ray, names = self.ray, replica_names("rollout", len(self.rollouts))
         kills = [side.kills for side in self.sides]
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=self.faults.call_s)
+        done = self._answered(refs, abort)
         answers: list[Any] = []
         for i, ref in enumerate(refs):
             try:
@@ -916,6 +948,25 @@ class RayLearner:
             await_restart(ray, self.rollouts[i], what, ROLLOUT_RESTARTS, self.faults, names[i])
             answers.append(None)
         return answers
+
+    def _answered(self, refs: list[Any], abort: Any = None) -> set[Any]:
+        """The refs answered within ``trainer.actor_timeout_s`` (all of them at once without ``abort``); with ``abort``,
+        called once at the first failed answer or at the timeout, then ``ABORT_GRACE_S`` more for the rest."""
+        ray, call_s = self.ray, self.faults.call_s
+        if abort is None:
+            return set(ray.wait(refs, num_returns=len(refs), timeout=call_s)[0])
+        deadline, pending, done, aborted = (time.monotonic() + call_s if call_s else None), list(refs), set(), False
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            done.update(ready)
+            failed = bool(ready) and not _succeeded(ray, ready[0])
+            if (failed or not ready) and not aborted:
+                abort()
+                aborted, deadline = True, time.monotonic() + ABORT_GRACE_S if not ready else deadline
+            elif not ready:
+                break
+        return done
 
     def on_ranks(self, method: str, *args: Any, returns: int = 1) -> list[Any]:
         """Call ``method`` on rank 0, or on every rank under fsdp2 (a gather); the refs, rank 0's first."""
@@ -1243,14 +1294,14 @@ class RayExecutor:
         ray = import_ray()
         run_folder = mark_run_folder(session)
         rollouts, scorers, learners, pinned = start_actors(ray, plan, session, plan.config.threads or 1, self.groups)  # during step-0 eval
-        if session.teacher is None:  # the teacher's reference evaluation runs on the teacher actors, which hold it
-            session.teacher_runner = LazyShards(EVAL_EXECUTORS.get(plan.config.trainer.executor).shards, ray, scorers, console)
-        actors = [*rollouts, *scorers, learners[0]]
-        names = [*replica_names("rollout", len(rollouts)), *replica_names("teacher", len(scorers)), "learner"]
         trainer = plan.config.trainer
-        sharding = trainer.layout.learner.sharding if trainer.layout is not None else "ddp"
         placement: dict[str, Any] = {}
         faults = Faults(trainer.actor_timeout_s, trainer.actor_restart_timeout_s, placement, session)
+        if session.teacher is None:  # the teacher's reference evaluation runs on the teacher actors, which hold it
+            session.teacher_runner = LazyShards(EVAL_EXECUTORS.get(plan.config.trainer.executor).shards, ray, scorers, console, faults)
+        actors = [*rollouts, *scorers, learners[0]]
+        names = [*replica_names("rollout", len(rollouts)), *replica_names("teacher", len(scorers)), "learner"]
+        sharding = trainer.layout.learner.sharding if trainer.layout is not None else "ddp"
         ray_learner = RayLearner(ray, learners, session, sharding, faults, trainer.weight_sync)
         teachers = TeacherActors(ray, scorers, faults)
 
@@ -1285,18 +1336,21 @@ class RayExecutor:
 
 
 class LazyShards:
-    """A shard runner over ``actors`` made by ``make(ray, actors, console)`` (the eval executor's) when first used: their
-    node ids are asked for then, once they are up; one that cannot work (GPUs its torch cannot see) stops the run."""
+    """A shard runner over the teacher ``actors`` made by ``make(ray, actors, console, faults, names)`` (the eval
+    executor's) when first used: their node ids are asked for then, once they are up (within ``faults.restart_s``, else
+    :class:`ActorLost`); one that cannot work (GPUs its torch cannot see) stops the run. Its calls are bounded by
+    ``faults`` as every other call to an actor."""
 
-    def __init__(self, make: Any, ray: ModuleType, actors: list, console: Console) -> None:
+    def __init__(self, make: Any, ray: ModuleType, actors: list, console: Console, faults: Faults | None = None) -> None:
         self.make, self.ray, self.actors, self.console, self.shards = make, ray, actors, console, None
+        self.faults, self.names = faults or Faults(), replica_names("teacher", len(actors))
 
     def run(self, task, shards, *, k: int, sampling):
         if self.shards is None:
-            failure = next((f for f in ray_get(self.ray, [actor.ready.remote() for actor in self.actors]) if f), None)
+            failure = next((f for f in await_started(self.ray, self.actors, self.names, self.faults) if f), None)
             if failure:
                 raise DeviceUnavailable(failure)
-            self.shards = self.make(self.ray, self.actors, self.console)
+            self.shards = self.make(self.ray, self.actors, self.console, self.faults, self.names)
         return self.shards.run(task, shards, k=k, sampling=sampling)
 
 

@@ -18,6 +18,7 @@ Built-ins (entry-point group ``opd_harness.weight_syncs``):
 from __future__ import annotations
 
 import datetime
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ __all__ = ["CHECKED_TENSORS", "WeightSyncError", "checked_names", "checksum"]  #
 
 BUCKET_BYTES = 64 << 20  # flat broadcast buckets of at most 64 MiB (a larger tensor gets its own)
 JOIN_GRACE_S = 30.0  # beyond the group's timeout: how long the learner's join may take to give up on a member that is gone
+ABORT_GRACE_S = 10.0  # after a forming group's store is stopped: how long its members may take to give up their join
 
 
 class NotStaged(Exception):
@@ -140,11 +142,12 @@ class SyncGroup:
     without touching the default group (the learners' own)."""
 
     def __init__(self, address: str, port: int, rank: int, world: int, device: str, timeout_s: float,
-                 bucket_bytes: int = BUCKET_BYTES) -> None:  # fmt: skip
+                 bucket_bytes: int = BUCKET_BYTES, master: bool | None = None) -> None:  # fmt: skip
+        """``master`` (default: rank 0) hosts the rendezvous store; False for a rank 0 whose store a :class:`GroupHost` holds."""
         from torch import distributed as dist
 
         timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(address, port, world, is_master=rank == 0, timeout=timeout)
+        self.store = dist.TCPStore(address, port, world, is_master=rank == 0 if master is None else master, timeout=timeout)
         if device.startswith("cuda"):  # not run: no GPU here
             self.group = dist.ProcessGroupNCCL(self.store, rank, world, dist.ProcessGroupNCCL.Options())
         else:
@@ -183,6 +186,38 @@ class SyncGroup:
         return state
 
 
+class GroupHost:
+    """Rank 0's side of forming a weight group without blocking its actor: the rendezvous store's server is held here
+    alone, rank 0 joins in a thread over a client connection of its own, and :meth:`abort` stops the server, so that every
+    member still forming the group (rank 0 included) fails at once instead of waiting out the timeout for a member that
+    was lost."""
+
+    def __init__(self, address: str, port: int, world: int, device: str, timeout_s: float) -> None:
+        from torch import distributed as dist
+
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.server: Any = dist.TCPStore(address, port, world, is_master=True, wait_for_workers=False, timeout=timeout)
+        self.group: SyncGroup | None = None
+        self.error: str | None = None
+        self.thread = threading.Thread(target=self._form, args=(address, port, world, device, timeout_s), daemon=True)
+        self.thread.start()
+
+    def _form(self, address: str, port: int, world: int, device: str, timeout_s: float) -> None:
+        try:
+            self.group = SyncGroup(address, port, 0, world, device, timeout_s, master=False)
+        except Exception as exc:  # noqa: BLE001 - reported by formed(): the driver forms another group
+            self.error = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+
+    def formed(self, wait_s: float) -> tuple[bool, str | None]:
+        """(done, why it failed or None), after waiting up to ``wait_s`` for rank 0's join."""
+        self.thread.join(wait_s)
+        return not self.thread.is_alive(), self.error
+
+    def abort(self) -> None:
+        """Stop the store's server (the last reference to it): members blocked in their join fail at once."""
+        self.server = None
+
+
 # ---- the plug-ins ---------------------------------------------------------------------------------------------------
 
 
@@ -206,30 +241,42 @@ class CollectiveSync:
 
     A rollout actor that is restarted (it died or hung) leaves the group: before the next broadcast every member joins
     a new one (a new generation), and a broadcast that fails because a member was lost meanwhile is sent again once the
-    group is formed anew. A restarted actor never received the versions broadcast before it came back: it loads them
-    from the learner's copy (:attr:`Published.recover`; the learner keeps the versions the weight board holds)."""
+    group is formed anew. A member lost while a group forms stops the forming (:class:`GroupHost`): the others give up at
+    once and the group is formed again once the lost one is back. A restarted actor never received the versions
+    broadcast before it came back: it loads them from the learner's copy (:attr:`Published.recover`; the learner keeps
+    the versions the weight board holds)."""
 
     collective = True
     attempts = 4  # broadcasts of one version at most: the first, then one after each regroup
 
     def connect(self, learner: Any) -> None:
-        """Form the group: learner rank 0 (rank 0, it hosts the store) and the rollout actors (ranks 1…n)."""
+        """Form the group: learner rank 0 (rank 0, it hosts the store) and the rollout actors (ranks 1…n); formed anew
+        (after the lost member is back) when a member is lost while joining."""
         learner.generation = 0
-        if not self.regroup(learner):
-            raise WeightSyncError("the rollout actors could not form the collective weight group (one was lost while joining)")
+        if not any(self.regroup(learner) for _ in range(self.attempts)):
+            raise WeightSyncError(f"the rollout actors could not form the collective weight group in {self.attempts} attempts "
+                                  f"(last: {(learner.sync_failures or ['a rollout actor was lost'])[-1]})")  # fmt: skip
         learner.layout = learner._get(learner.on_ranks("weight_layout", learner.dtype), "reading the weight layout")[0]
 
     def regroup(self, learner: Any) -> bool:
-        """Every member joins a new group (generation + 1) at a new address; False if a rollout actor was lost meanwhile."""
+        """Every member joins a new group (generation + 1) at a new address; False if a rollout actor was lost meanwhile.
+        A member lost (dead, hung, or its join failed) while the group forms stops the learner's store at once, so the
+        others give up their join now, not after the timeout, and are not taken for hung; the lost one is restarted
+        (:meth:`RayLearner.settle`) before the next attempt."""
         world, timeout_s = len(learner.rollouts) + 1, learner.faults.call_s or 300.0
         learner.generation += 1
         address, port = learner._get([learner.actor.rendezvous.remote()], "finding the weight group's address")[0]
-        sender = learner.actor.sync_join.remote(address, port, world, timeout_s)
+        learner._get([learner.actor.sync_host.remote(address, port, world, timeout_s)], "hosting the weight group")
         joins = [actor.sync_join.remote(address, port, rank, world, timeout_s, learner.generation)
                  for rank, actor in enumerate(learner.rollouts, 1)]  # fmt: skip
-        joined = learner.settle(joins, "joining the weight group")
-        lost = any(answer is None for answer in joined)  # then the learner's join fails once its store stops waiting
-        failure = learner._get([sender], "forming the weight group", wait_s=timeout_s + JOIN_GRACE_S if lost else None)[0]
+        joined = learner.settle(joins, "joining the weight group", abort=lambda: learner.actor.sync_abort.remote())
+        lost = any(answer is None for answer in joined)
+        if lost:
+            learner._get([learner.actor.sync_abort.remote()], "leaving the weight group")
+        failure = learner._get([learner.actor.sync_formed.remote(timeout_s + JOIN_GRACE_S)], "forming the weight group",
+                               wait_s=timeout_s + 2 * JOIN_GRACE_S)[0]  # fmt: skip
+        if failure is not None and not lost:
+            learner.sync_failures.append(f"learner: {failure}")
         return not lost and failure is None
 
     def publish(self, learner: Any, version: int) -> Published:
