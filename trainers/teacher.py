@@ -174,11 +174,28 @@ def score_teacher(
     """Fill the teacher's log-probs of the sampled tokens, and its distribution as a signal of ``kind``
     (:mod:`opd_harness.teacher_signal`), into ``batch``, on the CPU; a failed or incomplete scoring is tried ``retries`` more
     times, then raises :class:`TeacherFailed`, so no step trains without them."""
-    want = teacher_wants(kind)
+    want, head = teacher_wants(kind), output_head(teacher)
+    from_hidden = kind == "full" and head is not None  # the sampled tokens' log-probs from the signal's own hidden states
     extra = {"token_ids": batch.student_topk_ids} if kind == "student_topk" else {}
-    scores = scores_with_retries(teacher, batch, want, top_k, extra, retries, step)
+    asked = tuple(f for f in want if f != "logprobs") if from_hidden else want
+    scores = scores_with_retries(teacher, batch, asked, top_k, extra, retries, step)
+    batch.teacher_dist = signal_from_scores(kind, scores, dtype, head, batch.student_topk_ids)
+    if from_hidden:
+        scores["logprobs"] = trained_token_logprobs(batch.teacher_dist, batch.input_ids, batch.loss_mask)
+        check_scores(scores, batch, want)
     batch.teacher_logprobs = scores["logprobs"].float().cpu() * batch.loss_mask
-    batch.teacher_dist = signal_from_scores(kind, scores, dtype, output_head(teacher), batch.student_topk_ids)
+
+
+def trained_token_logprobs(dist: HiddenDistribution, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) log-probs of the sampled tokens under a hidden-state teacher signal, at the trained positions only (0
+    elsewhere): the teacher's output head and log-softmax run on the completion tokens, not on the prompt and padding,
+    where a vocabulary of 151,936 made them most of the scoring (issue 46)."""
+    positions = loss_mask.to(dist.hidden.device) > 0
+    log_dist = dist[positions].log_distribution()
+    tokens = input_ids.to(log_dist.device)[positions.to(log_dist.device)]
+    out = torch.zeros(tuple(input_ids.shape), dtype=torch.float32, device=log_dist.device)
+    out[positions.to(log_dist.device)] = log_dist.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return out
 
 
 @torch.no_grad()
@@ -233,10 +250,12 @@ def check_scores(scores: dict[str, torch.Tensor], batch: TensorBatch, want: tupl
     missing = [name for field in want for name in names[field] if name not in scores]
     if missing:
         raise RuntimeError(f"the teacher returned no {missing}")
-    if tuple(scores["logprobs"].shape) != tuple(batch.input_ids.shape):
-        raise RuntimeError(
-            f"the teacher's log-probs have shape {tuple(scores['logprobs'].shape)}, the batch {tuple(batch.input_ids.shape)}"
-        )
+    field = names[want[0]][0] if want else "logprobs"
+    if tuple(scores[field].shape[:2]) != tuple(batch.input_ids.shape):
+        name = "log-probs" if field == "logprobs" else field
+        raise RuntimeError(f"the teacher's {name} have shape {tuple(scores[field].shape)}, the batch {tuple(batch.input_ids.shape)}")
+    if "logprobs" not in want:
+        return
     trained = batch.loss_mask.to(scores["logprobs"].device) > 0
     if torch.isnan(scores["logprobs"][trained]).any():
         raise RuntimeError("the teacher's log-probs are missing (NaN) on trained tokens")
