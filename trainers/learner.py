@@ -125,11 +125,12 @@ def rank_bucket_tokens(attention: torch.Tensor, shard: Shard | None, token_budge
 
 def fits_one_graph(
     model: torch.nn.Module, attention: torch.Tensor, shard: Shard | None, forward_tokens: int, full: bool, vocab_chunk: int,
-    precision: str, budget_gib: float,
+    precision: str, budget_gib: float, loss_mask: torch.Tensor | None = None,
 ) -> bool:
     """Whether one graph over the step's length buckets keeps at most ``budget_gib`` GiB of activations on every rank
     (the memory plan's estimate, :func:`opd_harness.memory_plan.one_graph_bytes`, from the student's config): then the
-    step needs no per-bucket backward and its extra forward. False when the model has no readable config."""
+    step needs no per-bucket backward and its extra forward. With the step's (B, T) ``loss_mask`` the vocabulary side
+    counts the loss's positions, where :func:`student_outputs` runs it. False when the model has no readable config."""
     from opd_harness.memory_plan import GIB, one_graph_bytes, shape_from_config
 
     inner = getattr(model, "module", model)  # DDP's wrapped model
@@ -144,8 +145,16 @@ def fits_one_graph(
     flag = "is_activation_checkpointing" if hasattr(type(inner), "is_activation_checkpointing") else "is_gradient_checkpointing"
     checkpointing = bool(getattr(inner, flag, False))  # transformers 5 renamed the flag
     need = one_graph_bytes(shape, graph_tokens=graph, bucket_tokens=bucket, dtype_bytes=2 if precision == "bf16" else 4,
-                           checkpointing=checkpointing, student_full=full, vocab_chunk=vocab_chunk)  # fmt: skip
+                           checkpointing=checkpointing, student_full=full, vocab_chunk=vocab_chunk,
+                           vocab_tokens=None if loss_mask is None else rank_loss_tokens(loss_mask, shard))  # fmt: skip
     return need <= budget_gib * GIB
+
+
+def rank_loss_tokens(loss_mask: torch.Tensor, shard: Shard | None) -> int:
+    """The most loss positions (:func:`loss_positions`) any rank has of the global (B, T) ``loss_mask``."""
+    counts = loss_positions(loss_mask).sum(-1).tolist()
+    world = shard.world if shard is not None else 1
+    return max(int(sum(counts[start:stop])) for start, stop in (shard_bounds(len(counts), rank, world) for rank in range(world)))
 
 
 def paired_bucketed(
@@ -235,7 +244,8 @@ def student_pass(
     :func:`student_outputs`, then ``loss.backward()``. Otherwise the step is cut into buckets in both directions
     (:class:`BucketBackward`): activation memory is one bucket's, for one more forward without a graph."""
     calls = bucket_calls(batch.attention_mask, shard, forward_tokens) if forward_tokens and bucket_backward else 1
-    if calls > 1 and fits_one_graph(model, batch.attention_mask, shard, forward_tokens, full, vocab_chunk, precision, graph_memory_gib):
+    if calls > 1 and fits_one_graph(model, batch.attention_mask, shard, forward_tokens, full, vocab_chunk, precision, graph_memory_gib,
+                                    loss_mask=batch.loss_mask):  # fmt: skip
         calls = 1
     if calls <= 1:
         outputs, entropy = student_outputs(model, batch, full, shard=shard, precision=precision, vocab_chunk=vocab_chunk,
