@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from opd_harness.backends import Backend
-from opd_harness.backends.hf import HFBackend
+from opd_harness.backends.hf import HFBackend, chunk_bounds
 from opd_harness.config import TeacherSpec
 from opd_harness.errors import TrainingAborted
 from opd_harness.models.hub import torch_dtype
@@ -181,20 +181,25 @@ def score_teacher(
     scores = scores_with_retries(teacher, batch, asked, top_k, extra, retries, step)
     batch.teacher_dist = signal_from_scores(kind, scores, dtype, head, batch.student_topk_ids)
     if from_hidden:
-        scores["logprobs"] = trained_token_logprobs(batch.teacher_dist, batch.input_ids, batch.loss_mask)
+        chunk = int(getattr(teacher, "score_chunk", 0) or 0)
+        scores["logprobs"] = trained_token_logprobs(batch.teacher_dist, batch.input_ids, batch.loss_mask, chunk)
         check_scores(scores, batch, want)
     batch.teacher_logprobs = scores["logprobs"].float().cpu() * batch.loss_mask
 
 
-def trained_token_logprobs(dist: HiddenDistribution, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+def trained_token_logprobs(dist: HiddenDistribution, input_ids: torch.Tensor, loss_mask: torch.Tensor, chunk: int = 0) -> torch.Tensor:
     """(B, T) log-probs of the sampled tokens under a hidden-state teacher signal, at the trained positions only (0
     elsewhere): the teacher's output head and log-softmax run on the completion tokens, not on the prompt and padding,
-    where a vocabulary of 151,936 made them most of the scoring (issue 46)."""
+    where a vocabulary of 151,936 made them most of the scoring (issue 46); ``chunk`` > 0 positions at a time (the
+    backend's ``score_chunk``: no (tokens, V) tensor), else all at once."""
     positions = loss_mask.to(dist.hidden.device) > 0
-    log_dist = dist[positions].log_distribution()
-    tokens = input_ids.to(log_dist.device)[positions.to(log_dist.device)]
-    out = torch.zeros(tuple(input_ids.shape), dtype=torch.float32, device=log_dist.device)
-    out[positions.to(log_dist.device)] = log_dist.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    trained, tokens = dist[positions], input_ids.to(dist.hidden.device)[positions]
+    values = []
+    for start, stop in chunk_bounds(len(tokens), chunk or max(len(tokens), 1)):
+        log_dist = trained[start:stop].log_distribution()
+        values.append(log_dist.gather(-1, tokens[start:stop].to(log_dist.device).unsqueeze(-1)).squeeze(-1).cpu())
+    out = torch.zeros(tuple(input_ids.shape), dtype=torch.float32)
+    out[positions.cpu()] = torch.cat(values) if values else out.new_zeros(0)
     return out
 
 
