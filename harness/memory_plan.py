@@ -369,12 +369,17 @@ def learner_activation_bytes(
 
 def one_graph_bytes(
     shape: ModelShape, *, graph_tokens: int, bucket_tokens: int, dtype_bytes: int, checkpointing: bool, student_full: bool,
-    vocab_chunk: int,
+    vocab_chunk: int, vocab_tokens: int | None = None,
 ) -> int:
     """Activation bytes of a learner step that keeps one graph over ``graph_tokens`` (all its buckets): the sum of
-    :func:`learner_activation_bytes`; what ``trainer.graph_memory_gib`` is compared with to choose the per-bucket backward."""
+    :func:`learner_activation_bytes`; what ``trainer.graph_memory_gib`` is compared with to choose the per-bucket backward.
+    ``vocab_tokens`` (unchunked): the positions the output head and the vocabulary terms run on (the loss's, not every
+    bucketed token), all of them at once: their (tokens, V) tensors are counted kept and passing."""
     layers, vocab = learner_activation_bytes(shape, graph_tokens=graph_tokens, bucket_tokens=bucket_tokens, dtype_bytes=dtype_bytes,
                                              checkpointing=checkpointing, student_full=student_full, vocab_chunk=vocab_chunk)  # fmt: skip
+    if vocab_tokens is not None and not vocab_chunk:
+        vocab = learner_activation_bytes(shape, graph_tokens=vocab_tokens, bucket_tokens=vocab_tokens, dtype_bytes=dtype_bytes,
+                                         checkpointing=checkpointing, student_full=student_full, vocab_chunk=0)[1]  # fmt: skip
     return layers + vocab
 
 

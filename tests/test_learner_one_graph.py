@@ -12,7 +12,7 @@ import torch
 from opd_harness.backends.hf import length_buckets
 from opd_harness.models.tiny import TinyArch, build_tiny_model
 from opd_harness.teacher_signal import TopKDistribution
-from opd_harness.trainers.learner import fits_one_graph, rank_bucket_tokens
+from opd_harness.trainers.learner import fits_one_graph, rank_bucket_tokens, rank_loss_tokens
 from opd_harness.trajectory import TensorBatch
 
 from test_chunked_vocab import loss_and_grads
@@ -73,8 +73,8 @@ def test_one_graph_within_the_budget_equals_the_per_bucket_backward_with_one_for
     assert abs(float(loss_b - loss_a)) <= 1e-6 * abs(float(loss_a))
     for key, value in diag_a.items():
         assert diag_b[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
-    real = batch.attention_mask.bool()
-    torch.testing.assert_close(ent_b[real], ent_a[real], rtol=1e-6, atol=1e-6)
+    trained = batch.loss_mask.bool()  # one graph computes the entropy where a loss reads it, the per-bucket path everywhere
+    torch.testing.assert_close(ent_b[trained], ent_a[trained], rtol=1e-6, atol=1e-6)
     assert grads_a.keys() == grads_b.keys() and grads_a
     for param, grad in grads_a.items():
         scale = float(grad.abs().max())
@@ -95,3 +95,18 @@ def test_the_budget_decides_from_the_step_s_bucketed_tokens_and_the_vocabulary(m
     shard = SimpleNamespace(rank=0, world=2)  # every rank decides for the rank with the most bucketed tokens
     assert rank_bucket_tokens(attention, shard, BUDGET) == max(rank_bucket_tokens(attention[:4], None, BUDGET),
                                                                rank_bucket_tokens(attention[4:], None, BUDGET))  # fmt: skip
+
+
+def test_the_vocabulary_side_of_the_budget_counts_the_loss_positions(model):
+    """One graph runs the output head and vocabulary terms at the loss's positions only: with the step's loss mask the
+    estimate counts those (tokens, V) tensors, not the bucketed tokens'."""
+    batch = mixed_batch(LENGTHS)
+    attention, trained = batch.attention_mask, batch.loss_mask
+    few = torch.zeros_like(trained)
+    few[:, 5:9] = trained[:, 5:9]  # at most 4 trained tokens a row
+    assert rank_loss_tokens(trained, None) == sum(n - 5 for n in LENGTHS) and rank_loss_tokens(few, None) == 27
+    halves = (sum(n - 5 for n in LENGTHS[:4]), sum(n - 5 for n in LENGTHS[4:]))  # every rank decides for the one with the most
+    assert rank_loss_tokens(trained, SimpleNamespace(rank=1, world=2)) == max(halves)
+    assert not fits_one_graph(model, attention, None, BUDGET, True, 0, "fp32", 0.5)  # every bucketed token's (T, V)
+    assert fits_one_graph(model, attention, None, BUDGET, True, 0, "fp32", 0.5, loss_mask=few)  # 27 positions' (27, V)
+    assert not fits_one_graph(model, attention, None, BUDGET, True, 0, "fp32", 1.8, loss_mask=trained)  # 634 positions, all at once

@@ -90,7 +90,7 @@ def setting(models, char_tokenizer):
     student, teacher_model = models
     teacher = HFBackend(teacher_model, char_tokenizer)
     with torch.no_grad():
-        pi = student_outputs(student, one_token_batch(0), full=True)[0].full[0, -1].exp().double()
+        pi = student_outputs(student, one_token_batch(0), full=True)[0].over_vocabulary(lambda log_dist: log_dist)[0, -1].exp().double()
     q = engine_logprobs(HFBackend(student, char_tokenizer), VOCAB)
     student.train()  # the learner's mode (dropout is 0 in these configs)
     full = gradient(student, teacher, one_token_batch(0), "opd", {"estimator": "full"}).double()

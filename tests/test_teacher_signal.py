@@ -139,6 +139,25 @@ def test_score_teacher_fills_each_kind_on_the_cpu_in_the_signal_dtype(tiny_model
     assert batch.teacher_dist is None
 
 
+def test_full_signal_scores_the_sampled_tokens_from_its_hidden_states_at_the_trained_positions_only(char_tokenizer):
+    """At vocabulary 151,936 and mixed lengths: the teacher is asked for its hidden states alone (no whole-row log-softmax),
+    and the sampled tokens' log-probs computed from them at the trained positions equal its whole-row scores there."""
+    from test_learner_one_graph import SHORT, VOCAB, mixed_batch
+
+    from opd_harness.models.tiny import TinyArch, build_tiny_model
+
+    model = build_tiny_model(TinyArch(hidden=16, layers=1, heads=2, kv_heads=1, ffn=32), VOCAB, pad_id=0, eos_id=1, seed=7)
+    backend = HFBackend(model.requires_grad_(False), char_tokenizer, score_tokens=256)
+    batch = mixed_batch(SHORT, seed=3)
+    expected = backend.score(batch.input_ids, batch.attention_mask, want=("logprobs",))["logprobs"] * batch.loss_mask
+    asked, score = [], backend.score
+    backend.score = lambda *a, **k: asked.append(k["want"]) or score(*a, **k)
+    score_teacher(backend, batch, kind="full")
+    assert asked == [("hidden",)]
+    assert float(batch.loss_mask.sum()) > 0 and float(expected.abs().min()) == 0.0 < float(expected.abs().max())
+    torch.testing.assert_close(batch.teacher_logprobs, expected, rtol=0, atol=1e-5)
+
+
 PEAK_SCRIPT = """
 import json, sys, torch
 from transformers import Qwen3Config, Qwen3ForCausalLM

@@ -40,28 +40,65 @@ def student_outputs(
     one graph and one backward over all of them: the same loss and gradients with less padding computed (:func:`student_pass`
     runs the backward per bucket instead, bounding activations by one bucket's). With a ``shard``
     every rank makes as many forward calls as the rank with the most buckets (:func:`paired_bucketed`), so the collectives
-    DDP and FSDP2 run in each forward and backward pair across ranks."""
+    DDP and FSDP2 run in each forward and backward pair across ranks.
+
+    Unchunked, the forward stops at the last hidden states and the output head, log-softmax, entropy and the method's
+    full-vocabulary terms run only at the positions a loss reads (:func:`loss_positions`, the completion tokens), as TRL's
+    trainers do: at a vocabulary of 151,936 the prompt's and the padding's (T, V) work was most of the step (issue 46).
+    Log-probs, entropy and terms are 0 at the other positions, which every objective masks out."""
     if vocab_chunk:
         return chunked_student_outputs(model, batch, vocab_chunk, shard=shard, precision=precision)
     rows = batch.input_ids.shape[0]
     ids, attention = local_rows(batch.input_ids, shard), local_rows(batch.attention_mask, shard)
-    student, want = StudentForward(model, precision), ("logprobs", "state") if full else ("logprobs", "entropy")
+    positions = loss_positions(local_rows(batch.loss_mask, shard))
+
+    heads: list[torch.nn.Module] = []
 
     def forward(ids: torch.Tensor, attention: torch.Tensor) -> dict[str, torch.Tensor]:
-        return student(ids, attention, want)
+        hidden, head = hidden_states(model, ids, attention, precision)
+        heads.append(head)
+        return {"hidden": hidden}
 
     if forward_tokens:
         calls = bucket_calls(batch.attention_mask, shard, forward_tokens)
-        scores = paired_bucketed(forward, ids, attention, forward_tokens, calls)
+        hidden = paired_bucketed(forward, ids, attention, forward_tokens, calls)["hidden"]
     else:
-        scores = forward(ids, attention)
-    if full:
-        entropy = -(scores["state"].exp() * scores["state"]).sum(-1).detach()
-    else:
-        entropy = scores["entropy"].detach()
-    logprobs, dist_full = gather_rows(scores["logprobs"], shard, rows), scores.get("state")
-    dist_full = gather_rows(dist_full, shard, rows) if dist_full is not None else None
-    return StudentOutputs(logprobs=logprobs, full=dist_full), gather_rows(entropy, shard, rows)
+        hidden = forward(ids, attention)["hidden"]
+    log_dist = position_log_distribution(hidden, heads[0], positions, precision)
+    token_logp = log_dist.gather(-1, ids[positions].unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_dist.exp() * log_dist).sum(-1).detach()
+
+    def vocab_map(fn: PositionFn, *aligned: Any) -> torch.Tensor:
+        local = (local_rows(a, shard).to(log_dist.device)[positions] for a in aligned)
+        return gather_rows(at_positions(apply_terms(fn, log_dist, *local), positions), shard, rows)
+
+    logprobs = gather_rows(at_positions(token_logp, positions), shard, rows)
+    outputs = StudentOutputs(logprobs=logprobs, vocab_map=vocab_map if full else None)
+    return outputs, gather_rows(at_positions(entropy, positions), shard, rows)
+
+
+def loss_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: the positions a loss reads (``loss_mask`` > 0; position 0, which no prefix predicts, never)."""
+    positions = loss_mask > 0
+    positions[:, 0] = False
+    return positions
+
+
+def position_log_distribution(
+    hidden: torch.Tensor, head: torch.nn.Module, positions: torch.Tensor, precision: str
+) -> torch.Tensor:
+    """(N, V) float32 log-distribution at the N ``positions`` of (B, T) rows from their (B, T, H) last hidden states (position
+    t from state t − 1): the output head and log-softmax run on those positions only, not on the prompt and padding."""
+    before = hidden[:, :-1][positions[:, 1:]]
+    with autocast(hidden.device, precision):
+        logits = head(before)
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def at_positions(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """(N, ...) per-position values back on their (B, T) ``positions``, zero elsewhere (with gradient)."""
+    out = values.new_zeros((*positions.shape, *values.shape[1:]))
+    return out.index_put((positions,), values)
 
 
 def bucket_calls(attention: torch.Tensor, shard: Shard | None, token_budget: int) -> int:
@@ -88,11 +125,12 @@ def rank_bucket_tokens(attention: torch.Tensor, shard: Shard | None, token_budge
 
 def fits_one_graph(
     model: torch.nn.Module, attention: torch.Tensor, shard: Shard | None, forward_tokens: int, full: bool, vocab_chunk: int,
-    precision: str, budget_gib: float,
+    precision: str, budget_gib: float, loss_mask: torch.Tensor | None = None,
 ) -> bool:
     """Whether one graph over the step's length buckets keeps at most ``budget_gib`` GiB of activations on every rank
     (the memory plan's estimate, :func:`opd_harness.memory_plan.one_graph_bytes`, from the student's config): then the
-    step needs no per-bucket backward and its extra forward. False when the model has no readable config."""
+    step needs no per-bucket backward and its extra forward. With the step's (B, T) ``loss_mask`` the vocabulary side
+    counts the loss's positions, where :func:`student_outputs` runs it. False when the model has no readable config."""
     from opd_harness.memory_plan import GIB, one_graph_bytes, shape_from_config
 
     inner = getattr(model, "module", model)  # DDP's wrapped model
@@ -107,8 +145,16 @@ def fits_one_graph(
     flag = "is_activation_checkpointing" if hasattr(type(inner), "is_activation_checkpointing") else "is_gradient_checkpointing"
     checkpointing = bool(getattr(inner, flag, False))  # transformers 5 renamed the flag
     need = one_graph_bytes(shape, graph_tokens=graph, bucket_tokens=bucket, dtype_bytes=2 if precision == "bf16" else 4,
-                           checkpointing=checkpointing, student_full=full, vocab_chunk=vocab_chunk)  # fmt: skip
+                           checkpointing=checkpointing, student_full=full, vocab_chunk=vocab_chunk,
+                           vocab_tokens=None if loss_mask is None else rank_loss_tokens(loss_mask, shard))  # fmt: skip
     return need <= budget_gib * GIB
+
+
+def rank_loss_tokens(loss_mask: torch.Tensor, shard: Shard | None) -> int:
+    """The most loss positions (:func:`loss_positions`) any rank has of the global (B, T) ``loss_mask``."""
+    counts = loss_positions(loss_mask).sum(-1).tolist()
+    world = shard.world if shard is not None else 1
+    return max(int(sum(counts[start:stop])) for start, stop in (shard_bounds(len(counts), rank, world) for rank in range(world)))
 
 
 def paired_bucketed(
@@ -198,7 +244,8 @@ def student_pass(
     :func:`student_outputs`, then ``loss.backward()``. Otherwise the step is cut into buckets in both directions
     (:class:`BucketBackward`): activation memory is one bucket's, for one more forward without a graph."""
     calls = bucket_calls(batch.attention_mask, shard, forward_tokens) if forward_tokens and bucket_backward else 1
-    if calls > 1 and fits_one_graph(model, batch.attention_mask, shard, forward_tokens, full, vocab_chunk, precision, graph_memory_gib):
+    if calls > 1 and fits_one_graph(model, batch.attention_mask, shard, forward_tokens, full, vocab_chunk, precision, graph_memory_gib,
+                                    loss_mask=batch.loss_mask):  # fmt: skip
         calls = 1
     if calls <= 1:
         outputs, entropy = student_outputs(model, batch, full, shard=shard, precision=precision, vocab_chunk=vocab_chunk,

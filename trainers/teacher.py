@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from opd_harness.backends import Backend
-from opd_harness.backends.hf import HFBackend
+from opd_harness.backends.hf import HFBackend, chunk_bounds
 from opd_harness.config import TeacherSpec
 from opd_harness.errors import TrainingAborted
 from opd_harness.models.hub import torch_dtype
@@ -174,11 +174,33 @@ def score_teacher(
     """Fill the teacher's log-probs of the sampled tokens, and its distribution as a signal of ``kind``
     (:mod:`opd_harness.teacher_signal`), into ``batch``, on the CPU; a failed or incomplete scoring is tried ``retries`` more
     times, then raises :class:`TeacherFailed`, so no step trains without them."""
-    want = teacher_wants(kind)
+    want, head = teacher_wants(kind), output_head(teacher)
+    from_hidden = kind == "full" and head is not None  # the sampled tokens' log-probs from the signal's own hidden states
     extra = {"token_ids": batch.student_topk_ids} if kind == "student_topk" else {}
-    scores = scores_with_retries(teacher, batch, want, top_k, extra, retries, step)
+    asked = tuple(f for f in want if f != "logprobs") if from_hidden else want
+    scores = scores_with_retries(teacher, batch, asked, top_k, extra, retries, step)
+    batch.teacher_dist = signal_from_scores(kind, scores, dtype, head, batch.student_topk_ids)
+    if from_hidden:
+        chunk = int(getattr(teacher, "score_chunk", 0) or 0)
+        scores["logprobs"] = trained_token_logprobs(batch.teacher_dist, batch.input_ids, batch.loss_mask, chunk)
+        check_scores(scores, batch, want)
     batch.teacher_logprobs = scores["logprobs"].float().cpu() * batch.loss_mask
-    batch.teacher_dist = signal_from_scores(kind, scores, dtype, output_head(teacher), batch.student_topk_ids)
+
+
+def trained_token_logprobs(dist: HiddenDistribution, input_ids: torch.Tensor, loss_mask: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+    """(B, T) log-probs of the sampled tokens under a hidden-state teacher signal, at the trained positions only (0
+    elsewhere): the teacher's output head and log-softmax run on the completion tokens, not on the prompt and padding,
+    where a vocabulary of 151,936 made them most of the scoring (issue 46); ``chunk`` > 0 positions at a time (the
+    backend's ``score_chunk``: no (tokens, V) tensor), else all at once."""
+    positions = loss_mask.to(dist.hidden.device) > 0
+    trained, tokens = dist[positions], input_ids.to(dist.hidden.device)[positions]
+    values = []
+    for start, stop in chunk_bounds(len(tokens), chunk or max(len(tokens), 1)):
+        log_dist = trained[start:stop].log_distribution()
+        values.append(log_dist.gather(-1, tokens[start:stop].to(log_dist.device).unsqueeze(-1)).squeeze(-1).cpu())
+    out = torch.zeros(tuple(input_ids.shape), dtype=torch.float32)
+    out[positions.cpu()] = torch.cat(values) if values else out.new_zeros(0)
+    return out
 
 
 @torch.no_grad()
@@ -233,10 +255,12 @@ def check_scores(scores: dict[str, torch.Tensor], batch: TensorBatch, want: tupl
     missing = [name for field in want for name in names[field] if name not in scores]
     if missing:
         raise RuntimeError(f"the teacher returned no {missing}")
-    if tuple(scores["logprobs"].shape) != tuple(batch.input_ids.shape):
-        raise RuntimeError(
-            f"the teacher's log-probs have shape {tuple(scores['logprobs'].shape)}, the batch {tuple(batch.input_ids.shape)}"
-        )
+    field = names[want[0]][0] if want else "logprobs"
+    if tuple(scores[field].shape[:2]) != tuple(batch.input_ids.shape):
+        name = "log-probs" if field == "logprobs" else field
+        raise RuntimeError(f"the teacher's {name} have shape {tuple(scores[field].shape)}, the batch {tuple(batch.input_ids.shape)}")
+    if "logprobs" not in want:
+        return
     trained = batch.loss_mask.to(scores["logprobs"].device) > 0
     if torch.isnan(scores["logprobs"][trained]).any():
         raise RuntimeError("the teacher's log-probs are missing (NaN) on trained tokens")
