@@ -44,7 +44,7 @@ def assert_same(a, b, real: torch.Tensor, atol: float = 1e-5) -> None:
     assert abs(float(loss_a - loss_b)) <= atol
     for key, value in diag_a.items():
         assert diag_b[key] == pytest.approx(value, abs=atol), key
-    torch.testing.assert_close(ent_b[real], ent_a[real], rtol=0, atol=atol)  # padding: guesses after padding, or 0 past a group's width
+    torch.testing.assert_close(ent_b[real], ent_a[real], rtol=0, atol=atol)  # trained positions: elsewhere 0 on the one-graph path
     assert grads_a.keys() == grads_b.keys()
     for param, grad in grads_a.items():
         assert grad.abs().max() > 0, param
@@ -67,7 +67,7 @@ def test_bucketed_forward_gives_the_same_loss_and_gradients(tiny_model_factory, 
         batch.teacher_dist = torch.log_softmax(torch.randn((*batch.input_ids.shape, model.config.vocab_size)), dim=-1)
     whole = loss_and_grads(model, batch, name, args)
     assert len(length_buckets(LENGTHS, 24)) == 3
-    assert_same(whole, loss_and_grads(model, batch, name, args, forward_tokens=24), batch.attention_mask.bool())
+    assert_same(whole, loss_and_grads(model, batch, name, args, forward_tokens=24), batch.loss_mask.bool())
 
 
 def test_bucketed_scores_equal_the_whole_batch_on_every_real_position(tiny_model_factory, char_tokenizer):
@@ -91,7 +91,7 @@ def test_without_pi_old_the_one_update_step_has_the_loss_and_gradients_of_the_sc
     skipped = loss_and_grads(model, batch, name, {})
     batch.old_logprobs = behaviour_logprobs(HFBackend(model, char_tokenizer), batch)
     model.train()
-    assert_same(loss_and_grads(model, batch, name, {}), skipped, batch.attention_mask.bool())
+    assert_same(loss_and_grads(model, batch, name, {}), skipped, batch.loss_mask.bool())
     batch.old_logprobs = batch.old_logprobs - 0.3 * batch.loss_mask  # a policy one update behind: π_old is no longer s
     assert abs(float(loss_and_grads(model, batch, name, {})[0] - skipped[0])) > 1e-3
 
