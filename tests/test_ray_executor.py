@@ -144,6 +144,31 @@ STARTUP_LIMIT_S = 45  # trainer.actor_restart_timeout_s of the start-up test: ev
 
 
 @pytest.mark.slow
+def test_a_learner_whose_run_folder_check_hangs_stops_the_run_within_the_call_timeout(tmp_path, ray_session, monkeypatch):
+    """trainer.actor_timeout_s bounds the learner's run-folder check too (before, wait_ready waited for ever on a shared
+    filesystem that hangs instead of failing): the learner's check sleeps (a subclass defined here, shipped to the worker
+    by value), so the run stops with exit 2 and one line naming the key and the run folder, before training."""
+    import opd_harness.trainers.ray_executor as rx
+
+    class HangingFolderLearner(rx.LearnerActor):
+        def sees_run_folder(self, folder: str, token: str) -> str | None:
+            time.sleep(3600)  # a read stuck on a filesystem that never answers
+            return None
+
+    monkeypatch.setattr(rx, "LearnerActor", HangingFolderLearner)
+    monkeypatch.setattr(rx, "CLOSE_TIMEOUT_S", 5.0)  # the hung actor never answers close(); it is killed after this
+    started = time.monotonic()
+    result = runner.invoke(app, [*BASE, "--out", str(tmp_path), "--executor", "ray", "--set", "trainer.actor_timeout_s=20"])
+    line = "".join(result.output.split())  # the console wraps the long path anywhere
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "thelearnerdidnotanswerwithintrainer.actor_timeout_s=20swhenitcheckedtherunfolder" in line, result.output[-2000:]
+    assert time.monotonic() - started < 300
+    (run_id,) = _train_runs(tmp_path / "results.sqlite")
+    with sqlite3.connect(tmp_path / "results.sqlite") as conn:
+        assert conn.execute("SELECT COUNT(*) FROM step_metrics WHERE run_id=?", (run_id,)).fetchone() == (0,)
+
+
+@pytest.mark.slow
 def test_an_actor_start_up_past_its_limit_ends_the_run_failed_with_one_line_naming_the_role_and_node(tmp_path, ray_session, monkeypatch):
     """trainer.actor_restart_timeout_s bounds the actors' start-up too (before, wait_ready waited for ever): the rollout
     actor's constructor hangs (a subclass defined here, so Ray ships it to the worker by value, sleeps in ``__init__``),

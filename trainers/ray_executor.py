@@ -1192,7 +1192,12 @@ def wait_ready(ray: ModuleType, actors: list, names: list[str], console: Console
     if failure:
         raise DeviceUnavailable(failure)
     if run_folder is not None:  # every rank writes (fsdp2) or rank 0 does; all must see it to resume after a failover too
-        problem = next((p for p in ray.get([rank.sees_run_folder.remote(*run_folder) for rank in learner.ranks]) if p), None)
+        try:
+            answers = ray.get([rank.sees_run_folder.remote(*run_folder) for rank in learner.ranks], timeout=call_s)
+        except ray.exceptions.GetTimeoutError:  # e.g. a shared filesystem that hangs instead of failing
+            answers = [f"the learner did not answer within trainer.actor_timeout_s={call_s:g}s when it checked the run folder "
+                       f"{run_folder[0]} (a shared filesystem that hangs?)"]
+        problem = next((p for p in answers if p), None)
         if problem:
             raise RunFolderUnavailable(problem)
     if len(learner.ranks) > 1:
