@@ -601,7 +601,9 @@ def describe(src: VLLMSource, found: Found) -> str:
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return f"{found.name}{src.signature(found)}"
     if isinstance(node, ast.ClassDef):
-        return f"class {found.name}({', '.join(ast.unparse(b) for b in node.bases)})"
+        decorators = "".join(f"@{ast.unparse(d)} " for d in node.decorator_list)
+        bases = f"({', '.join(ast.unparse(b) for b in node.bases)})" if node.bases else ""
+        return f"{decorators}class {found.name}{bases}"
     if isinstance(node, (ast.Assign, ast.AnnAssign)):
         owner = found.name.rpartition(".")[0]
         return f"{owner + '.' if owner else ''}{ast.unparse(node)}"
@@ -631,8 +633,7 @@ def self_assigned(function: Found) -> dict[str, Found]:
     for n in sorted(ast.walk(function.node), key=lambda n: getattr(n, "lineno", 0)):
         for t in n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(n, ast.AnnAssign) else []:
             if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self" and t.attr not in out:
-                owner = function.name.rpartition(".")[0]
-                out[t.attr] = Found(function.module, f"{owner}.{t.attr}", n, function.path, function.root)
+                out[t.attr] = Found(function.module, f"{function.name}: self.{t.attr}", n, function.path, function.root)
     return out
 
 
@@ -687,7 +688,7 @@ def test_source_every_engine_argument_is_an_llm_parameter_or_an_engine_args_fiel
     assert "**" in str(src.signature(init)) and "EngineArgs(" in compact(src.text(init)), "LLM.__init__ sends no **kwargs to EngineArgs"
     for key in sorted(sent):
         if key in params:
-            record(src, init, f"LLM({params[key]})")
+            record(src, init, f"LLM.__init__(..., {params[key]}, ...)")
         else:
             where = f"({init.where}) nor as an EngineArgs field ({engine_args.where})"
             assert key in engine_fields, f"vllm.LLM takes {key} neither as a parameter {where}"
@@ -719,7 +720,7 @@ def _source_owner(src: VLLMSource, name: str) -> Found | None:
     for init in ("vllm:LLM.__init__", "vllm.v1.engine.llm_engine:LLMEngine.__init__"):
         assigned = self_assigned(src.lookup(init))
         if name in assigned:
-            return record(src, assigned[name])
+            return record(src, assigned[name], assigned[name].name)
     for cls in ("vllm.config.model:ModelConfig", "vllm:CompletionOutput", "vllm.logprobs:Logprob"):
         field = src.fields(src.lookup(cls)).get(name)
         if field is not None:
@@ -772,7 +773,7 @@ def test_source_the_outputs_have_what_the_backend_reads(src, tree):
     assigned = self_assigned(request_init)
     for name in sorted(reads["RequestOutput"]):
         assert name in assigned, f"vllm.RequestOutput ({request_init.where}) sets no attribute {name}"
-        record(src, assigned[name])
+        record(src, assigned[name], assigned[name].name)
     completion_fields = src.fields(completion)
     for name in sorted(reads["CompletionOutput"]):
         assert name in completion_fields, f"vllm.CompletionOutput ({completion.where}) has no field {name}"

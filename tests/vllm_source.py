@@ -126,7 +126,7 @@ class VLLMSource:
     """The ``vllm`` package under ``root`` (``root/vllm/__init__.py``), read and resolved without importing it."""
 
     def __init__(self, root: Path) -> None:
-        self.root = Path(root)
+        self.root = Path(root).resolve()
         if not (self.root / "vllm" / "__init__.py").is_file():
             raise NotFound(f"{self.root}: no vllm/__init__.py (the folder must hold the vllm package's source)")
         self._trees: dict[str, tuple[ast.Module, Path, str]] = {}
