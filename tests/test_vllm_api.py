@@ -625,7 +625,7 @@ def verified(src: VLLMSource, dotted: str) -> Found:
     return record(src, src.lookup(dotted))
 
 
-def literal_values(src: VLLMSource, found: Found) -> set:
+def literal_values(found: Found) -> set:
     """The values of ``X = Literal[...]`` (or a field annotated ``Literal[...] | str``)."""
     node = found.node
     expr = node.value if isinstance(node, ast.Assign) else node.annotation
@@ -696,11 +696,11 @@ def test_source_every_engine_argument_is_an_llm_parameter_or_an_engine_args_fiel
             record(src, engine_fields[key])
     mode = engine_fields["logprobs_mode"]
     assert ast.unparse(mode.node.annotation) == "LogprobsMode"
-    assert sent["logprobs_mode"] in literal_values(src, record(src, src.resolve(mode.module, "LogprobsMode")))
+    assert sent["logprobs_mode"] in literal_values(verified(src, f"{mode.module}:LogprobsMode"))
     assert ast.unparse(engine_fields["worker_extension_cls"].node.annotation) == "str"  # a qualified name, as EXTENSION is
     transfer = engine_fields["weight_transfer_config"]
     assert "WeightTransferConfig" in ast.unparse(transfer.node.annotation)
-    config_fields = src.fields(verified(src, f"{src.resolve(transfer.module, 'WeightTransferConfig').module}:WeightTransferConfig"))
+    config_fields = src.fields(verified(src, f"{transfer.module}:WeightTransferConfig"))
     assert set(sent["weight_transfer_config"]) <= set(config_fields), sorted(config_fields)
     factory = verified(src, "vllm.distributed.weight_transfer.factory:WeightTransferEngineFactory")
     registered = {
