@@ -22,6 +22,7 @@ name, the module and the file where it was looked for.
 from __future__ import annotations
 
 import ast
+import builtins
 import importlib.util
 import inspect
 from dataclasses import dataclass
@@ -239,8 +240,8 @@ class VLLMSource:
             if isinstance(base, ast.Name):
                 try:
                     out.append(self.resolve(cls.module, base.id))
-                except NotFound:
-                    out.append(External(f"builtins.{base.id}"))
+                except NotFound:  # a builtin (ValueError), or a name this reader cannot follow: said so in a chain it prints
+                    out.append(External(f"builtins.{base.id}" if hasattr(builtins, base.id) else f"{cls.module}.{base.id} (unresolved)"))
             elif isinstance(base, ast.Attribute):
                 out.append(External(ast.unparse(base)))
         return out
