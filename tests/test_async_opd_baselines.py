@@ -163,6 +163,27 @@ def test_recompute_is_the_exact_reverse_kl_gradient_in_expectation_over_a_stale_
     assert not torch.allclose(stale, dense, atol=1e-3)
 
 
+def test_recompute_with_asyncopds_clip_drops_exactly_the_tokens_ppo_clips():
+    """clip_eps: max(−ρA, −clip(ρ, 1 − ε, 1 + ε)A) with A = −(sg(s) − T), AsyncOPD's policy_gradient_kl with online
+    advantages. Four tokens, one per case: ρ above 1 + ε with A > 0 and ρ below 1 − ε with A < 0 lose their gradient;
+    ρ above 1 + ε with A < 0 and ρ inside the clip keep the unclipped one, ρ(s − T) / Σm."""
+    s = torch.tensor([[-0.5, -2.0, -0.5, -1.0]], dtype=torch.float64, requires_grad=True)
+    q = torch.tensor([[-1.0, -1.0, -1.0, -1.05]], dtype=torch.float64)  # ρ = e^0.5, e^−1, e^0.5, e^0.05
+    teacher = torch.tensor([[-2.0, -3.0, 0.0, -2.0]], dtype=torch.float64)  # A = −(s − T) = −1.5, −1, +0.5, −1
+    batch = make_batch([[1, 1, 1, 1]], q, teacher, dtype=torch.float64)
+    loss, diag = recompute_objective(batch, StudentOutputs(logprobs=s), RecomputeParams(clip_eps=0.2))
+    loss.backward()
+    rho = [math.exp(float(a - b)) for a, b in zip(s[0].detach(), q[0])]
+    adv = [-(float(a) - float(t)) for a, t in zip(s[0].detach(), teacher[0])]
+    expected = [rho[0] * -adv[0] / 4, 0.0, 0.0, rho[3] * -adv[3] / 4]
+    assert s.grad[0].tolist() == pytest.approx(expected, abs=1e-15)
+    values = [-rho[0] * adv[0], -0.8 * adv[1], -1.2 * adv[2], -rho[3] * adv[3]]  # the larger of the two terms
+    assert float(loss) == pytest.approx(sum(values) / 4, rel=1e-12)
+    assert diag["clip_fraction"] == 0.5
+    unclipped, _ = recompute_objective(batch, StudentOutputs(logprobs=s), RecomputeParams())
+    assert torch.autograd.grad(unclipped, s)[0].abs().min() > 0  # without the clip every token has a gradient
+
+
 def test_recompute_equals_opd_on_fresh_samples():
     s = torch.tensor([[-0.5, -1.2], [-0.1, -0.7]], dtype=torch.float64, requires_grad=True)
     teacher = torch.tensor([[-0.2, -2.0], [-1.5, -0.4]], dtype=torch.float64)
