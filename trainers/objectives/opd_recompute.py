@@ -10,6 +10,8 @@ reward is recomputed at update time from the current student's log-prob of the s
 
 so that E_{y∼q}[ρ_t A_t ∇s_t] = −c · E_{y∼π_θ}[(log π_θ − log π_T)∇ log π_θ] = −c · ∇KL(π_θ ‖ π_T) at every prefix: the
 exact gradient of the current reverse KL, whatever the lag. ρ is the one place the behaviour log-probs still enter.
+AsyncOPD's code puts the same ρ·A inside a PPO clip (``clip_eps``; its default ε = 0.2), which trades that bias for
+bounded steps.
 """
 
 from __future__ import annotations
@@ -97,7 +99,8 @@ OPD_RECOMPUTE_SPEC = MethodSpec(
         "source": "AsyncOPD (arXiv 2606.24143; furiosa-ai/async-opd policy_gradient_kl with pg_online_advantage): recomputing the "
         "reverse-KL signal under the current student beat PPO-clip / decoupled PPO / M2PO on stale rollouts",
         "advantage": "A_t = −c(sg(s_t) − T_t): the current student's log-prob of the sampled token, not the behaviour's q_t (opd)",
-        "ratio": "ρ_t = exp(s_t − q_t), unclipped by default (AsyncOPD clips it PPO-style; ratio_cap truncates it here)",
+        "ratio": "ρ_t = exp(s_t − q_t), unclipped by default (unbiased); clip_eps: AsyncOPD's PPO clip (its default ε = 0.2, "
+        "biased), ratio_cap: truncated IS",
         "reduction": "token-mean over the batch's valid tokens (aggregation=sum: summed)",
     },
 )
