@@ -427,6 +427,8 @@ def test_an_eval_worker_whose_node_lookup_hangs_is_killed_and_asked_again_and_pa
     within trainer.actor_timeout_s, Ray restarts it and it is asked again, while worker 1 answers at once; both nodes are
     recorded. A worker whose answer hangs and whose restart hangs too ends it past trainer.actor_restart_timeout_s with
     one line naming ``eval.N`` and its node."""
+    from types import SimpleNamespace
+
     from rich.console import Console
 
     from opd_harness.trainers.ray_eval import RayShards
@@ -467,10 +469,12 @@ def test_an_eval_worker_whose_node_lookup_hangs_is_killed_and_asked_again_and_pa
     assert shards.kills == 1 and time.monotonic() - started < LOOKUP_TIMEOUT_S + 60, shards.kills
     assert shards.placement() == [node, node] and not (tmp_path / "w0").exists()  # worker 0 was asked again, once restarted
     started = time.monotonic()
+    session = SimpleNamespace(run_id="r1", store=SimpleNamespace(root="/out", checkpoints=lambda run_id: []))  # a run's: ActorLost
     with pytest.raises(ActorLost) as lost:
-        RayShards(ray, workers[2:], Console(), faults=Faults(call_s=LOOKUP_TIMEOUT_S, restart_s=5.0), names=["eval.2"])
+        RayShards(ray, workers[2:], Console(), faults=Faults(LOOKUP_TIMEOUT_S, 5.0, session=session), names=["eval.2"])
     assert re.fullmatch(rf"eval\.2 did not come back within trainer\.actor_restart_timeout_s=5s \(restarted after it died or "
-                        rf"hung\); on node {node}", str(lost.value)), str(lost.value)  # fmt: skip
+                        rf"hung\); on node {node}; continue from the start \(no checkpoint yet\) with: harness run --resume r1 "
+                        r"--out /out", str(lost.value)), str(lost.value)  # fmt: skip
     assert time.monotonic() - started < LOOKUP_TIMEOUT_S + 5.0 + 30
     for worker in workers:
         ray.kill(worker, no_restart=True)

@@ -19,8 +19,11 @@ Faults in a training run (the run's :class:`~opd_harness.trainers.ray_executor.F
 by ``trainer.actor_timeout_s``: a worker that does not answer a shard (or a checkpoint's load) in time counts as hung, is
 killed for Ray to restart and its shard re-queued, like a dead one; a start-up or restart past
 ``trainer.actor_restart_timeout_s``, or a worker whose node died, ends the run ``failed`` with one line naming the worker
-(``eval``, ``eval.0``, …; ``teacher…`` for the teacher's reference evaluation) and its node. ``harness eval``'s own
-workers have no such bounds (a shard of agent episodes may take hours): a dead one is restarted and its shard re-queued.
+(``eval``, ``eval.0``, …; ``teacher…`` for the teacher's reference evaluation) and its node. Asking a worker for its node
+(at start-up and after each restart) is bounded and handled the same way. ``harness eval``'s own workers have no such
+bounds by default (a shard of agent episodes may take hours: a dead one is restarted and its shard re-queued, a hung one
+waits); ``--actor-timeout`` / ``--actor-restart-timeout`` give them the same handling, the eval failing (its shards kept
+staged) where a run would.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from opd_harness.task import Problem, Task, close_tasks
 from opd_harness.trainers.pipeline import close_rollout_backend
 from opd_harness.trainers.ray_executor import (
     CLOSE_TIMEOUT_S,
+    RESTART_TIMEOUT_S,
     ActorLost,
     ActorRole,
     DeviceUnavailable,
@@ -156,8 +160,9 @@ class RayShards:
     With ``faults`` (a training run's: :class:`Faults`), a call unanswered past ``faults.call_s`` (``trainer.actor_timeout_s``)
     means its worker hung: it is killed for Ray to restart and its shard re-queued; a worker not back within
     ``faults.restart_s`` (``trainer.actor_restart_timeout_s``), or one whose node died, raises :class:`ActorLost` naming it
-    (``names``: the run's placement keys) and its node. Without (``harness eval``), calls are unbounded and the queue's
-    own failures raise :class:`EvalWorkersFailed`.
+    (``names``: the run's placement keys) and its node; the same bounds hold when a worker is asked for its node. Without
+    (``harness eval``, unless given ``--actor-timeout``), calls are unbounded; outside a training run the queue's own
+    failures raise :class:`EvalWorkersFailed`.
 
     With ``max_sandboxes``, a shard of a sandboxed task goes to an idle worker only on a node where fewer than that many
     of its shards are in flight; the workers close such a task's sandbox after each shard (``sandbox_per_shard``), so
@@ -182,9 +187,10 @@ class RayShards:
         self._locate(workers)
 
     def fatal(self, line: str) -> Exception:
-        """The error that stops the evaluation: in a training run :class:`ActorLost` (the run fails, with its resume line),
-        else :class:`EvalWorkersFailed` (``harness eval`` keeps the staged shards and prints its resume line)."""
-        if self.faults is None:
+        """The error that stops the evaluation: in a training run (``faults.session``) :class:`ActorLost` (the run fails,
+        with its resume line), else :class:`EvalWorkersFailed` (``harness eval`` keeps the staged shards and prints its
+        resume line)."""
+        if self.faults is None or self.faults.session is None:
             return EvalWorkersFailed(line)
         return ActorLost(line + resume_hint(self.faults.session))
 
@@ -319,7 +325,7 @@ class RayShards:
                         open_on[self.node_of[id(worker)]] -= 1
                     self.hung(worker)
                     self._requeue(task, index, attempts, pending, f"{self.names[id(worker)]} hung (no answer within "
-                                  f"trainer.actor_timeout_s={self.call_s:g}s; killed for Ray to restart)")  # fmt: skip
+                                  f"{self.faults.call_key}={self.call_s:g}s; killed for Ray to restart)")  # fmt: skip
                     probes[worker.ready.remote()] = worker
                 if not done:
                     continue
@@ -373,7 +379,7 @@ class RayShards:
         late = [ref for ref, worker in probes.items()
                 if self.restart_s is not None and now - self.down.get(id(worker), now) >= self.restart_s]  # fmt: skip
         for ref in self._unanswered(late, done):
-            raise self.lost(probes[ref], f"did not come back within trainer.actor_restart_timeout_s={self.restart_s:g}s "
+            raise self.lost(probes[ref], f"did not come back within {self.faults.restart_key}={self.restart_s:g}s "
                             "(restarted after it died or hung)")  # fmt: skip
         return self._unanswered([ref for ref, at in sent.items() if self.call_s is not None and now - at >= self.call_s], done)
 
@@ -470,6 +476,16 @@ class CheckpointShards:
         return self.shards
 
 
+def eval_faults(actor_timeout: float | None, actor_restart_timeout: float | None) -> Faults | None:
+    """``harness eval``'s bounds on its workers: None (unbounded: a shard of agent episodes may take hours) unless
+    ``--actor-timeout`` (each shard call) or ``--actor-restart-timeout`` (each start-up and restart; 300 s when only
+    ``--actor-timeout`` is given) is; its lines name those flags."""
+    if actor_timeout is None and actor_restart_timeout is None:
+        return None
+    restart_s = RESTART_TIMEOUT_S if actor_restart_timeout is None else actor_restart_timeout
+    return Faults(actor_timeout, restart_s, call_key="--actor-timeout", restart_key="--actor-restart-timeout")
+
+
 class RayEvalExecutor:
     """``harness eval --executor ray``: a local Ray, or the cluster at ``address``; N workers for the command. A training
     run's evaluation workers (``trainer.layout.eval``) come from :meth:`for_run`."""
@@ -477,14 +493,20 @@ class RayEvalExecutor:
     @contextmanager
     def open(
         self, spec: EvalWorkerSpec, *, workers: int, address: str | None, console: Console, max_sandboxes: int | None = None,
-        gpus_per_worker: float = 0.0,
+        gpus_per_worker: float = 0.0, actor_timeout: float | None = None, actor_restart_timeout: float | None = None,
     ) -> Iterator[RayShards]:
-        """``workers`` evaluation workers, each asking Ray for ``gpus_per_worker`` GPUs (``--gpus-per-worker``)."""
+        """``workers`` evaluation workers, each asking Ray for ``gpus_per_worker`` GPUs (``--gpus-per-worker``). With
+        ``actor_timeout`` or ``actor_restart_timeout`` (``--actor-timeout``, ``--actor-restart-timeout``) they are watched as a
+        training run's are (:func:`eval_faults`); a start-up past its bound is :class:`EvalWorkersFailed`."""
         spec = dataclasses.replace(spec, sandbox_per_shard=max_sandboxes is not None)
+        faults = eval_faults(actor_timeout, actor_restart_timeout)
         with ray_runtime(address, WORKER_THREADS, console, cpus=workers * WORKER_THREADS) as ray:
-            started = start_workers(ray, spec, workers, console, placed=lambda i: spread(i, gpus_per_worker))
             try:
-                shards = RayShards(ray, started, console, max_sandboxes)
+                started = start_workers(ray, spec, workers, console, placed=lambda i: spread(i, gpus_per_worker), faults=faults)
+            except ActorLost as exc:  # no run to fail: the eval's own infrastructure error
+                raise EvalWorkersFailed(str(exc)) from None
+            try:
+                shards = RayShards(ray, started, console, max_sandboxes, faults=faults)
                 console.print(shards.spread_line())
                 yield shards
             finally:

@@ -681,6 +681,8 @@ class Faults:
     restart_s: float = RESTART_TIMEOUT_S
     placement: dict[str, Any] = field(default_factory=dict)
     session: Session | None = None
+    call_key: str = "trainer.actor_timeout_s"  # the settings a line names when a bound is passed (harness eval: its flags)
+    restart_key: str = "trainer.actor_restart_timeout_s"
 
     def dead_node(self, ray: ModuleType, role: str, grace_s: float = 0.0) -> str | None:
         """The node of ``role`` if it is dead (:func:`dead_nodes`; waiting up to ``grace_s``), else None."""
@@ -1222,7 +1224,7 @@ def await_started(ray: ModuleType, actors: list[Any], keys: list[str], faults: "
         i = refs.index(pending[0])
         node = actor_node(ray, actors[i])
         where = f"on node {node}" if node else "not placed on any node"
-        raise ActorLost(f"{keys[i]} did not start within trainer.actor_restart_timeout_s={faults.restart_s:g}s ({where})"
+        raise ActorLost(f"{keys[i]} did not start within {faults.restart_key}={faults.restart_s:g}s ({where})"
                         + resume_hint(faults.session))  # fmt: skip
     return ray_get(ray, refs)
 
