@@ -27,6 +27,11 @@ EVAL_EXECUTOR_KEYS = ("executor", "workers", "ray_address", "max_sandboxes", "gp
                       "actor_restart_timeout")  # where an eval ran and how its workers were watched, not what it measured
 
 
+def seconds_option(help: str) -> typer.models.OptionInfo:
+    """An option of a positive number of seconds (exit 2 naming the flag otherwise), None when not given."""
+    return typer.Option(callback=open_interval(0, math.inf, low_open=True), help=help)
+
+
 def check_eval_executor(executor: str, **placement: object) -> None:
     """``harness eval``'s placement flags (``placement``: ``ray_address=…``, ``workers=…``, … as the options' names, None when
     not given): exit 2 naming the flag when the executor is unknown or a flag needs ``--executor ray``."""
@@ -123,15 +128,13 @@ def eval_(
     ] = None,
     actor_timeout: Annotated[
         float | None,
-        typer.Option(callback=open_interval(0, math.inf, low_open=True),
-                     help="seconds a shard may take on a worker (--executor ray; default: no bound); past it the worker counts as "
-                     "hung: it is killed, Ray restarts it and the shard goes back to the queue"),
+        seconds_option("seconds a shard may take on a worker (--executor ray; default: no bound); past it the worker counts as hung: it "
+                       "is killed, Ray restarts it and the shard goes back to the queue"),
     ] = None,
     actor_restart_timeout: Annotated[
         float | None,
-        typer.Option(callback=open_interval(0, math.inf, low_open=True),
-                     help="seconds a worker may take to start, or to come back after it died or hung (--executor ray; default: no "
-                     "bound, or 300 with --actor-timeout); past it the eval fails naming the worker and its node"),
+        seconds_option("seconds a worker may take to start, or to come back after it died or hung (--executor ray; default: no bound, "
+                       "or 300 with --actor-timeout); past it the eval fails naming the worker and its node"),
     ] = None,
     resume: Annotated[str | None, typer.Option(help="continue the interrupted eval RUN_ID (same options); staged shards are kept")] = None,
     device: opts.Device = None,
