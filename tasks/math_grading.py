@@ -50,7 +50,7 @@ else:  # imported with the first pool: `harness tasks` lists the math tasks with
     pebble = lazy_import("pebble")
 
 GRADER_NAME = "math-verify"
-"""Name recorded next to every math score (graders differ; see docs/graders.md)."""
+"""Name recorded next to every math score (graders differ; see docs/tasks/math.md, "Grader" and "Known deviations")."""
 
 Status = Literal["pass", "fail", "error"]
 GradeFn = Callable[..., "MathGrade"]

@@ -18,7 +18,7 @@ from opd_harness.store import Store
 from opd_harness.teacher_signal import TopKDistribution
 from opd_harness.tracking import step_key
 from opd_harness.trajectory import Segment, Trajectory, to_tensor_batch
-from opd_harness.trainers.objectives.f_opd import AsyncOPDParams, FOPDParams, supervision_drift
+from opd_harness.trainers.objectives.f_opd import AsyncOPDParams, FOPDParams, f_opd_objective, opd_async_objective, supervision_drift
 from opd_harness.trainers.objectives.forward_kl import ForwardKLParams, forward_kl_objective
 from opd_harness.trainers.objectives.opd import OPDParams, opd_objective
 from opd_harness.trainers.objectives.opd_recompute import RecomputeParams, recompute_objective
@@ -163,6 +163,27 @@ def test_recompute_is_the_exact_reverse_kl_gradient_in_expectation_over_a_stale_
     assert not torch.allclose(stale, dense, atol=1e-3)
 
 
+def test_recompute_with_asyncopds_clip_drops_exactly_the_tokens_ppo_clips():
+    """clip_eps: max(−ρA, −clip(ρ, 1 − ε, 1 + ε)A) with A = −(sg(s) − T), AsyncOPD's policy_gradient_kl with online
+    advantages. Four tokens, one per case: ρ above 1 + ε with A > 0 and ρ below 1 − ε with A < 0 lose their gradient;
+    ρ above 1 + ε with A < 0 and ρ inside the clip keep the unclipped one, ρ(s − T) / Σm."""
+    s = torch.tensor([[-0.5, -2.0, -0.5, -1.0]], dtype=torch.float64, requires_grad=True)
+    q = torch.tensor([[-1.0, -1.0, -1.0, -1.05]], dtype=torch.float64)  # ρ = e^0.5, e^−1, e^0.5, e^0.05
+    teacher = torch.tensor([[-2.0, -3.0, 0.0, -2.0]], dtype=torch.float64)  # A = −(s − T) = −1.5, −1, +0.5, −1
+    batch = make_batch([[1, 1, 1, 1]], q, teacher, dtype=torch.float64)
+    loss, diag = recompute_objective(batch, StudentOutputs(logprobs=s), RecomputeParams(clip_eps=0.2))
+    loss.backward()
+    rho = [math.exp(float(a - b)) for a, b in zip(s[0].detach(), q[0])]
+    adv = [-(float(a) - float(t)) for a, t in zip(s[0].detach(), teacher[0])]
+    expected = [rho[0] * -adv[0] / 4, 0.0, 0.0, rho[3] * -adv[3] / 4]
+    assert s.grad[0].tolist() == pytest.approx(expected, abs=1e-15)
+    values = [-rho[0] * adv[0], -0.8 * adv[1], -1.2 * adv[2], -rho[3] * adv[3]]  # the larger of the two terms
+    assert float(loss) == pytest.approx(sum(values) / 4, rel=1e-12)
+    assert diag["clip_fraction"] == 0.5
+    unclipped, _ = recompute_objective(batch, StudentOutputs(logprobs=s), RecomputeParams())
+    assert torch.autograd.grad(unclipped, s)[0].abs().min() > 0  # without the clip every token has a gradient
+
+
 def test_recompute_equals_opd_on_fresh_samples():
     s = torch.tensor([[-0.5, -1.2], [-0.1, -0.7]], dtype=torch.float64, requires_grad=True)
     teacher = torch.tensor([[-0.2, -2.0], [-1.5, -0.4]], dtype=torch.float64)
@@ -171,6 +192,93 @@ def test_recompute_equals_opd_on_fresh_samples():
     theirs, _ = opd_objective(batch, StudentOutputs(logprobs=s), OPDParams())
     assert float(ours) == pytest.approx(float(theirs), rel=1e-12)
     assert torch.allclose(torch.autograd.grad(ours, s)[0], torch.autograd.grad(theirs, s)[0], atol=1e-15)
+
+
+def fixed_batch(lag: int, dtype=torch.float64):
+    """One batch of sampled tokens from a 7-token vocabulary: rows of 4 valid tokens (equal lengths, so that opd's token
+    mean and the f-OPD family's mean of per-sample means coincide), the student's log-probs s (a leaf), a behaviour q that
+    is s itself at lag 0 and a drifted student otherwise, and the teacher's T."""
+    g = torch.Generator().manual_seed(11)
+    b, t, v = 3, 4, 7
+    current = torch.log_softmax(torch.randn(b, t, v, generator=g, dtype=dtype), -1)
+    old = torch.log_softmax(torch.log_softmax(current, -1) + 0.8 * torch.randn(b, t, v, generator=g, dtype=dtype), -1)
+    teacher = torch.log_softmax(2 * torch.randn(b, t, v, generator=g, dtype=dtype), -1)
+    tokens = torch.randint(0, v, (b, t), generator=g)
+
+    def pick(logp: torch.Tensor) -> torch.Tensor:
+        return logp.gather(-1, tokens[..., None]).squeeze(-1)
+
+    s = pick(current).clone().requires_grad_(True)
+    q = s.detach().clone() if lag == 0 else pick(old)
+    batch = make_batch(torch.ones(b, t), q, pick(teacher), lag=[lag] * b, dtype=dtype)
+    return batch, s
+
+
+def loss_and_grad(objective, hp, batch, s):
+    loss, _ = objective(batch, StudentOutputs(logprobs=s), hp)
+    return loss, torch.autograd.grad(loss, s)[0]
+
+
+REDUCED_F_OPD = FOPDParams(alpha=0.0, beta=0.0, renormalise=True, anchor_coef=0.0, kappa_roll=1e9, kappa_sup=1e9, kappa_f=0.0)
+"""f-OPD with its controls off: with no drift terms every sample of one common lag has the same f, so renormalised weights
+are 1; λ = 0; κ so wide that every valid token is kept; no refresh."""
+
+
+def test_at_lag_zero_recompute_opd_opd_async_and_reduced_f_opd_give_one_gradient():
+    """Fresh samples (q = s): the sampled reverse-KL gradient (s − T)∇s / Σm is the same for every objective, with or
+    without AsyncOPD's clip (ρ = 1 is inside it); recompute's loss value is opd's too."""
+    batch, s = fixed_batch(lag=0)
+    opd_loss, opd_grad = loss_and_grad(opd_objective, OPDParams(), batch, s)
+    expected = (s.detach() - batch.teacher_logprobs) / batch.loss_mask.sum()
+    assert torch.allclose(opd_grad, expected, atol=1e-15)
+    for hp in (RecomputeParams(), RecomputeParams(clip_eps=0.2), RecomputeParams(ratio_cap=2.0)):
+        loss, grad = loss_and_grad(recompute_objective, hp, batch, s)
+        assert float(loss) == pytest.approx(float(opd_loss), rel=1e-12)
+        assert torch.allclose(grad, opd_grad, atol=1e-15)
+    for objective, hp in ((opd_async_objective, AsyncOPDParams()), (f_opd_objective, REDUCED_F_OPD)):
+        assert torch.allclose(loss_and_grad(objective, hp, batch, s)[1], opd_grad, atol=1e-15)
+
+
+def test_f_opd_with_its_controls_off_is_opd_async_on_a_stale_batch():
+    batch, s = fixed_batch(lag=5)
+    assert float((s.detach() - batch.behaviour_logprobs).abs().max()) > 0.5  # stale: f-OPD's default κ would drop tokens
+    ours, our_grad = loss_and_grad(f_opd_objective, REDUCED_F_OPD, batch, s)
+    theirs, their_grad = loss_and_grad(opd_async_objective, AsyncOPDParams(), batch, s)
+    assert float(ours) == pytest.approx(float(theirs), rel=1e-12)
+    assert torch.allclose(our_grad, their_grad, atol=1e-15)
+    default, _ = loss_and_grad(f_opd_objective, FOPDParams(), batch, s)  # the controls on: a different loss
+    assert abs(float(default) - float(theirs)) > 1e-3
+
+
+def test_expected_gradients_of_the_async_surrogates_under_a_stale_sampler():
+    """Exact enumeration at one position (student softmax(θ), stale behaviour q, teacher T): Σ_y q(y)·∇θ loss(y) for each
+    objective against closed forms. Only unclipped recompute is ∇KL(π_θ ‖ T); opd_async (and f-OPD with its controls
+    off) follow ∇θ ½·E_q[(log π_θ − log T)²], whose minimum is still π_θ = T; AsyncOPD's clip biases recompute."""
+    g = torch.Generator().manual_seed(3)
+    v = 6
+    theta = torch.randn(v, generator=g, dtype=torch.float64, requires_grad=True)
+    behaviour = torch.log_softmax(theta.detach() + 1.5 * torch.randn(v, generator=g, dtype=torch.float64), -1)
+    teacher = torch.log_softmax(torch.randn(v, generator=g, dtype=torch.float64), -1)
+
+    def expected_grad(objective, hp) -> torch.Tensor:
+        total = torch.zeros(v, dtype=torch.float64)
+        for y in range(v):
+            s = torch.log_softmax(theta, -1)[y].reshape(1, 1)
+            batch = make_batch([[1.0]], behaviour[y].reshape(1, 1), teacher[y].reshape(1, 1), lag=[3], dtype=torch.float64)
+            loss, _ = objective(batch, StudentOutputs(logprobs=s), hp)
+            total += behaviour[y].exp() * torch.autograd.grad(loss, theta)[0]
+        return total
+
+    log_pi = torch.log_softmax(theta, -1)
+    reverse_kl = torch.autograd.grad((log_pi.exp() * (log_pi - teacher)).sum(), theta, retain_graph=True)[0]
+    squared = torch.autograd.grad(0.5 * (behaviour.exp() * (log_pi - teacher) ** 2).sum(), theta)[0]
+    assert torch.allclose(expected_grad(recompute_objective, RecomputeParams()), reverse_kl, atol=1e-12)
+    for objective, hp in ((opd_async_objective, AsyncOPDParams()), (f_opd_objective, REDUCED_F_OPD)):
+        got = expected_grad(objective, hp)
+        assert torch.allclose(got, squared, atol=1e-12)
+        assert not torch.allclose(got, reverse_kl, atol=1e-3)
+    clipped = expected_grad(recompute_objective, RecomputeParams(clip_eps=0.2))
+    assert not torch.allclose(clipped, reverse_kl, atol=1e-3)
 
 
 # --------------------------------------------------------------------------------------------- teacher re-scoring
@@ -271,6 +379,36 @@ def test_forced_lag_run_logs_staleness_and_measured_supervision_drift(tmp_path):
 
     page = render_html(load_board([tmp_path]))
     assert "stale worst (max)" in page and f'data-sort="{float(lag)!r}">{lag}</td>' in page
+
+
+def step_metrics(out) -> dict[int, dict[str, float]]:
+    with sqlite3.connect(out / "results.sqlite") as conn:
+        (run_id,) = conn.execute("SELECT run_id FROM runs WHERE kind='train'").fetchone()
+        rows = conn.execute("SELECT step, name, value FROM step_metrics WHERE run_id=?", (run_id,)).fetchall()
+    metrics: dict[int, dict[str, float]] = {}
+    for step, name, value in rows:
+        metrics.setdefault(step, {})[name] = value
+    return metrics
+
+
+@pytest.mark.slow
+def test_async_recompute_at_lag_zero_trains_exactly_as_sync_opd_with_the_sampled_estimator(tmp_path):
+    """End to end with the sampled estimator (the f-OPD recipe's; the smoke preset's opd is `full`): per-row seeds make
+    the async rollout at lag 0 draw sync's samples, and recompute's loss and update are opd's there, so every step's loss
+    and sampled KL estimate (which reads the samples, hence the previous updates) agree."""
+    runs = {}
+    for name, extra in (("sync", ["--method", "opd", "--set", "method_args.opd.estimator=sampled"]),
+                        ("recompute", ["--method", "opd_recompute", "--mode", "async", "--set", "trainer.fixed_lag=0"])):  # fmt: skip
+        result = runner.invoke(app, [*BASE, "--out", str(tmp_path / name), "--set", "trainer.steps=6",
+                                     "--set", "trainer.checkpoint_every=3", *extra])  # fmt: skip
+        assert result.exit_code == 0, result.output
+        runs[name] = step_metrics(tmp_path / name)
+    sync, lag0 = runs["sync"], runs["recompute"]
+    assert sorted(sync) == sorted(lag0) == list(range(1, 7))
+    for key in ("loss", "teacher_kl"):
+        assert [lag0[s][key] for s in range(1, 7)] == pytest.approx([sync[s][key] for s in range(1, 7)], abs=1e-6)
+    assert len({round(sync[s]["teacher_kl"], 6) for s in range(1, 7)}) > 1  # the steps differ: not a constant compared
+    assert all(lag0[s]["lag_max"] == 0 for s in lag0) and all(lag0[s]["ratio_mean"] == pytest.approx(1.0, abs=1e-5) for s in lag0)
 
 
 def test_ray_executor_refuses_teacher_rescoring(tmp_path):

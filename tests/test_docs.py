@@ -74,6 +74,49 @@ def test_every_relative_link_resolves_inside_the_repository() -> None:
     assert broken == []
 
 
+PRODUCT = [
+    path
+    for folder in ("harness", "trainers", "tasks", "sandbox", "recipes")
+    for path in sorted((ROOT / folder).glob("**/*"))
+    if path.suffix in {".py", ".yaml"}
+]
+SECTION_SIGN = re.compile(r"(.{0,20})§")
+A_PAPERS_SECTION = re.compile(r"(paper|report|report's|\(arXiv [\d.]+\),) $")
+PAGE_SECTION = re.compile(r"(?:docs/methods/|\b)([a-z][\w-]*)(?:\.md,| page,?) '([^']+)'")
+
+
+def _headings(page: Path) -> set[str]:
+    return {line.lstrip("#").strip() for line in page.read_text(encoding="utf-8").splitlines() if line.startswith("#")}
+
+
+def test_section_signs_name_a_papers_section() -> None:
+    """'§' cites a paper's own section ('paper §5.2', 'report's §4.6'); the method specification the code was written
+    from is not part of the repository, so its section numbers mean nothing to a reader."""
+    bare = []
+    for path in [*DOCS, *PRODUCT]:
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            for before in SECTION_SIGN.findall(line):
+                if not A_PAPERS_SECTION.search(before):
+                    bare.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()[:80]}")
+    assert bare == []
+
+
+def test_method_page_sections_the_code_cites_exist() -> None:
+    """"docs/methods/f-opd.md, 'Adaptive refresh'" (or "f-opd page, 'Adaptive refresh'") names a heading of that page."""
+    missing, cited = [], 0
+    for path in PRODUCT:
+        text = path.read_text(encoding="utf-8")
+        for page, section in PAGE_SECTION.findall(text):
+            doc = ROOT / "docs" / "methods" / f"{page}.md"
+            if not doc.exists():
+                continue
+            cited += 1
+            if section not in _headings(doc):
+                missing.append(f"{path.relative_to(ROOT)}: {page}.md '{section}'")
+    assert cited > 10
+    assert missing == []
+
+
 def test_every_page_of_the_site_is_in_its_navigation_and_every_nav_entry_exists() -> None:
     config = _mkdocs()
     assert config["strict"] is True and config["theme"]["name"] == "material"

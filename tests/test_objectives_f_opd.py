@@ -292,7 +292,7 @@ def test_opd_kl_anchor_on_all_tokens_without_weights():
 
 
 def test_opd_async_is_the_bare_loss_on_a_hand_batch():
-    # §5.8 "Async OPD": mean_i mean_t sg(s − T)·s over all valid tokens, lag and drift ignored
+    # the paper's "Async OPD": mean_i mean_t sg(s − T)·s over all valid tokens, lag and drift ignored
     batch = make_batch(
         [[1, 1, 0], [0, 1, 1]], [[-1.0, -1.0, -1.0], [-0.5, -0.5, -3.0]], [[-0.5, -2.0, -0.1], [-1.0, -0.2, -1.0]], lag=[0, 7]
     )

@@ -97,7 +97,7 @@ from opd_harness.trainers.pipeline import (
 from opd_harness.trainers.teacher import open_remote_teacher, output_head, wrap_hf_teacher
 from opd_harness.trainers.warmup import load_prepared
 
-# environment.md §4: no token file in ~/.ray (auth on by default in Ray 2.60), no usage reporting.
+# A local Ray started by the harness: no auth token file in ~/.ray (auth is on by default in Ray 2.60), no usage reporting.
 RAY_ENV_DEFAULTS = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 OBJECT_STORE_BYTES = 512 * 2**20  # caps /dev/shm use of a local Ray
 ROLES = 3  # rollout, teacher, learner

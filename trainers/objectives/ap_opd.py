@@ -212,7 +212,10 @@ def pullback_weights(
     counts_as: CountsAs = "blocks",
     partial: PartialBlock = "keep",
 ) -> torch.Tensor:
-    """AP-OPD token weights (B, L) in [0, 1] for log_ratio r_t = o_t − T_t (§4.1–4.3); detached."""
+    """AP-OPD token weights (B, L) in [0, 1] for log_ratio r_t = o_t − T_t; detached.
+
+    The rule: docs/methods/ap-opd.md, 'The detector and the weights'.
+    """
     return pullback(log_ratio, mask, block, z, detector, alpha, w_min=w_min, counts_as=counts_as, partial=partial)[0]
 
 
@@ -252,14 +255,18 @@ def removed_mass(weights: torch.Tensor, d: torch.Tensor, mask: torch.Tensor) -> 
 class SurrogateParams(HParams):
     """Loss options shared by the reweighted sampled-token OPD methods (docs/methods/ap-opd.md)."""
 
-    advantage: AdvantageSign = Field("signed", description="A = T − o (signed, default) or −[o − T]_+ (RECONSTRUCTED alternative, §9.9)")
+    advantage: AdvantageSign = Field(
+        "signed", description="A = T − o (signed, default) or −[o − T]_+ (RECONSTRUCTED alternative; ap-opd page, 'Open choices')"
+    )
     clip: bool = Field(False, description="PPO-clip the ratio (off for the paper's vanilla OPD)")
     clip_low: float = Field(0.2, ge=0, description="ε_lo when clip is on")
     clip_high: float = Field(0.28, ge=0, description="ε_hi when clip is on")
     dual_clip: float | None = Field(
         DUAL_CLIP, description="c when clip is on: for A < 0 the token loss is at most c·|A| (as grpo's); null or 0 disables it"
     )
-    aggregation: Aggregation = Field("token-mean", description="token-mean (paper default) or seq-mean (RECONSTRUCTED alternative, §9.9)")
+    aggregation: Aggregation = Field(
+        "token-mean", description="token-mean (paper default) or seq-mean (RECONSTRUCTED alternative; ap-opd page, 'Open choices')"
+    )
 
     @field_validator("dual_clip")
     @classmethod
@@ -327,7 +334,7 @@ def per_sequence(counts: torch.Tensor, mask: torch.Tensor) -> float:
 
 
 def sampled_log_ratio(batch: TensorBatch, student: StudentOutputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o, r): trainer-side old log-probs and the detached log-ratio r_t = o_t − T_t (§4.1)."""
+    """(o, r): trainer-side old log-probs and the detached log-ratio r_t = o_t − T_t."""
     old = old_logprobs(batch, student)
     return old, (old - batch.teacher_logprobs).detach()
 
@@ -339,9 +346,12 @@ def sampled_log_ratio(batch: TensorBatch, student: StudentOutputs) -> tuple[torc
 class BlockParams(SurrogateParams):
     block: int = Field(64, ge=1, description="B: valid tokens per block (paper: 64)")
     alpha: float = Field(0.05, gt=0, le=1, description="α of the top-α count ⌈α·C⌉ (paper: 5%)")
-    counts_as: CountsAs = Field("blocks", description="C in ⌈α·C⌉: number of blocks (default) or of boundaries (RECONSTRUCTED, §9.7)")
+    counts_as: CountsAs = Field(
+        "blocks", description="C in ⌈α·C⌉: number of blocks (default) or of boundaries (RECONSTRUCTED; ap-opd page, 'Open choices')"
+    )
     partial_block: PartialBlock = Field(
-        "keep", description="last short block kept (default) or merged into its predecessor when < B/2 (RECONSTRUCTED, §9.8)"
+        "keep",
+        description="last short block kept (default) or merged into its predecessor if < B/2 (RECONSTRUCTED; ap-opd page, 'Open choices')",
     )
 
 
@@ -410,7 +420,8 @@ _COMMON_NOTES = {
     "variance": "sample variance (n−1); a one-token block has s² = 0",
     "C": "C = number of blocks in the response (all runs); counts_as='boundaries' uses within-run boundaries",
     "top_alpha": "K = min(⌈α·C⌉, #{Δ>0}) per response over all within-run boundaries; ties go to the lower index",
-    "objective": "token-mean −w·ρ·A, A = T − o (signed), ρ = exp(s − o); PPO clip off; seq-mean and −[r]_+ advantage are options (§9.9)",
+    "objective": "token-mean −w·ρ·A, A = T − o (signed), ρ = exp(s − o); PPO clip off; seq-mean and −[r]_+ advantage are options "
+    "(docs/methods/ap-opd.md, 'Open choices')",
     "clip": "off by default (the paper's vanilla OPD), so ρ is unbounded for either sign of A under policy lag; clip=true bounds it "
     "(ε_lo, ε_hi) and adds the dual clip c = dual_clip (3.0) for A < 0, as grpo",
     "diagnostics": "jumps/capped blocks per non-empty sequence, mean weight over valid tokens, removed penalty mass q",

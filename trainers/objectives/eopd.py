@@ -2,7 +2,7 @@
 
 Reverse-KL OPD everywhere, plus forward KL where the teacher is uncertain:
 L_t = RKL_t + 1[H_t > h]·FKL_t, with H_t = −Σ_v p_T log p_T from the full teacher distribution,
-RKL_t the sampled-token OPD surrogate −ρ_t·(T_t − o_t) (§1; value = the k1 estimate at ρ = 1) and
+RKL_t the sampled-token OPD surrogate −ρ_t·(T_t − o_t) (verl form; docs/methods/opd.md, 'The loss'; value = the k1 estimate at ρ = 1) and
 FKL_t = Σ_v p_T (log p_T − log p_S) over the vocabulary (or the teacher's top-k, renormalised).
 
 Choosing h: it is not given by the paper's available text. Run a warm-up batch, read the logged
@@ -42,7 +42,7 @@ class EOPDParams(HParams):
     )
     entropy_max: float | None = Field(None, gt=0, description="H_max of the soft gate; None = log V (the maximum entropy)")
     rkl_estimator: Literal["sampled", "full"] = Field(
-        "sampled", description="sampled-token OPD surrogate (§1, default) or exact full-vocabulary reverse KL"
+        "sampled", description="sampled-token OPD surrogate (verl form, default) or exact full-vocabulary reverse KL"
     )
     fkl_top_k: int = Field(0, ge=0, description="> 0: forward KL over the teacher's top-k tokens, renormalised; 0 = full vocabulary")
 
@@ -56,7 +56,7 @@ def entropy_gate(teacher_entropy: torch.Tensor, hp: EOPDParams, vocab: int) -> t
 
 
 def sampled_rkl_surrogate(student_logp: torch.Tensor, old_logp: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
-    """ℓ_t = −ρ_t·A_t, ρ = exp(s − o), A = sg(T − o): gradient of the sampled reverse KL (§1, verl form)."""
+    """ℓ_t = −ρ_t·A_t, ρ = exp(s − o), A = sg(T − o): gradient of the sampled reverse KL (verl form, docs/methods/opd.md)."""
     advantage = (teacher_logp - old_logp).detach()
     return -torch.exp(student_logp - old_logp.detach()) * advantage
 

@@ -1,20 +1,23 @@
 """f-OPD: freshness-aware asynchronous on-policy distillation (docs/methods/f-opd.md, arXiv 2605.17862), and
-the asynchronous baselines of its paper (§5.8).
+the asynchronous baselines of its paper (its Table 1's "Async. OPD" rows; docs/methods/f-opd.md, 'The baselines').
 
 All six methods share one per-token distillation loss ``ℓ_t = sg(s_t − T_t)·s_t`` (T = T^fresh when the
 batch carries it, else T^stale), averaged per sample over a token set and then over samples. They differ
 only in
 - the sample weight w_i: f_opd σ(f_i − ξ); opd_lag_only σ((τ_i+1)⁻¹ − ξ); the others 1;
-  opd_async is the bare loss (§5.8 "Async OPD": no weight, no anchor, no filtering, no refresh);
+  opd_async is the bare loss (the paper's "Async. OPD": no weight, no anchor, no filtering, no refresh);
 - the token sets: f_opd averages ℓ over U^sup and the anchor over U^roll; the others use all valid tokens;
 - the anchor coefficient λ of R^anchor = mean k3(s; q): f_opd and opd_kl λ > 0, the others 0;
 - per-token truncated importance weights min(e^{s−q}, c_iw) (opd_clipped_iw only);
-- the refresh signal: f_opd adaptive (§5.7), opd_hard_refresh every H steps. The signal is only
+- the refresh signal: f_opd adaptive ('Adaptive refresh'), opd_hard_refresh every H steps. The signal is only
   reported (``refresh_signal`` diagnostic, counted by :class:`RefreshMonitor`); the async pipeline acts.
 
 Layout: :func:`async_stats` (detached batch statistics) → a method's ``*_terms`` (detached
 :class:`LossTerms`) → :func:`async_opd_loss`, the only differentiable step. With the terms fixed the loss
 is an ordinary function of the student log-probs, which is what the gradcheck tests use.
+
+The formulas, the reconstructed choices and the options that select the alternatives are written out in
+docs/methods/f-opd.md, 'The reconstructed formulas'; a quoted section name below is a section of that page.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def coverage(subset: torch.Tensor, mask: torch.Tensor) -> float:
 
 
 # ----------------------------------------------------------------------------------------------
-# Drift diagnostics (§5.2), token sets (§5.4), freshness (§5.3)
+# Drift diagnostics, token sets, freshness ('Drift diagnostics', 'Token sets and the anchor', 'Freshness score')
 
 
 def rollout_drift(student_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -79,7 +82,7 @@ def rollout_drift(student_logp: torch.Tensor, behaviour_logp: torch.Tensor, mask
 
 
 def supervision_drift(teacher_stale: torch.Tensor, teacher_fresh: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
-    """D_sup_i ≈ KL(π_T(·|c^t) ‖ π_T(·|c^{r(i)})) per sample (B,) by k3; zeros when T^fresh is absent (§5.1)."""
+    """D_sup_i ≈ KL(π_T(·|c^t) ‖ π_T(·|c^{r(i)})) per sample (B,) by k3; zeros when T^fresh is absent."""
     if teacher_fresh is None:
         return torch.zeros(mask.shape[0], dtype=teacher_stale.dtype, device=teacher_stale.device)
     # μ_t = T^stale_t − T^fresh_t, δ^sup_t = e^μ − μ − 1 (verl low_var_kl, with its clamps)
@@ -108,7 +111,7 @@ def freshness(
     *,
     form: FreshnessForm = "exp",
 ) -> torch.Tensor:
-    """Sample freshness f_i in (0, 1] (1 = perfectly fresh), reconstructed Eq. 11; ``form`` picks the §5.3 variant."""
+    """Sample freshness f_i in (0, 1] (1 = perfectly fresh), reconstructed Eq. 11; ``form`` picks the variant ('Freshness score')."""
     d_roll = torch.as_tensor(d_roll).detach()
     d_sup = torch.as_tensor(d_sup, dtype=d_roll.dtype).detach()
     tau = torch.as_tensor(lag).to(d_roll.dtype)
@@ -146,7 +149,7 @@ def renormalised(weights: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------
-# Adaptive / periodic refresh (§5.7, §5.8)
+# Adaptive / periodic refresh ('Adaptive refresh', 'The baselines')
 
 
 def refresh_due(
@@ -168,7 +171,7 @@ def refresh_due(
 
 @dataclass
 class RefreshMonitor:
-    """Per-run refresh signal: adaptive (§5.7) or every ``every`` steps (``rule="periodic"``); counts refreshes.
+    """Per-run refresh signal: adaptive ('Adaptive refresh') or every ``every`` steps (``rule="periodic"``); counts refreshes.
 
     It only signals; flushing/re-scoring the buffer and pushing weights is the async pipeline's job.
     """
@@ -217,7 +220,7 @@ def _refresh_signal(state: object, f_mean: float, m_roll: float, m_sup: float, *
 
 @dataclass(frozen=True)
 class AsyncStats:
-    """Detached per-batch quantities every async method reads (§5.1–5.2); zero off valid tokens."""
+    """Detached per-batch quantities every async method reads ('Drift diagnostics'); zero off valid tokens."""
 
     mask: torch.Tensor  # (B, T) m: valid (model) tokens
     current: torch.Tensor  # (B, T) sg(s): current student
@@ -318,7 +321,7 @@ def combine(distill: torch.Tensor, anchor: torch.Tensor, terms: LossTerms) -> to
 
 
 def async_opd_loss(student_logp: torch.Tensor, terms: LossTerms, token_kl: torch.Tensor | None = None) -> torch.Tensor:
-    """The shared differentiable loss of every method here (§5.5–5.6); terms are held fixed."""
+    """The shared differentiable loss of every method here ('Token sets and the anchor', 'The objective'); terms are held fixed."""
     distill, anchor = per_sample_terms(student_logp, terms, token_kl)
     return combine(distill, anchor, terms)
 
@@ -354,7 +357,8 @@ class FOPDParams(AsyncOPDParams):
     renormalise: bool = Field(False, description="rescale the selected samples' weights to mean 1")
     kappa_f: float = Field(0.10, ge=0, description="κ_f: refresh when the batch-mean freshness f̄ falls below it")
     refresh_rule: Literal["freshness", "freshness_or_coverage"] = Field(
-        "freshness", description="which §5.7 reading triggers refresh: f̄ < κ_f only, or also M̄^roll/M̄^sup < kappa_cov"
+        "freshness", description="which reading triggers refresh: f̄ < κ_f only, or also M̄^roll/M̄^sup < kappa_cov "
+        "(f-opd page, 'Adaptive refresh')"
     )
     kappa_cov: float = Field(
         0.5, ge=0, le=1, description="κ_d read as a refresh threshold on M̄^roll / M̄^sup (rule freshness_or_coverage)"
@@ -470,7 +474,7 @@ def _loss_and_diagnostics(student_logp: torch.Tensor, stats: AsyncStats, terms: 
 
 
 def f_opd_objective(batch: TensorBatch, student: StudentOutputs, hp: FOPDParams, state: object = None) -> Result:
-    """f-OPD: J = mean_{i∈C} σ(f_i − ξ)(l_i + λR_i), plus the adaptive refresh signal (§5.6–5.7)."""
+    """f-OPD: J = mean_{i∈C} σ(f_i − ξ)(l_i + λR_i), plus the adaptive refresh signal ('The objective', 'Adaptive refresh')."""
     stats = async_stats(batch, student.logprobs.detach())
     terms, f = f_opd_terms(stats, hp)
     loss, diagnostics = _loss_and_diagnostics(student.logprobs, stats, terms, token_reverse_kl(batch, student, hp))
@@ -488,7 +492,7 @@ def f_opd_objective(batch: TensorBatch, student: StudentOutputs, hp: FOPDParams,
 
 
 def opd_async_objective(batch: TensorBatch, student: StudentOutputs, hp: AsyncOPDParams, state: object = None) -> Result:
-    """Async OPD (§5.8): mean_i l_i over all valid tokens; no freshness weight, no anchor, no filtering."""
+    """Async OPD (the paper's Table 1 baseline): mean_i l_i over all valid tokens; no freshness weight, no anchor, no filtering."""
     stats = async_stats(batch, student.logprobs.detach())
     return _loss_and_diagnostics(student.logprobs, stats, plain_terms(stats), token_reverse_kl(batch, student, hp))
 
@@ -535,8 +539,10 @@ def opd_hard_refresh_objective(batch: TensorBatch, student: StudentOutputs, hp: 
 ASYNC_NEEDS = frozenset({"teacher_logprobs", "behaviour_logprobs", "policy_lag"})
 MODES = ("sync", "async")  # sync is allowed (lag ≡ 0, the pipeline warns)
 SHARED_NOTES = {
-    "per_token_loss": "ℓ_t = sg(s_t − T_t)·s_t with T = T^fresh if re-scored else T^stale (reconstructed §5.5)",
-    "aggregation": "per-sample mean over the token set, then mean over samples with a non-empty set (§5.6)",
+    "per_token_loss": "ℓ_t = sg(s_t − T_t)·s_t with T = T^fresh if re-scored else T^stale "
+    "(reconstructed; docs/methods/f-opd.md, 'Token sets and the anchor')",
+    "aggregation": "per-sample mean over the token set, then mean over samples with a non-empty set "
+    "(docs/methods/f-opd.md, 'The objective')",
 }
 
 
@@ -567,13 +573,17 @@ F_OPD_SPEC = _spec(
     make_state=lambda hp: RefreshMonitor(rule=hp.refresh_rule, kappa_f=hp.kappa_f, kappa_cov=hp.kappa_cov),
     notes={
         "freshness_form": "exp (reconstructed Eq. 11); reciprocal and product selectable",
-        "rollout_drift": "e^λλ − e^λ + 1, λ = s − q, per-sample token mean (reconstructed §5.2)",
-        "supervision_drift": "k3 of T^stale vs T^fresh, per-sample token mean; 0 when T^fresh is absent (reconstructed §5.2)",
-        "token_sets": "|log-ratio| ≤ κ per token; U^sup = all valid tokens when T^fresh is absent (reconstructed §5.4)",
-        "anchor": "k3(s; q) with gradient, mean over U^roll (reconstructed §5.5)",
+        "rollout_drift": "e^λλ − e^λ + 1, λ = s − q, per-sample token mean "
+        "(reconstructed; docs/methods/f-opd.md, 'Drift diagnostics')",
+        "supervision_drift": "k3 of T^stale vs T^fresh, per-sample token mean; 0 when T^fresh is absent "
+        "(reconstructed; docs/methods/f-opd.md, 'Drift diagnostics')",
+        "token_sets": "|log-ratio| ≤ κ per token; U^sup = all valid tokens when T^fresh is absent "
+        "(reconstructed; docs/methods/f-opd.md, 'Token sets and the anchor')",
+        "anchor": "k3(s; q) with gradient, mean over U^roll (reconstructed; docs/methods/f-opd.md, 'Token sets and the anchor')",
         "xi": "0.5 constant (reconstructed; paper: fixed across tasks); 'batch_mean' selectable",
         "anchor_coef": "λ = 0.1 (reconstructed)",
-        "refresh": "signal only; rule 'freshness' (f̄ < κ_f) by default, 'freshness_or_coverage' selectable (reconstructed §5.7)",
+        "refresh": "signal only; rule 'freshness' (f̄ < κ_f) by default, 'freshness_or_coverage' selectable "
+        "(reconstructed; docs/methods/f-opd.md, 'Adaptive refresh')",
         "selection": "C(B^t) excludes samples with an empty U^sup (reconstructed)",
     },
 )
@@ -581,19 +591,23 @@ OPD_ASYNC_SPEC = _spec(
     "Async OPD (the f-OPD paper's baseline): the shared async OPD loss with no freshness weight, no anchor, no token filtering",
     opd_async_objective,
     AsyncOPDParams,
-    notes={"baseline": "§5.8 'Async OPD': f-OPD's per-token loss and aggregation with w_i = 1, λ = 0, all valid tokens"},
+    notes={"baseline": "the paper's 'Async. OPD' (Table 1): f-OPD's per-token loss and aggregation with w_i = 1, λ = 0, all valid tokens"},
 )
 OPD_KL_SPEC = _spec(
     "Async OPD + KL: the shared async OPD loss plus λ·KL(current‖behaviour) (k3) on all valid tokens; anchor_coef=0 equals opd_async",
     opd_kl_objective,
     OPDKLParams,
-    notes={"baseline": "reconstructed §5.8: f-OPD anchor on all valid tokens, no freshness weight, no filtering"},
+    notes={"baseline": "the paper's 'Async. OPD + KL' (Table 1), reconstructed: f-OPD anchor on all valid tokens, "
+        "no freshness weight, no filtering"
+    },
 )
 OPD_CLIPPED_IW_SPEC = _spec(
     "Async OPD + clipped IW: each token's loss times min(exp(s − q), c_iw), detached",
     opd_clipped_iw_objective,
     ClippedIWParams,
-    notes={"baseline": "reconstructed §5.8: truncated IS towards the behaviour policy, c_iw = 2 by default"},
+    notes={"baseline": "the paper's 'Async. OPD + clipped IW' (Table 1), reconstructed: truncated IS towards the behaviour policy, "
+        "c_iw = 2 by default"
+    },
 )
 OPD_LAG_ONLY_SPEC = _spec(
     "Async OPD + lag-only weighting: sample weight σ((τ+1)⁻¹ − ξ)",
@@ -606,6 +620,8 @@ OPD_HARD_REFRESH_SPEC = _spec(
     opd_hard_refresh_objective,
     HardRefreshParams,
     make_state=lambda hp: RefreshMonitor(rule="periodic", every=hp.refresh_every),
-    notes={"baseline": "reconstructed §5.8: periodic full synchronisation every H steps regardless of statistics"},
+    notes={"baseline": "the paper's 'Async. OPD + hard refresh' (Table 1), reconstructed: periodic full synchronisation "
+        "every H steps regardless of statistics"
+    },
 )
 

@@ -90,7 +90,7 @@ ESTIMATOR_NOTES = {
     "sampled": "Tinker's importance-sampling loss −Σ exp(s − q)·A with A = −c_kl(q − T), ratio against the sampler "
     "log-probs q (docs/methods/opd.md)",
     "full": "exact full-vocabulary reverse KL(π_θ ‖ π_T) per position, differentiated directly (GKD-style, β = 1); "
-    "not §1.1's sampled-token estimator. With a top-k teacher signal (teacher.signal topk or student_topk, the run's config "
+    "not the sampled-token (Tinker) estimator. With a top-k teacher signal (teacher.signal topk or student_topk, the run's config "
     "says which) the KL is over those k tokens plus one bucket for the rest of the vocabulary: a lower bound on the "
     "full-vocabulary KL, equal to it when the top-k cover the vocabulary",
 }

@@ -10,6 +10,8 @@ reward is recomputed at update time from the current student's log-prob of the s
 
 so that E_{y∼q}[ρ_t A_t ∇s_t] = −c · E_{y∼π_θ}[(log π_θ − log π_T)∇ log π_θ] = −c · ∇KL(π_θ ‖ π_T) at every prefix: the
 exact gradient of the current reverse KL, whatever the lag. ρ is the one place the behaviour log-probs still enter.
+AsyncOPD's code puts the same ρ·A inside a PPO clip (``clip_eps``; its default ε = 0.2), which trades that bias for
+bounded steps.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class RecomputeParams(HParams):
     ratio_cap: float | None = Field(
         None, gt=0, description="cap of the importance ratio exp(s − q) (truncated IS); none: the plain ratio, unbiased"
     )
+    clip_eps: float | None = Field(
+        None, gt=0, lt=1, description="ε of AsyncOPD's PPO clip, max(−ρA, −clip(ρ, 1 − ε, 1 + ε)A) per token; none: no clip"
+    )
     aggregation: Literal["token-mean", "sum"] = Field("token-mean", description="token-mean over the batch's valid tokens, or sum")
 
 
@@ -50,6 +55,18 @@ def importance_ratio(student_logp: torch.Tensor, behaviour_logp: torch.Tensor, c
     return ratio if cap is None else torch.clamp(ratio, max=cap)
 
 
+def ppo_clipped(ratio: torch.Tensor, advantage: torch.Tensor, eps: float) -> torch.Tensor:
+    """max(−ρ·A, −clip(ρ, 1 − ε, 1 + ε)·A) per token (PPO's clipped surrogate, as AsyncOPD's ``ppo_clip_loss`` without
+    dual clip): no gradient where ρ has left [1 − ε, 1 + ε] in the direction the advantage pushes it."""
+    return torch.maximum(-ratio * advantage, -torch.clamp(ratio, 1.0 - eps, 1.0 + eps) * advantage)
+
+
+def clip_binds(ratio: torch.Tensor, advantage: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 where the clip takes the token's gradient away (ρ > 1 + ε with A > 0, or ρ < 1 − ε with A < 0), else 0."""
+    ratio = ratio.detach()
+    return (((ratio > 1.0 + eps) & (advantage > 0)) | ((ratio < 1.0 - eps) & (advantage < 0))).to(ratio.dtype)
+
+
 def recompute_objective(
     batch: TensorBatch, student: StudentOutputs, hp: RecomputeParams, state: object = None
 ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -58,13 +75,15 @@ def recompute_objective(
     s = student.logprobs
     advantage = recomputed_advantage(s, batch.teacher_logprobs, mask, hp.kl_coef)
     ratio = importance_ratio(s, batch.behaviour_logprobs, hp.ratio_cap)
-    per_token = -ratio * advantage
+    per_token = -ratio * advantage if hp.clip_eps is None else ppo_clipped(ratio, advantage, hp.clip_eps)
     loss = masked_sum(per_token, mask) if hp.aggregation == "sum" else masked_mean(per_token, mask)
     stale = masked_mean((batch.behaviour_logprobs - batch.teacher_logprobs) * mask, mask)
-    return loss, {
+    diagnostics = {} if hp.clip_eps is None else {"clip_fraction": float(masked_mean(clip_binds(ratio, advantage, hp.clip_eps), mask))}
+    return loss, diagnostics | {
         "teacher_kl": float(stale),  # Σ(q − T)/Σm on the sampled tokens, as opd logs it
         "teacher_kl_current": float(masked_mean((s.detach() - batch.teacher_logprobs) * mask, mask)),  # Σ(s − T)/Σm
         "ratio_mean": float(masked_mean(ratio.detach(), mask)),
+        "ratio_max": float(torch.where(mask > 0, ratio.detach(), torch.zeros_like(ratio)).max()) if mask.numel() else 0.0,
         "advantage_mean": float(masked_mean(advantage, mask)),
         "tokens": float(mask.sum()),
     }
@@ -80,7 +99,8 @@ OPD_RECOMPUTE_SPEC = MethodSpec(
         "source": "AsyncOPD (arXiv 2606.24143; furiosa-ai/async-opd policy_gradient_kl with pg_online_advantage): recomputing the "
         "reverse-KL signal under the current student beat PPO-clip / decoupled PPO / M2PO on stale rollouts",
         "advantage": "A_t = −c(sg(s_t) − T_t): the current student's log-prob of the sampled token, not the behaviour's q_t (opd)",
-        "ratio": "ρ_t = exp(s_t − q_t), unclipped by default (AsyncOPD clips it PPO-style; ratio_cap truncates it here)",
+        "ratio": "ρ_t = exp(s_t − q_t), unclipped by default (unbiased); clip_eps: AsyncOPD's PPO clip (its default ε = 0.2, "
+        "biased), ratio_cap: truncated IS",
         "reduction": "token-mean over the batch's valid tokens (aggregation=sum: summed)",
     },
 )

@@ -7,10 +7,11 @@ Four switchable stages act on the raw OPD advantage a_t = (T_t − o_t)·m_t onl
 3. KL-triggered linear warm-up σ_w(s) (frozen once done; early stop on a relative KL drop ≥ δ)
 4. linear annealing a(s) from 1 to c_min once warm-up is over
 
-then fused with GRPO:  A_total = g·A^grpo·m + c_opd·a(s)·σ_w(s)·â  (§3.5), PPO-clip surrogate, token-mean.
+then fused with GRPO:  A_total = g·A^grpo·m + c_opd·a(s)·σ_w(s)·â, PPO-clip surrogate, token-mean.
 Stages 3 and 4 are a state machine (:class:`Schedule`) advanced once per objective call and saved in
 checkpoints. Its KL signal K_s is the token-mean k3 between the current student and the teacher
-(monitored, no gradient), read with a one-step lag as in the official code.
+(monitored, no gradient), read with a one-step lag as in the official code. The schedule's rules and
+a worked example: docs/methods/saf-opd.md, 'The warm-up and annealing schedule'.
 """
 
 from __future__ import annotations
@@ -94,7 +95,10 @@ _STATE_FIELDS = (
 
 @dataclass
 class Schedule:
-    """Stage 3+4 state machine (§3.3, §3.4): call :meth:`advance` once per training step, then :meth:`record_kl`."""
+    """Stage 3+4 state machine: call :meth:`advance` once per training step, then :meth:`record_kl`.
+
+    The rules: docs/methods/saf-opd.md, 'The warm-up and annealing schedule'.
+    """
 
     warmup_steps: int = 100  # N; 0 = no warm-up (σ_w ≡ 1)
     kl_drop_delta: float = 0.2  # δ; 0 = no early stop
@@ -209,7 +213,7 @@ def saf_advantages(
     opd_coef: float = 1.0,
     grpo_coef: float = 1.0,
 ) -> torch.Tensor:
-    """Fusion (§3.5) from per-sequence A^grpo (B,) and â (B, L): A_total = g·A^grpo·m + c_opd·a(s)·σ_w(s)·â."""
+    """Fusion from per-sequence A^grpo (B,) and â (B, L): A_total = g·A^grpo·m + c_opd·a(s)·σ_w(s)·â."""
     return (grpo_coef * grpo_adv.to(opd_adv.dtype)[:, None] * mask + opd_coef * anneal_coef * warmup_scale * opd_adv).detach()
 
 

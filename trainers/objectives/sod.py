@@ -3,13 +3,14 @@
 A *step* is a maximal contiguous run of model tokens (one assistant turn between tool outputs). Each
 step k gets a detached reliability weight from its mean absolute student–teacher log-prob gap d_k:
 
-    w_1 = 1,   w_k = min((d_1 + ε) / (d_k + ε), 1 + δ)          (telescoped running product, §2.3)
+    w_1 = 1,   w_k = min((d_1 + ε) / (d_k + ε), 1 + δ)          (telescoped running product)
 
-and the OPD advantage of its tokens is scaled by it before fusing with GRPO (§2.4):
+and the OPD advantage of its tokens is scaled by it before fusing with GRPO:
 
     A_total = g·A^grpo·m + c_opd·w_{k(t)}·(T − o)·m
 
 followed by the shared PPO-clip surrogate (one ratio, one clip on the fused advantage), token-mean.
+Steps, divergences, the weight rules and the edge cases: docs/methods/sod.md, 'Steps and weights'.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ class SODParams(ClipParams, GroupParams):
     weight_rule: WeightRule = Field(
         "telescoped", description="telescoped = official code (clip the output); recursive = clip the carried product"
     )
-    steps: StepSource = Field("mask_runs", description="mask_runs = official code (§2.1); step_index also splits turns by step id")
+    steps: StepSource = Field(
+        "mask_runs", description="mask_runs = official code; step_index also splits turns by step id (sod page, 'Steps and weights')"
+    )
     weights: Weights = Field(
         "adaptive", description="adaptive = SOD's step weights; uniform = w_k = 1 for every step: L_GRPO + L_OPD with the sampled-token "
         "term, the paper's OPD baseline (App. B.3) and ablation 1.1",
@@ -64,7 +67,7 @@ def step_ids(mask: torch.Tensor, step_index: torch.Tensor | None = None) -> torc
 
 
 def step_spans(mask: torch.Tensor, step_index: torch.Tensor | None = None) -> list[list[tuple[int, int]]]:
-    """Half-open [start, end) token spans S_k of the steps of every sequence (§2.1)."""
+    """Half-open [start, end) token spans S_k of the steps of every sequence."""
     spans: list[list[tuple[int, int]]] = []
     for row in step_ids(mask, step_index).tolist():
         row_spans: list[list[int]] = []
@@ -146,7 +149,7 @@ def sod_advantages(
     rule: WeightRule = "telescoped",
     weights: Weights = "adaptive",
 ) -> torch.Tensor:
-    """Fused advantage (B, L) from per-sequence A^grpo (B,): A_total = g·A^grpo·m + c_opd·w_{k(t)}·(T − o)·m (§2.4);
+    """Fused advantage (B, L) from per-sequence A^grpo (B,): A_total = g·A^grpo·m + c_opd·w_{k(t)}·(T − o)·m;
     ``weights="uniform"`` sets every w_k = 1 (the paper's OPD baseline, L_GRPO + L_OPD)."""
     if weights == "uniform":
         w = (mask > 0).to(old_logp.dtype)
@@ -157,7 +160,10 @@ def sod_advantages(
 
 
 def sod_diagnostics(d: torch.Tensor, present: torch.Tensor, per_step_w: torch.Tensor) -> dict[str, float]:
-    """First/last step divergence, mean weight, steps per sequence, share of w < 0.5, and d_1 = 0 flags (§2.6)."""
+    """First/last step divergence, mean weight, steps per sequence, share of w < 0.5, and d_1 = 0 flags.
+
+    What they measure: docs/methods/sod.md, 'Steps and weights'.
+    """
     num_steps = present.sum(dim=1)  # K per sequence
     has_steps = num_steps > 0
     n_seq = max(int(has_steps.sum()), 1)
