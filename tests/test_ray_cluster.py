@@ -4,6 +4,7 @@ the same losses as in process, and layouts the cluster cannot hold refused (exit
 import json
 import math
 import os
+import re
 import signal
 import sqlite3
 import threading
@@ -516,6 +517,104 @@ def test_a_hung_eval_worker_is_killed_within_its_timeout_restarted_and_its_shard
 
 
 WATCHDOG_S = 90.0  # the hung-eval-worker test resumes its stopped worker after this (without detection the run never ends)
+
+
+@pytest.mark.slow
+def test_an_eval_worker_that_hangs_in_a_checkpoint_load_is_killed_restarted_and_the_evaluation_completes(
+    shared_out, ray_cluster, inprocess_lag, monkeypatch
+):
+    """The run's evaluation worker hangs while it reads step 2's weights from the checkpoint folder (a subclass shipped by
+    value whose first load sleeps): the load exceeds trainer.actor_timeout_s, the driver kills the worker once, Ray
+    restarts it, it reads the checkpoint again before its first shard, and every stored sample equals the in-process run's."""
+    import ray
+
+    import opd_harness.trainers.ray_eval as re_
+
+    db, marker = shared_out / "results.sqlite", str(shared_out / "eval-load-hung")
+    loads: list[float] = []
+    kills: list[float] = []
+    real_load, original_kill = re_.RayShards.load, ray.kill
+
+    class HangingLoadWorker(re_.EvalWorker):
+        def load_checkpoint(self, path: str, version: int) -> None:
+            if not os.path.exists(marker):  # the first load only (a file: the restarted worker is a new process)
+                open(marker, "w").close()
+                time.sleep(WATCHDOG_S)  # a read stuck on a filesystem; without detection the run goes on after this
+            re_.EvalWorker.load_checkpoint(self, path, version)
+
+    def load(self, path, version):
+        loads.append(time.monotonic())
+        return real_load(self, path, version)
+
+    def kill(actor, *, no_restart=True):
+        if not no_restart:  # a kill for Ray to restart (the run's end kills for good)
+            kills.append(time.monotonic())
+        return original_kill(actor, no_restart=no_restart)
+
+    monkeypatch.setattr(re_, "EvalWorker", HangingLoadWorker)
+    monkeypatch.setattr(re_.RayShards, "load", load)
+    monkeypatch.setattr(ray, "kill", kill)
+    on_cluster, _, evals = run(shared_out, *LAG, "--executor", "ray", "--set", f"trainer.ray_address={ray_cluster.address}",
+                               "--set", f"trainer.actor_timeout_s={HANG_TIMEOUT_S}")  # fmt: skip
+    assert os.path.exists(marker), "the checkpoint load never hung"
+    assert len(kills) == 1 and kills[0] - loads[0] < HANG_TIMEOUT_S + 5, (loads, kills)  # once, within the timeout
+    assert_same_run(inprocess_lag[0], on_cluster)
+    assert evals == inprocess_lag[1]
+    run_id, _ = _last_train_run(db)
+    assert _samples(db, run_id) == _samples(db, _inprocess_run(db)) and {row[0] for row in _samples(db, run_id)} == {2, 4}
+
+
+EVAL_ON_NODE_B = ["--set", "trainer.layout.eval.replicas=2", "--set", "trainer.layout.eval.num_cpus=0.5",
+                  "--set", "trainer.layout.eval.strategy=strict_spread", "--set", "eval.shard_size=2",
+                  "--set", "trainer.layout.rollout.num_cpus=0.5", "--set", "trainer.layout.rollout.resources={node_a: 0.1}",
+                  "--set", "trainer.layout.teacher.num_cpus=0.5", "--set", "trainer.layout.teacher.resources={node_a: 0.1}",
+                  "--set", "trainer.layout.learner.num_cpus=0.5", "--set", "trainer.layout.learner.resources={node_a: 0.1}"]  # fmt: skip
+# every role but one evaluation worker on node a (4 × 0.5 CPUs); the other evaluation worker alone on node b
+NODE_LOSS_RESTART_S = 180.0  # trainer.actor_restart_timeout_s of the lost-eval-node test: it bounds the actors' start-up too,
+# which took over 60 s at load 16 (and a lost node is detected at once: its worker's calls fail and its raylet refuses)
+
+
+@pytest.mark.slow
+def test_an_eval_worker_whose_node_dies_ends_the_run_failed_naming_it_and_the_node(tmp_path, monkeypatch):
+    """Its own two-node cluster (this test kills a node): one of the run's two evaluation workers runs alone on node b,
+    which is killed (every process of it) as step 2's checkpoint evaluation starts. The run ends failed (exit 1) within
+    its timeouts, with one line naming that worker (``eval.N``) and node b, and no traceback."""
+    pytest.importorskip("ray")
+    from ray_cluster import remove_cluster_dir, start_two_node_cluster
+
+    import opd_harness.trainers.ray_eval as re_
+
+    cluster = start_two_node_cluster()
+    try:
+        real_call, killed = re_.CheckpointShards.__call__, []
+
+        def lose_node_b(self, path, step):
+            if not killed:
+                cluster.kill_node("b")
+                killed.append(time.monotonic())
+            return real_call(self, path, step)
+
+        monkeypatch.setattr(re_.CheckpointShards, "__call__", lose_node_b)
+        args = [*BASE, "--out", str(tmp_path), *LAG, "--executor", "ray", "--set", f"trainer.ray_address={cluster.address}",
+                *EVAL_ON_NODE_B, "--set", f"trainer.actor_timeout_s={HANG_TIMEOUT_S}",
+                "--set", f"trainer.actor_restart_timeout_s={NODE_LOSS_RESTART_S}"]  # fmt: skip
+        failed = runner.invoke(app, args)
+        ended = time.monotonic()
+        line = " ".join(failed.output.split())
+        assert killed and failed.exit_code == 1, failed.output[-3000:]
+        run_id, _ = _last_train_run(tmp_path / "results.sqlite")
+        placement = json.loads((tmp_path / "runs" / run_id / "placement.json").read_text())
+        node_b = cluster.node_ids["node_b"]
+        (on_b,) = [name for name in ("eval.0", "eval.1") if placement[name] == node_b]
+        assert re.search(rf"\berror: run \S+ failed: {re.escape(on_b)} .*; node {node_b} died", line), line[-3000:]
+        assert "Traceback" not in failed.output and "continue from" in line
+        assert ended - killed[0] < HANG_TIMEOUT_S + NODE_LOSS_RESTART_S + 30  # bounded: not a hang
+        print(f"lost evaluation node: the run ended {ended - killed[0]:.1f}s after the kill: {line[line.index('error: run'):]}")
+        with sqlite3.connect(tmp_path / "results.sqlite") as conn:
+            assert conn.execute("SELECT status FROM runs WHERE run_id=?", (run_id,)).fetchone() == ("failed",)
+    finally:
+        assert cluster.stop() == []
+        remove_cluster_dir(cluster)
 
 
 NODE_LOSS_LAYOUT = ["--set", "trainer.layout.rollout.resources={node_a: 0.1}", "--set", "trainer.layout.teacher.resources={node_a: 0.1}"]

@@ -415,3 +415,66 @@ def test_an_actor_class_built_outside_ray_starts_no_ray():
                           env={**__import__("os").environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"})  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "('cpu', []) False"
+
+
+LOOKUP_TIMEOUT_S = 8.0  # trainer.actor_timeout_s of the node-lookup test: a node-id answer takes milliseconds
+
+
+@pytest.mark.slow
+def test_an_eval_worker_whose_node_lookup_hangs_is_killed_and_asked_again_and_past_its_restart_limit_named(tmp_path, ray_session):
+    """RayShards asks each evaluation worker for its node, bounded like a shard call (before, a hung worker raised Ray's raw
+    GetTimeoutError out of ``ray.get(..., timeout=trainer.actor_timeout_s)``): worker 0's answer hangs, so it is killed once
+    within trainer.actor_timeout_s, Ray restarts it and it is asked again, while worker 1 answers at once; both nodes are
+    recorded. A worker whose answer hangs and whose restart hangs too ends it past trainer.actor_restart_timeout_s with
+    one line naming ``eval.N`` and its node."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from opd_harness.trainers.ray_eval import RayShards
+    from opd_harness.trainers.ray_executor import ActorLost, Faults
+
+    class NodeLookupWorker:  # defined here: Ray ships it to the worker by value
+        """A stand-in evaluation worker whose node-id answer hangs once while the file ``hang`` exists; its restart hangs
+        while ``hang_restart`` exists."""
+
+        def __init__(self, hang: str, hang_restart: str) -> None:
+            from pathlib import Path
+
+            self.hang = Path(hang)
+            if Path(hang_restart).exists() and Path(f"{hang}.asked").exists():
+                time.sleep(3600)  # a restart that never finishes (a model load stuck on a filesystem)
+
+        def ready(self) -> None:
+            return None
+
+        def node_id(self) -> str:
+            import ray
+
+            if self.hang.exists():
+                self.hang.rename(f"{self.hang}.asked")  # once: the restarted worker answers
+                time.sleep(3600)
+            return ray.get_runtime_context().get_node_id()
+
+    ray = ray_session
+    node = ray.get_runtime_context().get_node_id()
+    remote = ray.remote(NodeLookupWorker).options(num_cpus=0, max_restarts=1, max_task_retries=0)
+    (tmp_path / "w0").touch()
+    (tmp_path / "w2").touch()
+    (tmp_path / "w2-restart").touch()
+    workers = [remote.remote(str(tmp_path / f"w{i}"), str(tmp_path / f"w{i}-restart")) for i in range(3)]
+    ray.get([w.ready.remote() for w in workers])
+    started = time.monotonic()
+    shards = RayShards(ray, workers[:2], Console(), faults=Faults(call_s=LOOKUP_TIMEOUT_S, restart_s=120.0))
+    assert shards.kills == 1 and time.monotonic() - started < LOOKUP_TIMEOUT_S + 60, shards.kills
+    assert shards.placement() == [node, node] and not (tmp_path / "w0").exists()  # worker 0 was asked again, once restarted
+    started = time.monotonic()
+    session = SimpleNamespace(run_id="r1", store=SimpleNamespace(root="/out", checkpoints=lambda run_id: []))  # a run's: ActorLost
+    with pytest.raises(ActorLost) as lost:
+        RayShards(ray, workers[2:], Console(), faults=Faults(LOOKUP_TIMEOUT_S, 5.0, session=session), names=["eval.2"])
+    assert re.fullmatch(rf"eval\.2 did not come back within trainer\.actor_restart_timeout_s=5s \(restarted after it died or "
+                        rf"hung\); on node {node}; continue from the start \(no checkpoint yet\) with: harness run --resume r1 "
+                        r"--out /out", str(lost.value)), str(lost.value)  # fmt: skip
+    assert time.monotonic() - started < LOOKUP_TIMEOUT_S + 5.0 + 30
+    for worker in workers:
+        ray.kill(worker, no_restart=True)

@@ -85,6 +85,9 @@ def test_shards_hold_whole_problems_and_sample_independently_of_the_others(tiny_
         (["--shard-size", "0"], "--shard-size"),
         (["--max-sandboxes", "2"], "--max-sandboxes"),
         (["--executor", "ray", "--max-sandboxes", "0"], "--max-sandboxes"),
+        (["--actor-timeout", "60"], "--actor-timeout"),
+        (["--actor-restart-timeout", "60"], "--actor-restart-timeout"),
+        (["--executor", "ray", "--actor-timeout", "0"], "--actor-timeout"),
     ],
 )
 def test_bad_placement_flags_exit_2_naming_the_flag_before_anything_is_written(tmp_path, flags, named):
@@ -282,6 +285,55 @@ def test_a_killed_eval_worker_is_restarted_and_its_shard_requeued(tmp_path, tiny
     rows = [(s.problem_id, s.sample_index, s.completion, s.status) for s in result.samples]
     assert rows == [(s.problem_id, s.sample_index, s.completion, s.status) for s in reference.samples]
     assert len({(p, i) for p, i, *_ in rows}) == len(rows) == 12
+
+
+EVAL_SHARD_TIMEOUT_S = 10.0  # --actor-timeout of the hung-shard test: a tiny shard takes ~1 s
+
+
+@pytest.mark.slow
+def test_a_hung_eval_worker_under_actor_timeout_is_killed_restarted_and_its_shard_requeued(tmp_path, tiny_model_dir, ray_cluster,
+                                                                                         monkeypatch):  # fmt: skip
+    """harness eval --executor ray --actor-timeout: the first shard a worker takes hangs (a worker subclass shipped by
+    value sleeps in it), so that worker is killed once within the timeout, Ray restarts it, the shard goes back to the
+    queue and every stored sample equals the in-process eval's (before, a hung worker stalled the eval for ever: there
+    was no such flag)."""
+    import time
+
+    import ray
+
+    import opd_harness.trainers.ray_eval as re_
+
+    base = ["eval", "--model", str(tiny_model_dir), *TINY_ARGS]
+    inproc = runner.invoke(app, [*base, "--out", str(tmp_path / "inproc")])
+    assert inproc.exit_code == 0, inproc.output
+    marker, kills, shards_of = str(tmp_path / "shard-hung"), [], []
+    original_kill, original_init = ray.kill, re_.RayShards.__init__
+
+    class HangingShardWorker(re_.EvalWorker):
+        def run_shard(self, *args, **kwargs):
+            try:
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL))  # the first shard of either worker only
+            except FileExistsError:
+                return re_.EvalWorker.run_shard(self, *args, **kwargs)
+            time.sleep(300)  # a shard stuck (a sandbox or an endpoint that never answers)
+            return re_.EvalWorker.run_shard(self, *args, **kwargs)
+
+    def kill(actor, *, no_restart=True):
+        if not no_restart:  # a kill for Ray to restart (the eval's end kills for good)
+            kills.append(time.monotonic())
+        return original_kill(actor, no_restart=no_restart)
+
+    monkeypatch.setattr(re_, "EvalWorker", HangingShardWorker)
+    monkeypatch.setattr(ray, "kill", kill)
+    monkeypatch.setattr(re_.RayShards, "__init__", lambda self, *a, **kw: (shards_of.append(self), original_init(self, *a, **kw))[1])
+    started = time.monotonic()
+    result = runner.invoke(app, [*base, "--executor", "ray", "--ray-address", ray_cluster.address, "--workers", "2",
+                                 "--actor-timeout", str(EVAL_SHARD_TIMEOUT_S), "--out", str(tmp_path / "ray")])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert os.path.exists(marker) and len(kills) == 1 and shards_of[0].kills == 1 and shards_of[0].requeued >= 1, kills
+    assert f"hung (no answer within --actor-timeout={EVAL_SHARD_TIMEOUT_S:g}s" in " ".join(result.output.split())
+    assert time.monotonic() - started < 300  # the hung shard's sleep did not end the wait
+    assert stored_samples(tmp_path / "ray") == stored_samples(tmp_path / "inproc") and len(stored_samples(tmp_path / "inproc")) == 12
 
 
 @pytest.mark.slow

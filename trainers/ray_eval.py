@@ -19,8 +19,11 @@ Faults in a training run (the run's :class:`~opd_harness.trainers.ray_executor.F
 by ``trainer.actor_timeout_s``: a worker that does not answer a shard (or a checkpoint's load) in time counts as hung, is
 killed for Ray to restart and its shard re-queued, like a dead one; a start-up or restart past
 ``trainer.actor_restart_timeout_s``, or a worker whose node died, ends the run ``failed`` with one line naming the worker
-(``eval``, ``eval.0``, …; ``teacher…`` for the teacher's reference evaluation) and its node. ``harness eval``'s own
-workers have no such bounds (a shard of agent episodes may take hours): a dead one is restarted and its shard re-queued.
+(``eval``, ``eval.0``, …; ``teacher…`` for the teacher's reference evaluation) and its node. Asking a worker for its node
+(at start-up and after each restart) is bounded and handled the same way. ``harness eval``'s own workers have no such
+bounds by default (a shard of agent episodes may take hours: a dead one is restarted and its shard re-queued, a hung one
+waits); ``--actor-timeout`` / ``--actor-restart-timeout`` give them the same handling, the eval failing (its shards kept
+staged) where a run would.
 """
 
 from __future__ import annotations
@@ -46,11 +49,13 @@ from opd_harness.task import Problem, Task, close_tasks
 from opd_harness.trainers.pipeline import close_rollout_backend
 from opd_harness.trainers.ray_executor import (
     CLOSE_TIMEOUT_S,
+    RESTART_TIMEOUT_S,
     ActorLost,
     ActorRole,
     DeviceUnavailable,
     Faults,
     _setup_actor,
+    actor_node,
     await_started,
     dead_nodes,
     placement_options,
@@ -155,8 +160,9 @@ class RayShards:
     With ``faults`` (a training run's: :class:`Faults`), a call unanswered past ``faults.call_s`` (``trainer.actor_timeout_s``)
     means its worker hung: it is killed for Ray to restart and its shard re-queued; a worker not back within
     ``faults.restart_s`` (``trainer.actor_restart_timeout_s``), or one whose node died, raises :class:`ActorLost` naming it
-    (``names``: the run's placement keys) and its node. Without (``harness eval``), calls are unbounded and the queue's
-    own failures raise :class:`EvalWorkersFailed`.
+    (``names``: the run's placement keys) and its node; the same bounds hold when a worker is asked for its node. Without
+    (``harness eval``, unless given ``--actor-timeout``), calls are unbounded; outside a training run the queue's own
+    failures raise :class:`EvalWorkersFailed`.
 
     With ``max_sandboxes``, a shard of a sandboxed task goes to an idle worker only on a node where fewer than that many
     of its shards are in flight; the workers close such a task's sandbox after each shard (``sandbox_per_shard``), so
@@ -175,22 +181,26 @@ class RayShards:
         self.requeued = 0  # shards handed out again after their worker died (or lost its checkpoint's weights)
         self.kills = 0  # workers killed (for Ray to restart) because a call to them hung
         self.weights: tuple[str, int] | None = None  # (folder, version) every worker must hold: a run's checkpoint
-        nodes = ray.get([w.node_id.remote() for w in workers], timeout=self.call_s)
-        self.node_of = dict(zip(map(id, workers), nodes, strict=True))  # id(worker) -> node
+        self.node_of: dict[int, str | None] = dict.fromkeys(map(id, workers))  # id(worker) -> node (None: not known yet)
         self.down: dict[int, float] = {}  # id(worker) -> when it was found dead or hung (its restart is bounded from then)
         self.peak_sandboxes: Counter = Counter()  # node -> most sandboxed shards in flight there at once
+        self._locate(workers)
 
     def fatal(self, line: str) -> Exception:
-        """The error that stops the evaluation: in a training run :class:`ActorLost` (the run fails, with its resume line),
-        else :class:`EvalWorkersFailed` (``harness eval`` keeps the staged shards and prints its resume line)."""
-        if self.faults is None:
+        """The error that stops the evaluation: in a training run (``faults.session``) :class:`ActorLost` (the run fails,
+        with its resume line), else :class:`EvalWorkersFailed` (``harness eval`` keeps the staged shards and prints its
+        resume line)."""
+        if self.faults is None or self.faults.session is None:
             return EvalWorkersFailed(line)
         return ActorLost(line + resume_hint(self.faults.session))
 
     def lost(self, worker: Any, what: str) -> Exception:
         """:meth:`fatal` for ``worker`` (``what`` happened to it), naming it and its node (and that the node died, if so)."""
-        node = self.node_of[id(worker)]
-        where = f"node {node} died" if node in dead_nodes(self.ray, {node}) else f"on node {node}"
+        node = self.node_of[id(worker)] or actor_node(self.ray, worker)  # not asked yet: where Ray placed it
+        if node is None:
+            where = "not placed on any node"
+        else:
+            where = f"node {node} died" if node in dead_nodes(self.ray, {node}) else f"on node {node}"
         return self.fatal(f"{self.names[id(worker)]} {what}; {where}")
 
     def hung(self, worker: Any) -> None:
@@ -198,6 +208,64 @@ class RayShards:
         self.kills += 1
         self.ray.kill(worker, no_restart=False)
         self.down.setdefault(id(worker), time.monotonic())
+
+    def died(self, worker: Any, what: str) -> None:
+        """A call to ``worker`` failed because it died (Ray restarts it): :meth:`lost` in a training run when its node died
+        (``what`` happened to it), else its restart is bounded from now."""
+        node = self.node_of[id(worker)]
+        if self.faults is not None and node is not None and node in dead_nodes(self.ray, {node}):
+            raise self.lost(worker, what) from None
+        self.down.setdefault(id(worker), time.monotonic())
+
+    def _locate(self, workers: list[Any]) -> list[Any]:
+        """Ask each of ``workers`` for its node (into ``node_of``; a restarted worker may run elsewhere), bounded as a shard
+        call is: a worker silent past ``call_s`` is killed for Ray to restart (:meth:`hung`), one that died is waited for,
+        and each is asked again once back; a restart past ``restart_s``, or a worker whose node died, raises :meth:`lost`.
+        Returns the workers that answered (not those Ray gave up on)."""
+        ray, located = self.ray, []
+        asks: dict[Any, Any] = {}  # node_id call -> worker
+        sent: dict[Any, float] = {}  # node_id call -> when it was sent
+        probes: dict[Any, Any] = {}  # ``ready`` call -> a worker that died or hung, until it is back
+
+        def ask(worker: Any) -> None:
+            ref = worker.node_id.remote()
+            asks[ref], sent[ref] = worker, time.monotonic()
+
+        for worker in workers:
+            ask(worker)
+        while asks or probes:
+            done, _ = ray.wait([*asks, *probes], num_returns=1, timeout=self._next_deadline(sent, probes))
+            for ref in self._overdue(sent, probes, done):
+                sent.pop(ref)
+                self.hung(worker := asks.pop(ref))
+                probes[worker.ready.remote()] = worker
+            if not done:
+                continue
+            (ref,) = done
+            if ref in probes:
+                if (back := self._probed(ref, probes)) is not None:
+                    ask(back)
+                continue
+            worker = asks.pop(ref)
+            sent.pop(ref)
+            try:
+                self.node_of[id(worker)] = ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                self.died(worker, f"was lost while asked for its node ({type(exc).__name__})")
+                probes[worker.ready.remote()] = worker
+                continue
+            located.append(worker)
+        return located
+
+    def placement(self) -> list[str | None]:
+        """Each worker's node, in order (None for one Ray gave up on before it answered)."""
+        return [self.node_of[id(worker)] for worker in self.workers]
+
+    def spread_line(self) -> str:
+        """``ray eval: N workers on M node(s): n on <node>, …`` for the console."""
+        nodes = Counter(self.placement())
+        return f"ray eval: {len(self.workers)} workers on {len(nodes)} node(s): " + ", ".join(
+            f"{n} on {(node or 'unknown')[:12]}" for node, n in nodes.items())  # fmt: skip
 
     def _next_worker(self, idle: deque, open_on: Counter | None) -> Any:
         """An idle worker to hand the next shard to (for a sandboxed task under ``max_sandboxes``, one on a node where
@@ -257,13 +325,16 @@ class RayShards:
                         open_on[self.node_of[id(worker)]] -= 1
                     self.hung(worker)
                     self._requeue(task, index, attempts, pending, f"{self.names[id(worker)]} hung (no answer within "
-                                  f"trainer.actor_timeout_s={self.call_s:g}s; killed for Ray to restart)")  # fmt: skip
+                                  f"{self.faults.call_key}={self.call_s:g}s; killed for Ray to restart)")  # fmt: skip
                     probes[worker.ready.remote()] = worker
                 if not done:
                     continue
                 (ref,) = done
                 if ref in probes:
-                    self._probed(ref, probes, idle)
+                    if (back := self._probed(ref, probes)) is not None and self._locate([back]):  # restarted, maybe elsewhere
+                        if self.weights is not None:  # restarted: it holds the student's first weights, not the checkpoint's
+                            back.load_checkpoint.remote(*self.weights)
+                        idle.append(back)
                     continue
                 index, worker = inflight.pop(ref)
                 sent.pop(ref)
@@ -280,9 +351,7 @@ class RayShards:
                     idle.append(worker)
                     continue
                 except ray.exceptions.RayActorError as exc:  # the worker died (Ray restarts it): the shard goes back
-                    if self.faults is not None and self.node_of[id(worker)] in dead_nodes(ray, {self.node_of[id(worker)]}):
-                        raise self.lost(worker, f"was lost with {task.name} shard {index} ({type(exc).__name__})") from None
-                    self.down.setdefault(id(worker), time.monotonic())
+                    self.died(worker, f"was lost with {task.name} shard {index} ({type(exc).__name__})")
                     self._requeue(task, index, attempts, pending, f"died ({type(exc).__name__})")
                     probes[worker.ready.remote()] = worker
                     continue
@@ -307,31 +376,37 @@ class RayShards:
         """The shard calls past ``call_s`` (not among ``done``, answered just now); raises :meth:`lost` for a worker whose
         restart is past ``restart_s``."""
         now = time.monotonic()
-        for ref, worker in probes.items():
-            if ref not in done and self.restart_s is not None and now - self.down.get(id(worker), now) >= self.restart_s:
-                raise self.lost(worker, f"did not come back within trainer.actor_restart_timeout_s={self.restart_s:g}s "
-                                "(restarted after it died or hung)")  # fmt: skip
-        return [ref for ref, at in sent.items() if ref not in done and self.call_s is not None and now - at >= self.call_s]
+        late = [ref for ref, worker in probes.items()
+                if self.restart_s is not None and now - self.down.get(id(worker), now) >= self.restart_s]  # fmt: skip
+        for ref in self._unanswered(late, done):
+            raise self.lost(probes[ref], f"did not come back within {self.faults.restart_key}={self.restart_s:g}s "
+                            "(restarted after it died or hung)")  # fmt: skip
+        return self._unanswered([ref for ref, at in sent.items() if self.call_s is not None and now - at >= self.call_s], done)
 
-    def _probed(self, ref: Any, probes: dict[Any, Any], idle: deque) -> None:
-        """A dead worker's ``ready`` answered: back to work once restarted, probed again while restarting, dropped when
-        Ray gave up on it (or it cannot load the model again)."""
+    def _unanswered(self, refs: list[Any], done: list[Any]) -> list[Any]:
+        """Those of ``refs`` neither among ``done`` nor answered by now (one that answered while the driver was busy
+        elsewhere, e.g. asking a restarted worker for its node, is not late)."""
+        refs = [ref for ref in refs if ref not in done]
+        if not refs:
+            return []
+        answered, _ = self.ray.wait(refs, num_returns=len(refs), timeout=0)
+        return [ref for ref in refs if ref not in answered]
+
+    def _probed(self, ref: Any, probes: dict[Any, Any]) -> Any:
+        """A dead worker's ``ready`` answered: the worker once restarted, None (probed again) while restarting, None and
+        dropped when Ray gave up on it (or it cannot load the model again)."""
         ray, worker = self.ray, probes.pop(ref)
         try:
             failure = ray.get(ref)
         except ray.exceptions.ActorDiedError:
             self.down.pop(id(worker), None)
-            return
+            return None
         except ray.exceptions.RayActorError:  # still restarting
             time.sleep(PROBE_INTERVAL_S)
             probes[worker.ready.remote()] = worker
-            return
+            return None
         self.down.pop(id(worker), None)
-        if failure is None:
-            if self.weights is not None:  # restarted: it holds the student's first weights, not the checkpoint's
-                worker.load_checkpoint.remote(*self.weights)
-            self.node_of[id(worker)] = ray.get(worker.node_id.remote(), timeout=self.call_s)  # restarted, maybe elsewhere
-            idle.append(worker)
+        return worker if failure is None else None
 
     def _requeue(self, task: Task, index: int, attempts: Counter, pending: deque, what: str) -> None:
         """Shard ``index`` (its worker ``what``) back to the front of the queue, or :class:`EvalWorkersFailed` when that
@@ -375,8 +450,6 @@ def start_workers(
         if device:
             raise DeviceUnavailable(device)
         raise RuntimeError(f"an evaluation worker could not load --model {spec.model!r}: {failures[0]}")
-    nodes = Counter(ray.get([w.node_id.remote() for w in workers]))
-    console.print(f"ray eval: {count} workers on {len(nodes)} node(s): " + ", ".join(f"{n} on {node[:12]}" for node, n in nodes.items()))
     return workers
 
 
@@ -403,6 +476,16 @@ class CheckpointShards:
         return self.shards
 
 
+def eval_faults(actor_timeout: float | None, actor_restart_timeout: float | None) -> Faults | None:
+    """``harness eval``'s bounds on its workers: None (unbounded: a shard of agent episodes may take hours) unless
+    ``--actor-timeout`` (each shard call) or ``--actor-restart-timeout`` (each start-up and restart; 300 s when only
+    ``--actor-timeout`` is given) is; its lines name those flags."""
+    if actor_timeout is None and actor_restart_timeout is None:
+        return None
+    restart_s = RESTART_TIMEOUT_S if actor_restart_timeout is None else actor_restart_timeout
+    return Faults(actor_timeout, restart_s, call_key="--actor-timeout", restart_key="--actor-restart-timeout")
+
+
 class RayEvalExecutor:
     """``harness eval --executor ray``: a local Ray, or the cluster at ``address``; N workers for the command. A training
     run's evaluation workers (``trainer.layout.eval``) come from :meth:`for_run`."""
@@ -410,14 +493,22 @@ class RayEvalExecutor:
     @contextmanager
     def open(
         self, spec: EvalWorkerSpec, *, workers: int, address: str | None, console: Console, max_sandboxes: int | None = None,
-        gpus_per_worker: float = 0.0,
+        gpus_per_worker: float = 0.0, actor_timeout: float | None = None, actor_restart_timeout: float | None = None,
     ) -> Iterator[RayShards]:
-        """``workers`` evaluation workers, each asking Ray for ``gpus_per_worker`` GPUs (``--gpus-per-worker``)."""
+        """``workers`` evaluation workers, each asking Ray for ``gpus_per_worker`` GPUs (``--gpus-per-worker``). With
+        ``actor_timeout`` or ``actor_restart_timeout`` (``--actor-timeout``, ``--actor-restart-timeout``) they are watched as a
+        training run's are (:func:`eval_faults`); a start-up past its bound is :class:`EvalWorkersFailed`."""
         spec = dataclasses.replace(spec, sandbox_per_shard=max_sandboxes is not None)
+        faults = eval_faults(actor_timeout, actor_restart_timeout)
         with ray_runtime(address, WORKER_THREADS, console, cpus=workers * WORKER_THREADS) as ray:
-            started = start_workers(ray, spec, workers, console, placed=lambda i: spread(i, gpus_per_worker))
             try:
-                yield RayShards(ray, started, console, max_sandboxes)
+                started = start_workers(ray, spec, workers, console, placed=lambda i: spread(i, gpus_per_worker), faults=faults)
+            except ActorLost as exc:  # no run to fail: the eval's own infrastructure error
+                raise EvalWorkersFailed(str(exc)) from None
+            try:
+                shards = RayShards(ray, started, console, max_sandboxes, faults=faults)
+                console.print(shards.spread_line())
+                yield shards
             finally:
                 stop_workers(ray, started, console)
 
@@ -437,7 +528,7 @@ class RayEvalExecutor:
         worker reading a checkpoint's weights from its folder. Their nodes go into ``placement`` as ``eval`` (``eval.0``,
         ``eval.1``, … for several), their GPU ids under ``gpus``. A worker that does not see the run folder stops the run
         (exit 2, before training)."""
-        from opd_harness.trainers.ray_executor import RUN_FOLDER_TOKEN, RunFolderUnavailable
+        from opd_harness.trainers.ray_executor import RUN_FOLDER_TOKEN, check_run_folder
 
         cfg, layout = plan.config, plan.config.trainer.layout
         placed_eval = layout is not None and layout.eval is not None
@@ -456,17 +547,15 @@ class RayEvalExecutor:
         try:
             folder = session.store.run_dir(session.run_id)
             token = (folder / RUN_FOLDER_TOKEN).read_text()
-            call_s = faults.call_s
-            seen = ray.get([w.sees_run_folder.remote(str(folder), token) for w in workers], timeout=call_s)
-            problem = next((p for p in seen if p), None)
-            if problem:
-                raise RunFolderUnavailable(problem)
+            check_run_folder(ray, workers, (str(folder), token), faults.call_s, "an evaluation worker")
             names = replica_names("eval", len(workers))
-            placement.update(zip(names, ray.get([w.node_id.remote() for w in workers], timeout=call_s), strict=True))
+            shards = RayShards(ray, workers, console, bound, faults=faults, names=names)
+            console.print(shards.spread_line())
+            placement.update(zip(names, shards.placement(), strict=True))
             if placed_eval:  # the unplaced worker asks for no GPU: nothing to record
                 gpus = placement.setdefault("gpus", {})
-                gpus.update(zip(names, ray.get([w.devices.remote() for w in workers], timeout=call_s), strict=True))
-            session.shard_runner = CheckpointShards(ray, RayShards(ray, workers, console, bound, faults=faults, names=names))
+                gpus.update(zip(names, ray.get([w.devices.remote() for w in workers], timeout=faults.call_s), strict=True))
+            session.shard_runner = CheckpointShards(ray, shards)
             yield
         finally:
             session.shard_runner = None

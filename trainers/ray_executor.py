@@ -681,6 +681,8 @@ class Faults:
     restart_s: float = RESTART_TIMEOUT_S
     placement: dict[str, Any] = field(default_factory=dict)
     session: Session | None = None
+    call_key: str = "trainer.actor_timeout_s"  # the settings a line names when a bound is passed (harness eval: its flags)
+    restart_key: str = "trainer.actor_restart_timeout_s"
 
     def dead_node(self, ray: ModuleType, role: str, grace_s: float = 0.0) -> str | None:
         """The node of ``role`` if it is dead (:func:`dead_nodes`; waiting up to ``grace_s``), else None."""
@@ -1139,6 +1141,19 @@ class RunFolderUnavailable(ConfigError):
     """An actor that writes or reads checkpoints does not see the run folder (exit 2, before training)."""
 
 
+def check_run_folder(ray: ModuleType, actors: list[Any], run_folder: tuple[str, str], call_s: float | None, who: str) -> None:
+    """:class:`RunFolderUnavailable` (exit 2, before training) when one of ``actors`` (``who``) does not see the run folder
+    (``run_folder``: folder, token) or does not answer within ``trainer.actor_timeout_s`` (``call_s``)."""
+    try:
+        answers = ray.get([actor.sees_run_folder.remote(*run_folder) for actor in actors], timeout=call_s)
+    except ray.exceptions.GetTimeoutError:  # e.g. a shared filesystem that hangs instead of failing
+        answers = [f"{who} did not answer within trainer.actor_timeout_s={call_s:g}s when it checked the run folder "
+                   f"{run_folder[0]} (a shared filesystem that hangs?)"]  # fmt: skip
+    problem = next((p for p in answers if p), None)
+    if problem:
+        raise RunFolderUnavailable(problem)
+
+
 def mark_run_folder(session: Session) -> tuple[str, str]:
     """(run folder, token): a fresh token written into the run folder, which the learner ranks and evaluation workers
     must read back (:func:`run_folder_problem`)."""
@@ -1192,14 +1207,7 @@ def wait_ready(ray: ModuleType, actors: list, names: list[str], console: Console
     if failure:
         raise DeviceUnavailable(failure)
     if run_folder is not None:  # every rank writes (fsdp2) or rank 0 does; all must see it to resume after a failover too
-        try:
-            answers = ray.get([rank.sees_run_folder.remote(*run_folder) for rank in learner.ranks], timeout=call_s)
-        except ray.exceptions.GetTimeoutError:  # e.g. a shared filesystem that hangs instead of failing
-            answers = [f"the learner did not answer within trainer.actor_timeout_s={call_s:g}s when it checked the run folder "
-                       f"{run_folder[0]} (a shared filesystem that hangs?)"]
-        problem = next((p for p in answers if p), None)
-        if problem:
-            raise RunFolderUnavailable(problem)
+        check_run_folder(ray, learner.ranks, run_folder, call_s, "the learner")
     if len(learner.ranks) > 1:
         backend, rendezvous = learner.form_group()
         console.print(f"learner: {len(learner.ranks)} data-parallel ranks ({learner.sharding}, {backend}, rendezvous {rendezvous})")
@@ -1216,7 +1224,7 @@ def await_started(ray: ModuleType, actors: list[Any], keys: list[str], faults: "
         i = refs.index(pending[0])
         node = actor_node(ray, actors[i])
         where = f"on node {node}" if node else "not placed on any node"
-        raise ActorLost(f"{keys[i]} did not start within trainer.actor_restart_timeout_s={faults.restart_s:g}s ({where})"
+        raise ActorLost(f"{keys[i]} did not start within {faults.restart_key}={faults.restart_s:g}s ({where})"
                         + resume_hint(faults.session))  # fmt: skip
     return ray_get(ray, refs)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -18,16 +19,22 @@ if TYPE_CHECKING:  # the config models and the task classes are imported by the 
     pass
 
 
-from opd_harness.cli._common import app, console, stdout, _fail, _closes_tasks, _prepare_tasks, check_data_dir, _quiet_libraries
+from opd_harness.cli._common import (app, console, stdout, _fail, _closes_tasks, _prepare_tasks, check_data_dir, _quiet_libraries,
+                                     open_interval)
 
 
-EVAL_EXECUTOR_KEYS = ("executor", "workers", "ray_address", "max_sandboxes", "gpus_per_worker")  # where an eval ran, not what it measured
+EVAL_EXECUTOR_KEYS = ("executor", "workers", "ray_address", "max_sandboxes", "gpus_per_worker", "actor_timeout",
+                      "actor_restart_timeout")  # where an eval ran and how its workers were watched, not what it measured
 
 
-def check_eval_executor(
-    executor: str, workers: int | None, ray_address: str | None, max_sandboxes: int | None = None, gpus_per_worker: float | None = None
-) -> None:
-    """``harness eval``'s placement flags: exit 2 naming the flag when the executor is unknown or a flag needs ``--executor ray``."""
+def seconds_option(help: str) -> typer.models.OptionInfo:
+    """An option of a positive number of seconds (exit 2 naming the flag otherwise), None when not given."""
+    return typer.Option(callback=open_interval(0, math.inf, low_open=True), help=help)
+
+
+def check_eval_executor(executor: str, **placement: object) -> None:
+    """``harness eval``'s placement flags (``placement``: ``ray_address=…``, ``workers=…``, … as the options' names, None when
+    not given): exit 2 naming the flag when the executor is unknown or a flag needs ``--executor ray``."""
     if executor != "inprocess":
         from opd_harness.registry import EVAL_EXECUTORS
 
@@ -35,10 +42,10 @@ def check_eval_executor(
             EVAL_EXECUTORS.get(executor)
         except RegistryError as exc:
             raise ConfigError(f"--executor {executor!r}: {exc} (or inprocess)") from None
-    elif workers is not None or ray_address is not None or max_sandboxes is not None or gpus_per_worker is not None:
-        given = {"--workers": workers, "--ray-address": ray_address, "--max-sandboxes": max_sandboxes, "--gpus-per-worker": gpus_per_worker}
-        flag = next(name for name, value in given.items() if value is not None)
-        raise ConfigError(f"{flag} needs --executor ray (the in-process evaluation runs in this process)")
+        return
+    flag = next((name for name, value in placement.items() if value is not None), None)
+    if flag is not None:
+        raise ConfigError(f"--{flag.replace('_', '-')} needs --executor ray (the in-process evaluation runs in this process)")
 
 
 def resumed_eval(store, run_id: str, config: dict) -> None:
@@ -119,6 +126,16 @@ def eval_(
         typer.Option(min=0, help="GPUs Ray gives each evaluation worker (--executor ray; default 0): its hf backend runs on cuda, "
                      "vLLM finds them through CUDA_VISIBLE_DEVICES"),
     ] = None,
+    actor_timeout: Annotated[
+        float | None,
+        seconds_option("seconds a shard may take on a worker (--executor ray; default: no bound); past it the worker counts as hung: it "
+                       "is killed, Ray restarts it and the shard goes back to the queue"),
+    ] = None,
+    actor_restart_timeout: Annotated[
+        float | None,
+        seconds_option("seconds a worker may take to start, or to come back after it died or hung (--executor ray; default: no bound, "
+                       "or 300 with --actor-timeout); past it the eval fails naming the worker and its node"),
+    ] = None,
     resume: Annotated[str | None, typer.Option(help="continue the interrupted eval RUN_ID (same options); staged shards are kept")] = None,
     device: opts.Device = None,
     dtype: opts.Dtype = None,
@@ -161,7 +178,9 @@ def eval_(
     except ValueError as exc:
         raise _fail(f"--logger: {exc}") from None
     try:
-        check_eval_executor(executor, workers, ray_address, max_sandboxes, gpus_per_worker)
+        check_eval_executor(executor, workers=workers, ray_address=ray_address, max_sandboxes=max_sandboxes,
+                            gpus_per_worker=gpus_per_worker, actor_timeout=actor_timeout,
+                            actor_restart_timeout=actor_restart_timeout)  # fmt: skip
         check_data_dir(data_dir)
         task_args: dict = {}
         for item in task_arg or []:
@@ -225,6 +244,8 @@ def eval_(
         "ray_address": ray_address,
         "max_sandboxes": max_sandboxes,
         "gpus_per_worker": gpus_per_worker,
+        "actor_timeout": actor_timeout,
+        "actor_restart_timeout": actor_restart_timeout,
     }
     store = Store(out) if resume else None  # a new eval's store is opened once the model is loaded
     try:
@@ -240,7 +261,7 @@ def eval_(
         spec = EvalWorkerSpec(backend, model, options, task_args, data_dir)
         shards = lambda: EVAL_EXECUTORS.get(executor).open(  # noqa: E731
             spec, workers=workers or 1, address=ray_address, console=console, max_sandboxes=max_sandboxes,
-            gpus_per_worker=gpus_per_worker or 0.0,
+            gpus_per_worker=gpus_per_worker or 0.0, actor_timeout=actor_timeout, actor_restart_timeout=actor_restart_timeout,
         )
     errors: tuple[type[BaseException], ...] = (ValueError,)
     if backend == "openai":
@@ -251,6 +272,8 @@ def eval_(
     with ExitStack() as stack:
         try:  # the model is loaded (here, or by every worker) before the run row exists
             runner = stack.enter_context(shards())
+        except EvalWorkersFailed as exc:  # infrastructure: a worker that did not start within --actor-restart-timeout
+            raise _fail(str(exc), 1) from None
         except (OSError, ValueError, TypeError, RuntimeError) as exc:  # TypeError: an unknown option; RuntimeError: vllm or ray missing
             raise _fail(str(exc)) from None
         store = store or Store(out)
