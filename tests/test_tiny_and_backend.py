@@ -66,6 +66,7 @@ def test_generate_n_samples_with_logprobs_matching_score(backend, char_tokenizer
     for c in out:
         assert len(c.logprobs) == len(c.token_ids) > 0
         assert c.finish_reason in ("stop", "length")
+        assert c.text == char_tokenizer.decode(c.token_ids, skip_special_tokens=True)  # the hf engine decodes through Rust
         if c.finish_reason == "stop":
             assert c.token_ids[-1] == char_tokenizer.eos_token_id and char_tokenizer.eos_token_id not in c.token_ids[:-1]
         else:

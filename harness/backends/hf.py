@@ -48,6 +48,7 @@ class HFBackend:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_id = tokenizer.eos_token_id
         self.max_context: int | None = getattr(model.config, "max_position_embeddings", None)  # rollout's context budget
+        self._fast_decode = fast_decoder(tokenizer)
 
     @classmethod
     def load(cls, model: str, *, dtype: str = "fp32", enable_thinking: bool | None = None, **options) -> "HFBackend":
@@ -115,15 +116,17 @@ class HFBackend:
         lengths = stops.lengths(len(chunk))
         elapsed = time.perf_counter() - started
         completions = []
+        token_rows, logprob_rows = new_tokens.tolist(), logprobs.tolist()  # one conversion each, not one per row
+        top_rows = top.tolist() if top is not None else None
         for row, (p, s) in enumerate(chunk):
             stopped = lengths[row] is not None
             n = lengths[row] if stopped else new_tokens.shape[1]
-            tokens = new_tokens[row, :n].tolist()
+            tokens = token_rows[row][:n]
             completions.append(
                 Completion(
                     token_ids=tokens,
-                    logprobs=logprobs[row, :n].tolist(),
-                    top_ids=top[row, :n].tolist() if top is not None else None,
+                    logprobs=logprob_rows[row][:n],
+                    top_ids=top_rows[row][:n] if top_rows is not None else None,
                     text=self._decode(tokens),
                     finish_reason="stop" if stopped else "length",
                     prompt_index=p,
@@ -163,6 +166,10 @@ class HFBackend:
         return criteria
 
     def _decode(self, tokens: list[int]) -> str:
+        """A completion's text (special tokens skipped), through the Rust tokenizer directly where that decodes as the HF
+        wrapper does (:func:`fast_decoder`: a third of the wrapper's cost a call)."""
+        if self._fast_decode is not None:
+            return self._fast_decode(tokens, skip_special_tokens=True)
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def score(
@@ -400,6 +407,19 @@ def without_output_head(model) -> Iterator[torch.nn.Module]:
         yield head
     finally:
         model.set_output_embeddings(head)
+
+
+def fast_decoder(tokenizer) -> Callable[..., str] | None:
+    """The Rust tokenizer's own ``decode`` where the HF wrapper's adds nothing to it (a ``TokenizersBackend`` with
+    its stock ``decode`` and no clean-up of spaces), else None: a per-token saving for the detokeniser."""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    kind = type(tokenizer)
+    stock = kind.decode is PreTrainedTokenizerBase.decode and getattr(kind, "_decode", None) is TokenizersBackend._decode
+    if not stock or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return tokenizer.backend_tokenizer.decode
 
 
 def left_pad(seqs: list[list[int]], pad_id: int, *, width_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
