@@ -149,6 +149,19 @@ def test_static_cache_engine_samples_what_the_hf_backend_samples(char_tokenizer,
             assert y.logprobs == pytest.approx(x.logprobs, abs=1e-5)
 
 
+def test_hf_engine_decodes_in_its_own_loop_one_forward_a_token(char_tokenizer, tiny_model_factory, monkeypatch):
+    """The hf engine runs its own decode loop (issue 46), not ``model.generate``: one forward for the prompts, then one per
+    token after the first, each with only the last position's logits and the new token as input."""
+    engine = HFBackend(tiny_model_factory(seed=0), char_tokenizer, batch_size=4)
+    monkeypatch.setattr(engine.model, "generate", lambda **kw: pytest.fail("the hf engine called model.generate"))
+    shapes = []
+    engine.model.register_forward_pre_hook(lambda m, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    prompts = [encode(char_tokenizer, "Compute 1+2.\n"), encode(char_tokenizer, "Hi")]
+    out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=9, n=2, seed=3))
+    steps = max(len(c.token_ids) for c in out)
+    assert shapes == [(4, len(prompts[0]))] + [(4, 1)] * (steps - 1)
+
+
 def test_static_cache_engine_uses_a_static_cache_and_compile_switches(char_tokenizer, tiny_model_factory, monkeypatch):
     engine = StaticCacheBackend(tiny_model_factory(seed=0), char_tokenizer, compile="false")
     seen = {}
