@@ -257,18 +257,21 @@ def decode_loop(
     are bit for bit those of ``model.generate`` choosing by a logits processor under greedy decoding, with no processor
     of the model's generation config (e.g. ``repetition_penalty``). What it leaves out is generate's work around them at
     every step (input preparation, the processor and criteria lists, the (b, V) mask a processor hands greedy decoding
-    to pick its token from): about a sixth of a decode step of the cpu-demo student on a CPU (issue #46)."""
+    to pick its token from): half of generate's time outside the forwards at the cpu-demo shape on a CPU (issue #46,
+    ``benchmarks/hf_generate_overhead.py``)."""
     rows, width = ids.shape
     accepted = inspect.signature(model.forward).parameters
     cache_arg = "cache" if "cache" in accepted else "past_key_values"  # transformers 5 renamed it
     fixed = {"use_cache": True, **({"logits_to_keep": 1} if "logits_to_keep" in accepted else {})}
     mask = None if bool(attn.all()) else torch.cat([attn, attn.new_ones(rows, max_new_tokens)], dim=1)
     positions = (attn.cumsum(-1) - 1).masked_fill_(attn == 0, 0)
+    takes_positions = "position_ids" in accepted  # as generate: position ids only for a model that takes them
     sequence = torch.cat([ids, ids.new_full((rows, max_new_tokens), pad_id)], dim=1)  # what stop criteria read
     running = torch.ones(rows, dtype=torch.bool, device=ids.device)
     step = 0
     with decoding(model):
-        out = model(input_ids=ids, attention_mask=None if mask is None else attn, position_ids=positions, **fixed)
+        first = {"position_ids": positions} if takes_positions else {}
+        out = model(input_ids=ids, attention_mask=None if mask is None else attn, **first, **fixed)
         for step in range(max_new_tokens):
             token = torch.where(running, choose(out.logits[:, -1].float()), pad_id)
             sequence[:, width + step] = token
@@ -276,8 +279,8 @@ def decode_loop(
             if step + 1 == max_new_tokens or not bool(running.any()):
                 break
             seen = None if mask is None else mask[:, : width + step + 1]
-            out = model(input_ids=token[:, None], attention_mask=seen, position_ids=positions[:, -1:] + step + 1,
-                        **{cache_arg: getattr(out, cache_arg)}, **fixed)  # fmt: skip
+            later = {"position_ids": positions[:, -1:] + step + 1} if takes_positions else {}
+            out = model(input_ids=token[:, None], attention_mask=seen, **later, **{cache_arg: getattr(out, cache_arg)}, **fixed)
     return sequence[:, width : width + step + 1]
 
 
