@@ -63,6 +63,18 @@ def test_per_step_logprobs_equal_the_stacked_logits_way(case, char_tokenizer, ti
     assert must_see is None or must_see in endings, f"no row of the {case} case ended by {must_see}: {endings}"
 
 
+def test_rows_of_one_length_equal_the_stacked_logits_way_too(char_tokenizer, tiny_model_factory):
+    """Prompts of one length (no row padded: the hf engine's decode loop then leaves the attention mask out, as
+    ``model.generate`` does) and a stop string: the same tokens, stop reasons and log-probs as ``model.generate``."""
+    model = tiny_model_factory(seed=1)
+    prompts = [char_tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("1+2=", "7*3=", "ab c")]
+    params = SamplingParams(temperature=1.0, max_new_tokens=20, n=2, seed=6, stop=("0",))
+    new = HFBackend(model, char_tokenizer, batch_size=6).generate(prompts, params)
+    old = StackedLogitsBackend(model, char_tokenizer, batch_size=6).generate(prompts, params)
+    assert [(c.token_ids, c.finish_reason, c.logprobs) for c in new] == [(c.token_ids, c.finish_reason, c.logprobs) for c in old]
+    assert {c.finish_reason for c in new} == {"stop", "length"}
+
+
 MEASURE = textwrap.dedent(
     """
     import json, sys

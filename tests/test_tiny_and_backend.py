@@ -66,6 +66,7 @@ def test_generate_n_samples_with_logprobs_matching_score(backend, char_tokenizer
     for c in out:
         assert len(c.logprobs) == len(c.token_ids) > 0
         assert c.finish_reason in ("stop", "length")
+        assert c.text == char_tokenizer.decode(c.token_ids, skip_special_tokens=True)  # the hf engine decodes through Rust
         if c.finish_reason == "stop":
             assert c.token_ids[-1] == char_tokenizer.eos_token_id and char_tokenizer.eos_token_id not in c.token_ids[:-1]
         else:
@@ -146,6 +147,19 @@ def test_static_cache_engine_samples_what_the_hf_backend_samples(char_tokenizer,
         assert [(c.token_ids, c.finish_reason, c.text) for c in a] == [(c.token_ids, c.finish_reason, c.text) for c in b]
         for x, y in zip(a, b):
             assert y.logprobs == pytest.approx(x.logprobs, abs=1e-5)
+
+
+def test_hf_engine_decodes_in_its_own_loop_one_forward_a_token(char_tokenizer, tiny_model_factory, monkeypatch):
+    """The hf engine runs its own decode loop (issue 46), not ``model.generate``: one forward for the prompts, then one per
+    token after the first, each with only the last position's logits and the new token as input."""
+    engine = HFBackend(tiny_model_factory(seed=0), char_tokenizer, batch_size=4)
+    monkeypatch.setattr(engine.model, "generate", lambda **kw: pytest.fail("the hf engine called model.generate"))
+    shapes = []
+    engine.model.register_forward_pre_hook(lambda m, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    prompts = [encode(char_tokenizer, "Compute 1+2.\n"), encode(char_tokenizer, "Hi")]
+    out = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=9, n=2, seed=3))
+    steps = max(len(c.token_ids) for c in out)
+    assert shapes == [(4, len(prompts[0]))] + [(4, 1)] * (steps - 1)
 
 
 def test_static_cache_engine_uses_a_static_cache_and_compile_switches(char_tokenizer, tiny_model_factory, monkeypatch):

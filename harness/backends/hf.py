@@ -8,13 +8,14 @@ calls draw each row's seed from torch's global RNG."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
-from transformers import EosTokenCriteria, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList, StopStringCriteria
+from transformers import EosTokenCriteria, StoppingCriteria, StoppingCriteriaList, StopStringCriteria
 
 from opd_harness.backends import SCORE_FIELDS, Completion, SamplingParams, prompt_seed
 from opd_harness.backends.sampling import ScoredRowSampler
@@ -47,6 +48,7 @@ class HFBackend:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.eos_id = tokenizer.eos_token_id
         self.max_context: int | None = getattr(model.config, "max_position_embeddings", None)  # rollout's context budget
+        self._fast_decode = fast_decoder(tokenizer)
 
     @classmethod
     def load(cls, model: str, *, dtype: str = "fp32", enable_thinking: bool | None = None, **options) -> "HFBackend":
@@ -104,7 +106,7 @@ class HFBackend:
         stops = SampledLengths(self.stop_criteria(params.stop), prompt_width=ids.shape[1])
         kwargs = dict(
             max_new_tokens=params.max_new_tokens,
-            do_sample=False,  # ScoredRowSampler draws each sampled row from its own generator (argmax when greedy); generate picks it
+            do_sample=False,  # ScoredRowSampler draws each sampled row from its own generator (argmax when greedy): greedy emits it
             pad_token_id=self.pad_id,
             eos_token_id=self.eos_id,
             stopping_criteria=StoppingCriteriaList([stops]),
@@ -114,15 +116,17 @@ class HFBackend:
         lengths = stops.lengths(len(chunk))
         elapsed = time.perf_counter() - started
         completions = []
+        token_rows, logprob_rows = new_tokens.tolist(), logprobs.tolist()  # one conversion each, not one per row
+        top_rows = top.tolist() if top is not None else None
         for row, (p, s) in enumerate(chunk):
             stopped = lengths[row] is not None
             n = lengths[row] if stopped else new_tokens.shape[1]
-            tokens = new_tokens[row, :n].tolist()
+            tokens = token_rows[row][:n]
             completions.append(
                 Completion(
                     token_ids=tokens,
-                    logprobs=logprobs[row, :n].tolist(),
-                    top_ids=top[row, :n].tolist() if top is not None else None,
+                    logprobs=logprob_rows[row][:n],
+                    top_ids=top_rows[row][:n] if top_rows is not None else None,
                     text=self._decode(tokens),
                     finish_reason="stop" if stopped else "length",
                     prompt_index=p,
@@ -137,25 +141,22 @@ class HFBackend:
     def _sample(
         self, ids: torch.Tensor, attn: torch.Tensor, seeds: list[int], params: SamplingParams, kwargs: dict
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Run ``model.generate``; the new tokens (b, new), their untempered log-probs and (``params.top_logprobs`` = k) the
-        k most likely ids per step (b, new, k), recorded step by step by :class:`ScoredRowSampler` (one (b,) or (b, k)
-        tensor a step: the (b, new, V) logits of every step are never kept).
-
-        The sampler sees the float32 logits generate hands its processors: the raw logits, bit for bit what
-        ``output_logits`` kept before, as long as the generation config adds no processor of its own under
-        ``do_sample=False`` (e.g. ``repetition_penalty``; Qwen3's and the tiny models' add none)."""
+        """Sample the rows: the new tokens (b, new), their untempered log-probs and (``params.top_logprobs`` = k) the k most
+        likely ids per step (b, new, k), recorded step by step by :class:`ScoredRowSampler` (one (b,) or (b, k) tensor a
+        step: the (b, new, V) logits of every step are never kept). ``kwargs`` are ``model.generate``'s keywords for the
+        chunk (``max_new_tokens``, ``stopping_criteria`` …), which :meth:`_generate_tokens` runs or mirrors."""
         sampler = ScoredRowSampler(seeds, params.temperature, params.top_p, self.device, top_ids=params.top_logprobs, top_k=params.top_k,
                                    block=params.max_new_tokens)  # fmt: skip
-        kwargs.update(logits_processor=LogitsProcessorList([sampler]), **self._generate_options())
-        result = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), **kwargs)
-        new_tokens = result.sequences[:, ids.shape[1] :]
+        new_tokens = self._generate_tokens(ids.to(self.device), attn.to(self.device), sampler, kwargs)
         top = sampler.top_ids()
         top = top[:, : new_tokens.shape[1]].cpu() if top is not None else None
         return new_tokens.cpu(), sampler.logprobs()[:, : new_tokens.shape[1]].cpu(), top
 
-    def _generate_options(self) -> dict:
-        """Extra ``model.generate`` keywords of this engine (none here; ``hf_static`` adds its static cache)."""
-        return {}
+    def _generate_tokens(self, ids: torch.Tensor, attn: torch.Tensor, sampler: ScoredRowSampler, kwargs: dict) -> torch.Tensor:
+        """The new tokens (b, new) of left-padded rows, each step's token ``sampler.choose``'s: :func:`decode_loop`, the
+        forward passes of ``model.generate`` without its per-step machinery (``hf_static`` runs ``model.generate`` itself,
+        for its static cache and compiled decode step)."""
+        return decode_loop(self.model, ids, attn, sampler.choose, kwargs["stopping_criteria"], kwargs["max_new_tokens"], self.pad_id)
 
     def stop_criteria(self, stop: tuple[str, ...]) -> StoppingCriteriaList:
         """What ends a row: its EOS (kept, so the loss covers it) or a completed stop string (as transformers matches it)."""
@@ -165,6 +166,10 @@ class HFBackend:
         return criteria
 
     def _decode(self, tokens: list[int]) -> str:
+        """A completion's text (special tokens skipped), through the Rust tokenizer directly where that decodes as the HF
+        wrapper does (:func:`fast_decoder`: a third of the wrapper's cost a call)."""
+        if self._fast_decode is not None:
+            return self._fast_decode(tokens, skip_special_tokens=True)
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def score(
@@ -235,6 +240,54 @@ class HFBackend:
                 for name, value in chunk.items():
                     out[name][b, start + 1 : stop + 1] = value[0, 1:]  # the chunk's own position 0 is its context token
         return out
+
+
+@torch.no_grad()
+def decode_loop(
+    model, ids: torch.Tensor, attn: torch.Tensor, choose: Callable[[torch.Tensor], torch.Tensor], stops: StoppingCriteria,
+    max_new_tokens: int, pad_id: int,
+) -> torch.Tensor:
+    """Sample up to ``max_new_tokens`` tokens after the left-padded rows ``ids`` (mask ``attn``): the new tokens (b, new).
+    Each step's token per row is ``choose(logits)`` of the step's (b, V) float32 next-token logits; a row ``stops`` has
+    ended (called as generate calls its stopping criteria) takes ``pad_id`` from then on; the loop ends when every row
+    has ended, or after ``max_new_tokens`` steps.
+
+    The forward passes are ``model.generate``'s, input for input (position ids from the mask, the mask left out when no
+    row is padded, the last position's logits only, a dynamic KV cache), so the logits, and the tokens chosen from them,
+    are bit for bit those of ``model.generate`` choosing by a logits processor under greedy decoding, with no processor
+    of the model's generation config (e.g. ``repetition_penalty``). What it leaves out is generate's work around them at
+    every step (input preparation, the processor and criteria lists, the (b, V) mask a processor hands greedy decoding
+    to pick its token from): half of generate's time outside the forwards at the cpu-demo shape on a CPU (issue #46,
+    ``benchmarks/hf_generate_overhead.py``)."""
+    rows, width = ids.shape
+    accepted = inspect.signature(model.forward).parameters
+    cache_arg = "cache" if "cache" in accepted else "past_key_values"  # transformers 5 renamed it
+    fixed = {"use_cache": True, **({"logits_to_keep": 1} if "logits_to_keep" in accepted else {})}
+    mask = None if bool(attn.all()) else torch.cat([attn, attn.new_ones(rows, max_new_tokens)], dim=1)
+    positions = (attn.cumsum(-1) - 1).masked_fill_(attn == 0, 0)
+    takes_positions = "position_ids" in accepted  # as generate: position ids only for a model that takes them
+    sequence = torch.cat([ids, ids.new_full((rows, max_new_tokens), pad_id)], dim=1)  # what stop criteria read
+    running = torch.ones(rows, dtype=torch.bool, device=ids.device)
+    step = 0
+    with decoding(model):
+        first = {"position_ids": positions} if takes_positions else {}
+        out = model(input_ids=ids, attention_mask=None if mask is None else attn, **first, **fixed)
+        for step in range(max_new_tokens):
+            token = torch.where(running, choose(out.logits[:, -1].float()), pad_id)
+            sequence[:, width + step] = token
+            running &= ~stops(sequence[:, : width + step + 1], None)
+            if step + 1 == max_new_tokens or not bool(running.any()):
+                break
+            seen = None if mask is None else mask[:, : width + step + 1]
+            later = {"position_ids": positions[:, -1:] + step + 1} if takes_positions else {}
+            out = model(input_ids=token[:, None], attention_mask=seen, **later, **{cache_arg: getattr(out, cache_arg)}, **fixed)
+    return sequence[:, width : width + step + 1]
+
+
+def decoding(model) -> contextlib.AbstractContextManager:
+    """What ``model.generate`` wraps its decode loop in (an MoE's faster expert kernels on an accelerator), or nothing."""
+    optimize = getattr(model, "_optimize_model_for_decode", None)
+    return optimize() if optimize is not None else contextlib.nullcontext()
 
 
 def row_seed(params: SamplingParams, prompt_index: int, sample_index: int) -> int:
@@ -357,6 +410,19 @@ def without_output_head(model) -> Iterator[torch.nn.Module]:
         yield head
     finally:
         model.set_output_embeddings(head)
+
+
+def fast_decoder(tokenizer) -> Callable[..., str] | None:
+    """The Rust tokenizer's own ``decode`` where the HF wrapper's adds nothing to it (a ``TokenizersBackend`` with
+    its stock ``decode`` and no clean-up of spaces), else None: a per-token saving for the detokeniser."""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    kind = type(tokenizer)
+    stock = kind.decode is PreTrainedTokenizerBase.decode and getattr(kind, "_decode", None) is TokenizersBackend._decode
+    if not stock or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return None
+    return tokenizer.backend_tokenizer.decode
 
 
 def left_pad(seqs: list[list[int]], pad_id: int, *, width_multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

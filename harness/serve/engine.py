@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
+from opd_harness.backends.hf import fast_decoder
 from opd_harness.backends.sampling import draw_rows
 
 log = logging.getLogger("opd_harness.serve")
@@ -242,19 +243,6 @@ class TextThread:
             finally:
                 self._work.task_done()
         self._work.task_done()
-
-
-def fast_decoder(tokenizer) -> Callable[..., str] | None:
-    """The Rust tokenizer's own ``decode`` where the HF wrapper's adds nothing to it (a ``TokenizersBackend`` with
-    its stock ``decode`` and no clean-up of spaces), else None: a per-token saving for the detokeniser."""
-    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-    from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
-    kind = type(tokenizer)
-    stock = kind.decode is PreTrainedTokenizerBase.decode and getattr(kind, "_decode", None) is TokenizersBackend._decode
-    if not stock or getattr(tokenizer, "clean_up_tokenization_spaces", True):
-        return None
-    return tokenizer.backend_tokenizer.decode
 
 
 class Overloaded(Exception):
