@@ -67,6 +67,22 @@ def counted(model: torch.nn.Module, batch: TensorBatch, name: str, args: dict, *
         hook.remove()
 
 
+def assert_same_step(want: tuple, got: tuple, trained: torch.Tensor) -> None:
+    """Two ``loss_and_grads`` results agree: loss, diagnostics and the entropy at the ``trained`` positions within 1e-6,
+    every gradient within ``GRAD_TOL`` of its largest value (one graph computes the entropy only where a loss reads it)."""
+    (loss_a, diag_a, ent_a, grads_a), (loss_b, diag_b, ent_b, grads_b) = want, got
+    assert float(loss_a) != 0.0
+    assert abs(float(loss_b - loss_a)) <= 1e-6 * abs(float(loss_a))
+    for key, value in diag_a.items():
+        assert diag_b[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    torch.testing.assert_close(ent_b[trained], ent_a[trained], rtol=1e-6, atol=1e-6)
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for param, grad in grads_a.items():
+        scale = float(grad.abs().max())
+        assert scale > 0, param
+        torch.testing.assert_close(grads_b[param], grad, rtol=0, atol=GRAD_TOL * scale, msg=lambda m, p=param: f"{p}: {m}")
+
+
 @pytest.mark.parametrize(("name", "args", "lengths", "buckets"),
                          [("opd", {}, LENGTHS, 5), ("opd", {"estimator": "full"}, SHORT, 2)])  # fmt: skip
 def test_one_graph_within_the_budget_equals_the_per_bucket_backward_with_one_forward_per_bucket(model, name, args, lengths, buckets):
@@ -75,17 +91,7 @@ def test_one_graph_within_the_budget_equals_the_per_bucket_backward_with_one_for
     (loss_a, diag_a, ent_a, grads_a), forwards_a = counted(model, batch, name, args, forward_tokens=BUDGET)  # graph_memory_gib 0
     (loss_b, diag_b, ent_b, grads_b), forwards_b = counted(model, batch, name, args, forward_tokens=BUDGET, graph_memory_gib=64.0)
     assert (forwards_a, forwards_b) == (2 * buckets, buckets)  # the per-bucket backward forwards every bucket twice
-    assert float(loss_a) != 0.0
-    assert abs(float(loss_b - loss_a)) <= 1e-6 * abs(float(loss_a))
-    for key, value in diag_a.items():
-        assert diag_b[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
-    trained = batch.loss_mask.bool()  # one graph computes the entropy where a loss reads it, the per-bucket path everywhere
-    torch.testing.assert_close(ent_b[trained], ent_a[trained], rtol=1e-6, atol=1e-6)
-    assert grads_a.keys() == grads_b.keys() and grads_a
-    for param, grad in grads_a.items():
-        scale = float(grad.abs().max())
-        assert scale > 0, param
-        torch.testing.assert_close(grads_b[param], grad, rtol=0, atol=GRAD_TOL * scale, msg=lambda m, p=param: f"{p}: {m}")
+    assert_same_step((loss_a, diag_a, ent_a, grads_a), (loss_b, diag_b, ent_b, grads_b), batch.loss_mask.bool())
 
 
 def test_the_budget_decides_from_the_step_s_bucketed_tokens_and_the_vocabulary(model):
@@ -148,7 +154,8 @@ def head_rows(model: torch.nn.Module, run: Callable[[], tuple]) -> tuple[tuple, 
 def test_the_per_bucket_backward_runs_the_head_at_the_loss_positions_with_the_loss_and_gradients_of_every_position(model, name, args):
     """The per-bucket backward (a step over ``trainer.graph_memory_gib``) applies the output head, log-softmax and vocabulary
     terms at the loss's positions only, in both passes, and gives the loss, diagnostics, entropy and gradients of a step
-    that computes every position: the chunked one graph (``vocab_chunk``, its own code path), within 1e-6."""
+    that computes every position: the chunked one graph (``vocab_chunk``, its own code path), within
+    :func:`assert_same_step`'s tolerances."""
     batch = prompted_batch(LONG)
     trained = batch.loss_mask.bool()
     assert len(length_buckets(LONG, LONG_BUDGET)) == 4 and int(trained.sum()) == 4 * ANSWER + 3 + 7
@@ -158,13 +165,4 @@ def test_the_per_bucket_backward_runs_the_head_at_the_loss_positions_with_the_lo
     bucketed_step = lambda: loss_and_grads(model, batch, name, args, forward_tokens=LONG_BUDGET)  # noqa: E731  graph_memory_gib 0
     (loss_b, diag_b, ent_b, grads_b), rows_b = head_rows(model, bucketed_step)
     assert rows_b == 2 * int(trained.sum())  # both passes, at the trained positions only (before: every bucketed token, twice)
-    assert float(loss_a) != 0.0
-    assert abs(float(loss_b - loss_a)) <= 1e-6 * abs(float(loss_a))
-    for key, value in diag_a.items():
-        assert diag_b[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
-    torch.testing.assert_close(ent_b[trained], ent_a[trained], rtol=1e-6, atol=1e-6)
-    assert grads_a.keys() == grads_b.keys() and grads_a
-    for param, grad in grads_a.items():
-        scale = float(grad.abs().max())
-        assert scale > 0, param
-        torch.testing.assert_close(grads_b[param], grad, rtol=0, atol=GRAD_TOL * scale, msg=lambda m, p=param: f"{p}: {m}")
+    assert_same_step((loss_a, diag_a, ent_a, grads_a), (loss_b, diag_b, ent_b, grads_b), trained)
