@@ -478,3 +478,49 @@ def test_an_eval_worker_whose_node_lookup_hangs_is_killed_and_asked_again_and_pa
     assert time.monotonic() - started < LOOKUP_TIMEOUT_S + 5.0 + 30
     for worker in workers:
         ray.kill(worker, no_restart=True)
+
+
+@pytest.mark.slow
+def test_an_eval_workers_gpu_lookup_that_hangs_is_killed_and_asked_again(tmp_path, ray_session):
+    """The placed evaluation workers' GPU lookup (``devices``, recorded under the run's placement) is bounded like the
+    node lookup (before, a hung worker raised Ray's raw GetTimeoutError out of ``ray.get(..., timeout=...)``): worker 0's
+    answer hangs once, so it is killed within trainer.actor_timeout_s, restarted and asked again; both answers come back."""
+    from rich.console import Console
+
+    from opd_harness.trainers.ray_eval import RayShards
+    from opd_harness.trainers.ray_executor import Faults
+
+    class DevicesWorker:  # defined here: Ray ships it to the worker by value
+        """A stand-in evaluation worker whose ``devices`` answer hangs once while the file ``hang`` exists."""
+
+        def __init__(self, hang: str) -> None:
+            from pathlib import Path
+
+            self.hang = Path(hang)
+
+        def ready(self) -> None:
+            return None
+
+        def node_id(self) -> str:
+            import ray
+
+            return ray.get_runtime_context().get_node_id()
+
+        def devices(self) -> list[int]:
+            if self.hang.exists():
+                self.hang.unlink()  # once: the restarted worker answers
+                time.sleep(3600)
+            return [7]
+
+    ray = ray_session
+    remote = ray.remote(DevicesWorker).options(num_cpus=0, max_restarts=1, max_task_retries=0)
+    (tmp_path / "w0").touch()
+    workers = [remote.remote(str(tmp_path / f"w{i}")) for i in range(2)]
+    ray.get([w.ready.remote() for w in workers])
+    shards = RayShards(ray, workers, Console(), faults=Faults(call_s=LOOKUP_TIMEOUT_S, restart_s=120.0))
+    started = time.monotonic()
+    answers = shards.ask_each(workers, "devices", "its GPUs")
+    assert [answers.get(id(w)) for w in workers] == [[7], [7]] and shards.kills == 1, (answers, shards.kills)
+    assert time.monotonic() - started < LOOKUP_TIMEOUT_S + 60
+    for worker in workers:
+        ray.kill(worker, no_restart=True)

@@ -218,17 +218,24 @@ class RayShards:
         self.down.setdefault(id(worker), time.monotonic())
 
     def _locate(self, workers: list[Any]) -> list[Any]:
-        """Ask each of ``workers`` for its node (into ``node_of``; a restarted worker may run elsewhere), bounded as a shard
-        call is: a worker silent past ``call_s`` is killed for Ray to restart (:meth:`hung`), one that died is waited for,
-        and each is asked again once back; a restart past ``restart_s``, or a worker whose node died, raises :meth:`lost`.
-        Returns the workers that answered (not those Ray gave up on)."""
-        ray, located = self.ray, []
-        asks: dict[Any, Any] = {}  # node_id call -> worker
-        sent: dict[Any, float] = {}  # node_id call -> when it was sent
+        """Ask each of ``workers`` for its node (into ``node_of``; a restarted worker may run elsewhere), bounded as a
+        shard call is (:meth:`ask_each`). Returns the workers that answered (not those Ray gave up on)."""
+        answers = self.ask_each(workers, "node_id", "its node")
+        self.node_of.update(answers)
+        return [worker for worker in workers if id(worker) in answers]
+
+    def ask_each(self, workers: list[Any], method: str, what: str) -> dict[int, Any]:
+        """Call the argument-free ``method`` on each of ``workers`` (asking for ``what``): {id(worker): answer}, bounded
+        as a shard call is: a worker silent past ``call_s`` is killed for Ray to restart (:meth:`hung`), one that died is
+        waited for, and each is asked again once back; a restart past ``restart_s``, or a worker whose node died, raises
+        :meth:`lost`."""
+        ray, answers = self.ray, {}
+        asks: dict[Any, Any] = {}  # call -> worker
+        sent: dict[Any, float] = {}  # call -> when it was sent
         probes: dict[Any, Any] = {}  # ``ready`` call -> a worker that died or hung, until it is back
 
         def ask(worker: Any) -> None:
-            ref = worker.node_id.remote()
+            ref = getattr(worker, method).remote()
             asks[ref], sent[ref] = worker, time.monotonic()
 
         for worker in workers:
@@ -249,13 +256,11 @@ class RayShards:
             worker = asks.pop(ref)
             sent.pop(ref)
             try:
-                self.node_of[id(worker)] = ray.get(ref)
+                answers[id(worker)] = ray.get(ref)
             except ray.exceptions.RayActorError as exc:
-                self.died(worker, f"was lost while asked for its node ({type(exc).__name__})")
+                self.died(worker, f"was lost while asked for {what} ({type(exc).__name__})")
                 probes[worker.ready.remote()] = worker
-                continue
-            located.append(worker)
-        return located
+        return answers
 
     def placement(self) -> list[str | None]:
         """Each worker's node, in order (None for one Ray gave up on before it answered)."""
@@ -554,7 +559,8 @@ class RayEvalExecutor:
             placement.update(zip(names, shards.placement(), strict=True))
             if placed_eval:  # the unplaced worker asks for no GPU: nothing to record
                 gpus = placement.setdefault("gpus", {})
-                gpus.update(zip(names, ray.get([w.devices.remote() for w in workers], timeout=faults.call_s), strict=True))
+                devices = shards.ask_each(workers, "devices", "its GPUs")  # bounded: a hung worker restarted, a lost one named
+                gpus.update((name, devices.get(id(w))) for name, w in zip(names, workers, strict=True))
             session.shard_runner = CheckpointShards(ray, shards)
             yield
         finally:
