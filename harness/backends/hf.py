@@ -414,12 +414,13 @@ def without_output_head(model) -> Iterator[torch.nn.Module]:
 
 def fast_decoder(tokenizer) -> Callable[..., str] | None:
     """The Rust tokenizer's own ``decode`` where the HF wrapper's adds nothing to it (a ``TokenizersBackend`` with
-    its stock ``decode`` and no clean-up of spaces), else None: a per-token saving for the detokeniser."""
+    its stock ``decode`` and no clean-up of spaces), else None (also for a stand-in tokenizer with no ``decode``, which
+    scoring alone never calls): a per-token saving for the detokeniser."""
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
     kind = type(tokenizer)
-    stock = kind.decode is PreTrainedTokenizerBase.decode and getattr(kind, "_decode", None) is TokenizersBackend._decode
+    stock = getattr(kind, "decode", None) is PreTrainedTokenizerBase.decode and getattr(kind, "_decode", None) is TokenizersBackend._decode
     if not stock or getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return None
     return tokenizer.backend_tokenizer.decode
