@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from opd_harness.backends.hf import bucket_slices, bucketed, length_buckets, without_output_head
+from opd_harness.backends.hf import bucket_slices, bucketed, length_buckets, scores_from_logits, without_output_head
 from opd_harness.method import HParams, MethodSpec, StudentOutputs
 from opd_harness.teacher_signal import apply_terms, is_distribution
 from opd_harness.trajectory import TensorBatch
@@ -69,7 +69,8 @@ def student_outputs(
     entropy = -(log_dist.exp() * log_dist).sum(-1).detach()
 
     def vocab_map(fn: PositionFn, *aligned: Any) -> torch.Tensor:
-        return gather_rows(position_terms(fn, log_dist, positions, *(local_rows(a, shard) for a in aligned)), shard, rows)
+        local = (local_rows(a, shard).to(log_dist.device)[positions] for a in aligned)
+        return gather_rows(at_positions(apply_terms(fn, log_dist, *local), positions), shard, rows)
 
     logprobs = gather_rows(at_positions(token_logp, positions), shard, rows)
     outputs = StudentOutputs(logprobs=logprobs, vocab_map=vocab_map if full else None)
@@ -92,13 +93,6 @@ def position_log_distribution(
     with autocast(hidden.device, precision):
         logits = head(before)
     return torch.log_softmax(logits.float(), dim=-1)
-
-
-def position_terms(fn: PositionFn, log_dist: torch.Tensor, positions: torch.Tensor, *aligned: Any) -> torch.Tensor:
-    """``fn`` over the (N, V) ``log_dist`` of the N ``positions`` of (b, T) rows, with the (b, T, ...) ``aligned`` tensors or
-    teacher distributions at those positions; back on (b, T), zero elsewhere."""
-    local = (a.to(log_dist.device)[positions] for a in aligned)
-    return at_positions(apply_terms(fn, log_dist, *local), positions)
 
 
 def at_positions(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -264,30 +258,23 @@ def student_pass(
 
 @dataclass
 class StudentForward:
-    """The student's forward on some of this rank's rows, as :class:`BucketBackward` runs it, with a graph when grad mode is
-    on. Unchunked (the second pass): the forward stops at the last hidden states and the output head and log-softmax run at
-    the rows' loss positions only (:func:`loss_positions`, as :func:`student_outputs` does), giving the log-probs there
-    (0 elsewhere) and the (N, V) log-distribution with its positions as the ``state``; with ``vocab_chunk``: log-probs,
-    entropy and the (n, T, H) last hidden states as the ``state``, ``vocab_chunk`` positions at a time. A method's
-    vocabulary terms are computed from the ``state`` (:meth:`terms`)."""
+    """The student's forward on some of this rank's rows, as both passes of :class:`BucketBackward` run it, with a graph
+    when grad mode is on. Unchunked: log-probs, entropy and the (n, T, V) log-distribution from the logits; with
+    ``vocab_chunk``: from the (n, T, H) last hidden states, ``vocab_chunk`` positions at a time. The log-distribution or the
+    hidden states are the ``state`` a method's vocabulary terms are computed from (:meth:`terms`)."""
 
     model: torch.nn.Module
     precision: str
     vocab_chunk: int = 0
     head: torch.nn.Module | None = None
 
-    def __call__(self, ids: torch.Tensor, attention: torch.Tensor, want: tuple[str, ...],
-                 loss_mask: torch.Tensor | None = None) -> dict[str, Any]:  # fmt: skip
-        """The fields of ``want`` (``logprobs``, ``entropy`` chunked only, ``state``) for right-padded rows ``ids``, each
-        (n, T, ...) but the unchunked ``state``; unchunked, the rows' (n, T) ``loss_mask`` says where the head runs."""
+    def __call__(self, ids: torch.Tensor, attention: torch.Tensor, want: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """The fields of ``want`` (``logprobs``, ``entropy``, ``state``) for right-padded rows ``ids``, each (n, T, ...)."""
         if not self.vocab_chunk:
-            hidden, head = hidden_states(self.model, ids, attention, self.precision)
-            positions = loss_positions(loss_mask)
-            log_dist = position_log_distribution(hidden, head, positions, self.precision)
-            out: dict[str, Any] = {"state": (log_dist, positions)} if "state" in want else {}
-            if "logprobs" in want:
-                out["logprobs"] = at_positions(log_dist.gather(-1, ids[positions].unsqueeze(-1)).squeeze(-1), positions)
-            return out
+            with autocast(ids.device, self.precision):
+                logits = self.model(input_ids=ids, attention_mask=attention).logits.float()
+            scores = scores_from_logits(logits, ids, tuple("full" if name == "state" else name for name in want))
+            return {("state" if name == "full" else name): value for name, value in scores.items()}
         hidden, self.head = hidden_states(self.model, ids, attention, self.precision)
         out = {"state": hidden} if "state" in want else {}
         if "entropy" in want:
@@ -300,13 +287,11 @@ class StudentForward:
     def chunks(self, hidden: torch.Tensor) -> ChunkedVocabulary:
         return ChunkedVocabulary(hidden, self.head, self.vocab_chunk, lambda: autocast(hidden.device, self.precision))
 
-    def terms(self, state: Any, fn: PositionFn, *aligned: Any) -> torch.Tensor:
-        """``fn`` over the positions of ``state`` (what :meth:`StudentOutputs.over_vocabulary` computes), (n, T, ...):
-        chunked every position, unchunked the loss's (0 elsewhere)."""
+    def terms(self, state: torch.Tensor, fn: PositionFn, *aligned: object) -> torch.Tensor:
+        """``fn`` over every position of ``state`` (what :meth:`StudentOutputs.over_vocabulary` computes), (n, T, ...)."""
         if self.vocab_chunk:
             return self.chunks(state).map(fn, *aligned)
-        log_dist, positions = state
-        return position_terms(fn, log_dist, positions, *aligned)
+        return apply_terms(fn, state, *(a.to(state.device) for a in aligned))
 
 
 @dataclass
@@ -323,12 +308,10 @@ class BucketBackward:
     """Gradient caching over length buckets: the step's backward one ``forward_tokens`` bucket at a time, with the gradients
     of one graph over the whole step.
 
-    First pass, without a graph (unchunked: :func:`student_outputs`, the vocabulary side at the loss's positions only):
-    the student's log-probs (and entropy) of every bucket, gathered over ranks, become leaf tensors; the objective runs on
-    them (the whole global batch: token means, groups, method state), and every ``over_vocabulary`` call it makes is
-    recorded and answered with its terms as a leaf too. ``backward(loss)`` takes d loss / d leaves, then, per bucket of
-    this rank's rows, runs the forward again with a graph (unchunked: the head at the bucket's loss positions only) and
-    back-propagates the
+    First pass, without a graph: the student's log-probs (and entropy) of every bucket, gathered over ranks, become leaf
+    tensors; the objective runs on them (the whole global batch: token means, groups, method state), and every
+    ``over_vocabulary`` call it makes is recorded and answered with its terms as a leaf too. ``backward(loss)`` takes
+    d loss / d leaves, then, per bucket of this rank's rows, runs the forward again with a graph and back-propagates the
     cached gradient of its rows (×W under data parallelism, as :class:`opd_harness.trainers.distributed._GatherRows` does), freeing
     the graph before the next bucket. Every rank makes ``calls`` forwards in each pass and ``calls`` backwards (padding with
     2-token rows whose gradient is zero); DDP synchronises on the last backward only (``no_sync`` before), FSDP2
@@ -340,7 +323,7 @@ class BucketBackward:
     forward_tokens: int
     calls: int
     recorded: list[_Recorded] = field(default_factory=list)
-    terms: Callable[..., torch.Tensor] | None = None  # the first pass's global vocabulary terms (its state), until backward
+    state: torch.Tensor | None = None  # the first pass's (b, T, V) log-distribution or (b, T, H) hidden states, until backward
     logprobs: torch.Tensor | None = None  # the global (B, T) leaf
 
     @property
@@ -354,40 +337,30 @@ class BucketBackward:
 
     def first_pass(self, full: bool) -> tuple[StudentOutputs, torch.Tensor]:
         """Log-probs (a leaf: the objective's loss is differentiated w.r.t. them) and entropy of every row, no graph kept."""
-        if not self.forward.vocab_chunk:
-            with torch.no_grad():
-                outputs, entropy = student_outputs(self.forward.model, self.batch, full, shard=self.shard,
-                                                   precision=self.forward.precision, forward_tokens=self.forward_tokens)  # fmt: skip
-            self.logprobs, self.terms = outputs.logprobs.requires_grad_(True), outputs.vocab_map
-            return StudentOutputs(logprobs=self.logprobs, vocab_map=self.record if full else None), entropy
         ids, attention = self.local(self.batch.input_ids), self.local(self.batch.attention_mask)
         want = ("logprobs", "entropy", "state") if full else ("logprobs", "entropy")
         with torch.no_grad():
             scores = paired_bucketed(lambda i, a: self.forward(i, a, want), ids, attention, self.forward_tokens, self.calls)
             self.logprobs = gather_rows(scores["logprobs"], self.shard, self.rows).requires_grad_(True)
             entropy = gather_rows(scores["entropy"], self.shard, self.rows)
-        state = scores.get("state")
-
-        def terms(fn: PositionFn, *aligned: Any) -> torch.Tensor:
-            return gather_rows(self.forward.terms(state, fn, *(self.local(a) for a in aligned)), self.shard, self.rows)
-
-        self.terms = terms
+        self.state = scores.get("state")
         return StudentOutputs(logprobs=self.logprobs, vocab_map=self.record if full else None), entropy
 
     def record(self, fn: PositionFn, *aligned: object) -> torch.Tensor:
         """``over_vocabulary(fn, *aligned)`` in the first pass: the global terms as a leaf, remembered for the second pass."""
         if any(isinstance(a, torch.Tensor) and a.requires_grad for a in aligned):
             raise ValueError("over_vocabulary's aligned tensors must not require grad under trainer.forward_tokens bucketing")
-        if self.terms is None:
+        if self.state is None:
             raise RuntimeError("over_vocabulary after the backward: the first pass's distribution is gone")
         with torch.no_grad():
-            leaf = self.terms(fn, *aligned).requires_grad_(True)
+            local = self.forward.terms(self.state, fn, *(self.local(a) for a in aligned))
+            leaf = gather_rows(local, self.shard, self.rows).requires_grad_(True)
         self.recorded.append(_Recorded(fn, aligned, leaf))
         return leaf
 
     def backward(self, loss: torch.Tensor) -> None:
         """d loss / d parameters, accumulated into ``.grad`` one bucket at a time (see the class)."""
-        self.terms = None  # the first pass's distribution: only the recorded terms are needed now
+        self.state = None  # the first pass's distribution: only the recorded terms are needed now
         grads = self.cached_grads(loss)
         ids, attention = self.local(self.batch.input_ids), self.local(self.batch.attention_mask)
         slices = bucket_slices(attention, self.forward_tokens)
@@ -396,8 +369,7 @@ class BucketBackward:
                 if call < len(slices):
                     self.bucket_backward(ids, attention, *slices[call], grads)
                 else:  # an empty forward and a zero backward: the collectives of the ranks with more buckets
-                    ones = attention.new_ones((1, 2))
-                    padding = self.forward(ids.new_zeros((1, 2)), ones, ("logprobs",), ones)["logprobs"]
+                    padding = self.forward(ids.new_zeros((1, 2)), attention.new_ones((1, 2)), ("logprobs",))["logprobs"]
                     torch.autograd.backward(padding, torch.zeros_like(padding))
 
     def cached_grads(self, loss: torch.Tensor) -> list[torch.Tensor | None]:
@@ -413,7 +385,7 @@ class BucketBackward:
         logprob_grad, term_grads = grads[0], grads[1:]
         needed = [(r, g) for r, g in zip(self.recorded, term_grads, strict=True) if g is not None]
         want = ("logprobs",) * (logprob_grad is not None or not needed) + ("state",) * bool(needed)
-        scores = self.forward(ids[index, :cols], attention[index, :cols], want, self.local(self.batch.loss_mask)[index, :cols])
+        scores = self.forward(ids[index, :cols], attention[index, :cols], want)
         outputs, cached = [], []
         if "logprobs" in scores:
             outputs.append(scores["logprobs"])
