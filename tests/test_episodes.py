@@ -310,21 +310,24 @@ def eos_padded_backend(tiny_model_factory):
     return backend
 
 
-def test_no_unsampled_token_is_trained_on_when_padding_is_eos(eos_padded_backend):
+def test_no_unsampled_token_is_trained_on_when_padding_is_eos(eos_padded_backend, monkeypatch):
     """Rows that stop on a stop string while others still generate are padded with EOS; only what was sampled, up to the
-    first stop, enters the trajectory (with its log-prob and loss mask 1). The oracle: the raw generated rows, cut here at
-    the first EOS or stop character (one character is one token)."""
+    first stop, enters the trajectory (with its log-prob and loss mask 1). The oracle: the raw generated rows (the hf
+    engine's decode loop's output, EOS-padded after each row's stop), cut here at the first EOS or stop character (one
+    character is one token)."""
+    import opd_harness.backends.hf as hf
+
     backend, tokenizer = eos_padded_backend, eos_padded_backend.tokenizer
     stops = tuple("bcfghijlmqrtvwxyz")  # no character of <pad>, <eos>, <unk>: transformers matches stop strings inside a token
     raw: list[tuple[torch.Tensor, int]] = []
-    generate = backend.model.generate
+    decode_loop = hf.decode_loop
 
-    def recording(**kwargs):
-        result = generate(**kwargs)
-        raw.append((result.sequences[:, kwargs["input_ids"].shape[1] :].cpu(), kwargs["input_ids"].shape[1]))
-        return result
+    def recording(model, ids, *args, **kwargs):
+        new = decode_loop(model, ids, *args, **kwargs)
+        raw.append((new.cpu(), ids.shape[1]))
+        return new
 
-    backend.model.generate = recording
+    monkeypatch.setattr(hf, "decode_loop", recording)
     task = EchoTask(EchoOptions(turns=1))
     trajs = rollout(backend, task, task.load(), SamplingParams(max_new_tokens=12, n=8, stop=stops, seed=0))
     ((rows, _),) = raw
