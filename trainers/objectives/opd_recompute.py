@@ -24,6 +24,7 @@ from opd_harness.lazy import lazy_import
 from opd_harness.method import HParams, MethodSpec, StudentOutputs
 from opd_harness.trajectory import TensorBatch
 from opd_harness.trainers.objectives import masked_mean, masked_sum
+from opd_harness.trainers.objectives.common import ppo_clip_per_token
 
 if TYPE_CHECKING:
     import torch
@@ -55,12 +56,6 @@ def importance_ratio(student_logp: torch.Tensor, behaviour_logp: torch.Tensor, c
     return ratio if cap is None else torch.clamp(ratio, max=cap)
 
 
-def ppo_clipped(ratio: torch.Tensor, advantage: torch.Tensor, eps: float) -> torch.Tensor:
-    """max(−ρ·A, −clip(ρ, 1 − ε, 1 + ε)·A) per token (PPO's clipped surrogate, as AsyncOPD's ``ppo_clip_loss`` without
-    dual clip): no gradient where ρ has left [1 − ε, 1 + ε] in the direction the advantage pushes it."""
-    return torch.maximum(-ratio * advantage, -torch.clamp(ratio, 1.0 - eps, 1.0 + eps) * advantage)
-
-
 def clip_binds(ratio: torch.Tensor, advantage: torch.Tensor, eps: float) -> torch.Tensor:
     """1 where the clip takes the token's gradient away (ρ > 1 + ε with A > 0, or ρ < 1 − ε with A < 0), else 0."""
     ratio = ratio.detach()
@@ -75,7 +70,10 @@ def recompute_objective(
     s = student.logprobs
     advantage = recomputed_advantage(s, batch.teacher_logprobs, mask, hp.kl_coef)
     ratio = importance_ratio(s, batch.behaviour_logprobs, hp.ratio_cap)
-    per_token = -ratio * advantage if hp.clip_eps is None else ppo_clipped(ratio, advantage, hp.clip_eps)
+    if hp.clip_eps is None:
+        per_token = -ratio * advantage
+    else:
+        per_token = ppo_clip_per_token(ratio, advantage, clip_low=hp.clip_eps, clip_high=hp.clip_eps)
     loss = masked_sum(per_token, mask) if hp.aggregation == "sum" else masked_mean(per_token, mask)
     stale = masked_mean((batch.behaviour_logprobs - batch.teacher_logprobs) * mask, mask)
     diagnostics = {} if hp.clip_eps is None else {"clip_fraction": float(masked_mean(clip_binds(ratio, advantage, hp.clip_eps), mask))}
