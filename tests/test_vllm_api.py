@@ -59,11 +59,15 @@ def _vllm():
     if SOURCE_DIR:
         pytest.skip("source mode (HARNESS_VLLM_SOURCE): vLLM is read, not imported")
     if importlib.util.find_spec("vllm") is None:
-        reason = "vllm is not installed (it has its own environment: .ci/legs/vllm.sh)"
-        if REQUIRE_VLLM:
-            pytest.fail(f"HARNESS_REQUIRE_VLLM=1 but {reason}", pytrace=False)
-        pytest.skip(reason)
+        missing("vllm is not installed (it has its own environment: .ci/legs/vllm.sh)")
     return importlib.import_module("vllm")
+
+
+def missing(reason: str) -> None:
+    """vLLM (or its source) is not here: a skip, a failure under ``HARNESS_REQUIRE_VLLM=1`` (the CI legs)."""
+    if REQUIRE_VLLM:
+        pytest.fail(f"HARNESS_REQUIRE_VLLM=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
 
 
 def compact(source: str) -> str:
@@ -567,10 +571,7 @@ def _source_root() -> Path:
         return Path(SOURCE_DIR)
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
-        reason = "no vLLM source: set HARNESS_VLLM_SOURCE to a folder holding the vllm package's files (.ci/legs/vllm_source.sh)"
-        if REQUIRE_VLLM:
-            pytest.fail(f"HARNESS_REQUIRE_VLLM=1 but {reason}", pytrace=False)
-        pytest.skip(reason)
+        missing("no vLLM source: set HARNESS_VLLM_SOURCE to a folder holding the vllm package's files (.ci/legs/vllm_source.sh)")
     return Path(list(spec.submodule_search_locations)[0]).parent
 
 
