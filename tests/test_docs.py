@@ -229,6 +229,54 @@ def test_the_documented_method_runs_and_registers(tmp_path) -> None:
         METHODS._items.pop(name, None)
 
 
+
+def test_the_documented_method_test_passes(tmp_path, monkeypatch) -> None:
+    """The add-a-method page's test, run against the page's example installed as ``my_package.my_opd``."""
+    package = tmp_path / "my_package"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "my_opd.py").write_text(_block("extending/add-a-method.md", "A complete example"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = _module("test_my_opd_doc", _block("extending/add-a-method.md", "Its test"), tmp_path)
+    tests = [getattr(module, name) for name in dir(module) if name.startswith("test_")]
+    assert len(tests) == 1
+    tests[0]()
+    monkeypatch.delitem(sys.modules, "my_package.my_opd")
+    monkeypatch.delitem(sys.modules, "my_package")
+
+
+# (method, hyper-parameters) beyond the defaults that log more diagnostics
+METRIC_VARIANTS = {"opd": ({}, {"estimator": "full"}), "ap_opd": ({}, {"clip": True}), "iw_opd": ({}, {"clip": True})}
+
+
+def test_every_method_page_names_the_metrics_its_objective_logs(tiny_model_factory) -> None:
+    """Every diagnostic an objective returns is stored as a step metric under its own name; its method page (the one that
+    generates the method's keys) names each of them, so a metric added to an objective and not documented fails here."""
+    import dataclasses
+
+    import torch
+    from test_chunked_vocab import batch_for
+
+    from opd_harness.registry import METHODS
+    from opd_harness.trainers.learner import student_pass
+
+    pages = {name: page for page in (ROOT / "docs" / "methods").glob("*.md")
+             for name in re.findall(r"<!-- gen:method ([\w-]+) -->", page.read_text(encoding="utf-8"))}  # fmt: skip
+    model = tiny_model_factory(seed=3, hidden=32, layers=1)
+    graded = {"rewards": torch.tensor([1.0, 0.0, 1.0]), "group_ids": torch.zeros(3, dtype=torch.long)}  # one group of three
+    batch = dataclasses.replace(batch_for(model.config.vocab_size), **graded)
+    missing, seen = [], 0
+    for name in gen_reference.method_names():
+        spec, text = METHODS.get(name), pages[name].read_text(encoding="utf-8")
+        for args in METRIC_VARIANTS.get(name, ({},)):
+            hp = spec.hparams(**args)
+            student = student_pass(model, batch, full="student_full" in spec.needs(hp))
+            _, diagnostics = spec.objective(batch, student.outputs, hp, spec.make_state(hp) if spec.make_state else None)
+            seen += len(diagnostics)
+            missing += [f"{pages[name].name}: {name} {args} logs `{key}`" for key in diagnostics if f"`{key}`" not in text]
+    assert seen > 100
+    assert sorted(set(missing)) == []
+
 IMPORT = re.compile(r"^\s*from (opd_harness[\w.]*) import ([\w, ]+)$", re.MULTILINE)
 
 
