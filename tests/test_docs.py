@@ -229,7 +229,6 @@ def test_the_documented_method_runs_and_registers(tmp_path) -> None:
         METHODS._items.pop(name, None)
 
 
-
 def test_the_documented_method_test_passes(tmp_path, monkeypatch) -> None:
     """The add-a-method page's test, run against the page's example installed as ``my_package.my_opd``."""
     package = tmp_path / "my_package"
@@ -276,6 +275,7 @@ def test_every_method_page_names_the_metrics_its_objective_logs(tiny_model_facto
             missing += [f"{pages[name].name}: {name} {args} logs `{key}`" for key in diagnostics if f"`{key}`" not in text]
     assert seen > 100
     assert sorted(set(missing)) == []
+
 
 IMPORT = re.compile(r"^\s*from (opd_harness[\w.]*) import ([\w, ]+)$", re.MULTILINE)
 
