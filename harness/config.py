@@ -569,7 +569,8 @@ class TrainerConfig(Strict):
 class EvalConfig(Strict):
     tasks: list[str] = Field(
         default_factory=list,
-        description="tasks each checkpoint is evaluated on; the training task is always among them (first when the list omits it)",
+        description="tasks each checkpoint is evaluated on; the training task is among them (first when the list omits it) unless "
+        "it has no test split (a training-only prompt set)",
     )
     k: int | None = Field(None, ge=1, description="samples per problem (default: the task's k)")
     limit: int | None = Field(None, ge=1, description="evaluate the first N problems of each task")
@@ -816,12 +817,24 @@ def selected_method_args(layer: dict, method: str) -> dict:
 
 
 def with_training_task_evaluated(data: dict) -> dict:
-    """``eval.tasks`` always holds the training task: first when the list given omits it (evaluation defaults to it)."""
+    """``eval.tasks`` holds the training task: first when the list given omits it (evaluation defaults to it), unless
+    the task has no test split to evaluate (a training-only prompt set), which the list given then replaces."""
     task = data.get("task", RunConfig.model_fields["task"].default)
     given = (data.get("eval") or {}).get("tasks") if isinstance(data.get("eval"), dict) else None
-    if not isinstance(given, list) or not isinstance(task, str) or not given or task in given:
+    if not isinstance(given, list) or not isinstance(task, str) or not given or task in given or not has_test_split(task):
         return data
     return {**data, "eval": {**data["eval"], "tasks": [task, *given]}}
+
+
+def has_test_split(task: str) -> bool:
+    """Whether the registered task ``task`` can be evaluated (it has a ``test`` split); an unknown name counts as one, so
+    that planning the run names it."""
+    from opd_harness.registry import TASKS, RegistryError
+
+    try:
+        return "test" in TASKS.get(task).splits
+    except RegistryError:
+        return True
 
 
 def user_layers(config_file: Path | None = None, overrides: list[str] = (), cli: dict | None = None) -> dict:

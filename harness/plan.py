@@ -181,6 +181,10 @@ def plan_run(cfg: RunConfig) -> Plan:
         )
     check_references(cfg, method, hparams, task)
     check_behaviour_logprobs(cfg, method, hparams)
+    untestable = next((t for t in eval_tasks if "test" not in t.splits), None)
+    if untestable is not None:
+        raise ConfigError(f"eval.tasks: {untestable.name} has no test split to evaluate (its splits: {', '.join(untestable.splits)}); "
+                          "name the tasks each checkpoint is evaluated on: --set 'eval.tasks=[TASK,...]'")  # fmt: skip
     return Plan(cfg, method, hparams, task, eval_tasks, pipeline, warnings=[*teacher_warnings, *pipeline.warnings(method, hparams, task)])
 
 

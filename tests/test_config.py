@@ -113,6 +113,18 @@ def test_evaluation_follows_the_training_task():
     assert RunConfig(task="arith_tool").eval.tasks == ["arith_tool"]
 
 
+def test_a_training_only_task_is_evaluated_on_the_eval_tasks_alone():
+    """dapo_math has only a train split: a run training on it evaluates what eval.tasks names (it would otherwise ask for
+    dapo_math's test split and exit 2), and plans with the training problems from its train split."""
+    assert TASKS.get("dapo_math").splits == ("train",)
+    cfg = build_config(cli={"task": "dapo_math"}, overrides=["eval.tasks=[math500]"])
+    assert cfg.eval.tasks == ["math500"]
+    plan = plan_run(cfg)
+    assert plan.task.training_split() == "train" and [t.name for t in plan.eval_tasks] == ["math500"]
+    with pytest.raises(ConfigError, match=r"eval.tasks: dapo_math has no test split to evaluate \(its splits: train\); name the tasks"):
+        plan_run(build_config(cli={"task": "dapo_math"}))  # evaluation defaults to the training task, which has none
+
+
 def test_f_opd_on_swebench_prints_async_and_evaluates_swebench_but_does_not_run_without_models(tmp_path):
     printed = runner.invoke(app, ["run", "--method", "f_opd", "--task", "swebench", "--print-config"])
     assert printed.exit_code == 0, printed.output
