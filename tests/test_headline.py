@@ -150,16 +150,38 @@ def test_eval_takes_device_and_dtype_flags(models, tmp_path):
     assert json.loads(result.stdout)["tasks"]["arith"]["n_samples"] == 2
 
 
+def test_gate_takes_the_same_device_and_dtype_flags_as_eval(models, tmp_path):
+    """``harness gate``'s --device/--dtype become the evaluated model path's backend options, the same ones
+    ``--backend-option device=... dtype=...`` gives (so the second gate reuses the first one's evaluation)."""
+    from opd_harness.store import Store
+
+    args = ["gate", "--baseline", models["student"], "--candidate", models["student"], "--task", "arith", "--task-arg",
+            "arith.n_test=4", "--limit", "2", "--k", "1", "--out", str(tmp_path), "--json"]  # fmt: skip
+    flagged = runner.invoke(app, [*args, "--device", "cpu", "--dtype", "bfloat16"])
+    assert flagged.exit_code == 3, flagged.output  # 2 problems: too few to decide, but both sides were evaluated
+    with Store(tmp_path) as store:
+        (run,) = store.runs()
+        assert store.get_run(run["run_id"])["config"]["backend_options"] == {"device": "cpu", "dtype": "bf16"}
+    as_options = runner.invoke(app, [*args, "--backend-option", "device=cpu", "--backend-option", "dtype=bf16"])
+    assert as_options.exit_code == 3 and "reused its evaluation" in as_options.stdout, as_options.output
+    with Store(tmp_path) as store:
+        assert len(store.runs()) == 1
+
+
 @pytest.mark.parametrize(
     "flags, says", [(["--device", "cuda"], "torch sees no CUDA device here"), (["--dtype", "float8"], "'float8': choose one of")]
 )
-def test_eval_refuses_a_device_or_dtype_it_cannot_use_in_one_line(models, tmp_path, flags, says):
+@pytest.mark.parametrize("command", ["eval", "gate"])
+def test_eval_refuses_a_device_or_dtype_it_cannot_use_in_one_line(models, tmp_path, flags, says, command):
+    """The same refusal from ``harness eval`` and from ``harness gate`` on a model path (the flags are shared)."""
     import torch
 
     if flags[0] == "--device" and torch.cuda.is_available():
         pytest.skip("this host has CUDA")
-    result = runner.invoke(app, ["eval", "--model", models["student"], "--task", "arith", "--limit", "2", *flags, "--out", str(tmp_path)])
+    model = ["--model", models["student"]] if command == "eval" else ["--baseline", models["student"], "--candidate", models["student"]]
+    result = runner.invoke(app, [command, *model, "--task", "arith", "--limit", "2", *flags, "--out", str(tmp_path)])
     assert result.exit_code == 2 and says in " ".join(result.output.split()), result.output
+    assert flags[0] in result.output, result.output
     assert "Traceback" not in result.output and not (tmp_path / "results.sqlite").exists()
 
 

@@ -203,14 +203,8 @@ def eval_(
     _prepare_tasks(tasks)  # closed at exit; exit 2 if one cannot run here (e.g. no sandbox image)
     thinking = {value for value in (s.get("enable_thinking") for s in settings.values())}
     enable_thinking = thinking.pop() if len(thinking) == 1 else enable_thinking  # one template switch for the whole eval
-    options = {}
-    for item in backend_option or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise _fail(f"--backend-option {item!r}: expected KEY=VALUE")
-        options[key.strip()] = yaml.safe_load(value) if value else value  # "8" -> 8, URLs stay strings
     try:
-        options = eval_backend_options(backend_cls, options, device=device, dtype=dtype, enable_thinking=enable_thinking)
+        options = opts.backend_options(backend_cls, backend_option, device=device, dtype=dtype, enable_thinking=enable_thinking)
         if backend == "hf":  # a folder without weights, or a hub id offline: one line now, not a traceback after the data
             from opd_harness.models.hub import ModelUnavailable, locate_model
 
@@ -363,35 +357,6 @@ def eval_settings(protocol: str | None, tasks: list, flags: dict, backend_cls: t
                           "vllm or openai, or --presence-penalty 0 to run without it (a deviation from the protocol)")  # fmt: skip
     if len({s["enable_thinking"] for s in out.values()}) > 1:
         raise ConfigError("the tasks need different --enable-thinking switches; evaluate them in separate commands")
-    return out
-
-
-def eval_backend_options(backend_cls: type, options: dict, *, device: str | None, dtype: str | None,
-                         enable_thinking: bool | None) -> dict:  # fmt: skip
-    """``harness eval``'s --device, --dtype and --enable-thinking as the backend options they stand for (the flag wins over
-    ``--backend-option``), checked before anything loads: an option the backend does not take, an unknown dtype, or a CUDA
-    device this host lacks is a ConfigError naming the flag."""
-    from opd_harness.config import device_unavailable, load_options
-    from opd_harness.models.hub import dtype_name
-
-    flags = {"device": ("--device", device), "dtype": ("--dtype", dtype), "enable_thinking": ("--enable-thinking", enable_thinking)}
-    out = dict(options)
-    takes = load_options(backend_cls)
-    for key, (flag, value) in flags.items():
-        if value is not None:
-            out[key] = value
-        if key in out and key not in takes:
-            raise ConfigError(f"{flag if value is not None else '--backend-option ' + key}: the {backend_cls.__name__} backend does "
-                              f"not take it (it takes {', '.join(takes)})")  # fmt: skip
-    if "device" in out:
-        why = device_unavailable(str(out["device"]), key="--device")
-        if why:
-            raise ConfigError(why)
-    if "dtype" in out and backend_cls.__name__ == "HFBackend":
-        try:
-            dtype_name(str(out["dtype"]), device=str(out.get("device", "cpu")))
-        except ValueError as exc:
-            raise ConfigError(f"--dtype: {exc}") from None
     return out
 
 

@@ -8,6 +8,8 @@ from typing import Annotated
 
 import typer
 
+from opd_harness.errors import ConfigError
+
 DTYPES = ("auto", "bf16", "fp16", "fp32")
 DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}
 
@@ -68,6 +70,43 @@ def run_flags_as_config(**flags: object) -> dict:
         section, key = RUN_FLAG_KEYS[name].split(".")
         layer.setdefault(section, {})[key] = str(value) if isinstance(value, Path) else value
     return layer
+
+
+def backend_options(backend_cls: type, items: list[str] | None, *, device: str | None, dtype: str | None,
+                    enable_thinking: bool | None = None) -> dict:  # fmt: skip
+    """The ``--backend-option KEY=VALUE`` items (values read as YAML: "8" -> 8, URLs stay strings) with --device, --dtype
+    and --enable-thinking as the backend options they stand for (the flag wins), checked before anything loads: a
+    malformed item, an option the backend does not take, an unknown dtype, or a CUDA device this host lacks is a
+    ConfigError naming the flag. One function, so the flags mean the same in ``harness eval`` and ``harness gate``."""
+    import yaml
+
+    from opd_harness.config import device_unavailable, load_options
+    from opd_harness.models.hub import dtype_name
+
+    out: dict = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--backend-option {item!r}: expected KEY=VALUE")
+        out[key.strip()] = yaml.safe_load(value) if value else value
+    flags = {"device": ("--device", device), "dtype": ("--dtype", dtype), "enable_thinking": ("--enable-thinking", enable_thinking)}
+    takes = load_options(backend_cls)
+    for key, (flag, value) in flags.items():
+        if value is not None:
+            out[key] = value
+        if key in out and key not in takes:
+            raise ConfigError(f"{flag if value is not None else '--backend-option ' + key}: the {backend_cls.__name__} backend does "
+                              f"not take it (it takes {', '.join(takes)})")  # fmt: skip
+    if "device" in out:
+        why = device_unavailable(str(out["device"]), key="--device")
+        if why:
+            raise ConfigError(why)
+    if "dtype" in out and backend_cls.__name__ == "HFBackend":
+        try:
+            dtype_name(str(out["dtype"]), device=str(out.get("device", "cpu")))
+        except ValueError as exc:
+            raise ConfigError(f"--dtype: {exc}") from None
+    return out
 
 
 Student = Annotated[

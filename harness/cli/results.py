@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from opd_harness.cli import options as opts
 from opd_harness.errors import ConfigError
 from opd_harness.jsonout import to_json
 
@@ -111,6 +112,8 @@ def gate(
     backend_option: Annotated[
         list[str] | None, typer.Option("--backend-option", help="model paths: backend option KEY=VALUE, repeatable")
     ] = None,
+    device: opts.Device = None,
+    dtype: opts.Dtype = None,
     task_arg: Annotated[list[str] | None, typer.Option("--task-arg", help="model paths: task option TASK.KEY=VALUE, repeatable")] = None,
     data_dir: Annotated[Path | None, typer.Option(help="model paths: local data root laid out as DIR/<task>/...")] = None,
     html_: Annotated[
@@ -122,11 +125,10 @@ def gate(
     Paired per problem: exact McNemar test for k = 1, paired bootstrap otherwise; errored or missing samples never count as passes.
     A model path is evaluated first (same problems, k, sampling and seed for both sides; an identical earlier evaluation is reused).
     """
-    import yaml
-
     from opd_harness.config import deep_merge, parse_override
     from opd_harness.gate import EvalSpec, GateUsageError, verdict_paragraph
     from opd_harness.gate import gate as run_gate
+    from opd_harness.registry import BACKENDS, RegistryError
     from opd_harness.store import Store
 
     if ctx.args:
@@ -147,19 +149,13 @@ def gate(
             task_args: dict = {}
             for item in task_arg or []:
                 task_args = deep_merge(task_args, parse_override(item))
-            options = {}
-            for item in backend_option or []:
-                key, sep, value = item.partition("=")
-                if not sep or not key.strip():
-                    raise ConfigError(f"--backend-option {item!r}: expected KEY=VALUE")
-                options[key.strip()] = yaml.safe_load(value) if value else value
-        except ConfigError as exc:
-            raise _fail(str(exc)) from None
-        if paths:
-            try:
+            if paths:  # only a model path is evaluated: its data, device and backend options are checked before it loads
                 check_data_dir(data_dir)
-            except ConfigError as exc:
-                raise _fail(str(exc)) from None
+                options = opts.backend_options(BACKENDS.get(backend), backend_option, device=device, dtype=dtype)
+            else:
+                options = {}
+        except (ConfigError, RegistryError) as exc:
+            raise _fail(str(exc)) from None
         spec = EvalSpec(
             tuple(tasks),
             k=k,
