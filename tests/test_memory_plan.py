@@ -34,12 +34,24 @@ runner = CliRunner()
 
 
 @pytest.fixture(autouse=True)
-def math500_rows(tmp_path, monkeypatch) -> None:
-    """--dry-run loads every task's data first: one local MATH-500 row stands for the benchmark (the plan reads no more)."""
-    row = {"problem": "What is 1+1?", "solution": "2", "answer": "2", "subject": "Algebra", "level": 1, "unique_id": "t/1.json"}
-    (tmp_path / "data" / "math500").mkdir(parents=True)
-    (tmp_path / "data" / "math500" / "test.jsonl").write_text(json.dumps(row) + "\n")
-    monkeypatch.setenv("HARNESS_DATA_DIR", str(tmp_path / "data"))
+def benchmark_rows(tmp_path, monkeypatch) -> None:
+    """--dry-run loads every task's data first: one local row per benchmark the shipped layout names stands for it (the
+    plan reads no more), each in its real file's format (MATH-500 and AIME 2024 JSONL, DAPO-Math-17k's verl parquet)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "data"
+    math500 = {"problem": "What is 1+1?", "solution": "2", "answer": "2", "subject": "Algebra", "level": 1, "unique_id": "t/1.json"}
+    aime24 = {"id": 60, "problem": "What is 2+2?", "solution": "4", "answer": "004", "url": "https://example.org/1",
+              "question": "What is 2+2?"}  # fmt: skip
+    dapo = {"data_source": "DAPO-17k", "prompt": [{"content": "What is 3+3?", "role": "user"}], "ability": "math",
+            "reward_model": {"ground_truth": "6", "style": "rule"}, "extra_info": {"answer": "", "index": 0, "split": "train"}}  # fmt: skip
+    for task, row in (("math500", math500), ("aime24", aime24)):
+        (data / task).mkdir(parents=True)
+        (data / task / "test.jsonl").write_text(json.dumps(row) + "\n")
+    (data / "dapo_math").mkdir()
+    pq.write_table(pa.Table.from_pylist([dapo]), data / "dapo_math" / "dapo_math_17k.parquet")
+    monkeypatch.setenv("HARNESS_DATA_DIR", str(data))
 
 
 def dry_run(*args: str, sets: list[str] = ()):
@@ -184,6 +196,8 @@ def test_fsdp2_divides_the_learner_state_by_the_ranks():
 def test_shipped_16xh100_layout_plans_on_a_cpu_host():
     result = dry_run("--config", str(LAYOUT))
     assert result.exit_code == 0, result.output
+    # the paper's training prompts, and evaluation on problems it does not train on
+    assert "data: retool:dapo_math [train] 1 problems, retool:aime24 [test] 1 problems, retool:math500 [test]" in result.stdout
     for role in ("learner", "rollout", "teacher"):
         assert role in result.stdout
     assert "Qwen/Qwen3-8B: not in the hub cache; the published shape qwen3-8b-shape" in result.stdout
