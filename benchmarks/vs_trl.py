@@ -174,17 +174,24 @@ def trl_loss(trainer, fixed: list[dict]) -> float:
     """TRL's loss (``_compute_loss``: chunked reverse KL over the completion tokens, token mean) on ``fixed``, no update."""
     import torch
 
-    pad = trainer.processing_class.pad_token_id
-    width, length = max(len(r["prompt"]) for r in fixed), max(len(r["completion"]) for r in fixed)
-    prompt_ids = torch.tensor([[pad] * (width - len(r["prompt"])) + r["prompt"] for r in fixed])
-    prompt_mask = torch.tensor([[0] * (width - len(r["prompt"])) + [1] * len(r["prompt"]) for r in fixed])
-    completion_ids = torch.tensor([r["completion"] + [pad] * (length - len(r["completion"])) for r in fixed])
-    completion_mask = torch.tensor([[1] * len(r["completion"]) + [0] * (length - len(r["completion"])) for r in fixed])
-    inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids, "completion_mask": completion_mask}
+    inputs = trl_inputs(fixed, trainer.processing_class.pad_token_id)
     student = trainer.accelerator.unwrap_model(trainer.model)
     with torch.no_grad():
-        loss, _, _ = trainer._compute_loss(student, inputs, completion_mask.sum())
+        loss, _, _ = trainer._compute_loss(student, inputs, inputs["completion_mask"].sum())
     return float(loss)
+
+
+def trl_inputs(fixed: list[dict], pad: int) -> dict:
+    """``fixed`` as TRL batches it: prompts left-padded, completions right-padded, with their masks."""
+    import torch
+
+    width, length = max(len(r["prompt"]) for r in fixed), max(len(r["completion"]) for r in fixed)
+    return {
+        "prompt_ids": torch.tensor([[pad] * (width - len(r["prompt"])) + r["prompt"] for r in fixed]),
+        "prompt_mask": torch.tensor([[0] * (width - len(r["prompt"])) + [1] * len(r["prompt"]) for r in fixed]),
+        "completion_ids": torch.tensor([r["completion"] + [pad] * (length - len(r["completion"])) for r in fixed]),
+        "completion_mask": torch.tensor([[1] * len(r["completion"]) + [0] * (length - len(r["completion"])) for r in fixed]),
+    }
 
 
 def child(args: argparse.Namespace) -> None:
