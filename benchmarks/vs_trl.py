@@ -13,10 +13,13 @@ cross-check: both sides' loss functions on one fixed batch (64 of the harness's 
 1e-6 relative.
 
     PYTHONPATH=. python benchmarks/vs_trl.py --trl-python /path/to/venv-trl/bin/python [--steps 12] [--warmup 2]
-        [--rounds 2] [--vocab 0|151936] [--hidden 0] [--set trainer.KEY=VALUE ...]
+        [--rounds 2] [--vocab 0|151936] [--hidden 0] [--shapes cpu-demo,vocab151936] [--set [SHAPE:]trainer.KEY=VALUE ...]
 
 (``--vocab 0``: the char tokenizer's own vocabulary; ``--hidden`` > 0 sets the student's and teacher's hidden size,
-e.g. 32 with ``--vocab 151936``.) Needs ``arith`` problems (generated, no data folder).
+e.g. 32 with ``--vocab 151936``.) ``--shapes`` drives several named shapes (``SHAPES``) one after the other in one
+invocation instead, each side by side as above, and prints one table per shape and a summary; a ``--set SHAPE:KEY=VALUE``
+applies to that shape only (e.g. ``vocab151936:trainer.prompts_per_step=16``). Needs ``arith`` problems (generated, no
+data folder).
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ import time
 from pathlib import Path
 
 PHASES = ("step", "generate", "teacher_learner")
+PHASE_NAMES = {"step": "whole step", "generate": "generation", "teacher_learner": "teacher scoring + learner step"}
+SHAPES = {"cpu-demo": (0, 0), "vocab151936": (151_936, 32)}  # name: (vocab, hidden), 0 for the cpu-demo's own
+LOSS_RTOL = 1e-6  # issue 46: the two losses on one fixed batch agree to this, relative
 
 
 def build_models(out: Path, vocab: int, hidden: int) -> dict:
@@ -174,17 +180,24 @@ def trl_loss(trainer, fixed: list[dict]) -> float:
     """TRL's loss (``_compute_loss``: chunked reverse KL over the completion tokens, token mean) on ``fixed``, no update."""
     import torch
 
-    pad = trainer.processing_class.pad_token_id
-    width, length = max(len(r["prompt"]) for r in fixed), max(len(r["completion"]) for r in fixed)
-    prompt_ids = torch.tensor([[pad] * (width - len(r["prompt"])) + r["prompt"] for r in fixed])
-    prompt_mask = torch.tensor([[0] * (width - len(r["prompt"])) + [1] * len(r["prompt"]) for r in fixed])
-    completion_ids = torch.tensor([r["completion"] + [pad] * (length - len(r["completion"])) for r in fixed])
-    completion_mask = torch.tensor([[1] * len(r["completion"]) + [0] * (length - len(r["completion"])) for r in fixed])
-    inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "completion_ids": completion_ids, "completion_mask": completion_mask}
+    inputs = trl_inputs(fixed, trainer.processing_class.pad_token_id)
     student = trainer.accelerator.unwrap_model(trainer.model)
     with torch.no_grad():
-        loss, _, _ = trainer._compute_loss(student, inputs, completion_mask.sum())
+        loss, _, _ = trainer._compute_loss(student, inputs, inputs["completion_mask"].sum())
     return float(loss)
+
+
+def trl_inputs(fixed: list[dict], pad: int) -> dict:
+    """``fixed`` as TRL batches it: prompts left-padded, completions right-padded, with their masks."""
+    import torch
+
+    width, length = max(len(r["prompt"]) for r in fixed), max(len(r["completion"]) for r in fixed)
+    return {
+        "prompt_ids": torch.tensor([[pad] * (width - len(r["prompt"])) + r["prompt"] for r in fixed]),
+        "prompt_mask": torch.tensor([[0] * (width - len(r["prompt"])) + [1] * len(r["prompt"]) for r in fixed]),
+        "completion_ids": torch.tensor([r["completion"] + [pad] * (length - len(r["completion"])) for r in fixed]),
+        "completion_mask": torch.tensor([[1] * len(r["completion"]) + [0] * (length - len(r["completion"])) for r in fixed]),
+    }
 
 
 def child(args: argparse.Namespace) -> None:
@@ -226,32 +239,28 @@ def report(side: str, steps: list[dict]) -> None:
           + f" s (medians of {len(steps)}); load {load()}", flush=True)  # fmt: skip
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trl-python", help="an interpreter with TRL installed (the TRL side's process)")
-    parser.add_argument("--steps", type=int, default=12, help="steps per process, warm-ups included")
-    parser.add_argument("--warmup", type=int, default=2, help="first steps of each process discarded")
-    parser.add_argument("--rounds", type=int, default=2, help="A B B A rounds (two processes per side each)")
-    parser.add_argument("--vocab", type=int, default=0, help="vocabulary size of both models (0: the char tokenizer's)")
-    parser.add_argument("--hidden", type=int, default=0, help="hidden size of both models (0: the cpu-demo shapes)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of each side (1 on a loaded machine: 2 threads "
-                        "spin at their barriers when the cores are shared)")
-    parser.add_argument("--set", action="append", default=[], help="a harness override KEY=VALUE, e.g. trainer.graph_memory_gib=16")
-    parser.add_argument("--child", choices=("harness", "trl"), help=argparse.SUPPRESS)
-    parser.add_argument("--spec", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.child:
-        return child(args)
-    if not args.trl_python:
-        parser.error("--trl-python is required")
+def shape_sets(sets: list[str], shape: str) -> list[str]:
+    """The ``--set`` overrides of ``shape``: plain ``KEY=VALUE`` ones and its own ``SHAPE:KEY=VALUE`` ones."""
+    out = []
+    for item in sets:
+        name, sep, rest = item.partition(":")
+        if not sep or "=" in name:
+            out.append(item)
+        elif name == shape:
+            out.append(rest)
+    return out
+
+
+def drive(args: argparse.Namespace, vocab: int, hidden: int, sets: list[str]) -> dict:
+    """One shape side by side: models, the ABBA processes (each reported as it ends), both sides' kept steps and losses."""
     root = Path(tempfile.mkdtemp(prefix="vs-trl-"))
-    models = build_models(root, args.vocab, args.hidden)
-    plan = harness_plan(models, args.set)
-    spec = {"models": models, "steps": args.steps, "threads": args.threads, "prompts": step_prompts(plan, args.steps), "set": args.set}
+    models = build_models(root, vocab, hidden)
+    plan = harness_plan(models, sets)
+    spec = {"models": models, "steps": args.steps, "threads": args.threads, "prompts": step_prompts(plan, args.steps), "set": sets}
     (root / "spec.json").write_text(json.dumps(spec))
     pythons = {"harness": sys.executable, "trl": args.trl_python}
-    print(f"vocab {args.vocab or 'char'}, hidden {args.hidden or 'cpu-demo'}, {args.steps} steps/process ({args.warmup} discarded), "
-          f"{args.rounds} ABBA rounds, threads {args.threads}, harness --set {args.set}; loadavg {load()}", flush=True)  # fmt: skip
+    print(f"vocab {vocab or 'char'}, hidden {hidden or 'cpu-demo'}, {args.steps} steps/process ({args.warmup} discarded), "
+          f"{args.rounds} ABBA rounds, threads {args.threads}, harness --set {sets}; loadavg {load()}", flush=True)  # fmt: skip
     kept: dict[str, list[dict]] = {"harness": [], "trl": []}
     losses: dict[str, float] = {}
     first = side_run(pythons["harness"], "harness", root / "spec.json")  # the fixed batch comes from the harness's first step
@@ -267,13 +276,62 @@ def main() -> None:
         steps = rows[1 + args.warmup :]
         kept[side] += steps
         report(side, steps)
-    for side in ("harness", "trl"):
-        print(f"{side:8s} n={len(kept[side])}: " + "  ".join(f"{phase} {quartiles([r[phase] for r in kept[side]])}" for phase in PHASES))
+    return {"kept": kept, "losses": losses, "batch": len(spec["fixed"])}
+
+
+def table(shape: str, result: dict) -> dict:
+    """Print ``shape``'s per-step medians [quartiles] side by side, the ratio and the loss cross-check; return the summary."""
+    kept, losses = result["kept"], result["losses"]
+    n = {side: len(kept[side]) for side in kept}
     h, t = (statistics.median(r["step"] for r in kept[s]) for s in ("harness", "trl"))
-    print(f"steps/s harness / TRL: {t / h:.2f}x (median step {h:.3f} s vs {t:.3f} s)")
     rel = abs(losses["harness"] - losses["trl"]) / abs(losses["trl"])
-    print(f"loss on one fixed batch of {len(spec['fixed'])} samples: harness {losses['harness']:.9f}, TRL {losses['trl']:.9f}, "
-          f"relative difference {rel:.2e} ({'OK' if rel <= 1e-6 else 'MISMATCH'} at 1e-6); loadavg {load()}")  # fmt: skip
+    print(f"\n| {shape}: per step (n = {n['harness']} harness, {n['trl']} TRL) | harness | TRL | harness / TRL |")
+    print("|---|---|---|---|")
+    for phase in PHASES:
+        ratio = f"{t / h:.2f}x TRL's steps per second" if phase == "step" else ""
+        print(f"| {PHASE_NAMES[phase]} | {quartiles([r[phase] for r in kept['harness']])} s | "
+              f"{quartiles([r[phase] for r in kept['trl']])} s | {ratio} |")  # fmt: skip
+    verdict = "OK" if rel <= LOSS_RTOL else "MISMATCH"
+    print(f"loss on one fixed batch of {result['batch']} samples: harness {losses['harness']:.9f}, TRL {losses['trl']:.9f}, "
+          f"relative difference {rel:.2e} ({verdict} at {LOSS_RTOL:g}); loadavg {load()}", flush=True)  # fmt: skip
+    return {"ratio": t / h, "rel": rel, "verdict": verdict}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trl-python", help="an interpreter with TRL installed (the TRL side's process)")
+    parser.add_argument("--steps", type=int, default=12, help="steps per process, warm-ups included")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps of each process discarded")
+    parser.add_argument("--rounds", type=int, default=2, help="A B B A rounds (two processes per side each)")
+    parser.add_argument("--vocab", type=int, default=0, help="vocabulary size of both models (0: the char tokenizer's)")
+    parser.add_argument("--hidden", type=int, default=0, help="hidden size of both models (0: the cpu-demo shapes)")
+    parser.add_argument("--shapes", help=f"comma-separated named shapes driven one after the other ({', '.join(SHAPES)}); "
+                        "replaces --vocab and --hidden")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of each side (1 on a loaded machine: 2 threads "
+                        "spin at their barriers when the cores are shared)")
+    parser.add_argument("--set", action="append", default=[], help="a harness override [SHAPE:]KEY=VALUE, e.g. "
+                        "trainer.graph_memory_gib=16 or vocab151936:trainer.prompts_per_step=16 (that shape only)")  # fmt: skip
+    parser.add_argument("--child", choices=("harness", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return child(args)
+    if not args.trl_python:
+        parser.error("--trl-python is required")
+    shapes = {"": (args.vocab, args.hidden)}
+    if args.shapes:
+        names = [name.strip() for name in args.shapes.split(",") if name.strip()]
+        unknown = [name for name in names if name not in SHAPES]
+        if unknown or not names:
+            parser.error(f"--shapes {args.shapes!r}: unknown {', '.join(unknown) or 'empty'}; shapes: {', '.join(SHAPES)}")
+        shapes = {name: SHAPES[name] for name in names}
+    summary = {}
+    for shape, (vocab, hidden) in shapes.items():
+        label = shape or f"vocab {vocab or 'char'}, hidden {hidden or 'cpu-demo'}"
+        summary[label] = table(label, drive(args, vocab, hidden, shape_sets(args.set, shape)))
+    if len(summary) > 1:
+        print("\nsummary: " + "; ".join(f"{label} {r['ratio']:.2f}x TRL's steps/s, loss {r['rel']:.1e} apart ({r['verdict']})"
+                                          for label, r in summary.items()))  # fmt: skip
 
 
 if __name__ == "__main__":

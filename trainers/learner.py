@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from opd_harness.backends.hf import bucket_slices, bucketed, length_buckets, scores_from_logits, without_output_head
+from opd_harness.backends.hf import bucket_slices, bucketed, length_buckets, without_output_head
 from opd_harness.method import HParams, MethodSpec, StudentOutputs
 from opd_harness.teacher_signal import apply_terms, is_distribution
 from opd_harness.trajectory import TensorBatch
@@ -65,16 +65,13 @@ def student_outputs(
     else:
         hidden = forward(ids, attention)["hidden"]
     log_dist = position_log_distribution(hidden, heads[0], positions, precision)
-    token_logp = log_dist.gather(-1, ids[positions].unsqueeze(-1)).squeeze(-1)
-    entropy = -(log_dist.exp() * log_dist).sum(-1).detach()
 
     def vocab_map(fn: PositionFn, *aligned: Any) -> torch.Tensor:
-        local = (local_rows(a, shard).to(log_dist.device)[positions] for a in aligned)
-        return gather_rows(at_positions(apply_terms(fn, log_dist, *local), positions), shard, rows)
+        return gather_rows(position_terms(fn, log_dist, positions, *(local_rows(a, shard) for a in aligned)), shard, rows)
 
-    logprobs = gather_rows(at_positions(token_logp, positions), shard, rows)
+    logprobs = gather_rows(position_logprobs(log_dist, ids, positions), shard, rows)
     outputs = StudentOutputs(logprobs=logprobs, vocab_map=vocab_map if full else None)
-    return outputs, gather_rows(at_positions(entropy, positions), shard, rows)
+    return outputs, gather_rows(position_entropy(log_dist.detach(), positions), shard, rows)
 
 
 def loss_positions(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -93,6 +90,23 @@ def position_log_distribution(
     with autocast(hidden.device, precision):
         logits = head(before)
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+def position_logprobs(log_dist: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """(B, T) log-probs of the tokens ``ids`` at the N ``positions`` from their (N, V) ``log_dist``, 0 elsewhere."""
+    return at_positions(log_dist.gather(-1, ids[positions].unsqueeze(-1)).squeeze(-1), positions)
+
+
+def position_entropy(log_dist: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """(B, T) entropy of the (N, V) ``log_dist`` at its N ``positions``, 0 elsewhere."""
+    return at_positions(-(log_dist.exp() * log_dist).sum(-1), positions)
+
+
+def position_terms(fn: PositionFn, log_dist: torch.Tensor, positions: torch.Tensor, *aligned: Any) -> torch.Tensor:
+    """``fn`` over the (N, V) ``log_dist`` of the N ``positions`` of (B, T) rows, with the (B, T, ...) ``aligned`` tensors or
+    teacher distributions at those positions; back on (B, T), 0 elsewhere."""
+    local = (a.to(log_dist.device)[positions] for a in aligned)
+    return at_positions(apply_terms(fn, log_dist, *local), positions)
 
 
 def at_positions(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -163,17 +177,19 @@ def paired_bucketed(
     attention: torch.Tensor,
     token_budget: int,
     calls: int,
+    *aligned: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
-    """:func:`~opd_harness.backends.hf.bucketed` on this rank's rows, then empty forwards (a 2-token row) up to ``calls`` forwards.
+    """:func:`~opd_harness.backends.hf.bucketed` on this rank's rows (``aligned`` (B, T) tensors cut with them), then empty
+    forwards (a 2-token row, its ``aligned`` values 1) up to ``calls`` forwards.
 
     DDP broadcasts buffers in every forward and FSDP2 all-gathers parameters in every forward and again in its backward,
     so every rank must call the model equally often. Each empty forward's outputs are added to the real ones with weight 0
     (the values are unchanged, bit for bit), which puts it in the loss's graph: its backward, and so FSDP2's collectives
     in it, run too, in the same order on every rank (autograd runs the later forwards' graphs first)."""
     own = len(length_buckets([int(n) for n in attention.sum(-1).tolist()], token_budget))
-    scores = bucketed(forward, ids, attention, token_budget)
+    scores = bucketed(forward, ids, attention, token_budget, *aligned)
     for _ in range(calls - own):
-        extra = forward(ids.new_zeros((1, 2)), attention.new_ones((1, 2)))
+        extra = forward(ids.new_zeros((1, 2)), attention.new_ones((1, 2)), *(a.new_ones((1, 2)) for a in aligned))
         tie = 0.0 * sum(value.sum() for value in extra.values() if value.is_floating_point())
         scores = {name: value + tie if value.is_floating_point() else value for name, value in scores.items()}
     return scores
@@ -259,24 +275,31 @@ def student_pass(
 @dataclass
 class StudentForward:
     """The student's forward on some of this rank's rows, as both passes of :class:`BucketBackward` run it, with a graph
-    when grad mode is on. Unchunked: log-probs, entropy and the (n, T, V) log-distribution from the logits; with
-    ``vocab_chunk``: from the (n, T, H) last hidden states, ``vocab_chunk`` positions at a time. The log-distribution or the
-    hidden states are the ``state`` a method's vocabulary terms are computed from (:meth:`terms`)."""
+    when grad mode is on. The forward stops at the (n, T, H) last hidden states, the ``state`` a method's vocabulary terms
+    are computed from (:meth:`terms`). Unchunked, the output head and log-softmax run at the rows' loss positions only
+    (:func:`loss_positions`, as :func:`student_outputs` does; log-probs and entropy 0 elsewhere); with ``vocab_chunk``: at
+    every position, ``vocab_chunk`` positions at a time."""
 
     model: torch.nn.Module
     precision: str
     vocab_chunk: int = 0
     head: torch.nn.Module | None = None
 
-    def __call__(self, ids: torch.Tensor, attention: torch.Tensor, want: tuple[str, ...]) -> dict[str, torch.Tensor]:
-        """The fields of ``want`` (``logprobs``, ``entropy``, ``state``) for right-padded rows ``ids``, each (n, T, ...)."""
-        if not self.vocab_chunk:
-            with autocast(ids.device, self.precision):
-                logits = self.model(input_ids=ids, attention_mask=attention).logits.float()
-            scores = scores_from_logits(logits, ids, tuple("full" if name == "state" else name for name in want))
-            return {("state" if name == "full" else name): value for name, value in scores.items()}
+    def __call__(self, ids: torch.Tensor, attention: torch.Tensor, want: tuple[str, ...],
+                 loss_mask: torch.Tensor) -> dict[str, torch.Tensor]:  # fmt: skip
+        """The fields of ``want`` (``logprobs``, ``entropy``, ``state``) for right-padded rows ``ids`` whose (n, T)
+        ``loss_mask`` says where a loss reads them, each (n, T, ...)."""
         hidden, self.head = hidden_states(self.model, ids, attention, self.precision)
         out = {"state": hidden} if "state" in want else {}
+        if not self.vocab_chunk:
+            positions = loss_positions(loss_mask)
+            if "logprobs" in want or "entropy" in want:
+                log_dist = position_log_distribution(hidden, self.head, positions, self.precision)
+            if "logprobs" in want:
+                out["logprobs"] = position_logprobs(log_dist, ids, positions)
+            if "entropy" in want:
+                out["entropy"] = position_entropy(log_dist, positions)
+            return out
         if "entropy" in want:
             both = self.chunks(hidden).map(token_logprob_and_entropy, ids)
             out["logprobs"], out["entropy"] = both[..., 0], both[..., 1]
@@ -287,11 +310,13 @@ class StudentForward:
     def chunks(self, hidden: torch.Tensor) -> ChunkedVocabulary:
         return ChunkedVocabulary(hidden, self.head, self.vocab_chunk, lambda: autocast(hidden.device, self.precision))
 
-    def terms(self, state: torch.Tensor, fn: PositionFn, *aligned: object) -> torch.Tensor:
-        """``fn`` over every position of ``state`` (what :meth:`StudentOutputs.over_vocabulary` computes), (n, T, ...)."""
+    def terms(self, state: torch.Tensor, loss_mask: torch.Tensor, fn: PositionFn, *aligned: Any) -> torch.Tensor:
+        """``fn`` over the rows' vocabulary (what :meth:`StudentOutputs.over_vocabulary` computes), (n, T, ...), from their
+        (n, T, H) hidden ``state``: unchunked at the (n, T) ``loss_mask``'s positions (0 elsewhere), chunked at every one."""
         if self.vocab_chunk:
             return self.chunks(state).map(fn, *aligned)
-        return apply_terms(fn, state, *(a.to(state.device) for a in aligned))
+        positions = loss_positions(loss_mask)
+        return position_terms(fn, position_log_distribution(state, self.head, positions, self.precision), positions, *aligned)
 
 
 @dataclass
@@ -310,7 +335,10 @@ class BucketBackward:
 
     First pass, without a graph: the student's log-probs (and entropy) of every bucket, gathered over ranks, become leaf
     tensors; the objective runs on them (the whole global batch: token means, groups, method state), and every
-    ``over_vocabulary`` call it makes is recorded and answered with its terms as a leaf too. ``backward(loss)`` takes
+    ``over_vocabulary`` call it makes is recorded and answered with its terms as a leaf too. Unchunked, the vocabulary side
+    runs at the loss's positions only (:class:`StudentForward`), per bucket, or for a method that reads the full
+    distribution once over the step's loss positions, whose (N, V) log-distribution the terms read until the backward
+    (as the one-graph step holds it). ``backward(loss)`` takes
     d loss / d leaves, then, per bucket of this rank's rows, runs the forward again with a graph and back-propagates the
     cached gradient of its rows (×W under data parallelism, as :class:`opd_harness.trainers.distributed._GatherRows` does), freeing
     the graph before the next bucket. Every rank makes ``calls`` forwards in each pass and ``calls`` backwards (padding with
@@ -323,7 +351,7 @@ class BucketBackward:
     forward_tokens: int
     calls: int
     recorded: list[_Recorded] = field(default_factory=list)
-    state: torch.Tensor | None = None  # the first pass's (b, T, V) log-distribution or (b, T, H) hidden states, until backward
+    terms: Callable[..., torch.Tensor] | None = None  # the first pass's vocabulary terms of this rank's rows, until backward
     logprobs: torch.Tensor | None = None  # the global (B, T) leaf
 
     @property
@@ -337,39 +365,48 @@ class BucketBackward:
 
     def first_pass(self, full: bool) -> tuple[StudentOutputs, torch.Tensor]:
         """Log-probs (a leaf: the objective's loss is differentiated w.r.t. them) and entropy of every row, no graph kept."""
-        ids, attention = self.local(self.batch.input_ids), self.local(self.batch.attention_mask)
-        want = ("logprobs", "entropy", "state") if full else ("logprobs", "entropy")
+        ids, attention, mask = (self.local(t) for t in (self.batch.input_ids, self.batch.attention_mask, self.batch.loss_mask))
+        whole = full and not self.forward.vocab_chunk  # the terms read every loss position's distribution: computed once
+        want = ("state",) if whole else ("logprobs", "entropy", "state") if full else ("logprobs", "entropy")
         with torch.no_grad():
-            scores = paired_bucketed(lambda i, a: self.forward(i, a, want), ids, attention, self.forward_tokens, self.calls)
+            scores = paired_bucketed(lambda i, a, m: self.forward(i, a, want, m), ids, attention, self.forward_tokens, self.calls, mask)
+            if whole:
+                positions = loss_positions(mask)
+                log_dist = position_log_distribution(scores["state"], self.forward.head, positions, self.forward.precision)
+                scores = {"logprobs": position_logprobs(log_dist, ids, positions), "entropy": position_entropy(log_dist, positions)}
+                self.terms = lambda fn, *aligned: position_terms(fn, log_dist, positions, *aligned)
+            elif full:
+                hidden = scores["state"]
+                self.terms = lambda fn, *aligned: self.forward.terms(hidden, mask, fn, *aligned)
             self.logprobs = gather_rows(scores["logprobs"], self.shard, self.rows).requires_grad_(True)
             entropy = gather_rows(scores["entropy"], self.shard, self.rows)
-        self.state = scores.get("state")
         return StudentOutputs(logprobs=self.logprobs, vocab_map=self.record if full else None), entropy
 
     def record(self, fn: PositionFn, *aligned: object) -> torch.Tensor:
         """``over_vocabulary(fn, *aligned)`` in the first pass: the global terms as a leaf, remembered for the second pass."""
         if any(isinstance(a, torch.Tensor) and a.requires_grad for a in aligned):
             raise ValueError("over_vocabulary's aligned tensors must not require grad under trainer.forward_tokens bucketing")
-        if self.state is None:
+        if self.terms is None:
             raise RuntimeError("over_vocabulary after the backward: the first pass's distribution is gone")
         with torch.no_grad():
-            local = self.forward.terms(self.state, fn, *(self.local(a) for a in aligned))
+            local = self.terms(fn, *(self.local(a) for a in aligned))
             leaf = gather_rows(local, self.shard, self.rows).requires_grad_(True)
         self.recorded.append(_Recorded(fn, aligned, leaf))
         return leaf
 
     def backward(self, loss: torch.Tensor) -> None:
         """d loss / d parameters, accumulated into ``.grad`` one bucket at a time (see the class)."""
-        self.state = None  # the first pass's distribution: only the recorded terms are needed now
+        self.terms = None  # the first pass's distribution: only the recorded terms are needed now
         grads = self.cached_grads(loss)
-        ids, attention = self.local(self.batch.input_ids), self.local(self.batch.attention_mask)
+        ids, attention, mask = (self.local(t) for t in (self.batch.input_ids, self.batch.attention_mask, self.batch.loss_mask))
         slices = bucket_slices(attention, self.forward_tokens)
         for call in range(self.calls):
             with gradient_sync(self.forward.model, last=call == self.calls - 1):
                 if call < len(slices):
-                    self.bucket_backward(ids, attention, *slices[call], grads)
+                    self.bucket_backward(ids, attention, mask, *slices[call], grads)
                 else:  # an empty forward and a zero backward: the collectives of the ranks with more buckets
-                    padding = self.forward(ids.new_zeros((1, 2)), attention.new_ones((1, 2)), ("logprobs",))["logprobs"]
+                    ones = attention.new_ones((1, 2))
+                    padding = self.forward(ids.new_zeros((1, 2)), ones, ("logprobs",), ones)["logprobs"]
                     torch.autograd.backward(padding, torch.zeros_like(padding))
 
     def cached_grads(self, loss: torch.Tensor) -> list[torch.Tensor | None]:
@@ -379,20 +416,20 @@ class BucketBackward:
         world = self.shard.world if self.shard is not None else 1
         return [None if g is None else self.local(g) * world if world > 1 else g for g in grads]
 
-    def bucket_backward(self, ids: torch.Tensor, attention: torch.Tensor, index: torch.Tensor, cols: int,
+    def bucket_backward(self, ids: torch.Tensor, attention: torch.Tensor, mask: torch.Tensor, index: torch.Tensor, cols: int,
                         grads: list[torch.Tensor | None]) -> None:  # fmt: skip
         """One bucket's forward with a graph, its outputs' cached gradients back-propagated, the graph freed."""
         logprob_grad, term_grads = grads[0], grads[1:]
         needed = [(r, g) for r, g in zip(self.recorded, term_grads, strict=True) if g is not None]
         want = ("logprobs",) * (logprob_grad is not None or not needed) + ("state",) * bool(needed)
-        scores = self.forward(ids[index, :cols], attention[index, :cols], want)
+        scores = self.forward(ids[index, :cols], attention[index, :cols], want, mask[index, :cols])
         outputs, cached = [], []
         if "logprobs" in scores:
             outputs.append(scores["logprobs"])
             cached.append(logprob_grad[index, :cols] if logprob_grad is not None else torch.zeros_like(scores["logprobs"]))
         for recorded, grad in needed:
             aligned = (self.local(a)[index, :cols] for a in recorded.aligned)
-            outputs.append(self.forward.terms(scores["state"], recorded.fn, *aligned))
+            outputs.append(self.forward.terms(scores["state"], mask[index, :cols], recorded.fn, *aligned))
             cached.append(grad[index, :cols])
         torch.autograd.backward(outputs, cached)
 
