@@ -17,7 +17,7 @@ from opd_harness.config import ConfigError, build_config
 from opd_harness.errors import TrainingAborted
 from opd_harness.method import StudentOutputs
 from opd_harness.plan import plan_run
-from opd_harness.teacher_signal import TopKDistribution, apply_terms
+from opd_harness.teacher_signal import TAIL_FLOOR, TopKDistribution, apply_terms
 from opd_harness.trainers.objectives.opd import OPDParams, full_reverse_kl, opd_objective
 from opd_harness.trainers.teacher import TeacherFailed, score_teacher
 
@@ -88,14 +88,17 @@ def test_topk_reverse_kl_is_a_lower_bound_equal_to_the_full_kl_when_k_covers_the
     teacher = torch.log_softmax(2 * torch.randn(2, 3, 10, dtype=torch.float64), -1)
     full = full_reverse_kl(student, teacher)
     previous = torch.zeros_like(full)
+    # where k covers the vocabulary the teacher's tail bucket is floored at TAIL_FLOOR, so its buckets total 1 + TAIL_FLOOR
+    # and the KL against them, renormalised (full_reverse_kl's mass term), exceeds the full KL by log(1 + TAIL_FLOOR)
+    slack = TAIL_FLOOR + 1e-13
     for k in (1, 3, 6, 9, 10):
         values, ids = teacher.topk(k, -1)
         kl = topk_kl(student, ids, values)
         (grad,) = torch.autograd.grad(kl.sum(), student)
         assert torch.isfinite(grad).all()
-        assert (kl <= full + 1e-12).all() and (kl >= previous - 1e-12).all()  # coarser buckets lose information
+        assert (kl <= full + slack).all() and (kl >= previous - 1e-12).all()  # coarser buckets lose information
         previous = kl.detach()
-    assert torch.allclose(previous, full.detach(), atol=1e-12)
+    assert torch.allclose(previous, full.detach(), rtol=0, atol=slack)
 
 
 def test_topk_reverse_kl_by_hand():
