@@ -902,6 +902,7 @@ class Reproduction:
     folder: Path
     plots: list[Path]
     failed: list[str] = field(default_factory=list)
+    elsewhere: list[str] = field(default_factory=list)  # points another process was running: not in the tables yet
 
 
 def render(
@@ -964,7 +965,7 @@ def run_recipe(
     out = Path(out)
     result = run_sweep(spec, out, console=console or Console(stderr=True))
     rendered = render(recipe, scale, out, n_resamples, designs)
-    rendered.failed = list(result.failed)
+    rendered.failed, rendered.elsewhere = list(result.failed), list(result.elsewhere)
     return rendered
 
 

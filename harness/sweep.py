@@ -19,9 +19,14 @@ Each grid point becomes ``--set key=value`` overrides applied after ``base.set``
 validated (config and plan) before any run starts; an error names the grid point. Points whose
 resolved configs are identical are run once. Re-running a sweep skips points whose run is
 ``done``, resumes runs left ``running`` / ``interrupted`` / ``failed`` from their last checkpoint,
-and starts the rest. Do not run the same sweep twice at the same time (a lock file refuses it); a run
-being executed (by a sweep or ``harness run``) holds ``runs/<run_id>/run.lock``, so no second process
-resumes it at the same time (:func:`opd_harness.runs.run_lock`).
+and starts the rest.
+
+Several processes may run the same sweep into the same results root at once (one per core, GPU or
+host on a shared filesystem): each holds ``sweeps/<sweep_id>.claims/<config_hash>.lock`` while it runs
+that point, skips points another process holds, and merges its points into the sweep record under a
+short lock, so every point runs once. A run being executed (by a sweep or ``harness run``) also holds
+``runs/<run_id>/run.lock`` (:func:`opd_harness.runs.run_lock`). The kernel drops these locks when
+their holder exits, however it exits, so a killed worker's point is resumed by the next one to reach it.
 """
 
 from __future__ import annotations
@@ -32,7 +37,10 @@ import itertools
 import json
 import os
 import re
+import socket
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,6 +136,7 @@ class SweepResult:
     ran: list[str] = field(default_factory=list)  # run ids started or resumed by this call
     skipped: list[str] = field(default_factory=list)  # run ids already done
     failed: list[str] = field(default_factory=list)
+    elsewhere: list[str] = field(default_factory=list)  # labels of points another process was running
 
 
 def _label(coords: dict) -> str:
@@ -262,6 +271,81 @@ def _write_atomic(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def _read_record(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+@contextmanager
+def _record_lock(record_path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``<sweep_id>.lock`` for a read-merge-write of the record (waits for another holder)."""
+    with open(record_path.with_suffix(".lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield  # closing the descriptor releases the lock
+
+
+@contextmanager
+def _claim(record_path: Path, digest: str) -> Iterator[bool]:
+    """Hold ``<sweep_id>.claims/<config_hash>.lock`` for the block; yields False (holding nothing) when another process
+    holds it. Its note names the holder."""
+    folder = record_path.with_suffix(".claims")
+    folder.mkdir(exist_ok=True)
+    with open(folder / f"{digest}.lock", "a+") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        handle.flush()
+        yield True
+
+
+def _refresh(point: SweepPoint, store: Store, record_path: Path) -> None:
+    """``point``'s run and status as the record and the store know them now (another process may have run it)."""
+    with _record_lock(record_path):
+        theirs = {q["config_hash"]: q for q in _read_record(record_path).get("points", [])}.get(point.config_hash)
+    run_id = (theirs or {}).get("run_id") or point.run_id
+    stored = store.get_run(run_id) if run_id else None
+    if stored is not None:
+        point.run_id, point.status = stored["run_id"], stored["status"]
+
+
+def _run_point(
+    p: SweepPoint, store: Store, result: SweepResult, save: Callable[[], None], where: str, keep_going: bool, console: Console
+) -> None:
+    """Start or resume ``p``'s run in this process, recording its status before and after."""
+    resume = p.run_id is not None
+    if resume:
+        plan = plan_resume(store, p.run_id)
+    else:
+        plan = p.plan
+        p.run_id = create_train_run(store, p.config, plan)
+    for warning in plan.warnings:
+        console.print(f"[yellow]warning:[/] {warning}")
+    p.status = "running"
+    save()
+    console.print(f"{where}: {'resuming' if resume else 'running'} {p.run_id}", highlight=False)
+    result.ran.append(p.run_id)
+    try:
+        execute_run(plan, store, p.run_id, resume=resume, console=console)
+    except KeyboardInterrupt:
+        p.status = "interrupted"
+        save()
+        raise
+    except Exception as exc:  # noqa: BLE001 - recorded; the sweep goes on
+        p.status = "failed"
+        result.failed.append(p.run_id)
+        save()
+        if not keep_going:
+            raise
+        console.print(f"[bold red]run {p.run_id} failed:[/] {type(exc).__name__}: {exc}")
+        return
+    p.status = "done"
+    save()
+
+
 def run_sweep(
     spec: SweepSpec | str | Path, out: str | Path, dry_run: bool = False, *, console: Console | None = None, keep_going: bool = True
 ) -> SweepResult:
@@ -302,62 +386,43 @@ def run_sweep(
         "updated_at": time.time(),
         "points": [],
     }
+    mine: set[str] = set()  # config hashes of the points this process has claimed
 
-    def save() -> None:
-        record["updated_at"] = time.time()
-        record["points"] = [p.record() for p in points]
-        _write_atomic(record_path, record)
+    def sync() -> None:
+        """Under the record's lock: adopt other processes' news of the points this one does not hold, write the rest."""
+        with _record_lock(record_path):
+            on_disk = {q["config_hash"]: q for q in _read_record(record_path).get("points", [])}
+            for p in points:
+                theirs = on_disk.get(p.config_hash)
+                if p.config_hash not in mine and theirs and theirs.get("run_id"):
+                    p.run_id, p.status = theirs["run_id"], theirs["status"]
+            record["updated_at"] = time.time()
+            record["points"] = [p.record() for p in points]
+            _write_atomic(record_path, record)
 
     store = Store(out)
     record_path.parent.mkdir(parents=True, exist_ok=True)
-    lock = open(record_path.with_suffix(".lock"), "w")  # noqa: SIM115 - held for the whole sweep
     try:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise SweepError(f"sweep {spec.id!r} is already running into {out} (lock {lock.name})") from None
         for p in points:  # attach runs from earlier invocations
             old = by_hash.get(p.config_hash)
             stored = store.get_run(old["run_id"]) if old else None
             if stored is not None:
                 p.run_id, p.status = stored["run_id"], stored["status"]
-        save()
+        sync()
         for p in points:
-            if p.status == "done":
-                result.skipped.append(p.run_id)
-                console.print(f"sweep {spec.id} [{p.index + 1}/{len(points)}] {p.label()}: done ({p.run_id}), skipped", highlight=False)
-                continue
-            resume = p.run_id is not None
-            if resume:
-                plan = plan_resume(store, p.run_id)
-            else:
-                plan = p.plan
-                p.run_id = create_train_run(store, p.config, plan)
-            for warning in plan.warnings:
-                console.print(f"[yellow]warning:[/] {warning}")
-            p.status = "running"
-            save()
-            verb = "resuming" if resume else "running"
-            console.print(f"sweep {spec.id} [{p.index + 1}/{len(points)}] {p.label()}: {verb} {p.run_id}", highlight=False)
-            result.ran.append(p.run_id)
-            try:
-                execute_run(plan, store, p.run_id, resume=resume, console=console)
-            except KeyboardInterrupt:
-                p.status = "interrupted"
-                save()
-                raise
-            except Exception as exc:  # noqa: BLE001 - recorded; the sweep goes on
-                p.status = "failed"
-                result.failed.append(p.run_id)
-                save()
-                if not keep_going:
-                    raise
-                console.print(f"[bold red]run {p.run_id} failed:[/] {type(exc).__name__}: {exc}")
-                continue
-            p.status = "done"
-            save()
+            where = f"sweep {spec.id} [{p.index + 1}/{len(points)}] {p.label()}"
+            with _claim(record_path, p.config_hash) as claimed:
+                if not claimed:
+                    result.elsewhere.append(p.label())
+                    console.print(f"{where}: another process is running it, skipped", highlight=False)
+                    continue
+                mine.add(p.config_hash)
+                _refresh(p, store, record_path)  # another process may have run or started it before this claim
+                if p.status == "done":
+                    result.skipped.append(p.run_id)
+                    console.print(f"{where}: done ({p.run_id}), skipped", highlight=False)
+                    continue
+                _run_point(p, store, result, sync, where, keep_going, console)
     finally:
-        fcntl.flock(lock, fcntl.LOCK_UN)
-        lock.close()
         store.close()
     return result

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -10,7 +13,7 @@ import pytest
 from opd_harness.config import ConfigError, build_config
 from opd_harness.report import plot_lag_curve, render_markdown, summarize_run, sweep_report, write_report
 from opd_harness.store import Store
-from opd_harness.sweep import SweepError, load_sweep, run_sweep
+from opd_harness.sweep import SweepError, _claim, load_sweep, run_sweep, sweep_record_path
 
 SWEEP_YAML = """\
 id: tiny
@@ -99,6 +102,59 @@ def test_report_of_the_tiny_sweep_has_one_row_per_configuration_and_a_lag_curve(
     md = (out / "sweeps" / "tiny" / "table.md").read_text()
     assert md.count("\n| opd |") == 4 and "collapse" in md
     assert json.loads((out / "sweeps" / "tiny" / "table.json").read_text())["sweep_id"] == "tiny"
+
+
+WORKERS_YAML = """\
+id: two-workers
+base:
+  preset: smoke
+  set: {threads: 1, eval.teacher: false, eval.before_training: false, trainer.steps: 2}
+grid: {seed: [0, 1, 2, 3]}
+"""
+
+
+def _harness(*args: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "opd_harness.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_two_processes_on_one_sweep_run_every_point_once(tmp_path):
+    spec, out = tmp_path / "two-workers.yaml", tmp_path / "results"
+    spec.write_text(WORKERS_YAML)
+    workers = [_harness("sweep", str(spec), "--out", str(out)) for _ in range(2)]
+    logs = [w.communicate(timeout=900)[0] for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], logs
+    record = json.loads(sweep_record_path(out, "two-workers").read_text())
+    run_ids = [p["run_id"] for p in record["points"]]
+    assert [p["status"] for p in record["points"]] == ["done"] * 4 and len(set(run_ids)) == 4
+    with Store(out) as store:
+        assert sorted(r["run_id"] for r in store.runs()) == sorted(run_ids)  # no point ran twice
+        assert [store.get_run(r)["config"]["seed"] for r in run_ids] == [0, 1, 2, 3]
+    started = [[r for r in run_ids if f"running {r}" in log] for log in logs]
+    assert sorted(started[0] + started[1]) == sorted(run_ids)  # each point started by exactly one of them
+
+
+@pytest.mark.slow
+def test_a_point_another_process_holds_is_skipped_and_run_by_the_next_invocation(tmp_path):
+    spec, out = tmp_path / "two-workers.yaml", tmp_path / "results"
+    spec.write_text(WORKERS_YAML.replace("seed: [0, 1, 2, 3]", "seed: [0, 1]"))
+    record_path = sweep_record_path(out, "two-workers")
+    record_path.parent.mkdir(parents=True)
+    held = load_sweep(spec)
+    from opd_harness.sweep import expand
+
+    first_hash = expand(held)[0].config_hash
+    with _claim(record_path, first_hash) as claimed:  # as another worker running seed 0
+        assert claimed
+        result = run_sweep(spec, out)
+    assert result.elsewhere == ["seed=0"] and len(result.ran) == 1
+    record = json.loads(record_path.read_text())
+    assert [p["status"] for p in record["points"]] == ["pending", "done"]
+    again = run_sweep(spec, out)
+    assert again.elsewhere == [] and again.skipped == result.ran and len(again.ran) == 1
+    assert [p["status"] for p in json.loads(record_path.read_text())["points"]] == ["done", "done"]
 
 
 # ---- validation before anything runs ------------------------------------------------------------

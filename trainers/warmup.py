@@ -13,12 +13,15 @@ tiny model learns to copy. ``sft_target`` makes the quality, not the step count,
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import random
 import shutil
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -67,13 +70,35 @@ def prepare_model(
             raise ValueError(f"{role}.sft_steps is only supported for tiny models built from 'arch'")
         return model, tokenizer, spec.path
     target = Path(cache_root) / "cache" / "models" / f"{role}-{cache_key(spec, task)}"
-    if (target / READY_MARKER).exists():
-        model, tokenizer = load_model_and_tokenizer(target)
-        if spec.sft_steps and show_progress:
-            done = describe_warmup(warmup_record(target))
-            print(f"{role}: loaded from {target} ({done}, done by an earlier run)", file=sys.stderr, flush=True)
-        check_target(warmup_record(target), role, target)
-        return model, tokenizer, str(target)
+    with _cache_entry_lock(target, role):  # another process building the same model: wait, then load its result
+        if (target / READY_MARKER).exists():
+            model, tokenizer = load_model_and_tokenizer(target)
+            if spec.sft_steps and show_progress:
+                done = describe_warmup(warmup_record(target))
+                print(f"{role}: loaded from {target} ({done}, done by an earlier run)", file=sys.stderr, flush=True)
+            check_target(warmup_record(target), role, target)
+            return model, tokenizer, str(target)
+        return _build_and_cache(spec, role, task, problems, target, show_progress)
+
+
+@contextmanager
+def _cache_entry_lock(target: Path, role: str) -> Iterator[None]:
+    """An exclusive ``flock`` on ``cache/locks/<role>-<hash>.lock`` while a process checks, builds and publishes one cached
+    model, so two runs (e.g. two workers of one sweep) never build into the same folder; the second waits and loads the
+    first's. The lock lives outside ``cache/models``, which holds only models."""
+    locks = target.parent.parent / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{target.name}.lock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"{role}: another process is building {target}; waiting for it", file=sys.stderr, flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield  # closing the descriptor releases the lock
+
+
+def _build_and_cache(spec: ModelSpec, role: str, task, problems: list, target: Path, show_progress: bool):
+    """(model, tokenizer, path) of a model built and warmed up now, then published at ``target`` (its READY marker last)."""
     model, tokenizer = build_model(spec)
     model = model.float() if spec.sft_steps else model
     record = None

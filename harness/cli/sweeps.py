@@ -26,7 +26,8 @@ def sweep(
     out: opts.ResultsRoot = Path("results"),
     dry_run: Annotated[bool, typer.Option("--dry-run", help="validate every grid point and list what would run or be skipped")] = False,
 ) -> None:
-    """Run a grid of training runs (methods x modes x seeds x lags ...) sequentially; re-running continues it."""
+    """Run a grid of training runs (methods x modes x seeds x lags ...) sequentially; re-running continues it, and a second
+    process started on the same sweep and --out runs the points the first is not running."""
     from opd_harness.report import render_markdown, write_report
     from opd_harness.sweep import run_sweep
 
@@ -41,7 +42,7 @@ def sweep(
         return
     console.print(
         f"sweep {result.sweep_id}: {len(result.ran)} run, {len(result.skipped)} already done, "
-        f"{len(result.failed)} failed → {result.record_path}"
+        f"{len(result.failed)} failed, {len(result.elsewhere)} running in another process → {result.record_path}"
     )
     sys.stdout.write(render_markdown(write_report(out, result.sweep_id)))
     if result.failed:
@@ -104,6 +105,9 @@ def reproduce(
         return
     sys.stdout.write(result.markdown)
     console.print(f"report, claims and plots: {result.folder}")
+    if result.elsewhere:
+        console.print(f"{len(result.elsewhere)} run(s) were running in another process and are not in these tables yet; "
+                      f"re-run when it ends: harness reproduce {name} --scale {scale} --out {out}")  # fmt: skip
     if result.failed:
         raise _fail(f"{len(result.failed)} run(s) failed: {', '.join(result.failed)}; re-run to resume them", 1)
 
