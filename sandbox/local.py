@@ -4,7 +4,7 @@
 almost trust. What it does:
   - a new session (process group) per run, killed as a group at the timeout;
   - started as root: each run (and each session) runs under its own unprivileged uid/gid, taken
-    from ``run_as`` [65533] downwards (``uid_count`` [256] of them; an flock under
+    from ``run_as`` [65533] downwards (``uid_count`` [4096] of them, above Debian's UID_MAX 60000; an flock under
     ``/run/opd-sandbox-local`` keeps concurrent processes from sharing one). Root-only files are then
     unreadable, RLIMIT_NPROC counts only that run's processes, and after the run every process
     of that uid is killed, even one that left the process group with ``setsid``;
@@ -115,6 +115,9 @@ class LocalSandbox(Sandbox):
 
     Args:
         run_as: uid (and gid) to drop to when started as root; ``None`` keeps the current user.
+        uid_count: how many uids, from ``run_as`` down, runs and sessions may take (one each while it lasts, shared by
+            every process on the machine): a rollout of 256 tool episodes holds 256 interpreter sessions at once, so
+            two such runs side by side need more than 512.
         network_isolation: ``"auto"`` (a network namespace when it works, else a warning), ``True``
             (require it: ``RuntimeError`` otherwise) or ``False`` (never).
         max_parallel: most runs at once (default: CPU count).
@@ -127,7 +130,7 @@ class LocalSandbox(Sandbox):
     def __init__(
         self,
         run_as: int | None = 65533,
-        uid_count: int = 256,
+        uid_count: int = 4096,
         network_isolation: bool | str = "auto",
         max_parallel: int | None = None,
         max_file_mb: int = 64,

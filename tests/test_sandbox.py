@@ -308,6 +308,21 @@ def test_local_parallel_threads(local_sb):
     assert [r.stdout for r in results] == [f"{i}\n" for i in range(8)]
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="per-session uids are taken only when started as root")
+def test_local_sandbox_has_uids_for_two_256_episode_rollouts_at_once(local_sb, monkeypatch):
+    """A rollout of 256 tool episodes holds 256 interpreter sessions, each under its own uid; two runs side by side (two
+    workers of a sweep) need over 512 at once. Each uid is also taken from the machine-wide lock directory."""
+    monkeypatch.setattr("opd_harness.sandbox.local._kill_uid", lambda uid: None)  # nothing runs under them here
+    taken = []
+    try:
+        for _ in range(2 * 256 + 64):
+            taken.append(local_sb._take_uid())
+        assert len(set(taken)) == len(taken) and all(uid > 60000 for uid in taken)  # above Debian's UID_MAX
+    finally:
+        for uid in taken:
+            local_sb._give_uid(uid)
+
+
 
 @pytest.mark.docker
 def test_docker_served_session_runs_through_the_exec_server_and_is_removed_on_close(docker_client, monkeypatch):
