@@ -34,7 +34,8 @@ has answered in a sandbox, one found missing later is that interpreter's ``crash
   - ``files``: where a run's processes all die when it ends (the local provider as root: each run has
     its own PID namespace), the supervisor is itself one long ``Session.run`` (a background thread)
     and cells travel as files in ``.opd-interp/`` of the work dir (``write_files`` / ``read_file``,
-    polled). The supervisor exits when the host process goes away (its stdout pipe breaks).
+    the host polls for the reply; the supervisor sleeps on an inotify watch of the folder between cells). The supervisor
+    exits when the host process goes away (its stdout pipe breaks).
 
 Cell semantics:
   - output is what the cell prints (stdout and stderr interleaved), cut to ``max_output_chars`` with
