@@ -92,6 +92,7 @@ while True:
 """
 _OOM_MARKERS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc", b"out of memory")
 _PATH = "/usr/local/bin:/usr/bin:/bin"
+_CLEAN = b"clean"  # a uid lock file's content when its last holder left no process of that uid behind
 _UID_LOCK_DIR = Path("/run/opd-sandbox-local" if os.path.isdir("/run") else tempfile.gettempdir() + "/opd-sandbox-local")  # root only
 
 
@@ -162,7 +163,9 @@ class LocalSandbox(Sandbox):
     # ------------------------------------------------------------ uids and directories
 
     def _take_uid(self) -> int | None:
-        """A uid no other run (in any process on this machine) is using: held by an flock."""
+        """A uid no other run (in any process on this machine) is using: held by an flock. Its processes are looked for
+        (and killed) unless its last holder gave it back with none left (its lock file then says ``clean``): a holder
+        that crashed may have left some behind. The look is a scan of /proc, costly beside hundreds of sessions."""
         if not self.root_mode:
             return None
         _UID_LOCK_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -178,17 +181,24 @@ class LocalSandbox(Sandbox):
                     continue
                 self._uid_next = (self._uid_next + k + 1) % n  # round robin: leftover zombies get time to be reaped
                 self._uid_files[uid] = fd
-                _kill_uid(uid)  # a crashed process may have left some behind
-                return uid
-        raise OSError(f"local sandbox: all {n} uids are in use (too many runs or sessions)")
+                break
+            else:
+                raise OSError(f"local sandbox: all {n} uids are in use (too many runs or sessions)")
+        clean = os.pread(fd, 16, 0) == _CLEAN
+        os.ftruncate(fd, 0)  # held: a crash from here on leaves the file without the mark
+        if not clean:
+            _kill_uid(uid)  # outside the lock: other sessions open meanwhile
+        return uid
 
     def _give_uid(self, uid: int | None) -> None:
         if uid is None:
             return
-        _kill_uid(uid)
+        emptied = _kill_uid(uid)
         with self._uid_lock:
             fd = self._uid_files.pop(uid, None)
         if fd is not None:
+            if emptied:
+                os.pwrite(fd, _CLEAN, 0)  # the next holder need not look for this uid's processes
             os.close(fd)  # releases the flock
 
     def _make_root(self, uid: int | None) -> Path:
@@ -333,22 +343,33 @@ def uid_tasks(uid: int) -> tuple[list[int], int]:
             text = Path(entry.path, "status").read_text()
         except OSError:
             continue
-        fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-        if int(fields.get("Uid", "-1").split()[0]) != uid:
+        if _status_field(text, "Uid").split()[:1] != [str(uid)]:
             continue
-        total += int(fields.get("Threads", "1"))
-        if not fields.get("State", "").strip().startswith(("Z", "X")):
+        total += int(_status_field(text, "Threads") or "1")
+        if not _status_field(text, "State").startswith(("Z", "X")):
             live.append(int(entry.name))
     return live, total
 
 
-def _kill_uid(uid: int, wait_s: float = 2.0) -> None:
-    """SIGKILL every process of ``uid`` (a per-run uid) until none is alive, for at most ``wait_s``."""
+def _status_field(text: str, name: str) -> str:
+    """The value of ``name:`` in a /proc/<pid>/status text ('' when absent), found without splitting every line."""
+    start = text.find(f"\n{name}:")
+    if start < 0:
+        return ""
+    start += len(name) + 2
+    end = text.find("\n", start)
+    return text[start : end if end >= 0 else len(text)].strip()
+
+
+def _kill_uid(uid: int, wait_s: float = 2.0) -> bool:
+    """SIGKILL every process of ``uid`` (a per-run uid) until none is alive, for at most ``wait_s``; whether none is."""
     end = time.monotonic() + wait_s
     while True:
         live, _ = uid_tasks(uid)
-        if not live or time.monotonic() > end:
-            return
+        if not live:
+            return True
+        if time.monotonic() > end:
+            return False
         for pid in live:
             try:
                 os.kill(pid, signal.SIGKILL)

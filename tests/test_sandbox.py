@@ -309,6 +309,31 @@ def test_local_parallel_threads(local_sb):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="per-session uids are taken only when started as root")
+def test_a_uid_given_back_clean_is_not_scanned_but_one_a_crashed_holder_left_is(local_sb, monkeypatch):
+    """Taking a uid looks through /proc for its processes (hundreds of sessions make that the cost of opening one) only
+    when its last holder did not give it back empty: a holder that crashed leaves its processes to the next one."""
+    from opd_harness.sandbox import local
+
+    uid = local_sb._take_uid()
+    monkeypatch.setattr(local_sb, "_uid_range", [uid])  # the next take gets this uid again
+    monkeypatch.setattr(local_sb, "_uid_next", 0)
+    leftover = subprocess.Popen(["sleep", "60"], user=uid, group=uid, extra_groups=[], start_new_session=True)
+    try:
+        os.close(local_sb._uid_files.pop(uid))  # the holder crashes: its flock goes, its process stays
+        assert local_sb._take_uid() == uid
+        assert leftover.wait(timeout=10) == -9  # the take killed it
+        local_sb._give_uid(uid)  # nothing left: given back clean
+        scans = []
+        real = local._kill_uid
+        monkeypatch.setattr(local, "_kill_uid", lambda u, *a: scans.append(u) or real(u, *a))
+        assert local_sb._take_uid() == uid and scans == []  # not looked for
+        local_sb._give_uid(uid)
+        assert scans == [uid]  # giving back always looks (and kills)
+    finally:
+        leftover.kill()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="per-session uids are taken only when started as root")
 def test_local_sandbox_has_uids_for_two_256_episode_rollouts_at_once(local_sb, monkeypatch):
     """A rollout of 256 tool episodes holds 256 interpreter sessions, each under its own uid; two runs side by side (two
     workers of a sweep) need over 512 at once. Each uid is also taken from the machine-wide lock directory."""
