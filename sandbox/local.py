@@ -339,7 +339,9 @@ def uid_tasks(uid: int) -> tuple[list[int], int]:
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
-        try:
+        try:  # /proc/<pid> belongs to the process's effective uid, or to root when it is not dumpable: only those two
+            if entry.stat(follow_symlinks=False).st_uid not in (uid, 0):  # can be uid's (reading status is the cost)
+                continue
             text = Path(entry.path, "status").read_text()
         except OSError:
             continue
