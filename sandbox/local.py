@@ -96,6 +96,36 @@ _CLEAN = b"clean"  # a uid lock file's content when its last holder left no proc
 _UID_LOCK_DIR = Path("/run/opd-sandbox-local" if os.path.isdir("/run") else tempfile.gettempdir() + "/opd-sandbox-local")  # root only
 
 
+class _UidUse:
+    """The runs under one taken uid: how many are going, and whether any ended other than on its own (killed)."""
+
+    def __init__(self) -> None:
+        self.running, self.killed = 0, False
+        self._lock = threading.Lock()  # a session's serving run and its cells end on different threads
+
+    def started(self) -> None:
+        with self._lock:
+            self.running += 1
+
+    def ended(self, alone: bool) -> None:
+        with self._lock:
+            self.running -= 1
+            self.killed |= not alone
+
+    def quiet(self) -> bool:
+        """No run going and none killed: every process the uid had lived in a PID namespace that has been reaped."""
+        with self._lock:
+            return self.running == 0 and not self.killed
+
+
+def _open_lock_file(path: Path) -> tuple[int, bool]:
+    """(an fd of the uid lock file at ``path``, whether this call created it)."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), True
+    except FileExistsError:
+        return os.open(path, os.O_RDWR | os.O_CREAT, 0o600), False
+
+
 def _probe_unshare(root: bool) -> tuple[list[str], bool, bool]:
     """(unshare flags, network namespace works, PID namespace works) on this machine."""
     if shutil.which("unshare") is None:
@@ -144,6 +174,7 @@ class LocalSandbox(Sandbox):
         self._uid_next = os.getpid() % max(uid_count, 1)  # spread processes over the range
         self._uid_lock = threading.Lock()
         self._uid_files: dict[int, int] = {}  # uid -> fd holding its lock
+        self._uid_use: dict[int, _UidUse] = {}  # uid -> its runs since it was taken
         self.max_file_mb, self.base_dir = max_file_mb, base_dir
         flags, self.network_isolated, self.pid_isolated = _probe_unshare(self.root_mode)
         if not network_isolation:
@@ -164,8 +195,9 @@ class LocalSandbox(Sandbox):
 
     def _take_uid(self) -> int | None:
         """A uid no other run (in any process on this machine) is using: held by an flock. Its processes are looked for
-        (and killed) unless its last holder gave it back with none left (its lock file then says ``clean``): a holder
-        that crashed may have left some behind. The look is a scan of /proc, costly beside hundreds of sessions."""
+        (and killed) unless none can be left: its lock file is new (no holder since the lock directory was made, at boot
+        under /run) or its last holder gave it back empty (the file then says ``clean``); a holder that crashed may have
+        left some behind. The look is a scan of /proc, costly beside hundreds of sessions."""
         if not self.root_mode:
             return None
         _UID_LOCK_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -173,7 +205,7 @@ class LocalSandbox(Sandbox):
             n = len(self._uid_range)
             for k in range(n):
                 uid = self._uid_range[(self._uid_next + k) % n]
-                fd = os.open(_UID_LOCK_DIR / str(uid), os.O_RDWR | os.O_CREAT, 0o600)
+                fd, new = _open_lock_file(_UID_LOCK_DIR / str(uid))
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:
@@ -181,19 +213,25 @@ class LocalSandbox(Sandbox):
                     continue
                 self._uid_next = (self._uid_next + k + 1) % n  # round robin: leftover zombies get time to be reaped
                 self._uid_files[uid] = fd
+                self._uid_use[uid] = _UidUse()
                 break
             else:
                 raise OSError(f"local sandbox: all {n} uids are in use (too many runs or sessions)")
-        clean = os.pread(fd, 16, 0) == _CLEAN
+        clean = new or os.pread(fd, 16, 0) == _CLEAN
         os.ftruncate(fd, 0)  # held: a crash from here on leaves the file without the mark
         if not clean:
             _kill_uid(uid)  # outside the lock: other sessions open meanwhile
         return uid
 
     def _give_uid(self, uid: int | None) -> None:
+        """Give ``uid`` back, killing what its runs left. With PID namespaces a run that ended on its own left nothing
+        (its namespace's processes are reaped before the run's ``unshare`` returns), so when every run since the take
+        did, /proc is not scanned; otherwise (a run timed out or is still going, or no namespaces) it is."""
         if uid is None:
             return
-        emptied = _kill_uid(uid)
+        with self._uid_lock:
+            use = self._uid_use.pop(uid, None)
+        emptied = True if self.pid_isolated and use is not None and use.quiet() else _kill_uid(uid)
         with self._uid_lock:
             fd = self._uid_files.pop(uid, None)
         if fd is not None:
@@ -262,6 +300,7 @@ class LocalSandbox(Sandbox):
         prefix = ["unshare", *flags] if flags else []
         argv = [*prefix, sys.executable, "-I", "-S", "-c", _SHIM, json.dumps(cfg), *request.argv]
         out, err = OutputBuffer(request.max_output_bytes), OutputBuffer(request.max_output_bytes)
+        use = self._uid_use.get(uid) if uid is not None else None
         t0 = time.perf_counter()
         try:
             proc = subprocess.Popen(
@@ -270,7 +309,14 @@ class LocalSandbox(Sandbox):
             )
         except OSError as exc:
             return ExecResult.failed(f"could not start the process: {exc}")
-        timed_out = _communicate(proc, bytes(request.stdin), t0 + request.timeout_s, out, err)
+        timed_out = True  # until _communicate says otherwise (an exception on the way counts as a kill)
+        if use is not None:
+            use.started()
+        try:
+            timed_out = _communicate(proc, bytes(request.stdin), t0 + request.timeout_s, out, err)
+        finally:
+            if use is not None:  # unshare ended on its own (not killed: rc >= 0): its namespace is empty
+                use.ended(alone=not timed_out and proc.poll() is not None and proc.returncode >= 0)
         duration = time.perf_counter() - t0
         _killpg(proc.pid)  # whatever is left of the group
         if timed_out and uid is not None:

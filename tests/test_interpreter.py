@@ -353,6 +353,26 @@ def test_close_and_garbage_collection_leave_nothing_behind(sb):
     assert _session_gone(sb, session)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="per-session uids are taken only when started as root")
+def test_closing_on_the_local_provider_ends_the_supervisor_cleanly_so_its_uid_needs_no_scan(local_sb, monkeypatch):
+    """Closed, the interpreter asks its supervisor to exit; in PID namespaces its run then ends on its own, taking the
+    worker and the cell's processes with it, and the uid is given back without a look through /proc (a scan per
+    episode beside hundreds of sessions was the rollout's cost)."""
+    from opd_harness.sandbox import local
+
+    if not local_sb.pid_isolated:
+        pytest.skip("no PID namespaces here: every give scans")
+    py = PythonInterpreter(local_sb)
+    ok(py.run_cell("import subprocess\np = subprocess.Popen(['sleep', '300'])"))
+    assert py.transport == "files"
+    uid = py.session._uid
+    scans = []
+    real = local._kill_uid
+    monkeypatch.setattr(local, "_kill_uid", lambda u, *a: scans.append(u) or real(u, *a))
+    py.close()
+    assert scans == [] and local.uid_tasks(uid)[0] == []  # not looked for, and nothing of the uid left
+
+
 def test_exiting_without_close_leaves_nothing_behind(sb):
     opts = f"image={IMAGE!r}" if sb.name == "docker" else ""
     code = (

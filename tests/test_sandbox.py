@@ -328,9 +328,58 @@ def test_a_uid_given_back_clean_is_not_scanned_but_one_a_crashed_holder_left_is(
         monkeypatch.setattr(local, "_kill_uid", lambda u, *a: scans.append(u) or real(u, *a))
         assert local_sb._take_uid() == uid and scans == []  # not looked for
         local_sb._give_uid(uid)
-        assert scans == [uid]  # giving back always looks (and kills)
+        assert scans == ([] if local_sb.pid_isolated else [uid])  # no run went: in PID namespaces nothing to look for
     finally:
         leftover.kill()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="per-session uids are taken only when started as root")
+def test_a_uid_whose_runs_ended_on_their_own_is_given_back_without_a_scan_but_not_after_a_timeout(local_sb, monkeypatch):
+    """In PID namespaces a run that ended on its own left nothing (the kernel reaps its namespace before ``unshare``
+    returns, even a daemon that left the group), so giving its uid back needs no look through /proc; after a run that
+    was killed at its timeout, or with one still going, it does."""
+    from opd_harness.sandbox import local
+
+    if not local_sb.pid_isolated:
+        pytest.skip("no PID namespaces here: every give scans")
+    token = f"opd-quiet-{os.getpid()}-{time.time_ns()}"
+    daemon = f"import os, time\nif os.fork() == 0:\n    os.setsid(); time.sleep(60)  # {token}\nprint('done')"
+    s = local_sb.session()  # taking may scan (a uid a crashed holder left): counted from here on
+    scans = []
+    real = local._kill_uid
+    monkeypatch.setattr(local, "_kill_uid", lambda u, *a: scans.append(u) or real(u, *a))
+    assert s.run(py(local_sb, daemon)).stdout == "done\n" and s.run(ExecRequest(argv=["true"])).success
+    uid = s._uid
+    s.close()
+    assert scans == [] and _live_with(token) == []  # no scan, and the daemon is gone all the same
+    fd = os.open(local._UID_LOCK_DIR / str(uid), os.O_RDONLY)
+    try:
+        assert os.read(fd, 16) == local._CLEAN  # the next holder skips its scan too
+    finally:
+        os.close(fd)
+    s = local_sb.session()
+    assert s.run(ExecRequest(argv=["sleep", "30"], timeout_s=0.5)).status == "timeout"
+    scans.clear()
+    s.close()
+    assert s._uid in scans  # killed at its timeout: the give looks
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="per-session uids are taken only when started as root")
+def test_a_uid_with_no_lock_file_yet_is_taken_without_a_scan(local_sb, monkeypatch, tmp_path):
+    """A uid never taken since the lock directory was made (at boot, under /run) has no process to look for: a fresh
+    machine's first 4096 sessions would otherwise each scan /proc. One whose file exists but is not marked clean is."""
+    from opd_harness.sandbox import local
+
+    monkeypatch.setattr(local, "_UID_LOCK_DIR", tmp_path / "locks")
+    scans = []
+    monkeypatch.setattr(local, "_kill_uid", lambda u, *a: scans.append(u) or True)
+    uid = local_sb._take_uid()
+    assert scans == [] and (tmp_path / "locks" / str(uid)).exists()
+    os.close(local_sb._uid_files.pop(uid))  # the holder crashes: the file stays, unmarked
+    monkeypatch.setattr(local_sb, "_uid_range", [uid])
+    monkeypatch.setattr(local_sb, "_uid_next", 0)
+    assert local_sb._take_uid() == uid and scans == [uid]
+    local_sb._give_uid(uid)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="per-session uids are taken only when started as root")

@@ -111,6 +111,7 @@ _SLACK_S = 15.0  # host-side wait beyond timeout_s + grace: worker restart, proc
 _START_TIMEOUT_S = 30.0
 _PING_TIMEOUT_S = 10.0  # a ready supervisor taken from the pool answers a ping within this
 _READY_IDLE_S = 3600.0  # a ready supervisor nobody takes within this exits (the one who takes it then starts its own)
+_EXIT_WAIT_S = 2.0  # files transport: how long close waits for the supervisor to exit when asked
 _SERVE_TIMEOUT_S = 7 * 24 * 3600.0  # files transport: the supervisor's run lasts the session
 _ARGV_CHUNK = 100_000  # exec transport: a request travels in argv strings of this size (Linux caps one at 128 KiB)...
 _ARGV_PAYLOAD_MAX = 1_000_000  # ...in one run up to this size (ARG_MAX is ~2 MB); larger ones are sent in parts first
@@ -305,10 +306,20 @@ class _Connection:
         return accept
 
     def close(self) -> None:
-        """Destroy the session (which ends the supervisor, the worker and everything they started)."""
+        """Destroy the session (which ends the supervisor, the worker and everything they started). On the files
+        transport the supervisor is asked to exit first: a session whose runs all ended on their own is given back
+        without the provider's look for leftover processes (on the local provider a scan of /proc, costly beside
+        hundreds of sessions); one that does not exit in time is ended by the session's close as before."""
         if self.closed:
             return
         self.closed = True
+        if self.server_thread is not None and self.server_thread.is_alive() and self.server_thread is not threading.current_thread():
+            try:
+                self.seq += 1
+                self.session.write_files({f"{CONTROL_DIR}/req.json": b'{"op": "exit"}', f"{CONTROL_DIR}/go": str(self.seq).encode()})
+                self.server_thread.join(timeout=_EXIT_WAIT_S)
+            except Exception:  # noqa: BLE001 - best effort: the session's close below ends it anyway
+                pass
         try:
             self.session.close()
         except Exception:  # noqa: BLE001 - best effort: the provider reaps what is left

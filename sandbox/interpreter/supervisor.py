@@ -343,6 +343,8 @@ def handle(raw):
     req = json.loads(raw)
     if req.get("op") == "ping":
         return {"status": "pong"}
+    if req.get("op") == "exit":  # the host closes the session: end cleanly, so that nothing is left to look for
+        return {"status": "exit"}
     if req.get("op") == "part":
         parts.append(req["data"])
         return {"status": "part"}
@@ -471,6 +473,8 @@ def serve_files(ctl):
         with open(tmp, "w") as f:
             json.dump(reply, f)
         os.replace(tmp, os.path.join(ctl, "out.json"))
+        if reply["status"] == "exit":
+            return
         seq, idle = seq + 1, 0.0005
         if watch is not None and folder_inode(ctl) not in (inode, None):  # a cell replaced the folder: watch the new one
             os.close(watch)
