@@ -301,6 +301,8 @@ class LocalSandbox(Sandbox):
         argv = [*prefix, sys.executable, "-I", "-S", "-c", _SHIM, json.dumps(cfg), *request.argv]
         out, err = OutputBuffer(request.max_output_bytes), OutputBuffer(request.max_output_bytes)
         use = self._uid_use.get(uid) if uid is not None else None
+        if use is not None:  # counted before the process exists: a give meanwhile must not take the uid for quiet
+            use.started()
         t0 = time.perf_counter()
         try:
             proc = subprocess.Popen(
@@ -308,10 +310,10 @@ class LocalSandbox(Sandbox):
                 start_new_session=True, close_fds=True,
             )
         except OSError as exc:
+            if use is not None:
+                use.ended(alone=True)  # nothing started
             return ExecResult.failed(f"could not start the process: {exc}")
         timed_out = True  # until _communicate says otherwise (an exception on the way counts as a kill)
-        if use is not None:
-            use.started()
         try:
             timed_out = _communicate(proc, bytes(request.stdin), t0 + request.timeout_s, out, err)
         finally:
