@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -20,6 +21,9 @@ from pathlib import Path
 RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 OBJECT_STORE_BYTES = 256 * 2**20  # per node: caps /dev/shm use
 START_TIMEOUT_S = 90.0
+# the prefix Ray puts on a line it forwards from a worker's stdout/stderr: "(EvalWorker pid=1579)", "(pid=12, ip=10.0.0.2)",
+# "(raylet)", in colour or not
+RAY_FORWARDED = re.compile(r"^\s*(?:\x1b\[[0-9;]*m)?\((?:raylet|(?:[\w.<>-]+ )?pid=\d+)(?:, ip=[\d.]+)?\)")
 
 
 def free_port() -> int:
@@ -27,6 +31,13 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def driver_output(output: str) -> str:
+    """``output`` without the lines Ray forwarded from its workers: what the harness itself printed. A worker's own noise
+    (Python's multiprocessing resource tracker printing a KeyError traceback when it is relaunched, say) is not a
+    traceback of the command under test."""
+    return "\n".join(line for line in output.splitlines() if not RAY_FORWARDED.match(line))
 
 
 def _ray_cli() -> list[str]:

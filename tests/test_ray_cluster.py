@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 
 from opd_harness.cli import app
 from opd_harness.config import ConfigError, build_config
+from ray_cluster import driver_output
 from test_ray_executor import BASE, assert_same_run, run
 
 runner = CliRunner()
@@ -607,7 +608,7 @@ def test_an_eval_worker_whose_node_dies_ends_the_run_failed_naming_it_and_the_no
         node_b = cluster.node_ids["node_b"]
         (on_b,) = [name for name in ("eval.0", "eval.1") if placement[name] == node_b]
         assert re.search(rf"\berror: run \S+ failed: {re.escape(on_b)} .*; node {node_b} died", line), line[-3000:]
-        assert "Traceback" not in failed.output and "continue from" in line
+        assert "Traceback" not in driver_output(failed.output) and "continue from" in line
         assert ended - killed[0] < HANG_TIMEOUT_S + NODE_LOSS_RESTART_S + 30  # bounded: not a hang
         print(f"lost evaluation node: the run ended {ended - killed[0]:.1f}s after the kill: {line[line.index('error: run'):]}")
         with sqlite3.connect(tmp_path / "results.sqlite") as conn:
@@ -648,7 +649,8 @@ def test_a_lost_worker_node_fails_the_run_naming_it_and_resume_onto_the_head_nod
         line = " ".join(failed.output.split())
         node_b = cluster.node_ids["node_b"]
         assert failed.exit_code == 1 and f"node {node_b} died" in line and "learner" in line, line[-3000:]
-        assert "continue from its last checkpoint (step 2) with: harness run --resume" in line and "Traceback" not in failed.output
+        assert "continue from its last checkpoint (step 2) with: harness run --resume" in line
+        assert "Traceback" not in driver_output(failed.output)
         run_id, _ = _last_train_run(tmp_path / "results.sqlite")
         with sqlite3.connect(tmp_path / "results.sqlite") as conn:
             assert conn.execute("SELECT status FROM runs WHERE run_id=?", (run_id,)).fetchone() == ("failed",)
