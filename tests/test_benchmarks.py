@@ -227,3 +227,25 @@ def test_tool_demo_run_step_alternates_the_trees_and_leaves_out_each_runs_first_
     assert [side for side, _, _ in order] == ["old", "new", "new", "old", "old", "new"]
     assert {(steps, lr) for _, steps, lr in order} == {(3, 1e-9)}
     assert "old 40.00 s, new 10.00 s: 4.00x" in capsys.readouterr().out  # the 999 s first steps are left out
+
+
+def test_interpreter_cells_warms_up_both_supervisors_then_alternates_their_order(monkeypatch, capsys):
+    import contextlib
+
+    bench = load_benchmark("interpreter_cells")
+    runs: list[tuple[bool, int]] = []
+
+    def fake_drive(sb, sessions, cells, threads, walk):
+        runs.append((walk, sessions))
+        return (1.0, 100.0, 5.0) if not walk else (0.5, 6.0, 5.0)
+
+    monkeypatch.setattr(bench, "drive", fake_drive)
+    monkeypatch.setattr(bench.sandbox, "open_sandbox", lambda name: contextlib.nullcontext(None))
+    monkeypatch.setattr(sys, "argv", ["interpreter_cells.py", "--sessions", "16", "--background", "0", "--rounds", "3"])
+    bench.main()
+    assert runs == [(False, 8), (True, 8), (False, 16), (True, 16), (True, 16), (False, 16), (False, 16), (True, 16)]
+    out = capsys.readouterr().out
+    assert "before: wall 1.0 s" in out and "sandbox CPU 100.0 ms a cell" in out and "now: wall 0.5 s" in out
+    # the "before" supervisor is today's with the children walk switched off, nothing else changed
+    before, now = bench.supervisor_source(False), bench.supervisor_source(True)
+    assert now != before and now.replace(bench.WALK, "CHILDREN_FILES = False") == before
