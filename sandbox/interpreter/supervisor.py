@@ -90,12 +90,20 @@ def descendants():
     found, stack, seen = [], [str(root)], {str(root)}
     while stack:
         for kid in child_entries(stack.pop()):
-            st = proc_status(kid) if kid not in seen else None
+            if kid in seen:
+                continue
             seen.add(kid)
+            st = proc_status(kid)
             if st is not None and len(st[0]) > depth:
-                found.append((st[0][depth], st[1] == root, st[2] in (b"Z", b"X")))
+                found.append(below(st, depth, root))
                 stack.append(kid)
     return found
+
+
+def below(st, depth, root):
+    """One process below us as ``descendants`` lists it, from its ``proc_status``."""
+    nspids, ppid, state = st
+    return nspids[depth], ppid == root, state in (b"Z", b"X")
 
 
 def scan_descendants(depth, root):
@@ -108,9 +116,9 @@ def scan_descendants(depth, root):
                 kids.setdefault(st[1], []).append(st)
     found, stack = [], [root]
     while stack:
-        for nspids, ppid, state in kids.get(stack.pop(), ()):
-            found.append((nspids[depth], ppid == root, state in (b"Z", b"X")))
-            stack.append(nspids[0])
+        for st in kids.get(stack.pop(), ()):
+            found.append(below(st, depth, root))
+            stack.append(st[0][0])
     return found
 
 
