@@ -156,8 +156,10 @@ ESCAPE = (
     "    os._exit(0)\n"
     "os.wait()\n"
     "import threading  # started by a thread that lives on: the process is that thread's child, not the main thread's\n"
-    "threading.Thread(target=lambda: (subprocess.Popen(['setsid', 'sh', '-c', BEAT.format(name='thread')]), time.sleep(3600)),\n"
-    "                 daemon=True).start()\n"
+    "STOP = threading.Event()  # CHECK ends the thread: a later cell's fork() beside a live thread warns on Python 3.12+\n"
+    "THREAD = threading.Thread(target=lambda: (subprocess.Popen(['setsid', 'sh', '-c', BEAT.format(name='thread')]),\n"
+    "                                          STOP.wait(3600)), daemon=True)\n"
+    "THREAD.start()\n"
     "names = ('setsid', 'setpgid', 'double', 'thread')\n"
     "def beats():\n"
     "    out = {}\n"
@@ -187,7 +189,9 @@ CHECK = (
     "for n in names:\n"
     "    os.remove(n + '.beat')\n"
     "    if os.path.exists(n + '.tmp'):\n"
-    "        os.remove(n + '.tmp')"
+    "        os.remove(n + '.tmp')\n"
+    "STOP.set()\n"
+    "THREAD.join()"
 )
 
 
