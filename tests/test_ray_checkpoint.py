@@ -66,12 +66,20 @@ def _losses_and_evals(db: Path, run_id: str) -> tuple[dict[int, float], dict[int
     return losses, evals | {"status": status}
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[dict, dict]:
+    """In process, uninterrupted: the run a resumed two-rank run continues exactly (run once for both shardings)."""
+    metrics, _, evals = run(tmp_path_factory.mktemp("reference"), "--set", "eval.before_training=true")
+    return metrics, evals
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp2"])
-def test_the_learner_writes_checkpoints_and_a_resumed_two_rank_run_continues_exactly(tmp_path, ray_cluster, monkeypatch, sharding):
+def test_the_learner_writes_checkpoints_and_a_resumed_two_rank_run_continues_exactly(tmp_path, ray_cluster, monkeypatch, reference,
+                                                                                     sharding):  # fmt: skip
     import opd_harness.trainers.pipeline as tp
 
-    reference, _, reference_evals = run(tmp_path / "reference", "--set", "eval.before_training=true")  # in process, uninterrupted
+    reference, reference_evals = reference
     received = driver_holds_no_model(monkeypatch)
     original = tp.Session.record_step
 

@@ -108,16 +108,24 @@ FAULTS = {  # how rank 1 fails at step 3, and the line that names it
 }  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> tuple[dict, dict]:
+    """In process, sync opd: the run a resumed run continues exactly (run once: every case compares with it)."""
+    metrics, _, evals = run(tmp_path_factory.mktemp("reference"))
+    return metrics, evals
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("sharding", "fault"), [("ddp", "killed"), ("fsdp2", "killed"), ("ddp", "hung")])
-def test_a_killed_or_hung_learner_rank_fails_the_run_and_it_resumes_onto_one_rank(tmp_path, ray_cluster, monkeypatch, sharding, fault):
+def test_a_killed_or_hung_learner_rank_fails_the_run_and_it_resumes_onto_one_rank(tmp_path, ray_cluster, monkeypatch, reference,
+                                                                                  sharding, fault):  # fmt: skip
     """Rank 1 killed at step 3, or never given step 3 (a hung rank: rank 0's collectives time out after
     trainer.collective_timeout_s): the run fails with one line, and its step-2 checkpoint resumes onto one rank."""
     import ray
 
     import opd_harness.trainers.ray_executor as rx
 
-    reference, _, reference_evals = run(tmp_path / "reference")  # in process, sync opd: a resumed run continues it exactly
+    reference, reference_evals = reference
     original = rx.RayLearner.train
 
     def fail_rank_1_at_step_3(self, batch, version):
