@@ -9,10 +9,14 @@
 # not marked docker, ray, browser, slow or gpu. The whole suite on 3.13 took 40 min under load (2385 s, 1159 tests): over
 # CI's budget; run it with `.ci/legs/newer_python.sh -m "not docker and not ray and not browser and not slow and not gpu"`.
 # Needs a running dockerd and mmdebstrap (.ci/run sets both up) and network for pip. Prints "leg newer_python: N s".
+# `newer_python.sh --prepare` does steps 1 and 2 only (the wheels and the image; .ci/run starts it beside its set-up); a
+# later run reuses both: the image by its tag, the wheels while a stamp of the lock, pyproject.toml and this script matches.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 start=$SECONDS
-trap 'echo "leg newer_python: $((SECONDS - start)) s"' EXIT
+prepare_only=0
+if [ "${1:-}" = --prepare ]; then prepare_only=1; shift; fi
+trap 'echo "leg newer_python$([ $prepare_only = 0 ] || echo " --prepare"): $((SECONDS - start)) s"' EXIT
 cache=${NEWER_PYTHON_CACHE:-.cache/newer-python}    # git-ignored; the rootfs tarball and the wheels are reused when present
 packages=python3,python3-venv,git,procps   # git: the local-sandbox SWE-bench agent tests
 tag=$(echo "$packages" | sha1sum | cut -c1-8)   # a changed package list builds a new image and rootfs, never reuses a stale one
@@ -29,13 +33,19 @@ step() { echo "  newer_python: $1 at $((SECONDS - start)) s"; }
 # 1. The wheels for CPython 3.13 (the resolution itself is the 3.13 check of resolve.sh, here made real). pip download
 # --python-version needs binary wheels only: the few lock entries published only as pure-Python sdists are built first.
 # Downloaded while the image is built (step 2): one waits on PyPI, the other on the Debian mirror and dpkg.
+stamp=$(cat requirements/ci.lock pyproject.toml .ci/sdist_wheels.sh .ci/legs/newer_python.sh | sha1sum | cut -c1-16)   # what the download depends on
 download_wheels() {
+  if [ "$(cat "$cache/wheels.stamp" 2> /dev/null)" = "$stamp" ]; then
+    echo "wheels already downloaded for this lock ($(du -sh "$cache/wheels" | cut -f1))"; return
+  fi
+  rm -f "$cache/wheels.stamp"
   python3 -m venv "$cache/pipvenv"
   "$cache/pipvenv/bin/pip" install -q pip==26.3 2>&1 | grep -v "is ignored" || true   # as in resolve.sh
   .ci/sdist_wheels.sh "$cache/pipvenv/bin/pip" "$cache/wheels"
   "$cache/pipvenv/bin/pip" download -q --python-version 3.13 --only-binary=:all: --find-links "$cache/wheels" -d "$cache/wheels" \
     -c requirements/ci.lock torch==2.13.0 '.[dev]' setuptools 2>&1 | grep -v "is ignored" || true
   ls "$cache"/wheels/torch-2.13.0-cp313-*.whl > /dev/null   # the download above failed if torch is missing
+  echo "$stamp" > "$cache/wheels.stamp"
   echo "wheels downloaded ($(du -sh "$cache/wheels" | cut -f1))"
 }
 download_wheels > "$cache/download.log" 2>&1 &
@@ -55,6 +65,7 @@ step "image ready"
 
 if ! wait "$download_pid"; then cat "$cache/download.log"; echo "newer_python: the wheel download failed"; exit 1; fi
 step "$(tail -n 1 "$cache/download.log")"
+[ $prepare_only = 0 ] || exit 0
 
 # 3. Install and test in the container, offline: the checkout's tracked and untracked-but-not-ignored files only.
 mkdir -p "$cache/src" && rm -rf "$cache/src"/* && git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$cache/src"
