@@ -157,7 +157,7 @@ def test_timeout_is_error_and_pool_survives(grader: MathGrader) -> None:
     elapsed = time.monotonic() - t0
     assert got[0] == MathGrade("error", "9^{9^{9}}", "timeout after 1s")
     assert got[1].status == "pass"
-    assert elapsed < 4, elapsed
+    assert elapsed < 15, elapsed  # the slow item alone would run for hours; under load a pool restart took 3.2 s of it
     again = grader.grade_many([("\\boxed{3}", "3"), ("\\boxed{4}", "3")])
     assert [g.status for g in again] == ["pass", "fail"]
 

@@ -29,6 +29,10 @@ mkdir -p "$cache/wheels"
   tests/test_interpreter.py tests/test_swebench.py tests/test_swebench_agent.py tests/test_math_grading.py \
   tests/test_serve_api.py tests/test_tiny_and_backend.py
 step() { echo "  newer_python: $1 at $((SECONDS - start)) s"; }
+# One run at a time on a cache: .ci/run starts `--prepare` early and the full leg after the test suite; if the first is
+# still downloading or building, the second waits for it here and then reuses what it left.
+exec {lock}> "$cache/lock"
+flock -n "$lock" || { step "waiting for another newer_python.sh on $cache"; flock "$lock"; }
 
 # 1. The wheels for CPython 3.13 (the resolution itself is the 3.13 check of resolve.sh, here made real). pip download
 # --python-version needs binary wheels only: the few lock entries published only as pure-Python sdists are built first.
