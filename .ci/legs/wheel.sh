@@ -23,7 +23,7 @@ printf '[build-system]\nrequires = ["setuptools>=68"]\nbuild-backend = "setuptoo
 echo 'OWNER = "other-project"' > "$work/other/tasks/__init__.py"
 
 python3 -m venv "$work/venv"
-"$work/venv/bin/pip" install -q -c requirements/ci.lock torch==2.13.0 "$wheel" "$work/other"
+"$work/venv/bin/pip" install -q --no-compile -c requirements/ci.lock torch==2.13.0 "$wheel" "$work/other"   # --no-compile: as in newer_python.sh
 cd "$work"   # outside the checkout: only the installed wheel can be imported
 venv/bin/python - "$root" <<'PY'
 import sys
