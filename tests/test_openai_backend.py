@@ -365,7 +365,9 @@ def test_token_prompt_fallback_to_text(url, model_dir, probe):
 
 @pytest.mark.parametrize("limit", [2, 4])
 def test_concurrency_limit(url, model_dir, probe, limit):
-    probe.delay_s = 0.2
+    # Each request is held 1 s, so the client has that long to send the next ones: with 0.2 s, a run beside other
+    # CPU-bound tests saw 1 request in flight, not 2 (2026-12-07), though the limit was used.
+    probe.delay_s = 1.0
     backend = make_backend(url, model_dir, concurrency=limit)
     prompts = [encode(backend.tokenizer, f"p{i}") for i in range(2 * limit + 1)]
     out = backend.generate(prompts, SamplingParams(max_new_tokens=2, n=2, seed=0))
