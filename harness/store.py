@@ -47,6 +47,7 @@ ADDED_COLUMNS = (
     ("runs", "protocol", "TEXT"),  # the evaluation protocol of an eval run (harness eval --protocol); NULL: none named
     ("runs", "warmup_json", "TEXT"),  # a train run's warm-up records by role (opd_harness.trainers.warmup.warmup_record); NULL: none
 )  # columns newer than the first schema (an older store gains them, NULL in its rows, when it is opened)
+TABLES = ("runs", "checkpoints", "step_metrics", "evals", "samples")  # every table keyed by run_id, the run's own row first
 EVAL_COLUMNS = ("k", "n_samples", "n_problems", "avg_at_k", "ci_low", "ci_high", "pass_at_k", "n_errors")  # summary keys with columns
 
 
@@ -264,7 +265,32 @@ class Store:
         )
         return [with_metrics(r) for r in rows]
 
+    # whole runs (harness export / import) ----------------------------------------------------
+    def columns(self, table: str) -> list[str]:
+        """The columns ``table`` has in this store (the current schema: older files gain columns when opened)."""
+        if table not in TABLES:
+            raise ValueError(f"unknown table {table!r}")
+        return [r["name"] for r in self._conn.execute(f"PRAGMA table_info({table})")]
+
+    def run_rows(self, run_id: str) -> dict[str, list[dict]]:
+        """Every row of ``run_id`` by table, each as stored (JSON columns as their text, non-finite metrics as 'nan'/'inf')."""
+        return {t: [dict(r) for r in self._conn.execute(f"SELECT * FROM {t} WHERE run_id=?", (run_id,))] for t in TABLES}
+
+    def put_rows(self, rows: dict[str, list[dict]]) -> None:
+        """Write rows as :meth:`run_rows` returns them, in one transaction: a row whose key is already here replaces it, so
+        writing the same rows twice changes nothing. A column this store does not have is a ValueError (nothing written)."""
+        for table in TABLES:
+            known = set(self.columns(table))
+            for row in rows.get(table, ()):
+                if unknown := sorted(set(row) - known):
+                    raise ValueError(f"table {table} has no column {unknown[0]!r}")
+        with self._tx() as c:
+            for table in TABLES:
+                for row in rows.get(table, ()):
+                    names = ", ".join(row)
+                    c.execute(f"INSERT OR REPLACE INTO {table} ({names}) VALUES ({', '.join('?' * len(row))})", tuple(row.values()))
+
     def count(self, table: str, run_id: str) -> int:
-        if table not in {"checkpoints", "step_metrics", "evals", "samples"}:
+        if table not in TABLES[1:]:
             raise ValueError(f"unknown table {table!r}")
         return self._conn.execute(f"SELECT COUNT(*) FROM {table} WHERE run_id=?", (run_id,)).fetchone()[0]

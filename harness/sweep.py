@@ -283,6 +283,45 @@ def _record_lock(record_path: Path) -> Iterator[None]:
         yield  # closing the descriptor releases the lock
 
 
+def sweep_places(out: str | Path, run_id: str) -> list[dict]:
+    """Where ``run_id`` stands in the sweeps of results root ``out``: ``{"sweep_id": ..., "point": <its record>}`` each."""
+    places = []
+    for path in sorted((Path(out) / "sweeps").glob("*.json")):
+        record = _read_record(path)
+        sweep_id = record.get("sweep_id", path.stem)
+        places += [{"sweep_id": sweep_id, "point": q} for q in record.get("points", []) if q.get("run_id") == run_id]
+    return places
+
+
+def place_conflicts(out: str | Path, places: list[dict], has_run: Callable[[str], bool]) -> list[str]:
+    """The places whose sweep point already has another run in root ``out`` (``has_run``: that run is in its store)."""
+    conflicts = []
+    for place in places:
+        point = place["point"]
+        record = _read_record(sweep_record_path(out, place["sweep_id"]))
+        ours = {q["config_hash"]: q.get("run_id") for q in record.get("points", [])}.get(point["config_hash"])
+        if ours and ours != point["run_id"] and has_run(ours):
+            where = f"sweep {place['sweep_id']} point {_label(point.get('coords', {}))}"
+            conflicts.append(f"{where}: {out} has run {ours}, not {point['run_id']}")
+    return conflicts
+
+
+def adopt_places(out: str | Path, places: list[dict]) -> None:
+    """Record each place's point (config hash -> run id) in its sweep under the record's lock, so a sweep or recipe run
+    on ``out`` skips that point as done (:func:`run_sweep` attaches points by config hash)."""
+    for place in places:
+        record_path = sweep_record_path(out, place["sweep_id"])
+        record_path.parent.mkdir(parents=True, exist_ok=True)
+        with _record_lock(record_path):
+            record = _read_record(record_path) or {"sweep_id": place["sweep_id"], "created_at": time.time()}
+            if place["point"] in record.get("points", []):
+                continue  # recorded already: importing a file twice leaves the record as it was
+            points = [q for q in record.get("points", []) if q["config_hash"] != place["point"]["config_hash"]]
+            record["points"] = points + [place["point"]]
+            record["updated_at"] = time.time()
+            _write_atomic(record_path, record)
+
+
 @contextmanager
 def _claim(record_path: Path, digest: str) -> Iterator[bool]:
     """Hold ``<sweep_id>.claims/<config_hash>.lock`` for the block; yields False (holding nothing) when another process
