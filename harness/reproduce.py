@@ -14,10 +14,12 @@ resolved run configs differ anywhere else (a claim compares one thing). From the
 (:mod:`opd_harness.power`); a claim it cannot resolve is reported "not resolvable at this scale (needs ~N seeds)", never
 with a verdict. The tests:
 
-- ``final_avg``: per-problem scores of each run's last evaluated checkpoint, paired by seed and problem. The
-  stratified paired bootstrap of :mod:`opd_harness.gate` (each seed a stratum) gives delta = candidate - baseline
-  and its (1 - 2 alpha) interval; errored or missing samples are scored against the candidate for "holds" and
-  in its favour for "does not hold", as the gate does.
+- ``final_avg``: per-problem scores of each run's last evaluated checkpoint, paired by seed and problem. Each seed's
+  Avg@k difference is one observation of the one-sided paired t-test over seeds (:func:`paired_seed_test`), which
+  gives delta = candidate - baseline and its (1 - 2 alpha) interval; errored or missing samples are scored against
+  the candidate for "holds" and in its favour for "does not hold", as the gate does. The seed is the unit because
+  the claim is about training runs: a test that resampled only problems within fixed seeds would count the
+  evaluation's noise and not the spread between runs (the spread the design sizes seeds from).
 - ``samples_per_hour``, ``step_metric`` (the mean of a logged step metric over the last ``window`` steps) and
   ``eval_metric`` (an evaluation measurement of the last checkpoint, e.g. ``invalid_tool_rate``):
   one value per run, paired by seed, tested with the exact sign test of :mod:`opd_harness.gate` over seeds.
@@ -40,10 +42,11 @@ import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from rich.console import Console
+from scipy.stats import t as student_t
 
 from opd_harness import power
 from opd_harness.config import ConfigError, format_validation_error
-from opd_harness.gate import bootstrap_deltas, mcnemar_exact_p
+from opd_harness.gate import mcnemar_exact_p
 from opd_harness.leaderboard import sample_scores
 from opd_harness.registry import METHODS, Registry, RegistryError
 from opd_harness.report import dotted_get, render_markdown, run_curve, sweep_report
@@ -442,7 +445,7 @@ def resolvability(claim: ClaimSpec, scale: str, points: list) -> Resolvability:
     arms = [arm_points(points, arm_where(claim, arm, scale)) for arm in claim_arms(claim)]
     seeds = len(set(arms[0]) & set(arms[1])) if len(arms) == 2 else len(arms[0])
     sign = claim.metric in SIGN_TEST_METRICS
-    test = "exact sign test over seeds" if sign else "paired mean over seeds (the stratified paired bootstrap)"
+    test = "exact sign test over seeds" if sign else "paired t-test over seeds"
     threshold = claim_threshold(claim)
     expected, level = expected_effect(claim, scale)
     floor, floor_note = None, ""
@@ -632,28 +635,33 @@ def claim_threshold(claim: ClaimSpec) -> float:
     return claim.margin if claim.op == ">" else -claim.margin
 
 
-def paired_problem_test(
-    pairs: list[tuple[np.ndarray, np.ndarray]], threshold: float, alpha: float, n_resamples: int = 10_000, seed: int = 0
-) -> dict:
-    """(candidate, baseline) (problems, k) matrices, one pair per seed: stratified paired bootstrap of the delta.
+def paired_seed_test(pairs: list[tuple[np.ndarray, np.ndarray]], threshold: float, alpha: float) -> dict:
+    """(candidate, baseline) (problems, k) matrices, one pair per seed: the one-sided paired t-test over seeds of the
+    per-seed Avg@k differences. Each seed is one observation, so the test counts the spread between training runs and
+    not only the evaluation's noise (each difference carries that), which is the spread the design sizes seeds from.
 
-    NaN (errored/missing) samples count against the candidate for "holds" and for it for "does not hold"."""
+    NaN (errored/missing) samples count against the candidate for "holds" and for it for "does not hold"; the interval
+    is the (1 - 2 alpha) t interval, its low end from the former imputation and its high end from the latter."""
+    worst, best = (np.array([np.nan_to_num(c, nan=cn).mean() - np.nan_to_num(b, nan=bn).mean() for c, b in pairs])
+                   for cn, bn in ((0.0, 1.0), (1.0, 0.0)))  # fmt: skip
+    df = len(pairs) - 1
+    critical = float(student_t.ppf(1 - alpha, df))
 
-    def run(cand_nan: float, base_nan: float) -> tuple[float, np.ndarray]:
-        diffs = [np.nan_to_num(c, nan=cand_nan).mean(axis=1) - np.nan_to_num(b, nan=base_nan).mean(axis=1) for c, b in pairs]
-        return float(np.mean([d.mean() for d in diffs])), bootstrap_deltas(diffs, n_resamples, seed)
+    def t_score(d: np.ndarray) -> tuple[float, float]:
+        """(t statistic of mean(d) against the threshold, standard error); a spread of zero gives +-inf."""
+        se = float(d.std(ddof=1)) / np.sqrt(len(d))
+        gap = float(d.mean()) - threshold
+        return (gap / se if se > 0 else math.copysign(math.inf, gap) if gap else 0.0), se
 
-    worst_delta, worst = run(0.0, 1.0)
-    best_delta, best = run(1.0, 0.0)
-    p_holds = float((1 + np.sum(worst <= threshold)) / (1 + len(worst)))
-    p_fails = float((1 + np.sum(best >= threshold)) / (1 + len(best)))
+    t_worst, se_worst = t_score(worst)
+    t_best, se_best = t_score(best)
     return {
-        "test": "stratified paired bootstrap over seeds x problems",
-        "delta": worst_delta if worst_delta == best_delta else None,
-        "ci_low": float(np.quantile(worst, alpha)),
-        "ci_high": float(np.quantile(best, 1 - alpha)),
-        "p_holds": p_holds,
-        "p_fails": p_fails,
+        "test": "paired t-test over seeds",
+        "delta": float(worst.mean()) if np.allclose(worst, best) else None,
+        "ci_low": float(worst.mean()) - critical * se_worst,
+        "ci_high": float(best.mean()) + critical * se_best,
+        "p_holds": float(student_t.sf(t_worst, df)),
+        "p_fails": float(student_t.cdf(t_best, df)),
     }
 
 
@@ -691,7 +699,7 @@ def with_resolvability(result: ClaimResult, design: Resolvability) -> ClaimResul
 
 
 def evaluate_claim(
-    store: Store, runs: list[StoredRun], claim: ClaimSpec, n_resamples: int = 10_000, scale: str | None = None
+    store: Store, runs: list[StoredRun], claim: ClaimSpec, scale: str | None = None
 ) -> ClaimResult:
     """One claim over the sweep's done runs, paired by seed (and by problem for final_avg); at ``scale`` its design's
     ``where`` narrows both arms and its ``task`` (else the claim's, else each run's training task) is evaluated."""
@@ -724,9 +732,11 @@ def evaluate_claim(
             pairs.append((np.array([cm.get(p, gap) for p in problems]), np.array([bm.get(p, gap) for p in problems])))
             n_problems = max(n_problems, len(problems))
         result.reasons += reasons
-        if len(pairs) < claim.min_seeds:
+        if len(pairs) < max(claim.min_seeds, 2):
+            if len(pairs) == 1:
+                result.reasons.append("one paired seed: the t-test over seeds needs two")
             return result
-        stats = paired_problem_test(pairs, threshold, claim.alpha, n_resamples)
+        stats = paired_seed_test(pairs, threshold, claim.alpha)
         result.n_seeds, result.n_problems = len(pairs), n_problems
         result.candidate = float(np.mean([np.nanmean(c) for c, _ in pairs]))
         result.baseline = float(np.mean([np.nanmean(b) for _, b in pairs]))
@@ -906,7 +916,7 @@ class Reproduction:
 
 
 def render(
-    recipe: Recipe, scale: str, out: Path, n_resamples: int = 10_000, designs: dict[str, Resolvability] | None = None
+    recipe: Recipe, scale: str, out: Path, designs: dict[str, Resolvability] | None = None
 ) -> Reproduction:
     """Tables, plots and claims of a recipe's scale from the store under ``out``; written to ``out/reproduce/<id>/``.
     ``designs``: each claim's resolvability at this scale (:func:`resolvability`), which labels the claims it cannot resolve."""
@@ -934,7 +944,7 @@ def render(
             if path is not None:
                 plots.append(path)
                 parts.append(f"![{spec.title}]({path.name})\n")
-        claims = [evaluate_claim(store, runs, c, n_resamples, scale) for c in recipe.claims]
+        claims = [evaluate_claim(store, runs, c, scale) for c in recipe.claims]
         claims = [with_resolvability(r, designs[r.id]) if designs and r.id in designs else r for r in claims]
     parts.append(claims_markdown(claims))
     markdown = "\n".join(parts)
@@ -953,7 +963,7 @@ def reproduce(
 
 def run_recipe(
     recipe: Recipe, scale: str, out: str | Path, *, dry_run: bool = False, overrides: list[str] | None = None,
-    console: Console | None = None, n_resamples: int = 10_000,
+    console: Console | None = None,
 ) -> Reproduction | str:
     """Run a recipe's scale through the sweep machinery (resumable), then render it; ``dry_run`` returns the plan text."""
     spec = scale_sweep(recipe, scale, overrides)
@@ -964,7 +974,7 @@ def run_recipe(
     designs = {c.id: resolvability(c, scale, points) for c in recipe.claims}
     out = Path(out)
     result = run_sweep(spec, out, console=console or Console(stderr=True))
-    rendered = render(recipe, scale, out, n_resamples, designs)
+    rendered = render(recipe, scale, out, designs)
     rendered.failed, rendered.elsewhere = list(result.failed), list(result.elsewhere)
     return rendered
 
