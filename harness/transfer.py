@@ -61,13 +61,17 @@ def export_runs(root: Path, path: Path, run_ids: list[str]) -> int:
     header = {"format": FORMAT, "version": VERSION, "runs": run_ids, "places": places}
     tmp = path.with_name(path.name + ".part")
     n = 0
-    with Store(root) as store, gzip.open(tmp, "wt", encoding="utf-8") as handle:
-        handle.write(json.dumps(header) + "\n")
-        for run_id in run_ids:
-            for table, rows in store.run_rows(run_id).items():
-                for row in rows:
-                    handle.write(json.dumps({"table": table, "row": row}) + "\n")
-                    n += 1
+    try:
+        with Store(root) as store, gzip.open(tmp, "wt", encoding="utf-8") as handle:
+            handle.write(json.dumps(header) + "\n")
+            for run_id in run_ids:
+                for table, rows in store.run_rows(run_id).items():
+                    for row in rows:
+                        handle.write(json.dumps({"table": table, "row": row}) + "\n")
+                        n += 1
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     tmp.replace(path)
     return n
 

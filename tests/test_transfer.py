@@ -129,6 +129,9 @@ def test_unfinished_runs_are_not_exported(source, tmp_path):
     res = runner.invoke(app, ["export", str(path), run_ids[1], "--out", str(out)])
     assert res.exit_code == 2 and f"run {run_ids[1]} is interrupted" in flat(res.output)
     assert not path.exists() and not path.with_name(path.name + ".part").exists()
+    path.write_text("kept")  # an existing file is never overwritten
+    res = runner.invoke(app, ["export", str(path), run_ids[0], "--out", str(out)])
+    assert res.exit_code == 2 and "exists" in flat(res.output) and path.read_text() == "kept"
 
 
 def _rewrite(src: Path, dst: Path, edit) -> Path:

@@ -30,6 +30,10 @@ def export(
         raise _fail(f"--out {out}: no results store at {out / 'results.sqlite'}")
     if run_ids and sweep:
         raise _fail("give run ids or --sweep, not both")
+    if file.exists():
+        raise _fail(f"{file} exists: export to a new file (nothing is overwritten)")
+    if not file.parent.is_dir():
+        raise _fail(f"{file}: no folder {file.parent}")
     try:
         points = load_sweep_record(out, sweep).get("points", []) if sweep else None
         with Store(out) as store:
