@@ -26,3 +26,14 @@ def finite_or_null(value: Any) -> Any:
 def to_json(value: Any, *, indent: int | None = 2, **kwargs: Any) -> str:
     """``json.dumps`` that never emits NaN/Infinity (``allow_nan=False`` would raise on one that slipped through)."""
     return json.dumps(finite_or_null(value), indent=indent, allow_nan=False, **kwargs)
+
+
+def json_object_line(path: object, line_no: int, line: str, error: type[Exception] = ValueError) -> dict:
+    """One line of a JSON-lines file as an object; a line that is not one raises ``error("path:line: ...")``."""
+    try:
+        item = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise error(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
+    if not isinstance(item, dict):
+        raise error(f"{path}:{line_no}: expected a JSON object")
+    return item

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opd_harness.errors import ConfigError
+from opd_harness.jsonout import json_object_line
 from opd_harness.store import TABLES, Store
 from opd_harness.sweep import adopt_places, place_conflicts, sweep_places
 
@@ -83,7 +84,7 @@ def read_runs_file(path: Path) -> RunsFile:
             lines = handle.read().splitlines()
     except (OSError, EOFError, UnicodeDecodeError) as exc:
         raise TransferError(f"{path}: not a runs file written by `harness export` ({exc})") from None
-    header = _json_line(path, 1, lines[0] if lines else "")
+    header = json_object_line(path, 1, lines[0] if lines else "", TransferError)
     if header.get("format") != FORMAT:
         raise TransferError(f"{path}:1: format: {header.get('format')!r}, expected {FORMAT!r}")
     if not isinstance(header.get("version"), int) or header["version"] > VERSION:
@@ -93,7 +94,7 @@ def read_runs_file(path: Path) -> RunsFile:
         raise TransferError(f"{path}:1: runs: expected a list of run ids")
     rows: dict[str, list[dict]] = {t: [] for t in TABLES}
     for number, line in enumerate(lines[1:], 2):
-        item = _json_line(path, number, line)
+        item = json_object_line(path, number, line, TransferError)
         table, row = item.get("table"), item.get("row")
         if table not in TABLES:
             raise TransferError(f"{path}:{number}: table: {table!r} is not one of {', '.join(TABLES)}")
@@ -104,17 +105,6 @@ def read_runs_file(path: Path) -> RunsFile:
     if missing:
         raise TransferError(f"{path}: runs: {missing[0]} has no run row")
     return RunsFile(path, run_ids, _places(path, header.get("places", [])), rows)
-
-
-def _json_line(path: Path, number: int, line: str) -> dict:
-    """One line of a runs file as a JSON object."""
-    try:
-        item = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise TransferError(f"{path}:{number}: not JSON ({exc.msg})") from None
-    if not isinstance(item, dict):
-        raise TransferError(f"{path}:{number}: expected a JSON object")
-    return item
 
 
 def _places(path: Path, places: object) -> list[dict]:

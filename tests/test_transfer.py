@@ -153,7 +153,7 @@ BAD_FILES = {
     "version": (lambda ls: _set_row(ls, 0, version=99), ":1: version: 99"),
     "table": (lambda ls: _set_row(ls, 3, table="secrets"), ":4: table: 'secrets'"),
     "foreign run": (lambda ls: _set_row(ls, 2, row={**ls[2]["row"], "run_id": "other"}), ":3: row.run_id: 'other'"),
-    "not json": (lambda ls: [*(json.dumps(x) + "\n" for x in ls[:5]), "{oops\n"], ":6: not JSON"),
+    "not json": (lambda ls: [*(json.dumps(x) + "\n" for x in ls[:5]), "{oops\n"], ":6: not valid JSON"),
     "column": (lambda ls: _set_row(ls, 4, row={**ls[4]["row"], "score; DROP TABLE runs": 1}), "has no such column"),
 }
 

@@ -15,12 +15,12 @@ such as swebench's ``max_patch_bytes``, then fails it). Token ids are one per ch
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from opd_harness.backends import Completion, SamplingParams
+from opd_harness.jsonout import json_object_line
 from opd_harness.models.tiny import build_char_tokenizer
 
 Sample = list[str]  # the model turns of one episode
@@ -67,12 +67,7 @@ def read_replay_file(path: Path) -> dict[tuple[str, str], list[Sample | None]]:
         for line_no, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{line_no}: expected a JSON object")
+            row = json_object_line(path, line_no, line)
             for name, kind in (("task", str), ("id", (str, int))):
                 if name not in row:
                     raise row_error(path, line_no, name, "missing")
