@@ -115,8 +115,7 @@ class Store:
     def _add_missing_columns(self) -> None:
         """Bring a results file written by an older version up to the current schema (columns are only ever added)."""
         for table, column, kind in ADDED_COLUMNS:
-            present = {r["name"] for r in self._conn.execute(f"PRAGMA table_info({table})")}
-            if column not in present:
+            if column not in self.columns(table):
                 self._conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
     def close(self) -> None:
@@ -276,14 +275,17 @@ class Store:
         """Every row of ``run_id`` by table, each as stored (JSON columns as their text, non-finite metrics as 'nan'/'inf')."""
         return {t: [dict(r) for r in self._conn.execute(f"SELECT * FROM {t} WHERE run_id=?", (run_id,))] for t in TABLES}
 
+    def unknown_column(self, table: str, rows: Iterable[dict]) -> str | None:
+        """``table.column`` for the first column of ``rows`` this store's ``table`` does not have (None: all known)."""
+        known = set(self.columns(table))
+        return next((f"{table}.{sorted(set(row) - known)[0]}" for row in rows if set(row) - known), None)
+
     def put_rows(self, rows: dict[str, list[dict]]) -> None:
         """Write rows as :meth:`run_rows` returns them, in one transaction: a row whose key is already here replaces it, so
         writing the same rows twice changes nothing. A column this store does not have is a ValueError (nothing written)."""
         for table in TABLES:
-            known = set(self.columns(table))
-            for row in rows.get(table, ()):
-                if unknown := sorted(set(row) - known):
-                    raise ValueError(f"table {table} has no column {unknown[0]!r}")
+            if unknown := self.unknown_column(table, rows.get(table, ())):
+                raise ValueError(f"{unknown}: this store has no such column")
         with self._tx() as c:
             for table in TABLES:
                 for row in rows.get(table, ()):

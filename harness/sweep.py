@@ -295,11 +295,12 @@ def sweep_places(out: str | Path, run_id: str) -> list[dict]:
 
 def place_conflicts(out: str | Path, places: list[dict], has_run: Callable[[str], bool]) -> list[str]:
     """The places whose sweep point already has another run in root ``out`` (``has_run``: that run is in its store)."""
+    runs_of = {sweep_id: {q["config_hash"]: q.get("run_id") for q in _read_record(sweep_record_path(out, sweep_id)).get("points", [])}
+               for sweep_id in {place["sweep_id"] for place in places}}  # fmt: skip  # each record read once
     conflicts = []
     for place in places:
         point = place["point"]
-        record = _read_record(sweep_record_path(out, place["sweep_id"]))
-        ours = {q["config_hash"]: q.get("run_id") for q in record.get("points", [])}.get(point["config_hash"])
+        ours = runs_of[place["sweep_id"]].get(point["config_hash"])
         if ours and ours != point["run_id"] and has_run(ours):
             where = f"sweep {place['sweep_id']} point {_label(point.get('coords', {}))}"
             conflicts.append(f"{where}: {out} has run {ours}, not {point['run_id']}")

@@ -138,12 +138,10 @@ def import_runs(paths: list[Path], root: Path) -> list[str]:
     rows = {t: [row for f in files for row in f.rows[t]] for t in TABLES}
     places = [place for f in files for place in f.places]
     with Store(root) as store:
-        for table in TABLES:
-            known = set(store.columns(table))
-            for f in files:
-                for row in f.rows[table]:
-                    if unknown := sorted(set(row) - known):
-                        raise TransferError(f"{f.path}: {table}.{unknown[0]}: this store has no such column (a newer harness wrote it)")
+        for f in files:
+            for table in TABLES:
+                if unknown := store.unknown_column(table, f.rows[table]):
+                    raise TransferError(f"{f.path}: {unknown}: this store has no such column (a newer harness wrote it)")
         conflicts = twice_placed(places) + place_conflicts(root, places, lambda run_id: store.get_run(run_id) is not None)
         if conflicts:
             raise TransferError(f"{len(conflicts)} sweep point(s) already have another run; nothing imported: " + "; ".join(conflicts))
